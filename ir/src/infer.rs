@@ -1,0 +1,235 @@
+//! Type inference: the output type of an op from its operands' types. The graph builder calls it
+//! on every insertion and the verifier calls it again on every node, so a pass cannot leave a node
+//! whose recorded type disagrees with what its op computes.
+
+use crate::op::Op;
+use crate::types::{DType, Shape, TensorType};
+
+/// Why an op rejects its operands, without the node context (the caller adds it).
+pub type InferError = String;
+
+fn float(t: &TensorType, what: &str) -> Result<(), InferError> {
+    if t.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a float tensor, got {t}"))
+    }
+}
+
+fn same(a: &TensorType, b: &TensorType, what: &str) -> Result<(), InferError> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(format!("{what}: operand types differ: {a} vs {b}"))
+    }
+}
+
+fn ints(t: &TensorType, what: &str) -> Result<(), InferError> {
+    if t.dtype == DType::I32 {
+        Ok(())
+    } else {
+        Err(format!("{what} must be i32, got {t}"))
+    }
+}
+
+/// True when `from` broadcasts to `to` under numpy's trailing-aligned rules.
+pub fn broadcasts_to(from: &Shape, to: &Shape) -> bool {
+    if from.rank() > to.rank() {
+        return false;
+    }
+    let off = to.rank() - from.rank();
+    from.0.iter().enumerate().all(|(i, &d)| d == to.0[i + off] || d == 1)
+}
+
+fn vector_of(t: &TensorType, c: usize, what: &str) -> Result<(), InferError> {
+    if t.shape.0 == [c] {
+        Ok(())
+    } else {
+        Err(format!("{what} must be [{c}], got {t}"))
+    }
+}
+
+pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
+    if let Some(n) = op.arity() {
+        if ins.len() != n {
+            return Err(format!("{} takes {n} operand(s), got {}", op.mnemonic(), ins.len()));
+        }
+    } else if ins.is_empty() {
+        return Err(format!("{} takes at least one operand", op.mnemonic()));
+    }
+    match op {
+        Op::Input { dtype, shape, .. } | Op::Const { dtype, shape, .. } => Ok(TensorType::new(*dtype, shape.clone())),
+        Op::Unary(_) => {
+            float(ins[0], "operand")?;
+            Ok(ins[0].clone())
+        }
+        Op::Binary(_) | Op::AdamM { .. } | Op::AdamV { .. } => {
+            float(ins[0], "lhs")?;
+            same(ins[0], ins[1], op.mnemonic())?;
+            Ok(ins[0].clone())
+        }
+        Op::Affine { .. } => {
+            float(ins[0], "operand")?;
+            Ok(ins[0].clone())
+        }
+        Op::Cast { to } => Ok(TensorType::new(*to, ins[0].shape.clone())),
+        Op::Broadcast { shape } => {
+            if broadcasts_to(&ins[0].shape, shape) {
+                Ok(TensorType::new(ins[0].dtype, shape.clone()))
+            } else {
+                Err(format!("cannot broadcast {} to {shape}", ins[0]))
+            }
+        }
+        Op::SumTo { shape } => {
+            float(ins[0], "operand")?;
+            if broadcasts_to(shape, &ins[0].shape) {
+                Ok(TensorType::new(ins[0].dtype, shape.clone()))
+            } else {
+                Err(format!("cannot sum {} down to {shape}", ins[0]))
+            }
+        }
+        Op::Reshape { shape } => {
+            if shape.numel() == ins[0].numel() {
+                Ok(TensorType::new(ins[0].dtype, shape.clone()))
+            } else {
+                Err(format!("reshape of {} to {shape} changes the element count", ins[0]))
+            }
+        }
+        Op::Transpose { perm } => {
+            let r = ins[0].shape.rank();
+            let mut seen = vec![false; r];
+            if perm.len() != r || perm.iter().any(|&p| p >= r || std::mem::replace(&mut seen[p], true)) {
+                return Err(format!("perm {perm:?} is not a permutation of the {r} dims of {}", ins[0]));
+            }
+            let dims = perm.iter().map(|&p| ins[0].shape.0[p]).collect::<Vec<_>>();
+            Ok(TensorType::new(ins[0].dtype, dims))
+        }
+        Op::Slice { axis, start, end } => {
+            let s = &ins[0].shape;
+            if *axis >= s.rank() || start >= end || *end > s.0[*axis] {
+                return Err(format!("slice axis {axis} [{start}, {end}) out of range for {}", ins[0]));
+            }
+            let mut dims = s.0.clone();
+            dims[*axis] = end - start;
+            Ok(TensorType::new(ins[0].dtype, dims))
+        }
+        Op::Concat { axis } => {
+            let first = ins[0];
+            if *axis >= first.shape.rank() {
+                return Err(format!("concat axis {axis} out of range for {first}"));
+            }
+            let mut dims = first.shape.0.clone();
+            for t in &ins[1..] {
+                let ok = t.dtype == first.dtype
+                    && t.shape.rank() == first.shape.rank()
+                    && (0..dims.len()).all(|i| i == *axis || t.shape.0[i] == first.shape.0[i]);
+                if !ok {
+                    return Err(format!("concat along {axis}: {t} does not fit {first}"));
+                }
+                dims[*axis] += t.shape.0[*axis];
+            }
+            Ok(TensorType::new(first.dtype, dims))
+        }
+        Op::MatMul { ta, tb } => {
+            let (a, b) = (ins[0], ins[1]);
+            float(a, "lhs")?;
+            if a.dtype != b.dtype {
+                return Err(format!("matmul dtypes differ: {a} vs {b}"));
+            }
+            let r = a.shape.rank();
+            if r < 2 || b.shape.rank() != r || a.shape.0[..r - 2] != b.shape.0[..r - 2] {
+                return Err(format!("matmul needs equal-rank (>= 2) operands with equal batch dims: {a} x {b}"));
+            }
+            let (m, k) = if *ta { (a.shape.0[r - 1], a.shape.0[r - 2]) } else { (a.shape.0[r - 2], a.shape.0[r - 1]) };
+            let (k2, n) = if *tb { (b.shape.0[r - 1], b.shape.0[r - 2]) } else { (b.shape.0[r - 2], b.shape.0[r - 1]) };
+            if k != k2 {
+                return Err(format!("matmul inner dims differ ({k} vs {k2}): {a} x {b} (ta={ta}, tb={tb})"));
+            }
+            let mut dims = a.shape.0[..r - 2].to_vec();
+            dims.extend([m, n]);
+            Ok(TensorType::new(a.dtype, dims))
+        }
+        Op::Gather => {
+            let (table, ids) = (ins[0], ins[1]);
+            float(table, "table")?;
+            ints(ids, "ids")?;
+            if table.shape.rank() != 2 {
+                return Err(format!("gather table must be [V, C], got {table}"));
+            }
+            let mut dims = ids.shape.0.clone();
+            dims.push(table.shape.0[1]);
+            Ok(TensorType::new(table.dtype, dims))
+        }
+        Op::ScatterAdd { rows } => {
+            let (ids, dy) = (ins[0], ins[1]);
+            ints(ids, "ids")?;
+            float(dy, "dy")?;
+            if dy.shape.rank() != ids.shape.rank() + 1 || dy.shape.0[..ids.shape.rank()] != ids.shape.0[..] {
+                return Err(format!("scatter_add: dy {dy} must be ids {ids} plus a channel dim"));
+            }
+            Ok(TensorType::new(dy.dtype, vec![*rows, dy.shape.last()]))
+        }
+        Op::LayerNorm { .. } | Op::LayerNormGradX { .. } => {
+            let x = ins[0];
+            float(x, "x")?;
+            if x.shape.rank() == 0 {
+                return Err("layernorm of a scalar".into());
+            }
+            let c = x.shape.last();
+            if let Op::LayerNorm { .. } = op {
+                vector_of(ins[1], c, "gamma")?;
+                vector_of(ins[2], c, "beta")?;
+            } else {
+                vector_of(ins[1], c, "gamma")?;
+                same(x, ins[2], "x and dy")?;
+            }
+            Ok(x.clone())
+        }
+        Op::LayerNormGradGamma { .. } => {
+            float(ins[0], "x")?;
+            same(ins[0], ins[1], "x and dy")?;
+            Ok(TensorType::new(ins[0].dtype, vec![ins[0].shape.last()]))
+        }
+        Op::Softmax { causal, .. } => {
+            let x = ins[0];
+            float(x, "x")?;
+            let r = x.shape.rank();
+            if r == 0 || (*causal && (r < 2 || x.shape.0[r - 1] != x.shape.0[r - 2])) {
+                return Err(format!("softmax needs rank >= 1 (square last dims when causal), got {x}"));
+            }
+            Ok(x.clone())
+        }
+        Op::SoftmaxGrad { .. } => {
+            float(ins[0], "y")?;
+            same(ins[0], ins[1], "y and dy")?;
+            Ok(ins[0].clone())
+        }
+        Op::CrossEntropy | Op::CrossEntropyGrad => {
+            let (logits, targets) = (ins[0], ins[1]);
+            float(logits, "logits")?;
+            ints(targets, "targets")?;
+            if logits.shape.rank() != 2 || targets.shape.0 != [logits.shape.0[0]] {
+                return Err(format!("cross_entropy needs logits [N, V] and targets [N]: {logits}, {targets}"));
+            }
+            if let Op::CrossEntropyGrad = op {
+                if ins[2].shape.rank() != 0 {
+                    return Err(format!("dloss must be a scalar, got {}", ins[2]));
+                }
+                return Ok(logits.clone());
+            }
+            Ok(TensorType::new(logits.dtype, Shape::scalar()))
+        }
+        Op::AdamParam { .. } => {
+            let p = ins[0];
+            float(p, "param")?;
+            same(p, ins[1], "param and m")?;
+            same(p, ins[2], "param and v")?;
+            for (t, what) in [(ins[3], "lr"), (ins[4], "step")] {
+                if t.shape.rank() != 0 || !t.dtype.is_float() {
+                    return Err(format!("{what} must be a float scalar, got {t}"));
+                }
+            }
+            Ok(p.clone())
+        }
+    }
+}

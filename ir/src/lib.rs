@@ -1,0 +1,22 @@
+//! qatc's intermediate representation: a graph of tensor ops with static shapes.
+//!
+//! - [`types`]: element types, shapes.
+//! - [`op`]: the closed op set.
+//! - [`graph`]: the graph (on petgraph, kept private) and its builder.
+//! - [`infer`] / [`verify`]: type inference and the verifier.
+//! - [`text`]: the printer and the parser of the text format.
+
+pub mod error;
+pub mod graph;
+pub mod infer;
+pub mod op;
+pub mod text;
+pub mod types;
+pub mod verify;
+
+pub use error::IrError;
+pub use graph::{Graph, Node, NodeId, Output};
+pub use op::{Attr, BinaryOp, InputKind, Op, UnaryOp};
+pub use text::{parse, print};
+pub use types::{DType, Shape, TensorType};
+pub use verify::verify;

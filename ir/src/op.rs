@@ -1,0 +1,263 @@
+//! The closed op set. Every graph qatc builds, from the GPT-2 forward to the fused training step,
+//! is made of these ops and nothing else, so every pass, the interpreter and every backend can
+//! match on them exhaustively. Each op has one output.
+//!
+//! Shapes below use llm.c's vocabulary: B batch, T sequence, C channels, NH heads, V vocab.
+
+use crate::types::{DType, Shape};
+
+/// What an `Input` leaf is, which decides who provides its value and whether it changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InputKind {
+    /// A model weight that training does not change.
+    Frozen,
+    /// A weight that training updates (it has a gradient and optimizer state).
+    Trainable,
+    /// Per-step data: token ids, targets, the learning rate.
+    Data,
+    /// Optimizer or step state carried between steps (Adam moments, the step count).
+    State,
+}
+
+impl InputKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            InputKind::Frozen => "frozen",
+            InputKind::Trainable => "trainable",
+            InputKind::Data => "data",
+            InputKind::State => "state",
+        }
+    }
+    pub fn from_name(s: &str) -> Option<InputKind> {
+        [InputKind::Frozen, InputKind::Trainable, InputKind::Data, InputKind::State]
+            .into_iter()
+            .find(|k| k.name() == s)
+    }
+    pub fn is_param(self) -> bool {
+        matches!(self, InputKind::Frozen | InputKind::Trainable)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Recip,
+    Tanh,
+    Square,
+    /// GPT-2's `gelu_new`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    Gelu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Max,
+    Min,
+    /// (x, dy) -> dy * gelu'(x): GELU's backward, one op so it is not re-derived from primitives.
+    GeluGrad,
+}
+
+/// The ops. Operand lists are written `(a, b)` in the comments; attributes are the fields.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    // ---- leaves ----
+    /// A value supplied from outside the graph; its name is the node's name.
+    Input { kind: InputKind, dtype: DType, shape: Shape },
+    /// A tensor filled with one value.
+    Const { value: f64, dtype: DType, shape: Shape },
+
+    // ---- elementwise (operands of equal shape; see Broadcast) ----
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// x * mul + add
+    Affine { mul: f64, add: f64 },
+    /// Element type conversion.
+    Cast { to: DType },
+
+    // ---- shape ----
+    /// Numpy-style broadcast to `shape` (trailing dims aligned; each input dim equals or is 1).
+    Broadcast { shape: Shape },
+    /// The adjoint of Broadcast: sums the broadcast dimensions away, down to `shape`.
+    SumTo { shape: Shape },
+    Reshape { shape: Shape },
+    /// out.dims[i] = in.dims[perm[i]]
+    Transpose { perm: Vec<usize> },
+    /// Elements [start, end) along `axis`.
+    Slice { axis: usize, start: usize, end: usize },
+    /// (a, b, ...) joined along `axis`.
+    Concat { axis: usize },
+
+    // ---- linear algebra ----
+    /// (a [.., M, K], b [.., K, N]) -> [.., M, N]; `ta`/`tb` read a or b transposed in its last two
+    /// dims. Batch dims must be equal.
+    MatMul { ta: bool, tb: bool },
+
+    // ---- neural-network ops ----
+    /// (table [V, C], ids [..] i32) -> [.., C]
+    Gather,
+    /// (ids [..] i32, dy [.., C]) -> [rows, C]: the adjoint of Gather, summing rows hit twice.
+    ScatterAdd { rows: usize },
+    /// (x [.., C], gamma [C], beta [C]) -> [.., C], normalized over the last dim.
+    LayerNorm { eps: f64 },
+    /// (x, gamma, dy) -> dx
+    LayerNormGradX { eps: f64 },
+    /// (x, dy) -> dgamma [C] = sum over rows of dy * xhat
+    LayerNormGradGamma { eps: f64 },
+    /// x [.., T, S] -> softmax over the last dim of scale * x; with `causal`, entries j > i are
+    /// masked out (T == S).
+    Softmax { scale: f64, causal: bool },
+    /// (y, dy) -> dx = scale * y * (dy - sum(dy * y)) where y is Softmax's output.
+    SoftmaxGrad { scale: f64 },
+    /// (logits [N, V], targets [N] i32) -> [] : mean over N of -log softmax(logits)[target].
+    CrossEntropy,
+    /// (logits [N, V], targets [N] i32, dloss []) -> dlogits [N, V]
+    CrossEntropyGrad,
+
+    // ---- optimizer (PyTorch AdamW semantics) ----
+    /// (m, g) -> beta1 * m + (1 - beta1) * g
+    AdamM { beta1: f64 },
+    /// (v, g) -> beta2 * v + (1 - beta2) * g^2
+    AdamV { beta2: f64 },
+    /// (p, m', v', lr [], t []) -> p * (1 - lr * wd) - lr / (1 - beta1^t) * m' / (sqrt(v' / (1 - beta2^t)) + eps)
+    AdamParam { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+}
+
+/// An attribute value, as printed in the text format.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Attr {
+    Float(f64),
+    Int(usize),
+    Bool(bool),
+    Dims(Vec<usize>),
+    DType(DType),
+    Word(&'static str),
+}
+
+impl Op {
+    /// The op's name in the text format.
+    pub fn mnemonic(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Const { .. } => "const",
+            Op::Unary(u) => match u {
+                UnaryOp::Neg => "neg",
+                UnaryOp::Exp => "exp",
+                UnaryOp::Log => "log",
+                UnaryOp::Sqrt => "sqrt",
+                UnaryOp::Rsqrt => "rsqrt",
+                UnaryOp::Recip => "recip",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Square => "square",
+                UnaryOp::Gelu => "gelu",
+            },
+            Op::Binary(b) => match b {
+                BinaryOp::Add => "add",
+                BinaryOp::Sub => "sub",
+                BinaryOp::Mul => "mul",
+                BinaryOp::Div => "div",
+                BinaryOp::Max => "max",
+                BinaryOp::Min => "min",
+                BinaryOp::GeluGrad => "gelu_grad",
+            },
+            Op::Affine { .. } => "affine",
+            Op::Cast { .. } => "cast",
+            Op::Broadcast { .. } => "broadcast",
+            Op::SumTo { .. } => "sum_to",
+            Op::Reshape { .. } => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
+            Op::MatMul { .. } => "matmul",
+            Op::Gather => "gather",
+            Op::ScatterAdd { .. } => "scatter_add",
+            Op::LayerNorm { .. } => "layernorm",
+            Op::LayerNormGradX { .. } => "layernorm_grad_x",
+            Op::LayerNormGradGamma { .. } => "layernorm_grad_gamma",
+            Op::Softmax { .. } => "softmax",
+            Op::SoftmaxGrad { .. } => "softmax_grad",
+            Op::CrossEntropy => "cross_entropy",
+            Op::CrossEntropyGrad => "cross_entropy_grad",
+            Op::AdamM { .. } => "adam_m",
+            Op::AdamV { .. } => "adam_v",
+            Op::AdamParam { .. } => "adam_param",
+        }
+    }
+
+    /// Operand count, or None for variadic ops (Concat takes one or more).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Input { .. } | Op::Const { .. } => 0,
+            Op::Unary(_) | Op::Affine { .. } | Op::Cast { .. } => 1,
+            Op::Broadcast { .. } | Op::SumTo { .. } | Op::Reshape { .. } => 1,
+            Op::Transpose { .. } | Op::Slice { .. } | Op::Softmax { .. } => 1,
+            Op::Binary(_) | Op::MatMul { .. } | Op::Gather | Op::ScatterAdd { .. } => 2,
+            Op::LayerNormGradGamma { .. } | Op::SoftmaxGrad { .. } | Op::CrossEntropy => 2,
+            Op::AdamM { .. } | Op::AdamV { .. } => 2,
+            Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::CrossEntropyGrad => 3,
+            Op::AdamParam { .. } => 5,
+            Op::Concat { .. } => return None,
+        })
+    }
+
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::AdamM { .. } | Op::AdamV { .. }
+        )
+    }
+
+    /// The attributes in print order. Leaves print their type after the colon, not here.
+    pub fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        use Attr::*;
+        match self {
+            Op::Input { kind, .. } => vec![("kind", Word(kind.name()))],
+            Op::Const { value, .. } => vec![("value", Float(*value))],
+            Op::Unary(_) | Op::Binary(_) | Op::Gather | Op::CrossEntropy | Op::CrossEntropyGrad => vec![],
+            Op::Affine { mul, add } => vec![("mul", Float(*mul)), ("add", Float(*add))],
+            Op::Cast { to } => vec![("to", DType(*to))],
+            Op::Broadcast { shape } | Op::SumTo { shape } | Op::Reshape { shape } => {
+                vec![("shape", Dims(shape.0.clone()))]
+            }
+            Op::Transpose { perm } => vec![("perm", Dims(perm.clone()))],
+            Op::Slice { axis, start, end } => vec![("axis", Int(*axis)), ("start", Int(*start)), ("end", Int(*end))],
+            Op::Concat { axis } => vec![("axis", Int(*axis))],
+            Op::MatMul { ta, tb } => vec![("ta", Bool(*ta)), ("tb", Bool(*tb))],
+            Op::ScatterAdd { rows } => vec![("rows", Int(*rows))],
+            Op::LayerNorm { eps } | Op::LayerNormGradX { eps } | Op::LayerNormGradGamma { eps } => {
+                vec![("eps", Float(*eps))]
+            }
+            Op::Softmax { scale, causal } => vec![("scale", Float(*scale)), ("causal", Bool(*causal))],
+            Op::SoftmaxGrad { scale } => vec![("scale", Float(*scale))],
+            Op::AdamM { beta1 } => vec![("beta1", Float(*beta1))],
+            Op::AdamV { beta2 } => vec![("beta2", Float(*beta2))],
+            Op::AdamParam { beta1, beta2, eps, weight_decay } => vec![
+                ("beta1", Float(*beta1)),
+                ("beta2", Float(*beta2)),
+                ("eps", Float(*eps)),
+                ("weight_decay", Float(*weight_decay)),
+            ],
+        }
+    }
+}
+
+pub(crate) const UNARY_OPS: [UnaryOp; 9] = [
+    UnaryOp::Neg,
+    UnaryOp::Exp,
+    UnaryOp::Log,
+    UnaryOp::Sqrt,
+    UnaryOp::Rsqrt,
+    UnaryOp::Recip,
+    UnaryOp::Tanh,
+    UnaryOp::Square,
+    UnaryOp::Gelu,
+];
+
+pub(crate) const BINARY_OPS: [BinaryOp; 7] =
+    [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
