@@ -1,1 +1,11 @@
+//! qatc: compiles a Hugging Face GPT-2 checkpoint into a training step for quantization-aware
+//! LoRA fine-tuning. This crate is the orchestration layer: the GPT-2 frontend, token data, the
+//! pipeline of passes (`step`), artifacts, and the commands behind the `qatc` binary.
 
+pub mod artifacts;
+pub mod cli;
+pub mod data;
+pub mod frontend;
+pub mod manifest;
+pub mod model;
+pub mod step;

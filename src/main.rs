@@ -1,1 +1,39 @@
-fn main(){}
+//! The `qatc` command line. Errors print as one line (`error: ...`) and exit with code 2.
+
+use clap::{Parser, Subcommand};
+use qatc::cli;
+
+#[derive(Parser)]
+#[command(name = "qatc", version, about = "Compiles GPT-2 checkpoints into quantization-aware LoRA training steps")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Lower a checkpoint and build its training step; write the IR and a manifest.
+    Compile(cli::compile::Args),
+    /// Mean loss and perplexity over a token file.
+    Eval(cli::eval::Args),
+    /// Print the IR after a named pipeline stage.
+    Dump(cli::dump::Args),
+    /// Fine-tune on a token file.
+    Train(cli::train::Args),
+}
+
+fn main() {
+    let args = Cli::parse();
+    let r = match &args.cmd {
+        Cmd::Compile(a) => cli::compile::run(a),
+        Cmd::Eval(a) => cli::eval::run(a),
+        Cmd::Dump(a) => cli::dump::run(a),
+        Cmd::Train(a) => cli::train::run(a),
+    };
+    if let Err(e) = r {
+        // One line: the chain of causes joined, newlines folded.
+        let msg = format!("{e:#}").replace('\n', " ");
+        eprintln!("error: {msg}");
+        std::process::exit(2);
+    }
+}

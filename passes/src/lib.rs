@@ -1,1 +1,19 @@
+//! qatc's passes. A pass is a function over the graph that returns a [`PassReport`]; the
+//! pipeline ([`pipeline::run`]) runs a list of them top to bottom and verifies the graph after
+//! each, naming the pass that broke an invariant.
+//!
+//! Passes of the training step, in pipeline order:
+//! - [`microbatch`]: unrolls K micro-batches for gradient accumulation;
+//! - [`autodiff`]: reverse-mode gradients of `loss` for the trainable inputs (a rule table);
+//! - [`optim::clip`]: global-norm gradient clipping;
+//! - [`optim::adamw`]: the AdamW update, with moments and the step count as graph state.
 
+pub mod autodiff;
+pub mod error;
+pub mod microbatch;
+pub mod optim;
+pub mod pipeline;
+mod rebuild;
+
+pub use error::PassError;
+pub use pipeline::{Pass, PassReport};

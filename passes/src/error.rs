@@ -1,0 +1,24 @@
+use qatc_ir::IrError;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum PassError {
+    /// A pass built an ill-typed node, or the verifier rejected its output.
+    #[error("pass {pass}: {source}")]
+    Ir { pass: &'static str, source: IrError },
+    #[error("pass {pass}: {msg}")]
+    Invalid { pass: &'static str, msg: String },
+    #[error("autodiff: no gradient rule for {op} (node {node}); it cannot lie between a trainable input and the loss")]
+    NoRule { op: &'static str, node: String },
+}
+
+/// Adds the pass name to IR errors raised inside a pass body.
+pub(crate) trait InPass<T> {
+    fn in_pass(self, pass: &'static str) -> Result<T, PassError>;
+}
+
+impl<T> InPass<T> for Result<T, IrError> {
+    fn in_pass(self, pass: &'static str) -> Result<T, PassError> {
+        self.map_err(|source| PassError::Ir { pass, source })
+    }
+}

@@ -1,0 +1,58 @@
+//! Gradient accumulation as graph structure: K copies of the forward pass, one per micro-batch,
+//! sharing the weights, with `loss` = the mean of the K losses. Differentiating that loss gives
+//! exactly the gradient of one batch K times larger, i.e. what PyTorch accumulates with
+//! `(loss_k / K).backward()` over K micro-batches. The memory planner later orders the copies so
+//! that one micro-batch's activations die before the next one's are made.
+
+use std::collections::HashMap;
+
+use qatc_ir::{BinaryOp, Graph, InputKind, Op};
+
+use crate::error::{InPass, PassError};
+use crate::pipeline::PassReport;
+use crate::rebuild::copy_nodes;
+
+const PASS: &str = "microbatch";
+
+/// The name of data input `name` in micro-batch `k` (`ids` -> `ids.0`, `ids.1`, ...).
+pub fn micro_name(name: &str, k: usize) -> String {
+    format!("{name}.{k}")
+}
+
+/// Unrolls `k` micro-batches. Data inputs are renamed per micro-batch; weights, state and the
+/// other outputs' nodes are shared. Only the `loss` output survives (per-batch logits do not).
+pub fn microbatch(g: Graph, k: usize) -> Result<(Graph, PassReport), PassError> {
+    let mut report = PassReport::new(PASS);
+    report.set("micro_batches", k as i64);
+    if k <= 1 {
+        return Ok((g, report));
+    }
+    let loss = g.output("loss").ok_or(PassError::Invalid { pass: PASS, msg: "the graph has no `loss` output".into() })?;
+    let order = g.topo_order().in_pass(PASS)?;
+    let mut out = Graph::new(g.name.clone());
+    let mut shared = HashMap::new();
+    // Weights and state first, once.
+    for &n in &order {
+        if matches!(g.input_kind(n), Some(kind) if kind != InputKind::Data) {
+            let node = g.node(n);
+            let id = out.add_node(node.op.clone(), &[], node.name.clone()).in_pass(PASS)?;
+            shared.insert(n, id);
+        }
+    }
+    let mut total = None;
+    for i in 0..k {
+        let mut map = shared.clone();
+        copy_nodes(&g, &mut out, &order, &mut map, &|name| micro_name(name, i)).in_pass(PASS)?;
+        let l = map[&loss];
+        total = Some(match total {
+            None => l,
+            Some(t) => out.add(Op::Binary(BinaryOp::Add), &[t, l]).in_pass(PASS)?,
+        });
+    }
+    let total = total.ok_or(PassError::Invalid { pass: PASS, msg: "no micro-batches".into() })?;
+    let mean = out.add_named(Op::Affine { mul: 1.0 / k as f64, add: 0.0 }, &[total], "loss.mean").in_pass(PASS)?;
+    out.set_output("loss", mean).in_pass(PASS)?;
+    out.remove_dead(false);
+    report.set("nodes", out.len() as i64);
+    Ok((out, report))
+}

@@ -1,0 +1,142 @@
+//! The optimizer step as graph nodes: global-norm clipping and AdamW with PyTorch's semantics.
+//! Adam's moments (`adam.m:NAME`, `adam.v:NAME`) and the step count (`step`) are `State` inputs
+//! whose new values are `update` outputs; the learning rate (`lr`) is a `Data` input so a
+//! schedule can change it every step without recompiling.
+
+use qatc_ir::{BinaryOp, DType, Graph, InputKind, NodeId, Op, Shape, UnaryOp};
+use serde::Serialize;
+
+use crate::autodiff::grad_name;
+use crate::error::{InPass, PassError};
+use crate::pipeline::PassReport;
+
+/// AdamW's hyperparameters (PyTorch's defaults but for the learning rate, which is an input).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AdamW {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamW {
+    fn default() -> AdamW {
+        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+pub fn moment_names(param: &str) -> (String, String) {
+    (format!("adam.m:{param}"), format!("adam.v:{param}"))
+}
+
+/// The trainable inputs with their gradient outputs, in name order.
+fn grads(g: &Graph, pass: &'static str) -> Result<Vec<(String, NodeId, NodeId)>, PassError> {
+    let mut v = Vec::new();
+    for p in g.inputs() {
+        if g.input_kind(p) != Some(InputKind::Trainable) {
+            continue;
+        }
+        let name = g.node(p).name.clone().unwrap_or_default();
+        let gr = g.output(&grad_name(&name)).ok_or_else(|| PassError::Invalid {
+            pass,
+            msg: format!("trainable {name:?} has no gradient output: run autodiff first"),
+        })?;
+        v.push((name, p, gr));
+    }
+    Ok(v)
+}
+
+/// Replaces the gradient outputs with a copy of the given name-to-node map, keeping the rest.
+fn rewire_outputs(g: &mut Graph, new: &[(String, NodeId)], pass: &'static str) -> Result<(), PassError> {
+    let keep: Vec<_> = g.outputs().iter().filter(|o| !new.iter().any(|(n, _)| *n == o.name && !o.update)).cloned().collect();
+    g.clear_outputs();
+    for o in keep {
+        if o.update {
+            g.set_update(o.name, o.node).in_pass(pass)?;
+        } else {
+            g.set_output(o.name, o.node).in_pass(pass)?;
+        }
+    }
+    for (n, id) in new {
+        g.set_output(n.clone(), *id).in_pass(pass)?;
+    }
+    Ok(())
+}
+
+/// torch.nn.utils.clip_grad_norm_: total = sqrt(sum of every gradient's squares);
+/// every gradient is scaled by min(1, max_norm / (total + 1e-6)). Adds output `grad_norm`.
+pub fn clip(mut g: Graph, max_norm: f64) -> Result<(Graph, PassReport), PassError> {
+    const PASS: &str = "clip";
+    let mut report = PassReport::new(PASS);
+    let gs = grads(&g, PASS)?;
+    let mut total: Option<NodeId> = None;
+    for (_, _, gr) in &gs {
+        let sq = g.add(Op::Unary(UnaryOp::Square), &[*gr]).in_pass(PASS)?;
+        let s = g.add(Op::SumTo { shape: Shape::scalar() }, &[sq]).in_pass(PASS)?;
+        total = Some(match total {
+            None => s,
+            Some(t) => g.add(Op::Binary(BinaryOp::Add), &[t, s]).in_pass(PASS)?,
+        });
+    }
+    let total = total.ok_or(PassError::Invalid { pass: PASS, msg: "no gradients to clip".into() })?;
+    let norm = g.add_named(Op::Unary(UnaryOp::Sqrt), &[total], "grad_norm").in_pass(PASS)?;
+    let den = g.add(Op::Affine { mul: 1.0, add: 1e-6 }, &[norm]).in_pass(PASS)?;
+    let inv = g.add(Op::Unary(UnaryOp::Recip), &[den]).in_pass(PASS)?;
+    let coef = g.add(Op::Affine { mul: max_norm, add: 0.0 }, &[inv]).in_pass(PASS)?;
+    let one = g.constant(1.0, g.ty(coef).dtype, Shape::scalar()).in_pass(PASS)?;
+    let coef = g.add_named(Op::Binary(BinaryOp::Min), &[coef, one], "clip_coef").in_pass(PASS)?;
+    let mut new = Vec::new();
+    for (name, _, gr) in &gs {
+        let shape = g.ty(*gr).shape.clone();
+        let c = g.add(Op::Broadcast { shape }, &[coef]).in_pass(PASS)?;
+        let clipped = g.add_named(Op::Binary(BinaryOp::Mul), &[*gr, c], grad_name(name)).in_pass(PASS)?;
+        new.push((grad_name(name), clipped));
+    }
+    new.push(("grad_norm".to_string(), norm));
+    rewire_outputs(&mut g, &new, PASS)?;
+    report.set("clipped_tensors", gs.len() as i64);
+    Ok((g, report))
+}
+
+/// Appends the AdamW update of every trainable input. With `keep_grads` the gradient outputs stay
+/// (parity tests read them); otherwise they are dropped so gradients die as soon as the update
+/// has consumed them.
+pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassReport), PassError> {
+    const PASS: &str = "adamw";
+    let mut report = PassReport::new(PASS);
+    let gs = grads(&g, PASS)?;
+    let lr = g.input("lr", InputKind::Data, DType::F32, Shape::scalar()).in_pass(PASS)?;
+    let step = g.input("step", InputKind::State, DType::F32, Shape::scalar()).in_pass(PASS)?;
+    // t = step + 1: bias correction uses the step number after this step, as torch does.
+    let t = g.add_named(Op::Affine { mul: 1.0, add: 1.0 }, &[step], "step.next").in_pass(PASS)?;
+    g.set_update("step", t).in_pass(PASS)?;
+    let mut elems = 0i64;
+    for (name, p, gr) in &gs {
+        let ty = g.ty(*p).clone();
+        let (mn, vn) = moment_names(name);
+        let m = g.input(&mn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
+        let v = g.input(&vn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
+        let m1 = g.add_named(Op::AdamM { beta1: h.beta1 }, &[m, *gr], mn.clone()).in_pass(PASS)?;
+        let v1 = g.add_named(Op::AdamV { beta2: h.beta2 }, &[v, *gr], vn.clone()).in_pass(PASS)?;
+        let op = Op::AdamParam { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay: h.weight_decay };
+        let p1 = g.add_named(op, &[*p, m1, v1, lr, t], format!("{name}.next")).in_pass(PASS)?;
+        g.set_update(name.clone(), p1).in_pass(PASS)?;
+        g.set_update(mn, m1).in_pass(PASS)?;
+        g.set_update(vn, v1).in_pass(PASS)?;
+        elems += ty.numel() as i64;
+    }
+    if !keep_grads {
+        let keep: Vec<_> = g.outputs().iter().filter(|o| o.update || !o.name.starts_with("grad:")).cloned().collect();
+        g.clear_outputs();
+        for o in keep {
+            if o.update {
+                g.set_update(o.name, o.node).in_pass(PASS)?;
+            } else {
+                g.set_output(o.name, o.node).in_pass(PASS)?;
+            }
+        }
+    }
+    report.set("params", gs.len() as i64);
+    report.set("elements", elems);
+    Ok((g, report))
+}

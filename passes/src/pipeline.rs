@@ -1,0 +1,70 @@
+//! The pass pipeline: an ordered list of named passes, each verified after it runs.
+
+use std::collections::BTreeMap;
+
+use qatc_ir::{verify, Graph};
+use serde::Serialize;
+
+use crate::error::PassError;
+
+/// What a pass did, in counters a person (and `qatc compile`'s summary) can read.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct PassReport {
+    pub pass: &'static str,
+    pub counters: BTreeMap<&'static str, i64>,
+    pub notes: Vec<String>,
+}
+
+impl PassReport {
+    pub fn new(pass: &'static str) -> PassReport {
+        PassReport { pass, ..Default::default() }
+    }
+    pub fn count(&mut self, key: &'static str, by: i64) {
+        *self.counters.entry(key).or_insert(0) += by;
+    }
+    pub fn set(&mut self, key: &'static str, v: i64) {
+        self.counters.insert(key, v);
+    }
+}
+
+impl std::fmt::Display for PassReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:", self.pass)?;
+        for (k, v) in &self.counters {
+            write!(f, " {k}={v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A named step of the pipeline. `run` takes the graph by value and returns the new one (passes
+/// that rebuild, like autodiff's, and passes that edit in place look the same from outside).
+pub struct Pass<'a> {
+    pub name: &'static str,
+    pub run: Box<dyn FnOnce(Graph) -> Result<(Graph, PassReport), PassError> + 'a>,
+}
+
+impl<'a> Pass<'a> {
+    pub fn new(name: &'static str, run: impl FnOnce(Graph) -> Result<(Graph, PassReport), PassError> + 'a) -> Pass<'a> {
+        Pass { name, run: Box::new(run) }
+    }
+}
+
+/// Runs `passes` in order on `g`, verifying after each. `after` sees the graph after every pass
+/// (for `qatc dump --after` and snapshots).
+pub fn run(
+    mut g: Graph,
+    passes: Vec<Pass<'_>>,
+    mut after: impl FnMut(&'static str, &Graph),
+) -> Result<(Graph, Vec<PassReport>), PassError> {
+    let mut reports = Vec::new();
+    for p in passes {
+        let name = p.name;
+        let (ng, report) = (p.run)(g)?;
+        verify(&ng).map_err(|source| PassError::Ir { pass: name, source })?;
+        after(name, &ng);
+        reports.push(report);
+        g = ng;
+    }
+    Ok((g, reports))
+}

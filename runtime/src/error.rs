@@ -1,0 +1,26 @@
+use qatc_ir::IrError;
+use thiserror::Error;
+
+/// Errors of the interpreter. Node-level errors carry `Graph::describe` of the node so a failure
+/// in a GPT-2-sized step points at the checkpoint tensor or the op that produced it.
+#[derive(Debug, Error, PartialEq)]
+pub enum RuntimeError {
+    /// The graph failed the IR verifier when the interpreter was built.
+    #[error("invalid graph: {0}")]
+    Ir(#[from] IrError),
+    #[error("missing input {0:?}")]
+    MissingInput(String),
+    #[error("input {name:?}: expected shape {want:?}, got {got:?}")]
+    InputShape { name: String, want: Vec<usize>, got: Vec<usize> },
+    #[error("input {name:?}: expected a {want} tensor, got {got}")]
+    InputKind { name: String, want: String, got: String },
+    #[error("tensor of shape {shape:?} needs {want} elements, got {got}")]
+    BadTensor { shape: Vec<usize>, want: usize, got: usize },
+    #[error("node id {0:?} is not in the interpreted graph")]
+    UnknownNode(qatc_ir::NodeId),
+    #[error("name {0:?} names both an output and an update with different values; use run_split")]
+    OutputClash(String),
+    /// An op failed at run time (an id out of range, operands of the wrong kind).
+    #[error("node {node}: {msg}")]
+    Node { node: String, msg: String },
+}

@@ -1,0 +1,53 @@
+//! `qatc dump MODEL --after STAGE`: prints the IR after a named stage of the pipeline.
+
+use std::path::PathBuf;
+
+use qatc_ir::{print, Graph};
+
+use super::StepArgs;
+use crate::step::{self, STAGES};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    pub model: PathBuf,
+    /// The stage after which to print (see --list).
+    #[arg(long, default_value = "lower")]
+    pub after: String,
+    /// List the stages and exit.
+    #[arg(long)]
+    pub list: bool,
+    #[command(flatten)]
+    pub step: StepArgs,
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    if a.list {
+        for (n, about) in STAGES {
+            println!("{n:<12} {about}");
+        }
+        return Ok(());
+    }
+    if !STAGES.iter().any(|(n, _)| *n == a.after) {
+        let names: Vec<_> = STAGES.iter().map(|(n, _)| *n).collect();
+        anyhow::bail!("unknown stage `{}`; stages: {}", a.after, names.join(", "));
+    }
+    let m = super::open_model(&a.model)?;
+    super::check_seq(&m, a.step.batch, a.step.seq)?;
+    let opts = a.step.options()?;
+    let fwd = step::forward(&m.cfg, opts.batch, opts.seq, false)?;
+    if a.after == "lower" {
+        print!("{}", print(&fwd));
+        return Ok(());
+    }
+    let mut found: Option<Graph> = None;
+    step::train(fwd, step::Trainable::All, &opts, |name, g| {
+        if name == a.after {
+            found = Some(g.clone());
+        }
+    })?;
+    match found {
+        Some(g) => print!("{}", print(&g)),
+        None => anyhow::bail!("stage `{}` did not run with these options (e.g. clip needs --clip)", a.after),
+    }
+    Ok(())
+}

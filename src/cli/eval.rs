@@ -1,0 +1,100 @@
+//! `qatc eval MODEL --data FILE`: mean loss and perplexity over the first N batches of a token
+//! file, on the reference interpreter.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use qatc_runtime::{IntTensor, Interpreter, Value};
+
+use crate::data::TokenFile;
+use crate::model::Model;
+use crate::step;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    pub model: PathBuf,
+    /// llm.c token file (256 x int32 header, then uint16 tokens).
+    #[arg(long)]
+    pub data: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 128)]
+    pub seq: usize,
+    /// Evaluate the first N batches (default: every whole batch in the file).
+    #[arg(long)]
+    pub batches: Option<usize>,
+    /// Print one JSON object: {"loss", "ppl", "tokens"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(serde::Serialize, Debug, Clone, Copy)]
+pub struct EvalResult {
+    pub loss: f64,
+    pub ppl: f64,
+    pub tokens: usize,
+}
+
+/// Evaluates `model` on the first `n` batches of `data`.
+pub fn evaluate(m: &Model, data: &TokenFile, b: usize, t: usize, n: usize, show: bool) -> anyhow::Result<EvalResult> {
+    let g = step::forward(&m.cfg, b, t, false)?;
+    let interp = Interpreter::<f32>::new(&g)?;
+    let mut inputs = m.bind::<f32>(&g)?;
+    let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
+    if !show {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut sum = 0.0f64;
+    for s in 0..n {
+        let (ids, tgt) = data.batch(s, b, t)?;
+        inputs.insert("ids".into(), Value::Int(IntTensor { shape: vec![b, t], data: ids }));
+        inputs.insert("targets".into(), Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
+        let out = interp.run(&inputs)?;
+        sum += scalar(&out, "loss")?;
+        pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    let loss = sum / n as f64;
+    Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
+}
+
+/// Reads a scalar output.
+pub fn scalar(out: &HashMap<String, Value<f32>>, name: &str) -> anyhow::Result<f64> {
+    match out.get(name) {
+        Some(Value::Float(t)) if t.data.len() == 1 => Ok(t.data[0] as f64),
+        _ => anyhow::bail!("internal: the step produced no scalar `{name}`"),
+    }
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let m = super::open_model(&a.model)?;
+    super::check_seq(&m, a.batch, a.seq)?;
+    let data = TokenFile::open(&a.data)?;
+    data.check_vocab(m.cfg.vocab_size)?;
+    let avail = data.num_batches(a.batch, a.seq);
+    if avail == 0 {
+        // batch(0) explains how many tokens it needs and has.
+        data.batch(0, a.batch, a.seq)?;
+    }
+    let n = match a.batches {
+        Some(0) => anyhow::bail!("--batches must be at least 1"),
+        Some(n) if n > avail => anyhow::bail!(
+            "{}: --batches {n} needs {} tokens but the file has {} ({avail} whole batches of B {} x T {})",
+            a.data.display(),
+            n * a.batch * a.seq + 1,
+            data.len(),
+            a.batch,
+            a.seq
+        ),
+        Some(n) => n,
+        None => avail,
+    };
+    let r = evaluate(&m, &data, a.batch, a.seq, n, !a.json)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("loss {:.6}  ppl {:.3}  ({} batches x B {} x T {} = {} tokens)", r.loss, r.ppl, n, a.batch, a.seq, r.tokens);
+    }
+    Ok(())
+}

@@ -1,0 +1,5 @@
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod gpt2;
+pub use error::LoadError;
