@@ -1,0 +1,58 @@
+//! Helpers shared by the integration tests: fixture paths and a safetensors reader.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixture(rel: &str) -> PathBuf {
+    root().join("tests/fixtures").join(rel)
+}
+
+/// A tensor from a fixture file, as f64 (whatever its stored float type) plus its shape.
+#[derive(Clone, Debug)]
+pub struct T {
+    pub shape: Vec<usize>,
+    pub data: Vec<f64>,
+    pub ints: Vec<i32>,
+}
+
+pub fn read_safetensors(rel: &str) -> HashMap<String, T> {
+    let bytes = std::fs::read(fixture(rel)).expect("fixture");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut m = HashMap::new();
+    for (name, v) in st.tensors() {
+        let b = v.data();
+        let (data, ints) = match v.dtype() {
+            safetensors::Dtype::F32 => (b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(), vec![]),
+            safetensors::Dtype::F64 => (b.chunks(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(), vec![]),
+            safetensors::Dtype::I32 => (vec![], b.chunks(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            d => panic!("fixture dtype {d:?}"),
+        };
+        m.insert(name, T { shape: v.shape().to_vec(), data, ints });
+    }
+    m
+}
+
+/// max |a - b| / max |b|: a tensor-wise relative error that does not blow up on elements near 0.
+pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+pub fn max_abs(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// ||a - b||_2 / ||b||_2
+pub fn norm_rel_err(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+    let n: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30);
+    d / n
+}
