@@ -219,6 +219,53 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             }
             Ok(TensorType::new(logits.dtype, Shape::scalar()))
         }
+        Op::FakeQuant { spec } => {
+            let w = ins[0];
+            float(w, "weight")?;
+            if w.shape.rank() != 2 {
+                return Err(format!("fake_quant expects a weight [in, out], got {w}"));
+            }
+            spec.check(w.shape.0[0])?;
+            Ok(w.clone())
+        }
+        Op::Dequantize { spec } => {
+            let want = if spec.scheme.has_zero_point() { 3 } else { 2 };
+            if ins.len() != want {
+                return Err(format!("dequantize ({}) takes {want} operands, got {}", spec.scheme.name(), ins.len()));
+            }
+            let codes = ins[0];
+            if codes.dtype != spec.code_dtype() || codes.shape.rank() != 2 {
+                return Err(format!("codes must be {}[in, out], got {codes}", spec.code_dtype()));
+            }
+            let (n_in, n_out) = (codes.shape.0[0], codes.shape.0[1]);
+            spec.check(n_in)?;
+            let groups = n_in / spec.group_for(n_in);
+            let sshape = Shape::new([groups, n_out]);
+            if ins[1].shape != sshape || ins[1].dtype != spec.scale_dtype() {
+                return Err(format!("scales must be {}{sshape}, got {}", spec.scale_dtype(), ins[1]));
+            }
+            if want == 3 && (ins[2].shape != sshape || ins[2].dtype != DType::F32) {
+                return Err(format!("zero points must be f32{sshape}, got {}", ins[2]));
+            }
+            Ok(TensorType::new(DType::F32, vec![n_in, n_out]))
+        }
+        Op::ActQuant { bits } => {
+            float(ins[0], "x")?;
+            if !(2..=8).contains(bits) || ins[0].shape.rank() == 0 {
+                return Err(format!("act_quant needs bits 2..8 and rank >= 1, got {bits} bits on {}", ins[0]));
+            }
+            Ok(ins[0].clone())
+        }
+        Op::Dropout { p, .. } => {
+            float(ins[0], "x")?;
+            if !(0.0..1.0).contains(p) {
+                return Err(format!("dropout p must be in [0, 1), got {p}"));
+            }
+            if ins[1].dtype != DType::I32 || ins[1].shape.rank() != 0 {
+                return Err(format!("dropout seed must be i32[], got {}", ins[1]));
+            }
+            Ok(ins[0].clone())
+        }
         Op::AdamParam { .. } => {
             let p = ins[0];
             float(p, "param")?;

@@ -120,6 +120,20 @@ pub enum Op {
     /// (logits [N, V], targets [N] i32, dloss []) -> dlogits [N, V]
     CrossEntropyGrad,
 
+    // ---- quantization and LoRA ----
+    /// w [in, out] -> the weight rounded to the quantization grid of `spec` (same type). Its
+    /// gradient is the straight-through estimator: dy passes through unchanged.
+    FakeQuant { spec: QuantSpec },
+    /// (codes [in, out] i4/u8, scales [in/G, out] f32 (f16 for q4_0)[, zero_points [in/G, out] f32
+    /// for asym]) -> f32 [in, out]; equals FakeQuant of the original weight bit for bit.
+    Dequantize { spec: QuantSpec },
+    /// x [.., C] -> dynamic per-token (per row) symmetric fake-quant to `bits`: S = absmax/qmax.
+    /// Straight-through inside the range (which the absmax scale always covers).
+    ActQuant { bits: u8 },
+    /// (x, seed i32 []) -> x * mask / (1 - p), the mask drawn from a counter-based hash of
+    /// (seed, stream, element index): deterministic, so the backward applies the same mask.
+    Dropout { p: f64, stream: usize },
+
     // ---- optimizer (PyTorch AdamW semantics) ----
     /// (m, g) -> beta1 * m + (1 - beta1) * g
     AdamM { beta1: f64 },
@@ -127,6 +141,100 @@ pub enum Op {
     AdamV { beta2: f64 },
     /// (p, m', v', lr [], t []) -> p * (1 - lr * wd) - lr / (1 - beta1^t) * m' / (sqrt(v' / (1 - beta2^t)) + eps)
     AdamParam { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+}
+
+/// How weights are quantized (see `FakeQuant`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantScheme {
+    /// S = absmax / qmax, qmax = 2^(b-1) - 1; q = clamp(round(w / S), -qmax, qmax); w' = q S.
+    Sym,
+    /// rmin = min(0, min w), rmax = max(0, max w), S = (rmax - rmin) / (2^b - 1),
+    /// Z = clamp(round(-rmin / S), 0, 2^b - 1), q = clamp(round(w / S) + Z, 0, 2^b - 1), w' = S (q - Z).
+    Asym,
+    /// QLoRA's NormalFloat4: nearest of 16 code values times the group's absmax (4 bits only).
+    Nf4,
+    /// llama.cpp's Q4_0: d = m / -8 (m the signed element of largest magnitude),
+    /// q = min(15, trunc(w / d + 8.5)), w' = (q - 8) fp16(d) (4 bits, group 32 only).
+    Q4_0,
+}
+
+impl QuantScheme {
+    pub const ALL: [QuantScheme; 4] = [QuantScheme::Sym, QuantScheme::Asym, QuantScheme::Nf4, QuantScheme::Q4_0];
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantScheme::Sym => "sym",
+            QuantScheme::Asym => "asym",
+            QuantScheme::Nf4 => "nf4",
+            QuantScheme::Q4_0 => "q4_0",
+        }
+    }
+    pub fn from_name(s: &str) -> Option<QuantScheme> {
+        QuantScheme::ALL.into_iter().find(|q| q.name() == s)
+    }
+    /// Whether the scheme stores a zero-point per group.
+    pub fn has_zero_point(self) -> bool {
+        self == QuantScheme::Asym
+    }
+}
+
+/// The quantization of one weight: `bits` per element in groups of `group` consecutive elements
+/// along the input dimension (dim 0 of a Conv1D weight [in, out]) for each output channel;
+/// `group` 0 means one group per output channel (per-channel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantSpec {
+    pub bits: u8,
+    pub group: usize,
+    pub scheme: QuantScheme,
+}
+
+impl QuantSpec {
+    /// The group size for an input dimension of `n_in` (per-channel resolves to `n_in`).
+    pub fn group_for(&self, n_in: usize) -> usize {
+        if self.group == 0 {
+            n_in
+        } else {
+            self.group
+        }
+    }
+    /// The storage type of the codes: packed 4-bit up to 4 bits, bytes above.
+    pub fn code_dtype(&self) -> DType {
+        if self.bits <= 4 {
+            DType::I4
+        } else {
+            DType::U8
+        }
+    }
+    /// The storage type of the scales: Q4_0 stores d as fp16, the others f32.
+    pub fn scale_dtype(&self) -> DType {
+        if self.scheme == QuantScheme::Q4_0 {
+            DType::F16
+        } else {
+            DType::F32
+        }
+    }
+    /// Checks the combination for a weight with `n_in` input features.
+    pub fn check(&self, n_in: usize) -> Result<(), String> {
+        if !(2..=8).contains(&self.bits) {
+            return Err(format!("bits must be 2..8, got {}", self.bits));
+        }
+        match self.scheme {
+            QuantScheme::Nf4 if self.bits != 4 => return Err("scheme nf4 needs 4 bits".into()),
+            QuantScheme::Q4_0 if self.bits != 4 || self.group != 32 => {
+                return Err("scheme q4_0 needs 4 bits and group 32 (llama.cpp's block)".into())
+            }
+            _ => {}
+        }
+        let g = self.group_for(n_in);
+        if g == 0 || n_in % g != 0 {
+            let ok: Vec<String> = (1..=n_in).filter(|d| n_in % d == 0 && *d >= 8).map(|d| d.to_string()).collect();
+            return Err(format!(
+                "group {} does not divide the input dimension {n_in}; sizes that do: {} (or 0 for per-channel)",
+                self.group,
+                ok.join(", ")
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// An attribute value, as printed in the text format.
@@ -184,6 +292,10 @@ impl Op {
             Op::SoftmaxGrad { .. } => "softmax_grad",
             Op::CrossEntropy => "cross_entropy",
             Op::CrossEntropyGrad => "cross_entropy_grad",
+            Op::FakeQuant { .. } => "fake_quant",
+            Op::Dequantize { .. } => "dequantize",
+            Op::ActQuant { .. } => "act_quant",
+            Op::Dropout { .. } => "dropout",
             Op::AdamM { .. } => "adam_m",
             Op::AdamV { .. } => "adam_v",
             Op::AdamParam { .. } => "adam_param",
@@ -197,12 +309,14 @@ impl Op {
             Op::Unary(_) | Op::Affine { .. } | Op::Cast { .. } => 1,
             Op::Broadcast { .. } | Op::SumTo { .. } | Op::Reshape { .. } => 1,
             Op::Transpose { .. } | Op::Slice { .. } | Op::Softmax { .. } => 1,
+            Op::FakeQuant { .. } | Op::ActQuant { .. } => 1,
+            Op::Dropout { .. } => 2,
             Op::Binary(_) | Op::MatMul { .. } | Op::Gather | Op::ScatterAdd { .. } => 2,
             Op::LayerNormGradGamma { .. } | Op::SoftmaxGrad { .. } | Op::CrossEntropy => 2,
             Op::AdamM { .. } | Op::AdamV { .. } => 2,
             Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::CrossEntropyGrad => 3,
             Op::AdamParam { .. } => 5,
-            Op::Concat { .. } => return None,
+            Op::Concat { .. } | Op::Dequantize { .. } => return None,
         })
     }
 
@@ -235,6 +349,13 @@ impl Op {
             }
             Op::Softmax { scale, causal } => vec![("scale", Float(*scale)), ("causal", Bool(*causal))],
             Op::SoftmaxGrad { scale } => vec![("scale", Float(*scale))],
+            Op::FakeQuant { spec } | Op::Dequantize { spec } => vec![
+                ("bits", Int(spec.bits as usize)),
+                ("group", Int(spec.group)),
+                ("scheme", Word(spec.scheme.name())),
+            ],
+            Op::ActQuant { bits } => vec![("bits", Int(*bits as usize))],
+            Op::Dropout { p, stream } => vec![("p", Float(*p)), ("stream", Int(*stream))],
             Op::AdamM { beta1 } => vec![("beta1", Float(*beta1))],
             Op::AdamV { beta2 } => vec![("beta2", Float(*beta2))],
             Op::AdamParam { beta1, beta2, eps, weight_decay } => vec![

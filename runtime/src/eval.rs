@@ -4,6 +4,7 @@
 use qatc_ir::{DType, Op, TensorType};
 
 use crate::float::Float;
+use crate::quant;
 use crate::kernels::{elementwise as ew, embed, layout, matmul, norm, softmax};
 use crate::value::{IntTensor, Tensor, Value};
 
@@ -28,12 +29,12 @@ fn scalar<T: Float>(v: &Value<T>, what: &str) -> Result<f64, String> {
     }
 }
 
-/// The representable range of an integer dtype's codes. i4 codes are signed (two's complement
-/// nibbles), as the `i` says; u8 codes are unsigned.
+/// What an integer dtype's element can hold. Quantization codes are unsigned (sym codes are
+/// offset by qmax; see `crate::quant`), so a 4-bit element holds 0..=15 and a byte 0..=255.
 fn int_range(d: DType) -> (f64, f64) {
     match d {
         DType::U8 => (0.0, 255.0),
-        DType::I4 => (-8.0, 7.0),
+        DType::I4 => (0.0, 15.0),
         DType::I32 | DType::F32 | DType::F16 | DType::BF16 => (f64::from(i32::MIN), f64::from(i32::MAX)),
     }
 }
@@ -175,6 +176,42 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
             let dloss = T::from_f64(scalar(args[2], "dloss")?);
             let v = logits.shape.get(1).copied().unwrap_or(0);
             float(softmax::cross_entropy_grad(&logits.data, &targets.data, v, dloss)?)
+        }
+        Op::FakeQuant { spec } => {
+            let w = fl(args[0], "weight")?;
+            let (n_in, n_out) = (w.shape[0], w.shape[1]);
+            let w32: Vec<f32> = w.data.iter().map(|v| v.to_f64() as f32).collect();
+            float(quant::fake_quant(&w32, n_in, n_out, *spec).into_iter().map(|v| T::from_f64(v as f64)).collect())
+        }
+        Op::Dequantize { spec } => {
+            let codes = int(args[0], "codes")?;
+            let scales: Vec<f32> = fl(args[1], "scales")?.data.iter().map(|v| v.to_f64() as f32).collect();
+            let zeros: Vec<f32> = match args.get(2) {
+                Some(z) => fl(z, "zero points")?.data.iter().map(|v| v.to_f64() as f32).collect(),
+                None => Vec::new(),
+            };
+            let (n_in, n_out) = (codes.shape[0], codes.shape[1]);
+            let bytes: Vec<u8> = codes.data.iter().map(|&c| c.clamp(0, 255) as u8).collect();
+            let w = quant::dequantize_parts(*spec, n_in, n_out, &bytes, &scales, &zeros);
+            float(w.into_iter().map(|v| T::from_f64(v as f64)).collect())
+        }
+        Op::ActQuant { bits } => {
+            let x = fl(args[0], "x")?;
+            let x32: Vec<f32> = x.data.iter().map(|v| v.to_f64() as f32).collect();
+            let c = x.shape.last().copied().unwrap_or(1);
+            float(quant::act_quant(&x32, c, *bits).into_iter().map(|v| T::from_f64(v as f64)).collect())
+        }
+        Op::Dropout { p, stream } => {
+            let x = fl(args[0], "x")?;
+            let seed = int(args[1], "seed")?.data.first().copied().unwrap_or(0);
+            let k = T::from_f64(1.0 / (1.0 - p));
+            let data = x
+                .data
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| if quant::dropout_keep(seed, *stream, i, *p) { v * k } else { T::from_f64(0.0) })
+                .collect();
+            float(data)
         }
         Op::AdamM { beta1 } => float(ew::adam_m(&fl(args[0], "m")?.data, &fl(args[1], "g")?.data, *beta1)?),
         Op::AdamV { beta2 } => float(ew::adam_v(&fl(args[0], "v")?.data, &fl(args[1], "g")?.data, *beta2)?),

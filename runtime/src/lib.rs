@@ -39,6 +39,7 @@ mod eval;
 mod float;
 mod interp;
 pub mod kernels;
+pub mod quant;
 mod value;
 
 pub use error::RuntimeError;

@@ -2,7 +2,7 @@ use std::collections::HashMap;
 
 use crate::error::IrError;
 use crate::graph::{Graph, NodeId};
-use crate::op::{BinaryOp, InputKind, Op, UnaryOp, BINARY_OPS, UNARY_OPS};
+use crate::op::{BinaryOp, InputKind, Op, QuantScheme, QuantSpec, UnaryOp, BINARY_OPS, UNARY_OPS};
 use crate::types::{DType, Shape, TensorType};
 
 /// A cursor over one line. Errors are plain strings; `parse` adds the line number.
@@ -146,6 +146,15 @@ impl Attrs {
             v => Err(format!("attribute `{k}`: `{v}` is not a bool")),
         }
     }
+    fn bits(&self) -> R<u8> {
+        let b = self.u("bits")?;
+        u8::try_from(b).map_err(|_| format!("bits {b} out of range"))
+    }
+    fn quant(&self) -> R<QuantSpec> {
+        let s = self.raw("scheme")?;
+        let scheme = QuantScheme::from_name(s).ok_or_else(|| format!("unknown quant scheme `{s}`"))?;
+        Ok(QuantSpec { bits: self.bits()?, group: self.u("group")?, scheme })
+    }
     fn dims(&self, k: &str) -> R<Vec<usize>> {
         let v = self.raw(k)?;
         Cur { s: v, pos: 0 }.dims()
@@ -187,6 +196,10 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "softmax_grad" => Op::SoftmaxGrad { scale: a.f("scale")? },
         "cross_entropy" => Op::CrossEntropy,
         "cross_entropy_grad" => Op::CrossEntropyGrad,
+        "fake_quant" => Op::FakeQuant { spec: a.quant()? },
+        "dequantize" => Op::Dequantize { spec: a.quant()? },
+        "act_quant" => Op::ActQuant { bits: a.bits()? },
+        "dropout" => Op::Dropout { p: a.f("p")?, stream: a.u("stream")? },
         "adam_m" => Op::AdamM { beta1: a.f("beta1")? },
         "adam_v" => Op::AdamV { beta2: a.f("beta2")? },
         "adam_param" => Op::AdamParam {

@@ -201,7 +201,15 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
             c.op(Op::CrossEntropyGrad, &[x[0], x[1], dy])
         }),
 
-        // backward and optimizer ops are never differentiated (no second-order training)
+        // straight-through estimator: rounding passes the gradient through unchanged
+        Op::FakeQuant { .. } => c.each(|_, _| Ok(dy)),
+        // per-token absmax scaling never clips, so the whole range is "inside": straight through
+        Op::ActQuant { .. } => c.each(|_, _| Ok(dy)),
+        // the same deterministic mask on the way back: d dropout(x) = dropout(dy) (seed gets none)
+        Op::Dropout { p, stream } => c.each(|c, _| c.op(Op::Dropout { p: *p, stream: *stream }, &[dy, x[1]])),
+
+        // packed codes are frozen storage; backward and optimizer ops are never differentiated
+        Op::Dequantize { .. } => Err(no_rule()),
         Op::ScatterAdd { .. }
         | Op::LayerNormGradX { .. }
         | Op::LayerNormGradGamma { .. }

@@ -1,0 +1,298 @@
+//! Weight quantization, exactly as `Op::FakeQuant` defines it (see `qatc_ir::QuantScheme`).
+//!
+//! A weight is a Conv1D matrix w [in, out], row-major. Group g of output column j is the `G`
+//! consecutive rows g*G .. (g+1)*G of that column; scales (and zero points) are [in/G, out].
+//! All arithmetic is f32, the precision the fake-quant nodes run at in PyTorch, so the fixture
+//! generator reproduces it bit for bit. Rounding is half to even (`torch.round`), except Q4_0,
+//! which is llama.cpp's reference quantizer verbatim (trunc(x * (1/d) + 8.5)).
+//!
+//! `dequantize(quantize(w))` IS the fake-quant: there is one code path, so the folded graph
+//! (packed codes + Dequantize) equals the unfolded one (FakeQuant) bit for bit by construction.
+
+use half::f16;
+use qatc_ir::{QuantScheme, QuantSpec};
+
+/// QLoRA / bitsandbytes NormalFloat4 code values.
+pub const NF4: [f32; 16] = [
+    -1.0,
+    -0.696_192_800_998_687_7,
+    -0.525_073_051_452_636_7,
+    -0.394_917_488_098_144_53,
+    -0.284_441_381_692_886_35,
+    -0.184_773_430_228_233_34,
+    -0.091_050_036_251_544_95,
+    0.0,
+    0.079_580_299_556_255_34,
+    0.160_930_201_411_247_25,
+    0.246_112_301_945_686_34,
+    0.337_915_241_718_292_24,
+    0.440_709_829_330_444_34,
+    0.562_617_003_917_694_1,
+    0.722_956_836_223_602_3,
+    1.0,
+];
+
+/// A quantized weight: one code per element (unpacked; see `pack_i4` for storage), scales and,
+/// for asym, zero points, each [groups, out] row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Quantized {
+    pub spec: QuantSpec,
+    pub n_in: usize,
+    pub n_out: usize,
+    pub codes: Vec<u8>,
+    pub scales: Vec<f32>,
+    pub zeros: Vec<f32>,
+}
+
+impl Quantized {
+    pub fn group(&self) -> usize {
+        self.spec.group_for(self.n_in)
+    }
+    pub fn groups(&self) -> usize {
+        self.n_in / self.group()
+    }
+    /// Bytes as stored: packed codes plus scales (f16 for Q4_0) plus zero points.
+    pub fn stored_bytes(&self) -> usize {
+        let n = self.n_in * self.n_out;
+        self.spec.code_dtype().bytes_for(n) + self.spec.scale_dtype().bytes_for(self.scales.len()) + 4 * self.zeros.len()
+    }
+}
+
+fn qmax_sym(bits: u8) -> f32 {
+    ((1u32 << (bits - 1)) - 1) as f32
+}
+
+fn levels(bits: u8) -> f32 {
+    ((1u32 << bits) - 1) as f32
+}
+
+/// Quantizes w [n_in, n_out]. The spec must have been checked (`QuantSpec::check`).
+pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quantized {
+    let gsz = spec.group_for(n_in);
+    let groups = n_in / gsz;
+    let mut q = Quantized {
+        spec,
+        n_in,
+        n_out,
+        codes: vec![0; n_in * n_out],
+        scales: vec![0.0; groups * n_out],
+        zeros: if spec.scheme.has_zero_point() { vec![0.0; groups * n_out] } else { Vec::new() },
+    };
+    let mut col = vec![0f32; gsz];
+    for g in 0..groups {
+        for j in 0..n_out {
+            for (r, c) in col.iter_mut().enumerate() {
+                *c = w[(g * gsz + r) * n_out + j];
+            }
+            let si = g * n_out + j;
+            let mut put = |r: usize, code: u8| q.codes[(g * gsz + r) * n_out + j] = code;
+            match spec.scheme {
+                QuantScheme::Sym => {
+                    let qmax = qmax_sym(spec.bits);
+                    let absmax = col.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let s = absmax / qmax;
+                    for (r, &v) in col.iter().enumerate() {
+                        let k = if s == 0.0 { 0.0 } else { (v / s).round_ties_even().clamp(-qmax, qmax) };
+                        put(r, (k + qmax) as u8);
+                    }
+                    q.scales[si] = s;
+                }
+                QuantScheme::Asym => {
+                    let top = levels(spec.bits);
+                    let rmin = col.iter().fold(0f32, |m, &v| m.min(v));
+                    let rmax = col.iter().fold(0f32, |m, &v| m.max(v));
+                    let s = (rmax - rmin) / top;
+                    let z = if s == 0.0 { 0.0 } else { (-rmin / s).round_ties_even().clamp(0.0, top) };
+                    for (r, &v) in col.iter().enumerate() {
+                        let k = if s == 0.0 { z } else { ((v / s).round_ties_even() + z).clamp(0.0, top) };
+                        put(r, k as u8);
+                    }
+                    q.scales[si] = s;
+                    q.zeros[si] = z;
+                }
+                QuantScheme::Nf4 => {
+                    let absmax = col.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (r, &v) in col.iter().enumerate() {
+                        let x = if absmax == 0.0 { 0.0 } else { v / absmax };
+                        // nearest code value, the first one on ties
+                        let mut best = 0usize;
+                        for (k, c) in NF4.iter().enumerate() {
+                            if (x - c).abs() < (x - NF4[best]).abs() {
+                                best = k;
+                            }
+                        }
+                        put(r, best as u8);
+                    }
+                    q.scales[si] = absmax;
+                }
+                QuantScheme::Q4_0 => {
+                    // llama.cpp quantize_row_q4_0_ref: m keeps its sign; the first wins ties.
+                    let (mut amax, mut m) = (0f32, 0f32);
+                    for &v in &col {
+                        if amax < v.abs() {
+                            amax = v.abs();
+                            m = v;
+                        }
+                    }
+                    let d = m / -8.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    for (r, &v) in col.iter().enumerate() {
+                        // (int8_t) truncates toward zero; x * id + 8.5 is >= 0.5 here
+                        let k = ((v * id + 8.5) as i8).min(15);
+                        put(r, k as u8);
+                    }
+                    q.scales[si] = f16::from_f32(d).to_f32();
+                }
+            }
+        }
+    }
+    q
+}
+
+/// The value code `c` stands for in group `si`.
+#[inline]
+pub fn dequant_one(spec: QuantSpec, c: u8, scale: f32, zero: f32) -> f32 {
+    match spec.scheme {
+        QuantScheme::Sym => (c as f32 - qmax_sym(spec.bits)) * scale,
+        QuantScheme::Asym => scale * (c as f32 - zero),
+        QuantScheme::Nf4 => NF4[(c & 15) as usize] * scale,
+        QuantScheme::Q4_0 => (c as f32 - 8.0) * scale,
+    }
+}
+
+/// w' [n_in, n_out] from codes, scales and zero points.
+pub fn dequantize_parts(spec: QuantSpec, n_in: usize, n_out: usize, codes: &[u8], scales: &[f32], zeros: &[f32]) -> Vec<f32> {
+    let gsz = spec.group_for(n_in);
+    let mut w = vec![0f32; n_in * n_out];
+    for i in 0..n_in {
+        let g = i / gsz;
+        for j in 0..n_out {
+            let si = g * n_out + j;
+            let z = zeros.get(si).copied().unwrap_or(0.0);
+            w[i * n_out + j] = dequant_one(spec, codes[i * n_out + j], scales[si], z);
+        }
+    }
+    w
+}
+
+pub fn dequantize(q: &Quantized) -> Vec<f32> {
+    dequantize_parts(q.spec, q.n_in, q.n_out, &q.codes, &q.scales, &q.zeros)
+}
+
+/// FakeQuant's forward: the weight rounded to its quantization grid.
+pub fn fake_quant(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Vec<f32> {
+    dequantize(&quantize(w, n_in, n_out, spec))
+}
+
+/// Dynamic per-row symmetric fake-quant of activations x [rows, c].
+pub fn act_quant(x: &[f32], c: usize, bits: u8) -> Vec<f32> {
+    let qmax = qmax_sym(bits);
+    let mut out = vec![0f32; x.len()];
+    for (row, o) in x.chunks(c.max(1)).zip(out.chunks_mut(c.max(1))) {
+        let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let s = absmax / qmax;
+        for (v, y) in row.iter().zip(o.iter_mut()) {
+            *y = if s == 0.0 { 0.0 } else { (v / s).round_ties_even().clamp(-qmax, qmax) * s };
+        }
+    }
+    out
+}
+
+/// Packs 4-bit codes two per byte: element 2k in the low nibble, 2k+1 in the high nibble.
+pub fn pack_i4(codes: &[u8]) -> Vec<u8> {
+    codes.chunks(2).map(|p| (p[0] & 15) | (p.get(1).copied().unwrap_or(0) & 15) << 4).collect()
+}
+
+pub fn unpack_i4(bytes: &[u8], n: usize) -> Vec<u8> {
+    (0..n).map(|i| (bytes[i / 2] >> (4 * (i % 2))) & 15).collect()
+}
+
+/// Dropout's keep decision for element `i`: a counter-based hash (splitmix64's finalizer) of
+/// (seed, stream, i), so the same mask is reproduced in the backward pass and on any backend.
+#[inline]
+pub fn dropout_keep(seed: i32, stream: usize, i: usize, p: f64) -> bool {
+    let mut z = (seed as u32 as u64) ^ (stream as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let u = (z >> 40) as f64 / (1u64 << 24) as f64;
+    u >= p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(bits: u8, group: usize, scheme: QuantScheme) -> QuantSpec {
+        QuantSpec { bits, group, scheme }
+    }
+
+    #[test]
+    fn sym_rounds_half_to_even_and_hits_absmax() {
+        // one column, group 4: absmax 7 -> S = 1 (4 bits, qmax 7); 2.5 -> 2, 3.5 -> 4, -0.5 -> -0
+        let w = [2.5f32, 3.5, -0.5, 7.0];
+        let out = fake_quant(&w, 4, 1, spec(4, 4, QuantScheme::Sym));
+        assert_eq!(out, vec![2.0, 4.0, -0.0, 7.0]);
+    }
+
+    #[test]
+    fn zero_groups_dequantize_to_zero() {
+        for s in QuantScheme::ALL {
+            let sp = if s == QuantScheme::Q4_0 { spec(4, 32, s) } else { spec(4, 32, s) };
+            let out = fake_quant(&[0.0; 64], 32, 2, sp);
+            assert!(out.iter().all(|&v| v == 0.0), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn asym_keeps_zero_exact() {
+        let w = [-1.0f32, 0.0, 0.3, 2.0];
+        let out = fake_quant(&w, 4, 1, spec(4, 4, QuantScheme::Asym));
+        assert_eq!(out[1], 0.0);
+        assert!((out[3] - 2.0).abs() < 0.1 && (out[0] + 1.0).abs() < 0.1);
+    }
+
+    #[test]
+    fn q4_0_matches_llama_cpp_reference() {
+        // m = -4 (largest magnitude, sign kept) -> d = 0.5, id = 2: x = -4 -> q = trunc(0.5) = 0
+        // -> -8 * 0.5 = -4 exactly; x = 4 -> trunc(16.5) = 16 -> min 15 -> 3.5 (saturates at 0.875 m)
+        let mut w = vec![0f32; 32];
+        w[0] = -4.0;
+        w[1] = 4.0;
+        w[2] = 0.25; // 0.5 + 8.5 = 9 -> 0.5
+        w[3] = -0.26; // -0.52 + 8.5 = 7.98 -> 7 -> -0.5
+        let q = quantize(&w, 32, 1, spec(4, 32, QuantScheme::Q4_0));
+        assert_eq!(q.scales[0], 0.5);
+        let out = dequantize(&q);
+        assert_eq!(&out[..4], &[-4.0, 3.5, 0.5, -0.5]);
+        // the first element of largest magnitude wins the sign on ties: m = -4 here
+        let mut w2 = vec![0f32; 32];
+        w2[0] = -4.0;
+        w2[5] = 4.0;
+        assert_eq!(quantize(&w2, 32, 1, spec(4, 32, QuantScheme::Q4_0)).scales[0], 0.5);
+    }
+
+    #[test]
+    fn nf4_picks_the_nearest_code() {
+        let w = [1.0f32, -1.0, 0.0, 0.5];
+        let out = fake_quant(&w, 4, 1, spec(4, 4, QuantScheme::Nf4));
+        assert_eq!(out[0], 1.0);
+        assert_eq!(out[1], -1.0);
+        assert_eq!(out[2], 0.0);
+        assert_eq!(out[3], NF4[12]); // 0.4407 is nearer to 0.5 than 0.5626
+    }
+
+    #[test]
+    fn pack_roundtrip() {
+        let codes: Vec<u8> = (0..33).map(|i| (i * 7 % 16) as u8).collect();
+        assert_eq!(unpack_i4(&pack_i4(&codes), 33), codes);
+        assert_eq!(pack_i4(&[1, 2])[0], 0x21);
+    }
+
+    #[test]
+    fn dropout_is_deterministic_and_near_p() {
+        let kept = (0..100_000).filter(|&i| dropout_keep(7, 3, i, 0.25)).count();
+        assert!((kept as f64 / 1e5 - 0.75).abs() < 0.01, "{kept}");
+        assert_eq!(dropout_keep(7, 3, 11, 0.25), dropout_keep(7, 3, 11, 0.25));
+    }
+}
