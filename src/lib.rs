@@ -2,6 +2,7 @@
 //! LoRA fine-tuning. This crate is the orchestration layer: the GPT-2 frontend, token data, the
 //! pipeline of passes (`step`), artifacts, and the commands behind the `qatc` binary.
 
+pub mod adapter;
 pub mod artifacts;
 pub mod cli;
 pub mod data;

@@ -1,25 +1,51 @@
-//! The compile pipeline, top to bottom: lower the checkpoint to the forward graph, then the
-//! passes that make it a training step. Every stage has a name (`qatc dump --after NAME`), and
-//! the graph is verified after each one.
+//! The compile pipeline, top to bottom. Every stage has a name (`qatc dump --after NAME`) and the
+//! graph is verified after each one:
+//!
+//!   lower        checkpoint -> forward + mean cross-entropy
+//!   fake_quant   FakeQuant on the targeted weights (STE)           [--bits]
+//!   lora         LoRA branches with trainable A, B                  [--lora]
+//!   trainable    which weights train (LoRA only, or everything)    [--full-finetune]
+//!   fold         frozen FakeQuant -> packed codes + Dequantize
+//!   microbatch   K micro-batches sharing the weights                [--grad-accum]
+//!   autodiff     reverse-mode gradients of the loss
+//!   clip         global-norm clipping                               [--clip]
+//!   adamw        the AdamW update, moments and step count as state
 
 use qatc_ir::{Graph, InputKind};
+use qatc_passes::lora::{self, LoraOptions};
 use qatc_passes::optim::AdamW;
+use qatc_passes::quant::{self, QuantOptions};
 use qatc_passes::{autodiff, microbatch, optim, pipeline, Pass, PassError, PassReport};
 
 use crate::frontend::config::Gpt2Config;
 use crate::frontend::gpt2::{lower, LowerOptions};
 
 /// Every stage in pipeline order, with what it does (for `qatc dump --list` and errors).
-pub const STAGES: [(&str, &str); 6] = [
+pub const STAGES: [(&str, &str); 9] = [
     ("lower", "the forward pass and mean cross-entropy, from the checkpoint"),
+    ("fake_quant", "FakeQuant on the targeted weights, straight-through gradient (--bits)"),
+    ("lora", "LoRA branches y += scaling * (x A^T) B^T with trainable A, B (--lora)"),
     ("trainable", "marks the weights that training updates"),
+    ("fold", "frozen FakeQuant -> packed codes + Dequantize, bit-identical"),
     ("microbatch", "unrolls --grad-accum K micro-batches sharing the weights"),
     ("autodiff", "reverse-mode gradients of the loss for the trainable weights"),
     ("clip", "global-norm gradient clipping (--clip X)"),
     ("adamw", "the AdamW update with its moments and step count as state"),
 ];
 
-/// What the training step is built with.
+/// What the model graph is built with (shared by eval, compile and train).
+#[derive(Clone, Debug, Default)]
+pub struct ModelOptions {
+    pub quant: Option<QuantOptions>,
+    pub lora: Option<LoraOptions>,
+    /// Every weight trains (else only LoRA's A and B).
+    pub full_finetune: bool,
+    /// Building for training: weights may be trainable. For evaluation everything is frozen
+    /// (and LoRA dropout is off).
+    pub training: bool,
+}
+
+/// What the training step adds.
 #[derive(Clone, Debug)]
 pub struct StepOptions {
     pub batch: usize,
@@ -29,30 +55,40 @@ pub struct StepOptions {
     pub adamw: AdamW,
     /// Keep `grad:NAME` outputs (parity tests read them; training does not need them).
     pub keep_grads: bool,
+    pub model: ModelOptions,
 }
 
 impl StepOptions {
     pub fn new(batch: usize, seq: usize) -> StepOptions {
-        StepOptions { batch, seq, grad_accum: 1, clip: None, adamw: AdamW::default(), keep_grads: false }
+        StepOptions {
+            batch,
+            seq,
+            grad_accum: 1,
+            clip: None,
+            adamw: AdamW::default(),
+            keep_grads: false,
+            model: ModelOptions { full_finetune: true, training: true, ..Default::default() },
+        }
     }
 }
 
-/// Which weights train. Full fine-tuning is the only choice until the LoRA pass exists.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Trainable {
-    All,
-}
-
+/// The bare forward graph (the `lower` stage alone).
 pub fn forward(cfg: &Gpt2Config, batch: usize, seq: usize, logits: bool) -> Result<Graph, PassError> {
     lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: "lower", source })
 }
 
-/// Marks weights trainable.
-pub fn mark_trainable(mut g: Graph, which: Trainable) -> Result<(Graph, PassReport), PassError> {
+/// Marks weights trainable: everything for a full fine-tune; otherwise only what the LoRA pass
+/// created as trainable stays so. For evaluation, nothing trains.
+pub fn mark_trainable(mut g: Graph, mo: &ModelOptions) -> Result<(Graph, PassReport), PassError> {
     let mut r = PassReport::new("trainable");
     for id in g.inputs() {
-        if g.input_kind(id) == Some(InputKind::Frozen) && which == Trainable::All {
-            g.set_input_kind(id, InputKind::Trainable);
+        let Some(kind) = g.input_kind(id) else { continue };
+        if !kind.is_param() {
+            continue;
+        }
+        let train = mo.training && (mo.full_finetune || kind == InputKind::Trainable);
+        g.set_input_kind(id, if train { InputKind::Trainable } else { InputKind::Frozen });
+        if train {
             r.count("tensors", 1);
             r.count("elements", g.ty(id).numel() as i64);
         }
@@ -60,24 +96,58 @@ pub fn mark_trainable(mut g: Graph, which: Trainable) -> Result<(Graph, PassRepo
     Ok((g, r))
 }
 
-/// Builds the joint forward + backward + AdamW graph from the forward graph. `after` sees the
-/// graph after every stage.
-pub fn train(
-    fwd: Graph,
-    which: Trainable,
+/// lower -> fake_quant -> lora -> trainable -> fold: the model as it will be trained or evaluated.
+pub fn model(
+    cfg: &Gpt2Config,
+    batch: usize,
+    seq: usize,
+    logits: bool,
+    mo: &ModelOptions,
+    mut after: impl FnMut(&'static str, &Graph),
+) -> Result<(Graph, Vec<PassReport>), PassError> {
+    let g = forward(cfg, batch, seq, logits)?;
+    qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: "lower", source })?;
+    after("lower", &g);
+    let mut passes = Vec::new();
+    if let Some(q) = mo.quant.clone() {
+        passes.push(Pass::new("fake_quant", move |g| quant::fake_quant(g, &q)));
+    }
+    if let Some(mut l) = mo.lora.clone() {
+        if !mo.training {
+            l.dropout = 0.0;
+        }
+        passes.push(Pass::new("lora", move |g| lora::lora(g, &l)));
+    }
+    let m2 = mo.clone();
+    passes.push(Pass::new("trainable", move |g| mark_trainable(g, &m2)));
+    passes.push(Pass::new("fold", quant::fold));
+    pipeline::run(g, passes, after)
+}
+
+/// The joint forward + backward + AdamW step from the model graph.
+pub fn train_from(
+    g: Graph,
     opts: &StepOptions,
     after: impl FnMut(&'static str, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
     let k = opts.grad_accum;
-    let mut passes = vec![
-        Pass::new("trainable", move |g| mark_trainable(g, which)),
-        Pass::new("microbatch", move |g| microbatch::microbatch(g, k)),
-        Pass::new("autodiff", autodiff::autodiff),
-    ];
+    let mut passes = vec![Pass::new("microbatch", move |g| microbatch::microbatch(g, k)), Pass::new("autodiff", autodiff::autodiff)];
     if let Some(x) = opts.clip {
         passes.push(Pass::new("clip", move |g| optim::clip(g, x)));
     }
     let (h, keep) = (opts.adamw.clone(), opts.keep_grads);
     passes.push(Pass::new("adamw", move |g| optim::adamw(g, &h, keep)));
-    pipeline::run(fwd, passes, after)
+    pipeline::run(g, passes, after)
+}
+
+/// The whole pipeline for a training step.
+pub fn train(
+    cfg: &Gpt2Config,
+    opts: &StepOptions,
+    mut after: impl FnMut(&'static str, &Graph),
+) -> Result<(Graph, Vec<PassReport>), PassError> {
+    let (g, mut reports) = model(cfg, opts.batch, opts.seq, false, &opts.model, &mut after)?;
+    let (g, more) = train_from(g, opts, &mut after)?;
+    reports.extend(more);
+    Ok((g, reports))
 }

@@ -15,7 +15,7 @@ fn check(variant: &str) {
     let exp = common::read_safetensors(&format!("tiny/{variant}/expected.safetensors"));
     let (b, t) = (exp["ids"].shape[0], exp["ids"].shape[1]);
     let g = step::forward(&model.cfg, b, t, true).unwrap();
-    let mut inputs: HashMap<String, Value<f32>> = model.bind(&g).unwrap();
+    let mut inputs: HashMap<String, Value<f32>> = model.bind(&g, None, 0).unwrap();
     inputs.insert("ids".into(), Value::Int(IntTensor { shape: vec![b, t], data: exp["ids"].ints.clone() }));
     inputs.insert("targets".into(), Value::Int(IntTensor { shape: vec![b, t], data: exp["targets"].ints.clone() }));
     let out = Interpreter::<f32>::new(&g).unwrap().run(&inputs).unwrap();

@@ -59,7 +59,7 @@ fn loss_and_every_gradient_match_autograd() {
     let m = model();
     let mut o = StepOptions::new(2, 16);
     o.keep_grads = true;
-    let mut tr = Trainer::new(&m, o).unwrap();
+    let mut tr = Trainer::new(&m, o, None, 0).unwrap();
     let out = tr.step(&tokens(), 0, 1e-3).unwrap();
     let exp = common::read_safetensors("tiny/grads.safetensors");
     let loss = out["loss"].as_float().unwrap().data[0] as f64;
@@ -82,7 +82,7 @@ fn loss_and_every_gradient_match_autograd() {
 fn one_adamw_step_with_weight_decay_matches_torch() {
     let mut o = StepOptions::new(2, 16);
     o.adamw.weight_decay = 0.1;
-    let mut tr = Trainer::new(&model(), o).unwrap();
+    let mut tr = Trainer::new(&model(), o, None, 0).unwrap();
     tr.step(&tokens(), 0, 1e-3).unwrap();
     check_params(&tr, "tiny/adamw_step.safetensors", 1, 1e-3);
 }
@@ -92,7 +92,7 @@ fn clipped_step_matches_torch_and_reports_the_norm() {
     let mut o = StepOptions::new(2, 16);
     o.adamw.weight_decay = 0.1;
     o.clip = Some(0.05);
-    let mut tr = Trainer::new(&model(), o).unwrap();
+    let mut tr = Trainer::new(&model(), o, None, 0).unwrap();
     let out = tr.step(&tokens(), 0, 1e-3).unwrap();
     let exp = common::read_safetensors("tiny/adamw_clip_step.safetensors");
     let norm = out["grad_norm"].as_float().unwrap().data[0] as f64;
@@ -102,7 +102,7 @@ fn clipped_step_matches_torch_and_reports_the_norm() {
 
 #[test]
 fn three_steps_losses_and_parameters_match_torch() {
-    let mut tr = Trainer::new(&model(), StepOptions::new(2, 16)).unwrap();
+    let mut tr = Trainer::new(&model(), StepOptions::new(2, 16), None, 0).unwrap();
     let want: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(common::fixture("tiny/adamw_3steps.json")).unwrap()).unwrap();
     let data = tokens();
@@ -119,7 +119,7 @@ fn three_steps_losses_and_parameters_match_torch() {
 fn gradient_accumulation_equals_the_larger_batch() {
     let mut o = StepOptions::new(2, 16);
     o.grad_accum = 2;
-    let mut tr = Trainer::new(&model(), o).unwrap();
+    let mut tr = Trainer::new(&model(), o, None, 0).unwrap();
     let out = tr.step(&tokens(), 0, 1e-3).unwrap();
     let exp = common::read_safetensors("tiny/grad_accum.safetensors");
     let loss = out["loss"].as_float().unwrap().data[0] as f64;

@@ -242,18 +242,17 @@ impl Graph {
         self.outputs.clear();
     }
 
-    /// Points every use of `old` (operands and outputs) at `new`.
+    /// Points every use of `old` (operands and outputs) at `new`, except `new`'s own use of `old`
+    /// (so a node can be wrapped: `let q = add(f, [w]); replace_all_uses(w, q)`).
     pub fn replace_all_uses(&mut self, old: NodeId, new: NodeId) {
-        let edges: Vec<(NodeIndex, u32)> = self
+        let edges: Vec<_> = self
             .g
             .edges_directed(Self::idx(old), Direction::Outgoing)
-            .map(|e| (e.target(), *e.weight()))
+            .filter(|e| e.target() != Self::idx(new))
+            .map(|e| (e.id(), e.target(), *e.weight()))
             .collect();
-        let ids: Vec<_> = self.g.edges_directed(Self::idx(old), Direction::Outgoing).map(|e| e.id()).collect();
-        for e in ids {
-            self.g.remove_edge(e);
-        }
-        for (t, slot) in edges {
+        for (id, t, slot) in edges {
+            self.g.remove_edge(id);
             self.g.add_edge(Self::idx(new), t, slot);
         }
         for o in &mut self.outputs {

@@ -177,10 +177,16 @@ impl QuantScheme {
     }
 }
 
+impl serde::Serialize for QuantScheme {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 /// The quantization of one weight: `bits` per element in groups of `group` consecutive elements
 /// along the input dimension (dim 0 of a Conv1D weight [in, out]) for each output channel;
 /// `group` 0 means one group per output channel (per-channel).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct QuantSpec {
     pub bits: u8,
     pub group: usize,

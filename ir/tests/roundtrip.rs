@@ -20,7 +20,10 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use qatc_ir::infer::broadcasts_to;
-use qatc_ir::{parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, Shape, TensorType, UnaryOp};
+use qatc_ir::{
+    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape, TensorType,
+    UnaryOp,
+};
 
 // ---------------------------------------------------------------------------------------------
 // The op list the generator draws from.
@@ -40,7 +43,7 @@ const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-const N_SLOTS: usize = 39;
+const N_SLOTS: usize = 43;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -89,6 +92,10 @@ fn op_slot(op: &Op) -> usize {
         Op::AdamParam { .. } => 36,
         Op::Const { .. } => 37,
         Op::Input { .. } => 38,
+        Op::FakeQuant { .. } => 39,
+        Op::Dequantize { .. } => 40,
+        Op::ActQuant { .. } => 41,
+        Op::Dropout { .. } => 42,
     }
 }
 
@@ -546,11 +553,72 @@ impl<'a> Builder<'a> {
                 let ty = TensorType::new(self.ch.any_dtype(), self.ch.dims(0, 4));
                 self.constant(ty)
             }
-            _ => {
+            38 => {
                 let ty = TensorType::new(self.ch.any_dtype(), self.ch.dims(0, 4));
                 self.input(ty)
             }
+            39 => {
+                let scheme = self.ch.pick(&QuantScheme::ALL);
+                let w = if scheme == QuantScheme::Q4_0 {
+                    // Q4_0's block is 32 rows: the weight needs a multiple of 32 input rows.
+                    match self.existing(|t| t.dtype.is_float() && t.shape.rank() == 2 && t.shape.0[0] % 32 == 0) {
+                        Some(w) => w,
+                        None => {
+                            let dims = vec![32 * self.ch.range(1, 2), self.ch.dim()];
+                            let d = self.ch.float_dtype();
+                            self.leaf(TensorType::new(d, dims))?
+                        }
+                    }
+                } else {
+                    self.float_operand(2, 2)?
+                };
+                let spec = self.quant_spec(scheme, self.ty(w).shape.0[0]);
+                self.op(Op::FakeQuant { spec }, &[w])
+            }
+            40 => {
+                let scheme = self.ch.pick(&QuantScheme::ALL);
+                let n_in = if scheme == QuantScheme::Q4_0 { 32 * self.ch.range(1, 2) } else { self.ch.dim() };
+                let n_out = self.ch.dim();
+                let spec = self.quant_spec(scheme, n_in);
+                let groups = n_in / spec.group_for(n_in);
+                let codes = self.of_type(TensorType::new(spec.code_dtype(), [n_in, n_out]))?;
+                let scales = self.of_type(TensorType::new(spec.scale_dtype(), [groups, n_out]))?;
+                let mut args = vec![codes, scales];
+                if scheme.has_zero_point() {
+                    args.push(self.of_type(TensorType::new(DType::F32, [groups, n_out]))?);
+                }
+                self.op(Op::Dequantize { spec }, &args)
+            }
+            41 => {
+                let x = self.float_operand(1, 4)?;
+                let bits = self.ch.range(2, 8) as u8;
+                self.op(Op::ActQuant { bits }, &[x])
+            }
+            _ => {
+                let x = self.float_operand(0, 4)?;
+                let seed = self.of_type(TensorType::new(DType::I32, Shape::scalar()))?;
+                let p = self.ch.pick(&[0.0, -0.0, 0.1, 0.5, 1.0 / 3.0, 0.999_999, 5e-324]);
+                let stream = self.ch.pick(&[0, 1, 7, 123_456, usize::MAX]);
+                self.op(Op::Dropout { p, stream }, &[x, seed])
+            }
         }
+    }
+
+    /// A valid quantization spec of `scheme` for a weight with `n_in` input rows.
+    fn quant_spec(&mut self, scheme: QuantScheme, n_in: usize) -> QuantSpec {
+        let (bits, group) = match scheme {
+            QuantScheme::Q4_0 => (4, 32),
+            QuantScheme::Nf4 => (4, 0),
+            QuantScheme::Sym | QuantScheme::Asym => (self.ch.range(2, 8) as u8, 0),
+        };
+        let group = if scheme == QuantScheme::Q4_0 || self.ch.flip() {
+            group
+        } else {
+            // Any divisor of n_in (0 stands for one group per column).
+            let divisors: Vec<usize> = (1..=n_in).filter(|d| n_in % d == 0).collect();
+            self.ch.pick(&divisors)
+        };
+        QuantSpec { bits, group, scheme }
     }
 
     /// Declares 1..=3 outputs and, for some trainable/state inputs, an update of equal type.

@@ -149,6 +149,51 @@ fn nn_op_type_errors() {
 }
 
 #[test]
+fn quantization_op_type_errors() {
+    use qatc_ir::{QuantScheme, QuantSpec};
+    let spec = |bits, group, scheme| QuantSpec { bits, group, scheme };
+    let mut g = Graph::new("t");
+    let w = f32_in(&mut g, "w", &[64, 8]);
+    let v = f32_in(&mut g, "v", &[64]);
+    let fq = |s| Op::FakeQuant { spec: s };
+    type_err(g.add_named(fq(spec(4, 24, QuantScheme::Sym)), &[w], "c_attn.fq"), "\"c_attn.fq\" (fake_quant)", "group 24 does not divide the input dimension 64");
+    type_err(g.add(fq(spec(9, 0, QuantScheme::Sym)), &[w]), "fake_quant", "bits must be 2..8");
+    type_err(g.add(fq(spec(1, 0, QuantScheme::Asym)), &[w]), "fake_quant", "bits must be 2..8");
+    type_err(g.add(fq(spec(3, 0, QuantScheme::Nf4)), &[w]), "fake_quant", "nf4 needs 4 bits");
+    type_err(g.add(fq(spec(4, 16, QuantScheme::Q4_0)), &[w]), "fake_quant", "q4_0 needs 4 bits and group 32");
+    type_err(g.add(fq(spec(4, 0, QuantScheme::Sym)), &[v]), "fake_quant", "weight [in, out]");
+    for (bits, group, scheme) in [(4, 0, QuantScheme::Sym), (8, 16, QuantScheme::Asym), (4, 64, QuantScheme::Nf4), (4, 32, QuantScheme::Q4_0)] {
+        g.add(fq(spec(bits, group, scheme)), &[w]).expect("valid fake_quant");
+    }
+    // Dequantize: operand count by scheme, code and scale dtypes and shapes.
+    let codes4 = g.input("codes4", InputKind::Frozen, DType::I4, [64, 8]).expect("input");
+    let codes8 = g.input("codes8", InputKind::Frozen, DType::U8, [64, 8]).expect("input");
+    let s2 = f32_in(&mut g, "s2", &[2, 8]);
+    let s4 = f32_in(&mut g, "s4", &[4, 8]);
+    let h2 = g.input("h2", InputKind::Frozen, DType::F16, [2, 8]).expect("input");
+    let dq = |s| Op::Dequantize { spec: s };
+    g.add(dq(spec(4, 32, QuantScheme::Sym)), &[codes4, s2]).expect("sym");
+    g.add(dq(spec(8, 32, QuantScheme::Asym)), &[codes8, s2, s2]).expect("asym");
+    g.add(dq(spec(4, 32, QuantScheme::Q4_0)), &[codes4, h2]).expect("q4_0");
+    type_err(g.add(dq(spec(8, 32, QuantScheme::Asym)), &[codes8, s2]), "dequantize", "takes 3 operands");
+    type_err(g.add(dq(spec(4, 32, QuantScheme::Sym)), &[codes4, s2, s2]), "dequantize", "takes 2 operands");
+    type_err(g.add(dq(spec(8, 32, QuantScheme::Sym)), &[codes4, s2]), "dequantize", "codes must be u8[in, out]");
+    type_err(g.add(dq(spec(4, 16, QuantScheme::Sym)), &[codes4, s2]), "dequantize", "scales must be f32[4, 8]");
+    type_err(g.add(dq(spec(4, 32, QuantScheme::Q4_0)), &[codes4, s2]), "dequantize", "scales must be f16[2, 8]");
+    type_err(g.add(dq(spec(8, 16, QuantScheme::Asym)), &[codes8, s4, s2]), "dequantize", "zero points must be f32[4, 8]");
+    // ActQuant and Dropout.
+    type_err(g.add(Op::ActQuant { bits: 9 }, &[w]), "act_quant", "bits 2..8");
+    let sc = f32_in(&mut g, "sc", &[]);
+    type_err(g.add(Op::ActQuant { bits: 8 }, &[sc]), "act_quant", "rank >= 1");
+    let seed = i32_in(&mut g, "seed", &[]);
+    let fseed = f32_in(&mut g, "fseed", &[]);
+    type_err(g.add(Op::Dropout { p: 1.0, stream: 0 }, &[w, seed]), "dropout", "p must be in [0, 1)");
+    type_err(g.add(Op::Dropout { p: f64::NAN, stream: 0 }, &[w, seed]), "dropout", "p must be in [0, 1)");
+    type_err(g.add(Op::Dropout { p: 0.1, stream: 0 }, &[w, fseed]), "dropout", "seed must be i32[]");
+    g.add(Op::Dropout { p: 0.1, stream: 3 }, &[w, seed]).expect("dropout");
+}
+
+#[test]
 fn leaves_and_ids_are_checked() {
     let mut g = Graph::new("t");
     type_err(g.add(Op::Input { kind: InputKind::Data, dtype: DType::F32, shape: Shape::new([2]) }, &[]), "new input", "must be named");
@@ -254,6 +299,11 @@ fn parser_errors_carry_the_line() {
     parse_err(&format!("{HEAD}  %1 = neg(%0) : f32[2, 3] trailing\n}}\n"), 3, "unexpected `trailing`");
     parse_err(&format!("{HEAD}  update \"x\" = %0\n}}\n"), 3, "not a trainable or state input");
     parse_err(&format!("{HEAD}  output \"y\" = %0\n  output \"y\" = %0\n}}\n"), 4, "declared twice");
+    let w = "  %1 = input[kind=frozen] : f32[64, 8] \"w\"\n";
+    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=0, scheme=int4](%1) : f32[64, 8]\n}}\n"), 4, "unknown quant scheme `int4`");
+    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=300, group=0, scheme=sym](%1) : f32[64, 8]\n}}\n"), 4, "bits 300 out of range");
+    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=7, scheme=sym](%1) : f32[64, 8]\n}}\n"), 4, "group 7 does not divide");
+    parse(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=32, scheme=q4_0](%1) : f32[64, 8]\n}}\n")).expect("valid fake_quant");
     parse_err("", 1, "empty input");
     parse_err("grph \"p\" {\n}\n", 1, "expected `graph`");
     // Blank and comment lines are skipped but still counted.
@@ -370,18 +420,40 @@ fn topo_order_follows_outputs_then_insertion_order() {
 
 #[test]
 fn a_real_cycle_is_reported() {
-    // replace_all_uses(old, new) where new uses old turns new's operand edge into a self-loop.
+    // x -> e -> z, then every use of x (e's operand) pointed at z: e and z use each other.
     let mut g = Graph::new("t");
     let x = f32_in(&mut g, "x", &[2]);
-    let y = g.add_named(Op::Unary(UnaryOp::Exp), &[x], "e").expect("exp");
-    let z = g.add(Op::Unary(UnaryOp::Neg), &[y]).expect("neg");
+    let e = g.add_named(Op::Unary(UnaryOp::Exp), &[x], "e").expect("exp");
+    let z = g.add(Op::Unary(UnaryOp::Neg), &[e]).expect("neg");
     g.set_output("z", z).expect("output");
-    g.replace_all_uses(y, z);
-    assert_eq!(g.operands(z), vec![z]);
-    assert!(matches!(g.topo_order(), Err(IrError::Cycle(_))), "{:?}", g.topo_order());
+    g.replace_all_uses(x, z);
+    assert_eq!(g.operands(e), vec![z]);
+    match g.topo_order() {
+        Err(IrError::Cycle(node)) => assert!(node.contains("(exp)") || node.contains("(neg)"), "{node}"),
+        other => panic!("expected a cycle, got {other:?}"),
+    }
     assert!(matches!(verify(&g), Err(IrError::Cycle(_))));
     // The printer still prints, in insertion order, with a note.
     assert!(print(&g).contains("// not ordered: the graph has a cycle"), "{}", print(&g));
+}
+
+#[test]
+fn replace_all_uses_can_wrap_a_node() {
+    // q = f(w) then replace_all_uses(w, q): every other use of w now reads q, q still reads w
+    // (how quantization wraps a weight without a self-loop).
+    let mut g = Graph::new("t");
+    let w = g.input("w", InputKind::Frozen, DType::F32, [4, 2]).expect("input");
+    let x = f32_in(&mut g, "x", &[3, 4]);
+    let y = g.add(Op::MatMul { ta: false, tb: false }, &[x, w]).expect("matmul");
+    g.set_output("y", y).expect("output");
+    g.set_output("w", w).expect("output");
+    let q = g.add(Op::Affine { mul: 0.5, add: 0.0 }, &[w]).expect("affine");
+    g.replace_all_uses(w, q);
+    assert_eq!(g.operands(q), vec![w]);
+    assert_eq!(g.operands(y), vec![x, q]);
+    assert_eq!(g.users(w), vec![q]);
+    assert_eq!(g.output("w"), Some(q));
+    verify(&g).expect("no cycle");
 }
 
 // ---------------------------------------------------------------------------------------------

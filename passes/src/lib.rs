@@ -3,6 +3,9 @@
 //! each, naming the pass that broke an invariant.
 //!
 //! Passes of the training step, in pipeline order:
+//! - [`quant::fake_quant`]: FakeQuant on targeted weights (straight-through estimator);
+//! - [`lora`]: LoRA branches (PEFT semantics) with trainable A and B;
+//! - [`quant::fold`]: frozen FakeQuant -> packed 4-bit codes + Dequantize (bit-identical);
 //! - [`microbatch`]: unrolls K micro-batches for gradient accumulation;
 //! - [`autodiff`]: reverse-mode gradients of `loss` for the trainable inputs (a rule table);
 //! - [`optim::clip`]: global-norm gradient clipping;
@@ -10,9 +13,12 @@
 
 pub mod autodiff;
 pub mod error;
+pub mod linears;
+pub mod lora;
 pub mod microbatch;
 pub mod optim;
 pub mod pipeline;
+pub mod quant;
 mod rebuild;
 
 pub use error::PassError;

@@ -34,20 +34,18 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options()?;
-    let fwd = step::forward(&m.cfg, opts.batch, opts.seq, false)?;
-    if a.after == "lower" {
-        print!("{}", print(&fwd));
-        return Ok(());
-    }
     let mut found: Option<Graph> = None;
-    step::train(fwd, step::Trainable::All, &opts, |name, g| {
+    step::train(&m.cfg, &opts, |name, g| {
         if name == a.after {
             found = Some(g.clone());
         }
     })?;
     match found {
         Some(g) => print!("{}", print(&g)),
-        None => anyhow::bail!("stage `{}` did not run with these options (e.g. clip needs --clip)", a.after),
+        None => anyhow::bail!(
+            "stage `{}` did not run with these options (fake_quant needs --bits, lora --lora, clip --clip)",
+            a.after
+        ),
     }
     Ok(())
 }

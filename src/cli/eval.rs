@@ -6,9 +6,11 @@ use std::path::PathBuf;
 
 use qatc_runtime::{IntTensor, Interpreter, Value};
 
+use super::options;
+use crate::adapter::Adapter;
 use crate::data::TokenFile;
 use crate::model::Model;
-use crate::step;
+use crate::step::{self, ModelOptions};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -26,6 +28,11 @@ pub struct Args {
     /// Print one JSON object: {"loss", "ppl", "tokens"}.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub quant: options::QuantArgs,
+    /// A PEFT LoRA adapter directory to apply.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -35,11 +42,26 @@ pub struct EvalResult {
     pub tokens: usize,
 }
 
+/// What to evaluate: the model options (quantization, LoRA) and the adapter's tensors.
+#[derive(Default)]
+pub struct EvalSetup {
+    pub model: ModelOptions,
+    pub adapter: Option<Adapter>,
+}
+
+impl EvalSetup {
+    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>) -> anyhow::Result<EvalSetup> {
+        let adapter = adapter.map(crate::adapter::read).transpose()?;
+        let lora = adapter.as_ref().map(|a| a.options());
+        Ok(EvalSetup { model: options::model_options(quant, lora, false, false)?, adapter })
+    }
+}
+
 /// Evaluates `model` on the first `n` batches of `data`.
-pub fn evaluate(m: &Model, data: &TokenFile, b: usize, t: usize, n: usize, show: bool) -> anyhow::Result<EvalResult> {
-    let g = step::forward(&m.cfg, b, t, false)?;
+pub fn evaluate(m: &Model, data: &TokenFile, b: usize, t: usize, n: usize, setup: &EvalSetup, show: bool) -> anyhow::Result<EvalResult> {
+    let (g, _) = step::model(&m.cfg, b, t, false, &setup.model, |_, _| {})?;
     let interp = Interpreter::<f32>::new(&g)?;
-    let mut inputs = m.bind::<f32>(&g)?;
+    let mut inputs = m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?;
     let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
     if !show {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -90,7 +112,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let r = evaluate(&m, &data, a.batch, a.seq, n, !a.json)?;
+    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref())?;
+    let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {

@@ -4,6 +4,7 @@
 pub mod compile;
 pub mod dump;
 pub mod eval;
+pub mod options;
 pub mod train;
 
 use std::path::Path;
@@ -60,6 +61,17 @@ pub struct StepArgs {
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
+    #[command(flatten)]
+    pub quant: options::QuantArgs,
+    /// LoRA: r=16[,alpha=32][,dropout=0.05][,targets=c_attn,c_proj,c_fc][,rslora].
+    #[arg(long)]
+    pub lora: Option<String>,
+    /// Train every weight (without --lora, the default).
+    #[arg(long)]
+    pub full_finetune: bool,
+    /// Seed for LoRA's initialisation and dropout.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 impl StepArgs {
@@ -76,6 +88,9 @@ impl StepArgs {
             anyhow::bail!("--weight-decay must be >= 0, got {}", self.weight_decay);
         }
         let mut o = crate::step::StepOptions::new(self.batch, self.seq);
+        let lora = self.lora.as_deref().map(options::parse_lora).transpose()?;
+        let full = self.full_finetune || lora.is_none();
+        o.model = options::model_options(&self.quant, lora, full, true)?;
         o.grad_accum = self.grad_accum;
         o.clip = self.clip;
         o.adamw.weight_decay = self.weight_decay;

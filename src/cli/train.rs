@@ -9,10 +9,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use qatc_ir::{Graph, InputKind};
+use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
 use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
 
 use super::StepArgs;
+use crate::adapter::Adapter;
 use crate::artifacts::OutDir;
 use crate::data::TokenFile;
 use crate::model::Model;
@@ -38,9 +40,9 @@ pub struct Args {
     /// One JSON object per step: {"step", "loss", "lr", "tokens_per_s"}.
     #[arg(long)]
     pub log_json: Option<PathBuf>,
-    /// Train every weight (the only mode until LoRA lands).
+    /// Start LoRA from this PEFT adapter instead of a fresh initialisation.
     #[arg(long)]
-    pub full_finetune: bool,
+    pub init_adapter: Option<PathBuf>,
 }
 
 /// One logged step.
@@ -58,15 +60,16 @@ pub struct Trainer {
     interp: Interpreter<f32>,
     pub state: HashMap<String, Value<f32>>,
     pub opts: step::StepOptions,
+    seed: u64,
 }
 
 impl Trainer {
-    /// Compiles the step and binds the weights; Adam moments and the step count start at zero.
-    pub fn new(m: &Model, opts: step::StepOptions) -> anyhow::Result<Trainer> {
-        let fwd = step::forward(&m.cfg, opts.batch, opts.seq, false)?;
-        let (graph, _) = step::train(fwd, step::Trainable::All, &opts, |_, _| {})?;
+    /// Compiles the step and binds the weights (LoRA from `adapter`, else initialised from
+    /// `seed`); Adam moments and the step count start at zero.
+    pub fn new(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64) -> anyhow::Result<Trainer> {
+        let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
         let interp = Interpreter::<f32>::new(&graph)?;
-        let mut state = m.bind::<f32>(&graph)?;
+        let mut state = m.bind::<f32>(&graph, adapter, seed)?;
         for id in graph.inputs() {
             if graph.input_kind(id) == Some(InputKind::State) {
                 let ty = graph.ty(id);
@@ -74,7 +77,7 @@ impl Trainer {
                 state.insert(name, Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data: vec![0.0; ty.numel()] }));
             }
         }
-        Ok(Trainer { graph, interp, state, opts })
+        Ok(Trainer { graph, interp, state, opts, seed })
     }
 
     /// Runs one optimizer step on micro-batches `first .. first + K` and returns the loss
@@ -89,6 +92,9 @@ impl Trainer {
             self.state.insert(nt, Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
         }
         self.state.insert("lr".into(), Value::scalar(lr));
+        // a fresh dropout mask every step, reproducible from the seed and the step's first batch
+        let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(first as i64) as i32;
+        self.state.insert(DROPOUT_SEED.into(), Value::Int(IntTensor { shape: vec![], data: vec![dseed] }));
         let mut out = self.interp.run(&self.state)?;
         for o in self.graph.outputs().iter().filter(|o| o.update) {
             if let Some(v) = out.remove(&format!("update:{}", o.name)).or_else(|| out.remove(&o.name)) {
@@ -127,9 +133,27 @@ pub fn weights_safetensors(ws: &[(String, &Tensor<f32>)]) -> anyhow::Result<Vec<
     Ok(safetensors::serialize(views, Some(meta))?)
 }
 
+/// A Hugging Face config.json for `cfg` (with `n_ctx`, which llama.cpp's converter reads).
+pub fn hf_config(c: &crate::frontend::config::Gpt2Config) -> anyhow::Result<String> {
+    let cfg = serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+        "n_positions": c.n_positions, "n_ctx": c.n_positions, "vocab_size": c.vocab_size,
+        "layer_norm_epsilon": c.layer_norm_epsilon,
+        "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
+        "tie_word_embeddings": true, "bos_token_id": 50256, "eos_token_id": 50256,
+    });
+    Ok(serde_json::to_string_pretty(&cfg)? + "\n")
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    if !a.full_finetune {
-        anyhow::bail!("nothing to train: pass --full-finetune (LoRA adapters are not built yet)");
+    if a.step.full_finetune && a.step.lora.is_some() {
+        anyhow::bail!("--full-finetune and --lora exclude each other");
+    }
+    if a.step.lora.is_none() && !a.step.full_finetune {
+        anyhow::bail!("nothing to train: pass --lora r=N (an adapter) or --full-finetune (every weight)");
     }
     if a.steps == 0 {
         anyhow::bail!("--steps must be at least 1");
@@ -145,6 +169,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if data.num_batches(opts.batch, opts.seq) == 0 {
         data.batch(0, opts.batch, opts.seq)?;
     }
+    let init = match &a.init_adapter {
+        Some(d) => Some(crate::adapter::read(d)?),
+        None => None,
+    };
     let out = OutDir::create(&a.out, "train.json").with_context(|| format!("{}", a.out.display()))?;
     let mut log = match &a.log_json {
         Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("{}", p.display()))?)),
@@ -152,7 +180,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
-    let mut tr = Trainer::new(&m, opts)?;
+    let lora = opts.model.lora.clone();
+    let mut tr = Trainer::new(&m, opts, init.as_ref(), a.step.seed)?;
     let pb = super::progress(a.steps as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let mut logs = Vec::new();
     for s in 0..a.steps {
@@ -173,19 +202,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         logs.push(entry);
     }
     pb.finish_and_clear();
-    out.write("model.safetensors", weights_safetensors(&tr.weights())?)?;
-    let mut cfg = serde_json::to_value(&m.cfg)?;
-    if let Some(o) = cfg.as_object_mut() {
-        o.insert("n_ctx".into(), m.cfg.n_positions.into());
-        o.insert("model_type".into(), "gpt2".into());
-        o.insert("architectures".into(), serde_json::json!(["GPT2LMHeadModel"]));
-        o.insert("activation_function".into(), "gelu_new".into());
+    match &lora {
+        Some(l) => {
+            let (cfg, st) = crate::adapter::to_files(l, &tr.weights(), &a.model.display().to_string())?;
+            out.write("adapter_config.json", cfg)?;
+            out.write("adapter_model.safetensors", st)?;
+        }
+        None => {
+            out.write("model.safetensors", weights_safetensors(&tr.weights())?)?;
+            out.write("config.json", hf_config(&m.cfg)?)?;
+        }
     }
-    out.write("config.json", serde_json::to_string_pretty(&cfg)? + "\n")?;
     let summary = serde_json::json!({"steps": a.steps, "first_loss": logs.first().map(|l| l.loss), "last_loss": logs.last().map(|l| l.loss), "lr": a.lr});
     out.write("train.json", serde_json::to_string_pretty(&summary)? + "\n")?;
     let dir = out.commit()?;
     let (first, last) = (logs.first().map(|l| l.loss).unwrap_or(f64::NAN), logs.last().map(|l| l.loss).unwrap_or(f64::NAN));
-    println!("trained {} steps: loss {first:.4} -> {last:.4}; weights in {}", a.steps, dir.display());
+    let what = if lora.is_some() { "adapter (PEFT format)" } else { "weights" };
+    println!("trained {} steps: loss {first:.4} -> {last:.4}; {what} in {}", a.steps, dir.display());
     Ok(())
 }

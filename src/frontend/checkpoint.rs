@@ -190,17 +190,23 @@ fn check_entry(path: &Path, p: &Parsed) -> Result<(), LoadError> {
             why: format!("data_offsets [{}, {}) end before they begin", p.begin, p.end),
         });
     }
-    // rank <= 4 and dims <= 2^31 keep this product under 2^124 and the bit count under 2^127.
+    // rank <= 4 and dims <= 2^31 keep numel under 2^124, so bytes (at most 8 per element) and
+    // bits of sub-byte types (at most 6 per element) stay under 2^127: no overflow in u128.
     let numel = p.shape.iter().fold(1u128, |a, &d| a.saturating_mul(d as u128));
-    let total_bits = numel.saturating_mul(bits as u128);
+    let (needed, whole) = if bits % 8 == 0 {
+        (numel.saturating_mul((bits / 8) as u128), true)
+    } else {
+        let total = numel.saturating_mul(bits as u128);
+        (total.div_ceil(8), total % 8 == 0)
+    };
     let holds = p.end - p.begin;
-    if total_bits % 8 != 0 || total_bits / 8 != holds as u128 {
+    if !whole || needed != holds as u128 {
         return Err(LoadError::SizeMismatch {
             path: path.into(),
             tensor: tensor(),
             shape: p.shape.clone(),
             dtype: p.dtype.map(|d| d.name().to_string()).unwrap_or_else(|| p.st_dtype.to_lowercase()),
-            needed: total_bits.div_ceil(8),
+            needed,
             holds,
         });
     }

@@ -95,7 +95,7 @@ impl Gpt2Config {
             },
         };
         check_options(m, &cfg).map_err(bad)?;
-        if cfg.n_embd % cfg.n_head != 0 {
+        if !cfg.n_embd.is_multiple_of(cfg.n_head) {
             return Err(bad(format!("n_embd {} is not divisible by n_head {}", cfg.n_embd, cfg.n_head)));
         }
         Ok(cfg)
@@ -133,7 +133,7 @@ impl Gpt2Config {
         if n_layer == 0 {
             return Err(bad("cannot infer the config: no transformer blocks (h.0.*) in the file".into()));
         }
-        if n_embd % HEAD_DIM != 0 {
+        if !n_embd.is_multiple_of(HEAD_DIM) {
             return Err(bad(format!(
                 "cannot infer n_head: n_embd {n_embd} is not a multiple of {HEAD_DIM}; put a config.json beside the model"
             )));
@@ -183,7 +183,7 @@ impl Gpt2Config {
     pub fn validate(&self, ckpt: &Checkpoint) -> Result<(), LoadError> {
         let path = ckpt.path();
         let bad = |why: String| LoadError::BadConfig { path: path.into(), why };
-        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(bad(format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head)));
         }
         let check = |name: &str, shape: &[usize]| -> Result<(), LoadError> {

@@ -19,7 +19,7 @@ pub enum LoadError {
     #[error("{}: not a safetensors file: {why}", path.display())]
     NotSafetensors { path: PathBuf, why: String },
 
-    #[error("{}: header length {len} is over the {max}-byte limit (real GPT-2 headers are under 64 KiB): not a GPT-2 safetensors file?", path.display())]
+    #[error("{}: not a safetensors file (or not a GPT-2 one): header length {len} is over the {max}-byte limit", path.display())]
     HeaderTooLarge { path: PathBuf, len: u64, max: u64 },
 
     #[error("{}: header length {len} beyond the file: 8 + {len} bytes needed but the file has {file_len}", path.display())]

@@ -56,7 +56,7 @@ pub fn write_synthetic(path: &Path, cfg: &Gpt2Config, dtype: DType, prefix: bool
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(LoadError::UnsupportedDtype { path: path.into(), tensor: "(all)".into(), dtype: dtype.name().into() });
     }
-    if cfg.n_head == 0 || cfg.n_embd % cfg.n_head != 0 {
+    if cfg.n_head == 0 || !cfg.n_embd.is_multiple_of(cfg.n_head) {
         return Err(LoadError::BadConfig {
             path: path.into(),
             why: format!("n_embd {} is not divisible by n_head {}", cfg.n_embd, cfg.n_head),

@@ -1,0 +1,134 @@
+//! Quantization-aware training as passes.
+//!
+//! - [`fake_quant`] wraps each targeted weight in a FakeQuant node (STE gradient) and, with
+//!   `act_bits`, the linear's input in an ActQuant node.
+//! - [`fold`] replaces a FakeQuant of a FROZEN weight, a constant, by a Dequantize of packed codes
+//!   and scales (new inputs `W.qcodes`, `W.qscales`, `W.qzeros`): the weight is then stored at
+//!   4 bits and the result is bit-identical (see `qatc_runtime::quant`).
+
+use std::collections::BTreeMap;
+
+use qatc_ir::{DType, Graph, InputKind, Op, QuantSpec, Shape};
+use serde::Serialize;
+
+use crate::error::{InPass, PassError};
+use crate::linears::{self, matches};
+use crate::pipeline::PassReport;
+
+/// Which weights are quantized, and how.
+#[derive(Clone, Debug, Serialize)]
+pub struct QuantOptions {
+    pub spec: QuantSpec,
+    /// Module suffixes (`attn.c_attn`, `c_proj`, ...); `lm_head` and `wte` name the tied
+    /// embedding's two uses.
+    pub targets: Vec<String>,
+    /// Per-module overrides from a bit map (`h.3.mlp.c_fc` -> spec); `None` keeps the module at
+    /// full precision.
+    pub per_module: BTreeMap<String, Option<QuantSpec>>,
+    pub act_bits: Option<u8>,
+}
+
+impl QuantOptions {
+    pub fn default_targets() -> Vec<String> {
+        linears::MODULES.iter().map(|s| s.to_string()).collect()
+    }
+    fn spec_for(&self, module: &str) -> Option<QuantSpec> {
+        match self.per_module.get(module) {
+            Some(s) => *s,
+            None => self.targets.iter().any(|t| matches(module, t)).then_some(self.spec),
+        }
+    }
+}
+
+/// The input names of a folded weight's storage.
+pub fn storage_names(weight: &str) -> (String, String, String) {
+    (format!("{weight}.qcodes"), format!("{weight}.qscales"), format!("{weight}.qzeros"))
+}
+
+pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport), PassError> {
+    const PASS: &str = "fake_quant";
+    let mut r = PassReport::new(PASS);
+    for t in &o.targets {
+        if !(linears::is_known_target(t) || t == "lm_head" || t == "wte") {
+            return Err(PassError::Invalid {
+                pass: PASS,
+                msg: format!("unknown quant target `{t}`; targets: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (or c_attn, c_proj, c_fc), lm_head, wte"),
+            });
+        }
+    }
+    for lin in linears::find(&g) {
+        let Some(spec) = o.spec_for(&lin.module) else { continue };
+        spec.check(lin.n_in).map_err(|m| PassError::Invalid { pass: PASS, msg: format!("{}: {m}", lin.module) })?;
+        let fq = g.add_named(Op::FakeQuant { spec }, &[lin.weight], format!("{}.weight.fq", lin.module)).in_pass(PASS)?;
+        g.replace_all_uses(lin.weight, fq);
+        r.count("weights", 1);
+        r.count("elements", (lin.n_in * lin.n_out) as i64);
+        if let Some(bits) = o.act_bits {
+            let aq = g.add_named(Op::ActQuant { bits }, &[lin.x], format!("{}.input.aq", lin.module)).in_pass(PASS)?;
+            // only this linear's use of x is quantized (x also feeds other linears and residuals)
+            let mm_ops = g.operands(lin.matmul);
+            let mm = g.node(lin.matmul).clone();
+            let new = g.add_node(mm.op, &[aq, mm_ops[1]], mm.name).in_pass(PASS)?;
+            g.replace_all_uses(lin.matmul, new);
+            r.count("activations", 1);
+        }
+    }
+    // The tied embedding: its rows are [V, C] with C the input features of the LM head, so it is
+    // quantized as the [C, V] matrix it is in the head (groups along C).
+    let embed_targets: Vec<&str> = ["lm_head", "wte"].into_iter().filter(|t| o.targets.iter().any(|x| x == t)).collect();
+    if let Some(wte) = g.find_input("wte.weight").filter(|_| !embed_targets.is_empty()) {
+        let dims = g.ty(wte).shape.dims().to_vec();
+        o.spec.check(dims[1]).map_err(|m| PassError::Invalid { pass: PASS, msg: format!("wte: {m}") })?;
+        let t = g.add(Op::Transpose { perm: vec![1, 0] }, &[wte]).in_pass(PASS)?; // [C, V]
+        let fq = g.add_named(Op::FakeQuant { spec: o.spec }, &[t], "wte.weight.fq").in_pass(PASS)?;
+        let back = g.add(Op::Transpose { perm: vec![1, 0] }, &[fq]).in_pass(PASS)?; // [V, C]
+        for u in g.users(wte) {
+            if u == t {
+                continue;
+            }
+            let is_head = matches!(g.node(u).op, Op::MatMul { .. });
+            if (is_head && embed_targets.contains(&"lm_head")) || (!is_head && embed_targets.contains(&"wte")) {
+                let node = g.node(u).clone();
+                let ops: Vec<_> = g.operands(u).into_iter().map(|o| if o == wte { back } else { o }).collect();
+                let new = g.add_node(node.op, &ops, node.name).in_pass(PASS)?;
+                g.replace_all_uses(u, new);
+                r.count("embedding_uses", 1);
+            }
+        }
+        g.remove_dead(false);
+    }
+    g.remove_dead(false);
+    Ok((g, r))
+}
+
+/// Folds FakeQuant(frozen weight) into Dequantize(codes, scales[, zero points]).
+pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
+    const PASS: &str = "fold";
+    let mut r = PassReport::new(PASS);
+    for id in g.node_ids() {
+        let Op::FakeQuant { spec } = g.node(id).op else { continue };
+        let w = g.operands(id)[0];
+        if g.input_kind(w) != Some(InputKind::Frozen) {
+            continue;
+        }
+        let name = g.node(w).name.clone().unwrap_or_default();
+        let dims = g.ty(w).shape.dims().to_vec();
+        let (n_in, n_out) = (dims[0], dims[1]);
+        let groups = n_in / spec.group_for(n_in);
+        let (cn, sn, zn) = storage_names(&name);
+        let codes = g.input(cn, InputKind::Frozen, spec.code_dtype(), [n_in, n_out]).in_pass(PASS)?;
+        let scales = g.input(sn, InputKind::Frozen, spec.scale_dtype(), [groups, n_out]).in_pass(PASS)?;
+        let mut ops = vec![codes, scales];
+        if spec.scheme.has_zero_point() {
+            ops.push(g.input(zn, InputKind::Frozen, DType::F32, Shape::new([groups, n_out])).in_pass(PASS)?);
+        }
+        let dq = g.add_node(Op::Dequantize { spec }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
+        g.replace_all_uses(id, dq);
+        r.count("weights", 1);
+        r.count("bytes_before", g.ty(w).bytes() as i64);
+        let after = g.ty(codes).bytes() + ops[1..].iter().map(|&o| g.ty(o).bytes()).sum::<usize>();
+        r.count("bytes_after", after as i64);
+    }
+    g.remove_dead(true);
+    Ok((g, r))
+}
