@@ -20,6 +20,8 @@ enum Cmd {
     Dump(cli::dump::Args),
     /// Fine-tune on a token file.
     Train(cli::train::Args),
+    /// Precision range test: the lowest bits per module that keep the loss within a threshold.
+    Prt(cli::prt::Args),
 }
 
 fn main() {
@@ -29,6 +31,7 @@ fn main() {
         Cmd::Eval(a) => cli::eval::run(a),
         Cmd::Dump(a) => cli::dump::run(a),
         Cmd::Train(a) => cli::train::run(a),
+        Cmd::Prt(a) => cli::prt::run(a),
     };
     if let Err(e) = r {
         // One line: the chain of causes joined, newlines folded.

@@ -5,6 +5,7 @@ pub mod compile;
 pub mod dump;
 pub mod eval;
 pub mod options;
+pub mod prt;
 pub mod train;
 
 use std::path::Path;
