@@ -7,6 +7,7 @@ SHELL := bash
 CARGO ?= cargo
 MODEL := examples/gpt2-shakespeare-small/model.safetensors
 VAL   := examples/shakespeare_val.bin
+TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
 .PHONY: all deps build demo test fmt bench clean
@@ -28,8 +29,8 @@ demo: build
 	$(QATC) eval $(MODEL) --data $(VAL) --batch 4 --seq 128 --batches 10
 	$(QATC) eval $(MODEL) --data $(VAL) --batch 4 --seq 128 --batches 10 --bits 4
 	@echo
-	@echo "== qatc train: 4-bit QAT + LoRA r=16, 20 steps on the interpreter (the loss falls)"
-	$(QATC) train $(MODEL) --data $(VAL) --batch 4 --seq 128 --steps 20 --bits 4 --lora r=16 --lr 2e-3 --out out/demo-adapter --log-json out/demo-train.jsonl
+	@echo "== qatc train: 4-bit QAT + LoRA r=16, 20 steps on the train split, on the interpreter (the loss falls)"
+	$(QATC) train $(MODEL) --data $(TRAIN) --batch 4 --seq 128 --steps 20 --bits 4 --lora r=16 --lr 2e-3 --out out/demo-adapter --log-json out/demo-train.jsonl
 	@echo
 	@echo "== qatc eval with the adapter"
 	$(QATC) eval $(MODEL) --data $(VAL) --batch 4 --seq 128 --batches 10 --bits 4 --adapter out/demo-adapter
