@@ -36,6 +36,10 @@ pub trait Float:
     fn sqrt(self) -> Self;
     fn tanh(self) -> Self;
     fn is_nan(self) -> bool;
+    fn abs(self) -> Self;
+    fn trunc(self) -> Self;
+    /// Round half to even: what torch.round, CUDA's rintf and the FPU default mode do.
+    fn round_ties_even(self) -> Self;
     /// Rounds to the nearest IEEE half value (what storing into an f16 buffer does).
     fn round_f16(self) -> Self;
     /// Rounds to the nearest bfloat16 value.
@@ -102,6 +106,18 @@ macro_rules! impl_float {
             #[inline]
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
+            }
+            #[inline]
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            #[inline]
+            fn trunc(self) -> Self {
+                <$t>::trunc(self)
+            }
+            #[inline]
+            fn round_ties_even(self) -> Self {
+                <$t>::round_ties_even(self)
             }
             #[inline]
             fn round_f16(self) -> Self {

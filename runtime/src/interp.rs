@@ -161,11 +161,11 @@ impl<T: Float> Interpreter<T> {
         })
     }
 
-    /// Evaluates the schedule positions in `want` (and what they need) and returns their values.
-    fn execute(&self, inputs: &HashMap<String, Value<T>>, want: &[usize]) -> Result<Vec<Value<T>>, RuntimeError> {
+    /// Which steps `want` needs, and the position of each value's last use (`usize::MAX` for the
+    /// wanted values, which are never freed).
+    fn plan(&self, want: &[usize]) -> (Vec<bool>, Vec<usize>) {
         let n = self.steps.len();
-        // Needed set: walk back from the wanted steps (the schedule is topological, so one
-        // reverse sweep sees every user before its operands).
+        // The schedule is topological, so one reverse sweep sees every user before its operands.
         let mut needed = vec![false; n];
         for &w in want {
             needed[w] = true;
@@ -177,7 +177,6 @@ impl<T: Float> Interpreter<T> {
                 }
             }
         }
-        // Last use of each value; wanted values are never freed.
         let mut last_use: Vec<usize> = vec![0; n];
         for (i, s) in self.steps.iter().enumerate() {
             if needed[i] {
@@ -189,8 +188,21 @@ impl<T: Float> Interpreter<T> {
         for &w in want {
             last_use[w] = usize::MAX;
         }
+        (needed, last_use)
+    }
 
+    /// Evaluates the schedule positions in `want` (and what they need) and returns their values.
+    fn execute(&self, inputs: &HashMap<String, Value<T>>, want: &[usize]) -> Result<Vec<Value<T>>, RuntimeError> {
+        self.execute_counting(inputs, want).map(|(v, _)| v)
+    }
+
+    /// `execute`, also returning the most values held at once (what freeing after last use keeps
+    /// small; checked by the tests).
+    fn execute_counting(&self, inputs: &HashMap<String, Value<T>>, want: &[usize]) -> Result<(Vec<Value<T>>, usize), RuntimeError> {
+        let n = self.steps.len();
+        let (needed, last_use) = self.plan(want);
         let mut vals: Vec<Option<Cow<'_, Value<T>>>> = (0..n).map(|_| None).collect();
+        let (mut live, mut peak) = (0usize, 0usize);
         for i in 0..n {
             if !needed[i] {
                 continue;
@@ -209,17 +221,50 @@ impl<T: Float> Interpreter<T> {
                 Cow::Owned(eval(&step.op, &step.ty, &args).map_err(|m| self.node_err(i, m))?)
             };
             vals[i] = Some(v);
+            live += 1;
+            peak = peak.max(live);
             for &o in &step.operands {
-                if last_use[o] == i {
-                    vals[o] = None;
+                if last_use[o] == i && vals[o].take().is_some() {
+                    live -= 1;
                 }
             }
         }
-        want.iter()
+        let out = want
+            .iter()
             .map(|&w| match &vals[w] {
                 Some(v) => Ok(v.clone().into_owned()),
                 None => Err(self.node_err(w, "was not computed".into())),
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((out, peak))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qatc_ir::UnaryOp;
+
+    /// A chain x -> neg -> neg -> ... holds two values at a time however long it is, and a node
+    /// no output reaches is neither computed nor needs its input.
+    #[test]
+    fn values_are_freed_after_their_last_use() {
+        let mut g = Graph::new("chain");
+        let x = g.input("x", InputKind::Data, DType::F32, [4]).unwrap();
+        let unused = g.input("unused", InputKind::Data, DType::F32, [4]).unwrap();
+        g.add(Op::Unary(UnaryOp::Log), &[unused]).unwrap();
+        let mut y = x;
+        for _ in 0..50 {
+            y = g.add(Op::Unary(UnaryOp::Neg), &[y]).unwrap();
+        }
+        // x is used twice, early and at the end, so it stays live throughout: 3 at peak.
+        let z = g.add(Op::Binary(qatc_ir::BinaryOp::Add), &[y, x]).unwrap();
+        g.set_output("z", z).unwrap();
+        let interp = Interpreter::<f32>::new(&g).unwrap();
+        let inputs = HashMap::from([("x".to_string(), Value::floats([4], &[1.0, 2.0, 3.0, 4.0]).unwrap())]);
+        let want = vec![interp.pos_of[&z]];
+        let (out, peak) = interp.execute_counting(&inputs, &want).unwrap();
+        assert_eq!(out[0], Value::floats([4], &[2.0, 4.0, 6.0, 8.0]).unwrap());
+        assert_eq!(peak, 3);
     }
 }

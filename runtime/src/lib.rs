@@ -25,7 +25,10 @@
 //! Semantics worth knowing beyond the op docs in `qatc_ir::op`:
 //! - matmul runs on matrixmultiply's sgemm/dgemm (threaded); transposed operands are strides.
 //! - max/min propagate NaN. Float-to-integer casts truncate toward zero and saturate at the
-//!   target's range (i32; u8 0..=255; i4 -8..=7), NaN becoming 0.
+//!   target's range (i32; u8 0..=255; i4 0..=15, codes being unsigned), NaN becoming 0.
+//! - fake_quant, dequantize and act_quant run in f32 whatever `T` ([`quant`]: one code path, so
+//!   Dequantize of stored codes equals FakeQuant bit for bit); dropout masks come from
+//!   [`quant::dropout_keep`].
 //! - gather/scatter_add ids and cross-entropy targets out of range are errors naming the node.
 //! - adam_param forms its scalar factors (bias corrections, lr/bc1) in f64, as PyTorch does with
 //!   Python floats, and applies them in `T`.

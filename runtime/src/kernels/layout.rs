@@ -95,7 +95,7 @@ pub fn sum_to<T: Float>(in_shape: &[usize], x: &[T], out_shape: &[usize]) -> Res
     Ok(out)
 }
 
-/// out.dims[i] = in.dims[perm[i]]
+/// `out.dims[i] = in.dims[perm[i]]`
 pub fn transpose<E: Copy>(in_shape: &[usize], x: &[E], perm: &[usize]) -> Result<Vec<E>, String> {
     expect_len("operand", x.len(), in_shape.iter().product())?;
     if perm.len() != in_shape.len() || perm.iter().any(|&p| p >= in_shape.len()) {

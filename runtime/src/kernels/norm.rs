@@ -29,7 +29,7 @@ fn check<T>(x: &[T], c: usize, gamma: &[T]) -> Result<(), String> {
     Ok(())
 }
 
-/// (x [.., C], gamma [C], beta [C]) -> xhat * gamma + beta, row-wise over C.
+/// `(x [.., C], gamma [C], beta [C]) -> xhat * gamma + beta`, row-wise over C.
 pub fn layernorm<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64) -> Result<Vec<T>, String> {
     let c = gamma.len();
     check(x, c, gamma)?;
@@ -77,7 +77,7 @@ pub fn layernorm_grad_x<T: Float>(x: &[T], gamma: &[T], dy: &[T], eps: f64) -> R
     Ok(out)
 }
 
-/// dgamma [C] = sum over rows of dy * xhat.
+/// `dgamma [C]` = sum over rows of dy * xhat.
 pub fn layernorm_grad_gamma<T: Float>(x: &[T], dy: &[T], c: usize, eps: f64) -> Result<Vec<T>, String> {
     if c == 0 || !x.len().is_multiple_of(c) {
         return Err(format!("x holds {} elements, not whole rows of {c}", x.len()));

@@ -99,7 +99,7 @@ fn check_nv<T>(logits: &[T], targets: &[i32], v: usize) -> Result<(), String> {
     expect_len("logits", logits.len(), targets.len() * v)
 }
 
-/// (logits [N, V], targets [N]) -> mean over rows of logsumexp(row) - row[target].
+/// `(logits [N, V], targets [N]) -> mean over rows of logsumexp(row) - row[target]`.
 pub fn cross_entropy<T: Float>(logits: &[T], targets: &[i32], v: usize) -> Result<T, String> {
     check_nv(logits, targets, v)?;
     if v == 0 || targets.is_empty() {

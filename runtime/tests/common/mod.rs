@@ -30,11 +30,13 @@ impl Rng {
     }
 }
 
-/// A test operand: float (f32 dtype in the graph) or i32.
+/// A test operand: float (f32 dtype in the graph) or i32, or either with an explicit dtype.
 #[derive(Clone, Debug)]
 pub enum In {
     F(Vec<usize>, Vec<f64>),
     I(Vec<usize>, Vec<i32>),
+    FD(DType, Vec<usize>, Vec<f64>),
+    ID(DType, Vec<usize>, Vec<i32>),
 }
 
 impl In {
@@ -46,8 +48,8 @@ impl In {
     }
     pub fn value<T: Float>(&self) -> Value<T> {
         match self {
-            In::F(s, d) => Value::floats(s.clone(), d).unwrap(),
-            In::I(s, d) => Value::ints(s.clone(), d.clone()).unwrap(),
+            In::F(s, d) | In::FD(_, s, d) => Value::floats(s.clone(), d).unwrap(),
+            In::I(s, d) | In::ID(_, s, d) => Value::ints(s.clone(), d.clone()).unwrap(),
         }
     }
 }
@@ -61,6 +63,7 @@ pub fn op_graph(op: Op, ins: &[In]) -> (Graph, NodeId) {
         .map(|(i, a)| match a {
             In::F(s, _) => g.input(format!("a{i}"), InputKind::Data, DType::F32, s.clone()).unwrap(),
             In::I(s, _) => g.input(format!("a{i}"), InputKind::Data, DType::I32, s.clone()).unwrap(),
+            In::FD(d, s, _) | In::ID(d, s, _) => g.input(format!("a{i}"), InputKind::Data, *d, s.clone()).unwrap(),
         })
         .collect();
     let y = g.add(op, &ids).unwrap();
