@@ -305,6 +305,8 @@ impl Graph {
     pub fn remove_dead(&mut self, drop_inputs: bool) -> usize {
         let mut live = vec![false; self.g.node_bound()];
         let mut stack: Vec<NodeId> = self.outputs.iter().map(|o| o.node).collect();
+        // an input that an update writes is part of the step's state even if nothing reads it
+        stack.extend(self.outputs.iter().filter(|o| o.update).filter_map(|o| self.inputs.get(&o.name).copied()));
         while let Some(n) = stack.pop() {
             if std::mem::replace(&mut live[n.index()], true) {
                 continue;

@@ -42,7 +42,7 @@ pub fn broadcasts_to(from: &Shape, to: &Shape) -> bool {
 }
 
 fn vector_of(t: &TensorType, c: usize, what: &str) -> Result<(), InferError> {
-    if t.shape.0 == [c] {
+    if t.shape.0 == [c] && t.dtype.is_float() {
         Ok(())
     } else {
         Err(format!("{what} must be [{c}], got {t}"))
@@ -179,6 +179,8 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             if let Op::LayerNorm { .. } = op {
                 vector_of(ins[1], c, "gamma")?;
                 vector_of(ins[2], c, "beta")?;
+                same(&TensorType::new(x.dtype, [c]), &TensorType::new(ins[1].dtype, [c]), "x and gamma")?;
+                same(&TensorType::new(x.dtype, [c]), &TensorType::new(ins[2].dtype, [c]), "x and beta")?;
             } else {
                 vector_of(ins[1], c, "gamma")?;
                 same(x, ins[2], "x and dy")?;
@@ -212,6 +214,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
                 return Err(format!("cross_entropy needs logits [N, V] and targets [N]: {logits}, {targets}"));
             }
             if let Op::CrossEntropyGrad = op {
+                float(ins[2], "dloss")?;
                 if ins[2].shape.rank() != 0 {
                     return Err(format!("dloss must be a scalar, got {}", ins[2]));
                 }

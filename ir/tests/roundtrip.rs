@@ -21,8 +21,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use qatc_ir::infer::broadcasts_to;
 use qatc_ir::{
-    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape, TensorType,
-    UnaryOp,
+    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape,
+    TensorType, UnaryOp,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -614,8 +614,8 @@ impl<'a> Builder<'a> {
         let group = if scheme == QuantScheme::Q4_0 || self.ch.flip() {
             group
         } else {
-            // Any divisor of n_in (0 stands for one group per column).
-            let divisors: Vec<usize> = (1..=n_in).filter(|d| n_in % d == 0).collect();
+            // An explicit divisor of n_in instead of 0 (one group per column).
+            let divisors: Vec<usize> = (1..=n_in).filter(|d| n_in.is_multiple_of(*d)).collect();
             self.ch.pick(&divisors)
         };
         QuantSpec { bits, group, scheme }

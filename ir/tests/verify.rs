@@ -32,7 +32,11 @@ fn matmul_inner_dim_mismatch_names_the_node() {
     let mut g = Graph::new("t");
     let a = f32_in(&mut g, "a", &[2, 3]);
     let b = f32_in(&mut g, "b", &[4, 5]);
-    type_err(g.add_named(Op::MatMul { ta: false, tb: false }, &[a, b], "h.0.attn.qk"), "\"h.0.attn.qk\" (matmul)", "inner dims differ (3 vs 4)");
+    type_err(
+        g.add_named(Op::MatMul { ta: false, tb: false }, &[a, b], "h.0.attn.qk"),
+        "\"h.0.attn.qk\" (matmul)",
+        "inner dims differ (3 vs 4)",
+    );
     // Unnamed nodes are named by their op.
     type_err(g.add(Op::MatMul { ta: false, tb: false }, &[a, b]), "new matmul", "inner dims differ");
     // Transposed reads change which dims must agree: a^T [3, 2] x b^T [5, 4]: 2 vs 5.
@@ -120,7 +124,11 @@ fn nn_op_type_errors() {
     type_err(g.add(Op::ScatterAdd { rows: 10 }, &[ids, dy]), "scatter_add", "plus a channel dim");
     let c3 = f32_in(&mut g, "c3", &[3]);
     let c4 = f32_in(&mut g, "c4", &[4]);
-    type_err(g.add_named(Op::LayerNorm { eps: 1e-5 }, &[x, c3, c4], "ln_1"), "\"ln_1\" (layernorm)", "gamma must be [4]");
+    type_err(
+        g.add_named(Op::LayerNorm { eps: 1e-5 }, &[x, c3, c4], "ln_1"),
+        "\"ln_1\" (layernorm)",
+        "gamma must be [4]",
+    );
     type_err(g.add(Op::LayerNorm { eps: 1e-5 }, &[x, c4, c3]), "layernorm", "beta must be [4]");
     let s = f32_in(&mut g, "s", &[]);
     type_err(g.add(Op::LayerNorm { eps: 1e-5 }, &[s, s, s]), "layernorm", "scalar");
@@ -136,9 +144,17 @@ fn nn_op_type_errors() {
     type_err(g.add(Op::CrossEntropy, &[logits, logits]), "cross_entropy", "targets must be i32");
     type_err(g.add(Op::CrossEntropyGrad, &[logits, t6, c4]), "cross_entropy_grad", "dloss must be a scalar");
     let p = f32_in(&mut g, "p", &[4]);
-    type_err(g.add(Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &[p, p, p, c4, s]), "adam_param", "lr must be a float scalar");
+    type_err(
+        g.add(Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &[p, p, p, c4, s]),
+        "adam_param",
+        "lr must be a float scalar",
+    );
     let si = i32_in(&mut g, "si", &[]);
-    type_err(g.add(Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &[p, p, p, s, si]), "adam_param", "step must be a float scalar");
+    type_err(
+        g.add(Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &[p, p, p, s, si]),
+        "adam_param",
+        "step must be a float scalar",
+    );
     // Valid ones.
     let e = g.add(Op::Gather, &[table, ids]).expect("gather");
     assert_eq!(g.ty(e).shape, Shape::new([2, 3, 4]));
@@ -156,13 +172,19 @@ fn quantization_op_type_errors() {
     let w = f32_in(&mut g, "w", &[64, 8]);
     let v = f32_in(&mut g, "v", &[64]);
     let fq = |s| Op::FakeQuant { spec: s };
-    type_err(g.add_named(fq(spec(4, 24, QuantScheme::Sym)), &[w], "c_attn.fq"), "\"c_attn.fq\" (fake_quant)", "group 24 does not divide the input dimension 64");
+    type_err(
+        g.add_named(fq(spec(4, 24, QuantScheme::Sym)), &[w], "c_attn.fq"),
+        "\"c_attn.fq\" (fake_quant)",
+        "group 24 does not divide the input dimension 64",
+    );
     type_err(g.add(fq(spec(9, 0, QuantScheme::Sym)), &[w]), "fake_quant", "bits must be 2..8");
     type_err(g.add(fq(spec(1, 0, QuantScheme::Asym)), &[w]), "fake_quant", "bits must be 2..8");
     type_err(g.add(fq(spec(3, 0, QuantScheme::Nf4)), &[w]), "fake_quant", "nf4 needs 4 bits");
     type_err(g.add(fq(spec(4, 16, QuantScheme::Q4_0)), &[w]), "fake_quant", "q4_0 needs 4 bits and group 32");
     type_err(g.add(fq(spec(4, 0, QuantScheme::Sym)), &[v]), "fake_quant", "weight [in, out]");
-    for (bits, group, scheme) in [(4, 0, QuantScheme::Sym), (8, 16, QuantScheme::Asym), (4, 64, QuantScheme::Nf4), (4, 32, QuantScheme::Q4_0)] {
+    for (bits, group, scheme) in
+        [(4, 0, QuantScheme::Sym), (8, 16, QuantScheme::Asym), (4, 64, QuantScheme::Nf4), (4, 32, QuantScheme::Q4_0)]
+    {
         g.add(fq(spec(bits, group, scheme)), &[w]).expect("valid fake_quant");
     }
     // Dequantize: operand count by scheme, code and scale dtypes and shapes.
@@ -180,7 +202,11 @@ fn quantization_op_type_errors() {
     type_err(g.add(dq(spec(8, 32, QuantScheme::Sym)), &[codes4, s2]), "dequantize", "codes must be u8[in, out]");
     type_err(g.add(dq(spec(4, 16, QuantScheme::Sym)), &[codes4, s2]), "dequantize", "scales must be f32[4, 8]");
     type_err(g.add(dq(spec(4, 32, QuantScheme::Q4_0)), &[codes4, s2]), "dequantize", "scales must be f16[2, 8]");
-    type_err(g.add(dq(spec(8, 16, QuantScheme::Asym)), &[codes8, s4, s2]), "dequantize", "zero points must be f32[4, 8]");
+    type_err(
+        g.add(dq(spec(8, 16, QuantScheme::Asym)), &[codes8, s4, s2]),
+        "dequantize",
+        "zero points must be f32[4, 8]",
+    );
     // ActQuant and Dropout.
     type_err(g.add(Op::ActQuant { bits: 9 }, &[w]), "act_quant", "bits 2..8");
     let sc = f32_in(&mut g, "sc", &[]);
@@ -196,7 +222,11 @@ fn quantization_op_type_errors() {
 #[test]
 fn leaves_and_ids_are_checked() {
     let mut g = Graph::new("t");
-    type_err(g.add(Op::Input { kind: InputKind::Data, dtype: DType::F32, shape: Shape::new([2]) }, &[]), "new input", "must be named");
+    type_err(
+        g.add(Op::Input { kind: InputKind::Data, dtype: DType::F32, shape: Shape::new([2]) }, &[]),
+        "new input",
+        "must be named",
+    );
     g.input("x", InputKind::Frozen, DType::F32, [2]).expect("input");
     assert_eq!(g.input("x", InputKind::Data, DType::I32, [3]), Err(IrError::DuplicateInput("x".into())));
     // An operand id this graph never handed out.
@@ -280,9 +310,17 @@ fn parser_errors_carry_the_line() {
     parse_err(&format!("{HEAD}  %1 = neg(%0) : f64[2, 3]\n}}\n"), 3, "unknown dtype `f64`");
     parse_err(&format!("{HEAD}  %1 = input[kind=data] : q8[2] \"q\"\n}}\n"), 3, "unknown dtype `q8`");
     parse_err(&format!("{HEAD}  %1 = cast[to=f8](%0) : f32[2, 3]\n}}\n"), 3, "unknown dtype `f8`");
-    parse_err(&format!("{HEAD}  %1 = neg(%2) : f32[2, 3]\n  %2 = neg(%0) : f32[2, 3]\n}}\n"), 3, "%2 is used before it is defined");
+    parse_err(
+        &format!("{HEAD}  %1 = neg(%2) : f32[2, 3]\n  %2 = neg(%0) : f32[2, 3]\n}}\n"),
+        3,
+        "%2 is used before it is defined",
+    );
     parse_err(&format!("{HEAD}  output \"y\" = %7\n}}\n"), 3, "%7 is used before it is defined");
-    parse_err(&format!("{HEAD}  %1 = neg(%0) : f32[3, 2]\n}}\n"), 3, "written type f32[3, 2] but the op computes f32[2, 3]");
+    parse_err(
+        &format!("{HEAD}  %1 = neg(%0) : f32[3, 2]\n}}\n"),
+        3,
+        "written type f32[3, 2] but the op computes f32[2, 3]",
+    );
     parse_err(&format!("{HEAD}  %1 = neg(%0) : f16[2, 3]\n}}\n"), 3, "written type f16[2, 3]");
     parse_err(&format!("{HEAD}  %1 = input[kind=frozen] : f32[4] \"x\"\n}}\n"), 3, "input \"x\" is declared twice");
     parse_err(&format!("{HEAD}  %1 = neg(%0) : f32[2, 3]\n"), 3, "missing closing `}`");
@@ -300,10 +338,23 @@ fn parser_errors_carry_the_line() {
     parse_err(&format!("{HEAD}  update \"x\" = %0\n}}\n"), 3, "not a trainable or state input");
     parse_err(&format!("{HEAD}  output \"y\" = %0\n  output \"y\" = %0\n}}\n"), 4, "declared twice");
     let w = "  %1 = input[kind=frozen] : f32[64, 8] \"w\"\n";
-    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=0, scheme=int4](%1) : f32[64, 8]\n}}\n"), 4, "unknown quant scheme `int4`");
-    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=300, group=0, scheme=sym](%1) : f32[64, 8]\n}}\n"), 4, "bits 300 out of range");
-    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=7, scheme=sym](%1) : f32[64, 8]\n}}\n"), 4, "group 7 does not divide");
-    parse(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=32, scheme=q4_0](%1) : f32[64, 8]\n}}\n")).expect("valid fake_quant");
+    parse_err(
+        &format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=0, scheme=int4](%1) : f32[64, 8]\n}}\n"),
+        4,
+        "unknown quant scheme `int4`",
+    );
+    parse_err(
+        &format!("{HEAD}{w}  %2 = fake_quant[bits=300, group=0, scheme=sym](%1) : f32[64, 8]\n}}\n"),
+        4,
+        "bits 300 out of range",
+    );
+    parse_err(
+        &format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=7, scheme=sym](%1) : f32[64, 8]\n}}\n"),
+        4,
+        "group 7 does not divide",
+    );
+    parse(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=32, scheme=q4_0](%1) : f32[64, 8]\n}}\n"))
+        .expect("valid fake_quant");
     parse_err("", 1, "empty input");
     parse_err("grph \"p\" {\n}\n", 1, "expected `graph`");
     // Blank and comment lines are skipped but still counted.
@@ -498,7 +549,6 @@ fn remove_dead_removes_exactly_the_unused() {
 }
 
 #[test]
-#[ignore = "bug: remove_dead(true) drops an update's target input when no output reads it (see report)"]
 fn remove_dead_keeps_update_targets() {
     // The state "step" is written by an update but read by nothing; its input is still the
     // update's target, so dropping it leaves an update that no longer verifies.

@@ -18,6 +18,13 @@
 //! those values are rounded to 8-11 significant bits, so a difference with h = 1e-6 measures the
 //! rounding steps, not the derivative. The cast rule is checked on f32 -> f32, where it is exact.
 //! Inputs are drawn away from the kinks and poles of the ops (log, sqrt, rsqrt, recip, div near 0).
+//!
+//! Dropout is linear in x for a fixed seed, so it is finite-difference checked like the rest.
+//! FakeQuant and ActQuant round (derivative 0 almost everywhere) and their rule is the
+//! straight-through estimator by definition, so they are checked against the same graph without
+//! the op instead (see `check_straight_through`). Ops with no rule must fail with
+//! `PassError::NoRule` when a trainable input reaches them. `covering_test` is an exhaustive
+//! match over the op set, so an op added to the IR fails to compile here until it is placed.
 
 use std::collections::HashMap;
 
@@ -74,7 +81,14 @@ struct Case {
 
 impl Case {
     fn new(name: &str, seed: u64) -> Case {
-        Case { name: name.into(), g: Graph::new(name), rng: Rng(seed), vals: HashMap::new(), trainable: Vec::new(), tamper: None }
+        Case {
+            name: name.into(),
+            g: Graph::new(name),
+            rng: Rng(seed),
+            vals: HashMap::new(),
+            trainable: Vec::new(),
+            tamper: None,
+        }
     }
 
     fn values(&mut self, n: usize, d: Dist) -> Vec<f64> {
@@ -146,16 +160,32 @@ impl Case {
         self.g.set_output("loss", loss).expect("loss output");
     }
 
-    /// Closes the graph on `y`, differentiates it and compares every gradient element with
-    /// central differences. Returns the autodiff graph for further structural checks.
-    fn check(mut self, y: NodeId) -> Graph {
-        self.finish(y);
-        let name = self.name.clone();
+    /// Differentiates the finished graph and evaluates it (loss and gradients) in f64.
+    fn analytic(&self) -> (Graph, HashMap<String, Value<f64>>) {
+        let name = &self.name;
         let (ad, _report) = autodiff(self.g.clone()).unwrap_or_else(|e| panic!("{name}: autodiff failed: {e}"));
         verify(&ad).unwrap_or_else(|e| panic!("{name}: the autodiff graph does not verify: {e}"));
-        let analytic = Interpreter::<f64>::new(&ad)
+        let out = Interpreter::<f64>::new(&ad)
             .and_then(|i| i.run(&self.vals))
             .unwrap_or_else(|e| panic!("{name}: running the gradient graph: {e}"));
+        (ad, out)
+    }
+
+    /// Closes the graph on `y`, differentiates it and compares every gradient element with
+    /// central differences. Returns the autodiff graph for further structural checks.
+    fn check(self, y: NodeId) -> Graph {
+        self.check_values(y).0
+    }
+
+    /// `check`, also returning the autodiff graph's outputs.
+    fn check_values(mut self, y: NodeId) -> (Graph, HashMap<String, Value<f64>>) {
+        self.finish(y);
+        self.check_finished()
+    }
+
+    fn check_finished(self) -> (Graph, HashMap<String, Value<f64>>) {
+        let name = self.name.clone();
+        let (ad, analytic) = self.analytic();
         let forward = Interpreter::<f64>::new(&self.g).unwrap_or_else(|e| panic!("{name}: {e}"));
         let loss_at = |vals: &HashMap<String, Value<f64>>| -> f64 {
             let out = forward.run(vals).unwrap_or_else(|e| panic!("{name}: forward run: {e}"));
@@ -198,13 +228,54 @@ impl Case {
                 );
             }
         }
-        ad
+        (ad, analytic)
     }
 }
 
 /// Counts of a mnemonic in a graph.
 fn count(g: &Graph, mnemonic: &str) -> usize {
     g.op_counts().get(mnemonic).copied().unwrap_or(0)
+}
+
+/// Where each op's rule is checked. Exhaustive on purpose (no wildcard).
+fn covering_test(op: &Op) -> &'static str {
+    match op {
+        Op::Input { .. } | Op::Const { .. } => "every test (leaves)",
+        Op::Unary(_) => "unary_ops",
+        Op::Binary(BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div) => "binary_ops",
+        Op::Binary(BinaryOp::Max | BinaryOp::Min | BinaryOp::GeluGrad) => "ops_without_a_rule_report_no_rule",
+        Op::Affine { .. } => "affine",
+        Op::Cast { .. } => "cast_f32_to_f32",
+        Op::Broadcast { .. } => "broadcast",
+        Op::SumTo { .. } => "sum_to",
+        Op::Reshape { .. } => "reshape",
+        Op::Transpose { .. } => "transpose",
+        Op::Slice { .. } => "slice_with_padding_at_start_middle_and_end",
+        Op::Concat { .. } => "concat",
+        Op::MatMul { .. } => "matmul_all_transpose_combinations_with_batch_dims",
+        Op::Gather => "gather_with_repeated_ids",
+        Op::LayerNorm { .. } => "layernorm_each_operand",
+        Op::Softmax { .. } => "softmax_plain_causal_and_scaled",
+        Op::CrossEntropy => "cross_entropy_wrt_logits",
+        Op::Dropout { .. } => "dropout_applies_the_same_mask_backward",
+        Op::FakeQuant { .. } => "fake_quant_is_straight_through",
+        Op::ActQuant { .. } => "act_quant_is_straight_through",
+        Op::Dequantize { .. }
+        | Op::ScatterAdd { .. }
+        | Op::LayerNormGradX { .. }
+        | Op::LayerNormGradGamma { .. }
+        | Op::SoftmaxGrad { .. }
+        | Op::CrossEntropyGrad
+        | Op::AdamM { .. }
+        | Op::AdamV { .. }
+        | Op::AdamParam { .. } => "ops_without_a_rule_report_no_rule",
+    }
+}
+
+#[test]
+fn every_op_has_a_covering_test() {
+    // The real check is that `covering_test` compiles; this keeps it from being dead code.
+    assert_eq!(covering_test(&Op::Gather), "gather_with_repeated_ids");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,7 +342,10 @@ fn binary_ops_with_one_side_frozen() {
     // Only the trainable side wants a gradient; the rule must still be right for it.
     for (k, b) in [BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div].into_iter().enumerate() {
         for trainable_lhs in [true, false] {
-            let mut c = Case::new(&format!("{b:?} lhs-trainable={trainable_lhs}"), 250 + 2 * k as u64 + u64::from(trainable_lhs));
+            let mut c = Case::new(
+                &format!("{b:?} lhs-trainable={trainable_lhs}"),
+                250 + 2 * k as u64 + u64::from(trainable_lhs),
+            );
             let (x, y) = if trainable_lhs {
                 (c.param("a", &[7], ANY), c.frozen("b", &[7], Dist::AwayFromZero(0.5, 2.0)))
             } else {
@@ -369,7 +443,9 @@ fn reshape() {
 #[test]
 fn transpose() {
     // Non-involutive permutations, so perm and its inverse differ.
-    for (k, perm) in [vec![2, 0, 1], vec![1, 2, 0], vec![1, 0, 2], vec![0, 1, 2], vec![3, 1, 0, 2]].into_iter().enumerate() {
+    for (k, perm) in
+        [vec![2, 0, 1], vec![1, 2, 0], vec![1, 0, 2], vec![0, 1, 2], vec![3, 1, 0, 2]].into_iter().enumerate()
+    {
         let shape: &[usize] = if perm.len() == 4 { &[2, 3, 1, 5] } else { &[2, 3, 5] };
         let mut c = Case::new(&format!("transpose {perm:?}"), 800 + k as u64);
         let x = c.param("x", shape, ANY);
@@ -382,17 +458,7 @@ fn transpose() {
 fn slice_with_padding_at_start_middle_and_end() {
     // x [4, 5, 3]: slices whose backward pads at the end only, both sides, the start only, and
     // none; along each axis.
-    let cases = [
-        (1, 0, 2),
-        (1, 1, 3),
-        (1, 3, 5),
-        (1, 0, 5),
-        (0, 1, 4),
-        (0, 3, 4),
-        (2, 0, 1),
-        (2, 1, 2),
-        (2, 2, 3),
-    ];
+    let cases = [(1, 0, 2), (1, 1, 3), (1, 3, 5), (1, 0, 5), (0, 1, 4), (0, 3, 4), (2, 0, 1), (2, 1, 2), (2, 2, 3)];
     for (k, (axis, start, end)) in cases.into_iter().enumerate() {
         let mut c = Case::new(&format!("slice axis {axis} [{start}, {end})"), 900 + k as u64);
         let x = c.param("x", &[4, 5, 3], ANY);
@@ -611,7 +677,108 @@ fn transformer_block_chain() {
     let logits = c.mm(false, true, h, wte);
     let loss = c.op(Op::CrossEntropy, &[logits, targets]);
     let ad = c.check(loss);
-    assert!(ad.op_counts().get("scatter_add").is_some());
+    assert_eq!(count(&ad, "scatter_add"), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantization and dropout.
+
+#[test]
+fn dropout_applies_the_same_mask_backward() {
+    // For a fixed seed dropout is linear in x, so finite differences apply exactly. tanh around
+    // it makes the gradient depend on where the mask sits.
+    for (k, (p, stream, seed)) in [(0.3, 2, 42), (0.5, 0, -7), (0.0, 1, 3)].into_iter().enumerate() {
+        let mut c = Case::new(&format!("dropout p={p} stream={stream} seed={seed}"), 2000 + k as u64);
+        let x = c.param("x", &[4, 7], ANY);
+        let s = c.ids("seed", &[], &[seed]);
+        let t = c.un(UnaryOp::Tanh, x);
+        let d = c.op(Op::Dropout { p, stream }, &[t, s]);
+        let y = c.un(UnaryOp::Square, d);
+        let (ad, out) = c.check_values(y);
+        assert_eq!(count(&ad, "dropout"), 2, "forward and backward");
+        let gx = &out["grad:x"].as_float().expect("float").data;
+        let zeros = gx.iter().filter(|&&v| v == 0.0).count();
+        if p == 0.0 {
+            assert_eq!(zeros, 0);
+        } else {
+            // 28 elements: a mask that keeps all or none would mean the check tested nothing.
+            assert!(zeros > 0 && zeros < gx.len(), "p={p}: {zeros} of {} dropped", gx.len());
+        }
+    }
+}
+
+/// A straight-through op: the gradient passes through unchanged, so (with the op applied where
+/// the incoming gradient does not depend on its output value) autodiff must give exactly the
+/// gradient of the same graph without the op, which is itself finite-difference checked. The
+/// op's own derivative is 0 almost everywhere (it rounds), so finite differences of the graph
+/// with the op would say nothing about the estimator.
+fn check_straight_through(name: &str, seed: u64, build: impl Fn(&mut Case, bool) -> NodeId) {
+    let mut with = Case::new(name, seed);
+    let y = build(&mut with, true);
+    with.finish(y);
+    let mut without = Case::new(name, seed);
+    let y = build(&mut without, false);
+    without.finish(y);
+    assert_eq!(with.vals, without.vals, "{name}: both graphs see the same values");
+    let (_, a) = with.analytic();
+    let (_, b) = without.analytic();
+    // The op does something: the forward losses differ.
+    let (la, lb) = (a["loss"].item().expect("loss"), b["loss"].item().expect("loss"));
+    assert!(la != lb, "{name}: the straight-through op did not change the loss ({la})");
+    for p in &with.trainable {
+        let gname = grad_name(p);
+        let (ga, gb) = (a[&gname].as_float().expect("float"), b[&gname].as_float().expect("float"));
+        assert_eq!(ga.shape, gb.shape);
+        for (i, (x, y)) in ga.data.iter().zip(&gb.data).enumerate() {
+            assert!((x - y).abs() <= 1e-12 * y.abs().max(1.0), "{name}: {gname}[{i}]: {x} with the op, {y} without");
+        }
+    }
+    without.check_finished();
+}
+
+#[test]
+fn fake_quant_is_straight_through() {
+    use qatc_ir::{QuantScheme, QuantSpec};
+    let specs = [
+        (QuantSpec { bits: 4, group: 8, scheme: QuantScheme::Sym }, 16),
+        (QuantSpec { bits: 3, group: 0, scheme: QuantScheme::Asym }, 16),
+        (QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Nf4 }, 16),
+        (QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 }, 32),
+    ];
+    for (k, (spec, n_in)) in specs.into_iter().enumerate() {
+        // As the last op before the weighting: d loss / d fq(t) = w whatever fq(t) is.
+        check_straight_through(&format!("fake_quant {spec:?} last"), 2100 + k as u64, |c, ste| {
+            let w = c.param("W", &[n_in, 3], ANY);
+            let t = c.un(UnaryOp::Tanh, w);
+            if ste {
+                c.op(Op::FakeQuant { spec }, &[t])
+            } else {
+                t
+            }
+        });
+        // As a LoRA base weight is used: x @ fq(W), linear in the quantized weight.
+        check_straight_through(&format!("fake_quant {spec:?} in matmul"), 2200 + k as u64, |c, ste| {
+            let x = c.frozen("x", &[5, n_in], ANY);
+            let w = c.param("W", &[n_in, 3], ANY);
+            let w = if ste { c.op(Op::FakeQuant { spec }, &[w]) } else { w };
+            c.mm(false, false, x, w)
+        });
+    }
+}
+
+#[test]
+fn act_quant_is_straight_through() {
+    for (k, bits) in [2u8, 4, 8].into_iter().enumerate() {
+        check_straight_through(&format!("act_quant {bits} bits"), 2300 + k as u64, |c, ste| {
+            let x = c.param("x", &[3, 8], ANY);
+            let t = c.un(UnaryOp::Tanh, x);
+            if ste {
+                c.op(Op::ActQuant { bits }, &[t])
+            } else {
+                t
+            }
+        });
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -669,6 +836,12 @@ fn ops_without_a_rule_report_no_rule() {
         let t = c.ids("t", &[3], &[0, 1, 3]);
         let dl = c.frozen("dl", &[], ANY);
         c.op(Op::CrossEntropyGrad, &[x, t, dl])
+    });
+    assert_no_rule("dequantize", |c, x| {
+        // Trainable scales [3, 4] of a sym 4-bit weight [6, 4] in groups of 2.
+        let codes = c.g.input("codes", InputKind::Data, DType::I4, [6, 4]).expect("input");
+        let spec = qatc_ir::QuantSpec { bits: 4, group: 2, scheme: qatc_ir::QuantScheme::Sym };
+        c.op(Op::Dequantize { spec }, &[codes, x])
     });
     assert_no_rule("adam_m", |c, x| {
         let m = c.frozen("m", &[3, 4], ANY);

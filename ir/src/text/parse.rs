@@ -273,7 +273,12 @@ fn parse_line(c: &mut Cur) -> R<Line> {
     if !c.rest().is_empty() {
         return Err(format!("unexpected `{}`", c.rest()));
     }
+    let keys: Vec<String> = attrs.keys().cloned().collect();
     let op = make_op(mn, &Attrs(attrs), &ty)?;
+    let known = op.attrs();
+    if let Some(k) = keys.iter().find(|k| !known.iter().any(|(n, _)| n == k)) {
+        return Err(format!("`{mn}` has no attribute `{k}`"));
+    }
     Ok(Line::Node { num, op, operands, ty, name })
 }
 

@@ -206,7 +206,12 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         // per-token absmax scaling never clips, so the whole range is "inside": straight through
         Op::ActQuant { .. } => c.each(|_, _| Ok(dy)),
         // the same deterministic mask on the way back: d dropout(x) = dropout(dy) (seed gets none)
-        Op::Dropout { p, stream } => c.each(|c, _| c.op(Op::Dropout { p: *p, stream: *stream }, &[dy, x[1]])),
+        Op::Dropout { p, stream } => c.each(|c, i| {
+            if i == 1 {
+                return Err(IrError::Type { node: "dropout seed".into(), msg: "an integer seed has no gradient".into() });
+            }
+            c.op(Op::Dropout { p: *p, stream: *stream }, &[dy, x[1]])
+        }),
 
         // packed codes are frozen storage; backward and optimizer ops are never differentiated
         Op::Dequantize { .. } => Err(no_rule()),
