@@ -183,3 +183,32 @@ fn merged_qat_starts_on_the_base_grid_and_trains_a_and_b() {
     assert_eq!(counts.get("fake_quant"), Some(&2), "c_attn of both layers stays fake-quantized (merged, not constant)");
     assert_eq!(counts.get("dequantize"), Some(&6), "the other six frozen linears fold");
 }
+
+/// The PEFT round trip. `tiny_qat/qatc_adapter/` is what `qatc train` wrote (3 steps, 4-bit sym
+/// g32 base, r 4, alpha 8, seed 0); `gen_qat_fixtures.py --check-adapter` loaded it with
+/// `PeftModel.from_pretrained` (no missing or unexpected keys) and recorded PEFT's eval loss in
+/// `qatc_adapter_peft_check.json`. This test regenerates the adapter: it must be byte-identical
+/// to the one PEFT loaded, and qatc's eval of it must equal PEFT's.
+#[test]
+fn the_adapter_qatc_writes_is_the_one_peft_loaded() {
+    let m = model();
+    let mut o = StepOptions::new(2, 16);
+    let mut lo = qatc_passes::lora::LoraOptions::new(4);
+    lo.alpha = 8.0;
+    o.model = model_options(&quant_args(4, 32, "sym"), Some(lo.clone()), false, true).unwrap();
+    let mut tr = Trainer::new(&m, o, None, 0).unwrap();
+    for s in 0..3 {
+        tr.step(&tokens(), s, 1e-3).unwrap();
+    }
+    let (cfg, st) = adapter::to_files(&lo, &tr.weights(), "tests/fixtures/tiny/f32_prefix/model.safetensors").unwrap();
+    let dir = common::fixture("tiny_qat/qatc_adapter");
+    assert_eq!(cfg, std::fs::read_to_string(dir.join("adapter_config.json")).unwrap());
+    assert!(st == std::fs::read(dir.join("adapter_model.safetensors")).unwrap(), "adapter bytes changed: rerun the PEFT check");
+    let peft = fixture_json("tiny_qat/qatc_adapter_peft_check.json");
+    assert_eq!(peft["loaded"], true);
+    assert_eq!(peft["warnings"].as_array().unwrap().len(), 0);
+    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&dir)).unwrap();
+    let ours = evaluate(&m, &tokens(), 2, 16, 3, &setup, false).unwrap().loss;
+    let theirs = peft["eval_loss"].as_f64().unwrap();
+    assert!((ours - theirs).abs() <= 1e-5, "qatc eval {ours} vs PEFT {theirs}");
+}
