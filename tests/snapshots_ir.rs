@@ -3,7 +3,7 @@
 //! like code (`cargo insta review`).
 
 use qatc::frontend::config::Gpt2Config;
-use qatc::step::{self, StepOptions, Trainable};
+use qatc::step::{self, StepOptions};
 use qatc_ir::print;
 
 fn tiny() -> Gpt2Config {
@@ -12,16 +12,14 @@ fn tiny() -> Gpt2Config {
 
 #[test]
 fn every_stage_of_the_one_layer_step() {
-    let fwd = step::forward(&tiny(), 1, 4, false).unwrap();
-    insta::assert_snapshot!("lower", print(&fwd));
     let mut o = StepOptions::new(1, 4);
     o.clip = Some(1.0);
     let mut stages = Vec::new();
-    step::train(fwd, Trainable::All, &o, |name, g| stages.push((name, print(g)))).unwrap();
+    step::train(&tiny(), &o, |name, g| stages.push((name, print(g)))).unwrap();
     let names: Vec<_> = stages.iter().map(|(n, _)| *n).collect();
-    assert_eq!(names, ["trainable", "microbatch", "autodiff", "clip", "adamw"]);
+    assert_eq!(names, ["lower", "trainable", "fold", "microbatch", "autodiff", "clip", "adamw"]);
     for (name, text) in stages {
-        if name == "autodiff" || name == "adamw" {
+        if name == "lower" || name == "autodiff" || name == "adamw" {
             insta::assert_snapshot!(name, text);
         }
     }
@@ -33,4 +31,29 @@ fn printing_is_deterministic_across_builds() {
     let b = print(&step::forward(&tiny(), 1, 4, false).unwrap());
     assert_eq!(a, b);
     assert_eq!(print(&qatc_ir::parse(&a).unwrap()), a, "the printed step parses back to itself");
+}
+
+/// The QAT + LoRA stages on the same 1-layer model: fake_quant (4-bit g4 sym on all linears),
+/// lora (r 2, all linears), and fold (frozen fake-quants become i4 codes + scales).
+#[test]
+fn qat_and_lora_stages() {
+    use qatc_ir::{QuantScheme, QuantSpec};
+    use qatc_passes::lora::LoraOptions;
+    use qatc_passes::quant::QuantOptions;
+    let mut o = StepOptions::new(1, 4);
+    o.model.full_finetune = false;
+    o.model.quant = Some(QuantOptions {
+        spec: QuantSpec { bits: 4, group: 4, scheme: QuantScheme::Sym },
+        targets: QuantOptions::default_targets(),
+        per_module: Default::default(),
+        act_bits: None,
+    });
+    o.model.lora = Some(LoraOptions::new(2));
+    let mut stages = Vec::new();
+    step::train(&tiny(), &o, |name, g| stages.push((name, print(g)))).unwrap();
+    for (name, text) in stages {
+        if ["fake_quant", "lora", "fold"].contains(&name) {
+            insta::assert_snapshot!(format!("qat_{name}"), text);
+        }
+    }
 }
