@@ -1,0 +1,76 @@
+//! Impossible options get one clear error line, exit code 2, and no output directory.
+
+mod common;
+
+use std::process::Command;
+
+fn tiny() -> String {
+    common::fixture("tiny/f32_prefix/model.safetensors").display().to_string()
+}
+
+/// Runs `qatc compile` on the tiny model with extra flags; returns the one error line.
+fn compile_fails(extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = tiny();
+    let mut args = vec!["compile", m.as_str(), "--batch", "2", "--seq", "16", "-o", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let r = Command::new(env!("CARGO_BIN_EXE_qatc")).args(&args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&r.stderr).into_owned();
+    assert_eq!(r.status.code(), Some(2), "{extra:?}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+    assert!(!out.exists(), "{extra:?} left {out:?} behind");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no temp dir left either");
+    stderr.trim().to_string()
+}
+
+#[test]
+fn lora_rank_zero() {
+    assert!(compile_fails(&["--lora", "r=0"]).contains("at least 1"));
+}
+
+#[test]
+fn lora_rank_above_min_in_out() {
+    let e = compile_fails(&["--lora", "r=65"]);
+    assert!(e.contains("exceeds min(in, out) = 64"), "{e}");
+}
+
+#[test]
+fn unknown_lora_target() {
+    let e = compile_fails(&["--lora", "r=4,targets=q_proj"]);
+    assert!(e.contains("unknown LoRA target `q_proj`") && e.contains("c_attn"), "{e}");
+}
+
+#[test]
+fn group_that_does_not_divide_lists_the_sizes_that_do() {
+    let e = compile_fails(&["--bits", "4", "--group", "48"]);
+    assert!(e.contains("group 48 does not divide the input dimension 64") && e.contains("8, 16, 32, 64"), "{e}");
+}
+
+#[test]
+fn q4_0_needs_group_32() {
+    assert!(compile_fails(&["--bits", "4", "--scheme", "q4_0"]).contains("group 32"));
+}
+
+#[test]
+fn nf4_needs_4_bits() {
+    assert!(compile_fails(&["--bits", "3", "--group", "32", "--scheme", "nf4"]).contains("nf4 needs 4 bits"));
+}
+
+#[test]
+fn bits_out_of_range() {
+    assert!(compile_fails(&["--bits", "9"]).contains("2..8"));
+}
+
+#[test]
+fn unknown_scheme_and_quant_target() {
+    assert!(compile_fails(&["--bits", "4", "--scheme", "fp4"]).contains("unknown --scheme"));
+    assert!(compile_fails(&["--bits", "4", "--quant-targets", "attn.q"]).contains("unknown quant target"));
+}
+
+#[test]
+fn merged_qat_needs_lora_and_bits() {
+    assert!(compile_fails(&["--bits", "4", "--qat", "merged"]).contains("needs --bits and --lora"));
+    assert!(compile_fails(&["--bits", "4", "--qat", "merged", "--lora", "r=4,dropout=0.1"]).contains("dropout must be 0"));
+}
