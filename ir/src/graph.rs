@@ -41,6 +41,13 @@ pub struct Output {
     pub update: bool,
 }
 
+/// Graphs compare by their printed text: structure, types, names and outputs, not indices.
+impl PartialEq for Graph {
+    fn eq(&self, other: &Graph) -> bool {
+        crate::text::print(self) == crate::text::print(other)
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     pub name: String,

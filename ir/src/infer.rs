@@ -269,6 +269,20 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             }
             Ok(ins[0].clone())
         }
+        Op::Kernel { body, .. } => {
+            for (i, t) in ins.iter().enumerate() {
+                let want = body.find_input(&format!("in{i}")).map(|id| body.ty(id));
+                if want != Some(*t) {
+                    return Err(format!("kernel operand {i} is {t} but the body's in{i} is {want:?}"));
+                }
+            }
+            if body.inputs().len() != ins.len() {
+                return Err(format!("kernel body has {} inputs for {} operands", body.inputs().len(), ins.len()));
+            }
+            let out = body.output("out").ok_or("kernel body has no `out` output")?;
+            crate::verify::verify(body).map_err(|e| format!("kernel body: {e}"))?;
+            Ok(body.ty(out).clone())
+        }
         Op::AdamParam { .. } => {
             let p = ins[0];
             float(p, "param")?;

@@ -134,6 +134,12 @@ pub enum Op {
     /// (seed, stream, element index): deterministic, so the backward applies the same mask.
     Dropout { p: f64, stream: usize },
 
+    // ---- fusion ----
+    /// A fused kernel: `body` computes this node's value from its operands in one pass over
+    /// memory. The body's inputs are `in0`, `in1`, ... (operand order, kind data) and its one
+    /// output is `out`; intermediates inside it are never written to device memory.
+    Kernel { family: String, body: Box<crate::graph::Graph> },
+
     // ---- optimizer (PyTorch AdamW semantics) ----
     /// (m, g) -> beta1 * m + (1 - beta1) * g
     AdamM { beta1: f64 },
@@ -252,6 +258,7 @@ pub enum Attr {
     Dims(Vec<usize>),
     DType(DType),
     Word(&'static str),
+    Str(String),
 }
 
 impl Op {
@@ -302,6 +309,7 @@ impl Op {
             Op::Dequantize { .. } => "dequantize",
             Op::ActQuant { .. } => "act_quant",
             Op::Dropout { .. } => "dropout",
+            Op::Kernel { .. } => "kernel",
             Op::AdamM { .. } => "adam_m",
             Op::AdamV { .. } => "adam_v",
             Op::AdamParam { .. } => "adam_param",
@@ -322,7 +330,7 @@ impl Op {
             Op::AdamM { .. } | Op::AdamV { .. } => 2,
             Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::CrossEntropyGrad => 3,
             Op::AdamParam { .. } => 5,
-            Op::Concat { .. } | Op::Dequantize { .. } => return None,
+            Op::Concat { .. } | Op::Dequantize { .. } | Op::Kernel { .. } => return None,
         })
     }
 
@@ -362,6 +370,7 @@ impl Op {
             ],
             Op::ActQuant { bits } => vec![("bits", Int(*bits as usize))],
             Op::Dropout { p, stream } => vec![("p", Float(*p)), ("stream", Int(*stream))],
+            Op::Kernel { family, .. } => vec![("family", Str(family.clone()))],
             Op::AdamM { beta1 } => vec![("beta1", Float(*beta1))],
             Op::AdamV { beta2 } => vec![("beta2", Float(*beta2))],
             Op::AdamParam { beta1, beta2, eps, weight_decay } => vec![

@@ -43,7 +43,7 @@ const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-const N_SLOTS: usize = 43;
+const N_SLOTS: usize = 44;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -96,6 +96,7 @@ fn op_slot(op: &Op) -> usize {
         Op::Dequantize { .. } => 40,
         Op::ActQuant { .. } => 41,
         Op::Dropout { .. } => 42,
+        Op::Kernel { .. } => 43,
     }
 }
 
@@ -594,12 +595,30 @@ impl<'a> Builder<'a> {
                 let bits = self.ch.range(2, 8) as u8;
                 self.op(Op::ActQuant { bits }, &[x])
             }
-            _ => {
+            42 => {
                 let x = self.float_operand(0, 4)?;
                 let seed = self.of_type(TensorType::new(DType::I32, Shape::scalar()))?;
                 let p = self.ch.pick(&[0.0, -0.0, 0.1, 0.5, 1.0 / 3.0, 0.999_999, 5e-324]);
                 let stream = self.ch.pick(&[0, 1, 7, 123_456, usize::MAX]);
                 self.op(Op::Dropout { p, stream }, &[x, seed])
+            }
+            _ => {
+                // a kernel whose body is gelu(in0) [* in1]: bodies nest a whole graph in the text
+                let x = self.float_operand(0, 4)?;
+                let ty = self.g.ty(x).clone();
+                let two = self.ch.flip();
+                let family = self.ch.pick(&NAMES).to_string();
+                let mut body = Graph::new(family.clone());
+                let a = body.input("in0", InputKind::Data, ty.dtype, ty.shape.clone())?;
+                let mut y = body.add(Op::Unary(UnaryOp::Gelu), &[a])?;
+                let mut operands = vec![x];
+                if two {
+                    let b = body.input("in1", InputKind::Data, ty.dtype, ty.shape.clone())?;
+                    y = body.add(Op::Binary(BinaryOp::Mul), &[y, b])?;
+                    operands.push(self.of_type(ty)?);
+                }
+                body.set_output("out", y)?;
+                self.op(Op::Kernel { family, body: Box::new(body) }, &operands)
             }
         }
     }

@@ -213,6 +213,13 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
                 .collect();
             float(data)
         }
+        Op::Kernel { body, .. } => {
+            // the reference semantics of a fused kernel is its body, run on the operands
+            let interp = crate::Interpreter::<T>::new(body).map_err(|e| format!("kernel body: {e}"))?;
+            let inputs = args.iter().enumerate().map(|(i, v)| (format!("in{i}"), (*v).clone())).collect();
+            let mut out = interp.run(&inputs).map_err(|e| format!("kernel body: {e}"))?;
+            out.remove("out").ok_or("kernel body produced no `out`")?
+        }
         Op::AdamM { beta1 } => float(ew::adam_m(&fl(args[0], "m")?.data, &fl(args[1], "g")?.data, *beta1)?),
         Op::AdamV { beta2 } => float(ew::adam_v(&fl(args[0], "v")?.data, &fl(args[1], "g")?.data, *beta2)?),
         Op::AdamParam { beta1, beta2, eps, weight_decay } => {

@@ -200,6 +200,8 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "dequantize" => Op::Dequantize { spec: a.quant()? },
         "act_quant" => Op::ActQuant { bits: a.bits()? },
         "dropout" => Op::Dropout { p: a.f("p")?, stream: a.u("stream")? },
+        // the body is parsed from the lines that follow and put in place by `parse`
+        "kernel" => Op::Kernel { family: a.raw("family")?.to_string(), body: Box::new(Graph::new(a.raw("family")?)) },
         "adam_m" => Op::AdamM { beta1: a.f("beta1")? },
         "adam_v" => Op::AdamV { beta2: a.f("beta2")? },
         "adam_param" => Op::AdamParam {
@@ -213,7 +215,7 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
 }
 
 enum Line {
-    Node { num: usize, op: Op, operands: Vec<usize>, ty: TensorType, name: Option<String> },
+    Node { num: usize, op: Op, operands: Vec<usize>, ty: TensorType, name: Option<String>, body: bool },
     Output { update: bool, name: String, num: usize },
 }
 
@@ -245,6 +247,8 @@ fn parse_line(c: &mut Cur) -> R<Line> {
                 let start = c.pos;
                 c.dims()?;
                 c.s[start..c.pos].to_string()
+            } else if c.rest().starts_with('"') {
+                c.string()?
             } else {
                 c.word()?.to_string()
             };
@@ -269,6 +273,7 @@ fn parse_line(c: &mut Cur) -> R<Line> {
     let ty = c.ty()?;
     c.ws();
     let name = if c.rest().starts_with('"') { Some(c.string()?) } else { None };
+    let body = c.eat("{");
     c.ws();
     if !c.rest().is_empty() {
         return Err(format!("unexpected `{}`", c.rest()));
@@ -279,35 +284,49 @@ fn parse_line(c: &mut Cur) -> R<Line> {
     if let Some(k) = keys.iter().find(|k| !known.iter().any(|(n, _)| n == k)) {
         return Err(format!("`{mn}` has no attribute `{k}`"));
     }
-    Ok(Line::Node { num, op, operands, ty, name })
+    Ok(Line::Node { num, op, operands, ty, name, body })
 }
 
 /// Parses the text format. Types written after `:` must equal what the ops infer; node numbers
 /// must be defined before use (the printer's topological numbering guarantees it).
 pub fn parse(text: &str) -> Result<Graph, IrError> {
+    let lines: Vec<(usize, &str)> =
+        text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())).filter(|(_, l)| !l.is_empty() && !l.starts_with("//")).collect();
     let err = |line: usize, msg: String| IrError::Parse { line, msg };
-    let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())).filter(|(_, l)| !l.is_empty() && !l.starts_with("//"));
-    let (hl, header) = lines.next().ok_or_else(|| err(1, "empty input".into()))?;
+    let (hl, header) = *lines.first().ok_or_else(|| err(1, "empty input".into()))?;
     let mut c = Cur { s: header, pos: 0 };
     c.expect("graph").map_err(|m| err(hl, m))?;
     let name = c.string().map_err(|m| err(hl, m))?;
     c.expect("{").map_err(|m| err(hl, m))?;
+    let mut pos = 1;
+    let g = parse_body(&lines, &mut pos, name)?;
+    if let Some((ln, _)) = lines.get(pos) {
+        return Err(err(*ln, "text after the closing `}`".into()));
+    }
+    Ok(g)
+}
+
+/// Parses nodes and outputs from `lines[*pos..]` up to and including the closing `}`.
+fn parse_body(lines: &[(usize, &str)], pos: &mut usize, name: String) -> Result<Graph, IrError> {
+    let err = |line: usize, msg: String| IrError::Parse { line, msg };
     let mut g = Graph::new(name);
     let mut ids: HashMap<usize, NodeId> = HashMap::new();
-    let mut closed = false;
-    for (ln, line) in lines {
-        if closed {
-            return Err(err(ln, "text after the closing `}`".into()));
-        }
+    while let Some(&(ln, line)) = lines.get(*pos) {
+        *pos += 1;
         if line == "}" {
-            closed = true;
-            continue;
+            return Ok(g);
         }
         let parsed = parse_line(&mut Cur { s: line, pos: 0 }).map_err(|m| err(ln, m))?;
         let lookup = |n: usize| ids.get(&n).copied().ok_or_else(|| err(ln, format!("%{n} is used before it is defined")));
         match parsed {
-            Line::Node { num, op, operands, ty, name } => {
+            Line::Node { num, mut op, operands, ty, name, body } => {
                 let ops = operands.into_iter().map(lookup).collect::<Result<Vec<_>, _>>()?;
+                match (&mut op, body) {
+                    (Op::Kernel { family, body }, true) => **body = parse_body(lines, pos, family.clone())?,
+                    (Op::Kernel { .. }, false) => return Err(err(ln, "a kernel needs a body: `{` ... `}`".into())),
+                    (_, true) => return Err(err(ln, "only kernels have a body".into())),
+                    _ => {}
+                }
                 let id = g.add_node(op, &ops, name).map_err(|e| err(ln, e.to_string()))?;
                 if *g.ty(id) != ty {
                     return Err(err(ln, format!("written type {ty} but the op computes {}", g.ty(id))));
@@ -323,8 +342,5 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
             }
         }
     }
-    if !closed {
-        return Err(err(text.lines().count().max(1), "missing closing `}`".into()));
-    }
-    Ok(g)
+    Err(err(lines.last().map(|l| l.0).unwrap_or(1), "missing closing `}`".into()))
 }

@@ -13,25 +13,33 @@ fn attr(out: &mut String, a: &Attr) {
         Attr::Dims(d) => write!(out, "{}", crate::types::Shape(d.clone())),
         Attr::DType(d) => write!(out, "{d}"),
         Attr::Word(w) => write!(out, "{w}"),
+        Attr::Str(s) => write!(out, "{s:?}"),
     };
 }
 
 /// Prints `g` in the text format. A graph with a cycle cannot be ordered; it prints its nodes in
 /// insertion order with a comment saying so (the verifier reports the cycle itself).
 pub fn print(g: &Graph) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "graph {:?} {{", g.name);
+    print_into(g, &mut out, "");
+    out
+}
+
+/// Prints `g`'s nodes and outputs at `indent`, then its closing brace (the caller wrote the
+/// opening line: `graph "name" {` at top level, the kernel node's line for a body).
+fn print_into(g: &Graph, out: &mut String, indent: &str) {
     let (order, note) = match g.topo_order() {
         Ok(o) => (o, None),
         Err(e) => (g.node_ids(), Some(e.to_string())),
     };
     let number: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
-    let mut out = String::new();
-    let _ = writeln!(out, "graph {:?} {{", g.name);
     if let Some(n) = note {
-        let _ = writeln!(out, "  // not ordered: {n}");
+        let _ = writeln!(out, "{indent}  // not ordered: {n}");
     }
     for &id in &order {
         let node = g.node(id);
-        let _ = write!(out, "  %{} = {}", number[&id], node.op.mnemonic());
+        let _ = write!(out, "{indent}  %{} = {}", number[&id], node.op.mnemonic());
         let attrs = node.op.attrs();
         if !attrs.is_empty() {
             out.push('[');
@@ -41,7 +49,7 @@ pub fn print(g: &Graph) -> String {
                 }
                 out.push_str(k);
                 out.push('=');
-                attr(&mut out, v);
+                attr(out, v);
             }
             out.push(']');
         }
@@ -59,12 +67,18 @@ pub fn print(g: &Graph) -> String {
         if let Some(name) = &node.name {
             let _ = write!(out, " {name:?}");
         }
+        if let Op::Kernel { body, .. } = &node.op {
+            // the body follows as a nested graph, indented, closed by its own `}`
+            out.push_str(" {\n");
+            print_into(body, out, &format!("{indent}  "));
+            continue;
+        }
         out.push('\n');
     }
     for o in g.outputs() {
         let kw = if o.update { "update" } else { "output" };
-        let _ = writeln!(out, "  {kw} {:?} = %{}", o.name, number.get(&o.node).copied().unwrap_or(usize::MAX));
+        let _ = writeln!(out, "{indent}  {kw} {:?} = %{}", o.name, number.get(&o.node).copied().unwrap_or(usize::MAX));
     }
+    out.push_str(indent);
     out.push_str("}\n");
-    out
 }

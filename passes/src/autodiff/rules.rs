@@ -215,6 +215,8 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
 
         // packed codes are frozen storage; backward and optimizer ops are never differentiated
         Op::Dequantize { .. } => Err(no_rule()),
+        // fusion runs after autodiff: kernels are never differentiated
+        Op::Kernel { .. } => Err(no_rule()),
         Op::ScatterAdd { .. }
         | Op::LayerNormGradX { .. }
         | Op::LayerNormGradGamma { .. }
