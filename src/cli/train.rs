@@ -133,21 +133,6 @@ pub fn weights_safetensors(ws: &[(String, &Tensor<f32>)]) -> anyhow::Result<Vec<
     Ok(safetensors::serialize(views, Some(meta))?)
 }
 
-/// A Hugging Face config.json for `cfg` (with `n_ctx`, which llama.cpp's converter reads).
-pub fn hf_config(c: &crate::frontend::config::Gpt2Config) -> anyhow::Result<String> {
-    let cfg = serde_json::json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "activation_function": "gelu_new",
-        "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-        "n_positions": c.n_positions, "n_ctx": c.n_positions, "vocab_size": c.vocab_size,
-        "layer_norm_epsilon": c.layer_norm_epsilon,
-        "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-        "tie_word_embeddings": true, "bos_token_id": 50256, "eos_token_id": 50256,
-    });
-    Ok(serde_json::to_string_pretty(&cfg)? + "\n")
-}
-
 pub fn run(a: &Args) -> anyhow::Result<()> {
     if a.step.full_finetune && a.step.lora.is_some() {
         anyhow::bail!("--full-finetune and --lora exclude each other");
@@ -210,7 +195,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         None => {
             out.write("model.safetensors", weights_safetensors(&tr.weights())?)?;
-            out.write("config.json", hf_config(&m.cfg)?)?;
+            out.write("config.json", serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n")?;
         }
     }
     let summary = serde_json::json!({"steps": a.steps, "first_loss": logs.first().map(|l| l.loss), "last_loss": logs.last().map(|l| l.loss), "lr": a.lr});
