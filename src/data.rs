@@ -31,6 +31,10 @@ pub enum DataError {
     TooShort { path: PathBuf, have: usize, need: u128, b: usize, t: usize },
     #[error("{}: batch {s} is out of range: the file holds {n} batches of {b} x {t} tokens", path.display())]
     BatchOutOfRange { path: PathBuf, s: usize, n: usize, b: usize, t: usize },
+    #[error("{}: neither an llm.c token file (magic {MAGIC}) nor UTF-8 text (invalid byte at offset {at})", path.display())]
+    NotText { path: PathBuf, at: usize },
+    #[error("{}: tokenizer: {why}", path.display())]
+    Tokenizer { path: PathBuf, why: String },
     #[error("{}: token {token} at position {pos} is not below the vocabulary size {vocab}", path.display())]
     TokenOutOfRange { path: PathBuf, pos: usize, token: u16, vocab: usize },
 }
@@ -49,8 +53,32 @@ fn le_i32(b: &[u8], i: usize) -> i32 {
 }
 
 impl TokenFile {
+    /// Tokens that did not come from an llm.c file (tokenized text, tests).
+    pub fn from_tokens(path: &Path, tokens: Vec<u16>) -> TokenFile {
+        TokenFile { path: path.to_path_buf(), tokens }
+    }
+
+    /// An llm.c token file, or a UTF-8 text file tokenized with GPT-2's BPE: a file whose first
+    /// four bytes are llm.c's magic is read as tokens, anything else as text.
+    pub fn load(path: &Path) -> Result<TokenFile, DataError> {
+        let io = |e| DataError::Io { path: path.into(), source: e };
+        let mut head = [0u8; 4];
+        let n = File::open(path).and_then(|mut f| f.read(&mut head)).map_err(io)?;
+        if n == 4 && i32::from_le_bytes(head) == MAGIC {
+            return TokenFile::open(path);
+        }
+        let text = std::fs::read(path).map_err(io)?;
+        let text = String::from_utf8(text).map_err(|e| DataError::NotText { path: path.into(), at: e.utf8_error().valid_up_to() })?;
+        let tokens = crate::tokenize::encode(&text).map_err(|why| DataError::Tokenizer { path: path.into(), why })?;
+        Ok(TokenFile { path: path.to_path_buf(), tokens })
+    }
+
     pub fn open(path: &Path) -> Result<TokenFile, DataError> {
         let io = |e| DataError::Io { path: path.into(), source: e };
+        // Checked before opening: opening a FIFO for reading would block until a writer came.
+        if !std::fs::metadata(path).map_err(io)?.is_file() {
+            return Err(io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file")));
+        }
         let mut f = File::open(path).map_err(io)?;
         let len = f.metadata().map_err(io)?.len();
         if len == 0 {
@@ -247,6 +275,13 @@ mod tests {
     fn missing_file() {
         let e = TokenFile::open(Path::new("/nonexistent/qatc/tokens.bin")).unwrap_err().to_string();
         assert!(e.starts_with("/nonexistent/qatc/tokens.bin: "), "{e}");
+    }
+
+    #[test]
+    fn a_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = TokenFile::open(dir.path()).unwrap_err().to_string();
+        assert!(e.ends_with("not a regular file"), "{e}");
     }
 
     #[test]

@@ -10,3 +10,4 @@ pub mod frontend;
 pub mod manifest;
 pub mod model;
 pub mod step;
+pub mod tokenize;

@@ -92,7 +92,7 @@ pub fn scalar(out: &HashMap<String, Value<f32>>, name: &str) -> anyhow::Result<f
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.batch, a.seq)?;
-    let data = TokenFile::open(&a.data)?;
+    let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
     let avail = data.num_batches(a.batch, a.seq);
     if avail == 0 {

@@ -57,7 +57,7 @@ struct ModuleResult {
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.batch, a.seq)?;
-    let data = TokenFile::open(&a.data)?;
+    let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
     if !(a.threshold >= 0.0) {
         anyhow::bail!("--threshold must be >= 0");

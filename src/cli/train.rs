@@ -149,7 +149,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options()?;
-    let data = TokenFile::open(&a.data)?;
+    let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
     if data.num_batches(opts.batch, opts.seq) == 0 {
         data.batch(0, opts.batch, opts.seq)?;
