@@ -261,6 +261,7 @@ fn covering_test(op: &Op) -> &'static str {
         Op::FakeQuant { .. } => "fake_quant_is_straight_through",
         Op::ActQuant { .. } => "act_quant_is_straight_through",
         Op::Dequantize { .. }
+        | Op::Kernel { .. }
         | Op::ScatterAdd { .. }
         | Op::LayerNormGradX { .. }
         | Op::LayerNormGradGamma { .. }

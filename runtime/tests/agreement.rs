@@ -71,6 +71,8 @@ fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
             ins
         }
         Op::Dropout { .. } => vec![x(rng), In::i(&[], &[1234])],
+        // a kernel's body gelu(in0) * in1 is evaluated by the interpreter itself
+        Op::Kernel { .. } => vec![x(rng), x(rng)],
         Op::AdamM { .. } => vec![x(rng), x(rng)],
         Op::AdamV { .. } => vec![fin(rng, &[3, 5, 7], 0.0, 1.0), x(rng)],
         Op::AdamParam { .. } => vec![
@@ -81,6 +83,18 @@ fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
             In::f(&[], &[3.0]),
         ],
     }
+}
+
+/// Kernel { body: gelu(in0) * in1 } on [3, 5, 7].
+fn gelu_mul_kernel() -> Op {
+    use qatc_ir::{Graph, InputKind};
+    let mut b = Graph::new("gelu_mul");
+    let a = b.input("in0", InputKind::Data, DType::F32, [3, 5, 7]).unwrap();
+    let c = b.input("in1", InputKind::Data, DType::F32, [3, 5, 7]).unwrap();
+    let g = b.add(Op::Unary(UnaryOp::Gelu), &[a]).unwrap();
+    let y = b.add(Op::Binary(BinaryOp::Mul), &[g, c]).unwrap();
+    b.set_output("out", y).unwrap();
+    Op::Kernel { family: "gelu_mul".into(), body: Box::new(b) }
 }
 
 fn all_ops() -> Vec<Op> {
@@ -125,6 +139,7 @@ fn all_ops() -> Vec<Op> {
         Op::ActQuant { bits: 8 },
         Op::ActQuant { bits: 4 },
         Op::Dropout { p: 0.3, stream: 2 },
+        gelu_mul_kernel(),
         Op::AdamM { beta1: 0.9 },
         Op::AdamV { beta2: 0.999 },
         Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 },
@@ -161,5 +176,5 @@ fn f32_and_f64_agree_on_every_op() {
     let b = common::run_op::<f32>(op, &ins);
     common::assert_close(&b, &a, REL, ABS);
     // Every op but the leaves (covered by the other tests) appears above.
-    assert_eq!(seen.len(), 41, "{seen:?}");
+    assert_eq!(seen.len(), 42, "{seen:?}");
 }
