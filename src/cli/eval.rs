@@ -59,9 +59,46 @@ impl EvalSetup {
 
 /// Evaluates `model` on the first `n` batches of `data`.
 pub fn evaluate(m: &Model, data: &TokenFile, b: usize, t: usize, n: usize, setup: &EvalSetup, show: bool) -> anyhow::Result<EvalResult> {
+    run_eval(m, data, b, t, n, setup, None, show)
+}
+
+/// Evaluates with weights taken from a training run's state where it has them (validation
+/// during training: the graph keeps trainable weights unfolded, as the step sees them).
+pub fn evaluate_with(
+    m: &Model,
+    data: &TokenFile,
+    b: usize,
+    t: usize,
+    n: usize,
+    setup: &EvalSetup,
+    state: &HashMap<String, Value<f32>>,
+) -> anyhow::Result<EvalResult> {
+    run_eval(m, data, b, t, n, setup, Some(state), false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_eval(
+    m: &Model,
+    data: &TokenFile,
+    b: usize,
+    t: usize,
+    n: usize,
+    setup: &EvalSetup,
+    state: Option<&HashMap<String, Value<f32>>>,
+    show: bool,
+) -> anyhow::Result<EvalResult> {
     let (g, _) = step::model(&m.cfg, b, t, false, &setup.model, |_, _| {})?;
     let interp = Interpreter::<f32>::new(&g)?;
     let mut inputs = m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?;
+    if let Some(st) = state {
+        for id in g.inputs() {
+            if let Some(name) = &g.node(id).name {
+                if let (true, Some(v)) = (g.input_kind(id).is_some_and(|k| k.is_param()), st.get(name)) {
+                    inputs.insert(name.clone(), v.clone());
+                }
+            }
+        }
+    }
     let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
     if !show {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());

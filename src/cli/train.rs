@@ -1,29 +1,29 @@
-//! `qatc train`: runs the compiled training step on the reference interpreter. Data order is
-//! llm.c's: optimizer step s consumes micro-batches s*K .. s*K+K-1 (wrapping at the end of the
-//! file), and the loss logged for step s is the loss of those batches before the update.
+//! `qatc train`: runs the compiled training step (on the reference interpreter for now).
+//!
+//! Data order is llm.c's by default: optimizer step s consumes micro-batches s*K .. s*K+K-1
+//! (wrapping at the end of the data); `--shuffle --seed N` permutes the batches every epoch. The
+//! loss logged for step s is the loss of its batches before that step's update. Every
+//! `--save-every N` steps (and at the end) OUT gets the adapter (PEFT format) or the weights, and
+//! `OUT/checkpoint/` the resume state, each replaced atomically; `--resume OUT` continues exactly.
 
-use std::collections::HashMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
-use qatc_ir::{Graph, InputKind};
-use qatc_passes::lora::DROPOUT_SEED;
-use qatc_passes::microbatch::micro_name;
-use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
 
+use super::eval::{evaluate_with, EvalSetup};
 use super::StepArgs;
-use crate::adapter::Adapter;
-use crate::artifacts::OutDir;
+use crate::artifacts::{write_atomic, OutDir};
 use crate::data::TokenFile;
 use crate::model::Model;
-use crate::step;
+use crate::schedule::{DataOrder, LrSchedule};
+pub use crate::trainer::{weights_safetensors, Trainer};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     pub model: PathBuf,
-    /// llm.c token file.
+    /// llm.c token file, or UTF-8 text (tokenized with GPT-2's BPE).
     #[arg(long)]
     pub data: PathBuf,
     #[command(flatten)]
@@ -31,18 +31,43 @@ pub struct Args {
     /// Optimizer steps.
     #[arg(long, default_value_t = 20)]
     pub steps: usize,
-    /// Learning rate.
+    /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
-    /// Where the trained weights go.
+    /// Linear warmup steps.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
+    /// constant | cosine (decays to --min-lr by the end of the run).
+    #[arg(long, default_value = "constant")]
+    pub schedule: String,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr: f64,
+    /// Visit the batches in a seeded random order (a new order every epoch).
+    #[arg(long)]
+    pub shuffle: bool,
+    /// Where the adapter (or weights) and the resume state go.
     #[arg(long)]
     pub out: PathBuf,
-    /// One JSON object per step: {"step", "loss", "lr", "tokens_per_s"}.
+    /// One JSON object per step: {"step", "loss", "lr", "tokens_per_s"} (and "val_loss").
     #[arg(long)]
     pub log_json: Option<PathBuf>,
     /// Start LoRA from this PEFT adapter instead of a fresh initialisation.
     #[arg(long)]
     pub init_adapter: Option<PathBuf>,
+    /// Validation data, evaluated every --eval-every steps and at the end.
+    #[arg(long)]
+    pub val: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: usize,
+    /// Batches per validation.
+    #[arg(long, default_value_t = 4)]
+    pub val_batches: usize,
+    /// Save the adapter and the resume state every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: usize,
+    /// Continue the run whose OUT this is, from its last saved step.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
 }
 
 /// One logged step.
@@ -52,88 +77,30 @@ pub struct StepLog {
     pub loss: f64,
     pub lr: f64,
     pub tokens_per_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
 }
 
-/// The training loop's state: every input of the step graph that persists across steps.
-pub struct Trainer {
-    pub graph: Graph,
-    interp: Interpreter<f32>,
-    pub state: HashMap<String, Value<f32>>,
-    pub opts: step::StepOptions,
-    seed: u64,
+/// What a resume needs besides the tensors: where the run stands and what it was run with.
+#[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+struct ResumeInfo {
+    /// Steps completed.
+    step: usize,
+    /// The options that must match for an exact continuation.
+    fingerprint: String,
 }
 
-impl Trainer {
-    /// Compiles the step and binds the weights (LoRA from `adapter`, else initialised from
-    /// `seed`); Adam moments and the step count start at zero.
-    pub fn new(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64) -> anyhow::Result<Trainer> {
-        let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
-        let interp = Interpreter::<f32>::new(&graph)?;
-        let mut state = m.bind::<f32>(&graph, adapter, seed)?;
-        for id in graph.inputs() {
-            if graph.input_kind(id) == Some(InputKind::State) {
-                let ty = graph.ty(id);
-                let name = graph.node(id).name.clone().unwrap_or_default();
-                state.insert(name, Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data: vec![0.0; ty.numel()] }));
-            }
-        }
-        Ok(Trainer { graph, interp, state, opts, seed })
-    }
-
-    /// Runs one optimizer step on micro-batches `first .. first + K` and returns the loss
-    /// before the update (and every other non-update output).
-    pub fn step(&mut self, data: &TokenFile, first: usize, lr: f64) -> anyhow::Result<HashMap<String, Value<f32>>> {
-        let (b, t, k) = (self.opts.batch, self.opts.seq, self.opts.grad_accum);
-        let nb = data.num_batches(b, t);
-        for i in 0..k {
-            let (ids, tgt) = data.batch((first + i) % nb, b, t)?;
-            let (ni, nt) = if k == 1 { ("ids".to_string(), "targets".to_string()) } else { (micro_name("ids", i), micro_name("targets", i)) };
-            self.state.insert(ni, Value::Int(IntTensor { shape: vec![b, t], data: ids }));
-            self.state.insert(nt, Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
-        }
-        self.state.insert("lr".into(), Value::scalar(lr));
-        // a fresh dropout mask every step, reproducible from the seed and the step's first batch
-        let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(first as i64) as i32;
-        self.state.insert(DROPOUT_SEED.into(), Value::Int(IntTensor { shape: vec![], data: vec![dseed] }));
-        let mut out = self.interp.run(&self.state)?;
-        for o in self.graph.outputs().iter().filter(|o| o.update) {
-            if let Some(v) = out.remove(&format!("update:{}", o.name)).or_else(|| out.remove(&o.name)) {
-                self.state.insert(o.name.clone(), v);
-            }
-        }
-        Ok(out)
-    }
-
-    /// The trainable weights, by name.
-    pub fn weights(&self) -> Vec<(String, &Tensor<f32>)> {
-        let mut v = Vec::new();
-        for id in self.graph.inputs() {
-            if self.graph.input_kind(id) == Some(InputKind::Trainable) {
-                let name = self.graph.node(id).name.clone().unwrap_or_default();
-                if let Some(Value::Float(t)) = self.state.get(&name) {
-                    v.push((name, t));
-                }
-            }
-        }
-        v
-    }
+fn fingerprint(a: &Args) -> String {
+    let s = &a.step;
+    format!(
+        "model={} data={} B={} T={} K={} clip={:?} wd={} quant={:?} lora={:?} full={} seed={} lr={} warmup={} schedule={} min_lr={} shuffle={} steps={}",
+        a.model.display(), a.data.display(), s.batch, s.seq, s.grad_accum, s.clip, s.weight_decay,
+        (s.quant.bits, s.quant.group, &s.quant.scheme, &s.quant.quant_targets, s.quant.act_bits, &s.quant.qat),
+        s.lora, s.full_finetune, s.seed, a.lr, a.warmup, a.schedule, a.min_lr, a.shuffle, a.steps
+    )
 }
 
-/// Serializes weights as a Hugging Face safetensors file (F32, names without prefix).
-pub fn weights_safetensors(ws: &[(String, &Tensor<f32>)]) -> anyhow::Result<Vec<u8>> {
-    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = ws
-        .iter()
-        .map(|(n, t)| (n.clone(), t.data.iter().flat_map(|v| v.to_le_bytes()).collect(), t.shape.clone()))
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(n, b, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?)))
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    Ok(safetensors::serialize(views, Some(meta))?)
-}
-
-pub fn run(a: &Args) -> anyhow::Result<()> {
+fn check(a: &Args) -> anyhow::Result<LrSchedule> {
     if a.step.full_finetune && a.step.lora.is_some() {
         anyhow::bail!("--full-finetune and --lora exclude each other");
     }
@@ -143,66 +110,131 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if a.steps == 0 {
         anyhow::bail!("--steps must be at least 1");
     }
-    if !(a.lr > 0.0 && a.lr.is_finite()) {
-        anyhow::bail!("--lr must be a positive number, got {}", a.lr);
+    if !(a.lr > 0.0 && a.lr.is_finite()) || !(a.min_lr >= 0.0 && a.min_lr <= a.lr) {
+        anyhow::bail!("--lr must be a positive number and --min-lr within [0, lr]");
     }
+    if !["constant", "cosine"].contains(&a.schedule.as_str()) {
+        anyhow::bail!("--schedule must be constant or cosine, got `{}`", a.schedule);
+    }
+    if a.eval_every > 0 && a.val.is_none() {
+        anyhow::bail!("--eval-every needs --val FILE");
+    }
+    Ok(LrSchedule { lr: a.lr, warmup: a.warmup, kind: a.schedule.clone(), min_lr: a.min_lr, total: a.steps })
+}
+
+/// Writes the adapter (or full weights) into `out` and the resume state into `out/checkpoint`,
+/// each file atomically, the checkpoint directory swapped in whole.
+fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize) -> anyhow::Result<()> {
+    match &tr.opts.model.lora {
+        Some(l) => {
+            let (cfg, st) = crate::adapter::to_files(l, &tr.weights(), &a.model.display().to_string())?;
+            write_atomic(&out.join("adapter_config.json"), cfg.as_bytes())?;
+            write_atomic(&out.join("adapter_model.safetensors"), &st)?;
+        }
+        None => {
+            write_atomic(&out.join("model.safetensors"), &weights_safetensors(&tr.weights())?)?;
+            write_atomic(&out.join("config.json"), (serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n").as_bytes())?;
+        }
+    }
+    let ck = OutDir::create(&out.join("checkpoint"), "resume.json")?;
+    ck.write("state.safetensors", tr.save_state()?)?;
+    ck.write("resume.json", serde_json::to_string_pretty(&ResumeInfo { step, fingerprint: fingerprint(a) })? + "\n")?;
+    ck.commit()?;
+    Ok(())
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let sched = check(a)?;
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options()?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
-    if data.num_batches(opts.batch, opts.seq) == 0 {
-        data.batch(0, opts.batch, opts.seq)?;
-    }
-    let init = match &a.init_adapter {
-        Some(d) => Some(crate::adapter::read(d)?),
+    let nb = data.require_batches(opts.batch, opts.seq)?;
+    let val = match &a.val {
+        Some(p) => {
+            let v = TokenFile::load(p)?;
+            v.check_vocab(m.cfg.vocab_size)?;
+            v.require_batches(opts.batch, opts.seq)?;
+            Some(v)
+        }
         None => None,
     };
-    let out = OutDir::create(&a.out, "train.json").with_context(|| format!("{}", a.out.display()))?;
-    let mut log = match &a.log_json {
-        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("{}", p.display()))?)),
+    let init = a.init_adapter.as_deref().map(crate::adapter::read).transpose()?;
+    let resume = match &a.resume {
+        Some(dir) => {
+            let p = dir.join("checkpoint/resume.json");
+            let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
+            let info: ResumeInfo = serde_json::from_str(&text).with_context(|| format!("{}", p.display()))?;
+            if info.fingerprint != fingerprint(a) {
+                anyhow::bail!("{}: the run was started with other options; resume with the same ones ({})", p.display(), info.fingerprint);
+            }
+            Some((info.step, dir.join("checkpoint/state.safetensors")))
+        }
         None => None,
     };
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
-    let lora = opts.model.lora.clone();
     let mut tr = Trainer::new(&m, opts, init.as_ref(), a.step.seed)?;
-    let pb = super::progress(a.steps as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
-    let mut logs = Vec::new();
-    for s in 0..a.steps {
+    let start = match &resume {
+        Some((step, state)) => {
+            tr.load_state(state)?;
+            *step
+        }
+        None => 0,
+    };
+    // OUT is created up front so that saves land in it; a fresh run refuses a foreign directory.
+    if resume.is_none() {
+        OutDir::create(&a.out, "checkpoint").with_context(|| format!("{}", a.out.display()))?.commit()?;
+    }
+    let mut log = match &a.log_json {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::OpenOptions::new().create(true).append(resume.is_some()).write(true).truncate(resume.is_none()).open(p)
+                .with_context(|| format!("{}", p.display()))?,
+        )),
+        None => None,
+    };
+    let order = if a.shuffle { DataOrder::Shuffle { seed: a.step.seed } } else { DataOrder::Sequential };
+    let val_setup = EvalSetup { model: { let mut mo = tr.opts.model.clone(); if let Some(l) = mo.lora.as_mut() { l.dropout = 0.0; } mo }, adapter: None };
+    let pb = super::progress((a.steps - start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
+    let (mut first, mut last) = (f64::NAN, f64::NAN);
+    for s in start..a.steps {
         let t0 = Instant::now();
-        let out = tr.step(&data, s * k, a.lr)?;
+        let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
+        let lr = sched.at(s);
+        let out = tr.step_on(&data, &batches, lr, (s * k) as u64)?;
         let loss = super::eval::scalar(&out, "loss")?;
         let tps = tokens_per_step as f64 / t0.elapsed().as_secs_f64();
-        let entry = StepLog { step: s, loss, lr: a.lr, tokens_per_s: tps };
-        if let Some(w) = log.as_mut() {
-            writeln!(w, "{}", serde_json::to_string(&entry)?)?;
-            w.flush()?;
-        }
-        pb.set_message(format!("loss {loss:.4}  {tps:.0} tok/s"));
-        pb.inc(1);
         if !loss.is_finite() {
             anyhow::bail!("step {s}: the loss is {loss}; stopping (lower --lr or set --clip)");
         }
-        logs.push(entry);
+        let done = s + 1;
+        let val_loss = match &val {
+            Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == a.steps => {
+                let n = a.val_batches.min(v.num_batches(tr.opts.batch, tr.opts.seq)).max(1);
+                Some(evaluate_with(&m, v, tr.opts.batch, tr.opts.seq, n, &val_setup, &tr.state)?.loss)
+            }
+            _ => None,
+        };
+        if let Some(w) = log.as_mut() {
+            writeln!(w, "{}", serde_json::to_string(&StepLog { step: s, loss, lr, tokens_per_s: tps, val_loss })?)?;
+            w.flush()?;
+        }
+        if first.is_nan() {
+            first = loss;
+        }
+        last = loss;
+        pb.set_message(match val_loss {
+            Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s"),
+            None => format!("loss {loss:.4}  {tps:.0} tok/s"),
+        });
+        pb.inc(1);
+        if (a.save_every > 0 && done % a.save_every == 0) || done == a.steps {
+            save(&a.out, &tr, &m, a, done)?;
+        }
     }
     pb.finish_and_clear();
-    match &lora {
-        Some(l) => {
-            let (cfg, st) = crate::adapter::to_files(l, &tr.weights(), &a.model.display().to_string())?;
-            out.write("adapter_config.json", cfg)?;
-            out.write("adapter_model.safetensors", st)?;
-        }
-        None => {
-            out.write("model.safetensors", weights_safetensors(&tr.weights())?)?;
-            out.write("config.json", serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n")?;
-        }
-    }
-    let summary = serde_json::json!({"steps": a.steps, "first_loss": logs.first().map(|l| l.loss), "last_loss": logs.last().map(|l| l.loss), "lr": a.lr});
-    out.write("train.json", serde_json::to_string_pretty(&summary)? + "\n")?;
-    let dir = out.commit()?;
-    let (first, last) = (logs.first().map(|l| l.loss).unwrap_or(f64::NAN), logs.last().map(|l| l.loss).unwrap_or(f64::NAN));
-    let what = if lora.is_some() { "adapter (PEFT format)" } else { "weights" };
-    println!("trained {} steps: loss {first:.4} -> {last:.4}; {what} in {}", a.steps, dir.display());
+    let what = if tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
+    println!("trained steps {start}..{}: loss {first:.4} -> {last:.4}; {what} in {}", a.steps, a.out.display());
     Ok(())
 }
