@@ -31,8 +31,6 @@ pub enum DataError {
     TooShort { path: PathBuf, have: usize, need: u128, b: usize, t: usize },
     #[error("{}: batch {s} is out of range: the file holds {n} batches of {b} x {t} tokens", path.display())]
     BatchOutOfRange { path: PathBuf, s: usize, n: usize, b: usize, t: usize },
-    #[error("{}: neither an llm.c token file (magic {MAGIC}) nor UTF-8 text (invalid byte at offset {at})", path.display())]
-    NotText { path: PathBuf, at: usize },
     #[error("{}: tokenizer: {why}", path.display())]
     Tokenizer { path: PathBuf, why: String },
     #[error("{}: token {token} at position {pos} is not below the vocabulary size {vocab}", path.display())]
@@ -58,19 +56,23 @@ impl TokenFile {
         TokenFile { path: path.to_path_buf(), tokens }
     }
 
-    /// An llm.c token file, or a UTF-8 text file tokenized with GPT-2's BPE: a file whose first
-    /// four bytes are llm.c's magic is read as tokens, anything else as text.
+    /// An llm.c token file, or a UTF-8 text file tokenized with GPT-2's BPE. Text is a non-empty
+    /// file that is valid UTF-8 without NUL bytes (a binary header never is); everything else
+    /// is read as an llm.c file, so its errors (empty, wrong magic, short) are the precise ones.
     pub fn load(path: &Path) -> Result<TokenFile, DataError> {
         let io = |e| DataError::Io { path: path.into(), source: e };
-        let mut head = [0u8; 4];
-        let n = File::open(path).and_then(|mut f| f.read(&mut head)).map_err(io)?;
-        if n == 4 && i32::from_le_bytes(head) == MAGIC {
+        if !std::fs::metadata(path).map_err(io)?.is_file() {
             return TokenFile::open(path);
         }
-        let text = std::fs::read(path).map_err(io)?;
-        let text = String::from_utf8(text).map_err(|e| DataError::NotText { path: path.into(), at: e.utf8_error().valid_up_to() })?;
-        let tokens = crate::tokenize::encode(&text).map_err(|why| DataError::Tokenizer { path: path.into(), why })?;
-        Ok(TokenFile { path: path.to_path_buf(), tokens })
+        let bytes = std::fs::read(path).map_err(io)?;
+        let magic = bytes.len() >= 4 && i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) == MAGIC;
+        match std::str::from_utf8(&bytes) {
+            Ok(text) if !magic && !text.is_empty() && !text.contains('\0') => {
+                let tokens = crate::tokenize::encode(text).map_err(|why| DataError::Tokenizer { path: path.into(), why })?;
+                Ok(TokenFile { path: path.to_path_buf(), tokens })
+            }
+            _ => TokenFile::open(path),
+        }
     }
 
     pub fn open(path: &Path) -> Result<TokenFile, DataError> {
