@@ -38,7 +38,7 @@ demo: build
 	@echo "artifacts: out/demo/{forward.qir,train.qir,manifest.json}, out/demo-adapter/ (PEFT), out/demo-train.jsonl"
 
 test: deps
-	$(CARGO) test --workspace --release 2>&1 | tee target/test.log; exit $${PIPESTATUS[0]}
+	$(CARGO) test --workspace --release
 
 bench: build
 	bash bench/run.sh
