@@ -65,6 +65,9 @@ pub struct Args {
     /// Save the adapter and the resume state every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub save_every: usize,
+    /// Draw the loss curve (train and validation) as SVG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Continue the run whose OUT this is, from its last saved step.
     #[arg(long)]
     pub resume: Option<PathBuf>,
@@ -198,6 +201,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let val_setup = EvalSetup { model: { let mut mo = tr.opts.model.clone(); if let Some(l) = mo.lora.as_mut() { l.dropout = 0.0; } mo }, adapter: None };
     let pb = super::progress((a.steps - start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
+    let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
     for s in start..a.steps {
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
@@ -223,6 +227,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         if first.is_nan() {
             first = loss;
         }
+        curve.push((s, loss));
+        if let Some(v) = val_loss {
+            val_curve.push((done, v));
+        }
         last = loss;
         pb.set_message(match val_loss {
             Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s"),
@@ -234,6 +242,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
     }
     pb.finish_and_clear();
+    if let Some(p) = &a.plot {
+        let title = format!("qatc train: {}", a.model.display());
+        write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve).as_bytes()).with_context(|| format!("{}", p.display()))?;
+    }
     let what = if tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
     println!("trained steps {start}..{}: loss {first:.4} -> {last:.4}; {what} in {}", a.steps, a.out.display());
     Ok(())

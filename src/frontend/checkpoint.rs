@@ -265,11 +265,13 @@ fn not_st(path: &Path, why: String) -> LoadError {
 
 impl Checkpoint {
     pub fn open(path: &Path) -> Result<Checkpoint, LoadError> {
-        let file = File::open(path).map_err(|e| LoadError::io(path, e))?;
-        let meta = file.metadata().map_err(|e| LoadError::io(path, e))?;
+        // Checked before opening: opening a FIFO for reading would block until a writer came.
+        let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
         if !meta.is_file() {
             return Err(not_st(path, "not a regular file".into()));
         }
+        let file = File::open(path).map_err(|e| LoadError::io(path, e))?;
+        let meta = file.metadata().map_err(|e| LoadError::io(path, e))?;
         let file_len = meta.len();
         if file_len < 8 {
             return Err(not_st(path, format!("{file_len} bytes, shorter than the 8-byte header length")));

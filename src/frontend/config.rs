@@ -36,6 +36,21 @@ pub fn config_path(model: &Path) -> PathBuf {
     model.with_file_name("config.json")
 }
 
+/// Largest config.json read: real ones are under 2 KB, and this keeps a stray multi-gigabyte
+/// file of that name from being read into memory.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+fn read_small(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        let msg = format!("over {MAX_CONFIG_BYTES} bytes: not a GPT-2 config");
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, msg));
+    }
+    Ok(bytes)
+}
+
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("h.")?.split('.').next()?.parse().ok()
 }
@@ -45,7 +60,7 @@ impl Gpt2Config {
     /// tensors and returns a notice saying so (the head count is a guess from head dim 64).
     pub fn load(ckpt: &Checkpoint) -> Result<(Gpt2Config, ConfigSource, Option<String>), LoadError> {
         let path = config_path(ckpt.path());
-        match std::fs::read(&path) {
+        match read_small(&path) {
             Ok(bytes) => {
                 let cfg = Gpt2Config::from_json(&path, &bytes)?;
                 Ok((cfg, ConfigSource::File(path), None))
