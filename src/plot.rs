@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 /// (step, loss) series; `val` may be empty.
 pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)]) -> String {
-    let (w, h, l, r, t, b) = (720.0, 360.0, 60.0, 20.0, 36.0, 44.0);
+    let (w, h, l, r, t, b) = (720.0, 380.0, 60.0, 20.0, 56.0, 44.0);
     let all = train.iter().chain(val).map(|p| p.1).filter(|v| v.is_finite());
     let (mut lo, mut hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, c), v| (a.min(v), c.max(v)));
     if !lo.is_finite() {
@@ -34,14 +34,25 @@ pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)]) -> St
     }
     let _ = writeln!(o, r##"<text x="{}" y="{}" text-anchor="middle" fill="#444">step</text>"##, (l + w - r) / 2.0, h - 8.0);
     let _ = writeln!(o, r##"<text transform="translate(14 {}) rotate(-90)" text-anchor="middle" fill="#444">loss</text>"##, (t + h - b) / 2.0);
+    // raw per-step loss, light, and its trailing mean over 10 steps, dark: batches are noisy
     let pts: Vec<String> = train.iter().filter(|p| p.1.is_finite()).map(|&(s, v)| format!("{:.1},{:.1}", x(s), y(v))).collect();
-    let _ = writeln!(o, r##"<polyline points="{}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>"##, pts.join(" "));
+    let _ = writeln!(o, r##"<polyline points="{}" fill="none" stroke="#9ecae1" stroke-width="1"/>"##, pts.join(" "));
+    let fin: Vec<(usize, f64)> = train.iter().copied().filter(|p| p.1.is_finite()).collect();
+    let avg: Vec<String> = (0..fin.len())
+        .map(|i| {
+            let w = &fin[i.saturating_sub(9)..=i];
+            let m = w.iter().map(|p| p.1).sum::<f64>() / w.len() as f64;
+            format!("{:.1},{:.1}", x(fin[i].0), y(m))
+        })
+        .collect();
+    let _ = writeln!(o, r##"<polyline points="{}" fill="none" stroke="#1f77b4" stroke-width="2"/>"##, avg.join(" "));
     for &(s, v) in val.iter().filter(|p| p.1.is_finite()) {
         let _ = writeln!(o, r##"<circle cx="{:.1}" cy="{:.1}" r="4" fill="#d62728"/>"##, x(s), y(v));
     }
-    let _ = writeln!(o, r##"<text x="{}" y="{t}" text-anchor="end" fill="#1f77b4">train loss</text>"##, w - r);
+    // the legend sits on its own row under the title, clear of the data
+    let _ = writeln!(o, r##"<text x="{}" y="42" text-anchor="end" fill="#1f77b4">train loss (10-step mean)</text>"##, w - r - 120.0);
     if !val.is_empty() {
-        let _ = writeln!(o, r##"<text x="{}" y="{}" text-anchor="end" fill="#d62728">validation loss</text>"##, w - r, t + 16.0);
+        let _ = writeln!(o, r##"<text x="{}" y="42" text-anchor="end" fill="#d62728">validation loss</text>"##, w - r);
     }
     o.push_str("</svg>\n");
     o
