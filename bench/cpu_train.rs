@@ -1,0 +1,47 @@
+//! CPU training throughput of the compiled step against PyTorch eager (../shared/tools/torch_peer.py)
+//! on the same config: 4 layers, n_embd 256, 4 heads, vocab 50257, B 4, T 128, 4-bit g64,
+//! LoRA r 16 on all linears (weights random: speed does not depend on them).
+//! Run: `cargo run --release --example bench_cpu_train -- [steps]` (bench/run.sh runs both peers).
+
+use std::time::Instant;
+
+use qatc::cli::options::{model_options, QuantArgs};
+use qatc::data::TokenFile;
+use qatc::frontend::checkpoint::write_synthetic;
+use qatc::frontend::config::Gpt2Config;
+use qatc::model::Model;
+use qatc::step::StepOptions;
+use qatc::trainer::Trainer;
+use qatc_ir::DType;
+use qatc_passes::lora::LoraOptions;
+
+fn main() -> anyhow::Result<()> {
+    let steps: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(10);
+    let cfg = Gpt2Config { n_embd: 256, n_layer: 4, n_head: 4, n_positions: 1024, vocab_size: 50257, layer_norm_epsilon: 1e-5 };
+    let (b, t) = (4, 128);
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("model.safetensors");
+    write_synthetic(&path, &cfg, DType::F32, false, 7)?;
+    let m = Model::open(&path)?;
+    let tokens: Vec<u16> = (0..(steps + 1) * b * t + 1).map(|i| ((i * 7919) % 50257) as u16).collect();
+    let data = TokenFile::from_tokens(&path, tokens);
+    let q = QuantArgs { bits: Some(4), group: 64, scheme: "sym".into(), qat: "base".into(), ..Default::default() };
+    let mut o = StepOptions::new(b, t);
+    o.model = model_options(&q, Some(LoraOptions::new(16)), false, true)?;
+    let mut tr = Trainer::new(&m, o, None, 0)?;
+    tr.step(&data, 0, 1e-3)?; // warm-up step, not timed
+    let mut times = Vec::new();
+    for s in 1..=steps {
+        let t0 = Instant::now();
+        tr.step(&data, s, 1e-3)?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    let med = times[times.len() / 2];
+    println!(
+        "{{\"peer\": \"qatc-interpreter\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}}}",
+        times[0],
+        (b * t) as f64 / med
+    );
+    Ok(())
+}
