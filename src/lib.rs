@@ -6,6 +6,7 @@ pub mod adapter;
 pub mod artifacts;
 pub mod cli;
 pub mod data;
+pub mod export;
 pub mod frontend;
 pub mod manifest;
 pub mod model;

@@ -20,6 +20,8 @@ enum Cmd {
     Dump(cli::dump::Args),
     /// Fine-tune on a token file.
     Train(cli::train::Args),
+    /// Merge an adapter and write the model quantized: HF safetensors or GGUF (llama.cpp).
+    Export(cli::export::Args),
     /// Precision range test: the lowest bits per module that keep the loss within a threshold.
     Prt(cli::prt::Args),
 }
@@ -32,6 +34,7 @@ fn main() {
         Cmd::Dump(a) => cli::dump::run(a),
         Cmd::Train(a) => cli::train::run(a),
         Cmd::Prt(a) => cli::prt::run(a),
+        Cmd::Export(a) => cli::export::run(a),
     };
     if let Err(e) = r {
         // One line: the chain of causes joined, newlines folded.

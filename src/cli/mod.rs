@@ -4,6 +4,7 @@
 pub mod compile;
 pub mod dump;
 pub mod eval;
+pub mod export;
 pub mod options;
 pub mod prt;
 pub mod train;

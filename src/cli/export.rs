@@ -1,0 +1,92 @@
+//! `qatc export MODEL --adapter DIR --out DIR [--format safetensors|gguf]`: merges a trained
+//! LoRA adapter into the model and writes the weights the trained model computed with, as a
+//! Hugging Face checkpoint or a GGUF for llama.cpp. Pass the quantization flags the adapter was
+//! trained with (`--bits --group --scheme --qat ...`): they say which grid the weights lie on.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde_json::json;
+
+use super::options;
+use crate::artifacts::OutDir;
+use crate::export::{self, gguf, hf, llama, Format};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    pub model: PathBuf,
+    /// The PEFT LoRA adapter to merge (what `qatc train --lora` writes).
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// The output directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// safetensors (Hugging Face, float32 + config.json) | gguf (llama.cpp, GGUF v3).
+    #[arg(long, default_value = "safetensors")]
+    pub format: String,
+    #[command(flatten)]
+    pub quant: options::QuantArgs,
+}
+
+/// The marker `OutDir` looks for before replacing an existing output directory.
+const MARKER: &str = "export.json";
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let format = Format::from_name(&a.format).with_context(|| format!("unknown --format `{}`; formats: safetensors, gguf", a.format))?;
+    let m = super::open_model(&a.model)?;
+    let adapter = crate::adapter::read(&a.adapter)?;
+    let mo = options::model_options(&a.quant, Some(adapter.options()), false, false)?;
+    let merged = export::merge(&m, &mo, &adapter).with_context(|| format!("export of {} + {}", a.model.display(), a.adapter.display()))?;
+    let out = OutDir::create(&a.out, MARKER).with_context(|| format!("{}", a.out.display()))?;
+    let mut tensors = serde_json::Map::new();
+    let file = match format {
+        Format::Safetensors => {
+            let (st, cfg) = hf::to_files(&merged)?;
+            out.write("model.safetensors", st)?;
+            out.write("config.json", cfg)?;
+            for (name, _) in merged.hf_tensors() {
+                tensors.insert(name, json!("F32"));
+            }
+            "model.safetensors"
+        }
+        Format::Gguf => {
+            let adapted_q4 = merged.linears.iter().any(|l| l.adapted && llama::linear_type(l) == gguf::GgmlType::Q4_0);
+            if adapted_q4 && !merged.qat_merged {
+                eprintln!(
+                    "note: --qat base trained FQ(W) + s(BA)^T; the GGUF requantizes W + s(BA)^T to Q4_0, which is not exactly what was trained (train with --qat merged for an exact Q4_0 export)"
+                );
+            }
+            let f = llama::to_gguf(&merged, &model_name(&a.model))?;
+            for t in &f.tensors {
+                tensors.insert(t.name.clone(), json!(t.ty.name()));
+            }
+            out.write("model.gguf", gguf::write(&f)?)?;
+            "model.gguf"
+        }
+    };
+    let spec = mo.quant.as_ref().map(|q| json!({"bits": q.spec.bits, "group": q.spec.group, "scheme": q.spec.scheme}));
+    let summary = json!({
+        "format": format.name(),
+        "file": file,
+        "model": a.model.display().to_string(),
+        "adapter": a.adapter.display().to_string(),
+        "qat": if merged.qat_merged { "merged" } else { "base" },
+        "quant": spec,
+        "tensors": tensors,
+    });
+    out.write(MARKER, serde_json::to_string_pretty(&summary)? + "\n")?;
+    let dir = out.commit()?;
+    println!("exported {} ({}) to {}", file, format.name(), dir.display());
+    Ok(())
+}
+
+/// `general.name`: the model's directory name (`model.safetensors` says nothing), else its stem.
+fn model_name(p: &std::path::Path) -> String {
+    let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let dir = p.parent().and_then(|d| d.file_name()).map(|s| s.to_string_lossy().into_owned());
+    match dir {
+        Some(d) if stem == "model" || stem.is_empty() => d,
+        _ if !stem.is_empty() => stem,
+        _ => "gpt2".into(),
+    }
+}
