@@ -5,12 +5,13 @@
 
 SHELL := bash
 CARGO ?= cargo
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MODEL := examples/gpt2-shakespeare-small/model.safetensors
 VAL   := examples/shakespeare_val.bin
 TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
-.PHONY: all deps build demo test fmt bench clean
+.PHONY: all deps nvrtc build demo test fmt bench clean
 
 all: build
 
@@ -24,8 +25,21 @@ build: deps
 demo: build
 	bash examples/demo.sh $(QATC)
 
-test: deps
-	$(CARGO) test --workspace --release
+# NVRTC, for the tests that compile every generated CUDA kernel (no GPU needed): the PyPI wheel,
+# installed into .deps/ once (--target: nothing of the system changes, so Debian's PEP 668 guard is
+# safely waived); tests/nvrtc.rs finds it through QATC_NVRTC_LIB.
+NVRTC_LIB := .deps/nvrtc/nvidia/cu13/lib/libnvrtc.so.13
+
+$(NVRTC_LIB):
+	@python3 -m pip --version >/dev/null 2>&1 || { echo "installing python3-pip (apt-get)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-pip >/dev/null; }
+	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target .deps/nvrtc 'nvidia-cuda-nvrtc>=13,<14'
+	@test -f $@ || { echo "error: the nvidia-cuda-nvrtc wheel did not provide $@" >&2; exit 2; }
+
+nvrtc: $(NVRTC_LIB)
+
+test: deps nvrtc
+	QATC_NVRTC_LIB=$(abspath $(NVRTC_LIB)) $(CARGO) test --workspace --release
 
 bench: build
 	bash bench/run.sh

@@ -20,10 +20,12 @@ enum Cmd {
     Dump(cli::dump::Args),
     /// Fine-tune on a token file.
     Train(cli::train::Args),
-    /// Merge an adapter and write the model quantized: HF safetensors or GGUF (llama.cpp).
-    Export(cli::export::Args),
     /// Precision range test: the lowest bits per module that keep the loss within a threshold.
     Prt(cli::prt::Args),
+    /// The memory plan of the training step: will it fit, and where the memory goes.
+    Plan(cli::plan::Args),
+    /// Merge a LoRA adapter and write the trained weights: Hugging Face safetensors or GGUF.
+    Export(cli::export::Args),
 }
 
 fn main() {
@@ -34,6 +36,7 @@ fn main() {
         Cmd::Dump(a) => cli::dump::run(a),
         Cmd::Train(a) => cli::train::run(a),
         Cmd::Prt(a) => cli::prt::run(a),
+        Cmd::Plan(a) => cli::plan::run(a),
         Cmd::Export(a) => cli::export::run(a),
     };
     if let Err(e) = r {

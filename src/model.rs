@@ -91,10 +91,7 @@ impl Model {
             }
         }
         // folded weights: quantize the checkpoint tensor once, hand out codes/scales/zero points
-        for id in g.node_ids() {
-            let Op::Dequantize { spec } = g.node(id).op else { continue };
-            let ops = g.operands(id);
-            let Some(codes_name) = g.node(ops[0]).name.clone() else { continue };
+        for (spec, codes_name) in dequantized(g) {
             let Some(w) = codes_name.strip_suffix(".qcodes") else { continue };
             let info = self.ckpt.info(Self::tensor_name(w)).ok_or_else(|| LoadError::MissingTensor {
                 path: self.ckpt.path().to_path_buf(),
@@ -114,4 +111,24 @@ impl Model {
         }
         Ok(m)
     }
+}
+
+/// Every Dequantize of `g`, also inside fused kernels' bodies, with its spec and the name of the
+/// codes input it reads (a body's inputs `in0..inN` are the kernel's operands).
+fn dequantized(g: &Graph) -> Vec<(qatc_ir::QuantSpec, String)> {
+    let mut out = Vec::new();
+    for id in g.node_ids() {
+        let ops = g.operands(id);
+        match &g.node(id).op {
+            Op::Dequantize { spec } => out.extend(g.node(ops[0]).name.clone().map(|n| (*spec, n))),
+            Op::Kernel { body, .. } => {
+                for (spec, inner) in dequantized(body) {
+                    let slot = inner.strip_prefix("in").and_then(|i| i.parse::<usize>().ok());
+                    out.extend(slot.and_then(|i| ops.get(i)).and_then(|&o| g.node(o).name.clone()).map(|n| (spec, n)));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
 }

@@ -10,6 +10,8 @@
 //!   autodiff     reverse-mode gradients of the loss
 //!   clip         global-norm clipping                               [--clip]
 //!   adamw        the AdamW update, moments and step count as state
+//!   remat        recompute instead of saving, by checkpoint policy  [--checkpoint, --memory]
+//!   fuse         kernel fusion by equality saturation (egg)         [on in the CLI; --no-fuse]
 
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::{self, LoraOptions};
@@ -21,7 +23,7 @@ use crate::frontend::config::Gpt2Config;
 use crate::frontend::gpt2::{lower, LowerOptions};
 
 /// Every stage in pipeline order, with what it does (for `qatc dump --list` and errors).
-pub const STAGES: [(&str, &str); 9] = [
+pub const STAGES: [(&str, &str); 11] = [
     ("lower", "the forward pass and mean cross-entropy, from the checkpoint"),
     ("fake_quant", "FakeQuant on the targeted weights, straight-through gradient (--bits)"),
     ("lora", "LoRA branches y += scaling * (x A^T) B^T with trainable A, B (--lora)"),
@@ -31,6 +33,8 @@ pub const STAGES: [(&str, &str); 9] = [
     ("autodiff", "reverse-mode gradients of the loss for the trainable weights"),
     ("clip", "global-norm gradient clipping (--clip X)"),
     ("adamw", "the AdamW update with its moments and step count as state"),
+    ("remat", "checkpointing: forward values recomputed in the backward, NAME.recompute (--checkpoint)"),
+    ("fuse", "kernel fusion by equality saturation (egg): one Kernel node per fused group (--no-fuse)"),
 ];
 
 /// What the model graph is built with (shared by eval, compile and train).
@@ -56,6 +60,10 @@ pub struct StepOptions {
     /// Keep `grad:NAME` outputs (parity tests read them; training does not need them).
     pub keep_grads: bool,
     pub model: ModelOptions,
+    /// Which forward values the backward recomputes instead of saving (`remat`).
+    pub checkpoint: qatc_passes::remat::Checkpoint,
+    /// Fuse the step into kernels, last (None skips it; the CLI fuses unless --no-fuse).
+    pub fuse: Option<qatc_passes::fusion::FuseOptions>,
 }
 
 impl StepOptions {
@@ -68,6 +76,8 @@ impl StepOptions {
             adamw: AdamW::default(),
             keep_grads: false,
             model: ModelOptions { full_finetune: true, training: true, ..Default::default() },
+            checkpoint: Default::default(),
+            fuse: None,
         }
     }
 }
@@ -137,6 +147,13 @@ pub fn train_from(
     }
     let (h, keep) = (opts.adamw.clone(), opts.keep_grads);
     passes.push(Pass::new("adamw", move |g| optim::adamw(g, &h, keep)));
+    if opts.checkpoint != qatc_passes::remat::Checkpoint::None {
+        let c = opts.checkpoint;
+        passes.push(Pass::new("remat", move |g| qatc_passes::remat::remat(g, c, &Default::default())));
+    }
+    if let Some(f) = opts.fuse.clone() {
+        passes.push(Pass::new("fuse", move |g| qatc_passes::fusion::fuse(g, &f)));
+    }
     pipeline::run(g, passes, after)
 }
 

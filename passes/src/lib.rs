@@ -9,16 +9,20 @@
 //! - [`microbatch`]: unrolls K micro-batches for gradient accumulation;
 //! - [`autodiff`]: reverse-mode gradients of `loss` for the trainable inputs (a rule table);
 //! - [`optim::clip`]: global-norm gradient clipping;
-//! - [`optim::adamw`]: the AdamW update, with moments and the step count as graph state.
+//! - [`optim::adamw`]: the AdamW update, with moments and the step count as graph state;
+//! - [`fusion::fuse`]: kernel fusion by equality saturation (egg), last.
 
 pub mod autodiff;
 pub mod error;
+pub mod fusion;
 pub mod linears;
 pub mod lora;
 pub mod microbatch;
 pub mod optim;
 pub mod pipeline;
+pub mod plan;
 pub mod quant;
+pub mod remat;
 mod rebuild;
 
 pub use error::PassError;

@@ -13,6 +13,9 @@ pub struct PassReport {
     pub pass: &'static str,
     pub counters: BTreeMap<&'static str, i64>,
     pub notes: Vec<String>,
+    /// The fusion pass's full report (`qatc compile` writes it to `fusion.json`).
+    #[serde(skip)]
+    pub fusion: Option<Box<crate::fusion::FusionReport>>,
 }
 
 impl PassReport {

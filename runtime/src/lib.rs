@@ -37,6 +37,7 @@
 //! - Large elementwise and row-wise kernels split their output over threads; each element is
 //!   computed the same way regardless, so results do not depend on the thread count.
 
+mod arena;
 mod error;
 mod eval;
 mod float;
@@ -45,6 +46,7 @@ pub mod kernels;
 pub mod quant;
 mod value;
 
+pub use arena::{ArenaInterpreter, ArenaLayout, Slot};
 pub use error::RuntimeError;
 pub use float::Float;
 pub use interp::{Interpreter, RunOutputs};

@@ -1,5 +1,6 @@
 //! `qatc compile MODEL -o OUT`: lowers the checkpoint, builds the training step, and writes
-//! `forward.qir`, `train.qir` and `manifest.json` into OUT (all or nothing).
+//! `forward.qir`, `train.qir` and `manifest.json` into OUT (all or nothing); with fusion (the
+//! default; `--no-fuse` skips it) also `fused.qir`, the step as kernels, and `fusion.json`.
 
 use std::path::PathBuf;
 
@@ -27,14 +28,30 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options()?;
     let mut fwd_text = String::new();
+    let mut unfused: Option<qatc_ir::Graph> = None;
     let (train, reports) = step::train(&m.cfg, &opts, |stage, g| {
         if stage == "lower" {
             fwd_text = print(g);
         }
+        if stage != "fuse" {
+            unfused = Some(g.clone());
+        }
     })?;
+    let fusion = reports.iter().find_map(|r| r.fusion.as_deref());
     let fwd_nodes = fwd_text.lines().filter(|l| l.trim_start().starts_with('%')).count();
     let (groups, trainable, frozen) = sizes(&m, &train);
-    let artifacts = vec!["forward.qir", "train.qir", "manifest.json"];
+    let mut artifacts = vec!["forward.qir", "train.qir", "manifest.json"];
+    if fusion.is_some() {
+        artifacts.extend(["fused.qir", "fusion.json"]);
+    }
+    // the memory plan of the step before fusion (see cli::plan::build for why)
+    let memory = a.step.memory_bytes()?;
+    let (plan_json, plan_svg) =
+        super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, unfused.as_ref().unwrap_or(&train), memory)?;
+    artifacts.extend(["memory_plan.json", "memory.svg"]);
+    // code generation: every kernel of the step as CUDA C, with the helper headers it includes
+    let (program, kernels) = qatc_kernels::cuda_kernels(&train).context("code generation")?;
+    artifacts.push("kernels/");
     let manifest = Manifest {
         qatc_version: env!("CARGO_PKG_VERSION"),
         model: a.model.display().to_string(),
@@ -54,8 +71,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let out = OutDir::create(&a.out, "manifest.json").with_context(|| format!("{}", a.out.display()))?;
     out.write("forward.qir", &fwd_text)?;
-    out.write("train.qir", print(&train))?;
+    out.write("train.qir", print(unfused.as_ref().unwrap_or(&train)))?;
+    if let Some(f) = fusion {
+        out.write("fused.qir", print(&train))?;
+        out.write("fusion.json", serde_json::to_string_pretty(f)? + "\n")?;
+    }
     out.write("manifest.json", serde_json::to_string_pretty(&manifest)? + "\n")?;
+    out.write("memory_plan.json", &plan_json)?;
+    out.write("memory.svg", &plan_svg)?;
+    qatc_kernels::write_cuda(&out.path().join("kernels"), &kernels)?;
     let dir = out.commit().with_context(|| format!("{}", a.out.display()))?;
 
     let c = &m.cfg;
@@ -70,8 +94,40 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     for r in &reports {
         println!("  pass {r}");
     }
+    if let Some(f) = fusion {
+        print_fusion(f);
+    }
+    println!("  kernels {} distinct CUDA kernels; {}", kernels.len(), program.to_string().lines().next().unwrap_or_default());
     println!("  wrote {}/{{{}}}", dir.display(), artifacts.join(", "));
     Ok(())
+}
+
+/// The fusion summary: what was fused and what it saves.
+fn print_fusion(f: &qatc_passes::fusion::FusionReport) {
+    let s = &f.saturation;
+    println!(
+        "  fusion      kernels {} -> {}, bytes moved {} -> {} (ideal step {}: {:.2}x -> {:.2}x)",
+        f.kernels_before,
+        f.kernels_after,
+        human_bytes(f.bytes_before as usize),
+        human_bytes(f.bytes_after as usize),
+        human_bytes(f.ideal_bytes as usize),
+        f.ratio_before_to_ideal(),
+        f.ratio_to_ideal()
+    );
+    println!(
+        "  e-graph     {} after {} iterations, {} -> {} e-nodes, {:.2} s; extraction {:.2} s",
+        s.stop_reason, s.iterations, s.start_enodes, s.enodes, s.time_s, f.extraction.time_s
+    );
+    if let Some(why) = &f.extraction.fallback {
+        println!("  fusion      left the step unfused: {why}");
+    }
+    let mut fams: Vec<_> = f.families.iter().filter(|(k, _)| !k.starts_with("unfused.")).collect();
+    fams.sort_by(|a, b| b.1.kernels.cmp(&a.1.kernels).then(a.0.cmp(b.0)));
+    let list: Vec<String> = fams.iter().map(|(k, t)| format!("{k} x{}", t.kernels)).collect();
+    println!("  fused into  {}", list.join(", "));
+    let fired: Vec<String> = s.rules_fired.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    println!("  rules fired {}", fired.join(", "));
 }
 
 pub fn human_bytes(b: usize) -> String {

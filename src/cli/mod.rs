@@ -6,6 +6,7 @@ pub mod dump;
 pub mod eval;
 pub mod export;
 pub mod options;
+pub mod plan;
 pub mod prt;
 pub mod train;
 
@@ -74,6 +75,16 @@ pub struct StepArgs {
     /// Seed for LoRA's initialisation and dropout.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Recompute instead of saving: none | blocks | sqrt | budget=SIZE | auto (default: none,
+    /// or auto with --memory).
+    #[arg(long)]
+    pub checkpoint: Option<String>,
+    /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB).
+    #[arg(long)]
+    pub memory: Option<String>,
+    /// Skip kernel fusion (the `fuse` stage): the step stays one op per node.
+    #[arg(long)]
+    pub no_fuse: bool,
 }
 
 impl StepArgs {
@@ -96,6 +107,22 @@ impl StepArgs {
         o.grad_accum = self.grad_accum;
         o.clip = self.clip;
         o.adamw.weight_decay = self.weight_decay;
+        o.checkpoint = self.checkpoint_policy()?;
+        o.fuse = (!self.no_fuse).then(qatc_passes::fusion::FuseOptions::default);
         Ok(o)
+    }
+}
+
+impl StepArgs {
+    /// `--memory` in bytes, if given.
+    pub fn memory_bytes(&self) -> anyhow::Result<Option<usize>> {
+        self.memory.as_deref().map(|m| qatc_passes::plan::units::parse_size(m).map_err(|e| anyhow::anyhow!("--memory: {e}"))).transpose()
+    }
+
+    /// The checkpoint policy: `--checkpoint`, else `auto` when `--memory` is given, else none.
+    pub fn checkpoint_policy(&self) -> anyhow::Result<qatc_passes::remat::Checkpoint> {
+        let memory = self.memory_bytes()?;
+        let policy = self.checkpoint.as_deref().unwrap_or(if memory.is_some() { "auto" } else { "none" });
+        qatc_passes::remat::Checkpoint::parse(policy, memory).map_err(anyhow::Error::msg)
     }
 }

@@ -1,0 +1,64 @@
+//! The attention kernels: a specialization of the tiled templates in `qatc_attention.cuh` to one
+//! shape and layout (sizes, scale and strides become constants the compiler folds).
+
+use super::emit::{float_lit, params, LaunchDims};
+use super::writer::Writer;
+use crate::kir::{Attention, AttentionPart, Kernel, Ty};
+
+/// Query rows per block (one thread each) and key rows per shared-memory tile.
+const BQ: u32 = 64;
+const BK: u32 = 32;
+
+/// Which params are [B, NH, T, hs] views (the others are the [B*NH, T] lse / delta rows).
+fn view_params(part: AttentionPart) -> &'static [usize] {
+    match part {
+        AttentionPart::Forward | AttentionPart::BackwardDelta => &[0, 1, 2, 3],
+        AttentionPart::BackwardQ => &[0, 1, 2, 3, 6],
+        AttentionPart::BackwardKV => &[0, 1, 2, 3, 6, 7],
+        AttentionPart::Lse => &[0, 1],
+        AttentionPart::BackwardV => &[0, 1, 2, 4],
+    }
+}
+
+pub fn launch_dims(a: &Attention) -> LaunchDims {
+    let rows = |per: u32| (a.t as u32).div_ceil(per).max(1);
+    let bh = (a.b * a.nh).max(1) as u32;
+    // every part puts 64 rows (query rows, or key rows for the key/value gradients) in a block
+    LaunchDims { grid: [rows(BQ), bh, 1], block: BQ }
+}
+
+pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32) {
+    let (what, func) = match a.part {
+        AttentionPart::Forward => ("forward: out = softmax(scale q k^T, causal) v, and the row log-sum-exp", "attention_forward"),
+        AttentionPart::BackwardDelta => ("backward, delta_i = sum_j P_ij (dout_i . v_j)", "attention_backward_delta"),
+        AttentionPart::BackwardQ => ("backward, dq = dS k", "attention_backward_q"),
+        AttentionPart::BackwardKV => ("backward, dk = dS^T q and dv = P^T dout", "attention_backward_kv"),
+        AttentionPart::Lse => ("statistics: the row log-sum-exp of scale q k^T", "attention_lse"),
+        AttentionPart::BackwardV => ("backward, dv = P^T dout", "attention_backward_v"),
+    };
+    let dims = launch_dims(a);
+    w.line(format!("// causal attention {what}"));
+    w.line(format!(
+        "// B {}, NH {}, T {}, hs {}: grid ({}, {}), {} threads per block",
+        a.b, a.nh, a.t, a.hs, dims.grid[0], dims.grid[1], block
+    ));
+    w.line(format!("extern \"C\" __global__ void __launch_bounds__({block}) {name}("));
+    params(w, k);
+    w.open("");
+    w.line(format!("const qatc::AttnShape shape = {{{}, {}, {}}};  // NH, T, scale", a.nh, a.t, float_lit(a.scale, Ty::F32)));
+    let mut args = vec!["shape".to_string()];
+    let views = view_params(a.part);
+    for (i, p) in k.params.iter().enumerate() {
+        args.push(p.name.clone());
+        if views.contains(&i) {
+            let [sb, sh, st] = a.strides.get(i).copied().unwrap_or([0, 0, 0]);
+            let off = a.offsets.get(i).copied().unwrap_or(0);
+            w.line(format!("const qatc::AttnView {}_at = {{{off}, {sb}, {sh}, {st}}};  // offset, strides of b, h, t", p.name));
+            args.push(format!("{}_at", p.name));
+        }
+    }
+    // <hs, rows per block, rows per shared tile>
+    let tiles = format!("{}, {BQ}, {BK}", a.hs);
+    w.line(format!("qatc::{func}<{tiles}>({});", args.join(", ")));
+    w.close();
+}

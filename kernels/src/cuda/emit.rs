@@ -1,0 +1,503 @@
+//! Kernel IR -> CUDA C. One `extern "C" __global__` function per kernel, named
+//! `fused_{family}_{hash8}` where hash8 is the first 8 hex digits of the FNV-1a 64 hash of the
+//! source emitted under the bare name `fused_{family}`: identical kernels get identical names, and
+//! the name is the compile-cache key.
+//!
+//! Mapping: an Elements space is one thread per element (`idx`, coordinates `i0, i1, ..` where
+//! used); a Rows space with `RowMapping::Block` is one block per row whose threads stride over the
+//! row, reductions ending in `qatc::block_sum` / `block_max`; `RowMapping::Thread` is one thread
+//! per row with plain loops.
+
+use std::collections::{BTreeSet, HashMap};
+
+use qatc_ir::DType;
+
+use super::writer::Writer;
+use crate::error::KernelError;
+use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Ix, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
+
+/// Threads per block of elementwise and thread-per-row kernels.
+pub const BLOCK: u32 = 256;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchDims {
+    pub grid: [u32; 3],
+    pub block: u32,
+}
+
+/// A kernel as CUDA C, ready for NVRTC.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CudaKernel {
+    pub name: String,
+    pub family: String,
+    pub source: String,
+    pub launch: LaunchDims,
+}
+
+/// The helper headers, embedded: (file name, text). Generated sources include them by name.
+pub const HEADERS: [(&str, &str); 5] = [
+    ("qatc_common.cuh", include_str!("include/qatc_common.cuh")),
+    ("qatc_math.cuh", include_str!("include/qatc_math.cuh")),
+    ("qatc_reduce.cuh", include_str!("include/qatc_reduce.cuh")),
+    ("qatc_quant.cuh", include_str!("include/qatc_quant.cuh")),
+    ("qatc_attention.cuh", include_str!("include/qatc_attention.cuh")),
+];
+
+/// FNV-1a, 64 bit: stable across runs, platforms and Rust versions (std's hashers are not).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn ident(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect()
+}
+
+pub fn emit(k: &Kernel) -> Result<CudaKernel, KernelError> {
+    let base = format!("fused_{}", ident(&k.family));
+    let draft = render(k, &base)?;
+    let name = format!("{base}_{:08x}", fnv1a64(draft.as_bytes()) >> 32);
+    let source = render(k, &name)?;
+    Ok(CudaKernel { name, family: k.family.clone(), source, launch: launch_dims(k) })
+}
+
+/// Threads per block for a Block-mapped row of up to `len` elements: about four per thread.
+fn row_block(len: usize) -> u32 {
+    (len.div_ceil(4)).next_power_of_two().clamp(32, 1024) as u32
+}
+
+fn max_loop(stmts: &[Stmt]) -> usize {
+    let mut m = 0;
+    for s in stmts {
+        match s {
+            Stmt::Reduce { lp, body, .. } | Stmt::ForEach { lp, body } => m = m.max(lp.max).max(max_loop(body)),
+            _ => {}
+        }
+    }
+    m
+}
+
+pub fn launch_dims(k: &Kernel) -> LaunchDims {
+    let blocks = |n: usize, per: u32| n.div_ceil(per as usize).max(1).min(u32::MAX as usize) as u32;
+    match &k.body {
+        Body::Loops { space: Space::Elements { shape }, .. } => LaunchDims { grid: [blocks(shape.iter().product(), BLOCK), 1, 1], block: BLOCK },
+        Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Thread }, .. } => LaunchDims { grid: [blocks(*rows, BLOCK), 1, 1], block: BLOCK },
+        Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Block }, stmts } => {
+            LaunchDims { grid: [(*rows).max(1) as u32, 1, 1], block: row_block(max_loop(stmts)) }
+        }
+        Body::Attention(a) => super::attention::launch_dims(a),
+    }
+}
+
+pub fn c_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float",
+        DType::F16 => "qatc::f16_t",
+        DType::BF16 => "qatc::bf16_t",
+        DType::I32 => "int",
+        DType::U8 | DType::I4 => "unsigned char",
+    }
+}
+
+fn scalar(t: Ty) -> &'static str {
+    match t {
+        Ty::F32 => "float",
+        Ty::F64 => "double",
+        Ty::I32 => "int",
+        Ty::I64 => "long long",
+        Ty::Bool => "bool",
+    }
+}
+
+/// The parameter list: read-only buffers `const T* __restrict__`, shapes in comments.
+pub fn params(w: &mut Writer, k: &Kernel) {
+    w.indent();
+    let n = k.params.len();
+    for (i, p) in k.params.iter().enumerate() {
+        let cst = if p.write { "" } else { "const " };
+        let sep = if i + 1 < n { "," } else { ")" };
+        let shape: Vec<String> = p.shape.iter().map(|d| d.to_string()).collect();
+        w.line(format!("{cst}{}* __restrict__ {}{sep}  // {}[{}]", c_type(p.dtype), p.name, p.dtype, shape.join(", ")));
+    }
+    w.dedent();
+}
+
+fn render(k: &Kernel, name: &str) -> Result<String, KernelError> {
+    let mut w = Writer::new();
+    let dims = launch_dims(k);
+    w.line(format!("// {}: {}", k.family, k.note));
+    match &k.body {
+        Body::Loops { space, .. } => match space {
+            Space::Elements { shape } => w.line(format!("// one thread per element of {shape:?}")),
+            Space::Rows { rows, mapping: RowMapping::Block } => w.line(format!("// {rows} rows, one block of {} threads per row", dims.block)),
+            Space::Rows { rows, mapping: RowMapping::Thread } => w.line(format!("// {rows} rows, one thread per row")),
+        },
+        Body::Attention(_) => {}
+    }
+    w.line("#include \"qatc_common.cuh\"");
+    let needs = headers_needed(k);
+    for h in needs {
+        w.line(format!("#include \"{h}\""));
+    }
+    w.blank();
+    match &k.body {
+        Body::Loops { space, stmts } => {
+            w.line(format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(", dims.block));
+            params(&mut w, k);
+            w.open("");
+            Body_::new(k, stmts).kernel(&mut w, space, stmts)?;
+            w.close();
+        }
+        Body::Attention(a) => super::attention::render(&mut w, k, a, name, dims.block),
+    }
+    let text = w.finish();
+    if text.contains('\0') {
+        return Err(KernelError::Internal(format!("{name}: generated source contains a NUL byte")));
+    }
+    Ok(text)
+}
+
+fn headers_needed(k: &Kernel) -> BTreeSet<&'static str> {
+    let mut h = BTreeSet::new();
+    match &k.body {
+        Body::Attention(_) => {
+            h.insert("qatc_attention.cuh");
+        }
+        Body::Loops { stmts, space } => {
+            visit_exprs(stmts, &mut |e| match e {
+                Expr::Un(UnOp::Gelu, _) | Expr::Bin(BinOp::GeluGrad, ..) => {
+                    h.insert("qatc_math.cuh");
+                }
+                Expr::Call(Intrinsic::DropoutKeep { .. } | Intrinsic::Nf4Value | Intrinsic::Nf4Nearest, _) => {
+                    h.insert("qatc_quant.cuh");
+                }
+                _ => {}
+            });
+            if matches!(space, Space::Rows { mapping: RowMapping::Block, .. }) && has_reduce(stmts) {
+                h.insert("qatc_reduce.cuh");
+            }
+        }
+    }
+    h
+}
+
+/// Every variable a statement list defines, in order, and whether a reduction defines it.
+fn defined(stmts: &[Stmt], out: &mut Vec<(VarId, bool)>) {
+    for s in stmts {
+        match s {
+            Stmt::Let { var, .. } => out.push((*var, false)),
+            Stmt::Reduce { var, body, .. } => {
+                out.push((*var, true));
+                defined(body, out);
+            }
+            Stmt::ForEach { body, .. } => defined(body, out),
+            Stmt::Store { .. } | Stmt::AtomicAdd { .. } => {}
+        }
+    }
+}
+
+fn has_reduce(stmts: &[Stmt]) -> bool {
+    stmts.iter().any(|s| matches!(s, Stmt::Reduce { .. }))
+}
+
+/// Emission state for one loop-nest kernel.
+struct Body_<'k> {
+    k: &'k Kernel,
+    env: TypeEnv,
+    /// Variable -> its C name: its display name where it has a free one, else `v{n}` / `acc{n}`.
+    vars: HashMap<VarId, String>,
+    /// Loop variable -> its name (by nesting depth: `j`, then `jj`).
+    loops: HashMap<u8, String>,
+    depth: usize,
+    /// Inside a loop whose iterations the block's threads share.
+    parallel: bool,
+    block_rows: bool,
+}
+
+impl<'k> Body_<'k> {
+    fn new(k: &'k Kernel, stmts: &[Stmt]) -> Body_<'k> {
+        let mut taken: BTreeSet<String> = k.params.iter().map(|p| p.name.clone()).collect();
+        taken.extend(["idx", "row", "j", "j1", "j2", "scratch"].map(String::from));
+        let mut vars = HashMap::new();
+        let mut defs = Vec::new();
+        defined(stmts, &mut defs);
+        for (v, reduce) in defs {
+            let name = match k.names.get(&v) {
+                Some(n) if !taken.contains(n) => n.clone(),
+                Some(n) => format!("{n}{v}"),
+                None if reduce => format!("acc{v}"),
+                None => format!("v{v}"),
+            };
+            taken.insert(name.clone());
+            vars.insert(v, name);
+        }
+        Body_ { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false }
+    }
+
+    fn var(&self, v: VarId) -> String {
+        self.vars.get(&v).cloned().unwrap_or_else(|| format!("v{v}"))
+    }
+
+    fn kernel(&mut self, w: &mut Writer, space: &Space, stmts: &[Stmt]) -> Result<(), KernelError> {
+        let it = scalar(self.k.index_ty);
+        match space {
+            Space::Elements { shape } => {
+                let n: usize = shape.iter().product();
+                w.line(format!("const {it} idx = ({it})blockIdx.x * blockDim.x + threadIdx.x;"));
+                w.line(format!("if (idx >= {n}) return;"));
+                let st = crate::index::strides(shape);
+                for (d, (&dim, &s)) in shape.iter().zip(&st).enumerate() {
+                    if !self.k.uses_ix(Ix::Coord(d as u8)) {
+                        continue;
+                    }
+                    let e = match (d, s) {
+                        (0, 1) => "idx".to_string(),
+                        (0, _) => format!("idx / {s}"),
+                        (_, 1) => format!("idx % {dim}"),
+                        _ => format!("idx / {s} % {dim}"),
+                    };
+                    w.line(format!("const {it} i{d} = {e};  // of {dim}"));
+                }
+            }
+            Space::Rows { rows, mapping: RowMapping::Block } => {
+                self.block_rows = true;
+                if has_reduce(stmts) {
+                    w.line("__shared__ float scratch[32];");
+                }
+                w.line(format!("const {it} row = blockIdx.x;  // of {rows}"));
+            }
+            Space::Rows { rows, mapping: RowMapping::Thread } => {
+                w.line(format!("const {it} row = ({it})blockIdx.x * blockDim.x + threadIdx.x;"));
+                w.line(format!("if (row >= {rows}) return;"));
+            }
+        }
+        self.stmts(w, stmts)
+    }
+
+    fn stmts(&mut self, w: &mut Writer, stmts: &[Stmt]) -> Result<(), KernelError> {
+        for s in stmts {
+            self.stmt(w, s)?;
+        }
+        Ok(())
+    }
+
+    fn loop_head(&mut self, w: &mut Writer, var: u8, extent: &Expr) -> Result<bool, KernelError> {
+        let name = if self.depth == 0 { "j".to_string() } else { format!("j{}", self.depth) };
+        self.loops.insert(var, name.clone());
+        let it = scalar(self.k.index_ty);
+        let ext = self.expr(extent, 0)?;
+        let shared = self.block_rows && !self.parallel;
+        if shared {
+            w.open(format!("for ({it} {name} = threadIdx.x; {name} < {ext}; {name} += blockDim.x)"));
+        } else {
+            w.open(format!("for ({it} {name} = 0; {name} < {ext}; ++{name})"));
+        }
+        self.depth += 1;
+        Ok(shared)
+    }
+
+    fn stmt(&mut self, w: &mut Writer, s: &Stmt) -> Result<(), KernelError> {
+        match s {
+            Stmt::Let { var, ty, value } => {
+                let v = self.expr(value, 0)?;
+                w.line(format!("const {} {} = {v};", scalar(*ty), self.var(*var)));
+            }
+            Stmt::Store { param, index, value } => {
+                let p = &self.k.params[*param];
+                let (i, v) = (self.expr(index, 0)?, self.expr(value, 0)?);
+                let guard = if self.block_rows && !self.parallel { "if (threadIdx.x == 0) " } else { "" };
+                let line = match p.dtype {
+                    DType::F32 | DType::I32 => format!("{}[{i}] = {v};", p.name),
+                    DType::F16 => format!("{}[{i}] = qatc::float_to_f16({v});", p.name),
+                    DType::BF16 => format!("{}[{i}] = qatc::float_to_bf16({v});", p.name),
+                    DType::U8 => format!("{}[{i}] = (unsigned char)({v});", p.name),
+                    DType::I4 => format!("qatc::store_i4({}, {i}, {v});", p.name),
+                };
+                w.line(format!("{guard}{line}"));
+            }
+            Stmt::AtomicAdd { param, index, value } => {
+                let p = &self.k.params[*param];
+                if p.dtype != DType::F32 {
+                    return Err(KernelError::Internal(format!("atomic add into {} {}", p.dtype, p.name)));
+                }
+                w.line(format!("atomicAdd(&{}[{}], {});", p.name, self.expr(index, 0)?, self.expr(value, 0)?));
+            }
+            Stmt::ForEach { lp, body } => {
+                let shared = self.loop_head(w, lp.var, &lp.extent)?;
+                let was = self.parallel;
+                self.parallel |= shared;
+                self.stmts(w, body)?;
+                self.parallel = was;
+                self.depth -= 1;
+                w.close();
+            }
+            Stmt::Reduce { var, op, ty, lp, body, value } => {
+                let t = scalar(*ty);
+                let init = match op {
+                    ReduceOp::Sum | ReduceOp::FirstAbsMax => "0.0f",
+                    ReduceOp::Max => "-INFINITY",
+                };
+                let acc = self.var(*var);
+                w.line(format!("{t} {acc} = {init};"));
+                let shared = self.loop_head(w, lp.var, &lp.extent)?;
+                if shared && *op == ReduceOp::FirstAbsMax {
+                    return Err(KernelError::Internal("FirstAbsMax needs a sequential (thread-per-row) reduction".into()));
+                }
+                let was = self.parallel;
+                self.parallel |= shared;
+                self.stmts(w, body)?;
+                let v = self.expr(value, 0)?;
+                match op {
+                    ReduceOp::Sum => w.line(format!("{acc} += {v};")),
+                    ReduceOp::Max => w.line(format!("{acc} = fmaxf({acc}, {v});")),
+                    ReduceOp::FirstAbsMax => {
+                        w.line(format!("const float x = {v};"));
+                        w.line(format!("if (fabsf(x) > fabsf({acc})) {acc} = x;  // the first of largest magnitude"));
+                    }
+                }
+                self.parallel = was;
+                self.depth -= 1;
+                w.close();
+                match (shared, op) {
+                    (true, ReduceOp::Sum) => w.line(format!("{acc} = qatc::block_sum({acc}, scratch);")),
+                    (true, _) => w.line(format!("{acc} = qatc::block_max({acc}, scratch);")),
+                    (false, _) => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `e` as C, parenthesized where its precedence is below `min`.
+    fn expr(&self, e: &Expr, min: u8) -> Result<String, KernelError> {
+        let (s, prec) = self.expr_p(e)?;
+        Ok(if prec < min { format!("({s})") } else { s })
+    }
+
+    fn ty(&self, e: &Expr) -> Ty {
+        self.env.ty(self.k, e)
+    }
+
+    fn expr_p(&self, e: &Expr) -> Result<(String, u8), KernelError> {
+        const TOP: u8 = 100;
+        Ok(match e {
+            Expr::Float(v, t) => (float_lit(*v, *t), TOP),
+            Expr::Int(i) => (if *i < 0 { format!("({i})") } else { i.to_string() }, TOP),
+            Expr::Bool(b) => (b.to_string(), TOP),
+            Expr::Ix(ix) => (
+                match ix {
+                    Ix::Elem => "idx".to_string(),
+                    Ix::Coord(d) => format!("i{d}"),
+                    Ix::Row => "row".to_string(),
+                    Ix::Loop(l) => self.loops.get(l).cloned().ok_or_else(|| KernelError::Internal(format!("loop {l} used outside it")))?,
+                },
+                TOP,
+            ),
+            Expr::Var(v) => (self.var(*v), TOP),
+            Expr::Load { param, index } => {
+                let p = self.k.params.get(*param).ok_or_else(|| KernelError::Internal(format!("no param {param}")))?;
+                let i = self.expr(index, 0)?;
+                let s = match p.dtype {
+                    DType::F32 | DType::I32 => format!("{}[{i}]", p.name),
+                    DType::F16 => format!("qatc::f16_to_float({}[{i}])", p.name),
+                    DType::BF16 => format!("qatc::bf16_to_float({}[{i}])", p.name),
+                    DType::U8 => format!("(int){}[{i}]", p.name),
+                    DType::I4 => format!("qatc::load_i4({}, {i})", p.name),
+                };
+                (s, TOP)
+            }
+            Expr::Un(op, a) => {
+                let d = self.ty(a) == Ty::F64;
+                let call = |f32: &str, f64: &str| -> Result<(String, u8), KernelError> { Ok((format!("{}({})", if d { f64 } else { f32 }, self.expr(a, 0)?), TOP)) };
+                match op {
+                    UnOp::Neg => (format!("-{}", self.expr(a, 90)?), 90),
+                    UnOp::Not => (format!("!{}", self.expr(a, 90)?), 90),
+                    UnOp::Exp => call("expf", "exp")?,
+                    UnOp::Log => call("logf", "log")?,
+                    UnOp::Sqrt => call("sqrtf", "sqrt")?,
+                    UnOp::Rsqrt => (format!("1.0f / sqrtf({})", self.expr(a, 0)?), 80),
+                    UnOp::Recip => (format!("1.0f / {}", self.expr(a, 81)?), 80),
+                    UnOp::Tanh => call("tanhf", "tanh")?,
+                    UnOp::Abs => call("fabsf", "fabs")?,
+                    UnOp::Gelu => call("qatc::gelu", "qatc::gelu")?,
+                    UnOp::RoundEven => call("rintf", "rint")?,
+                    UnOp::Trunc => call("truncf", "trunc")?,
+                    UnOp::RoundF16 => call("qatc::round_f16", "qatc::round_f16")?,
+                    UnOp::RoundBf16 => call("qatc::round_bf16", "qatc::round_bf16")?,
+                }
+            }
+            Expr::Bin(op, a, b) => self.binary(*op, a, b)?,
+            Expr::Select(c, a, b) => (format!("{} ? {} : {}", self.expr(c, 21)?, self.expr(a, 21)?, self.expr(b, 20)?), 20),
+            Expr::Cast(t, a) => {
+                let from = self.ty(a);
+                let inner = self.expr(a, 0)?;
+                let s = match (t, from) {
+                    (Ty::I32 | Ty::I64, Ty::F32) => format!("qatc::f2i_sat({inner})"),
+                    (Ty::I32 | Ty::I64, Ty::F64) => format!("qatc::f2i_sat((float)({inner}))"),
+                    _ if *t == from => return self.expr_p(a),
+                    _ => format!("({}){}", scalar(*t), self.expr(a, 90)?),
+                };
+                let prec = if s.starts_with('(') { 90 } else { TOP };
+                (s, prec)
+            }
+            Expr::Call(i, args) => {
+                let a: Vec<String> = args.iter().map(|x| self.expr(x, 0)).collect::<Result<_, _>>()?;
+                let s = match i {
+                    Intrinsic::DropoutKeep { stream } => format!("qatc::dropout_keep({}, {stream}ull, {}, {})", a.first().cloned().unwrap_or_default(), a.get(1).cloned().unwrap_or_default(), a.get(2).cloned().unwrap_or_default()),
+                    Intrinsic::Nf4Value => format!("qatc::nf4_value({})", a.join(", ")),
+                    Intrinsic::Nf4Nearest => format!("qatc::nf4_nearest({})", a.join(", ")),
+                    Intrinsic::F16Round => format!("qatc::round_f16({})", a.join(", ")),
+                };
+                (s, TOP)
+            }
+        })
+    }
+
+    fn binary(&self, op: BinOp, a: &Expr, b: &Expr) -> Result<(String, u8), KernelError> {
+        let float = matches!(self.ty(a), Ty::F32 | Ty::F64) || matches!(self.ty(b), Ty::F32 | Ty::F64);
+        let infix = |sym: &str, p: u8| -> Result<(String, u8), KernelError> { Ok((format!("{} {sym} {}", self.expr(a, p)?, self.expr(b, p + 1)?), p)) };
+        let call = |f: &str| -> Result<(String, u8), KernelError> { Ok((format!("{f}({}, {})", self.expr(a, 0)?, self.expr(b, 0)?), 100)) };
+        match op {
+            BinOp::Add => infix("+", 70),
+            BinOp::Sub => infix("-", 70),
+            BinOp::Mul => infix("*", 80),
+            BinOp::Div => infix("/", 80),
+            BinOp::Rem => infix("%", 80),
+            BinOp::Lt => infix("<", 60),
+            BinOp::Le => infix("<=", 60),
+            BinOp::Eq => infix("==", 50),
+            BinOp::Ne => infix("!=", 50),
+            BinOp::And => infix("&&", 30),
+            BinOp::Max if float => call("qatc::max_nan"),
+            BinOp::Min if float => call("qatc::min_nan"),
+            BinOp::Max => call("max"),
+            BinOp::Min => call("min"),
+            BinOp::GeluGrad => call("qatc::gelu_grad"),
+            BinOp::Pow => call("pow"),
+        }
+    }
+}
+
+/// A literal that reads back as the same value: the shortest round-trip form, with `f` for f32.
+pub fn float_lit(v: f64, t: Ty) -> String {
+    let single = t != Ty::F64;
+    if v.is_nan() {
+        return if single { "__int_as_float(0x7fffffff)".into() } else { "__longlong_as_double(0x7fffffffffffffffll)".into() };
+    }
+    if v.is_infinite() {
+        let s = if single { "INFINITY" } else { "(double)INFINITY" };
+        return if v < 0.0 { format!("-{s}") } else { s.into() };
+    }
+    let mut s = if single { format!("{:?}", v as f32) } else { format!("{v:?}") };
+    if !s.contains(['.', 'e', 'E']) {
+        s.push_str(".0");
+    }
+    if single {
+        s.push('f');
+    }
+    s
+}

@@ -1,0 +1,45 @@
+//! qatc's code generation. A graph lowers to a [`Program`] (kernel launches, library GEMMs,
+//! views) whose kernels are described in the backend-neutral kernel IR ([`kir`]); the CUDA
+//! backend ([`cuda`]) writes each kernel as CUDA C and [`nvrtc`] compiles it. An LLVM backend
+//! reads the same kernel IR.
+//!
+//! ```text
+//! Graph --lower--> Program { buffers, views, steps: [Launch(kir::Kernel) | Gemm] }
+//!                              kir::Kernel --cuda::emit--> fused_{family}_{hash8}.cu --nvrtc--> PTX
+//! ```
+
+pub mod cuda;
+pub mod error;
+pub mod index;
+pub mod kir;
+pub mod lower;
+pub mod nvrtc;
+pub mod program;
+
+use std::path::Path;
+
+pub use cuda::CudaKernel;
+pub use error::KernelError;
+pub use lower::lower;
+pub use program::{Gemm, Program, Step, View};
+
+/// Lowers a graph and writes every distinct kernel as CUDA C: the program and its kernels, in
+/// the program's kernel order.
+pub fn cuda_kernels(g: &qatc_ir::Graph) -> Result<(Program, Vec<CudaKernel>), KernelError> {
+    let prog = lower(g)?;
+    let kernels = prog.kernels.iter().map(cuda::emit).collect::<Result<Vec<_>, _>>()?;
+    Ok((prog, kernels))
+}
+
+/// Writes `NAME.cu` for each kernel and the helper headers into `dir`; returns the paths of the
+/// sources, in order.
+pub fn write_cuda(dir: &Path, kernels: &[CudaKernel]) -> Result<Vec<std::path::PathBuf>, KernelError> {
+    nvrtc::write_headers(dir)?;
+    let mut paths = Vec::new();
+    for k in kernels {
+        let p = dir.join(format!("{}.cu", k.name));
+        std::fs::write(&p, &k.source).map_err(|source| KernelError::Io { path: p.clone(), source })?;
+        paths.push(p);
+    }
+    Ok(paths)
+}

@@ -1,0 +1,188 @@
+//! Causal attention, recognised in a fused body and lowered to the tiled kernels of
+//! `qatc_attention.cuh`: the T x T scores and probabilities are never written to memory.
+//!
+//! Patterns (P = softmax(matmul(q, k^T), causal), the matmuls not in memory):
+//!   out = P v                                   forward
+//!   dv  = P^T dout                              lse, then dv
+//!   dq  = softmax_grad(P, dout v^T) k           lse, delta, then dq
+//!   dk  = softmax_grad(P, dout v^T)^T q         lse, delta, then dk (and dv, into scratch)
+//! The forward's log-sum-exp is not a graph value, so a backward recomputes it (one pass over
+//! the keys); lse and delta are shared by the kernels of one layer through `Lowerer::attn_stats`.
+
+use std::collections::HashMap;
+
+use qatc_ir::{DType, Graph, NodeId, Op};
+
+use super::fused::operand_view;
+use super::{elementwise, Ctx, Lowerer};
+use crate::error::KernelError;
+use crate::kir::{Attention, AttentionPart, Body, Kernel, Param, Ty};
+use crate::program::View;
+
+#[derive(Clone, Copy, Debug)]
+pub enum Match {
+    Forward { q: NodeId, k: NodeId, v: NodeId, scale: f64 },
+    Dv { q: NodeId, k: NodeId, dout: NodeId, scale: f64 },
+    Dq { q: NodeId, k: NodeId, v: NodeId, dout: NodeId, scale: f64 },
+    Dk { q: NodeId, k: NodeId, v: NodeId, dout: NodeId, scale: f64 },
+}
+
+fn inner<'g>(g: &'g Graph, n: NodeId, leaves: &HashMap<NodeId, View>) -> Option<&'g Op> {
+    (!leaves.contains_key(&n)).then(|| &g.node(n).op)
+}
+
+fn two(g: &Graph, n: NodeId) -> Option<(NodeId, NodeId)> {
+    let ops = g.operands(n);
+    Some((*ops.first()?, *ops.get(1)?))
+}
+
+/// P = softmax(q k^T, causal) -> (q, k, scale).
+fn probs(g: &Graph, p: NodeId, leaves: &HashMap<NodeId, View>) -> Option<(NodeId, NodeId, f64)> {
+    let Op::Softmax { scale, causal: true } = *inner(g, p, leaves)? else { return None };
+    let s = *g.operands(p).first()?;
+    let Op::MatMul { ta: false, tb: true } = *inner(g, s, leaves)? else { return None };
+    let (q, k) = two(g, s)?;
+    Some((q, k, scale))
+}
+
+/// dS = softmax_grad(P, dout v^T) -> (q, k, v, dout, scale).
+fn dscores(g: &Graph, ds: NodeId, leaves: &HashMap<NodeId, View>) -> Option<(NodeId, NodeId, NodeId, NodeId, f64)> {
+    let Op::SoftmaxGrad { scale } = *inner(g, ds, leaves)? else { return None };
+    let (p, dp) = two(g, ds)?;
+    let (q, k, s) = probs(g, p, leaves)?;
+    let Op::MatMul { ta: false, tb: true } = *inner(g, dp, leaves)? else { return None };
+    let (dout, v) = two(g, dp)?;
+    (s == scale).then_some((q, k, v, dout, scale))
+}
+
+pub fn matches(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Option<Match> {
+    let Op::MatMul { ta, tb: false } = *inner(g, root, leaves)? else { return None };
+    let shape = &g.ty(root).shape.0;
+    if shape.len() != 4 || g.ty(root).dtype != DType::F32 {
+        return None;
+    }
+    let (a, b) = two(g, root)?;
+    let m = match (ta, &g.node(a).op) {
+        (false, Op::Softmax { .. }) => probs(g, a, leaves).map(|(q, k, scale)| Match::Forward { q, k, v: b, scale }),
+        (true, Op::Softmax { .. }) => probs(g, a, leaves).map(|(q, k, scale)| Match::Dv { q, k, dout: b, scale }),
+        (false, Op::SoftmaxGrad { .. }) => dscores(g, a, leaves).filter(|d| d.1 == b).map(|(q, k, v, dout, scale)| Match::Dq { q, k, v, dout, scale }),
+        (true, Op::SoftmaxGrad { .. }) => dscores(g, a, leaves).filter(|d| d.0 == b).map(|(q, k, v, dout, scale)| Match::Dk { q, k, v, dout, scale }),
+        _ => None,
+    }?;
+    let operands = match m {
+        Match::Forward { q, k, v, .. } => vec![q, k, v],
+        Match::Dv { q, k, dout, .. } => vec![q, k, dout],
+        Match::Dq { q, k, v, dout, .. } | Match::Dk { q, k, v, dout, .. } => vec![q, k, v, dout],
+    };
+    operands.iter().all(|&n| g.ty(n).shape.0 == *shape && g.ty(n).dtype == DType::F32).then_some(m)
+}
+
+/// A [B, NH, T, hs] view with hs contiguous (copied out when it is not).
+fn head_view(lw: &mut Lowerer, cx: &mut Ctx, n: NodeId, family: &str) -> Result<View, KernelError> {
+    let v = operand_view(lw, cx, n, family)?;
+    if v.strides[3] == 1 {
+        return Ok(v);
+    }
+    let g = cx.g;
+    let t = lw.temp(&format!("t{}", n.index()), g.ty(n).dtype, &g.ty(n).shape.0);
+    let sub = Ctx { g, leaves: HashMap::from([(n, v)]), names: cx.names.clone(), order: cx.order.clone() };
+    elementwise(lw, &sub, n, &t, "copy")?;
+    Ok(t)
+}
+
+struct Launch<'a> {
+    part: AttentionPart,
+    dims: [usize; 4],
+    scale: f64,
+    family: &'a str,
+    note: String,
+}
+
+fn launch(lw: &mut Lowerer, l: &Launch, params: &[(&str, &View, bool)]) {
+    let [b, nh, t, hs] = l.dims;
+    let ps: Vec<Param> = params
+        .iter()
+        .map(|(name, v, write)| {
+            let buf = &lw.prog.buffers[v.buf];
+            Param { name: name.to_string(), dtype: buf.dtype, shape: buf.shape.clone(), write: *write }
+        })
+        .collect();
+    let strides = params.iter().map(|(_, v, _)| if v.strides.len() == 4 { [v.strides[0], v.strides[1], v.strides[2]] } else { [0; 3] }).collect();
+    let offsets = params.iter().map(|(_, v, _)| v.offset).collect();
+    let att = Attention { b, nh, t, hs, scale: l.scale, strides, offsets, part: l.part };
+    let index_ty = if ps.iter().all(|p| p.numel() < i32::MAX as usize) { Ty::I32 } else { Ty::I64 };
+    let kernel = Kernel { family: l.family.to_string(), params: ps, index_ty, body: Body::Attention(att), note: l.note.clone(), names: Default::default() };
+    let args = params.iter().map(|(_, v, _)| v.buf).collect();
+    lw.push_kernel((kernel, args));
+}
+
+/// The row log-sum-exp of scale q k^T, computed once per (q, k).
+fn lse(lw: &mut Lowerer, l: &Launch, q: &View, k: &View) -> View {
+    let key = vec![q.clone(), k.clone()];
+    if let Some(v) = lw.attn_stats.get(&key) {
+        return v.clone();
+    }
+    let [b, nh, t, _] = l.dims;
+    let out = lw.temp("attn_lse", DType::F32, &[b, nh, t]);
+    let stats = Launch { part: AttentionPart::Lse, note: format!("{}: row log-sum-exp", l.note), ..*l };
+    launch(lw, &stats, &[("q", q, false), ("k", k, false), ("lse", &out, true)]);
+    lw.attn_stats.insert(key, out.clone());
+    out
+}
+
+fn delta(lw: &mut Lowerer, l: &Launch, qkvd: [&View; 4], lse: &View) -> View {
+    let key: Vec<View> = qkvd.iter().map(|v| (*v).clone()).collect();
+    if let Some(v) = lw.attn_stats.get(&key) {
+        return v.clone();
+    }
+    let [b, nh, t, _] = l.dims;
+    let out = lw.temp("attn_delta", DType::F32, &[b, nh, t]);
+    let d = Launch { part: AttentionPart::BackwardDelta, note: format!("{}: delta", l.note), ..*l };
+    let [q, k, v, dout] = qkvd;
+    launch(lw, &d, &[("q", q, false), ("k", k, false), ("v", v, false), ("dout", dout, false), ("lse", lse, false), ("delta", &out, true)]);
+    lw.attn_stats.insert(key, out.clone());
+    out
+}
+
+pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View, family: &str) -> Result<(), KernelError> {
+    let shape = cx.g.ty(root).shape.0.clone();
+    let dims = [shape[0], shape[1], shape[2], shape[3]];
+    let note = lw.note(cx, root, None);
+    let mut views = |lw: &mut Lowerer, ns: &[NodeId]| ns.iter().map(|&n| head_view(lw, cx, n, family)).collect::<Result<Vec<_>, _>>();
+    match m {
+        Match::Forward { q, k, v, scale } => {
+            let vs = views(lw, &[q, k, v])?;
+            let l = Launch { part: AttentionPart::Forward, dims, scale, family, note };
+            let lse = lw.temp("attn_lse", DType::F32, &[dims[0], dims[1], dims[2]]);
+            launch(lw, &l, &[("q", &vs[0], false), ("k", &vs[1], false), ("v", &vs[2], false), ("out", &dest, true), ("lse", &lse, true)]);
+            // the backward of this layer reads it instead of recomputing it
+            lw.attn_stats.insert(vec![vs[0].clone(), vs[1].clone()], lse);
+        }
+        Match::Dv { q, k, dout, scale } => {
+            let vs = views(lw, &[q, k, dout])?;
+            let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note };
+            let lse = lse(lw, &l, &vs[0], &vs[1]);
+            launch(lw, &l, &[("q", &vs[0], false), ("k", &vs[1], false), ("dout", &vs[2], false), ("lse", &lse, false), ("dv", &dest, true)]);
+        }
+        Match::Dq { q, k, v, dout, scale } | Match::Dk { q, k, v, dout, scale } => {
+            let vs = views(lw, &[q, k, v, dout])?;
+            let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note };
+            let lse = lse(lw, &l, &vs[0], &vs[1]);
+            let delta = delta(lw, &l, [&vs[0], &vs[1], &vs[2], &vs[3]], &lse);
+            let base = [("q", &vs[0], false), ("k", &vs[1], false), ("v", &vs[2], false), ("dout", &vs[3], false), ("lse", &lse, false), ("delta", &delta, false)];
+            if let Match::Dq { .. } = m {
+                let mut ps = base.to_vec();
+                ps.push(("dq", &dest, true));
+                launch(lw, &l, &ps);
+            } else {
+                // one pass gives dk and dv; dv is not this node's value
+                let dv = lw.temp("attn_dv", DType::F32, &shape);
+                let mut ps = base.to_vec();
+                ps.push(("dk", &dest, true));
+                ps.push(("dv", &dv, true));
+                launch(lw, &Launch { part: AttentionPart::BackwardKV, ..l }, &ps);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,272 @@
+//! Lowering one root node whose leaves are in memory: the body of a fused `Op::Kernel` node, or a
+//! single op of the unfused step.
+//!
+//! The nodes under the root that cannot be inlined (matmuls, row ops, reductions: "anchors") need
+//! a pass of their own. One of them may share the root's kernel: the root itself, or a row op the
+//! root reads only through elementwise ops at the same position (its epilogue). The others are
+//! computed first into scratch buffers, which is a split of the fused node, recorded in
+//! `Program::splits`.
+
+use std::collections::{HashMap, HashSet};
+
+use qatc_ir::{Graph, NodeId, Op};
+
+use super::inline::inlinable;
+use super::rows::{self, Anchor};
+use super::{elementwise, Ctx, Lowerer};
+use crate::error::KernelError;
+use crate::program::{Gemm, Materialized, Step, View};
+
+/// Lowers `Op::Kernel { family, body }` with its operands in `operands` into `dest`.
+pub fn lower_kernel_node(lw: &mut Lowerer, g: &Graph, id: NodeId, family: &str, body: &Graph, operands: &[View], dest: View) -> Result<(), KernelError> {
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    for (i, v) in operands.iter().enumerate() {
+        let name = format!("in{i}");
+        let inp = body.find_input(&name).ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
+        cx.names.entry(v.buf).or_insert(name);
+        cx.leaves.insert(inp, v.clone());
+    }
+    let root = body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
+    let before = lw.prog.steps.len();
+    if cx.leaves.contains_key(&root) {
+        // the body returns an operand as is: a copy
+        elementwise(lw, &cx, root, &dest, family)?;
+    } else {
+        lower_root(lw, &mut cx, root, dest, family)?;
+    }
+    let steps = &lw.prog.steps[before..];
+    if steps.len() > 1 {
+        let kinds: Vec<String> = steps
+            .iter()
+            .map(|s| match s {
+                Step::Gemm(_) => "gemm".to_string(),
+                Step::Launch { kernel, .. } => lw.prog.kernels[*kernel].family.clone(),
+            })
+            .collect();
+        lw.prog.splits.push(format!("{} ({family}): {} steps: {}", g.describe(id), steps.len(), kinds.join(" + ")));
+    }
+    Ok(())
+}
+
+fn is_matmul(op: &Op) -> bool {
+    matches!(op, Op::MatMul { .. })
+}
+
+/// Nodes under `root` (itself included) that need a pass of their own, operands first.
+fn anchors_under(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Vec<NodeId> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    let mut stack = vec![(root, false)];
+    while let Some((n, expanded)) = stack.pop() {
+        if expanded {
+            if !inlinable(&g.node(n).op) {
+                out.push(n);
+            }
+            continue;
+        }
+        if leaves.contains_key(&n) || !seen.insert(n) {
+            continue;
+        }
+        stack.push((n, true));
+        for o in g.operands(n).into_iter().rev() {
+            stack.push((o, false));
+        }
+    }
+    out
+}
+
+/// Ops that keep a position: the value at p depends only on operands at p (same shape).
+fn keeps_position(op: &Op) -> bool {
+    matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::Dropout { .. } | Op::AdamM { .. } | Op::AdamV { .. })
+}
+
+/// The row op among `anchors` that `root` reads only through position-keeping ops of its own
+/// shape, so its kernel can apply the root as an epilogue before the store.
+fn epilogue_anchor(g: &Graph, root: NodeId, anchors: &[NodeId], leaves: &HashMap<NodeId, View>) -> Option<NodeId> {
+    let shape = &g.ty(root).shape;
+    anchors.iter().rev().copied().find(|&a| {
+        if is_matmul(&g.node(a).op) || &g.ty(a).shape != shape || a == root {
+            return false;
+        }
+        // every node on a path from root down to `a` must keep positions
+        let mut memo: HashMap<NodeId, bool> = HashMap::new();
+        reaches_only_elementwise(g, root, a, leaves, &mut memo).unwrap_or(false)
+    })
+}
+
+/// Some(true) if `n` reaches `a` and every node on the way keeps positions at `a`'s shape,
+/// Some(false) if it reaches it otherwise, None if it does not reach it.
+fn reaches_only_elementwise(g: &Graph, n: NodeId, a: NodeId, leaves: &HashMap<NodeId, View>, memo: &mut HashMap<NodeId, bool>) -> Option<bool> {
+    if n == a {
+        return Some(true);
+    }
+    if leaves.contains_key(&n) {
+        return None;
+    }
+    if let Some(&ok) = memo.get(&n) {
+        return Some(ok);
+    }
+    let mut reached = None;
+    for o in g.operands(n) {
+        if let Some(ok) = reaches_only_elementwise(g, o, a, leaves, memo) {
+            let here = ok && keeps_position(&g.node(n).op) && g.ty(n).shape == g.ty(a).shape;
+            reached = Some(reached.unwrap_or(true) && here);
+        }
+    }
+    if let Some(ok) = reached {
+        memo.insert(n, ok);
+    }
+    reached
+}
+
+/// Lowers `root` into `dest`.
+pub fn lower_root(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, dest: View, family: &str) -> Result<(), KernelError> {
+    let g = cx.g;
+    if let Some(m) = super::attention::matches(g, root, &cx.leaves) {
+        return super::attention::lower(lw, cx, m, root, dest, family);
+    }
+    if let Some((mm, bias)) = gemm_bias(g, root, &cx.leaves) {
+        let b = operand_view(lw, cx, bias, family)?;
+        return gemm(lw, cx, mm, dest, Some(b), family);
+    }
+    let anchors = anchors_under(g, root, &cx.leaves);
+    if let (Op::Concat { axis }, false) = (&g.node(root).op, anchors.is_empty()) {
+        return concat_into_slices(lw, cx, root, *axis, dest, family);
+    }
+    let fused = if !inlinable(&g.node(root).op) { Some(root) } else { epilogue_anchor(g, root, &anchors, &cx.leaves) };
+    for &a in &anchors {
+        if Some(a) == fused || cx.leaves.contains_key(&a) {
+            continue;
+        }
+        let t = lw.temp(&format!("t{}", a.index()), g.ty(a).dtype, &g.ty(a).shape.0);
+        lower_root(lw, cx, a, t.clone(), family)?;
+        cx.leaves.insert(a, t);
+    }
+    match fused {
+        None => elementwise(lw, cx, root, &dest, family),
+        Some(a) if is_matmul(&g.node(a).op) => gemm(lw, cx, a, dest, None, family),
+        Some(a) => rows::lower(lw, cx, &Anchor { node: a, dest, epilogue: (a != root).then_some(root), family: family.to_string() }),
+    }
+}
+
+/// root = matmul + broadcast(bias [N]) over the matmul's [.., M, N]: cuBLASLt's BIAS epilogue.
+fn gemm_bias(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Option<(NodeId, NodeId)> {
+    if leaves.contains_key(&root) || !matches!(g.node(root).op, Op::Binary(qatc_ir::BinaryOp::Add)) {
+        return None;
+    }
+    let ops = g.operands(root);
+    let (mm, other) = match (&g.node(ops[0]).op, &g.node(ops[1]).op) {
+        (Op::MatMul { .. }, _) if !leaves.contains_key(&ops[0]) => (ops[0], ops[1]),
+        (_, Op::MatMul { .. }) if !leaves.contains_key(&ops[1]) => (ops[1], ops[0]),
+        _ => return None,
+    };
+    let Op::Broadcast { .. } = g.node(other).op else { return None };
+    let src = g.operands(other)[0];
+    let n = *g.ty(mm).shape.0.last()?;
+    let ok = g.ty(src).shape.0 == [n] && g.ty(src).dtype == qatc_ir::DType::F32 && g.ty(mm).dtype == qatc_ir::DType::F32;
+    ok.then_some((mm, src))
+}
+
+/// A view of `node`'s value: shape ops over a leaf compose into one view; anything else is
+/// computed into a scratch buffer first (a dequantized weight, recorded with its traffic).
+pub fn operand_view(lw: &mut Lowerer, cx: &mut Ctx, node: NodeId, family: &str) -> Result<View, KernelError> {
+    if let Some(v) = view_chain(cx, node) {
+        return Ok(v);
+    }
+    let g = cx.g;
+    let ty = g.ty(node).clone();
+    let t = lw.temp(&format!("t{}", node.index()), ty.dtype, &ty.shape.0);
+    let sub_family = match g.node(node).op {
+        Op::Dequantize { .. } => "dequant",
+        _ => family,
+    };
+    lower_root(lw, cx, node, t.clone(), sub_family)?;
+    if let Op::Dequantize { .. } = g.node(node).op {
+        let read: usize = g.operands(node).iter().map(|&o| g.ty(o).bytes()).sum();
+        lw.prog.materialized.push(Materialized { what: format!("dequantize {} -> {}", g.describe(node), ty), bytes_read: read, bytes_written: ty.bytes() });
+    }
+    cx.leaves.insert(node, t.clone());
+    Ok(t)
+}
+
+fn view_chain(cx: &Ctx, node: NodeId) -> Option<View> {
+    if let Some(v) = cx.leaves.get(&node) {
+        return Some(v.clone());
+    }
+    let g = cx.g;
+    let src = || g.operands(node).first().and_then(|&o| view_chain(cx, o));
+    match &g.node(node).op {
+        Op::Reshape { shape } => src()?.reshape(&shape.0),
+        Op::Transpose { perm } => Some(src()?.transpose(perm)),
+        Op::Slice { axis, start, end } => Some(src()?.slice(*axis, *start, *end)),
+        Op::Broadcast { shape } => Some(src()?.broadcast(&shape.0)),
+        _ => None,
+    }
+}
+
+/// A matrix operand the GEMM library reads directly: unit stride along one of the last two dims.
+fn gemm_ready(v: &View) -> bool {
+    let r = v.shape.len();
+    r >= 2 && (v.strides[r - 1] == 1 || v.strides[r - 2] == 1) && v.strides[r - 2..].iter().all(|&s| s > 0 || v.shape[r - 2..].contains(&1))
+}
+
+fn swap_last2(v: &View) -> View {
+    let r = v.shape.len();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 1, r - 2);
+    v.transpose(&perm)
+}
+
+fn gemm(lw: &mut Lowerer, cx: &mut Ctx, mm: NodeId, dest: View, bias: Option<View>, family: &str) -> Result<(), KernelError> {
+    let g = cx.g;
+    let Op::MatMul { ta, tb } = g.node(mm).op else { return Err(KernelError::Internal("gemm of a non-matmul".into())) };
+    let ops = g.operands(mm);
+    let mut views = Vec::new();
+    for &o in &ops {
+        let mut v = operand_view(lw, cx, o, family)?;
+        if !gemm_ready(&v) {
+            // a broadcast or doubly strided operand: copy it out first
+            let t = lw.temp(&format!("t{}", o.index()), g.ty(o).dtype, &g.ty(o).shape.0);
+            let sub = Ctx { g, leaves: HashMap::from([(o, v)]), names: cx.names.clone(), order: cx.order.clone() };
+            elementwise(lw, &sub, o, &t, "copy")?;
+            v = t;
+        }
+        views.push(v);
+    }
+    let a = if ta { swap_last2(&views[0]) } else { views[0].clone() };
+    let b = if tb { swap_last2(&views[1]) } else { views[1].clone() };
+    let shape = &g.ty(mm).shape.0;
+    let r = shape.len();
+    let (m, n, k) = (shape[r - 2], shape[r - 1], a.shape[r - 1]);
+    let c = if dest.shape == *shape { dest } else { View { shape: shape.clone(), strides: crate::index::strides(shape), ..dest } };
+    let note = lw.note(cx, mm, None);
+    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha: 1.0, accumulate: false, bias, note });
+    Ok(())
+}
+
+/// A concat computes each part straight into its slice of `dest` (a fused node with several
+/// results returns them concatenated): no scratch buffers and no copy. Reshapes of a part are
+/// peeled off where the slice is contiguous, so a matmul writes its rows in place.
+fn concat_into_slices(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, axis: usize, dest: View, family: &str) -> Result<(), KernelError> {
+    let g = cx.g;
+    let mut start = 0;
+    for part in g.operands(root) {
+        let len = g.ty(part).shape.0[axis];
+        let slice = dest.slice(axis, start, start + len);
+        start += len;
+        let (mut node, mut d) = (part, slice.clone());
+        while let (Op::Reshape { .. }, false) = (&g.node(node).op, cx.leaves.contains_key(&node)) {
+            let src = g.operands(node)[0];
+            match d.reshape(&g.ty(src).shape.0) {
+                Some(v) => (node, d) = (src, v),
+                None => break,
+            }
+        }
+        if anchors_under(g, node, &cx.leaves).is_empty() {
+            elementwise(lw, cx, part, &slice, family)?;
+        } else {
+            lower_root(lw, cx, node, d, family)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,300 @@
+//! The value of a graph node at a position, as an expression: elementwise ops compose, shape ops
+//! become index arithmetic, nodes in memory become loads. This is what makes a chain of ops one
+//! pass over memory. Each op follows its doc in `qatc_ir::op` and the interpreter's kernel.
+
+use qatc_ir::{BinaryOp, DType, NodeId, Op, QuantScheme, QuantSpec, UnaryOp};
+
+use super::builder::{compute_ty, pos_key, Kb, Pos};
+use crate::error::KernelError;
+use crate::kir::{BinOp, Expr, Intrinsic, Ty, UnOp};
+
+/// Whether `value` can produce this op at any position without a pass of its own.
+pub fn inlinable(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Const { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Broadcast { .. }
+            | Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather
+            | Op::Dequantize { .. }
+            | Op::Dropout { .. }
+            | Op::AdamM { .. }
+            | Op::AdamV { .. }
+            | Op::AdamParam { .. }
+    )
+}
+
+/// qmax of symmetric `bits`-bit codes.
+pub fn qmax_sym(bits: u8) -> f64 {
+    ((1u32 << (bits - 1)) - 1) as f64
+}
+
+fn int_range(d: DType) -> (i64, i64) {
+    match d {
+        DType::U8 => (0, 255),
+        DType::I4 => (0, 15),
+        DType::I32 | DType::F32 | DType::F16 | DType::BF16 => (i32::MIN as i64, i32::MAX as i64),
+    }
+}
+
+fn f(v: f64) -> Expr {
+    Expr::f32(v)
+}
+
+impl Kb<'_> {
+    /// The value of `node` at `pos` (a position in the node's own shape).
+    pub fn value(&mut self, node: NodeId, pos: &Pos) -> Result<Expr, KernelError> {
+        let key = pos_key(node, pos);
+        if let Some(e) = self.subst.get(&key) {
+            return Ok(e.clone());
+        }
+        if let Some(view) = self.src.leaves.get(&node).cloned() {
+            return Ok(self.load_view(&view, pos));
+        }
+        let memo = format!("{key:?}");
+        if let Some(e) = self.memo_get(&memo) {
+            return Ok(e);
+        }
+        let n = self.src.g.node(node);
+        let (op, ty) = (n.op.clone(), n.ty.clone());
+        let ops = self.src.g.operands(node);
+        let shape = ty.shape.0.clone();
+        let arg = |i: usize| ops.get(i).copied().ok_or_else(|| KernelError::Internal(format!("{} lacks operand {i}", op.mnemonic())));
+        let e = match &op {
+            Op::Const { value, dtype, .. } => {
+                if dtype.is_float() {
+                    f(*value)
+                } else {
+                    Expr::Int(*value as i64)
+                }
+            }
+            Op::Unary(u) => {
+                let x = self.value(arg(0)?, pos)?;
+                unary(*u, x)
+            }
+            Op::Binary(b) => {
+                let x = self.value(arg(0)?, pos)?;
+                let y = self.value(arg(1)?, pos)?;
+                binary(*b, x, y)
+            }
+            Op::Affine { mul, add } => {
+                let x = self.value(arg(0)?, pos)?;
+                let scaled = if *mul == 1.0 { x } else { Expr::bin(BinOp::Mul, x, f(*mul)) };
+                if *add == 0.0 {
+                    scaled
+                } else {
+                    Expr::bin(BinOp::Add, scaled, f(*add))
+                }
+            }
+            Op::Cast { to } => {
+                let src = arg(0)?;
+                let x = self.value(src, pos)?;
+                cast(self.src.g.ty(src).dtype, *to, x)
+            }
+            Op::Broadcast { .. } => {
+                let src = arg(0)?;
+                let in_shape = self.src.g.ty(src).shape.0.clone();
+                let cs = self.coords(pos, &shape);
+                let off = shape.len() - in_shape.len();
+                let ics = in_shape.iter().enumerate().map(|(i, &d)| if d == 1 { Expr::Int(0) } else { cs[i + off].clone() }).collect();
+                self.value(src, &Pos::Coords(ics))?
+            }
+            Op::Reshape { .. } => {
+                let lin = self.lin(pos, &shape);
+                self.value(arg(0)?, &Pos::Lin(lin))?
+            }
+            Op::Transpose { perm } => {
+                let cs = self.coords(pos, &shape);
+                let mut ics = vec![Expr::Int(0); cs.len()];
+                for (i, &p) in perm.iter().enumerate() {
+                    ics[p] = cs[i].clone();
+                }
+                self.value(arg(0)?, &Pos::Coords(ics))?
+            }
+            Op::Slice { axis, start, .. } => {
+                let mut cs = self.coords(pos, &shape);
+                cs[*axis] = self.bounds.add(cs[*axis].clone(), Expr::Int(*start as i64));
+                self.value(arg(0)?, &Pos::Coords(cs))?
+            }
+            Op::Concat { axis } => self.concat(&ops, *axis, pos, &shape)?,
+            Op::Gather => {
+                // (table [V, C], ids [..]) -> [.., C]; ids are clamped into the table so a bad id
+                // reads a wrong row rather than foreign memory (the interpreter rejects it).
+                let (table, ids) = (arg(0)?, arg(1)?);
+                let v = self.src.g.ty(table).shape.0[0] as i64;
+                let cs = self.coords(pos, &shape);
+                let (last, lead) = cs.split_last().ok_or_else(|| KernelError::Internal("gather of a scalar".into()))?;
+                let id = self.value(ids, &Pos::Coords(lead.to_vec()))?;
+                let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, id, Expr::Int(0)), Expr::Int(v - 1));
+                let row = self.bind(Ty::I32, clamped);
+                let row = self.to_index(row);
+                self.value(table, &Pos::Coords(vec![row, last.clone()]))?
+            }
+            Op::Dequantize { spec } => self.dequantize(*spec, &ops, pos, &shape)?,
+            Op::Dropout { p, stream } => {
+                let x = self.value(arg(0)?, pos)?;
+                let seed = self.value(arg(1)?, &Pos::Coords(vec![]))?;
+                let i = self.lin(pos, &shape);
+                let keep = Expr::Call(Intrinsic::DropoutKeep { stream: *stream as u64 }, vec![seed, i, Expr::Float(*p, Ty::F64)]);
+                let k = 1.0 / (1.0 - p);
+                Expr::select(keep, Expr::bin(BinOp::Mul, x, f(k)), f(0.0))
+            }
+            Op::AdamM { beta1 } => {
+                let (m, g) = (self.value(arg(0)?, pos)?, self.value(arg(1)?, pos)?);
+                Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, f(*beta1), m), Expr::bin(BinOp::Mul, f(1.0 - beta1), g))
+            }
+            Op::AdamV { beta2 } => {
+                let (v, g) = (self.value(arg(0)?, pos)?, self.value(arg(1)?, pos)?);
+                let g2 = Expr::bin(BinOp::Mul, Expr::bin(BinOp::Mul, f(1.0 - beta2), g.clone()), g);
+                Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, f(*beta2), v), g2)
+            }
+            Op::AdamParam { beta1, beta2, eps, weight_decay } => {
+                self.adam_param(&ops, pos, [*beta1, *beta2, *eps, *weight_decay])?
+            }
+            _ => {
+                return Err(KernelError::Internal(format!(
+                    "{} must be computed by a kernel of its own before it is read",
+                    self.src.g.describe(node)
+                )))
+            }
+        };
+        let e = match ty.dtype {
+            // an f16/bf16 node's value is rounded to its type, as the interpreter does
+            DType::F16 if !self.src.leaves.contains_key(&node) => Expr::un(UnOp::RoundF16, e),
+            DType::BF16 if !self.src.leaves.contains_key(&node) => Expr::un(UnOp::RoundBf16, e),
+            _ => e,
+        };
+        let e = self.bind(compute_ty(ty.dtype), e);
+        match op {
+            Op::AdamM { .. } => self.name(&e, "m_next"),
+            Op::AdamV { .. } => self.name(&e, "v_next"),
+            _ => {}
+        }
+        self.memo_put(memo, e.clone());
+        Ok(e)
+    }
+
+    fn concat(&mut self, ops: &[NodeId], axis: usize, pos: &Pos, shape: &[usize]) -> Result<Expr, KernelError> {
+        let cs = self.coords(pos, shape);
+        let c = cs[axis].clone();
+        // The last part is the fallback; each earlier one is chosen by `c < end`. Branches are
+        // lazy: a part is read only where it lies.
+        let mut parts = Vec::new();
+        let mut start = 0usize;
+        self.enter_lazy();
+        for &o in ops {
+            let len = self.src.g.ty(o).shape.0[axis];
+            let mut ics = cs.clone();
+            ics[axis] = if start == 0 { c.clone() } else { Expr::bin(BinOp::Sub, c.clone(), Expr::Int(start as i64)) };
+            let v = self.value(o, &Pos::Coords(ics));
+            parts.push((start + len, v));
+            start += len;
+        }
+        self.leave_lazy();
+        let mut it = parts.into_iter().rev();
+        let (_, last) = it.next().ok_or_else(|| KernelError::Internal("concat of nothing".into()))?;
+        let mut e = last?;
+        for (end, v) in it {
+            e = Expr::select(Expr::bin(BinOp::Lt, c.clone(), Expr::Int(end as i64)), v?, e);
+        }
+        Ok(e)
+    }
+
+    /// `quant::dequant_one` for element (i, j) of codes [in, out]: group i / G.
+    fn dequantize(&mut self, spec: QuantSpec, ops: &[NodeId], pos: &Pos, shape: &[usize]) -> Result<Expr, KernelError> {
+        let cs = self.coords(pos, shape);
+        let (n_in, g) = (shape[0], spec.group_for(shape[0]));
+        let _ = n_in;
+        let group = Pos::Coords(vec![self.bounds.div(cs[0].clone(), g as i64), cs[1].clone()]);
+        let code = self.value(ops[0], pos)?;
+        let scale = self.value(ops[1], &group)?;
+        let c = Expr::cast(Ty::F32, code.clone());
+        Ok(match spec.scheme {
+            QuantScheme::Sym => Expr::bin(BinOp::Mul, Expr::bin(BinOp::Sub, c, f(qmax_sym(spec.bits))), scale),
+            QuantScheme::Asym => {
+                let zp = *ops.get(2).ok_or_else(|| KernelError::Internal("asym dequantize without zero points".into()))?;
+                let z = self.value(zp, &group)?;
+                Expr::bin(BinOp::Mul, scale, Expr::bin(BinOp::Sub, c, z))
+            }
+            QuantScheme::Nf4 => Expr::bin(BinOp::Mul, Expr::Call(Intrinsic::Nf4Value, vec![code]), scale),
+            QuantScheme::Q4_0 => Expr::bin(BinOp::Mul, Expr::bin(BinOp::Sub, c, f(8.0)), scale),
+        })
+    }
+
+    /// PyTorch's AdamW step, scalars formed in f64 as the interpreter does (`adam_param`).
+    fn adam_param(&mut self, ops: &[NodeId], pos: &Pos, h: [f64; 4]) -> Result<Expr, KernelError> {
+        let [beta1, beta2, eps, wd] = h;
+        let p = self.value(ops[0], pos)?;
+        let m = self.value(ops[1], pos)?;
+        let v = self.value(ops[2], pos)?;
+        let lr = self.value(ops[3], &Pos::Coords(vec![]))?;
+        let t = self.value(ops[4], &Pos::Coords(vec![]))?;
+        let d = |x: f64| Expr::Float(x, Ty::F64);
+        let lr = self.bind(Ty::F64, Expr::cast(Ty::F64, lr));
+        let t = self.bind(Ty::F64, Expr::cast(Ty::F64, t));
+        let bc1 = self.bind(Ty::F64, Expr::bin(BinOp::Sub, d(1.0), Expr::bin(BinOp::Pow, d(beta1), t.clone())));
+        let bc2 = self.bind(Ty::F64, Expr::bin(BinOp::Sub, d(1.0), Expr::bin(BinOp::Pow, d(beta2), t.clone())));
+        let decay = self.bind(Ty::F32, Expr::cast(Ty::F32, Expr::bin(BinOp::Sub, d(1.0), Expr::bin(BinOp::Mul, lr.clone(), d(wd)))));
+        let step = self.bind(Ty::F32, Expr::cast(Ty::F32, Expr::bin(BinOp::Div, lr.clone(), bc1.clone())));
+        let bc2_sqrt = self.bind(Ty::F32, Expr::cast(Ty::F32, Expr::un(UnOp::Sqrt, bc2.clone())));
+        let denom = Expr::bin(BinOp::Add, Expr::bin(BinOp::Div, Expr::un(UnOp::Sqrt, v), bc2_sqrt.clone()), f(eps));
+        let denom = self.bind(Ty::F32, denom);
+        for (e, n) in [(&lr, "lr"), (&t, "t"), (&bc1, "bias1"), (&bc2, "bias2"), (&decay, "decay"), (&step, "step_size"), (&bc2_sqrt, "bias2_sqrt"), (&denom, "denom")] {
+            self.name(e, n);
+        }
+        Ok(Expr::bin(BinOp::Sub, Expr::bin(BinOp::Mul, p, decay), Expr::bin(BinOp::Mul, step, Expr::bin(BinOp::Div, m, denom))))
+    }
+}
+
+pub fn unary(u: UnaryOp, x: Expr) -> Expr {
+    match u {
+        UnaryOp::Neg => Expr::un(UnOp::Neg, x),
+        UnaryOp::Exp => Expr::un(UnOp::Exp, x),
+        UnaryOp::Log => Expr::un(UnOp::Log, x),
+        UnaryOp::Sqrt => Expr::un(UnOp::Sqrt, x),
+        // 1 / sqrt(x) exactly as the interpreter (CUDA's rsqrtf is approximate)
+        UnaryOp::Rsqrt => Expr::bin(BinOp::Div, f(1.0), Expr::un(UnOp::Sqrt, x)),
+        UnaryOp::Recip => Expr::bin(BinOp::Div, f(1.0), x),
+        UnaryOp::Tanh => Expr::un(UnOp::Tanh, x),
+        UnaryOp::Square => Expr::bin(BinOp::Mul, x.clone(), x),
+        UnaryOp::Gelu => Expr::un(UnOp::Gelu, x),
+    }
+}
+
+pub fn binary(b: BinaryOp, x: Expr, y: Expr) -> Expr {
+    let op = match b {
+        BinaryOp::Add => BinOp::Add,
+        BinaryOp::Sub => BinOp::Sub,
+        BinaryOp::Mul => BinOp::Mul,
+        BinaryOp::Div => BinOp::Div,
+        BinaryOp::Max => BinOp::Max,
+        BinaryOp::Min => BinOp::Min,
+        BinaryOp::GeluGrad => BinOp::GeluGrad,
+    };
+    Expr::bin(op, x, y)
+}
+
+/// `Op::Cast`: float -> int truncates and saturates at the type's range (NaN -> 0); int -> int
+/// saturates; anything -> float converts (f16/bf16 rounding happens on the node's value).
+fn cast(from: DType, to: DType, x: Expr) -> Expr {
+    match (from.is_float(), to.is_float()) {
+        (_, true) if !from.is_float() => Expr::cast(Ty::F32, x),
+        (_, true) => x,
+        (is_float, false) => {
+            let i = if is_float { Expr::cast(Ty::I32, x) } else { x };
+            let (lo, hi) = int_range(to);
+            if (lo, hi) == (i32::MIN as i64, i32::MAX as i64) {
+                i
+            } else {
+                Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, i, Expr::Int(lo)), Expr::Int(hi))
+            }
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! Graph -> [`Program`]: every node of the step becomes kernel launches, a library GEMM or a view.
+//!
+//! - Inputs are buffers. Shape ops (reshape, transpose, slice, broadcast) become views of their
+//!   operand's buffer when that is a strided view, else copy kernels. Constants are inlined into
+//!   the kernels that read them and materialized only where a GEMM or an output needs them.
+//! - A matmul is a [`Gemm`] on its operands' views (a transpose costs nothing).
+//! - An `Op::Kernel` node (egg fusion's output) lowers its body as one kernel where it can:
+//!   elementwise and shape ops inline into one pass, a row op takes the elementwise ops before it
+//!   as its prologue and after it as its epilogue, causal attention becomes the tiled attention
+//!   kernel. What cannot share a kernel is split into several, recorded in `Program::splits`.
+//! - Any other node is lowered as if it were a fused node of one op, so everything runs before
+//!   fusion exists.
+
+use std::collections::HashMap;
+
+use qatc_ir::{DType, Graph, NodeId, Op};
+
+use crate::error::KernelError;
+use crate::kir::{Kernel, Space, Ty};
+use crate::program::{BufId, BufKind, Buffer, Gemm, Program, Step, View};
+use builder::{index_ty_for, Kb, Source};
+
+/// Finishes a kernel builder and adds its kernel and launch to the program.
+macro_rules! launch {
+    ($lw:expr, $kb:expr, $family:expr, $space:expr, $note:expr) => {{
+        let built = $kb.finish($family, $space, $note)?;
+        $lw.push_kernel(built);
+        Ok::<(), KernelError>(())
+    }};
+}
+
+mod attention;
+pub mod builder;
+mod fused;
+pub mod inline;
+mod reduce;
+mod rows;
+mod tidy;
+
+/// The context of one lowering: the graph being read (the step, or a fused node's body), the nodes
+/// of it already in memory, and names for the buffers as kernel parameters.
+pub struct Ctx<'g> {
+    pub g: &'g Graph,
+    pub leaves: HashMap<NodeId, View>,
+    pub names: HashMap<BufId, String>,
+    /// The operand buffers in operand order (kernel parameters follow it).
+    pub order: Vec<BufId>,
+}
+
+#[derive(Default)]
+pub struct Lowerer {
+    pub prog: Program,
+    /// Kernel IR (its Debug text) -> index in `prog.kernels`: one kernel, many launches.
+    ids: HashMap<String, usize>,
+    /// Attention statistics already computed, by the views they were computed from (buffers are
+    /// written once, so equal views hold equal values): lse by [q, k], delta by [q, k, v, dout].
+    pub attn_stats: HashMap<Vec<View>, View>,
+}
+
+impl Lowerer {
+    pub fn buffer(&mut self, name: String, dtype: DType, shape: &[usize], kind: BufKind) -> View {
+        self.prog.buffers.push(Buffer { name, dtype, shape: shape.to_vec(), kind });
+        View::contiguous(self.prog.buffers.len() - 1, shape)
+    }
+
+    pub fn temp(&mut self, name: &str, dtype: DType, shape: &[usize]) -> View {
+        self.buffer(name.to_string(), dtype, shape, BufKind::Temp)
+    }
+
+    fn index_ty(&self, cx: &Ctx, touched: &[&View], iterations: usize) -> Ty {
+        let leaves = cx.leaves.values().map(|v| self.prog.buffers[v.buf].numel());
+        let touched = touched.iter().map(|v| self.prog.buffers[v.buf].numel());
+        index_ty_for(leaves.chain(touched).chain([iterations]))
+    }
+
+    fn source<'a>(&'a self, cx: &'a Ctx) -> Source<'a> {
+        Source { g: cx.g, leaves: &cx.leaves, buffers: &self.prog.buffers, names: &cx.names, order: &cx.order }
+    }
+
+    pub fn kb_rows<'a>(&'a self, cx: &'a Ctx, rows: usize, touched: &[&View]) -> Kb<'a> {
+        let ty = self.index_ty(cx, touched, rows.saturating_mul(1024));
+        Kb::rows(self.source(cx), ty, rows)
+    }
+
+    pub fn kb_elements<'a>(&'a self, cx: &'a Ctx, shape: &[usize], touched: &[&View]) -> Kb<'a> {
+        let ty = self.index_ty(cx, touched, shape.iter().product());
+        Kb::elements(self.source(cx), ty, shape)
+    }
+
+    pub fn push_kernel(&mut self, (kernel, args): (Kernel, Vec<BufId>)) {
+        let note = kernel.note.clone();
+        let key = format!("{:?}", (&kernel.family, &kernel.params, &kernel.index_ty, &kernel.body));
+        let next = self.prog.kernels.len();
+        let id = *self.ids.entry(key).or_insert(next);
+        if id == next {
+            self.prog.kernels.push(kernel);
+        }
+        self.prog.steps.push(Step::Launch { kernel: id, args, note });
+    }
+
+    pub fn push_gemm(&mut self, gemm: Gemm) {
+        self.prog.steps.push(Step::Gemm(Box::new(gemm)));
+    }
+
+    /// What a kernel computes, as an expression over its operands (no node names, so the note
+    /// is the same for every layer that shares the kernel).
+    pub fn note(&self, cx: &Ctx, node: NodeId, epilogue: Option<NodeId>) -> String {
+        let root = epilogue.unwrap_or(node);
+        let mut budget = 12;
+        format!("{} = {}", cx.g.ty(root), self.expr_note(cx, root, &mut budget))
+    }
+
+    fn expr_note(&self, cx: &Ctx, n: NodeId, budget: &mut i32) -> String {
+        if let Some(v) = cx.leaves.get(&n) {
+            return cx.names.get(&v.buf).cloned().unwrap_or_else(|| self.prog.buffers[v.buf].name.clone());
+        }
+        let node = cx.g.node(n);
+        match &node.op {
+            Op::Const { value, .. } => return format!("{value}"),
+            Op::Input { .. } => return node.name.clone().unwrap_or_default(),
+            _ => {}
+        }
+        if *budget <= 0 {
+            return "..".into();
+        }
+        *budget -= 1;
+        let args: Vec<String> = cx.g.operands(n).into_iter().map(|o| self.expr_note(cx, o, budget)).collect();
+        format!("{}({})", node.op.mnemonic(), args.join(", "))
+    }
+}
+
+/// Parameter names by operand role, so a kernel of one op reads `layernorm(x, gamma, beta, out)`.
+fn role_names(op: &Op) -> &'static [&'static str] {
+    match op {
+        Op::LayerNorm { .. } => &["x", "gamma", "beta"],
+        Op::LayerNormGradX { .. } => &["x", "gamma", "dy"],
+        Op::LayerNormGradGamma { .. } => &["x", "dy"],
+        Op::SoftmaxGrad { .. } => &["y", "dy"],
+        Op::CrossEntropy => &["logits", "targets"],
+        Op::CrossEntropyGrad => &["logits", "targets", "dloss"],
+        Op::Dequantize { .. } => &["codes", "scales", "zeros"],
+        Op::Gather => &["table", "ids"],
+        Op::ScatterAdd { .. } => &["ids", "dy"],
+        Op::Dropout { .. } => &["x", "seed"],
+        Op::AdamM { .. } => &["m", "g"],
+        Op::AdamV { .. } => &["v", "g"],
+        Op::AdamParam { .. } => &["p", "m", "v", "lr", "step"],
+        Op::Binary(_) => &["a", "b"],
+        _ => &["x"],
+    }
+}
+
+fn buffer_name(g: &Graph, id: NodeId) -> String {
+    g.node(id).name.clone().unwrap_or_else(|| format!("t{}", id.index()))
+}
+
+/// Lowers a whole graph (a verified one: types are trusted).
+pub fn lower(g: &Graph) -> Result<Program, KernelError> {
+    let mut lw = Lowerer::default();
+    let mut values: HashMap<NodeId, View> = HashMap::new();
+    for id in g.topo_order()? {
+        let n = g.node(id);
+        let ops = g.operands(id);
+        let shape = n.ty.shape.0.clone();
+        let view_of = |i: usize| ops.get(i).and_then(|o| values.get(o));
+        let as_view = match &n.op {
+            Op::Input { .. } => {
+                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id)));
+                values.insert(id, v);
+                continue;
+            }
+            // read inline by their users; materialized on demand below
+            Op::Const { .. } => continue,
+            Op::Reshape { shape } => view_of(0).and_then(|v| v.reshape(&shape.0)),
+            Op::Transpose { perm } => view_of(0).map(|v| v.transpose(perm)),
+            Op::Slice { axis, start, end } => view_of(0).map(|v| v.slice(*axis, *start, *end)),
+            Op::Broadcast { shape } => view_of(0).map(|v| v.broadcast(&shape.0)),
+            _ => None,
+        };
+        if let Some(v) = as_view {
+            values.insert(id, v);
+            continue;
+        }
+        let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value);
+        match &n.op {
+            Op::Kernel { family, body } => {
+                let mut operand_views = Vec::new();
+                for &o in &ops {
+                    operand_views.push(materialize(&mut lw, g, o, &mut values)?);
+                }
+                fused::lower_kernel_node(&mut lw, g, id, family, body, &operand_views, dest.clone())?;
+            }
+            _ => {
+                let mut cx = Ctx { g, leaves: HashMap::new(), names: HashMap::new(), order: Vec::new() };
+                let roles = role_names(&n.op);
+                for (i, &o) in ops.iter().enumerate() {
+                    let needs_view = matches!(n.op, Op::MatMul { .. }) || !matches!(g.node(o).op, Op::Const { .. });
+                    if needs_view {
+                        let v = materialize(&mut lw, g, o, &mut values)?;
+                        cx.names.entry(v.buf).or_insert_with(|| roles.get(i).copied().unwrap_or("x").to_string());
+                        cx.order.push(v.buf);
+                        cx.leaves.insert(o, v);
+                    }
+                }
+                let family = n.op.mnemonic().to_string();
+                fused::lower_root(&mut lw, &mut cx, id, dest.clone(), &family)?;
+            }
+        }
+        values.insert(id, dest);
+    }
+    for o in g.outputs() {
+        let v = materialize(&mut lw, g, o.node, &mut values)?;
+        if !o.update {
+            lw.prog.buffers[v.buf].kind = match &lw.prog.buffers[v.buf].kind {
+                BufKind::Temp => BufKind::Value,
+                k => k.clone(),
+            };
+        }
+        lw.prog.outputs.push((o.name.clone(), v));
+    }
+    Ok(lw.prog)
+}
+
+/// The view a node's value lives in, materializing constants (a fill kernel) on first need.
+fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeId, View>) -> Result<View, KernelError> {
+    if let Some(v) = values.get(&id) {
+        return Ok(v.clone());
+    }
+    let n = g.node(id);
+    if !matches!(n.op, Op::Const { .. }) {
+        return Err(KernelError::Internal(format!("{} is read before it is computed", g.describe(id))));
+    }
+    let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &n.ty.shape.0, BufKind::Value);
+    let mut cx = Ctx { g, leaves: HashMap::new(), names: HashMap::new(), order: Vec::new() };
+    fused::lower_root(lw, &mut cx, id, dest.clone(), "fill")?;
+    values.insert(id, dest.clone());
+    Ok(dest)
+}
+
+/// An Elements kernel computing `root` (inlinable down to the leaves) into `dest`.
+fn elementwise(lw: &mut Lowerer, cx: &Ctx, root: NodeId, dest: &View, family: &str) -> Result<(), KernelError> {
+    let shape = cx.g.ty(root).shape.0.clone();
+    let note = lw.note(cx, root, None);
+    let mut kb = lw.kb_elements(cx, &shape, &[dest]);
+    let pos = builder::Pos::Lin(crate::kir::Expr::Ix(crate::kir::Ix::Elem));
+    let v = kb.value(root, &pos)?;
+    kb.store_view(dest, &pos, v);
+    launch!(lw, kb, family, Space::Elements { shape }, note)
+}

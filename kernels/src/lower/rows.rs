@@ -1,0 +1,290 @@
+//! Row ops: each row of the last dim is one program that reduces over the row and then writes it
+//! (LayerNorm and its input gradient, softmax and its gradient, cross-entropy, act-quant). The
+//! operand of a row op may be any inlinable expression (a residual add before a LayerNorm is read,
+//! not materialized) and the output may pass through an elementwise epilogue before its store.
+//! The arithmetic follows the interpreter (`runtime/src/kernels/{norm,softmax}.rs`) operation for
+//! operation: the same association, f32 throughout, biased variance.
+
+use qatc_ir::{NodeId, Op};
+
+use super::builder::{pos_key, Kb, Pos};
+use super::inline::qmax_sym;
+use super::{Ctx, Lowerer};
+use crate::error::KernelError;
+use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
+use crate::program::View;
+
+/// One op computed by a kernel of its own: where it stores, and the elementwise epilogue (a node
+/// of the same shape reading this one at the same position) applied before the store.
+pub struct Anchor {
+    pub node: NodeId,
+    pub dest: View,
+    pub epilogue: Option<NodeId>,
+    pub family: String,
+}
+
+fn f(v: f64) -> Expr {
+    Expr::f32(v)
+}
+fn add(a: Expr, b: Expr) -> Expr {
+    Expr::bin(BinOp::Add, a, b)
+}
+fn sub(a: Expr, b: Expr) -> Expr {
+    Expr::bin(BinOp::Sub, a, b)
+}
+fn mul(a: Expr, b: Expr) -> Expr {
+    Expr::bin(BinOp::Mul, a, b)
+}
+fn div(a: Expr, b: Expr) -> Expr {
+    Expr::bin(BinOp::Div, a, b)
+}
+
+/// Stores `y`, the anchor's value at `pos`, through the epilogue if there is one.
+pub fn emit_out(kb: &mut Kb, a: &Anchor, pos: Pos, y: Expr) -> Result<(), KernelError> {
+    let v = match a.epilogue {
+        Some(root) => {
+            kb.subst.insert(pos_key(a.node, &pos), y);
+            kb.value(root, &pos)?
+        }
+        None => y,
+    };
+    kb.store_view(&a.dest, &pos, v);
+    Ok(())
+}
+
+/// Element (row, j) of a tensor with rows of `c`.
+fn at(kb: &Kb, c: usize, j: &Expr) -> Pos {
+    let b = &kb.bounds;
+    Pos::Lin(b.add(b.mul(Expr::Ix(Ix::Row), c as i64), j.clone()))
+}
+
+/// Reduces `f(x at (row, j))` over the row with `op`.
+fn reduce(kb: &mut Kb, op: ReduceOp, len: usize, extent: Expr, mut body: impl FnMut(&mut Kb, &Expr) -> Result<Expr, KernelError>) -> Result<Expr, KernelError> {
+    let (lp, j) = kb.open_loop(extent, len);
+    let v = body(kb, &j)?;
+    Ok(kb.close_reduce(lp, op, Ty::F32, v))
+}
+
+/// LayerNorm's statistics of row `row` of x: (mean, rstd), var biased.
+fn ln_stats(kb: &mut Kb, x: NodeId, c: usize, eps: f64) -> Result<(Expr, Expr), KernelError> {
+    let sum = reduce(kb, ReduceOp::Sum, c, Expr::Int(c as i64), |kb, j| {
+        let p = at(kb, c, j);
+        kb.value(x, &p)
+    })?;
+    kb.name(&sum, "sum");
+    let mean = kb.bind(Ty::F32, div(sum, f(c as f64)));
+    kb.name(&mean, "mean");
+    let var = reduce(kb, ReduceOp::Sum, c, Expr::Int(c as i64), |kb, j| {
+        let p = at(kb, c, j);
+        let xv = kb.value(x, &p)?;
+        let d = kb.bind(Ty::F32, sub(xv, mean.clone()));
+        kb.name(&d, "d");
+        Ok(mul(d.clone(), d))
+    })?;
+    let rstd = div(f(1.0), Expr::un(UnOp::Sqrt, add(div(var.clone(), f(c as f64)), f(eps))));
+    let rstd = kb.bind(Ty::F32, rstd);
+    kb.name(&rstd, "rstd");
+    kb.name(&var, "var");
+    Ok((mean, rstd))
+}
+
+/// Lowers a row op (with its prologue inlined and `a.epilogue` fused) into one or two kernels.
+pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
+    let g = cx.g;
+    let node = g.node(a.node);
+    let ops = g.operands(a.node);
+    let shape = node.ty.shape.0.clone();
+    let note = lw.note(cx, a.node, a.epilogue);
+    match node.op.clone() {
+        Op::LayerNorm { eps } => {
+            let c = shape.last().copied().unwrap_or(1);
+            let rows = node.ty.numel() / c.max(1);
+            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+            let (mean, rstd) = ln_stats(&mut kb, ops[0], c, eps)?;
+            let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
+            let p = at(&kb, c, &j);
+            let xv = kb.value(ops[0], &p)?;
+            let gamma = kb.value(ops[1], &Pos::Lin(j.clone()))?;
+            let beta = kb.value(ops[2], &Pos::Lin(j))?;
+            let y = add(mul(mul(sub(xv, mean), rstd), gamma), beta);
+            emit_out(&mut kb, a, p, y)?;
+            kb.close_foreach(lp);
+            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+        }
+        Op::LayerNormGradX { eps } => {
+            // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma
+            let c = shape.last().copied().unwrap_or(1);
+            let rows = node.ty.numel() / c.max(1);
+            let (x, gamma, dy) = (ops[0], ops[1], ops[2]);
+            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+            let (mean, rstd) = ln_stats(&mut kb, x, c, eps)?;
+            let gj = |kb: &mut Kb, j: &Expr| -> Result<Expr, KernelError> {
+                let p = at(kb, c, j);
+                let d = kb.value(dy, &p)?;
+                let w = kb.value(gamma, &Pos::Lin(j.clone()))?;
+                Ok(kb.bind(Ty::F32, mul(d, w)))
+            };
+            let mg = reduce(&mut kb, ReduceOp::Sum, c, Expr::Int(c as i64), gj)?;
+            let mgx = reduce(&mut kb, ReduceOp::Sum, c, Expr::Int(c as i64), |kb, j| {
+                let gv = gj(kb, j)?;
+                let p = at(kb, c, j);
+                let xv = kb.value(x, &p)?;
+                Ok(mul(mul(gv, sub(xv, mean.clone())), rstd.clone()))
+            })?;
+            let mg = kb.bind(Ty::F32, div(mg, f(c as f64)));
+            let mgx = kb.bind(Ty::F32, div(mgx, f(c as f64)));
+            kb.name(&mg, "mean_g");
+            kb.name(&mgx, "mean_gx");
+            let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
+            let p = at(&kb, c, &j);
+            let xv = kb.value(x, &p)?;
+            let xhat = kb.bind(Ty::F32, mul(sub(xv, mean), rstd.clone()));
+            let gv = gj(&mut kb, &j)?;
+            let y = mul(rstd, sub(sub(gv, mg), mul(xhat, mgx)));
+            emit_out(&mut kb, a, p, y)?;
+            kb.close_foreach(lp);
+            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+        }
+        Op::Softmax { scale, causal } => {
+            let s = shape.last().copied().unwrap_or(1);
+            let t = if causal && shape.len() >= 2 { shape[shape.len() - 2] } else { 1 };
+            let rows = node.ty.numel() / s.max(1);
+            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+            // a causal row i of each [T, S] matrix sees columns j <= i
+            let valid = if causal { kb.bind(Ty::I32, add(kb.bounds.rem(Expr::Ix(Ix::Row), t as i64), Expr::Int(1))) } else { Expr::Int(s as i64) };
+            kb.name(&valid, "valid");
+            let x = ops[0];
+            let max = reduce(&mut kb, ReduceOp::Max, s, valid.clone(), |kb, j| {
+                let p = at(kb, s, j);
+                let xv = kb.value(x, &p)?;
+                Ok(mul(f(scale), xv))
+            })?;
+            let sum = reduce(&mut kb, ReduceOp::Sum, s, valid.clone(), |kb, j| {
+                let p = at(kb, s, j);
+                let xv = kb.value(x, &p)?;
+                Ok(Expr::un(UnOp::Exp, sub(mul(f(scale), xv), max.clone())))
+            })?;
+            kb.name(&max, "row_max");
+            kb.name(&sum, "row_sum");
+            let (lp, j) = kb.open_loop(Expr::Int(s as i64), s);
+            let p = at(&kb, s, &j);
+            kb.enter_lazy();
+            let xv = kb.value(x, &p);
+            kb.leave_lazy();
+            let e = div(Expr::un(UnOp::Exp, sub(mul(f(scale), xv?), max)), sum);
+            let y = if causal { Expr::select(Expr::bin(BinOp::Lt, j, valid), e, f(0.0)) } else { e };
+            emit_out(&mut kb, a, p, y)?;
+            kb.close_foreach(lp);
+            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+        }
+        Op::SoftmaxGrad { scale } => {
+            let s = shape.last().copied().unwrap_or(1);
+            let rows = node.ty.numel() / s.max(1);
+            let (y, dy) = (ops[0], ops[1]);
+            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+            let dot = reduce(&mut kb, ReduceOp::Sum, s, Expr::Int(s as i64), |kb, j| {
+                let p = at(kb, s, j);
+                let d = kb.value(dy, &p)?;
+                let yv = kb.value(y, &p)?;
+                Ok(mul(d, yv))
+            })?;
+            kb.name(&dot, "dot");
+            let (lp, j) = kb.open_loop(Expr::Int(s as i64), s);
+            let p = at(&kb, s, &j);
+            let yv = kb.value(y, &p)?;
+            let d = kb.value(dy, &p)?;
+            let out = mul(mul(f(scale), yv), sub(d, dot));
+            emit_out(&mut kb, a, p, out)?;
+            kb.close_foreach(lp);
+            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+        }
+        Op::CrossEntropyGrad => {
+            // dlogits = dloss / N * (softmax(row) - onehot(target))
+            let (logits, targets, dloss) = (ops[0], ops[1], ops[2]);
+            let (n, v) = (shape[0], shape[1]);
+            let mut kb = lw.kb_rows(cx, n, &[&a.dest]);
+            let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
+            let k = kb.bind(Ty::F32, div(dl, f(n as f64)));
+            kb.name(&k, "k");
+            let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+            let (max, sum) = max_sumexp(&mut kb, logits, v)?;
+            let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
+            let p = at(&kb, v, &j);
+            let xv = kb.value(logits, &p)?;
+            let prob = div(Expr::un(UnOp::Exp, sub(xv, max)), sum);
+            let hit = Expr::select(Expr::bin(BinOp::Eq, j, target), k.clone(), f(0.0));
+            emit_out(&mut kb, a, p, sub(mul(k, prob), hit))?;
+            kb.close_foreach(lp);
+            launch!(lw, kb, &a.family, Space::Rows { rows: n, mapping: RowMapping::Block }, note)
+        }
+        Op::CrossEntropy => {
+            // per-row losses into a scratch [N], then their mean in a second pass (deterministic)
+            let (logits, targets) = (ops[0], ops[1]);
+            let lt = g.ty(logits).shape.0.clone();
+            let (n, v) = (lt[0], lt[1]);
+            let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
+            let mut kb = lw.kb_rows(cx, n, &[&losses]);
+            let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+            let (max, sum) = max_sumexp(&mut kb, logits, v)?;
+            let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
+            let t = kb.bind(Ty::I32, clamped);
+            let t = kb.to_index(t);
+            let col = at(&kb, v, &t);
+            let xt = kb.value(logits, &col)?;
+            let loss = sub(add(max, Expr::un(UnOp::Log, sum)), xt);
+            kb.store_view(&losses, &Pos::Lin(Expr::Ix(Ix::Row)), loss);
+            launch!(lw, kb, "cross_entropy", Space::Rows { rows: n, mapping: RowMapping::Block }, format!("{note}: per-row losses"))?;
+            let mut kb = lw.kb_rows(cx, 1, &[&a.dest]);
+            let total = reduce(&mut kb, ReduceOp::Sum, n, Expr::Int(n as i64), |kb, j| Ok(kb.load_view(&losses, &Pos::Lin(j.clone()))))?;
+            kb.name(&total, "total");
+            emit_out(&mut kb, a, Pos::Coords(vec![]), div(total, f(n as f64)))?;
+            launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, format!("{note}: mean of the row losses"))
+        }
+        Op::ActQuant { bits } => {
+            // per-row symmetric fake-quant: S = absmax / qmax
+            let c = shape.last().copied().unwrap_or(1);
+            let rows = node.ty.numel() / c.max(1);
+            let qmax = qmax_sym(bits);
+            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+            let x = ops[0];
+            let absmax = reduce(&mut kb, ReduceOp::Max, c, Expr::Int(c as i64), |kb, j| {
+                let p = at(kb, c, j);
+                let xv = kb.value(x, &p)?;
+                Ok(Expr::un(UnOp::Abs, xv))
+            })?;
+            let s = kb.bind(Ty::F32, div(absmax.clone(), f(qmax)));
+            kb.name(&absmax, "absmax");
+            kb.name(&s, "scale");
+            let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
+            let p = at(&kb, c, &j);
+            let xv = kb.value(x, &p)?;
+            let q = clamp(Expr::un(UnOp::RoundEven, div(xv, s.clone())), -qmax, qmax);
+            let y = Expr::select(Expr::bin(BinOp::Eq, s.clone(), f(0.0)), f(0.0), mul(q, s));
+            emit_out(&mut kb, a, p, y)?;
+            kb.close_foreach(lp);
+            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+        }
+        _ => super::reduce::lower(lw, cx, a),
+    }
+}
+
+/// f32 clamp as Rust's `f32::clamp(lo, hi)`.
+pub fn clamp(x: Expr, lo: f64, hi: f64) -> Expr {
+    Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, x, f(lo)), f(hi))
+}
+
+/// (max, sum of exp(x - max)) of row `row` of logits [N, V].
+fn max_sumexp(kb: &mut Kb, logits: NodeId, v: usize) -> Result<(Expr, Expr), KernelError> {
+    let max = reduce(kb, ReduceOp::Max, v, Expr::Int(v as i64), |kb, j| {
+        let p = at(kb, v, j);
+        kb.value(logits, &p)
+    })?;
+    let sum = reduce(kb, ReduceOp::Sum, v, Expr::Int(v as i64), |kb, j| {
+        let p = at(kb, v, j);
+        let xv = kb.value(logits, &p)?;
+        Ok(Expr::un(UnOp::Exp, sub(xv, max.clone())))
+    })?;
+    kb.name(&max, "row_max");
+    kb.name(&sum, "row_sum");
+    Ok((max, sum))
+}

@@ -1,0 +1,253 @@
+//! What a whole graph lowers to: buffers, views on them, and steps in execution order (kernel
+//! launches and library GEMMs). Shape-only ops become views, so they cost nothing at run time.
+
+use std::fmt;
+
+use qatc_ir::DType;
+
+use crate::kir::Kernel;
+
+pub type BufId = usize;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum BufKind {
+    /// A graph input, supplied by name.
+    Input(String),
+    /// The value of a graph node (named outputs and update targets among them).
+    Value,
+    /// Scratch that one step writes and a later step of the same node reads.
+    Temp,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Buffer {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub kind: BufKind,
+}
+
+impl Buffer {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn bytes(&self) -> usize {
+        self.dtype.bytes_for(self.numel())
+    }
+}
+
+/// A strided window on a buffer: element (c0, .., cr) is element `offset + sum c_d * strides[d]`
+/// of the buffer. Stride 0 repeats (a broadcast dim).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct View {
+    pub buf: BufId,
+    pub offset: usize,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+}
+
+impl View {
+    pub fn contiguous(buf: BufId, shape: &[usize]) -> View {
+        View { buf, offset: 0, shape: shape.to_vec(), strides: crate::index::strides(shape) }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Row-major and dense (size-1 dims may have any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let want = crate::index::strides(&self.shape);
+        self.shape.iter().zip(self.strides.iter().zip(&want)).all(|(&d, (s, w))| d == 1 || s == w)
+    }
+
+    pub fn transpose(&self, perm: &[usize]) -> View {
+        View {
+            buf: self.buf,
+            offset: self.offset,
+            shape: perm.iter().map(|&p| self.shape[p]).collect(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+        }
+    }
+
+    pub fn slice(&self, axis: usize, start: usize, end: usize) -> View {
+        let mut v = self.clone();
+        v.offset += start * self.strides[axis];
+        v.shape[axis] = end - start;
+        v
+    }
+
+    /// Numpy broadcast to `shape` (trailing dims aligned): new and size-1 dims get stride 0.
+    pub fn broadcast(&self, shape: &[usize]) -> View {
+        let off = shape.len() - self.shape.len();
+        let mut strides = vec![0; shape.len()];
+        for (i, (&d, &s)) in self.shape.iter().zip(&self.strides).enumerate() {
+            strides[i + off] = if d == shape[i + off] { s } else { 0 };
+        }
+        View { buf: self.buf, offset: self.offset, shape: shape.to_vec(), strides }
+    }
+
+    /// The same elements under another shape, when that is still a strided view: dims are
+    /// merged or split only where they are laid out one after the other.
+    pub fn reshape(&self, shape: &[usize]) -> Option<View> {
+        if self.is_contiguous() {
+            let mut v = View::contiguous(self.buf, shape);
+            v.offset = self.offset;
+            return Some(v);
+        }
+        // Group the old dims into runs that are contiguous among themselves, then split each run
+        // into new dims of the same total size.
+        let old: Vec<(usize, usize)> = self.shape.iter().copied().zip(self.strides.iter().copied()).filter(|(d, _)| *d != 1).collect();
+        let mut runs: Vec<(usize, usize)> = Vec::new(); // (size, innermost stride)
+        for (d, s) in old {
+            match runs.last_mut() {
+                Some((size, inner)) if *inner == s * d => {
+                    *size *= d;
+                    *inner = s;
+                }
+                _ => runs.push((d, s)),
+            }
+        }
+        let mut strides = vec![0; shape.len()];
+        let mut run = 0;
+        let mut left = runs.first().map_or(1, |r| r.0);
+        for (i, &d) in shape.iter().enumerate() {
+            if d == 1 {
+                continue;
+            }
+            while left == 1 && run + 1 < runs.len() {
+                run += 1;
+                left = runs[run].0;
+            }
+            if !left.is_multiple_of(d) {
+                return None;
+            }
+            left /= d;
+            strides[i] = runs.get(run)?.1 * left;
+        }
+        Some(View { buf: self.buf, offset: self.offset, shape: shape.to_vec(), strides })
+    }
+}
+
+/// A matrix product by the vendor library: c = alpha * a @ b (+ c when `accumulate`), a read as
+/// [.., M, K] and b as [.., K, N] through their views' strides (a transposed operand is a view
+/// with swapped strides), with an optional bias row [N] added to every row of c (cuBLASLt's BIAS
+/// epilogue). Batch dims lead and are equal on all three.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemm {
+    pub a: View,
+    pub b: View,
+    pub c: View,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f64,
+    pub accumulate: bool,
+    pub bias: Option<View>,
+    pub note: String,
+}
+
+impl Gemm {
+    pub fn batch(&self) -> usize {
+        let r = self.c.shape.len();
+        self.c.shape[..r.saturating_sub(2)].iter().product()
+    }
+    pub fn flops(&self) -> usize {
+        2 * self.batch() * self.m * self.n * self.k
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Launch `kernel` (an index into `Program::kernels`) with one buffer per param, in order.
+    Launch { kernel: usize, args: Vec<BufId>, note: String },
+    Gemm(Box<Gemm>),
+}
+
+/// A kernel launch that exists only to feed a GEMM an operand it cannot read itself (a 4-bit
+/// weight dequantized to f32): its traffic is the price of not fusing, shown in the report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Materialized {
+    pub what: String,
+    pub bytes_read: usize,
+    pub bytes_written: usize,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Program {
+    pub buffers: Vec<Buffer>,
+    /// Distinct kernels; launches refer to them by index.
+    pub kernels: Vec<Kernel>,
+    pub steps: Vec<Step>,
+    /// Where each named graph output lives (update outputs under the input's name).
+    pub outputs: Vec<(String, View)>,
+    pub materialized: Vec<Materialized>,
+    /// Fused nodes that could not run as one kernel and were split, with why.
+    pub splits: Vec<String>,
+}
+
+impl Program {
+    pub fn launches(&self) -> usize {
+        self.steps.iter().filter(|s| matches!(s, Step::Launch { .. })).count()
+    }
+    pub fn gemms(&self) -> impl Iterator<Item = &Gemm> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Gemm(g) => Some(&**g),
+            Step::Launch { .. } => None,
+        })
+    }
+}
+
+impl fmt::Display for Program {
+    /// A short report: counts, GEMM FLOPs, what was materialized and split.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let flops: usize = self.gemms().map(Gemm::flops).sum();
+        writeln!(
+            f,
+            "{} steps: {} kernel launches of {} distinct kernels, {} GEMMs ({:.3} GFLOP)",
+            self.steps.len(),
+            self.launches(),
+            self.kernels.len(),
+            self.gemms().count(),
+            flops as f64 / 1e9
+        )?;
+        let (r, w): (usize, usize) = self.materialized.iter().fold((0, 0), |(r, w), m| (r + m.bytes_read, w + m.bytes_written));
+        if !self.materialized.is_empty() {
+            writeln!(f, "{} operands materialized for GEMMs: {r} bytes read, {w} bytes written", self.materialized.len())?;
+            for m in &self.materialized {
+                writeln!(f, "  {}: {} bytes read, {} bytes written", m.what, m.bytes_read, m.bytes_written)?;
+            }
+        }
+        for s in &self.splits {
+            writeln!(f, "split: {s}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_of_the_attention_heads() {
+        // qkv [8, 384] -> slice cols 128..256 -> [1, 8, 4, 32] -> transpose (0, 2, 1, 3)
+        let qkv = View::contiguous(0, &[8, 384]);
+        let k = qkv.slice(1, 128, 256).reshape(&[1, 8, 4, 32]).map(|v| v.transpose(&[0, 2, 1, 3]));
+        let k = k.expect("a strided view");
+        assert_eq!(k.offset, 128);
+        assert_eq!(k.shape, [1, 4, 8, 32]);
+        assert_eq!(k.strides[1..], [32, 384, 1]);
+        // and back: transpose then reshape to [8, 128] is not a view of the sliced buffer... it is
+        let back = k.transpose(&[0, 2, 1, 3]).reshape(&[8, 128]).expect("rows of 128 at stride 384");
+        assert_eq!((back.offset, back.strides.clone()), (128, vec![384, 1]));
+        // a transposed matrix cannot merge its dims
+        assert!(View::contiguous(0, &[4, 6]).transpose(&[1, 0]).reshape(&[24]).is_none());
+    }
+
+    #[test]
+    fn broadcast_gives_zero_strides() {
+        let bias = View::contiguous(3, &[384]).broadcast(&[8, 384]);
+        assert_eq!(bias.strides, [0, 1]);
+    }
+}

@@ -1,0 +1,71 @@
+//! The CUDA text of representative kernels. A change here is a change to generated code:
+//! review the diff like code (`cargo insta review`).
+
+mod common;
+
+use qatc_kernels::{cuda_kernels, Step};
+
+fn cuda_of(g: &qatc_ir::Graph) -> String {
+    let (prog, kernels) = cuda_kernels(g).unwrap();
+    let mut text = format!("// {}", prog);
+    for k in &kernels {
+        text.push_str(&format!("\n// ---- {} ----\n{}", k.name, k.source));
+    }
+    text
+}
+
+#[test]
+fn elementwise_chain_is_one_kernel() {
+    let (prog, _) = cuda_kernels(&common::elementwise_chain()).unwrap();
+    assert_eq!(prog.steps.len(), 1);
+    insta::assert_snapshot!(cuda_of(&common::elementwise_chain()));
+}
+
+#[test]
+fn residual_add_is_the_layernorm_prologue() {
+    let (prog, _) = cuda_kernels(&common::residual_layernorm()).unwrap();
+    assert_eq!(prog.steps.len(), 1);
+    insta::assert_snapshot!(cuda_of(&common::residual_layernorm()));
+}
+
+#[test]
+fn causal_softmax() {
+    insta::assert_snapshot!(cuda_of(&common::causal_softmax()));
+}
+
+#[test]
+fn attention_never_writes_the_scores() {
+    let (prog, kernels) = cuda_kernels(&common::attention()).unwrap();
+    assert_eq!(prog.steps.len(), 1, "{prog}");
+    assert!(prog.buffers.iter().all(|b| b.shape.iter().rev().take(2).ne([64, 64].iter())), "no [.., T, T] buffer");
+    assert!(kernels[0].name.starts_with("fused_attention_"));
+    insta::assert_snapshot!(cuda_of(&common::attention()));
+}
+
+#[test]
+fn adamw_is_one_kernel() {
+    let (prog, _) = cuda_kernels(&common::adamw()).unwrap();
+    assert_eq!(prog.steps.len(), 1);
+    insta::assert_snapshot!(cuda_of(&common::adamw()));
+}
+
+#[test]
+fn dequant_prologue_and_bias_epilogue() {
+    let (prog, _) = cuda_kernels(&common::dequant_gemm()).unwrap();
+    let gemms: Vec<_> = prog.gemms().collect();
+    assert_eq!(gemms.len(), 1);
+    assert!(gemms[0].bias.is_some(), "the bias rides on the GEMM");
+    assert_eq!(prog.materialized.len(), 1, "the dequantized weight is reported");
+    assert!(matches!(prog.steps[0], Step::Launch { .. }));
+    insta::assert_snapshot!(cuda_of(&common::dequant_gemm()));
+}
+
+#[test]
+fn attention_backward_recomputes_instead_of_storing() {
+    let (prog, kernels) = cuda_kernels(&common::attention_backward()).unwrap();
+    // lse, delta, dq, dk+dv: each written into its slice of the result, no [T, T] buffer
+    assert_eq!(prog.steps.len(), 4, "{prog}");
+    assert!(prog.buffers.iter().all(|b| b.shape.iter().rev().take(2).ne([64, 64].iter())));
+    assert!(kernels.iter().all(|k| k.name.starts_with("fused_attention_bwd_")));
+    insta::assert_snapshot!(cuda_of(&common::attention_backward()));
+}

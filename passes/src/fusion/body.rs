@@ -1,0 +1,424 @@
+//! Kernel bodies and how rules build them.
+//!
+//! A [`Body`] is a small DAG of primitive ops over the kernel's inputs `In(0..n)`; its last node is
+//! the result. A [`Frag`] is one way an e-class can be computed as a kernel: its primitive e-node
+//! (a one-op body) or a fused kernel already in the class. Rules compose fragments with a
+//! [`Builder`]: inlining a fragment ("absorbing" the class) means its value is computed in
+//! registers instead of being read from memory.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use egg::Id;
+use qatc_ir::{infer::infer, Op, Shape, TensorType};
+
+use super::lang::{Entry, ENode, Kernel, EG, FUSED};
+
+/// An operand inside a body: a kernel input or an earlier body node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BRef {
+    In(u32),
+    Node(u32),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BNode {
+    /// A primitive op of the [`super::lang::OpTable`].
+    pub op: u32,
+    pub args: Vec<BRef>,
+    /// The e-class whose value this node computes (None for the reshapes and concat that pack
+    /// several results into one buffer). Names in the printed body come from it.
+    pub origin: Option<Id>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Body {
+    pub nodes: Vec<BNode>,
+    pub n_in: usize,
+}
+
+/// The family of a primitive op when it is the core of a kernel. Pointwise ops (elementwise,
+/// layout and indexing ops, the AdamW updates) all fit in one loop over the output.
+pub fn prim_family(kind: &str) -> &'static str {
+    match kind {
+        "matmul" => "gemm",
+        "dequantize" => "dequant",
+        "fake_quant" => "fake_quant",
+        "layernorm" => "layernorm",
+        "layernorm_grad_x" => "layernorm_bwd",
+        "layernorm_grad_gamma" => "layernorm_bwd_gamma",
+        "softmax" => "softmax",
+        "softmax_grad" => "softmax_bwd",
+        "cross_entropy" => "cross_entropy",
+        "cross_entropy_grad" => "cross_entropy_grad",
+        k if is_pointwise(k) => "pointwise",
+        _ => "other",
+    }
+}
+
+/// Ops whose every output element depends on a fixed set of input elements (no reductions).
+pub fn is_pointwise(kind: &str) -> bool {
+    matches!(
+        kind,
+        "neg" | "exp" | "log" | "sqrt" | "rsqrt" | "recip" | "tanh" | "square" | "gelu" | "add" | "sub" | "mul" | "div"
+            | "max" | "min" | "gelu_grad" | "affine" | "cast" | "broadcast" | "reshape" | "transpose" | "slice"
+            | "concat" | "const" | "gather" | "dropout" | "adam_m" | "adam_v" | "adam_param"
+    )
+}
+
+/// Ops a kernel may recompute from their inputs even when other kernels also need the value:
+/// layout ops and fills (a strided read costs what reading the materialized copy would), a scale
+/// and shift (reading x costs what reading a x + b would), and weight dequantization (reading
+/// 4-bit codes costs an eighth of reading the f32 weight).
+pub fn is_recomputable(kind: &str) -> bool {
+    is_cheap(kind) || matches!(kind, "dequantize" | "fake_quant")
+}
+
+/// Ops that only move, replicate, scale or fill data.
+pub fn is_cheap(kind: &str) -> bool {
+    matches!(kind, "broadcast" | "reshape" | "transpose" | "slice" | "const" | "affine")
+}
+
+/// Ops that only move or replicate data.
+pub fn is_layout(kind: &str) -> bool {
+    matches!(kind, "broadcast" | "reshape" | "transpose" | "slice" | "const")
+}
+
+/// The base of a family name: `gemm` for `gemm.dequant.bias`.
+pub fn base(family: &str) -> &str {
+    family.split('.').next().unwrap_or(family)
+}
+
+/// `family` with `tag` appended, unless it already ends with it.
+pub fn extend(family: &str, tag: &str) -> String {
+    if tag.is_empty() || family.ends_with(&format!(".{tag}")) {
+        family.to_string()
+    } else {
+        format!("{family}.{tag}")
+    }
+}
+
+/// One way to compute an e-class as a kernel body.
+#[derive(Clone, Debug)]
+pub struct Frag {
+    pub class: Id,
+    pub family: String,
+    pub body: Arc<Body>,
+    pub args: Vec<Id>,
+    /// The e-node's op index (tie-breaks and memo keys).
+    pub op: u32,
+    pub fused: bool,
+}
+
+impl Frag {
+    /// Every op in it is recomputable (see [`is_recomputable`]).
+    pub fn recomputable(&self, eg: &EG) -> bool {
+        self.kinds(eg).all(is_recomputable)
+    }
+
+    /// Every op in it is cheap to recompute (see [`is_cheap`]).
+    pub fn cheap(&self, eg: &EG) -> bool {
+        self.kinds(eg).all(is_cheap)
+    }
+
+    /// Every op in it is a layout op.
+    pub fn layout_only(&self, eg: &EG) -> bool {
+        self.kinds(eg).all(is_layout)
+    }
+
+    pub fn kinds<'a>(&'a self, eg: &'a EG) -> impl Iterator<Item = &'static str> + 'a {
+        self.body.nodes.iter().map(|n| eg.analysis.table.op(n.op).map(|o| o.mnemonic()).unwrap_or("kernel"))
+    }
+
+    pub fn contains(&self, eg: &EG, kind: &str) -> bool {
+        self.kinds(eg).any(|k| k == kind)
+    }
+
+    /// The op at the fragment's root.
+    pub fn root_kind(&self, eg: &EG) -> &'static str {
+        self.body.nodes.last().and_then(|n| eg.analysis.table.op(n.op)).map(|o| o.mnemonic()).unwrap_or("kernel")
+    }
+}
+
+/// The fragments of e-class `c`: its primitive e-nodes (not leaves, not packed views) and the
+/// single-result fused kernels in it.
+pub fn frags(eg: &EG, c: Id) -> Vec<Frag> {
+    let c = eg.find(c);
+    let mut out = Vec::new();
+    for n in &eg[c].nodes {
+        if let Some(f) = frag_of(eg, c, n) {
+            out.push(f);
+        }
+    }
+    out
+}
+
+fn frag_of(eg: &EG, c: Id, n: &ENode) -> Option<Frag> {
+    match eg.analysis.table.get(n.op)? {
+        Entry::Prim { op, .. } => {
+            if matches!(op, Op::Input { .. } | Op::Kernel { .. }) {
+                return None;
+            }
+            // one body node over the distinct operands (mul(x, x) reads x once)
+            let mut args: Vec<Id> = Vec::new();
+            let mut refs = Vec::new();
+            for &a in &n.args {
+                let a = eg.find(a);
+                let i = match args.iter().position(|&x| x == a) {
+                    Some(i) => i,
+                    None => {
+                        args.push(a);
+                        args.len() - 1
+                    }
+                };
+                refs.push(BRef::In(i as u32));
+            }
+            let body = Body { n_in: args.len(), nodes: vec![BNode { op: n.op, args: refs, origin: Some(c) }] };
+            Some(Frag { class: c, family: prim_family(n.kind).to_string(), body: Arc::new(body), args, op: n.op, fused: false })
+        }
+        Entry::Fused(k) => {
+            if !k.pack.is_empty() {
+                return None;
+            }
+            Some(Frag {
+                class: c,
+                family: k.family.clone(),
+                body: k.body.clone(),
+                args: n.args.iter().map(|&a| eg.find(a)).collect(),
+                op: n.op,
+                fused: true,
+            })
+        }
+    }
+}
+
+/// The largest fragment of `c` that `ok` accepts: the one that has absorbed the most.
+pub fn best(eg: &EG, c: Id, ok: impl Fn(&Frag) -> bool) -> Option<Frag> {
+    ranked(eg, c, ok).into_iter().next()
+}
+
+/// The fragments of `c` that `ok` accepts, largest first (ties: fused first, then older).
+pub fn ranked(eg: &EG, c: Id, ok: impl Fn(&Frag) -> bool) -> Vec<Frag> {
+    let mut v: Vec<Frag> = frags(eg, c).into_iter().filter(|f| ok(f)).collect();
+    v.sort_by_key(|f| std::cmp::Reverse((f.body.nodes.len(), f.fused, std::cmp::Reverse(f.op))));
+    v
+}
+
+/// Builds one kernel body. Equal nodes are shared (a value two absorbed fragments both compute
+/// is computed once), and every node's type is inferred as it is added.
+#[derive(Default)]
+pub struct Builder {
+    nodes: Vec<BNode>,
+    tys: Vec<TensorType>,
+    memo: HashMap<(u32, Vec<BRef>), u32>,
+    args: Vec<Id>,
+    arg_tys: Vec<TensorType>,
+    /// A node failed type inference: the rule must not fire.
+    pub failed: bool,
+}
+
+impl Builder {
+    pub fn new() -> Builder {
+        Builder::default()
+    }
+
+    /// Reads e-class `c` as a kernel input.
+    pub fn input(&mut self, eg: &EG, c: Id) -> BRef {
+        let c = eg.find(c);
+        if let Some(i) = self.args.iter().position(|&a| a == c) {
+            return BRef::In(i as u32);
+        }
+        match &eg[c].data.ty {
+            Some(t) => self.arg_tys.push(t.clone()),
+            None => {
+                self.failed = true;
+                self.arg_tys.push(TensorType::f32(Shape::scalar()));
+            }
+        }
+        self.args.push(c);
+        BRef::In(self.args.len() as u32 - 1)
+    }
+
+    pub fn ty(&self, r: BRef) -> &TensorType {
+        match r {
+            BRef::In(i) => &self.arg_tys[i as usize],
+            BRef::Node(i) => &self.tys[i as usize],
+        }
+    }
+
+    /// Adds primitive op `op` (a table index) over `args`, computing e-class `origin`.
+    pub fn node(&mut self, eg: &EG, op: u32, args: Vec<BRef>, origin: Option<Id>) -> BRef {
+        if let Some(&i) = self.memo.get(&(op, args.clone())) {
+            return BRef::Node(i);
+        }
+        let ty = match eg.analysis.table.op(op) {
+            Some(o) => {
+                let tys: Vec<&TensorType> = args.iter().map(|&a| self.ty(a)).collect();
+                infer(o, &tys).ok()
+            }
+            None => None,
+        };
+        let ty = ty.unwrap_or_else(|| {
+            self.failed = true;
+            TensorType::f32(Shape::scalar())
+        });
+        let i = self.nodes.len() as u32;
+        self.memo.insert((op, args.clone()), i);
+        self.nodes.push(BNode { op, args, origin: origin.map(|o| eg.find(o)) });
+        self.tys.push(ty);
+        BRef::Node(i)
+    }
+
+    /// Like [`Builder::node`] for an op not yet in the table (the pack's reshapes and concat).
+    pub fn new_node(&mut self, eg: &mut EG, op: Op, args: Vec<BRef>) -> BRef {
+        let i = eg.analysis.table.prim(op, None);
+        self.node(eg, i, args, None)
+    }
+
+    /// Inlines a fragment; `subst` replaces some of its inputs by values already in this body.
+    /// Returns the fragment's result.
+    pub fn splice(&mut self, eg: &EG, f: &Frag, subst: &[(Id, BRef)]) -> BRef {
+        self.splice_all(eg, f, subst).last().copied().unwrap_or(BRef::In(0))
+    }
+
+    /// Inlines every node of a (possibly packed) kernel body and returns where each went; the
+    /// nodes that pack results into one buffer (no origin) are left out.
+    pub fn splice_all(&mut self, eg: &EG, f: &Frag, subst: &[(Id, BRef)]) -> Vec<BRef> {
+        let ins: Vec<BRef> = f
+            .args
+            .iter()
+            .map(|&a| match subst.iter().find(|(c, _)| eg.find(*c) == eg.find(a)) {
+                Some((_, r)) => *r,
+                None => self.input(eg, a),
+            })
+            .collect();
+        let mut map: Vec<BRef> = Vec::with_capacity(f.body.nodes.len());
+        for n in &f.body.nodes {
+            if n.origin.is_none() {
+                map.push(BRef::In(u32::MAX));
+                continue;
+            }
+            let args = n
+                .args
+                .iter()
+                .map(|r| match *r {
+                    BRef::In(i) => ins[i as usize],
+                    BRef::Node(j) => map[j as usize],
+                })
+                .collect();
+            map.push(self.node(eg, n.op, args, n.origin));
+        }
+        map
+    }
+
+    /// The e-classes whose values the body computes.
+    pub fn origins(&self) -> impl Iterator<Item = Id> + '_ {
+        self.nodes.iter().filter_map(|n| n.origin)
+    }
+
+    pub fn args(&self) -> &[Id] {
+        &self.args
+    }
+
+    /// The body node that computes e-class `c`, if the body computes it.
+    pub fn result_of(&self, eg: &EG, c: Id) -> Option<BRef> {
+        let c = eg.find(c);
+        self.nodes.iter().rposition(|n| n.origin == Some(c)).map(|i| BRef::Node(i as u32))
+    }
+
+    /// Finishes a single-result kernel whose result is `root` (it must be the last node).
+    pub fn finish(self, eg: &EG, root: BRef, family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+        if self.failed || self.nodes.is_empty() || root != BRef::Node(self.nodes.len() as u32 - 1) {
+            return None;
+        }
+        let ty = self.tys.last()?.clone();
+        let body = Body { nodes: self.nodes, n_in: self.args.len() };
+        let read_bytes = super::cost::body_read_bytes(eg, &body, &self.arg_tys, &self.tys);
+        Some((Kernel { family, body: Arc::new(body), ty, read_bytes, pack: vec![], rule }, self.args))
+    }
+
+    /// Finishes a kernel with several results: they are written, flattened, into one buffer
+    /// (`concat` along axis 0 of `reshape(r, [numel])`), and each result is a view of it.
+    pub fn finish_pack(mut self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+        if self.failed || outs.len() < 2 {
+            return None;
+        }
+        let dtype = self.ty(outs[0].1).dtype;
+        if outs.iter().any(|(_, r)| self.ty(*r).dtype != dtype) {
+            return None;
+        }
+        let mut pack = Vec::new();
+        let mut flat = Vec::new();
+        for &(c, r) in outs {
+            let BRef::Node(i) = r else { return None };
+            pack.push((eg.find(c), i));
+            let n = self.ty(r).numel();
+            flat.push(self.new_node(eg, Op::Reshape { shape: Shape::new([n]) }, vec![r]));
+        }
+        let root = self.new_node(eg, Op::Concat { axis: 0 }, flat);
+        if self.failed || root != BRef::Node(self.nodes.len() as u32 - 1) {
+            return None;
+        }
+        let ty = self.tys.last()?.clone();
+        let body = Body { nodes: self.nodes, n_in: self.args.len() };
+        let read_bytes = super::cost::body_read_bytes(eg, &body, &self.arg_tys, &self.tys);
+        Some((Kernel { family, body: Arc::new(body), ty, read_bytes, pack, rule }, self.args))
+    }
+}
+
+/// Adds a single-result kernel to e-class `root`. Returns the class if that changed the e-graph.
+pub fn add_kernel(eg: &mut EG, root: Id, k: Kernel, args: Vec<Id>) -> Option<Id> {
+    let op = eg.analysis.table.fused(k);
+    let id = eg.add(ENode { kind: FUSED, op, args });
+    eg.union(root, id).then_some(root)
+}
+
+/// Whether one of `args` is computed from one of `outs` in the input graph: a packed kernel
+/// reading it would depend on its own result.
+fn reads_own_result(eg: &EG, outs: &[Id], args: &[Id]) -> bool {
+    let args: Vec<Id> = args.iter().map(|a| eg.find(*a)).collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut stack: Vec<Id> = outs.iter().map(|c| eg.find(*c)).collect();
+    while let Some(c) = stack.pop() {
+        if !seen.insert(c) {
+            continue;
+        }
+        for &u in &eg[c].data.users {
+            let u = eg.find(u);
+            if args.contains(&u) {
+                return true;
+            }
+            stack.push(u);
+        }
+    }
+    false
+}
+
+/// Adds a packed kernel and, to each result's e-class, the view `reshape(slice(buffer))` of it.
+pub fn add_pack(eg: &mut EG, k: Kernel, args: Vec<Id>, name: &str) -> Vec<Id> {
+    let pack = k.pack.clone();
+    let outs: Vec<Id> = pack.iter().map(|p| p.0).collect();
+    if reads_own_result(eg, &outs, &args) {
+        return vec![];
+    }
+    let shapes: Vec<Shape> = pack.iter().map(|(c, _)| eg[*c].data.ty.as_ref().map(|t| t.shape.clone()).unwrap_or_default()).collect();
+    let op = eg.analysis.table.fused(k);
+    let buf = eg.add(ENode { kind: FUSED, op, args });
+    if eg[buf].data.name.is_none() {
+        eg[buf].data.name = Some(name.to_string());
+    }
+    let mut changed = Vec::new();
+    let mut start = 0;
+    for ((c, _), shape) in pack.iter().zip(shapes) {
+        let n = shape.numel();
+        let s = eg.analysis.table.prim(Op::Slice { axis: 0, start, end: start + n }, None);
+        let sl = eg.add(ENode { kind: "slice", op: s, args: vec![buf] });
+        let r = eg.analysis.table.prim(Op::Reshape { shape }, None);
+        let view = eg.add(ENode { kind: "reshape", op: r, args: vec![sl] });
+        if eg.union(*c, view) {
+            changed.push(*c);
+        }
+        start += n;
+    }
+    changed
+}

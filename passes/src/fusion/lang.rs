@@ -1,0 +1,244 @@
+//! The egg language of qatc's ops and its analysis.
+//!
+//! An e-node is `(kind, op, args)`: `kind` is the op's mnemonic (`matmul`, `gelu`, ... or
+//! [`FUSED`] for a kernel built by the rules), `op` indexes the [`OpTable`] entry that holds the
+//! full op with its attributes (or a fused kernel's family and body), and `args` are the operand
+//! e-classes in slot order. Patterns name kinds only (`(add ?y (broadcast ?b))`): a pattern node
+//! carries [`ANY`] and matches every op of its kind whatever the attributes, so rule conditions
+//! look at attributes and types in Rust, where they can be shape-checked.
+//!
+//! The analysis gives every e-class its tensor type (by `qatc_ir::infer`, the same inference the
+//! verifier runs), the checkpoint name it carries, and the consumers it had in the input graph:
+//! a rule may inline a value into a kernel only when every consumer is inside that kernel.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use egg::{Analysis, DidMerge, EGraph, FromOp, Id, Language};
+use qatc_ir::{infer::infer, Op, TensorType};
+
+use super::body::Body;
+
+/// The kind of the e-nodes that stand for fused kernels.
+pub const FUSED: &str = "fused";
+
+/// The `op` of a pattern node: any op of the node's kind.
+pub const ANY: u32 = u32::MAX;
+
+/// Every kind an e-node can have: the mnemonics of `qatc_ir::Op` and [`FUSED`].
+pub const KINDS: &[&str] = &[
+    "input", "const", "neg", "exp", "log", "sqrt", "rsqrt", "recip", "tanh", "square", "gelu", "add", "sub", "mul",
+    "div", "max", "min", "gelu_grad", "affine", "cast", "broadcast", "sum_to", "reshape", "transpose", "slice",
+    "concat", "matmul", "gather", "scatter_add", "layernorm", "layernorm_grad_x", "layernorm_grad_gamma", "softmax",
+    "softmax_grad", "cross_entropy", "cross_entropy_grad", "fake_quant", "dequantize", "act_quant", "dropout",
+    "kernel", "adam_m", "adam_v", "adam_param", FUSED,
+];
+
+/// An e-node: an op (by table index) applied to operand e-classes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ENode {
+    pub kind: &'static str,
+    pub op: u32,
+    pub args: Vec<Id>,
+}
+
+impl Language for ENode {
+    type Discriminant = &'static str;
+
+    fn discriminant(&self) -> &'static str {
+        self.kind
+    }
+
+    /// Same kind and arity, and the same op unless one side is a pattern's [`ANY`].
+    fn matches(&self, other: &Self) -> bool {
+        self.kind == other.kind
+            && self.args.len() == other.args.len()
+            && (self.op == ANY || other.op == ANY || self.op == other.op)
+    }
+
+    fn children(&self) -> &[Id] {
+        &self.args
+    }
+
+    fn children_mut(&mut self) -> &mut [Id] {
+        &mut self.args
+    }
+}
+
+impl fmt::Display for ENode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.kind)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("unknown op `{0}` in a fusion pattern")]
+pub struct UnknownKind(String);
+
+impl FromOp for ENode {
+    type Error = UnknownKind;
+
+    fn from_op(op: &str, args: Vec<Id>) -> Result<Self, Self::Error> {
+        match KINDS.iter().find(|k| **k == op) {
+            Some(kind) => Ok(ENode { kind, op: ANY, args }),
+            None => Err(UnknownKind(op.to_string())),
+        }
+    }
+}
+
+/// A fused kernel: its family (`gemm.dequant.bias`, ...), body, result type and traffic.
+#[derive(Clone, Debug)]
+pub struct Kernel {
+    pub family: String,
+    pub body: Arc<Body>,
+    pub ty: TensorType,
+    /// Bytes read from device memory: each operand once, or only the part its slices or gathers
+    /// touch (see `cost::footprint`).
+    pub read_bytes: u64,
+    /// For a kernel with several results packed into one buffer: each result's e-class and body
+    /// node (the buffer is their flat concatenation, in this order).
+    pub pack: Vec<(Id, u32)>,
+    /// The rule that built it (for the report).
+    pub rule: &'static str,
+}
+
+/// What an e-node's `op` index stands for.
+#[derive(Clone, Debug)]
+pub enum Entry {
+    /// A qatc op with its attributes; leaves keep their name (inputs are identified by it).
+    Prim { op: Op, name: Option<String> },
+    Fused(Kernel),
+}
+
+/// The ops of one e-graph, interned: equal ops share an index, so equal e-nodes hash-cons.
+#[derive(Clone, Debug, Default)]
+pub struct OpTable {
+    entries: Vec<Entry>,
+    prims: HashMap<String, u32>,
+    fused: HashMap<(String, Arc<Body>), u32>,
+}
+
+/// The interning key of a primitive op: its mnemonic and attributes, plus name and type for leaves
+/// (two inputs never merge; two equal constants do).
+fn prim_key(op: &Op, name: Option<&str>) -> String {
+    match op {
+        Op::Input { dtype, shape, .. } => format!("input {:?} {dtype}{shape}", name.unwrap_or("")),
+        Op::Const { value, dtype, shape } => format!("const {value:?} {dtype}{shape}"),
+        Op::Kernel { family, body } => format!("kernel {family:?} {}", qatc_ir::print(body)),
+        _ => format!("{}{:?}", op.mnemonic(), op.attrs()),
+    }
+}
+
+impl OpTable {
+    pub fn prim(&mut self, op: Op, name: Option<String>) -> u32 {
+        let key = prim_key(&op, name.as_deref());
+        if let Some(&i) = self.prims.get(&key) {
+            return i;
+        }
+        let i = self.entries.len() as u32;
+        self.entries.push(Entry::Prim { op, name });
+        self.prims.insert(key, i);
+        i
+    }
+
+    /// A new entry even if an equal op exists: the input graph's nodes never merge (two equal
+    /// nodes may be deliberate, like the `remat` pass's recomputed copies of forward values).
+    pub fn unique(&mut self, op: Op, name: Option<String>) -> u32 {
+        self.entries.push(Entry::Prim { op, name });
+        self.entries.len() as u32 - 1
+    }
+
+    pub fn fused(&mut self, k: Kernel) -> u32 {
+        let key = (k.family.clone(), k.body.clone());
+        if let Some(&i) = self.fused.get(&key) {
+            return i;
+        }
+        let i = self.entries.len() as u32;
+        self.entries.push(Entry::Fused(k));
+        self.fused.insert(key, i);
+        i
+    }
+
+    pub fn get(&self, i: u32) -> Option<&Entry> {
+        self.entries.get(i as usize)
+    }
+
+    /// The primitive op behind `i` (None for fused kernels and unknown indices).
+    pub fn op(&self, i: u32) -> Option<&Op> {
+        match self.get(i) {
+            Some(Entry::Prim { op, .. }) => Some(op),
+            _ => None,
+        }
+    }
+
+    pub fn kernel(&self, i: u32) -> Option<&Kernel> {
+        match self.get(i) {
+            Some(Entry::Fused(k)) => Some(k),
+            _ => None,
+        }
+    }
+}
+
+/// What the analysis knows about an e-class.
+#[derive(Clone, Debug, Default)]
+pub struct Data {
+    /// None only if inference failed, which conversion reports as an error.
+    pub ty: Option<TensorType>,
+    /// The name of the input-graph node (checkpoint key or role) this value is.
+    pub name: Option<String>,
+    /// The e-classes that consumed this value in the input graph (each once). Empty for classes
+    /// the rules created (a packed kernel's buffer and its slices).
+    pub users: Vec<Id>,
+    /// A graph output or update reads it: it is always materialized.
+    pub output: bool,
+    /// The class stands for a node of the input graph.
+    pub original: bool,
+}
+
+pub type EG = EGraph<ENode, FusionAnalysis>;
+
+/// The analysis: the op table lives here so rules (which see the e-graph) can intern new kernels,
+/// plus a memo of rule applications already done.
+#[derive(Clone, Debug, Default)]
+pub struct FusionAnalysis {
+    pub table: OpTable,
+    /// (rule index, the e-classes and e-nodes a match used): applications already made, so a
+    /// saturated rule costs a lookup instead of rebuilding its kernel every iteration.
+    pub memo: std::collections::HashSet<(usize, Vec<usize>)>,
+}
+
+impl Analysis<ENode> for FusionAnalysis {
+    type Data = Data;
+
+    fn make(eg: &mut EG, n: &ENode, _id: Id) -> Data {
+        let ty = match eg.analysis.table.get(n.op) {
+            Some(Entry::Prim { op, .. }) => {
+                let tys: Option<Vec<TensorType>> = n.args.iter().map(|&a| eg[a].data.ty.clone()).collect();
+                tys.and_then(|tys| infer(op, &tys.iter().collect::<Vec<_>>()).ok())
+            }
+            Some(Entry::Fused(k)) => Some(k.ty.clone()),
+            None => None,
+        };
+        Data { ty, ..Default::default() }
+    }
+
+    /// Kernels are only ever added to the class of the value they compute, so the merged classes
+    /// agree on the type; the rest is bookkeeping that the original class carries.
+    fn merge(&mut self, a: &mut Data, b: Data) -> DidMerge {
+        let a_before = a.ty.is_some();
+        let b_had = b.ty.is_some();
+        if a.ty.is_none() {
+            a.ty = b.ty;
+        }
+        if a.name.is_none() {
+            a.name = b.name;
+        }
+        if a.users.is_empty() {
+            a.users = b.users;
+        }
+        a.output |= b.output;
+        a.original |= b.original;
+        DidMerge(!a_before && a.ty.is_some(), !b_had && a.ty.is_some())
+    }
+}

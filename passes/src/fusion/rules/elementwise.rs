@@ -1,0 +1,76 @@
+//! Pointwise chains: elementwise ops, layout ops (broadcast, reshape, transpose, slice, concat),
+//! constants and gathers all compute each output element from a fixed set of input elements, so
+//! any chain of them is one loop over the last op's output: one launch, intermediates in registers.
+
+use egg::Id;
+
+use super::{consumers_inside, first_time, Custom, Family, Fuse, Rule, Take};
+use crate::fusion::body::{self, add_kernel, base, Builder};
+use crate::fusion::lang::{Entry, EG};
+
+/// Every pointwise op kind (see `body::is_pointwise`).
+pub const POINTWISE: &[&str] = &[
+    "neg", "exp", "log", "sqrt", "rsqrt", "recip", "tanh", "square", "gelu", "add", "sub", "mul", "div", "max", "min",
+    "gelu_grad", "affine", "cast", "broadcast", "reshape", "transpose", "slice", "concat", "gather", "dropout",
+    "adam_m", "adam_v", "adam_param",
+];
+
+pub fn rules() -> Vec<Rule> {
+    vec![
+        // f(.., g(..), ..)  =>  pointwise[f . g](.., ..)      f, g pointwise; g's value has no
+        //   consumer but f (or g is a layout op or a constant, cheap to recompute): g is computed
+        //   in f's loop instead of being written and read back
+        Rule::Custom(Custom { name: "pointwise-chain", roots: POINTWISE, global: false, apply: chain }),
+        // sum_to(pointwise(..))  =>  reduce.sum(..)      the reduction reads the chain's inputs
+        //   (gradient clipping's sum of squares, a bias gradient's sum over rows)
+        Rule::Fuse(Fuse {
+            name: "reduce-prologue",
+            lhs: "(sum_to ?x)",
+            absorb: &[("x", Take::Pointwise)],
+            family: Family::New("reduce.sum"),
+            check: |_| true,
+            aux: false,
+        }),
+    ]
+}
+
+fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
+    let root = eg.find(class);
+    let mut changed = Vec::new();
+    let nodes: Vec<_> = eg[root]
+        .nodes
+        .iter()
+        .filter(|n| POINTWISE.contains(&n.kind) && matches!(eg.analysis.table.get(n.op), Some(Entry::Prim { .. })))
+        .cloned()
+        .collect();
+    for n in nodes {
+        let mut b = Builder::new();
+        let mut args = Vec::new();
+        let mut key = vec![usize::from(root), n.op as usize];
+        let mut absorbed = 0;
+        for &a in &n.args {
+            let c = eg.find(a);
+            let frag = body::best(eg, c, |f| base(&f.family) == "pointwise")
+                .filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
+            match frag {
+                Some(f) => {
+                    key.push(f.op as usize);
+                    args.push(b.splice(eg, &f, &[]));
+                    absorbed += 1;
+                }
+                None => {
+                    key.push(usize::MAX - usize::from(c));
+                    args.push(b.input(eg, c));
+                }
+            }
+        }
+        if absorbed == 0 || !first_time(eg, index, key) {
+            continue;
+        }
+        let out = b.node(eg, n.op, args, Some(root));
+        if let Some((k, args)) = b.finish(eg, out, "pointwise".into(), "pointwise-chain") {
+            changed.extend(add_kernel(eg, root, k, args));
+        }
+    }
+    changed
+}

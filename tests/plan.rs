@@ -1,0 +1,327 @@
+//! The memory plan, end to end: executing the planned step inside one arena gives the
+//! interpreter's results bit for bit; every checkpoint policy gives the same gradients and the
+//! same updated weights bit for bit; `qatc plan --json` (snapshot), `--svg` and the errors.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+
+use qatc::cli::plan::arena_layout;
+use qatc::cli::train::Trainer;
+use qatc::data::TokenFile;
+use qatc::frontend::config::Gpt2Config;
+use qatc::model::Model;
+use qatc::step::{self, StepOptions};
+use qatc_ir::{Graph, InputKind, QuantScheme, QuantSpec};
+use qatc_passes::lora::LoraOptions;
+use qatc_passes::plan;
+use qatc_passes::quant::QuantOptions;
+use qatc_passes::remat::Checkpoint;
+use qatc_runtime::{ArenaInterpreter, Interpreter, IntTensor, Value};
+
+fn tiny() -> Model {
+    Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap()
+}
+
+fn quant_lora(o: &mut StepOptions, r: usize) {
+    o.model.full_finetune = false;
+    o.model.quant = Some(QuantOptions {
+        spec: QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Sym },
+        targets: QuantOptions::default_targets(),
+        per_module: Default::default(),
+        act_bits: None,
+    });
+    o.model.lora = Some(LoraOptions::new(r));
+}
+
+/// Every input of a trainer's step: weights and state as bound, plus batch 0 of the tokens.
+fn step_inputs(tr: &Trainer, b: usize, t: usize) -> HashMap<String, Value<f32>> {
+    let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+    let (ids, tgt) = data.batch(0, b, t).unwrap();
+    let mut m = tr.state.clone();
+    m.insert("ids".into(), Value::Int(IntTensor { shape: vec![b, t], data: ids }));
+    m.insert("targets".into(), Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
+    m.insert("lr".into(), Value::scalar(1e-3));
+    m
+}
+
+fn bits(v: &Value<f32>) -> Vec<u32> {
+    match v {
+        Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
+        Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
+    }
+}
+
+/// Runs `g` with the interpreter and inside its planned arena; both must agree bit for bit.
+fn arena_matches_interpreter(g: &Graph, inputs: &HashMap<String, Value<f32>>) -> usize {
+    let want = Interpreter::<f32>::new(g).unwrap().run_split(inputs).unwrap();
+    let p = plan::plan(g, &Default::default()).unwrap();
+    p.verify().unwrap();
+    let got = ArenaInterpreter::new(g, &arena_layout(&p)).unwrap().run_split(inputs).unwrap();
+    for (name, v) in &want.outputs {
+        assert_eq!(bits(v), bits(&got.outputs[name]), "output {name}");
+    }
+    for (name, v) in &want.updates {
+        assert_eq!(bits(v), bits(&got.updates[name]), "update {name}");
+    }
+    want.outputs.len() + want.updates.len()
+}
+
+fn policies(m: &Model, o: &StepOptions) -> Vec<Checkpoint> {
+    // a budget halfway between the smallest plan and no recompute: per-op choices in between
+    let peak = |c: Checkpoint| {
+        let mut o = o.clone();
+        o.checkpoint = c;
+        let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
+        plan::plan(&g, &Default::default()).unwrap().peak_bytes()
+    };
+    // (on the tiny model the peak can be the head's, which no policy lowers: then the budget is
+    // the smallest peak, still solved by the DP)
+    let (none, blocks) = (peak(Checkpoint::None), peak(Checkpoint::Blocks));
+    assert!(blocks <= none, "blocks ({blocks}) never needs more than none ({none})");
+    vec![Checkpoint::None, Checkpoint::Blocks, Checkpoint::Sqrt, Checkpoint::Budget(blocks + (none - blocks) / 2)]
+}
+
+#[test]
+fn the_planned_step_runs_bit_identically_inside_one_arena() {
+    let m = tiny();
+    for lora in [false, true] {
+        let mut o = StepOptions::new(2, 16);
+        o.keep_grads = true;
+        if lora {
+            quant_lora(&mut o, 4);
+        }
+        for c in policies(&m, &o) {
+            let mut o = o.clone();
+            o.checkpoint = c;
+            let tr = Trainer::new(&m, o, None, 0).unwrap();
+            let n = arena_matches_interpreter(&tr.graph, &step_inputs(&tr, 2, 16));
+            assert!(n > 10, "{c:?}: compared {n} values");
+        }
+    }
+}
+
+#[test]
+fn gradients_and_updates_are_bit_identical_under_every_policy() {
+    let m = tiny();
+    let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+    for lora in [false, true] {
+        let mut base = StepOptions::new(2, 16);
+        base.keep_grads = true;
+        if lora {
+            quant_lora(&mut base, 4);
+        }
+        let mut reference: Option<(HashMap<String, Value<f32>>, HashMap<String, Value<f32>>)> = None;
+        for c in policies(&m, &base) {
+            let mut o = base.clone();
+            o.checkpoint = c;
+            let mut tr = Trainer::new(&m, o, None, 0).unwrap();
+            let recomputed = qatc_ir::print(&tr.graph).matches(".recompute\"").count();
+            match c {
+                Checkpoint::None => assert_eq!(recomputed, 0),
+                Checkpoint::Blocks | Checkpoint::Sqrt => assert!(recomputed > 0, "{c:?} recomputes"),
+                _ => {}
+            }
+            let out = tr.step(&data, 0, 1e-3).unwrap();
+            let grads = out.into_iter().filter(|(k, _)| k.starts_with("grad:") || k == "loss").collect::<HashMap<_, _>>();
+            let after = tr.state.iter().filter(|(k, _)| k.contains("weight") || k.starts_with("adam")).map(|(k, v)| (k.clone(), v.clone())).collect();
+            match &reference {
+                None => reference = Some((grads, after)),
+                Some((g0, a0)) => {
+                    assert_eq!(g0.len(), grads.len());
+                    for (k, v) in g0 {
+                        assert_eq!(bits(v), bits(&grads[k]), "{c:?}: {k} differs from checkpoint none");
+                    }
+                    for (k, v) in a0 {
+                        assert_eq!(bits(v), bits(&after[k]), "{c:?}: {k} after the update differs");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// sqrt on the 2-layer fixture is blocks (segments of round(sqrt 2) = 1); on 4 layers its
+/// segments hold 2 blocks. Random weights, every policy, gradients compared bit for bit.
+#[test]
+fn sqrt_segments_of_two_blocks_give_the_same_gradients() {
+    let cfg = Gpt2Config { n_embd: 16, n_layer: 4, n_head: 2, n_positions: 16, vocab_size: 23, layer_norm_epsilon: 1e-5 };
+    let mut o = StepOptions::new(2, 8);
+    o.keep_grads = true;
+    quant_lora(&mut o, 2);
+    o.model.quant.as_mut().unwrap().spec.group = 8;
+    let mut reference: Option<HashMap<String, Value<f32>>> = None;
+    let mut inputs: HashMap<String, Value<f32>> = HashMap::new();
+    for c in [Checkpoint::None, Checkpoint::Sqrt, Checkpoint::Blocks] {
+        let mut oc = o.clone();
+        oc.checkpoint = c;
+        let (g, _) = step::train(&cfg, &oc, |_, _| {}).unwrap();
+        if inputs.is_empty() {
+            let mut x = 7u64;
+            for id in g.inputs() {
+                let ty = g.ty(id);
+                let name = g.node(id).name.clone().unwrap();
+                let n = ty.numel();
+                let v = match (g.input_kind(id), ty.dtype.is_float()) {
+                    (_, false) => {
+                        let hi = if name.ends_with("qcodes") { 16 } else { 23 };
+                        Value::Int(IntTensor { shape: ty.shape.dims().to_vec(), data: (0..n as i32).map(|i| (i * 7 + 3) % hi).collect() })
+                    }
+                    (Some(InputKind::State), true) => Value::floats(ty.shape.dims().to_vec(), &vec![0.0; n]).unwrap(),
+                    _ => {
+                        let d: Vec<f64> = (0..n)
+                            .map(|_| {
+                                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                                ((x >> 33) as f64 / (1u64 << 31) as f64 - 0.5) * 0.2
+                            })
+                            .collect();
+                        Value::floats(ty.shape.dims().to_vec(), &d).unwrap()
+                    }
+                };
+                inputs.insert(name, v);
+            }
+            inputs.insert("lr".into(), Value::scalar(1e-3));
+        }
+        arena_matches_interpreter(&g, &inputs);
+        let out = Interpreter::<f32>::new(&g).unwrap().run(&inputs).unwrap();
+        match &reference {
+            None => reference = Some(out),
+            Some(r) => {
+                for (k, v) in r {
+                    assert_eq!(bits(v), bits(&out[k]), "{c:?}: {k}");
+                }
+            }
+        }
+    }
+}
+
+fn qatc(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).current_dir(common::root()).output().unwrap()
+}
+
+#[test]
+fn plan_json_of_the_tiny_model() {
+    let tiny = "tests/fixtures/tiny/f32_prefix/model.safetensors";
+    let r = qatc(&["plan", tiny, "--batch", "1", "--seq", "4", "--bits", "4", "--group", "16", "--lora", "r=2", "--checkpoint", "blocks", "--json"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let text = String::from_utf8(r.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["schema"], "qatc.memory_plan");
+    assert_eq!(v["version"], 1);
+    let s = &v["summary"];
+    assert!(s["arena_bytes"].as_u64() >= s["lower_bound_bytes"].as_u64());
+    assert!(s["recomputed_nodes"].as_u64().unwrap() > 0);
+    assert_eq!(s["peak_bytes"].as_u64().unwrap(), s["persistent_bytes"].as_u64().unwrap() + s["arena_bytes"].as_u64().unwrap());
+    insta::assert_snapshot!("plan_json_tiny_blocks", text);
+}
+
+/// A minimal XML well-formedness check: balanced tags, quoted attributes, escaped text.
+fn well_formed(xml: &str) -> Result<usize, String> {
+    let mut stack: Vec<String> = Vec::new();
+    let mut rest = xml.trim_start();
+    if let Some(r) = rest.strip_prefix("<?xml") {
+        rest = &r[r.find("?>").ok_or("unterminated declaration")? + 2..];
+    }
+    let mut elements = 0;
+    while let Some(i) = rest.find('<') {
+        let text = &rest[..i];
+        if text.contains('>') || text.replace("&amp;", "").replace("&lt;", "").replace("&gt;", "").replace("&quot;", "").replace("&apos;", "").contains('&') {
+            return Err(format!("unescaped text {text:?}"));
+        }
+        let end = rest[i..].find('>').ok_or("unterminated tag")? + i;
+        let tag = &rest[i + 1..end];
+        if let Some(name) = tag.strip_prefix('/') {
+            if stack.pop().as_deref() != Some(name.trim()) {
+                return Err(format!("unbalanced </{name}>"));
+            }
+        } else {
+            let self_closing = tag.ends_with('/');
+            let body = tag.trim_end_matches('/');
+            let name = body.split_whitespace().next().ok_or("empty tag")?.to_string();
+            if body.matches('"').count() % 2 != 0 {
+                return Err(format!("unquoted attribute in <{name}>"));
+            }
+            elements += 1;
+            if !self_closing {
+                stack.push(name);
+            }
+        }
+        rest = &rest[end + 1..];
+    }
+    if !stack.is_empty() || !rest.trim().is_empty() {
+        return Err(format!("unclosed {stack:?}"));
+    }
+    Ok(elements)
+}
+
+#[test]
+fn svg_is_well_formed_and_marks_the_peak() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("m.svg");
+    let r = qatc(&["plan", "124M", "--batch", "2", "--seq", "256", "--bits", "4", "--lora", "r=8", "--checkpoint", "blocks", "--svg", svg.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let table = String::from_utf8(r.stdout).unwrap();
+    assert!(table.contains("activations") && table.contains("total (peak)"), "{table}");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(well_formed(&text).unwrap() > 20);
+    assert!(text.contains(r#"id="peak""#) && text.contains(">peak "), "the peak is marked");
+    for c in ["weights", "activations", "temporaries", "optimizer"] {
+        assert!(text.contains(&format!("band {c}")), "band {c}");
+    }
+    assert!(well_formed("<a><b></a></b>").is_err() && well_formed("<a x=\"1></a>").is_err());
+}
+
+#[test]
+fn compile_writes_the_memory_plan_and_its_picture() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = common::fixture("tiny/f32_prefix/model.safetensors");
+    let r = qatc(&["compile", m.to_str().unwrap(), "--batch", "1", "--seq", "8", "--checkpoint", "blocks", "--no-fuse", "-o", out.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("memory_plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["schema"], "qatc.memory_plan");
+    assert!(well_formed(&std::fs::read_to_string(out.join("memory.svg")).unwrap()).is_ok());
+    assert!(std::fs::read_to_string(out.join("train.qir")).unwrap().contains(".recompute\""), "recompute is visible in train.qir");
+}
+
+/// One line, exit code 2, stating the smallest budget that fits.
+fn fails(args: &[&str]) -> String {
+    let r = qatc(args);
+    let stderr = String::from_utf8_lossy(&r.stderr).into_owned();
+    assert_eq!(r.status.code(), Some(2), "{args:?}: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+    assert!(stderr.starts_with("error: ") && !stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+#[test]
+fn an_impossible_budget_states_the_smallest_that_fits() {
+    let base = ["plan", "124M", "--batch", "8", "--seq", "1024", "--bits", "4", "--lora", "r=16"];
+    let e = fails(&[&base[..], &["--checkpoint", "budget=1MiB"]].concat());
+    assert!(e.contains("smallest plan needs") && e.contains("--checkpoint budget="), "{e}");
+    let e = fails(&[&base[..], &["--memory", "10MiB"]].concat());
+    assert!(e.contains("smallest plan needs") && e.contains("GiB"), "{e}");
+    let e = fails(&[&base[..], &["--memory", "4GX"]].concat());
+    assert!(e.contains("invalid size `4GX`") && e.contains("512MiB"), "{e}");
+    let e = fails(&[&base[..], &["--checkpoint", "auto"]].concat());
+    assert!(e.contains("needs --memory"), "{e}");
+    let e = fails(&[&base[..], &["--checkpoint", "none", "--memory", "2GiB"]].concat());
+    assert!(e.contains("more than --memory") && e.contains("auto"), "{e}");
+}
+
+/// `auto` takes no recompute when the step fits, and recomputes when it must.
+#[test]
+fn auto_picks_the_fastest_plan_that_fits() {
+    let run = |mem: &str| -> serde_json::Value {
+        let r = qatc(&["plan", "124M", "--batch", "4", "--seq", "512", "--bits", "4", "--lora", "r=16", "--memory", mem, "--json"]);
+        assert!(r.status.success(), "{mem}: {}", String::from_utf8_lossy(&r.stderr));
+        serde_json::from_str(&String::from_utf8(r.stdout).unwrap()).unwrap()
+    };
+    let roomy = run("40GiB");
+    assert_eq!(roomy["summary"]["recompute_flops"], 0);
+    assert_eq!(roomy["context"]["fits"], true);
+    let tight = run("1.5GiB");
+    assert!(tight["summary"]["recompute_flops"].as_u64().unwrap() > 0);
+    assert!(tight["summary"]["peak_bytes"].as_u64().unwrap() <= 1610612736);
+}
