@@ -5,6 +5,7 @@
 //! 2. the recompute-FLOPs vs memory curve of `budget=` against `blocks` and `sqrt`;
 //! 3. planning time (pipeline + remat + plan) for the four GPT-2 sizes;
 //! 4. what fits where: the smallest plan and what `auto` picks for a few memory sizes.
+//!
 //! Graphs are built from each size's config (shapes only). Run:
 //! `cargo run --release --example bench_plan [-- --quick]`.
 
@@ -103,7 +104,7 @@ fn main() {
     }
 
     println!("\n### 3. Planning time (pipeline + remat + plan, seconds, best of 3), B {b}, T {t}, 4-bit + LoRA r=16\n");
-    println!("| model | train nodes (none) | none | blocks | budget=16GiB | auto, --memory 8GiB |");
+    println!("| model | steps (none) | none | blocks | budget=16GiB | auto, --memory 8GiB |");
     println!("|---|---|---|---|---|---|");
     for name in ["124M", "355M", "774M", "1.5B"] {
         let cfg = Gpt2Config::preset(name).expect("preset");

@@ -18,7 +18,7 @@ use qatc_passes::lora::LoraOptions;
 use qatc_passes::plan;
 use qatc_passes::quant::QuantOptions;
 use qatc_passes::remat::Checkpoint;
-use qatc_runtime::{ArenaInterpreter, Interpreter, IntTensor, Value};
+use qatc_runtime::{ArenaInterpreter, IntTensor, Interpreter, Value};
 
 fn tiny() -> Model {
     Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap()
@@ -102,17 +102,38 @@ fn the_planned_step_runs_bit_identically_inside_one_arena() {
     }
 }
 
+/// Plans work on fused steps too: a kernel node is one value, its body's intermediates take no
+/// arena bytes; the fused step runs inside its arena exactly as the interpreter runs it.
+#[test]
+fn fused_steps_run_bit_identically_inside_one_arena() {
+    let m = tiny();
+    for lora in [false, true] {
+        let mut o = StepOptions::new(2, 16);
+        if lora {
+            quant_lora(&mut o, 4);
+        }
+        o.fuse = Some(qatc_passes::fusion::FuseOptions::default());
+        let tr = Trainer::new(&m, o, None, 0).unwrap();
+        assert!(qatc_ir::print(&tr.graph).contains("kernel["), "the step is fused");
+        arena_matches_interpreter(&tr.graph, &step_inputs(&tr, 2, 16));
+    }
+}
+
 #[test]
 fn gradients_and_updates_are_bit_identical_under_every_policy() {
     let m = tiny();
     let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
-    for lora in [false, true] {
+    // full fine-tune; 4-bit + LoRA; 4-bit + LoRA with two micro-batches (two chains to checkpoint)
+    for (lora, accum) in [(false, 1), (true, 1), (true, 2)] {
         let mut base = StepOptions::new(2, 16);
         base.keep_grads = true;
+        base.grad_accum = accum;
         if lora {
             quant_lora(&mut base, 4);
         }
-        let mut reference: Option<(HashMap<String, Value<f32>>, HashMap<String, Value<f32>>)> = None;
+        // (gradients and loss, weights and moments after the update) under `none`
+        type Values = HashMap<String, Value<f32>>;
+        let mut reference: Option<(Values, Values)> = None;
         for c in policies(&m, &base) {
             let mut o = base.clone();
             o.checkpoint = c;
@@ -125,7 +146,12 @@ fn gradients_and_updates_are_bit_identical_under_every_policy() {
             }
             let out = tr.step(&data, 0, 1e-3).unwrap();
             let grads = out.into_iter().filter(|(k, _)| k.starts_with("grad:") || k == "loss").collect::<HashMap<_, _>>();
-            let after = tr.state.iter().filter(|(k, _)| k.contains("weight") || k.starts_with("adam")).map(|(k, v)| (k.clone(), v.clone())).collect();
+            let after = tr
+                .state
+                .iter()
+                .filter(|(k, _)| k.contains("weight") || k.starts_with("adam"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
             match &reference {
                 None => reference = Some((grads, after)),
                 Some((g0, a0)) => {
@@ -203,7 +229,23 @@ fn qatc(args: &[&str]) -> std::process::Output {
 #[test]
 fn plan_json_of_the_tiny_model() {
     let tiny = "tests/fixtures/tiny/f32_prefix/model.safetensors";
-    let r = qatc(&["plan", tiny, "--batch", "1", "--seq", "4", "--bits", "4", "--group", "16", "--lora", "r=2", "--checkpoint", "blocks", "--json"]);
+    let r = qatc(&[
+        "plan",
+        tiny,
+        "--batch",
+        "1",
+        "--seq",
+        "4",
+        "--bits",
+        "4",
+        "--group",
+        "16",
+        "--lora",
+        "r=2",
+        "--checkpoint",
+        "blocks",
+        "--json",
+    ]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let text = String::from_utf8(r.stdout).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -226,7 +268,9 @@ fn well_formed(xml: &str) -> Result<usize, String> {
     let mut elements = 0;
     while let Some(i) = rest.find('<') {
         let text = &rest[..i];
-        if text.contains('>') || text.replace("&amp;", "").replace("&lt;", "").replace("&gt;", "").replace("&quot;", "").replace("&apos;", "").contains('&') {
+        if text.contains('>')
+            || text.replace("&amp;", "").replace("&lt;", "").replace("&gt;", "").replace("&quot;", "").replace("&apos;", "").contains('&')
+        {
             return Err(format!("unescaped text {text:?}"));
         }
         let end = rest[i..].find('>').ok_or("unterminated tag")? + i;
@@ -239,7 +283,7 @@ fn well_formed(xml: &str) -> Result<usize, String> {
             let self_closing = tag.ends_with('/');
             let body = tag.trim_end_matches('/');
             let name = body.split_whitespace().next().ok_or("empty tag")?.to_string();
-            if body.matches('"').count() % 2 != 0 {
+            if !body.matches('"').count().is_multiple_of(2) {
                 return Err(format!("unquoted attribute in <{name}>"));
             }
             elements += 1;
@@ -259,7 +303,22 @@ fn well_formed(xml: &str) -> Result<usize, String> {
 fn svg_is_well_formed_and_marks_the_peak() {
     let dir = tempfile::tempdir().unwrap();
     let svg = dir.path().join("m.svg");
-    let r = qatc(&["plan", "124M", "--batch", "2", "--seq", "256", "--bits", "4", "--lora", "r=8", "--checkpoint", "blocks", "--svg", svg.to_str().unwrap()]);
+    let r = qatc(&[
+        "plan",
+        "124M",
+        "--batch",
+        "2",
+        "--seq",
+        "256",
+        "--bits",
+        "4",
+        "--lora",
+        "r=8",
+        "--checkpoint",
+        "blocks",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let table = String::from_utf8(r.stdout).unwrap();
     assert!(table.contains("activations") && table.contains("total (peak)"), "{table}");
@@ -277,7 +336,19 @@ fn compile_writes_the_memory_plan_and_its_picture() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let m = common::fixture("tiny/f32_prefix/model.safetensors");
-    let r = qatc(&["compile", m.to_str().unwrap(), "--batch", "1", "--seq", "8", "--checkpoint", "blocks", "--no-fuse", "-o", out.to_str().unwrap()]);
+    let r = qatc(&[
+        "compile",
+        m.to_str().unwrap(),
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--checkpoint",
+        "blocks",
+        "--no-fuse",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("memory_plan.json")).unwrap()).unwrap();
     assert_eq!(plan["schema"], "qatc.memory_plan");
@@ -300,6 +371,10 @@ fn an_impossible_budget_states_the_smallest_that_fits() {
     let base = ["plan", "124M", "--batch", "8", "--seq", "1024", "--bits", "4", "--lora", "r=16"];
     let e = fails(&[&base[..], &["--checkpoint", "budget=1MiB"]].concat());
     assert!(e.contains("smallest plan needs") && e.contains("--checkpoint budget="), "{e}");
+    // and the budget it suggests does fit
+    let suggested = e.rsplit("--checkpoint ").next().unwrap().split_whitespace().next().unwrap();
+    let r = qatc(&[&base[..], &["--checkpoint", suggested]].concat());
+    assert!(r.status.success(), "{suggested}: {}", String::from_utf8_lossy(&r.stderr));
     let e = fails(&[&base[..], &["--memory", "10MiB"]].concat());
     assert!(e.contains("smallest plan needs") && e.contains("GiB"), "{e}");
     let e = fails(&[&base[..], &["--memory", "4GX"]].concat());

@@ -89,7 +89,8 @@ fn build(n_inputs: usize, steps: &[Step], outs: &[usize], updates: u8, with_loss
                 if d.len() != 2 {
                     continue;
                 }
-                let ys: Vec<NodeId> = vals.iter().copied().filter(|&v| g.ty(v).shape.rank() == 2 && g.ty(v).shape.dims()[0] == d[1]).collect();
+                let ys: Vec<NodeId> =
+                    vals.iter().copied().filter(|&v| g.ty(v).shape.rank() == 2 && g.ty(v).shape.dims()[0] == d[1]).collect();
                 if ys.is_empty() {
                     continue;
                 }
@@ -119,8 +120,7 @@ fn build(n_inputs: usize, steps: &[Step], outs: &[usize], updates: u8, with_loss
         let _ = g.set_output("loss", pool[pool.len() / 2]);
     }
     // updates: a trainable/state input takes the value of a computed node of its type
-    for i in 0..n_inputs.max(1) {
-        let x = vals[i];
+    for (i, &x) in vals.iter().enumerate().take(n_inputs.max(1)) {
         if !matches!(g.input_kind(x), Some(InputKind::Trainable | InputKind::State)) || updates & (1 << (i % 8)) == 0 {
             continue;
         }
@@ -141,10 +141,13 @@ fn layout(p: &Plan) -> ArenaLayout {
         .location
         .iter()
         .map(|(id, l)| {
-            (*id, match l {
-                Location::Arena { offset } => Slot::Arena(*offset),
-                Location::Input { name } => Slot::Input(name.clone()),
-            })
+            (
+                *id,
+                match l {
+                    Location::Arena { offset } => Slot::Arena(*offset),
+                    Location::Input { name } => Slot::Input(name.clone()),
+                },
+            )
         })
         .collect();
     ArenaLayout { order: p.order(), slots, arena_bytes: p.arena_bytes }
@@ -204,14 +207,12 @@ fn check(g: &Graph, seed: u64) -> Result<(), TestCaseError> {
     }
     prop_assert_eq!(live.iter().copied().max().unwrap_or(0), p.lower_bound);
     // in place only where allowed: an allowed slot whose value dies here, of the same size
-    let last_read: HashMap<NodeId, usize> = p.steps.iter().flat_map(|s| g.operands(s.node).into_iter().map(move |o| (o, s.index))).fold(
-        HashMap::new(),
-        |mut m, (o, i)| {
+    let last_read: HashMap<NodeId, usize> =
+        p.steps.iter().flat_map(|s| g.operands(s.node).into_iter().map(move |o| (o, s.index))).fold(HashMap::new(), |mut m, (o, i)| {
             let e = m.entry(o).or_insert(i);
             *e = (*e).max(i);
             m
-        },
-    );
+        });
     let buffer_of: HashMap<NodeId, usize> = p.steps.iter().map(|s| (s.node, s.buffer)).collect();
     for s in p.steps.iter().filter(|s| s.in_place) {
         let node = g.node(s.node);

@@ -92,10 +92,20 @@ fn decode(ty: &TensorType, b: &[u8]) -> Value<f32> {
     let shape = ty.shape.dims().to_vec();
     let n = ty.numel();
     match ty.dtype {
-        DType::F32 => Value::Float(Tensor { shape, data: b.chunks_exact(4).take(n).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() }),
-        DType::F16 => Value::Float(Tensor { shape, data: b.chunks_exact(2).take(n).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect() }),
-        DType::BF16 => Value::Float(Tensor { shape, data: b.chunks_exact(2).take(n).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect() }),
-        DType::I32 => Value::Int(IntTensor { shape, data: b.chunks_exact(4).take(n).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() }),
+        DType::F32 => {
+            Value::Float(Tensor { shape, data: b.chunks_exact(4).take(n).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() })
+        }
+        DType::F16 => Value::Float(Tensor {
+            shape,
+            data: b.chunks_exact(2).take(n).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        }),
+        DType::BF16 => Value::Float(Tensor {
+            shape,
+            data: b.chunks_exact(2).take(n).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        }),
+        DType::I32 => {
+            Value::Int(IntTensor { shape, data: b.chunks_exact(4).take(n).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() })
+        }
         DType::U8 => Value::Int(IntTensor { shape, data: b.iter().take(n).map(|&x| i32::from(x)).collect() }),
         DType::I4 => Value::Int(IntTensor { shape, data: (0..n).map(|k| i32::from((b[k / 2] >> (4 * (k % 2))) & 15)).collect() }),
     }

@@ -130,17 +130,5 @@ fn print_fusion(f: &qatc_passes::fusion::FusionReport) {
     println!("  rules fired {}", fired.join(", "));
 }
 
-pub fn human_bytes(b: usize) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < units.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", units[u])
-    }
-}
+/// `1.50 GiB`, `12.00 MiB`, `512 B` (one formatter for every command).
+pub use qatc_passes::plan::units::human as human_bytes;

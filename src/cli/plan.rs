@@ -94,7 +94,14 @@ pub fn build(cfg: &Gpt2Config, opts: &StepOptions) -> anyhow::Result<(Graph, Vec
 }
 
 /// The `context` object of the JSON and the picture's title.
-pub fn context(name: &str, cfg: &Gpt2Config, opts: &StepOptions, reports: &[PassReport], memory: Option<usize>, p: &Plan) -> (serde_json::Value, String) {
+pub fn context(
+    name: &str,
+    cfg: &Gpt2Config,
+    opts: &StepOptions,
+    reports: &[PassReport],
+    memory: Option<usize>,
+    p: &Plan,
+) -> (serde_json::Value, String) {
     let (options, words) = describe_options(opts);
     let remat = reports.iter().find(|r| r.pass == "remat");
     let ctx = json!({
@@ -122,7 +129,14 @@ pub fn context(name: &str, cfg: &Gpt2Config, opts: &StepOptions, reports: &[Pass
 }
 
 /// `memory_plan.json` and `memory.svg` for a built step (`qatc compile` writes them).
-pub fn artifacts(name: &str, cfg: &Gpt2Config, opts: &StepOptions, reports: &[PassReport], g: &Graph, memory: Option<usize>) -> anyhow::Result<(String, String)> {
+pub fn artifacts(
+    name: &str,
+    cfg: &Gpt2Config,
+    opts: &StepOptions,
+    reports: &[PassReport],
+    g: &Graph,
+    memory: Option<usize>,
+) -> anyhow::Result<(String, String)> {
     let p = plan::plan(g, &Default::default()).context("memory plan")?;
     let (ctx, title) = context(name, cfg, opts, reports, memory, &p);
     Ok((json::to_json(&p, ctx)?, svg::render(&p, &title, memory)))

@@ -46,13 +46,7 @@ pub fn to_json(p: &Plan, context: Value) -> Result<String, serde_json::Error> {
         "recompute_flops": p.recompute_flops,
         "recomputed_nodes": p.recomputed_nodes,
     });
-    let head = [
-        ("schema", json!(SCHEMA)),
-        ("version", json!(VERSION)),
-        ("context", context),
-        ("summary", summary),
-        ("totals", totals(p)),
-    ];
+    let head = [("schema", json!(SCHEMA)), ("version", json!(VERSION)), ("context", context), ("summary", summary), ("totals", totals(p))];
     let mut out = String::from("{\n");
     for (k, v) in head {
         let pretty = serde_json::to_string_pretty(&v)?.replace('\n', "\n  ");

@@ -70,11 +70,11 @@ pub(crate) fn analyze(d: &Dense, order: &[usize], align: usize) -> Liveness {
     let mut root_input: Vec<Option<usize>> = vec![None; n];
     let mut keep = vec![false; n];
     let mut group_last = vec![0usize; n];
-    for i in 0..n {
+    for (i, &last) in last_use.iter().enumerate() {
         let r = find(&mut parent, i);
         if d.is_input(i) {
             root_input[r] = Some(i);
-            group_last[r] = group_last[r].max(last_use[i]);
+            group_last[r] = group_last[r].max(last);
         }
         if d.output[i] || d.copy_back[i] {
             keep[r] = true;
@@ -114,7 +114,14 @@ pub(crate) fn analyze(d: &Dense, order: &[usize], align: usize) -> Liveness {
             buf_index[r] = bufs.len();
             let p = root_input[r];
             let start = if p.is_some() { 0 } else { pos[i] };
-            bufs.push(Buf { members: Vec::new(), persistent: p, bytes: d.bytes[i], size: aligned(d.bytes[i], align), first: start, last: start });
+            bufs.push(Buf {
+                members: Vec::new(),
+                persistent: p,
+                bytes: d.bytes[i],
+                size: aligned(d.bytes[i], align),
+                first: start,
+                last: start,
+            });
         }
         let b = buf_index[r];
         buf_of[i] = b;

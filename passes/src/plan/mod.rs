@@ -116,9 +116,13 @@ pub struct Step {
 /// Where a node's value is stored (for executing a plan).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Location {
-    Arena { offset: usize },
+    Arena {
+        offset: usize,
+    },
     /// The storage of the input of that name.
-    Input { name: String },
+    Input {
+        name: String,
+    },
 }
 
 #[derive(Clone, Debug)]

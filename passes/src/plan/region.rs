@@ -215,11 +215,8 @@ impl Dense {
                 continue;
             };
             let family = self.view_family(x);
-            let readers: Vec<usize> = family
-                .iter()
-                .flat_map(|&v| self.users[v].iter().copied())
-                .filter(|r| *r != u && !family.contains(r))
-                .collect();
+            let readers: Vec<usize> =
+                family.iter().flat_map(|&v| self.users[v].iter().copied()).filter(|r| *r != u && !family.contains(r)).collect();
             let ok = !self.is_input(u)
                 && !self.view[u]
                 && !used[u]

@@ -129,7 +129,12 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
     let mut ready: Vec<usize> = (0..n).filter(|&i| !d.is_input(i) && !lazy[i] && pending[i] == 0).collect();
     let total = (0..n).filter(|&i| !d.is_input(i)).count();
 
-    let mut run = |i: usize, done: &mut Vec<bool>, order: &mut Vec<usize>, ready: &mut Vec<usize>, readers: &mut Vec<usize>, ran_at: &mut Vec<i64>| {
+    let mut run = |i: usize,
+                   done: &mut Vec<bool>,
+                   order: &mut Vec<usize>,
+                   ready: &mut Vec<usize>,
+                   readers: &mut Vec<usize>,
+                   ran_at: &mut Vec<i64>| {
         done[i] = true;
         if !lazy[i] {
             ran_at[i] = order.len() as i64;

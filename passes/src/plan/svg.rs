@@ -128,7 +128,13 @@ pub fn render(p: &Plan, title: &str, limit: Option<usize>) -> String {
             let _ = write!(pts, "{:.1},{:.1} ", x((c + 1) as f64 * steps as f64 / ncol as f64), y(bot));
             let _ = write!(pts, "{:.1},{:.1} ", x(c as f64 * steps as f64 / ncol as f64), y(bot));
         }
-        let _ = writeln!(o, r#"<polygon class="band {}" fill="{}" stroke="none" points="{}"/>"#, STACK[k].name(), color(STACK[k]), pts.trim_end());
+        let _ = writeln!(
+            o,
+            r#"<polygon class="band {}" fill="{}" stroke="none" points="{}"/>"#,
+            STACK[k].name(),
+            color(STACK[k]),
+            pts.trim_end()
+        );
     }
     // the outline of the total, so that one-step spikes stay visible
     let mut outline = String::new();
@@ -150,11 +156,15 @@ pub fn render(p: &Plan, title: &str, limit: Option<usize>) -> String {
     let _ = writeln!(o, r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" fill="#444">schedule step</text>"##, (X0 + X1) / 2.0, Y1 + 34.0);
     // the planned peak: the arena's size on top of the inputs
     let yp = y(peak_total);
+    let _ =
+        writeln!(o, r##"<line class="planned-peak" x1="{X0}" y1="{yp:.1}" x2="{X1}" y2="{yp:.1}" stroke="#222" stroke-dasharray="6,4"/>"##);
     let _ = writeln!(
         o,
-        r##"<line class="planned-peak" x1="{X0}" y1="{yp:.1}" x2="{X1}" y2="{yp:.1}" stroke="#222" stroke-dasharray="6,4"/>"##
+        r##"<text x="{:.1}" y="{:.1}" text-anchor="end" fill="#222">planned peak {}</text>"##,
+        X1 - 4.0,
+        yp - 5.0,
+        human(p.peak_bytes())
     );
-    let _ = writeln!(o, r##"<text x="{:.1}" y="{:.1}" text-anchor="end" fill="#222">planned peak {}</text>"##, X1 - 4.0, yp - 5.0, human(p.peak_bytes()));
     // the peak step
     let xp = x(p.peak_step as f64 + 0.5);
     let live_peak = p.persistent_bytes() + p.lower_bound;
@@ -195,7 +205,11 @@ pub fn render(p: &Plan, title: &str, limit: Option<usize>) -> String {
         let _ = writeln!(o, r#"<text x="{:.1}" y="{ly:.1}">{} {}</text>"#, lx + 20.0, escape(c.label()), human(bytes));
     }
     let ly = Y0 + 20.0 + 7.0 * 22.0 + 6.0;
-    let _ = writeln!(o, r##"<text x="{lx}" y="{ly:.1}" fill="#444">fragmentation {}</text>"##, human(p.arena_bytes.saturating_sub(p.lower_bound)));
+    let _ = writeln!(
+        o,
+        r##"<text x="{lx}" y="{ly:.1}" fill="#444">fragmentation {}</text>"##,
+        human(p.arena_bytes.saturating_sub(p.lower_bound))
+    );
     let _ = writeln!(
         o,
         r##"<text x="{lx}" y="{:.1}" fill="#444">recompute {}</text>"##,

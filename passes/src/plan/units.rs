@@ -21,7 +21,7 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         _ => return Err(bad()),
     };
     let b = v * mul;
-    if !b.is_finite() || b < 1.0 || b > 1e18 {
+    if !b.is_finite() || !(1.0..=1e18).contains(&b) {
         return Err(format!("invalid size `{s}`: must be at least 1 byte"));
     }
     Ok(b.round() as usize)

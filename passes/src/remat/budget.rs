@@ -27,12 +27,13 @@
 //! 3. The chosen plan is built and planned for real (schedule, lifetimes, arena). If the real
 //!    peak exceeds SIZE (the model is approximate: T and W are estimates), the model's budget
 //!    is lowered by the excess and the program solved again.
+//!
 //! So the result is the optimum of the model, and its fit is checked, never assumed.
 
 use std::collections::HashMap;
 
 use super::super::plan::region::Dense;
-use super::chain::{Chains, find};
+use super::chain::{find, Chains};
 
 /// The most candidates per stage enumerated exhaustively.
 const MAX_EXACT: usize = 20;
@@ -78,9 +79,9 @@ pub(crate) fn stages(d: &Dense, ch: &Chains, c: usize) -> Vec<Stage> {
             st[s].boundary = Some(i);
         }
     }
-    for s in 0..count {
+    for (s, stage) in st.iter_mut().enumerate() {
         let mut cands: Vec<usize> = Vec::new();
-        for &i in &st[s].nodes {
+        for &i in &stage.nodes {
             if !Chains::needed(d, i) {
                 continue;
             }
@@ -91,15 +92,18 @@ pub(crate) fn stages(d: &Dense, ch: &Chains, c: usize) -> Vec<Stage> {
             }
         }
         cands.sort_unstable();
-        let b = st[s].boundary.map(|b| d.bytes[b]).unwrap_or(0);
-        st[s].held = b + cands.iter().map(|&i| d.bytes[i]).sum::<usize>();
-        st[s].cands = cands;
+        let b = stage.boundary.map(|b| d.bytes[b]).unwrap_or(0);
+        stage.held = b + cands.iter().map(|&i| d.bytes[i]).sum::<usize>();
+        stage.cands = cands;
     }
     st
 }
 
+/// Per node of a stage: bytes, FLOPs, role (0 other, 1 candidate, 2 boundary), local operands.
+type Signature = Vec<(usize, u64, u8, Vec<usize>)>;
+
 /// A structural key: stages with equal keys have equal option lists.
-fn signature(d: &Dense, s: &Stage) -> Vec<(usize, u64, u8, Vec<usize>)> {
+fn signature(d: &Dense, s: &Stage) -> Signature {
     let local: HashMap<usize, usize> = s.nodes.iter().enumerate().map(|(k, &i)| (i, k)).collect();
     s.nodes
         .iter()
@@ -133,9 +137,9 @@ fn options(d: &Dense, s: &Stage) -> (Vec<Opt>, bool) {
         .iter()
         .map(|&i| {
             !d.users[i].is_empty()
-                && d.users[i].iter().all(|&u| {
-                    d.bytes[u] == d.bytes[i] && d.in_place[u].iter().any(|&slot| d.operands[u].get(slot) == Some(&i))
-                })
+                && d.users[i]
+                    .iter()
+                    .all(|&u| d.bytes[u] == d.bytes[i] && d.in_place[u].iter().any(|&slot| d.operands[u].get(slot) == Some(&i)))
         })
         .collect();
     // Independent candidates (every operand an input or a value outside the stage, which is
@@ -263,7 +267,7 @@ impl Model {
     pub fn new(d: &Dense, persistent: usize, peak_all_saved: usize) -> Result<Model, String> {
         let chains = find(d)?;
         let stages = stages(d, &chains, 0);
-        let mut cache: HashMap<Vec<(usize, u64, u8, Vec<usize>)>, std::rc::Rc<Vec<Opt>>> = HashMap::new();
+        let mut cache: HashMap<Signature, std::rc::Rc<Vec<Opt>>> = HashMap::new();
         let mut exact = true;
         let mut opts = Vec::with_capacity(stages.len());
         for s in &stages {
@@ -340,11 +344,7 @@ impl Model {
 
     /// The smallest budget the model can solve: every stage at its least-held choice.
     pub fn solve_floor(&self) -> usize {
-        let picked: Vec<usize> = self
-            .opts
-            .iter()
-            .map(|o| (0..o.len()).min_by_key(|&k| (o[k].a, o[k].t)).unwrap_or(0))
-            .collect();
+        let picked: Vec<usize> = self.opts.iter().map(|o| (0..o.len()).min_by_key(|&k| (o[k].a, o[k].t)).unwrap_or(0)).collect();
         self.modeled_peak(&picked)
     }
 

@@ -55,7 +55,9 @@ impl Checkpoint {
             "none" => Ok(Checkpoint::None),
             "blocks" => Ok(Checkpoint::Blocks),
             "sqrt" => Ok(Checkpoint::Sqrt),
-            "auto" => memory.map(Checkpoint::Auto).ok_or_else(|| "--checkpoint auto needs --memory SIZE (the device memory to fit)".to_string()),
+            "auto" => {
+                memory.map(Checkpoint::Auto).ok_or_else(|| "--checkpoint auto needs --memory SIZE (the device memory to fit)".to_string())
+            }
             _ => match t.strip_prefix("budget=") {
                 Some(size) => parse_size(size).map(Checkpoint::Budget).map_err(|e| format!("--checkpoint {t}: {e}")),
                 None => Err(format!("unknown --checkpoint `{t}`; expected none, blocks, sqrt, budget=SIZE (e.g. budget=4GiB) or auto")),
@@ -121,7 +123,14 @@ pub fn sqrt_segment(layers: usize) -> usize {
 /// not fit lowers T by its excess, one that fits with more than 1% to spare raises T by the
 /// headroom (fewer FLOPs may then fit too), always inside the bracket of targets known to fit
 /// and known not to. Every plan is real; the cheapest that fits wins.
-fn solve_budget(g: &Graph, d: &Dense, m: usize, base: Option<usize>, po: &PlanOptions, notes: &mut Vec<String>) -> Result<Option<Candidate>, PassError> {
+fn solve_budget(
+    g: &Graph,
+    d: &Dense,
+    m: usize,
+    base: Option<usize>,
+    po: &PlanOptions,
+    notes: &mut Vec<String>,
+) -> Result<Option<Candidate>, PassError> {
     let base = match base {
         Some(b) => b,
         None => plan::estimate(g, po).map_err(|e| err(e.to_string()))?,
@@ -222,7 +231,14 @@ fn impossible(g: &Graph, d: &Dense, what: &str, m: usize, po: &PlanOptions) -> P
 /// The plan with the fewest recompute FLOPs whose real peak fits `m`, among the budget DP's
 /// and the fixed policies `blocks` and `sqrt` (planned only when they could be cheaper than
 /// what already fits). `base` is the step's estimated peak without recompute, if known.
-fn cheapest_fit(g: &Graph, d: &Dense, m: usize, base: Option<usize>, po: &PlanOptions, notes: &mut Vec<String>) -> Result<Option<Candidate>, PassError> {
+fn cheapest_fit(
+    g: &Graph,
+    d: &Dense,
+    m: usize,
+    base: Option<usize>,
+    po: &PlanOptions,
+    notes: &mut Vec<String>,
+) -> Result<Option<Candidate>, PassError> {
     let mut fits: Vec<Candidate> = Vec::new();
     if let Some(c) = solve_budget(g, d, m, base, po, notes)? {
         fits.push(c);
@@ -256,7 +272,8 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
             if policy == Checkpoint::Sqrt {
                 report.notes.push(format!("sqrt: {} blocks in segments of {seg}", ch.layers));
             }
-            let (graph, rw) = apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: PASS, source })?;
+            let (graph, rw) =
+                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: PASS, source })?;
             Candidate { policy: policy.describe(), graph, rw, peak: 0 }
         }
         Checkpoint::Budget(m) => match cheapest_fit(&g, &d, m, None, po, &mut report.notes)? {
@@ -292,12 +309,7 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
 /// The FLOPs a keep vector recomputes, without building the graph.
 fn estimate_flops(d: &Dense, keep: &[bool]) -> u64 {
     let kept = |i: usize| d.is_input(i) || keep[d.view_root(i)];
-    let mut need = vec![false; d.len()];
-    for i in 0..d.len() {
-        if chain::Chains::needed(d, i) && !kept(i) {
-            need[i] = true;
-        }
-    }
+    let mut need: Vec<bool> = (0..d.len()).map(|i| chain::Chains::needed(d, i) && !kept(i)).collect();
     let mut total = 0;
     for i in (0..d.len()).rev() {
         if need[i] {
