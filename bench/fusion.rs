@@ -33,12 +33,7 @@ fn main() {
         };
         let mut o = StepOptions::new(8, 1024);
         o.model.full_finetune = false;
-        o.model.quant = Some(QuantOptions {
-            spec: QuantSpec { bits: 4, group: 64, scheme: QuantScheme::Sym },
-            targets: QuantOptions::default_targets(),
-            per_module: Default::default(),
-            act_bits: None,
-        });
+        o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 64, scheme: QuantScheme::Sym }));
         o.model.lora = Some(LoraOptions::new(16));
         let (g, _) = step::train(&cfg, &o, |_, _| {}).expect("pipeline");
         let mut times = Vec::new();

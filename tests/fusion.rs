@@ -28,12 +28,7 @@ fn model() -> Model {
 
 fn qlora(o: &mut StepOptions) {
     o.model.full_finetune = false;
-    o.model.quant = Some(QuantOptions {
-        spec: QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym },
-        targets: QuantOptions::default_targets(),
-        per_module: Default::default(),
-        act_bits: None,
-    });
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym }));
     o.model.lora = Some(LoraOptions::new(4));
 }
 

@@ -26,12 +26,7 @@ fn tiny() -> Model {
 
 fn quant_lora(o: &mut StepOptions, r: usize) {
     o.model.full_finetune = false;
-    o.model.quant = Some(QuantOptions {
-        spec: QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Sym },
-        targets: QuantOptions::default_targets(),
-        per_module: Default::default(),
-        act_bits: None,
-    });
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Sym }));
     o.model.lora = Some(LoraOptions::new(r));
 }
 

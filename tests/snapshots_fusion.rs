@@ -31,12 +31,7 @@ fn fused(mut o: StepOptions) -> (Graph, String) {
 fn qlora() -> StepOptions {
     let mut o = StepOptions::new(1, 4);
     o.model.full_finetune = false;
-    o.model.quant = Some(QuantOptions {
-        spec: QuantSpec { bits: 4, group: 4, scheme: QuantScheme::Sym },
-        targets: QuantOptions::default_targets(),
-        per_module: Default::default(),
-        act_bits: None,
-    });
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 4, scheme: QuantScheme::Sym }));
     o.model.lora = Some(LoraOptions::new(2));
     o
 }

@@ -42,12 +42,7 @@ fn qat_and_lora_stages() {
     use qatc_passes::quant::QuantOptions;
     let mut o = StepOptions::new(1, 4);
     o.model.full_finetune = false;
-    o.model.quant = Some(QuantOptions {
-        spec: QuantSpec { bits: 4, group: 4, scheme: QuantScheme::Sym },
-        targets: QuantOptions::default_targets(),
-        per_module: Default::default(),
-        act_bits: None,
-    });
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 4, scheme: QuantScheme::Sym }));
     o.model.lora = Some(LoraOptions::new(2));
     let mut stages = Vec::new();
     step::train(&tiny(), &o, |name, g| stages.push((name, print(g)))).unwrap();

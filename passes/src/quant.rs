@@ -32,6 +32,11 @@ impl QuantOptions {
     pub fn default_targets() -> Vec<String> {
         linears::MODULES.iter().map(|s| s.to_string()).collect()
     }
+
+    /// `spec` on the four GPT-2 linears, no bit map, no activation quantization.
+    pub fn all_linears(spec: QuantSpec) -> QuantOptions {
+        QuantOptions { spec, targets: Self::default_targets(), per_module: BTreeMap::new(), act_bits: None }
+    }
     fn spec_for(&self, module: &str) -> Option<QuantSpec> {
         match self.per_module.get(module) {
             Some(s) => *s,
