@@ -11,13 +11,21 @@ VAL   := examples/shakespeare_val.bin
 TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
-.PHONY: all deps nvrtc build demo test fmt bench clean
+.PHONY: all deps llvm nvrtc build demo test fmt bench clean
 
 all: build
 
 # Rust is the one prerequisite a fresh machine must have; everything else installs from here.
-deps:
+deps: llvm
 	@command -v $(CARGO) >/dev/null || { echo "error: cargo not found: install Rust (https://rustup.rs) first" >&2; exit 2; }
+
+# LLVM 19 for the CPU backend (the default `llvm` feature; .cargo/config.toml points llvm-sys at
+# /usr/lib/llvm-19). Debian 12 and Ubuntu 24.04 carry these packages.
+LLVM_CONFIG := /usr/lib/llvm-19/bin/llvm-config
+llvm:
+	@test -x $(LLVM_CONFIG) -a -f /usr/lib/llvm-19/lib/libPolly.a || { echo "installing LLVM 19 (apt-get: llvm-19-dev libpolly-19-dev libzstd-dev)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq llvm-19-dev libpolly-19-dev libzstd-dev >/dev/null; }
+	@test -x $(LLVM_CONFIG) || { echo "error: LLVM 19 is not installed and apt-get could not install it; build without it: cargo build --no-default-features" >&2; exit 2; }
 
 build: deps
 	$(CARGO) build --release --bin qatc

@@ -1,7 +1,8 @@
 //! CPU training throughput of the compiled step against PyTorch eager (../shared/tools/torch_peer.py)
 //! on the same config: 4 layers, n_embd 256, 4 heads, vocab 50257, B 4, T 128, 4-bit g64,
 //! LoRA r 16 on all linears (weights random: speed does not depend on them).
-//! Run: `cargo run --release --example bench_cpu_train -- [steps]` (bench/run.sh runs both peers).
+//! Run: `cargo run --release --example bench_cpu_train -- [steps] [compiled|interpreter]`
+//! (bench/run.sh runs qatc's engines and the PyTorch peers).
 
 use std::time::Instant;
 
@@ -10,6 +11,7 @@ use qatc::data::TokenFile;
 use qatc::frontend::checkpoint::write_synthetic;
 use qatc::frontend::config::Gpt2Config;
 use qatc::model::Model;
+use qatc::runner::Engine;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::DType;
@@ -17,6 +19,11 @@ use qatc_passes::lora::LoraOptions;
 
 fn main() -> anyhow::Result<()> {
     let steps: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(10);
+    let engine = match std::env::args().nth(2).as_deref() {
+        None | Some("compiled") => Engine::Compiled,
+        Some("interpreter") => Engine::Interpreter,
+        Some(other) => anyhow::bail!("engine must be compiled or interpreter, got {other}"),
+    };
     let cfg = Gpt2Config { n_embd: 256, n_layer: 4, n_head: 4, n_positions: 1024, vocab_size: 50257, layer_norm_epsilon: 1e-5 };
     let (b, t) = (4, 128);
     let dir = tempfile::tempdir()?;
@@ -28,7 +35,9 @@ fn main() -> anyhow::Result<()> {
     let q = QuantArgs { bits: Some(4), group: 64, scheme: "sym".into(), qat: "base".into(), ..Default::default() };
     let mut o = StepOptions::new(b, t);
     o.model = model_options(&q, Some(LoraOptions::new(16)), false, true)?;
-    let mut tr = Trainer::new(&m, o, None, 0)?;
+    let t0 = Instant::now();
+    let mut tr = Trainer::with_engine(&m, o, None, 0, engine)?;
+    let build_s = t0.elapsed().as_secs_f64();
     tr.step(&data, 0, 1e-3)?; // warm-up step, not timed
     let mut times = Vec::new();
     for s in 1..=steps {
@@ -39,7 +48,8 @@ fn main() -> anyhow::Result<()> {
     times.sort_by(|a, b| a.total_cmp(b));
     let med = times[times.len() / 2];
     println!(
-        "{{\"peer\": \"qatc-interpreter\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}}}",
+        "{{\"peer\": \"qatc-{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
+        if engine == Engine::Compiled { "compiled" } else { "interpreter" },
         times[0],
         (b * t) as f64 / med
     );

@@ -11,6 +11,7 @@ pub mod frontend;
 pub mod manifest;
 pub mod model;
 pub mod plot;
+pub mod runner;
 pub mod step;
 pub mod schedule;
 pub mod tokenize;

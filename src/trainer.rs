@@ -1,4 +1,5 @@
-//! The training loop's state and one optimizer step on the reference interpreter, plus the
+//! The training loop's state and one optimizer step (compiled, or on the reference interpreter:
+//! `runner`), plus the
 //! resume state: every persistent input of the step (weights, Adam moments, the step count) is
 //! saved bit for bit, so a resumed run continues exactly where an uninterrupted one would be.
 
@@ -9,17 +10,18 @@ use anyhow::Context;
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
-use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
+use qatc_runtime::{IntTensor, Tensor, Value};
 
 use crate::adapter::Adapter;
 use crate::data::TokenFile;
 use crate::model::Model;
+use crate::runner::{Engine, Runner};
 use crate::step;
 
 /// The training loop's state: every input of the step graph that persists across steps.
 pub struct Trainer {
     pub graph: Graph,
-    interp: Interpreter<f32>,
+    runner: Runner,
     pub state: HashMap<String, Value<f32>>,
     pub opts: step::StepOptions,
     seed: u64,
@@ -29,8 +31,13 @@ impl Trainer {
     /// Compiles the step and binds the weights (LoRA from `adapter`, else initialised from
     /// `seed`); Adam moments and the step count start at zero.
     pub fn new(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64) -> anyhow::Result<Trainer> {
+        Self::with_engine(m, opts, adapter, seed, Engine::Interpreter)
+    }
+
+    /// As `new`, with the step run by `engine`.
+    pub fn with_engine(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64, engine: Engine) -> anyhow::Result<Trainer> {
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
-        let interp = Interpreter::<f32>::new(&graph)?;
+        let runner = Runner::new(&graph, engine)?;
         let mut state = m.bind::<f32>(&graph, adapter, seed)?;
         for id in graph.inputs() {
             if graph.input_kind(id) == Some(InputKind::State) {
@@ -39,7 +46,7 @@ impl Trainer {
                 state.insert(name, Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data: vec![0.0; ty.numel()] }));
             }
         }
-        Ok(Trainer { graph, interp, state, opts, seed })
+        Ok(Trainer { graph, runner, state, opts, seed })
     }
 
     /// Runs one optimizer step on micro-batches `first .. first + K` (llm.c's sequential order,
@@ -67,14 +74,23 @@ impl Trainer {
         self.state.insert("lr".into(), Value::scalar(lr));
         // a fresh dropout mask every step, reproducible from the seed and the step's first batch
         let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(salt as i64) as i32;
-        self.state.insert(DROPOUT_SEED.into(), Value::Int(IntTensor { shape: vec![], data: vec![dseed] }));
-        let mut out = self.interp.run(&self.state)?;
+        // micro-batching renames per-step data inputs (`dropout.seed.0`, ..): a mask of its own each
+        let names: Vec<String> = if k == 1 { vec![DROPOUT_SEED.into()] } else { (0..k).map(|i| micro_name(DROPOUT_SEED, i)).collect() };
+        for (i, n) in names.into_iter().enumerate() {
+            self.state.insert(n, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }));
+        }
+        let mut out = self.runner.run(&self.state)?;
         for o in self.graph.outputs().iter().filter(|o| o.update) {
             if let Some(v) = out.remove(&format!("update:{}", o.name)).or_else(|| out.remove(&o.name)) {
                 self.state.insert(o.name.clone(), v);
             }
         }
         Ok(out)
+    }
+
+    /// What runs the step, in words.
+    pub fn describe(&self) -> String {
+        self.runner.describe()
     }
 
     /// The persistent state: trainable weights, Adam moments and the step count, by name.

@@ -20,6 +20,10 @@ pub enum KernelError {
     Compile { name: String, arch: String, path: String, log: String },
     #[error("NVRTC: {0}")]
     Nvrtc(String),
+    /// The LLVM backend failed on a kernel (an invalid module is a bug in the backend; its
+    /// verifier message names the instruction).
+    #[error("LLVM, kernel {kernel}: {message}")]
+    Llvm { kernel: String, message: String },
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
 }

@@ -396,3 +396,15 @@ impl TypeEnv {
         }
     }
 }
+
+/// How many independent programs a kernel runs: elements of an `Elements` space, rows of a
+/// `Rows` space, and for attention one per (b, h, row) where the row is a query row (forward,
+/// statistics, dq) or a key row (dk, dv). CPU backends split `0..iterations` across threads;
+/// disjoint ranges write disjoint memory, except `AtomicAdd`, which is atomic.
+pub fn iterations(k: &Kernel) -> usize {
+    match &k.body {
+        Body::Loops { space: Space::Elements { shape }, .. } => shape.iter().product(),
+        Body::Loops { space: Space::Rows { rows, .. }, .. } => *rows,
+        Body::Attention(a) => a.b * a.nh * a.t,
+    }
+}

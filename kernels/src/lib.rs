@@ -1,7 +1,7 @@
 //! qatc's code generation. A graph lowers to a [`Program`] (kernel launches, library GEMMs,
 //! views) whose kernels are described in the backend-neutral kernel IR ([`kir`]); the CUDA
-//! backend ([`cuda`]) writes each kernel as CUDA C and [`nvrtc`] compiles it. An LLVM backend
-//! reads the same kernel IR.
+//! backend ([`cuda`]) writes each kernel as CUDA C and [`nvrtc`] compiles it; the LLVM backend
+//! (`llvm`, cargo feature `llvm`) compiles the same kernel IR for the host CPU.
 //!
 //! ```text
 //! Graph --lower--> Program { buffers, views, steps: [Launch(kir::Kernel) | Gemm] }
@@ -9,9 +9,12 @@
 //! ```
 
 pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod index;
 pub mod kir;
+#[cfg(feature = "llvm")]
+pub mod llvm;
 pub mod lower;
 pub mod nvrtc;
 pub mod program;

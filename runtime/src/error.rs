@@ -23,4 +23,16 @@ pub enum RuntimeError {
     /// An op failed at run time (an id out of range, operands of the wrong kind).
     #[error("node {node}: {msg}")]
     Node { node: String, msg: String },
+    /// A compiled program's kernel failed or cannot run as given (`kernel` is its family and note).
+    #[error("kernel {kernel}: {msg}")]
+    Kernel { kernel: String, msg: String },
+    /// A compiled program's library GEMM cannot run (`note` is what it computes).
+    #[error("gemm {note}: {msg}")]
+    Gemm { note: String, msg: String },
+    /// A compiled program's buffer or a view of it is unusable (too small, wrong dtype).
+    #[error("buffer {name:?}: {msg}")]
+    Buffer { name: String, msg: String },
+    /// `set_input` of a name the compiled program has no input for.
+    #[error("the compiled program has no input {0:?}")]
+    UnknownInput(String),
 }

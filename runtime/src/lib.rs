@@ -1,5 +1,7 @@
 //! qatc's reference interpreter: the numerical oracle every optimization (fusion, LLVM/CUDA code
-//! generation) is checked against, and a slow but complete way to run training steps.
+//! generation) is checked against, and a slow but complete way to run training steps. Also the
+//! executor of compiled programs on the CPU ([`compiled`]: a lowered `qatc_kernels::Program`'s
+//! kernel launches and GEMMs over buffers allocated once).
 //!
 //! [`Interpreter<T>`] runs a [`qatc_ir::Graph`] with floats computed in `T` (`f32` or `f64`):
 //! f64 mode is the accurate reference used for finite-difference gradient checks, f32 mode
@@ -38,6 +40,7 @@
 //!   computed the same way regardless, so results do not depend on the thread count.
 
 mod arena;
+pub mod compiled;
 mod error;
 mod eval;
 mod float;
@@ -47,6 +50,7 @@ pub mod quant;
 mod value;
 
 pub use arena::{ArenaInterpreter, ArenaLayout, Slot};
+pub use compiled::{CpuProgram, KirEval, Launcher};
 pub use error::RuntimeError;
 pub use float::Float;
 pub use interp::{Interpreter, RunOutputs};

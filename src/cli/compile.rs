@@ -21,6 +21,25 @@ pub struct Args {
     pub out: PathBuf,
     #[command(flatten)]
     pub step: StepArgs,
+    /// Also write every kernel as LLVM IR (`kernels/NAME.ll`), optimized for this CPU exactly as
+    /// the CPU runtime JIT-compiles it.
+    #[arg(long)]
+    pub emit_llvm: bool,
+}
+
+#[cfg(feature = "llvm")]
+fn emit_llvm(dir: &std::path::Path, program: &qatc_kernels::Program) -> anyhow::Result<()> {
+    for k in &program.kernels {
+        let (name, ir) = qatc_kernels::llvm::emit_ir(k).context("LLVM code generation")?;
+        let path = dir.join(format!("{name}.ll"));
+        std::fs::write(&path, ir).with_context(|| format!("{}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "llvm"))]
+fn emit_llvm(_: &std::path::Path, _: &qatc_kernels::Program) -> anyhow::Result<()> {
+    anyhow::bail!("--emit-llvm: this qatc was built without the `llvm` feature")
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
@@ -80,6 +99,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     out.write("memory_plan.json", &plan_json)?;
     out.write("memory.svg", &plan_svg)?;
     qatc_kernels::write_cuda(&out.path().join("kernels"), &kernels)?;
+    if a.emit_llvm {
+        emit_llvm(&out.path().join("kernels"), &program)?;
+    }
     let dir = out.commit().with_context(|| format!("{}", a.out.display()))?;
 
     let c = &m.cfg;

@@ -1,4 +1,5 @@
-//! `qatc train`: runs the compiled training step (on the reference interpreter for now).
+//! `qatc train`: runs the compiled training step (LLVM-compiled kernels on the CPU; the reference
+//! interpreter with `--interpreter` or without LLVM).
 //!
 //! Data order is llm.c's by default: optimizer step s consumes micro-batches s*K .. s*K+K-1
 //! (wrapping at the end of the data); `--shuffle --seed N` permutes the batches every epoch. The
@@ -17,6 +18,7 @@ use super::StepArgs;
 use crate::artifacts::{write_atomic, OutDir};
 use crate::data::TokenFile;
 use crate::model::Model;
+use crate::runner::Device;
 use crate::schedule::{DataOrder, LrSchedule};
 pub use crate::trainer::{weights_safetensors, Trainer};
 
@@ -71,6 +73,13 @@ pub struct Args {
     /// Continue the run whose OUT this is, from its last saved step.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Where the step runs: auto (a CUDA GPU when qatc can use one, else the CPU), cpu, cuda.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    /// Run the step on the reference interpreter instead of the compiled kernels (slow; the
+    /// numerical oracle).
+    #[arg(long)]
+    pub interpreter: bool,
 }
 
 /// One logged step.
@@ -148,6 +157,10 @@ fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize) -> anyhow::R
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let sched = check(a)?;
+    let (engine, notice) = crate::runner::resolve(a.device, a.interpreter)?;
+    if let Some(n) = notice {
+        eprintln!("qatc: {n}");
+    }
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options()?;
@@ -178,7 +191,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
-    let mut tr = Trainer::new(&m, opts, init.as_ref(), a.step.seed)?;
+    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), a.step.seed, engine)?;
+    eprintln!("qatc: the step runs {}", tr.describe());
     let start = match &resume {
         Some((step, state)) => {
             tr.load_state(state)?;

@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+pub mod ops;
+
 use qatc_ir::{DType, Graph, InputKind, NodeId, Op};
 use qatc_runtime::{Float, Interpreter, RuntimeError, Value};
 

@@ -1,0 +1,420 @@
+//! `Body::Loops` kernels: the outer space is a counted loop over `start..end`; statements and
+//! scalar expressions follow the kernel IR's semantics (module docs of `kir`). Row mappings are
+//! GPU hints: on the CPU every row is a plain loop nest.
+
+use std::collections::HashMap;
+
+use inkwell::values::{BasicValue, BasicValueEnum, FloatValue, IntValue};
+use inkwell::{FloatPredicate, IntPredicate};
+
+use super::fb::{Fb, R};
+use super::math;
+use crate::error::KernelError;
+use crate::kir::{BinOp, Expr, Intrinsic, Ix, ReduceOp, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
+
+/// `reassoc` and `nsz`: a `Reduce` `Sum` may fold in any order (`kir`), so LLVM may vectorize it.
+const REDUCE_FMF: u32 = 1 | 8;
+
+pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
+    let it = f.index_ty();
+    let start = f.b.build_int_truncate_or_bit_cast(f.start, it, "start")?;
+    let end = f.b.build_int_truncate_or_bit_cast(f.end, it, "end")?;
+    let mut em = Em { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new() };
+    f.for_range(start, end, &mut |f, idx| {
+        match space {
+            Space::Elements { shape } => {
+                em.ix.insert(Ix::Elem, idx);
+                let strides = crate::index::strides(shape);
+                for (d, (&dim, &st)) in shape.iter().zip(&strides).enumerate() {
+                    if f.k.uses_ix(Ix::Coord(d as u8)) {
+                        let mut c = idx;
+                        if st != 1 {
+                            c = f.b.build_int_unsigned_div(c, it.const_int(st as u64, false), "c")?;
+                        }
+                        if d != 0 {
+                            c = f.b.build_int_unsigned_rem(c, it.const_int(dim as u64, false), "c")?;
+                        }
+                        em.ix.insert(Ix::Coord(d as u8), c);
+                    }
+                }
+            }
+            Space::Rows { .. } => {
+                em.ix.insert(Ix::Row, idx);
+            }
+        }
+        em.stmts(f, stmts)
+    })
+}
+
+/// Emission state: index variables and let-bound values in scope.
+struct Em<'ctx> {
+    env: TypeEnv,
+    ix: HashMap<Ix, IntValue<'ctx>>,
+    vars: HashMap<VarId, BasicValueEnum<'ctx>>,
+}
+
+fn is_float(t: Ty) -> bool {
+    matches!(t, Ty::F32 | Ty::F64)
+}
+
+/// The type two operands meet in: an integer literal takes the other side's type.
+fn join(a: Ty, b: Ty) -> Ty {
+    match (a, b) {
+        (Ty::F64, _) | (_, Ty::F64) => Ty::F64,
+        (Ty::F32, _) | (_, Ty::F32) => Ty::F32,
+        (Ty::I64, _) | (_, Ty::I64) => Ty::I64,
+        (Ty::Bool, Ty::Bool) => Ty::Bool,
+        _ => Ty::I32,
+    }
+}
+
+/// Cheap and unable to fault: both arms of a select may be evaluated.
+fn speculatable(e: &Expr) -> bool {
+    let mut ok = true;
+    e.visit(&mut |x| {
+        if matches!(x, Expr::Load { .. } | Expr::Call(..) | Expr::Bin(BinOp::Rem, ..) | Expr::Un(UnOp::Tanh | UnOp::Gelu, _)) {
+            ok = false;
+        }
+        if let Expr::Bin(BinOp::Div | BinOp::GeluGrad | BinOp::Pow, ..) = x {
+            ok = false;
+        }
+    });
+    ok
+}
+
+impl<'ctx> Em<'ctx> {
+    fn stmts(&mut self, f: &mut Fb<'_, 'ctx>, stmts: &[Stmt]) -> R<()> {
+        for s in stmts {
+            self.stmt(f, s)?;
+        }
+        Ok(())
+    }
+
+    fn stmt(&mut self, f: &mut Fb<'_, 'ctx>, s: &Stmt) -> R<()> {
+        match s {
+            Stmt::Let { var, ty, value } => {
+                let v = self.typed(f, value, *ty)?;
+                self.vars.insert(*var, v);
+            }
+            Stmt::Store { param, index, value } => {
+                let i = self.index(f, index)?;
+                let want = if f.k.params.get(*param).is_some_and(|p| p.dtype.is_float()) { Ty::F32 } else { Ty::I32 };
+                let v = self.typed(f, value, want)?;
+                f.store(*param, i, v)?;
+            }
+            Stmt::AtomicAdd { param, index, value } => {
+                if f.k.params.get(*param).map(|p| p.dtype) != Some(qatc_ir::DType::F32) {
+                    return Err(KernelError::Internal(format!("{}: atomic add into a non-f32 param", f.name)));
+                }
+                let i = self.index(f, index)?;
+                let v = self.typed(f, value, Ty::F32)?.into_float_value();
+                f.atomic_add(*param, i, v)?;
+            }
+            Stmt::ForEach { lp, body } => {
+                let n = self.index(f, &lp.extent)?;
+                let zero = n.get_type().const_int(0, false);
+                f.for_range(zero, n, &mut |f, j| {
+                    self.ix.insert(Ix::Loop(lp.var), j);
+                    self.stmts(f, body)
+                })?;
+            }
+            Stmt::Reduce { var, op, ty, lp, body, value } => {
+                if !is_float(*ty) {
+                    return Err(KernelError::Internal(format!("{}: reduction over {ty:?}", f.name)));
+                }
+                let fty = f.llty(*ty).into_float_type();
+                let acc = f.alloca(fty.into(), 1, "acc")?;
+                let init = match op {
+                    ReduceOp::Sum | ReduceOp::FirstAbsMax => 0.0,
+                    ReduceOp::Max => f64::NEG_INFINITY,
+                };
+                f.b.build_store(acc, fty.const_float(init))?;
+                let n = self.index(f, &lp.extent)?;
+                let zero = n.get_type().const_int(0, false);
+                f.for_range(zero, n, &mut |f, j| {
+                    self.ix.insert(Ix::Loop(lp.var), j);
+                    self.stmts(f, body)?;
+                    let x = self.typed(f, value, *ty)?.into_float_value();
+                    let a = f.b.build_load(fty, acc, "a")?.into_float_value();
+                    let next = match op {
+                        ReduceOp::Sum => {
+                            let s = f.b.build_float_add(a, x, "sum")?;
+                            if let Some(ins) = s.as_instruction_value() {
+                                ins.set_fast_math_flags(REDUCE_FMF);
+                            }
+                            s
+                        }
+                        // NaN-ignoring, as `if x > max` scans and fmaxf
+                        ReduceOp::Max => f.intrinsic("llvm.maxnum", &[a, x])?,
+                        ReduceOp::FirstAbsMax => {
+                            let (ax, aa) = (f.intrinsic("llvm.fabs", &[x])?, f.intrinsic("llvm.fabs", &[a])?);
+                            let bigger = f.b.build_float_compare(FloatPredicate::OGT, ax, aa, "bigger")?;
+                            f.b.build_select(bigger, x, a, "fam")?.into_float_value()
+                        }
+                    };
+                    f.b.build_store(acc, next)?;
+                    Ok(())
+                })?;
+                let v = f.b.build_load(fty, acc, "reduced")?;
+                self.vars.insert(*var, v);
+            }
+        }
+        Ok(())
+    }
+
+    fn ty(&self, f: &Fb, e: &Expr) -> Ty {
+        self.env.ty(f.k, e)
+    }
+
+    /// `e` converted to the index type.
+    fn index(&mut self, f: &mut Fb<'_, 'ctx>, e: &Expr) -> R<IntValue<'ctx>> {
+        let t = f.k.index_ty;
+        Ok(self.typed(f, e, t)?.into_int_value())
+    }
+
+    /// `e` evaluated and converted to `want`.
+    fn typed(&mut self, f: &mut Fb<'_, 'ctx>, e: &Expr, want: Ty) -> R<BasicValueEnum<'ctx>> {
+        let (v, t) = self.expr(f, e, Some(want))?;
+        convert(f, v, t, want)
+    }
+
+    /// The value of `e` and its type; `hint` types integer literals.
+    fn expr(&mut self, f: &mut Fb<'_, 'ctx>, e: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
+        Ok(match e {
+            Expr::Float(v, t) => (f.llty(*t).into_float_type().const_float(*v).into(), *t),
+            Expr::Int(i) => {
+                let t = hint.unwrap_or(f.k.index_ty);
+                let v: BasicValueEnum = match t {
+                    Ty::F32 | Ty::F64 => f.llty(t).into_float_type().const_float(*i as f64).into(),
+                    Ty::Bool => f.cx.bool_type().const_int(u64::from(*i != 0), false).into(),
+                    _ => f.llty(t).into_int_type().const_int(*i as u64, true).into(),
+                };
+                (v, t)
+            }
+            Expr::Bool(b) => (f.cx.bool_type().const_int(u64::from(*b), false).into(), Ty::Bool),
+            Expr::Ix(ix) => {
+                let v = self.ix.get(ix).copied().ok_or_else(|| KernelError::Internal(format!("{}: {ix:?} used outside its loop", f.name)))?;
+                (v.into(), f.k.index_ty)
+            }
+            Expr::Var(v) => {
+                let val = self.vars.get(v).copied().ok_or_else(|| KernelError::Internal(format!("{}: v{v} used before its definition", f.name)))?;
+                (val, self.ty(f, e))
+            }
+            Expr::Load { param, index } => {
+                let i = self.index(f, index)?;
+                (f.load(*param, i)?, self.ty(f, e))
+            }
+            Expr::Un(op, a) => self.unary(f, *op, a, hint)?,
+            Expr::Bin(op, a, b) => self.binary(f, *op, a, b, hint)?,
+            Expr::Select(c, a, b) => {
+                let t = self.meet(f, a, b, hint);
+                let cond = self.typed(f, c, Ty::Bool)?.into_int_value();
+                if speculatable(a) && speculatable(b) {
+                    let (va, vb) = (self.typed(f, a, t)?, self.typed(f, b, t)?);
+                    (f.b.build_select(cond, va, vb, "sel")?, t)
+                } else {
+                    let (yes, no, join_bb) = (f.cx.append_basic_block(f.f, "sel.a"), f.cx.append_basic_block(f.f, "sel.b"), f.cx.append_basic_block(f.f, "sel"));
+                    f.b.build_conditional_branch(cond, yes, no)?;
+                    f.b.position_at_end(yes);
+                    let va = self.typed(f, a, t)?;
+                    let end_a = f.b.get_insert_block().ok_or_else(|| KernelError::Internal("no block".into()))?;
+                    f.b.build_unconditional_branch(join_bb)?;
+                    f.b.position_at_end(no);
+                    let vb = self.typed(f, b, t)?;
+                    let end_b = f.b.get_insert_block().ok_or_else(|| KernelError::Internal("no block".into()))?;
+                    f.b.build_unconditional_branch(join_bb)?;
+                    f.b.position_at_end(join_bb);
+                    let phi = f.b.build_phi(f.llty(t), "sel")?;
+                    phi.add_incoming(&[(&va as &dyn BasicValue, end_a), (&vb as &dyn BasicValue, end_b)]);
+                    (phi.as_basic_value(), t)
+                }
+            }
+            Expr::Cast(t, a) => {
+                let from = if matches!(**a, Expr::Int(_)) { *t } else { self.ty(f, a) };
+                let (v, from) = self.expr(f, a, Some(from))?;
+                (cast(f, v, from, *t)?, *t)
+            }
+            Expr::Call(i, args) => self.call(f, *i, args)?,
+        })
+    }
+
+    /// The type both operands are computed in.
+    fn meet(&self, f: &Fb, a: &Expr, b: &Expr, hint: Option<Ty>) -> Ty {
+        match (matches!(a, Expr::Int(_)), matches!(b, Expr::Int(_))) {
+            (true, true) => hint.unwrap_or(f.k.index_ty),
+            (true, false) => self.ty(f, b),
+            (false, true) => self.ty(f, a),
+            (false, false) => join(self.ty(f, a), self.ty(f, b)),
+        }
+    }
+
+    fn unary(&mut self, f: &mut Fb<'_, 'ctx>, op: UnOp, a: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
+        if op == UnOp::Not {
+            let v = self.typed(f, a, Ty::Bool)?.into_int_value();
+            return Ok((f.b.build_not(v, "not")?.into(), Ty::Bool));
+        }
+        let t = if matches!(a, Expr::Int(_)) { hint.unwrap_or(Ty::F32) } else { self.ty(f, a) };
+        if !is_float(t) {
+            let v = self.typed(f, a, t)?.into_int_value();
+            return match op {
+                UnOp::Neg => Ok((f.b.build_int_neg(v, "neg")?.into(), t)),
+                UnOp::Abs => {
+                    let neg = f.b.build_int_neg(v, "neg")?;
+                    let lt = f.b.build_int_compare(IntPredicate::SLT, v, v.get_type().const_int(0, false), "lt")?;
+                    Ok((f.b.build_select(lt, neg, v, "abs")?, t))
+                }
+                _ => Err(KernelError::Internal(format!("{}: {op:?} of an integer", f.name))),
+            };
+        }
+        let x = self.typed(f, a, t)?.into_float_value();
+        let single = t == Ty::F32;
+        let one = x.get_type().const_float(1.0);
+        let v: FloatValue = match op {
+            UnOp::Neg => f.b.build_float_neg(x, "neg")?,
+            UnOp::Exp if single => math::exp_f32(f, x)?,
+            UnOp::Exp => f.libm("exp", &[x])?,
+            UnOp::Log => f.libm(if single { "logf" } else { "log" }, &[x])?,
+            UnOp::Sqrt => f.intrinsic("llvm.sqrt", &[x])?,
+            UnOp::Rsqrt => f.b.build_float_div(one, f.intrinsic("llvm.sqrt", &[x])?, "rsqrt")?,
+            UnOp::Recip => f.b.build_float_div(one, x, "recip")?,
+            UnOp::Tanh => f.libm(if single { "tanhf" } else { "tanh" }, &[x])?,
+            UnOp::Abs => f.intrinsic("llvm.fabs", &[x])?,
+            UnOp::Gelu => math::gelu(f, self.to_f32(f, x)?)?,
+            UnOp::RoundEven => f.intrinsic("llvm.roundeven", &[x])?,
+            UnOp::Trunc => f.intrinsic("llvm.trunc", &[x])?,
+            UnOp::RoundF16 => math::round_f16(f, self.to_f32(f, x)?)?,
+            UnOp::RoundBf16 => math::round_bf16(f, self.to_f32(f, x)?)?,
+            UnOp::Not => return Err(KernelError::Internal("unreachable".into())),
+        };
+        let t = if matches!(op, UnOp::Gelu | UnOp::RoundF16 | UnOp::RoundBf16) { Ty::F32 } else { t };
+        Ok((v.into(), t))
+    }
+
+    fn to_f32(&self, f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+        Ok(if x.get_type() == f.f32t() { x } else { f.b.build_float_trunc(x, f.f32t(), "f")? })
+    }
+
+    fn binary(&mut self, f: &mut Fb<'_, 'ctx>, op: BinOp, a: &Expr, b: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
+        if op == BinOp::And {
+            let (x, y) = (self.typed(f, a, Ty::Bool)?.into_int_value(), self.typed(f, b, Ty::Bool)?.into_int_value());
+            return Ok((f.b.build_and(x, y, "and")?.into(), Ty::Bool));
+        }
+        let t = self.meet(f, a, b, if op.is_compare() { None } else { hint });
+        let t = if matches!(op, BinOp::GeluGrad) { Ty::F32 } else { t };
+        let (x, y) = (self.typed(f, a, t)?, self.typed(f, b, t)?);
+        let bld = &f.b;
+        if is_float(t) {
+            let (x, y) = (x.into_float_value(), y.into_float_value());
+            let cmp = |p| -> R<(BasicValueEnum<'ctx>, Ty)> { Ok((bld.build_float_compare(p, x, y, "cmp")?.into(), Ty::Bool)) };
+            let v: FloatValue = match op {
+                BinOp::Add => bld.build_float_add(x, y, "add")?,
+                BinOp::Sub => bld.build_float_sub(x, y, "sub")?,
+                BinOp::Mul => bld.build_float_mul(x, y, "mul")?,
+                BinOp::Div => bld.build_float_div(x, y, "div")?,
+                BinOp::Rem => bld.build_float_rem(x, y, "rem")?,
+                BinOp::Max => math::max_min_nan(f, x, y, true)?,
+                BinOp::Min => math::max_min_nan(f, x, y, false)?,
+                BinOp::GeluGrad => math::gelu_grad(f, x, y)?,
+                BinOp::Pow => f.libm(if t == Ty::F32 { "powf" } else { "pow" }, &[x, y])?,
+                BinOp::Lt => return cmp(FloatPredicate::OLT),
+                BinOp::Le => return cmp(FloatPredicate::OLE),
+                BinOp::Eq => return cmp(FloatPredicate::OEQ),
+                // C's != is true for NaN
+                BinOp::Ne => return cmp(FloatPredicate::UNE),
+                BinOp::And => return Err(KernelError::Internal("unreachable".into())),
+            };
+            Ok((v.into(), t))
+        } else {
+            let (x, y) = (x.into_int_value(), y.into_int_value());
+            let cmp = |p| -> R<(BasicValueEnum<'ctx>, Ty)> { Ok((bld.build_int_compare(p, x, y, "cmp")?.into(), Ty::Bool)) };
+            let v: IntValue = match op {
+                BinOp::Add => bld.build_int_add(x, y, "add")?,
+                BinOp::Sub => bld.build_int_sub(x, y, "sub")?,
+                BinOp::Mul => bld.build_int_mul(x, y, "mul")?,
+                BinOp::Div => bld.build_int_signed_div(x, y, "div")?,
+                BinOp::Rem => bld.build_int_signed_rem(x, y, "rem")?,
+                BinOp::Max => bld.build_select(bld.build_int_compare(IntPredicate::SGE, x, y, "ge")?, x, y, "max")?.into_int_value(),
+                BinOp::Min => bld.build_select(bld.build_int_compare(IntPredicate::SLE, x, y, "le")?, x, y, "min")?.into_int_value(),
+                BinOp::Lt => return cmp(IntPredicate::SLT),
+                BinOp::Le => return cmp(IntPredicate::SLE),
+                BinOp::Eq => return cmp(IntPredicate::EQ),
+                BinOp::Ne => return cmp(IntPredicate::NE),
+                BinOp::GeluGrad | BinOp::Pow | BinOp::And => return Err(KernelError::Internal(format!("{}: {op:?} on integers", f.name))),
+            };
+            Ok((v.into(), t))
+        }
+    }
+
+    fn call(&mut self, f: &mut Fb<'_, 'ctx>, i: Intrinsic, args: &[Expr]) -> R<(BasicValueEnum<'ctx>, Ty)> {
+        let name = f.name.clone();
+        let arg = |n: usize| args.get(n).ok_or_else(|| KernelError::Internal(format!("{name}: {i:?} is missing operand {n}")));
+        Ok(match i {
+            Intrinsic::DropoutKeep { stream } => {
+                let seed = self.typed(f, arg(0)?, Ty::I32)?.into_int_value();
+                let idx = self.typed(f, arg(1)?, Ty::I64)?.into_int_value();
+                let p = self.typed(f, arg(2)?, Ty::F64)?.into_float_value();
+                (math::dropout_keep(f, seed, stream, idx, p)?.into(), Ty::Bool)
+            }
+            Intrinsic::Nf4Value => {
+                let c = self.typed(f, arg(0)?, Ty::I32)?.into_int_value();
+                (math::nf4_value(f, c)?.into(), Ty::F32)
+            }
+            Intrinsic::Nf4Nearest => {
+                let x = self.typed(f, arg(0)?, Ty::F32)?.into_float_value();
+                (math::nf4_nearest(f, x)?.into(), Ty::I32)
+            }
+            Intrinsic::F16Round => {
+                let x = self.typed(f, arg(0)?, Ty::F32)?.into_float_value();
+                (math::round_f16(f, x)?.into(), Ty::F32)
+            }
+        })
+    }
+}
+
+/// Implicit conversion between operand types (C's usual conversions).
+fn convert<'ctx>(f: &Fb<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
+    if from == to {
+        return Ok(v);
+    }
+    let b = &f.b;
+    Ok(match (from, to) {
+        (Ty::Bool, Ty::I32 | Ty::I64) => b.build_int_z_extend(v.into_int_value(), f.llty(to).into_int_type(), "z")?.into(),
+        (Ty::Bool, Ty::F32 | Ty::F64) => b.build_unsigned_int_to_float(v.into_int_value(), f.llty(to).into_float_type(), "f")?.into(),
+        (Ty::I32 | Ty::I64, Ty::Bool) => {
+            let x = v.into_int_value();
+            b.build_int_compare(IntPredicate::NE, x, x.get_type().const_int(0, false), "nz")?.into()
+        }
+        (Ty::F32 | Ty::F64, Ty::Bool) => {
+            let x = v.into_float_value();
+            b.build_float_compare(FloatPredicate::UNE, x, x.get_type().const_float(0.0), "nz")?.into()
+        }
+        (Ty::I32, Ty::I64) => b.build_int_s_extend(v.into_int_value(), f.cx.i64_type(), "s")?.into(),
+        (Ty::I64, Ty::I32) => b.build_int_truncate(v.into_int_value(), f.cx.i32_type(), "t")?.into(),
+        (Ty::I32 | Ty::I64, Ty::F32 | Ty::F64) => b.build_signed_int_to_float(v.into_int_value(), f.llty(to).into_float_type(), "f")?.into(),
+        (Ty::F32, Ty::F64) => b.build_float_ext(v.into_float_value(), f.cx.f64_type(), "d")?.into(),
+        (Ty::F64, Ty::F32) => b.build_float_trunc(v.into_float_value(), f.f32t(), "f")?.into(),
+        (Ty::F32 | Ty::F64, Ty::I32 | Ty::I64) => cast(f, v, from, to)?,
+        _ => v,
+    })
+}
+
+/// `Expr::Cast`: float to integer truncates toward zero, saturates, and maps NaN to 0 (through
+/// f32, as the CUDA backend's `f2i_sat`); everything else as [`convert`].
+fn cast<'ctx>(f: &Fb<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
+    match (from, to) {
+        (Ty::F32 | Ty::F64, Ty::I32 | Ty::I64) => {
+            let x = v.into_float_value();
+            let x = if from == Ty::F64 { f.b.build_float_trunc(x, f.f32t(), "f")? } else { x };
+            let it = f.llty(to).into_int_type();
+            let name = format!("llvm.fptosi.sat.{}.f32", if to == Ty::I64 { "i64" } else { "i32" });
+            let decl = inkwell::intrinsics::Intrinsic::find("llvm.fptosi.sat")
+                .and_then(|i| i.get_declaration(f.m, &[it.into(), f.f32t().into()]))
+                .ok_or_else(|| KernelError::Internal(format!("no intrinsic {name}")))?;
+            match f.b.build_call(decl, &[x.into()], "sat")?.try_as_basic_value() {
+                inkwell::values::ValueKind::Basic(v) => Ok(v),
+                inkwell::values::ValueKind::Instruction(_) => Err(KernelError::Internal(format!("{name} returned nothing"))),
+            }
+        }
+        _ => convert(f, v, from, to),
+    }
+}

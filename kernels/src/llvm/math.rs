@@ -1,0 +1,189 @@
+//! Scalar helpers with the semantics of `cuda/include/*.cuh` and `runtime/src/quant.rs`, written
+//! as LLVM IR: exp, GELU and its gradient, NaN-propagating max/min, f16/bf16 rounding, the
+//! dropout hash and NF4.
+
+use inkwell::module::Linkage;
+use inkwell::values::{FloatValue, IntValue};
+use inkwell::FloatPredicate;
+
+use super::fb::{Fb, R};
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044715;
+
+/// QLoRA's NormalFloat4 code values (`quant::NF4`, the same literals).
+const NF4: [f32; 16] = [
+    -1.0,
+    -0.696_192_800_998_687_7,
+    -0.525_073_051_452_636_7,
+    -0.394_917_488_098_144_53,
+    -0.284_441_381_692_886_35,
+    -0.184_773_430_228_233_34,
+    -0.091_050_036_251_544_95,
+    0.0,
+    0.079_580_299_556_255_34,
+    0.160_930_201_411_247_25,
+    0.246_112_301_945_686_34,
+    0.337_915_241_718_292_24,
+    0.440_709_829_330_444_34,
+    0.562_617_003_917_694_1,
+    0.722_956_836_223_602_3,
+    1.0,
+];
+
+/// e^x in f32: Cephes' range reduction (x = n ln2 + r, |r| <= ln2/2) and degree-6 polynomial,
+/// scaled by 2^n in two halves so that neither factor leaves the normal range. Within 2 ulp of
+/// libm's expf, and unlike a libm call it vectorizes. exp(-inf) = 0, exp(+inf) = inf, NaN stays.
+pub fn exp_f32<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let b = &f.b;
+    let c = |v: f64| f.f32c(v);
+    let xc = f.intrinsic("llvm.maxnum", &[x, c(-104.0)])?;
+    let xc = f.intrinsic("llvm.minnum", &[xc, c(89.0)])?;
+    let n = f.intrinsic("llvm.roundeven", &[b.build_float_mul(xc, c(std::f64::consts::LOG2_E), "t")?])?;
+    // ln 2 split in two so that n * C1 is exact
+    let r = b.build_float_sub(xc, b.build_float_mul(n, c(0.693_359_375), "hi")?, "r")?;
+    let r = b.build_float_sub(r, b.build_float_mul(n, c(-2.121_944_4e-4), "lo")?, "r")?;
+    let coef = [1.987_569_15e-4, 1.398_199_950_7e-3, 8.333_451_907_3e-3, 4.166_579_589_4e-2, 1.666_666_545_9e-1, 5.000_000_120_1e-1];
+    let mut p = c(coef[0]);
+    for &k in &coef[1..] {
+        p = b.build_float_add(b.build_float_mul(p, r, "p")?, c(k), "p")?;
+    }
+    let z = b.build_float_mul(r, r, "z")?;
+    let y = b.build_float_add(b.build_float_add(b.build_float_mul(p, z, "y")?, r, "y")?, c(1.0), "y")?;
+    let i32t = f.cx.i32_type();
+    let ni = b.build_float_to_signed_int(n, i32t, "n")?;
+    let n1 = b.build_right_shift(ni, i32t.const_int(1, false), true, "n1")?;
+    let n2 = b.build_int_sub(ni, n1, "n2")?;
+    let pow2 = |e: IntValue<'ctx>| -> R<FloatValue<'ctx>> {
+        let bits = b.build_left_shift(b.build_int_add(e, i32t.const_int(127, false), "e")?, i32t.const_int(23, false), "bits")?;
+        Ok(b.build_bit_cast(bits, f.f32t(), "pow2")?.into_float_value())
+    };
+    let y = b.build_float_mul(b.build_float_mul(y, pow2(n1)?, "y")?, pow2(n2)?, "y")?;
+    Ok(b.build_select(f.is_nan(x)?, x, y, "exp")?.into_float_value())
+}
+
+/// GPT-2's gelu_new, operation for operation as the interpreter: 0.5 x (1 + tanh(k (x + c x^3))).
+pub fn gelu<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let b = &f.b;
+    let t = tanh_arg(f, x)?;
+    let half_x = b.build_float_mul(f.f32c(0.5), x, "hx")?;
+    Ok(b.build_float_mul(half_x, b.build_float_add(f.f32c(1.0), t, "1t")?, "gelu")?)
+}
+
+/// tanh(k (x + c x x x)), the factor both GELU and its gradient share.
+fn tanh_arg<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let b = &f.b;
+    let cube = b.build_float_mul(b.build_float_mul(b.build_float_mul(f.f32c(GELU_C), x, "c")?, x, "c")?, x, "c")?;
+    let u = b.build_float_mul(f.f32c(SQRT_2_OVER_PI), b.build_float_add(x, cube, "u")?, "u")?;
+    f.libm("tanhf", &[u])
+}
+
+/// dy * gelu'(x) = dy (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2)).
+pub fn gelu_grad<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>, dy: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let b = &f.b;
+    let c = |v: f64| f.f32c(v);
+    let t = tanh_arg(f, x)?;
+    let a = b.build_float_mul(c(0.5), b.build_float_add(c(1.0), t, "a")?, "a")?;
+    let one_m = b.build_float_sub(c(1.0), b.build_float_mul(t, t, "tt")?, "omt")?;
+    let s = b.build_float_mul(b.build_float_mul(c(0.5), x, "s")?, one_m, "s")?;
+    let s = b.build_float_mul(s, c(SQRT_2_OVER_PI), "s")?;
+    let poly = b.build_float_mul(b.build_float_mul(c(3.0 * GELU_C as f32 as f64), x, "q")?, x, "q")?;
+    let s = b.build_float_mul(s, b.build_float_add(c(1.0), poly, "q")?, "s")?;
+    Ok(b.build_float_mul(dy, b.build_float_add(a, s, "d")?, "dgelu")?)
+}
+
+/// torch.maximum / torch.minimum: NaN if either is NaN, else the larger (smaller), `a` on ties.
+pub fn max_min_nan<'ctx>(f: &Fb<'_, 'ctx>, a: FloatValue<'ctx>, b_: FloatValue<'ctx>, max: bool) -> R<FloatValue<'ctx>> {
+    let b = &f.b;
+    let pred = if max { FloatPredicate::OGE } else { FloatPredicate::OLE };
+    let pick = b.build_select(b.build_float_compare(pred, a, b_, "ge")?, a, b_, "m")?.into_float_value();
+    let pick = b.build_select(f.is_nan(b_)?, b_, pick, "m")?.into_float_value();
+    Ok(b.build_select(f.is_nan(a)?, a, pick, "m")?.into_float_value())
+}
+
+/// x rounded to the nearest f16 (ties to even) and back.
+pub fn round_f16<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let h = f.b.build_float_trunc(x, f.cx.f16_type(), "h")?;
+    Ok(f.b.build_float_ext(h, f.f32t(), "x")?)
+}
+
+/// The bf16 bits of x, rounded to nearest even; NaN stays a quiet NaN.
+pub fn f32_to_bf16_bits<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
+    let b = &f.b;
+    let i32t = f.cx.i32_type();
+    let k = |v: u64| i32t.const_int(v, false);
+    let u = b.build_bit_cast(x, i32t, "u")?.into_int_value();
+    let nan = b.build_int_compare(inkwell::IntPredicate::UGT, b.build_and(u, k(0x7fff_ffff), "abs")?, k(0x7f80_0000), "nan")?;
+    let hi = b.build_right_shift(u, k(16), false, "hi")?;
+    let lsb = b.build_and(hi, k(1), "lsb")?;
+    let r = b.build_int_add(b.build_int_add(u, k(0x7fff), "r")?, lsb, "r")?;
+    let r = b.build_right_shift(r, k(16), false, "r")?;
+    let q = b.build_or(hi, k(0x40), "q")?;
+    let v = b.build_select(nan, q, r, "bits")?.into_int_value();
+    Ok(b.build_int_truncate(v, f.cx.i16_type(), "bf16")?)
+}
+
+pub fn round_bf16<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let b = &f.b;
+    let i32t = f.cx.i32_type();
+    let bits = b.build_int_z_extend(f32_to_bf16_bits(f, x)?, i32t, "w")?;
+    let bits = b.build_left_shift(bits, i32t.const_int(16, false), "w")?;
+    Ok(b.build_bit_cast(bits, f.f32t(), "x")?.into_float_value())
+}
+
+/// `quant::dropout_keep`: splitmix64's finalizer of (seed, stream, i); keep when the top 24 bits
+/// as a uniform in [0, 1) are >= p (in f64).
+pub fn dropout_keep<'ctx>(f: &Fb<'_, 'ctx>, seed: IntValue<'ctx>, stream: u64, i: IntValue<'ctx>, p: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
+    let b = &f.b;
+    let i64t = f.cx.i64_type();
+    let k = |v: u64| i64t.const_int(v, false);
+    let seed = b.build_int_z_extend_or_bit_cast(b.build_int_truncate_or_bit_cast(seed, f.cx.i32_type(), "s")?, i64t, "s")?;
+    let i = b.build_int_z_extend_or_bit_cast(i, i64t, "i")?;
+    let z = b.build_xor(seed, k(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15)), "z")?;
+    let z = b.build_xor(z, b.build_int_mul(i, k(0xD1B5_4A32_D192_ED03), "zi")?, "z")?;
+    let mix = |z: IntValue<'ctx>, sh: u64, m: u64| -> R<IntValue<'ctx>> {
+        Ok(b.build_int_mul(b.build_xor(z, b.build_right_shift(z, k(sh), false, "z")?, "z")?, k(m), "z")?)
+    };
+    let z = mix(z, 30, 0xBF58_476D_1CE4_E5B9)?;
+    let z = mix(z, 27, 0x94D0_49BB_1331_11EB)?;
+    let z = b.build_xor(z, b.build_right_shift(z, k(31), false, "z")?, "z")?;
+    let top = b.build_right_shift(z, k(40), false, "top")?;
+    let u = b.build_unsigned_int_to_float(top, f.cx.f64_type(), "u")?;
+    let u = b.build_float_div(u, f.cx.f64_type().const_float(16_777_216.0), "u")?;
+    let p = if p.get_type() == f.cx.f64_type() { p } else { b.build_float_ext(p, f.cx.f64_type(), "p")? };
+    Ok(b.build_float_compare(FloatPredicate::OGE, u, p, "keep")?)
+}
+
+/// NF4[code & 15], from a constant table in the module.
+pub fn nf4_value<'ctx>(f: &Fb<'_, 'ctx>, code: IntValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let g = match f.m.get_global("qatc.nf4") {
+        Some(g) => g,
+        None => {
+            let ty = f.f32t().array_type(16);
+            let g = f.m.add_global(ty, None, "qatc.nf4");
+            let vals: Vec<FloatValue> = NF4.iter().map(|&v| f.f32c(v as f64)).collect();
+            g.set_initializer(&f.f32t().const_array(&vals));
+            g.set_constant(true);
+            g.set_linkage(Linkage::Private);
+            g
+        }
+    };
+    let i = f.b.build_and(code, code.get_type().const_int(15, false), "c")?;
+    f.load_f32(g.as_pointer_value(), i)
+}
+
+/// The nearest NF4 code to x, the first on ties (a chain of 15 compares, as `quant`'s scan).
+pub fn nf4_nearest<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
+    let b = &f.b;
+    let i32t = f.cx.i32_type();
+    let dist = |v: FloatValue<'ctx>| -> R<FloatValue<'ctx>> { f.intrinsic("llvm.fabs", &[b.build_float_sub(x, v, "d")?]) };
+    let mut best = i32t.const_int(0, false);
+    let mut best_v = f.f32c(NF4[0] as f64);
+    for (k, &v) in NF4.iter().enumerate().skip(1) {
+        let vk = f.f32c(v as f64);
+        let closer = b.build_float_compare(FloatPredicate::OLT, dist(vk)?, dist(best_v)?, "closer")?;
+        best = b.build_select(closer, i32t.const_int(k as u64, false), best, "best")?.into_int_value();
+        best_v = b.build_select(closer, vk, best_v, "bv")?.into_float_value();
+    }
+    Ok(best)
+}

@@ -1,0 +1,65 @@
+//! The CPU backend: kernel IR -> LLVM IR (inkwell, LLVM 19) -> host machine code.
+//!
+//! Every kernel becomes one module with one exported function
+//!
+//! ```text
+//! void fused_{family}_{hash8}(ptr %args, i64 %start, i64 %end)
+//! ```
+//!
+//! that runs iterations `start..end` of the kernel's outer space ([`crate::kir::iterations`]):
+//! elements of an `Elements` space, rows of a `Rows` space, (b, h, row) programs of attention.
+//! `args[p]` is the base address of parameter p's buffer. The runtime splits `0..iterations`
+//! across threads; disjoint ranges write disjoint memory (i4 stores share a byte between
+//! neighbouring elements, so ranges start at even elements), and `AtomicAdd` is a compare-and-swap
+//! loop. The name is the CUDA kernel's (`fused_{family}_{hash8}`): one kernel, one name, on
+//! both targets.
+//!
+//! The exported function loads the parameter pointers and calls `NAME.body`, whose pointer
+//! parameters are `noalias` (a launch never passes one buffer twice; the runtime checks), so
+//! LLVM may vectorize elementwise loops. Floating point is strict except where the kernel IR
+//! allows otherwise: the adds of a `Reduce` `Sum` carry `reassoc` (the IR lets a backend fold in
+//! any order), which lets LLVM vectorize row reductions. `exp` is an inline, vectorizable
+//! polynomial within 2 ulp of libm's; tanh, log and pow call libm (through [`jit::EXTERNS`]).
+
+mod attention;
+mod fb;
+mod jit;
+mod loops;
+mod math;
+
+use inkwell::context::Context;
+use inkwell::module::Module;
+
+use crate::error::KernelError;
+use crate::kir::{Body, Kernel};
+
+pub use jit::{host_machine, Jit, KernelFn};
+
+/// The kernel's name, shared with the CUDA backend (a content hash of the kernel).
+pub fn kernel_name(k: &Kernel) -> Result<String, KernelError> {
+    Ok(crate::cuda::emit(k)?.name)
+}
+
+/// Builds the (unoptimized) module of one kernel.
+pub(crate) fn module<'ctx>(cx: &'ctx Context, k: &Kernel, name: &str) -> Result<Module<'ctx>, KernelError> {
+    let m = cx.create_module(name);
+    let mut f = fb::Fb::new(cx, &m, k, name)?;
+    match &k.body {
+        Body::Loops { space, stmts } => loops::emit(&mut f, space, stmts)?,
+        Body::Attention(a) => attention::emit(&mut f, a)?,
+    }
+    f.finish()?;
+    m.verify().map_err(|e| KernelError::Llvm { kernel: name.to_string(), message: format!("invalid module: {}", e.to_string()) })?;
+    Ok(m)
+}
+
+/// One kernel as LLVM IR text, optimized for this machine exactly as the JIT compiles it
+/// (`qatc compile --emit-llvm`): (name, text).
+pub fn emit_ir(k: &Kernel) -> Result<(String, String), KernelError> {
+    let name = kernel_name(k)?;
+    let cx = Context::create();
+    let m = module(&cx, k, &name)?;
+    let tm = host_machine()?;
+    jit::optimize(&m, &tm, &name)?;
+    Ok((name, m.print_to_string().to_string()))
+}

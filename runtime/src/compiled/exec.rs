@@ -1,0 +1,285 @@
+//! [`CpuProgram`]: a lowered program's buffers, allocated once, and its steps run in order on
+//! them, kernel launches split over rayon's pool.
+
+use std::collections::HashMap;
+
+use qatc_ir::DType;
+use qatc_kernels::kir::{self, Body, Kernel, Space, Stmt};
+use qatc_kernels::program::{BufKind, Gemm, Program, Step};
+use rayon::prelude::*;
+
+use super::buffers::{check_view, read_view, write_input, Allocation};
+use super::kir_eval::{kernel_name, KirEval};
+use super::{gemm, Launcher};
+use crate::error::RuntimeError;
+use crate::value::Value;
+
+/// Below this much estimated work (iterations times the longest loop) a launch runs on the
+/// calling thread: handing it to the pool costs more.
+const PAR_MIN_WORK: usize = 1 << 14;
+
+/// A launch's buffer addresses, one per kernel param.
+struct RawArgs(Box<[*mut u8]>);
+
+// SAFETY: the pointers address allocations owned by the same CpuProgram, which dereferences them
+// (through its launcher) only inside `execute(&mut self)`: moving or sharing the list between
+// threads gives no access by itself.
+unsafe impl Send for RawArgs {}
+// SAFETY: see Send.
+unsafe impl Sync for RawArgs {}
+
+/// How one Launch step runs.
+struct LaunchPlan {
+    kernel: usize,
+    args: RawArgs,
+    iterations: usize,
+    /// Iterations per parallel chunk (a multiple of `grain`); `iterations` or more: inline.
+    chunk: usize,
+}
+
+enum Plan {
+    Launch(LaunchPlan),
+    Gemm(Box<Gemm>),
+}
+
+/// A lowered program ready to run on the CPU: every buffer allocated once (64-byte aligned,
+/// zeroed), the launches' arguments resolved and checked, kernels run by a [`Launcher`].
+pub struct CpuProgram {
+    prog: Program,
+    launcher: Box<dyn Launcher>,
+    mem: Vec<Allocation>,
+    plans: Vec<Plan>,
+    /// Graph inputs: (name, buffer), in buffer order.
+    inputs: Vec<(String, usize)>,
+    /// Whether each buffer has been given a value (inputs only).
+    given: Vec<bool>,
+    /// Input buffers some step or output reads: a run needs them given.
+    needed: Vec<usize>,
+}
+
+/// The longest loop of a kernel: a rough cost of one iteration.
+fn longest_loop(stmts: &[Stmt]) -> usize {
+    stmts
+        .iter()
+        .map(|s| match s {
+            Stmt::Reduce { lp, body, .. } | Stmt::ForEach { lp, body } => lp.max.max(1) * longest_loop(body).max(1),
+            _ => 1,
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+/// (grain, cost of one iteration). Elements kernels and kernels storing packed i4 split on
+/// multiples of 64 iterations, so two threads never store into the two nibbles of one byte.
+fn shape_of(k: &Kernel) -> (usize, usize) {
+    let packed = k.params.iter().any(|p| p.write && p.dtype == DType::I4);
+    match &k.body {
+        Body::Loops { space: Space::Elements { .. }, .. } => (64, 1),
+        Body::Loops { stmts, .. } => (if packed { 64 } else { 1 }, longest_loop(stmts)),
+        Body::Attention(a) => (1, a.t.max(1) * a.hs.max(1)),
+    }
+}
+
+impl CpuProgram {
+    /// Allocates `prog`'s buffers and checks every step against them (buffer counts, dtypes and
+    /// sizes of kernel params, GEMM views, no step writing a graph input); `launcher` runs its
+    /// kernels.
+    pub fn new(prog: Program, launcher: Box<dyn Launcher>) -> Result<CpuProgram, RuntimeError> {
+        let mut mem = Vec::with_capacity(prog.buffers.len());
+        for b in &prog.buffers {
+            mem.push(Allocation::zeroed(&b.name, b.bytes())?);
+        }
+        let threads = rayon::current_num_threads().max(1);
+        let mut read = vec![false; prog.buffers.len()];
+        let mut plans = Vec::with_capacity(prog.steps.len());
+        for step in &prog.steps {
+            plans.push(match step {
+                Step::Launch { kernel, args, .. } => {
+                    let k = prog.kernels.get(*kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the program has {} kernels", prog.kernels.len()) })?;
+                    let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(k), msg };
+                    if args.len() != k.params.len() {
+                        return Err(err(format!("launched with {} buffers for {} params", args.len(), k.params.len())));
+                    }
+                    let mut ptrs = Vec::with_capacity(args.len());
+                    for (p, &b) in k.params.iter().zip(args) {
+                        let buf = prog.buffers.get(b).ok_or_else(|| err(format!("param {} is buffer {b} of {}", p.name, prog.buffers.len())))?;
+                        if buf.dtype != p.dtype || buf.numel() != p.numel() {
+                            return Err(err(format!("param {} ({} {:?}) gets buffer {} ({} {:?})", p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape)));
+                        }
+                        if p.write && matches!(buf.kind, BufKind::Input(_)) {
+                            return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
+                        }
+                        read[b] = true;
+                        ptrs.push(mem[b].ptr());
+                    }
+                    let iterations = kir::iterations(k);
+                    let (grain, cost) = shape_of(k);
+                    let chunk = if iterations.saturating_mul(cost) < PAR_MIN_WORK || threads == 1 {
+                        iterations.max(1)
+                    } else {
+                        iterations.div_ceil(4 * threads).next_multiple_of(grain).max(grain)
+                    };
+                    Plan::Launch(LaunchPlan { kernel: *kernel, args: RawArgs(ptrs.into_boxed_slice()), iterations, chunk })
+                }
+                Step::Gemm(g) => {
+                    gemm::check(g, &prog.buffers)?;
+                    if matches!(prog.buffers[g.c.buf].kind, BufKind::Input(_)) {
+                        return Err(RuntimeError::Gemm { note: g.note.clone(), msg: format!("writes the graph input {}", prog.buffers[g.c.buf].name) });
+                    }
+                    for v in [Some(&g.a), Some(&g.b), Some(&g.c), g.bias.as_ref()].into_iter().flatten() {
+                        read[v.buf] = true;
+                    }
+                    Plan::Gemm(g.clone())
+                }
+            });
+        }
+        for (name, v) in &prog.outputs {
+            let buf = prog.buffers.get(v.buf).ok_or_else(|| RuntimeError::Buffer { name: name.clone(), msg: format!("output in buffer {} of {}", v.buf, prog.buffers.len()) })?;
+            check_view(buf, v, &format!("output {name}"))?;
+            read[v.buf] = true;
+        }
+        let inputs: Vec<(String, usize)> = prog.buffers.iter().enumerate().filter_map(|(i, b)| if let BufKind::Input(n) = &b.kind { Some((n.clone(), i)) } else { None }).collect();
+        let needed = inputs.iter().map(|&(_, b)| b).filter(|&b| read[b]).collect();
+        let given = vec![false; prog.buffers.len()];
+        Ok(CpuProgram { prog, launcher, mem, plans, inputs, given, needed })
+    }
+
+    /// `prog` with its kernels run by the kernel-IR evaluator ([`KirEval`]).
+    pub fn with_kir_eval(prog: Program) -> Result<CpuProgram, RuntimeError> {
+        let eval = KirEval::new(&prog.kernels);
+        CpuProgram::new(prog, Box::new(eval))
+    }
+
+    pub fn program(&self) -> &Program {
+        &self.prog
+    }
+
+    /// Bytes held by the buffers.
+    pub fn allocated_bytes(&self) -> usize {
+        self.mem.iter().map(Allocation::len).sum()
+    }
+
+    /// Copies a graph input's value into its buffer, where it stays for later runs: floats into
+    /// f32 buffers (f16/bf16 ones rounded to nearest even), ints into i32, u8 and packed i4.
+    pub fn set_input(&mut self, name: &str, v: &Value<f32>) -> Result<(), RuntimeError> {
+        let mut found = false;
+        for &(ref n, b) in &self.inputs {
+            if n == name {
+                write_input(&self.prog.buffers[b], &mut self.mem[b], v)?;
+                self.given[b] = true;
+                found = true;
+            }
+        }
+        if found {
+            Ok(())
+        } else {
+            Err(RuntimeError::UnknownInput(name.to_string()))
+        }
+    }
+
+    /// Runs the program, as `Interpreter::<f32>::run` runs the graph: copies in the given inputs
+    /// (extra names are ignored; inputs given before, by `set_input` or an earlier run, stay),
+    /// runs every step and returns every named output, update outputs under their input's name.
+    pub fn run(&mut self, inputs: &HashMap<String, Value<f32>>) -> Result<HashMap<String, Value<f32>>, RuntimeError> {
+        for i in 0..self.inputs.len() {
+            let (name, b) = (&self.inputs[i].0, self.inputs[i].1);
+            if let Some(v) = inputs.get(name) {
+                write_input(&self.prog.buffers[b], &mut self.mem[b], v)?;
+                self.given[b] = true;
+            }
+        }
+        self.execute()?;
+        self.outputs()
+    }
+
+    /// Runs the steps on the inputs already given.
+    pub fn execute(&mut self) -> Result<(), RuntimeError> {
+        if let Some(&b) = self.needed.iter().find(|&&b| !self.given[b]) {
+            return Err(RuntimeError::MissingInput(self.prog.buffers[b].name.clone()));
+        }
+        for i in 0..self.plans.len() {
+            self.execute_step(i)?;
+        }
+        Ok(())
+    }
+
+    /// Runs step `i` alone (a launch or a GEMM) on whatever the buffers hold: the per-kernel
+    /// differential test runs one step at a time on two launchers.
+    pub fn execute_step(&mut self, i: usize) -> Result<(), RuntimeError> {
+        let plan = self.plans.get(i).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no step {i}") })?;
+        match plan {
+            Plan::Launch(l) => {
+                let launcher = &*self.launcher;
+                let args = &l.args;
+                // SAFETY (both calls): `new` checked that each pointer addresses a live
+                // allocation of `self.mem` (64-byte aligned) holding at least its param's
+                // elements in the param's dtype; `&mut self` keeps everything else away from
+                // the buffers, and parallel chunks are disjoint ranges of one launch.
+                if l.chunk >= l.iterations {
+                    unsafe { launcher.launch(l.kernel, &args.0, 0, l.iterations)? };
+                } else {
+                    let chunks = l.iterations.div_ceil(l.chunk);
+                    (0..chunks).into_par_iter().try_for_each(|c| unsafe { launcher.launch(l.kernel, &args.0, c * l.chunk, ((c + 1) * l.chunk).min(l.iterations)) })?;
+                }
+            }
+            Plan::Gemm(g) => {
+                let mem = &self.mem;
+                // SAFETY: `gemm::check` passed for this step in `new`, against these buffers,
+                // which `&mut self` keeps from any other access.
+                unsafe { gemm::run(g, |b| mem[b].ptr()) };
+            }
+        }
+        Ok(())
+    }
+
+    /// The raw bytes of buffer `b`.
+    pub fn buffer_bytes(&self, b: usize) -> Option<&[u8]> {
+        self.mem.get(b).map(Allocation::bytes)
+    }
+
+    /// Overwrites buffer `b` with `bytes` (its exact size), as if a step had written it.
+    pub fn set_buffer_bytes(&mut self, b: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let name = self.prog.buffers.get(b).map(|x| x.name.clone()).unwrap_or_default();
+        let mem = self.mem.get_mut(b).ok_or_else(|| RuntimeError::Buffer { name: name.clone(), msg: format!("no buffer {b}") })?;
+        let dst = mem.bytes_mut();
+        if dst.len() < bytes.len() {
+            return Err(RuntimeError::Buffer { name, msg: format!("{} bytes into {}", bytes.len(), dst.len()) });
+        }
+        dst[..bytes.len()].copy_from_slice(bytes);
+        if let Some(g) = self.given.get_mut(b) {
+            *g = true;
+        }
+        Ok(())
+    }
+
+    /// Every named output of the last run, by name. A name given to both an output and an update
+    /// must hold one value (as the interpreter's `run` requires).
+    pub fn outputs(&self) -> Result<HashMap<String, Value<f32>>, RuntimeError> {
+        let mut out: HashMap<String, Value<f32>> = HashMap::with_capacity(self.prog.outputs.len());
+        for (name, v) in &self.prog.outputs {
+            let val = read_view(&self.prog.buffers[v.buf], &self.mem[v.buf], v)?;
+            match out.get(name) {
+                Some(old) if *old != val => return Err(RuntimeError::OutputClash(name.clone())),
+                _ => {
+                    out.insert(name.clone(), val);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One named output of the last run.
+    pub fn output(&self, name: &str) -> Option<Result<Value<f32>, RuntimeError>> {
+        let (_, v) = self.prog.outputs.iter().find(|(n, _)| n == name)?;
+        Some(read_view(&self.prog.buffers[v.buf], &self.mem[v.buf], v))
+    }
+}
+
+impl CpuProgram {
+    /// The whole of buffer `b` after the last run (any buffer, not only outputs: the LLVM
+    /// equivalence test compares every value a kernel wrote with the interpreter's).
+    pub fn buffer(&self, b: usize) -> Result<Value<f32>, RuntimeError> {
+        let buf = self.prog.buffers.get(b).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no buffer {b}") })?;
+        read_view(buf, &self.mem[b], &qatc_kernels::View::contiguous(b, &buf.shape))
+    }
+}

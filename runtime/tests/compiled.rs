@@ -1,0 +1,324 @@
+//! Lowered programs run by `CpuProgram` with the kernel-IR evaluator agree with the reference
+//! interpreter (f32 mode) on every op and on small multi-op graphs: each float output within 1e-5
+//! relative (max |compiled - interpreter| / max |interpreter|, per tensor), each int output
+//! exactly. This checks `qatc_kernels::lower` as much as the executor. With the `llvm` feature,
+//! every graph also runs with its kernels compiled by LLVM.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::ops::{all_ops, case, f32s, fin};
+use common::{input_map, op_graph, Rng};
+use qatc_ir::{BinaryOp, DType, Graph, InputKind, NodeId, Op, QuantScheme, QuantSpec, Shape, UnaryOp};
+use qatc_kernels::lower;
+use qatc_runtime::{CpuProgram, Interpreter, RuntimeError, Value};
+
+const TOL: f64 = 1e-5;
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0.0f64, |m, &v| m.max(f64::from(v).abs())).max(1e-30);
+    a.iter().zip(b).fold(0.0f64, |m, (&x, &y)| m.max((f64::from(x) - f64::from(y)).abs())) / scale
+}
+
+fn compare(what: &str, got: &HashMap<String, Value<f32>>, want: &HashMap<String, Value<f32>>) {
+    let mut names: Vec<&String> = want.keys().collect();
+    names.sort();
+    assert_eq!(got.len(), want.len(), "{what}: outputs {:?} vs {names:?}", got.keys().collect::<Vec<_>>());
+    for name in names {
+        let (g, w) = (&got[name], &want[name]);
+        assert_eq!(g.shape(), w.shape(), "{what}: {name}");
+        match (g, w) {
+            (Value::Float(g), Value::Float(w)) => {
+                let nan = |t: &[f32]| t.iter().map(|v| v.is_nan()).collect::<Vec<_>>();
+                assert_eq!(nan(&g.data), nan(&w.data), "{what}: {name}: NaNs differ");
+                let clean = |t: &[f32]| t.iter().map(|&v| if v.is_nan() { 0.0 } else { v }).collect::<Vec<_>>();
+                let e = rel_err(&clean(&g.data), &clean(&w.data));
+                assert!(e <= TOL, "{what}: {name} differs by {e:e} relative\n got {:?}\nwant {:?}", &g.data[..g.data.len().min(16)], &w.data[..w.data.len().min(16)]);
+            }
+            (Value::Int(g), Value::Int(w)) => assert_eq!(g, w, "{what}: {name}"),
+            _ => panic!("{what}: {name}: value kinds differ"),
+        }
+    }
+}
+
+/// Runs `g` in the interpreter and compiled; compares every output; returns the program.
+fn agree(what: &str, g: &Graph, inputs: &HashMap<String, Value<f32>>) -> CpuProgram {
+    let want = Interpreter::<f32>::new(g).unwrap_or_else(|e| panic!("{what}: {e}")).run(inputs).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let prog = lower(g).unwrap_or_else(|e| panic!("{what}: lower: {e}"));
+    #[cfg(feature = "llvm")]
+    {
+        // the same program with its kernels compiled by LLVM
+        let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let mut cp = CpuProgram::new(prog.clone(), Box::new(jit)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let got = cp.run(inputs).unwrap_or_else(|e| panic!("{what} (LLVM): {e}"));
+        compare(&format!("{what} (LLVM)"), &got, &want);
+    }
+    let mut cp = CpuProgram::with_kir_eval(prog).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = cp.run(inputs).unwrap_or_else(|e| panic!("{what}: {e}"));
+    compare(what, &got, &want);
+    cp
+}
+
+fn input(g: &mut Graph, name: &str, dtype: DType, shape: &[usize]) -> NodeId {
+    g.input(name, InputKind::Data, dtype, shape.to_vec()).unwrap()
+}
+
+fn floats(rng: &mut Rng, shape: &[usize], lo: f64, hi: f64) -> Value<f32> {
+    Value::floats(shape.to_vec(), &f32s(rng, shape.iter().product(), lo, hi)).unwrap()
+}
+
+fn bcast(g: &mut Graph, x: NodeId, shape: &[usize]) -> NodeId {
+    g.add(Op::Broadcast { shape: Shape::new(shape.to_vec()) }, &[x]).unwrap()
+}
+
+#[test]
+fn every_op_agrees_with_the_interpreter() {
+    let mut rng = Rng::new(5);
+    for op in all_ops() {
+        let ins = case(&op, &mut rng);
+        let (g, _) = op_graph(op.clone(), &ins);
+        agree(&format!("{op:?}"), &g, &input_map(&ins));
+    }
+    let ins = [fin(&mut rng, &[2, 6, 6], -3.0, 3.0)];
+    let (g, _) = op_graph(Op::Softmax { scale: 0.4, causal: true }, &ins);
+    agree("causal softmax", &g, &input_map(&ins));
+}
+
+/// gelu(1.5 x + 0.25 + b), through f16, max with exp(-x), dropout; and 4-bit codes of x.
+fn elementwise_graph(rows: usize, cols: usize) -> Graph {
+    let mut g = Graph::new("chain");
+    let x = input(&mut g, "x", DType::F32, &[rows, cols]);
+    let b = input(&mut g, "b", DType::F32, &[cols]);
+    let seed = input(&mut g, "seed", DType::I32, &[]);
+    let a = g.add(Op::Affine { mul: 1.5, add: 0.25 }, &[x]).unwrap();
+    let bb = bcast(&mut g, b, &[rows, cols]);
+    let s = g.add(Op::Binary(BinaryOp::Add), &[a, bb]).unwrap();
+    let y = g.add(Op::Unary(UnaryOp::Gelu), &[s]).unwrap();
+    let h = g.add(Op::Cast { to: DType::F16 }, &[y]).unwrap();
+    let h = g.add(Op::Cast { to: DType::F32 }, &[h]).unwrap();
+    let nx = g.add(Op::Unary(UnaryOp::Neg), &[x]).unwrap();
+    let e = g.add(Op::Unary(UnaryOp::Exp), &[nx]).unwrap();
+    let m = g.add(Op::Binary(BinaryOp::Max), &[h, e]).unwrap();
+    let d = g.add(Op::Dropout { p: 0.25, stream: 3 }, &[m, seed]).unwrap();
+    g.set_output("y", d).unwrap();
+    let c = g.add(Op::Affine { mul: 3.0, add: 8.0 }, &[x]).unwrap();
+    let codes = g.add(Op::Cast { to: DType::I4 }, &[c]).unwrap();
+    g.set_output("codes", codes).unwrap();
+    g
+}
+
+#[test]
+fn elementwise_chains_small_and_split_over_threads() {
+    let mut rng = Rng::new(1);
+    // 300 x 257 is large enough to run in parallel chunks (odd sizes: the last chunk is short)
+    for (rows, cols) in [(6, 37), (300, 257)] {
+        let g = elementwise_graph(rows, cols);
+        let inputs = HashMap::from([
+            ("x".to_string(), floats(&mut rng, &[rows, cols], -3.0, 3.0)),
+            ("b".to_string(), floats(&mut rng, &[cols], -1.0, 1.0)),
+            ("seed".to_string(), Value::ints([], vec![77]).unwrap()),
+        ]);
+        agree(&format!("chain {rows}x{cols}"), &g, &inputs);
+    }
+}
+
+#[test]
+fn layernorm_forward_and_backward() {
+    let (shape, c) = ([2, 5, 24], 24);
+    let mut g = Graph::new("ln");
+    let x = input(&mut g, "x", DType::F32, &shape);
+    let r = input(&mut g, "r", DType::F32, &shape);
+    let gamma = input(&mut g, "gamma", DType::F32, &[c]);
+    let beta = input(&mut g, "beta", DType::F32, &[c]);
+    let dy = input(&mut g, "dy", DType::F32, &shape);
+    let xr = g.add(Op::Binary(BinaryOp::Add), &[x, r]).unwrap();
+    let y = g.add(Op::LayerNorm { eps: 1e-5 }, &[xr, gamma, beta]).unwrap();
+    let dx = g.add(Op::LayerNormGradX { eps: 1e-5 }, &[xr, gamma, dy]).unwrap();
+    let dg = g.add(Op::LayerNormGradGamma { eps: 1e-5 }, &[xr, dy]).unwrap();
+    let db = g.add(Op::SumTo { shape: Shape::new([c]) }, &[dy]).unwrap();
+    for (n, v) in [("y", y), ("dx", dx), ("dgamma", dg), ("dbeta", db)] {
+        g.set_output(n, v).unwrap();
+    }
+    let mut rng = Rng::new(2);
+    let inputs = HashMap::from([
+        ("x".to_string(), floats(&mut rng, &shape, -2.0, 2.0)),
+        ("r".to_string(), floats(&mut rng, &shape, -1.0, 1.0)),
+        ("gamma".to_string(), floats(&mut rng, &[c], 0.5, 1.5)),
+        ("beta".to_string(), floats(&mut rng, &[c], -0.5, 0.5)),
+        ("dy".to_string(), floats(&mut rng, &shape, -1.0, 1.0)),
+    ]);
+    agree("layernorm", &g, &inputs);
+}
+
+#[test]
+fn softmax_cross_entropy_and_their_gradients() {
+    let (n, k, v) = (12, 16, 50);
+    let mut g = Graph::new("ce");
+    let h = input(&mut g, "h", DType::F32, &[n, k]);
+    let w = input(&mut g, "w", DType::F32, &[k, v]);
+    let bias = input(&mut g, "bias", DType::F32, &[v]);
+    let t = input(&mut g, "targets", DType::I32, &[n]);
+    let dloss = input(&mut g, "dloss", DType::F32, &[]);
+    let mm = g.add(Op::MatMul { ta: false, tb: false }, &[h, w]).unwrap();
+    let bb = bcast(&mut g, bias, &[n, v]);
+    let logits = g.add(Op::Binary(BinaryOp::Add), &[mm, bb]).unwrap();
+    let loss = g.add(Op::CrossEntropy, &[logits, t]).unwrap();
+    let dl = g.add(Op::CrossEntropyGrad, &[logits, t, dloss]).unwrap();
+    // attention-shaped scores: [2, 2, 6, 6] from q k^T, causal softmax and its gradient
+    let q = input(&mut g, "q", DType::F32, &[2, 2, 6, 8]);
+    let kk = input(&mut g, "k", DType::F32, &[2, 2, 6, 8]);
+    let dp = input(&mut g, "dp", DType::F32, &[2, 2, 6, 6]);
+    let s = g.add(Op::MatMul { ta: false, tb: true }, &[q, kk]).unwrap();
+    let p = g.add(Op::Softmax { scale: 0.35, causal: true }, &[s]).unwrap();
+    let ds = g.add(Op::SoftmaxGrad { scale: 0.35 }, &[p, dp]).unwrap();
+    for (name, x) in [("loss", loss), ("dlogits", dl), ("p", p), ("ds", ds)] {
+        g.set_output(name, x).unwrap();
+    }
+    let mut rng = Rng::new(3);
+    let inputs = HashMap::from([
+        ("h".to_string(), floats(&mut rng, &[n, k], -1.0, 1.0)),
+        ("w".to_string(), floats(&mut rng, &[k, v], -1.0, 1.0)),
+        ("bias".to_string(), floats(&mut rng, &[v], -0.5, 0.5)),
+        ("targets".to_string(), Value::ints([n], rng.ints(n, v as i32)).unwrap()),
+        ("dloss".to_string(), Value::scalar(0.5)),
+        ("q".to_string(), floats(&mut rng, &[2, 2, 6, 8], -1.0, 1.0)),
+        ("k".to_string(), floats(&mut rng, &[2, 2, 6, 8], -1.0, 1.0)),
+        ("dp".to_string(), floats(&mut rng, &[2, 2, 6, 6], -1.0, 1.0)),
+    ]);
+    agree("cross entropy", &g, &inputs);
+}
+
+#[test]
+fn matmuls_transposed_batched_on_views_and_into_slices() {
+    let mut g = Graph::new("mm");
+    let a = input(&mut g, "a", DType::F32, &[7, 5]);
+    let b = input(&mut g, "b", DType::F32, &[9, 7]);
+    // a^T [5, 7] @ b^T [7, 9]
+    let t = g.add(Op::MatMul { ta: true, tb: true }, &[a, b]).unwrap();
+    // batched, the operand a view of heads: x [4, 24] -> [4, 2, 12] -> [2, 4, 12]
+    let x = input(&mut g, "x", DType::F32, &[4, 24]);
+    let y = input(&mut g, "y", DType::F32, &[2, 12, 3]);
+    let xr = g.add(Op::Reshape { shape: Shape::new([4, 2, 12]) }, &[x]).unwrap();
+    let xh = g.add(Op::Transpose { perm: vec![1, 0, 2] }, &[xr]).unwrap();
+    let bm = g.add(Op::MatMul { ta: false, tb: false }, &[xh, y]).unwrap();
+    // two products concatenated along the columns: each writes its slice
+    let (w1, w2) = (input(&mut g, "w1", DType::F32, &[5, 3]), input(&mut g, "w2", DType::F32, &[5, 4]));
+    let c1 = g.add(Op::MatMul { ta: false, tb: false }, &[a, w1]).unwrap();
+    let c2 = g.add(Op::MatMul { ta: false, tb: false }, &[a, w2]).unwrap();
+    let cat = g.add(Op::Concat { axis: 1 }, &[c1, c2]).unwrap();
+    let cat = g.add(Op::Unary(UnaryOp::Tanh), &[cat]).unwrap();
+    for (name, v) in [("t", t), ("batched", bm), ("cat", cat)] {
+        g.set_output(name, v).unwrap();
+    }
+    let mut rng = Rng::new(4);
+    let mut inputs = HashMap::new();
+    for (name, shape) in [("a", vec![7, 5]), ("b", vec![9, 7]), ("x", vec![4, 24]), ("y", vec![2, 12, 3]), ("w1", vec![5, 3]), ("w2", vec![5, 4])] {
+        inputs.insert(name.to_string(), floats(&mut rng, &shape, -1.0, 1.0));
+    }
+    agree("matmuls", &g, &inputs);
+}
+
+#[test]
+fn gather_then_scatter_add_with_repeated_ids() {
+    let mut g = Graph::new("embed");
+    let table = input(&mut g, "table", DType::F32, &[20, 8]);
+    let ids = input(&mut g, "ids", DType::I32, &[3, 5]);
+    let e = g.add(Op::Gather, &[table, ids]).unwrap();
+    let e2 = g.add(Op::Unary(UnaryOp::Square), &[e]).unwrap();
+    let d = g.add(Op::ScatterAdd { rows: 20 }, &[ids, e2]).unwrap();
+    g.set_output("emb", e).unwrap();
+    g.set_output("grad", d).unwrap();
+    let mut rng = Rng::new(6);
+    let inputs = HashMap::from([
+        ("table".to_string(), floats(&mut rng, &[20, 8], -1.0, 1.0)),
+        ("ids".to_string(), Value::ints([3, 5], vec![3, 0, 3, 19, 7, 7, 7, 1, 2, 3, 0, 19, 5, 5, 3]).unwrap()),
+    ]);
+    agree("gather/scatter", &g, &inputs);
+}
+
+#[test]
+fn dequantized_i4_weights_feed_a_matmul() {
+    let (n_in, n_out) = (64, 12);
+    let mut rng = Rng::new(7);
+    for scheme in QuantScheme::ALL {
+        let spec = QuantSpec { bits: 4, group: if scheme == QuantScheme::Q4_0 { 32 } else { 16 }, scheme };
+        let groups = n_in / spec.group_for(n_in);
+        let mut g = Graph::new("dequant");
+        let x = input(&mut g, "x", DType::F32, &[5, n_in]);
+        let codes = input(&mut g, "codes", spec.code_dtype(), &[n_in, n_out]);
+        let scales = input(&mut g, "scales", spec.scale_dtype(), &[groups, n_out]);
+        let mut ops = vec![codes, scales];
+        let mut inputs = HashMap::from([
+            ("x".to_string(), floats(&mut rng, &[5, n_in], -1.0, 1.0)),
+            ("codes".to_string(), Value::ints([n_in, n_out], rng.ints(n_in * n_out, 16)).unwrap()),
+            ("scales".to_string(), floats(&mut rng, &[groups, n_out], 0.01, 0.1)),
+        ]);
+        if scheme.has_zero_point() {
+            ops.push(input(&mut g, "zeros", DType::F32, &[groups, n_out]));
+            let z: Vec<f64> = rng.ints(groups * n_out, 16).into_iter().map(f64::from).collect();
+            inputs.insert("zeros".to_string(), Value::floats([groups, n_out], &z).unwrap());
+        }
+        let w = g.add(Op::Dequantize { spec }, &ops).unwrap();
+        let y = g.add(Op::MatMul { ta: false, tb: false }, &[x, w]).unwrap();
+        g.set_output("w", w).unwrap();
+        g.set_output("y", y).unwrap();
+        agree(&format!("dequantize {scheme:?}"), &g, &inputs);
+    }
+}
+
+/// An AdamW-like update of a trainable input and a state input, run twice with the updates fed
+/// back: buffers persist between runs, and update outputs come back under their input's name.
+#[test]
+fn updates_feed_back_and_inputs_persist() {
+    let mut g = Graph::new("sgd");
+    let p = g.input("p", InputKind::Trainable, DType::F32, [4, 6]).unwrap();
+    let m = g.input("m", InputKind::State, DType::F32, [4, 6]).unwrap();
+    let x = input(&mut g, "x", DType::F32, &[3, 4]);
+    let y = g.add(Op::MatMul { ta: false, tb: false }, &[x, p]).unwrap();
+    let sq = g.add(Op::Unary(UnaryOp::Square), &[y]).unwrap();
+    let dp = g.add(Op::MatMul { ta: true, tb: false }, &[x, y]).unwrap();
+    let m2 = g.add(Op::AdamM { beta1: 0.9 }, &[m, dp]).unwrap();
+    let step = g.add(Op::Affine { mul: -0.1, add: 0.0 }, &[m2]).unwrap();
+    let p2 = g.add(Op::Binary(BinaryOp::Add), &[p, step]).unwrap();
+    g.set_output("sq", sq).unwrap();
+    g.set_update("p", p2).unwrap();
+    g.set_update("m", m2).unwrap();
+    let mut rng = Rng::new(8);
+    let mut inputs = HashMap::from([
+        ("p".to_string(), floats(&mut rng, &[4, 6], -1.0, 1.0)),
+        ("m".to_string(), Value::floats([4, 6], &[0.0; 24]).unwrap()),
+        ("x".to_string(), floats(&mut rng, &[3, 4], -1.0, 1.0)),
+        ("unused".to_string(), Value::scalar(1.0)),
+    ]);
+    let mut cp = agree("update, run 1", &g, &inputs);
+    let interp = Interpreter::<f32>::new(&g).unwrap();
+    let mut want = interp.run(&inputs).unwrap();
+    for _ in 0..2 {
+        // only the updated inputs are given again; x stays from the first run
+        let fed = HashMap::from([("p".to_string(), want["p"].clone()), ("m".to_string(), want["m"].clone())]);
+        inputs.extend(fed.clone());
+        let got = cp.run(&fed).unwrap();
+        want = interp.run(&inputs).unwrap();
+        compare("update, next run", &got, &want);
+    }
+    assert!(matches!(cp.set_input("nope", &Value::scalar(0.0)), Err(RuntimeError::UnknownInput(_))));
+    assert!(matches!(cp.set_input("x", &Value::scalar(0.0)), Err(RuntimeError::InputShape { .. })));
+    let mut fresh = CpuProgram::with_kir_eval(lower(&g).unwrap()).unwrap();
+    assert!(matches!(fresh.run(&HashMap::new()), Err(RuntimeError::MissingInput(_))));
+}
+
+/// A GEMM of a non-f32 operand is a typed error naming the GEMM, not a crash.
+#[test]
+fn an_f16_gemm_is_rejected_with_its_note() {
+    let mut g = Graph::new("half");
+    let a = input(&mut g, "a", DType::F16, &[2, 3]);
+    let b = input(&mut g, "b", DType::F16, &[3, 4]);
+    let y = g.add(Op::MatMul { ta: false, tb: false }, &[a, b]).unwrap();
+    g.set_output("y", y).unwrap();
+    match CpuProgram::with_kir_eval(lower(&g).unwrap()) {
+        Err(RuntimeError::Gemm { note, msg }) => assert!(msg.contains("f16") && !note.is_empty(), "{note}: {msg}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("an f16 GEMM ran on the f32 GEMM"),
+    }
+}

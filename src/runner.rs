@@ -1,0 +1,105 @@
+//! What executes a step: the compiled program on the CPU (kernels JIT-compiled by LLVM, GEMMs by
+//! the gemm crate, rayon's threads) or the reference interpreter (the numerical oracle, and the
+//! fallback of a build without LLVM). `--device` picks one; the choice is said in one line.
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+use qatc_ir::Graph;
+use qatc_runtime::{Interpreter, Value};
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    /// CUDA when a GPU and qatc's CUDA runtime are both there, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// How a step runs on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// Lowered to kernels and GEMMs, the kernels JIT-compiled by LLVM.
+    Compiled,
+    /// The reference interpreter, node by node.
+    Interpreter,
+}
+
+/// Resolves `--device` (and `--interpreter`) to an engine, with a notice for the user when the
+/// choice is not the obvious one. `--device cuda` fails here: this build has no CUDA runtime yet.
+pub fn resolve(device: Device, interpreter: bool) -> anyhow::Result<(Engine, Option<String>)> {
+    let cpu = |why: Option<String>| -> (Engine, Option<String>) {
+        if interpreter {
+            return (Engine::Interpreter, why.map(|w| format!("{w}: running on the CPU (reference interpreter)")));
+        }
+        if cfg!(feature = "llvm") {
+            (Engine::Compiled, why.map(|w| format!("{w}: running on the CPU")))
+        } else {
+            let w = why.map(|w| format!("{w}; ")).unwrap_or_default();
+            (Engine::Interpreter, Some(format!("{w}this qatc was built without LLVM: running on the reference interpreter")))
+        }
+    };
+    match device {
+        Device::Cpu => Ok(cpu(None)),
+        Device::Auto => Ok(match qatc_kernels::device::probe_cuda() {
+            Ok(p) => cpu(Some(format!("{} CUDA device(s) found, but this qatc has no CUDA runtime yet", p.devices))),
+            Err(why) => cpu(Some(why)),
+        }),
+        Device::Cuda => match qatc_kernels::device::probe_cuda() {
+            Ok(_) => anyhow::bail!("--device cuda: this qatc has no CUDA runtime yet (kernels compile through NVRTC, but nothing runs them); use --device cpu"),
+            Err(why) => anyhow::bail!("--device cuda: {why}"),
+        },
+    }
+}
+
+/// A step graph ready to run.
+pub enum Runner {
+    Interpreter(Box<Interpreter<f32>>),
+    #[cfg(feature = "llvm")]
+    Compiled(Box<qatc_runtime::compiled::CpuProgram>),
+}
+
+impl Runner {
+    pub fn new(g: &Graph, engine: Engine) -> anyhow::Result<Runner> {
+        match engine {
+            Engine::Interpreter => Ok(Runner::Interpreter(Box::new(Interpreter::<f32>::new(g)?))),
+            #[cfg(feature = "llvm")]
+            Engine::Compiled => {
+                let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
+                let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).context("compiling the kernels with LLVM")?;
+                let p = qatc_runtime::compiled::CpuProgram::new(prog, Box::new(jit))?;
+                Ok(Runner::Compiled(Box::new(p)))
+            }
+            #[cfg(not(feature = "llvm"))]
+            Engine::Compiled => anyhow::bail!("this qatc was built without LLVM; the compiled CPU runtime needs it"),
+        }
+    }
+
+    pub fn run(&mut self, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<HashMap<String, Value<f32>>> {
+        Ok(match self {
+            Runner::Interpreter(i) => i.run(inputs)?,
+            #[cfg(feature = "llvm")]
+            Runner::Compiled(p) => p.run(inputs)?,
+        })
+    }
+
+    /// One line: what runs the step.
+    pub fn describe(&self) -> String {
+        match self {
+            Runner::Interpreter(_) => "the reference interpreter".into(),
+            #[cfg(feature = "llvm")]
+            Runner::Compiled(p) => {
+                let prog = p.program();
+                format!(
+                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step, {} threads",
+                    prog.kernels.len(),
+                    prog.launches(),
+                    prog.gemms().count(),
+                    rayon::current_num_threads()
+                )
+            }
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! The whole tiny training step (B 2, T 16), lowered to kernels and GEMMs and run by the CPU
+//! executor with the kernel-IR evaluator, matches the reference interpreter, unfused and fused,
+//! for a full fine-tune and for 4-bit + LoRA (with LoRA dropout; also clipped and accumulated over
+//! two micro-batches): the loss, every gradient and every Adam moment within 1e-5 relative per
+//! tensor (max |compiled - interpreter| / max |interpreter|); every updated weight exactly the
+//! interpreter's AdamW of the compiled moments, and near the interpreter's weight (`adam_errors`
+//! says why not within 1e-5). Two steps, the second from the first's state (non-zero moments,
+//! step 1) through the same executor. This checks `qatc_kernels::lower` on real steps: the
+//! attention kernels of the fused step, the row kernels, the dequantized 4-bit weights.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Instant;
+
+use qatc::data::TokenFile;
+use qatc::model::Model;
+use qatc::step::StepOptions;
+use qatc::trainer::Trainer;
+use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::microbatch::micro_name;
+use qatc_passes::optim::AdamW;
+use qatc_passes::quant::QuantOptions;
+use qatc_runtime::kernels::elementwise::{adam_param, AdamHyper};
+use qatc_runtime::{CpuProgram, Interpreter, Value};
+
+const TOL: f64 = 1e-5;
+const LR: f64 = 1e-2;
+/// Norm-wise, for weights after AdamW (see `adam_errors`): a LoRA B that starts at zero moves by
+/// about lr in every element, flipped where its gradient is below f32 noise, which reaches ~1e-3
+/// after clipping; a wrong update (bias correction, decay, a gradient) is off by 1e-1 or more.
+const PARAM_TOL: f64 = 1e-2;
+
+fn floats(v: &Value<f32>) -> Vec<f64> {
+    match v {
+        Value::Float(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+        Value::Int(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+    }
+}
+
+/// A weight after AdamW amplifies f32 noise: Adam divides each moment by its own magnitude, so an
+/// element whose gradient is tiny (or exactly zero in exact arithmetic: the key third of
+/// `c_attn.bias`) moves by up to lr in a direction that rounding decides, in either program (see
+/// tests/parity_train.rs). So a weight is checked twice: element-wise against the interpreter's
+/// AdamW (`kernels::elementwise::adam_param`) applied to the compiled step's own moments (which
+/// are checked element-wise against the interpreter's), and norm-wise against the interpreter's
+/// weight. Returns (element-wise max relative error, norm-wise relative error).
+fn adam_errors(h: &AdamW, old: &Value<f32>, got: &Value<f32>, want: &Value<f32>, out: &HashMap<String, Value<f32>>, name: &str) -> (f64, f64) {
+    let f = |v: &Value<f32>| v.as_float().map(|t| t.data.clone()).unwrap_or_default();
+    let (m, v, t) = (f(&out[&format!("adam.m:{name}")]), f(&out[&format!("adam.v:{name}")]), f(&out["step"])[0]);
+    let hyper = AdamHyper { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay: h.weight_decay };
+    let p = adam_param(&f(old), &m, &v, LR, f64::from(t), hyper).unwrap();
+    let up: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
+    (common::rel_err(&floats(got), &up), common::norm_rel_err(&floats(got), &floats(want)))
+}
+
+fn qlora(o: &mut StepOptions) {
+    o.model.full_finetune = false;
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym }));
+    let mut l = LoraOptions::new(4);
+    l.dropout = 0.1;
+    o.model.lora = Some(l);
+}
+
+/// Checks one compiled run's outputs against the interpreter's; returns a line on the worst
+/// errors.
+fn check(what: &str, h: &AdamW, before: &HashMap<String, Value<f32>>, got: &HashMap<String, Value<f32>>, want: &HashMap<String, Value<f32>>) -> String {
+    assert_eq!(got.len(), want.len(), "{what}: the same outputs");
+    let mut names: Vec<&String> = want.keys().collect();
+    names.sort();
+    let mut worst = [(0.0f64, ""); 3];
+    for name in names {
+        let (g, w) = (got.get(name).unwrap_or_else(|| panic!("{what}: no output {name}")), &want[name]);
+        if got.contains_key(&format!("adam.m:{name}")) {
+            let (e, n) = adam_errors(h, &before[name], g, w, got, name);
+            assert!(e <= TOL, "{what}: {name} is not AdamW of the compiled moments: {e:e} relative");
+            assert!(n <= PARAM_TOL, "{what}: {name} differs by {n:e} norm-wise");
+            if e > worst[1].0 {
+                worst[1] = (e, name.as_str());
+            }
+            if n > worst[2].0 {
+                worst[2] = (n, name.as_str());
+            }
+        } else {
+            let e = common::rel_err(&floats(g), &floats(w));
+            assert!(e <= TOL, "{what}: {name} differs by {e:e} relative");
+            if e > worst[0].0 {
+                worst[0] = (e, name.as_str());
+            }
+        }
+    }
+    let [a, b, c] = worst;
+    format!("worst {:.1e} ({}); weights {:.1e} from the moments, {:.1e} norm-wise ({})", a.0, a.1, b.0, c.0, c.1)
+}
+
+/// Runs two steps of `o` on the interpreter and compiled (kernels by the kernel-IR evaluator,
+/// and with the `llvm` feature also by LLVM), comparing every output after each; returns the
+/// attention kernel parts of the program.
+fn compare(what: &str, mut o: StepOptions) -> BTreeSet<String> {
+    let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+    let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+    o.keep_grads = true;
+    let (b, t, k) = (o.batch, o.seq, o.grad_accum);
+    let tr = Trainer::new(&m, o.clone(), None, 3).unwrap();
+    let interp = Interpreter::<f32>::new(&tr.graph).unwrap();
+    let prog = qatc_kernels::lower(&tr.graph).unwrap_or_else(|e| panic!("{what}: lower: {e}"));
+    eprintln!("{what}: {} kernels, {} launches, {} GEMMs", prog.kernels.len(), prog.launches(), prog.gemms().count());
+    let parts: BTreeSet<String> = prog
+        .kernels
+        .iter()
+        .filter_map(|k| match &k.body {
+            qatc_kernels::kir::Body::Attention(a) => Some(format!("{:?}", a.part)),
+            qatc_kernels::kir::Body::Loops { .. } => None,
+        })
+        .collect();
+    let mut runners = Vec::new();
+    #[cfg(feature = "llvm")]
+    {
+        let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap_or_else(|e| panic!("{what}: {e}"));
+        runners.push(("LLVM", CpuProgram::new(prog.clone(), Box::new(jit)).unwrap_or_else(|e| panic!("{what}: {e}"))));
+    }
+    runners.push(("KIR evaluator", CpuProgram::with_kir_eval(prog).unwrap_or_else(|e| panic!("{what}: {e}"))));
+    let mut state = tr.state.clone();
+    let updates: Vec<String> = tr.graph.outputs().iter().filter(|o| o.update).map(|o| o.name.clone()).collect();
+    assert!(!updates.is_empty());
+    for step in 0..2 {
+        for i in 0..k {
+            let (ids, targets) = data.batch(step * k + i, b, t).unwrap();
+            let name = |n: &str| if k == 1 { n.to_string() } else { micro_name(n, i) };
+            state.insert(name("ids"), Value::ints([b, t], ids).unwrap());
+            state.insert(name("targets"), Value::ints([b, t], targets).unwrap());
+            state.insert(name(DROPOUT_SEED), Value::ints([], vec![1234 + (step * k + i) as i32]).unwrap());
+        }
+        state.insert("lr".into(), Value::scalar(LR));
+        let t0 = Instant::now();
+        let want = interp.run(&state).unwrap();
+        eprintln!("{what}, step {step}: interpreter {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+        assert!(want.contains_key("loss") && want.keys().any(|n| n.starts_with("grad:")));
+        for (label, cp) in &mut runners {
+            let t0 = Instant::now();
+            let got = cp.run(&state).unwrap_or_else(|e| panic!("{what}, step {step}, {label}: {e}"));
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            let worst = check(&format!("{what}, step {step}, {label}"), &o.adamw, &state, &got, &want);
+            eprintln!("  {label}: {ms:.1} ms; {worst}");
+        }
+        // the next step starts from the interpreter's state: Adam-amplified noise in the weights
+        // (see `adam_errors`) would otherwise grow into the next step's gradients
+        for u in &updates {
+            state.insert(u.clone(), want[u].clone());
+        }
+    }
+    parts
+}
+
+#[test]
+fn full_finetune_step_unfused() {
+    compare("full fine-tune, unfused", StepOptions::new(2, 16));
+}
+
+#[test]
+fn full_finetune_step_fused() {
+    let mut o = StepOptions::new(2, 16);
+    o.fuse = Some(FuseOptions::default());
+    let parts = compare("full fine-tune, fused", o);
+    assert!(parts.len() >= 4, "the fused step's attention runs as attention kernels: {parts:?}");
+}
+
+#[test]
+fn qlora_step_unfused() {
+    let mut o = StepOptions::new(2, 16);
+    qlora(&mut o);
+    compare("4-bit + LoRA, unfused", o);
+}
+
+#[test]
+fn qlora_step_fused() {
+    let mut o = StepOptions::new(2, 16);
+    qlora(&mut o);
+    o.fuse = Some(FuseOptions::default());
+    let parts = compare("4-bit + LoRA, fused", o);
+    assert!(parts.contains("Forward") && parts.contains("BackwardV"), "{parts:?}");
+}
+
+/// Gradient clipping (a global norm: a reduction over every gradient) and accumulation over two
+/// micro-batches, fused.
+#[test]
+fn clipped_accumulated_qlora_step_fused() {
+    let mut o = StepOptions::new(2, 16);
+    qlora(&mut o);
+    o.clip = Some(0.5);
+    o.grad_accum = 2;
+    o.fuse = Some(FuseOptions::default());
+    compare("4-bit + LoRA, clipped, 2 micro-batches, fused", o);
+}
+
