@@ -35,6 +35,8 @@ fn main() -> anyhow::Result<()> {
     let q = QuantArgs { bits: Some(4), group: 64, scheme: "sym".into(), qat: "base".into(), ..Default::default() };
     let mut o = StepOptions::new(b, t);
     o.model = model_options(&q, Some(LoraOptions::new(16)), false, true)?;
+    // as `qatc train` builds it: fused by egg
+    o.fuse = Some(qatc_passes::fusion::FuseOptions::default());
     let t0 = Instant::now();
     let mut tr = Trainer::with_engine(&m, o, None, 0, engine)?;
     let build_s = t0.elapsed().as_secs_f64();
@@ -46,6 +48,15 @@ fn main() -> anyhow::Result<()> {
         times.push(t0.elapsed().as_secs_f64());
     }
     times.sort_by(|a, b| a.total_cmp(b));
+    if std::env::var_os("QATC_PROFILE").is_some() {
+        if let Some(p) = tr.profile()? {
+            let total: f64 = p.iter().map(|x| x.2).sum();
+            eprintln!("one step, {total:.3} s:");
+            for (what, n, s) in p.iter().take(25) {
+                eprintln!("  {:>7.1} ms {:>5.1}%  x{n:<4} {what}", s * 1e3, 100.0 * s / total);
+            }
+        }
+    }
     let med = times[times.len() / 2];
     println!(
         "{{\"peer\": \"qatc-{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",

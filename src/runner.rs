@@ -85,6 +85,26 @@ impl Runner {
         })
     }
 
+    /// Runs the compiled step again on its last inputs, timing every launch and GEMM: seconds by
+    /// what ran (kernel family or GEMM shape), largest first. None on the interpreter.
+    pub fn profile(&mut self) -> anyhow::Result<Option<Vec<(String, usize, f64)>>> {
+        match self {
+            Runner::Interpreter(_) => Ok(None),
+            #[cfg(feature = "llvm")]
+            Runner::Compiled(p) => {
+                let mut by: HashMap<String, (usize, f64)> = HashMap::new();
+                for (what, s) in p.execute_timed()? {
+                    let e = by.entry(what).or_default();
+                    e.0 += 1;
+                    e.1 += s;
+                }
+                let mut v: Vec<(String, usize, f64)> = by.into_iter().map(|(k, (n, s))| (k, n, s)).collect();
+                v.sort_by(|a, b| b.2.total_cmp(&a.2));
+                Ok(Some(v))
+            }
+        }
+    }
+
     /// One line: what runs the step.
     pub fn describe(&self) -> String {
         match self {
@@ -92,8 +112,12 @@ impl Runner {
             #[cfg(feature = "llvm")]
             Runner::Compiled(p) => {
                 let prog = p.program();
+                let gemms = match qatc_runtime::compiled::blas::get() {
+                    Some(b) => format!("large ones by OpenBLAS ({})", b.name),
+                    None => "by the gemm crate".into(),
+                };
                 format!(
-                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step, {} threads",
+                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads",
                     prog.kernels.len(),
                     prog.launches(),
                     prog.gemms().count(),

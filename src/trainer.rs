@@ -88,6 +88,11 @@ impl Trainer {
         Ok(out)
     }
 
+    /// Where the compiled step's time goes (see `Runner::profile`).
+    pub fn profile(&mut self) -> anyhow::Result<Option<Vec<(String, usize, f64)>>> {
+        self.runner.profile()
+    }
+
     /// What runs the step, in words.
     pub fn describe(&self) -> String {
         self.runner.describe()

@@ -300,7 +300,13 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
             Some(f) => f,
             None => {
                 let args: Vec<_> = x.iter().map(|_| ty.into()).collect();
-                self.m.add_function(name, ty.fn_type(&args, false), Some(Linkage::External))
+                let f = self.m.add_function(name, ty.fn_type(&args, false), Some(Linkage::External));
+                // pure functions of their arguments: LLVM may hoist a loop-invariant call (AdamW's
+                // bias corrections, pow(beta, step), would otherwise be one call per element)
+                for (attr, val) in [("nounwind", 0), ("willreturn", 0), ("nosync", 0), ("nofree", 0), ("speculatable", 0), ("memory", 0)] {
+                    f.add_attribute(AttributeLoc::Function, self.cx.create_enum_attribute(Attribute::get_named_enum_kind_id(attr), val));
+                }
+                f
             }
         };
         let args: Vec<BasicMetadataValueEnum> = x.iter().map(|&a| a.into()).collect();

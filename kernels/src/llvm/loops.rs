@@ -15,35 +15,57 @@ use crate::kir::{BinOp, Expr, Intrinsic, Ix, ReduceOp, Space, Stmt, Ty, TypeEnv,
 /// `reassoc` and `nsz`: a `Reduce` `Sum` may fold in any order (`kir`), so LLVM may vectorize it.
 const REDUCE_FMF: u32 = 1 | 8;
 
+/// Independent accumulators of a long Max reduction (one AVX2 vector of f32).
+const MAX_LANES: usize = 8;
+
 pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
     let it = f.index_ty();
     let start = f.b.build_int_truncate_or_bit_cast(f.start, it, "start")?;
     let end = f.b.build_int_truncate_or_bit_cast(f.end, it, "end")?;
     let mut em = Em { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new() };
-    f.for_range(start, end, &mut |f, idx| {
-        match space {
-            Space::Elements { shape } => {
-                em.ix.insert(Ix::Elem, idx);
-                let strides = crate::index::strides(shape);
-                for (d, (&dim, &st)) in shape.iter().zip(&strides).enumerate() {
+    match space {
+        Space::Elements { shape } if (0..shape.len()).any(|d| f.k.uses_ix(Ix::Coord(d as u8))) => {
+            // Coordinates by division are not affine in the element index, and LLVM vectorizes
+            // such a loop only within one row. So: a loop over the rows the range touches, the
+            // leading coordinates computed once per row, and inside it a loop over the row's
+            // elements where the last coordinate is the element index minus the row's start.
+            let last = shape.len() - 1;
+            let d_len = shape[last].max(1) as u64;
+            let strides = crate::index::strides(shape);
+            let c = |v: u64| it.const_int(v, false);
+            let r0 = f.b.build_int_unsigned_div(start, c(d_len), "r0")?;
+            let end_m1 = f.b.build_int_sub(end, c(1), "e1")?;
+            let r1 = f.b.build_int_add(f.b.build_int_unsigned_div(end_m1, c(d_len), "r1")?, c(1), "r1")?;
+            f.for_range(r0, r1, &mut |f, r| {
+                let base = f.b.build_int_mul(r, c(d_len), "row0")?;
+                let lo = f.b.build_select(f.b.build_int_compare(IntPredicate::SGT, start, base, "gt")?, start, base, "lo")?.into_int_value();
+                let next = f.b.build_int_add(base, c(d_len), "row1")?;
+                let hi = f.b.build_select(f.b.build_int_compare(IntPredicate::SLT, end, next, "lt")?, end, next, "hi")?.into_int_value();
+                for (d, (&dim, &st)) in shape.iter().zip(&strides).enumerate().take(last) {
                     if f.k.uses_ix(Ix::Coord(d as u8)) {
-                        let mut c = idx;
-                        if st != 1 {
-                            c = f.b.build_int_unsigned_div(c, it.const_int(st as u64, false), "c")?;
-                        }
+                        // element stride st = row stride (st / d_len) rows
+                        let mut cd = f.b.build_int_unsigned_div(r, c((st as u64 / d_len).max(1)), "c")?;
                         if d != 0 {
-                            c = f.b.build_int_unsigned_rem(c, it.const_int(dim as u64, false), "c")?;
+                            cd = f.b.build_int_unsigned_rem(cd, c(dim as u64), "c")?;
                         }
-                        em.ix.insert(Ix::Coord(d as u8), c);
+                        em.ix.insert(Ix::Coord(d as u8), cd);
                     }
                 }
-            }
-            Space::Rows { .. } => {
-                em.ix.insert(Ix::Row, idx);
-            }
+                f.for_range(lo, hi, &mut |f, idx| {
+                    em.ix.insert(Ix::Elem, idx);
+                    em.ix.insert(Ix::Coord(last as u8), f.b.build_int_sub(idx, base, "cl")?);
+                    em.stmts(f, stmts)
+                })
+            })
         }
-        em.stmts(f, stmts)
-    })
+        _ => f.for_range(start, end, &mut |f, idx| {
+            match space {
+                Space::Elements { .. } => em.ix.insert(Ix::Elem, idx),
+                Space::Rows { .. } => em.ix.insert(Ix::Row, idx),
+            };
+            em.stmts(f, stmts)
+        }),
+    }
 }
 
 /// Emission state: index variables and let-bound values in scope.
@@ -131,7 +153,14 @@ impl<'ctx> Em<'ctx> {
                 f.b.build_store(acc, fty.const_float(init))?;
                 let n = self.index(f, &lp.extent)?;
                 let zero = n.get_type().const_int(0, false);
-                f.for_range(zero, n, &mut |f, j| {
+                let mut tail_from = zero;
+                if *op == ReduceOp::Max && lp.max >= 2 * MAX_LANES {
+                    // max is exactly associative and commutative (NaN-ignoring), but LLVM will
+                    // not vectorize a maxnum reduction without `nnan`: fold MAX_LANES independent
+                    // lanes (the SLP vectorizer makes them one vector), then the rest
+                    tail_from = self.max_lanes(f, acc, fty, lp, body, value, *ty, n)?;
+                }
+                f.for_range(tail_from, n, &mut |f, j| {
                     self.ix.insert(Ix::Loop(lp.var), j);
                     self.stmts(f, body)?;
                     let x = self.typed(f, value, *ty)?.into_float_value();
@@ -160,6 +189,44 @@ impl<'ctx> Em<'ctx> {
             }
         }
         Ok(())
+    }
+
+    /// Folds positions 0 .. n - n % MAX_LANES of a Max reduction into `acc` with MAX_LANES
+    /// independent accumulators; returns where the remainder starts.
+    #[allow(clippy::too_many_arguments)]
+    fn max_lanes(&mut self, f: &mut Fb<'_, 'ctx>, acc: inkwell::values::PointerValue<'ctx>, fty: inkwell::types::FloatType<'ctx>, lp: &crate::kir::Loop, body: &[Stmt], value: &Expr, ty: Ty, n: IntValue<'ctx>) -> R<IntValue<'ctx>> {
+        let it = n.get_type();
+        let lanes = f.alloca(fty.into(), MAX_LANES as u32, "lanes")?;
+        for l in 0..MAX_LANES {
+            let at = f.gep(fty, lanes, it.const_int(l as u64, false))?;
+            f.b.build_store(at, fty.const_float(f64::NEG_INFINITY))?;
+        }
+        let blocks = f.b.build_int_unsigned_div(n, it.const_int(MAX_LANES as u64, false), "blocks")?;
+        let zero = it.const_int(0, false);
+        f.for_range(zero, blocks, &mut |f, jb| {
+            let base = f.b.build_int_mul(jb, it.const_int(MAX_LANES as u64, false), "j0")?;
+            let mut xs = Vec::with_capacity(MAX_LANES);
+            for l in 0..MAX_LANES {
+                let j = f.b.build_int_add(base, it.const_int(l as u64, false), "j")?;
+                self.ix.insert(Ix::Loop(lp.var), j);
+                self.stmts(f, body)?;
+                xs.push(self.typed(f, value, ty)?.into_float_value());
+            }
+            for (l, x) in xs.into_iter().enumerate() {
+                let at = f.gep(fty, lanes, it.const_int(l as u64, false))?;
+                let a = f.b.build_load(fty, at, "lane")?.into_float_value();
+                f.b.build_store(at, f.intrinsic("llvm.maxnum", &[a, x])?)?;
+            }
+            Ok(())
+        })?;
+        let mut m = f.b.build_load(fty, acc, "a")?.into_float_value();
+        for l in 0..MAX_LANES {
+            let at = f.gep(fty, lanes, it.const_int(l as u64, false))?;
+            let x = f.b.build_load(fty, at, "lane")?.into_float_value();
+            m = f.intrinsic("llvm.maxnum", &[m, x])?;
+        }
+        f.b.build_store(acc, m)?;
+        Ok(f.b.build_int_mul(blocks, it.const_int(MAX_LANES as u64, false), "tail")?)
     }
 
     fn ty(&self, f: &Fb, e: &Expr) -> Ty {
@@ -277,7 +344,8 @@ impl<'ctx> Em<'ctx> {
             UnOp::Sqrt => f.intrinsic("llvm.sqrt", &[x])?,
             UnOp::Rsqrt => f.b.build_float_div(one, f.intrinsic("llvm.sqrt", &[x])?, "rsqrt")?,
             UnOp::Recip => f.b.build_float_div(one, x, "recip")?,
-            UnOp::Tanh => f.libm(if single { "tanhf" } else { "tanh" }, &[x])?,
+            UnOp::Tanh if single => math::tanh_f32(f, x)?,
+            UnOp::Tanh => f.libm("tanh", &[x])?,
             UnOp::Abs => f.intrinsic("llvm.fabs", &[x])?,
             UnOp::Gelu => math::gelu(f, self.to_f32(f, x)?)?,
             UnOp::RoundEven => f.intrinsic("llvm.roundeven", &[x])?,

@@ -55,6 +55,9 @@ pub struct Lowerer {
     /// Attention statistics already computed, by the views they were computed from (buffers are
     /// written once, so equal views hold equal values): lse by [q, k], delta by [q, k, v, dout].
     pub attn_stats: HashMap<Vec<View>, View>,
+    /// Cross-entropy row statistics (max, sum of exp(x - max)) by the logits view they were
+    /// computed from: the loss and its gradient share one pass over the [N, V] logits.
+    pub ce_stats: HashMap<View, (View, View)>,
 }
 
 impl Lowerer {

@@ -202,12 +202,14 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             // dlogits = dloss / N * (softmax(row) - onehot(target))
             let (logits, targets, dloss) = (ops[0], ops[1], ops[2]);
             let (n, v) = (shape[0], shape[1]);
-            let mut kb = lw.kb_rows(cx, n, &[&a.dest]);
+            let stats = ce_stats(lw, cx, logits, n);
+            let touched: Vec<&View> = [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+            let mut kb = lw.kb_rows(cx, n, &touched);
             let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
             let k = kb.bind(Ty::F32, div(dl, f(n as f64)));
             kb.name(&k, "k");
             let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
-            let (max, sum) = max_sumexp(&mut kb, logits, v)?;
+            let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
             let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
             let p = at(&kb, v, &j);
             let xv = kb.value(logits, &p)?;
@@ -223,9 +225,11 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let lt = g.ty(logits).shape.0.clone();
             let (n, v) = (lt[0], lt[1]);
             let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
-            let mut kb = lw.kb_rows(cx, n, &[&losses]);
+            let stats = ce_stats(lw, cx, logits, n);
+            let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+            let mut kb = lw.kb_rows(cx, n, &touched);
             let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
-            let (max, sum) = max_sumexp(&mut kb, logits, v)?;
+            let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
             let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
             let t = kb.bind(Ty::I32, clamped);
             let t = kb.to_index(t);
@@ -271,6 +275,44 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
 /// f32 clamp as Rust's `f32::clamp(lo, hi)`.
 pub fn clamp(x: Expr, lo: f64, hi: f64) -> Expr {
     Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, x, f(lo)), f(hi))
+}
+
+/// Scratch rows for the (max, sum) statistics of materialized logits, and whether another
+/// cross-entropy kernel already fills them (true: read them; false: this kernel writes them).
+/// None when the logits are computed inline (nothing to share).
+fn ce_stats(lw: &mut Lowerer, cx: &Ctx, logits: NodeId, n: usize) -> Option<((View, View), bool)> {
+    let key = cx.leaves.get(&logits)?.clone();
+    if let Some(s) = lw.ce_stats.get(&key) {
+        return Some((s.clone(), true));
+    }
+    let s = (lw.temp("ce_max", qatc_ir::DType::F32, &[n]), lw.temp("ce_sum", qatc_ir::DType::F32, &[n]));
+    lw.ce_stats.insert(key, s.clone());
+    Some((s, false))
+}
+
+/// The row's (max, sum of exp(x - max)): read from the shared scratch when another kernel
+/// computed them (bit-identical: the same reductions in the same backend), else computed here
+/// and, when there is a scratch, stored for the other kernel.
+fn shared_max_sumexp(kb: &mut Kb, logits: NodeId, v: usize, stats: &Option<((View, View), bool)>) -> Result<(Expr, Expr), KernelError> {
+    let row = Pos::Lin(Expr::Ix(Ix::Row));
+    match stats {
+        Some(((mx, sm), true)) => {
+            let max = kb.load_view(mx, &row);
+            let max = kb.bind(Ty::F32, max);
+            let sum = kb.load_view(sm, &row);
+            let sum = kb.bind(Ty::F32, sum);
+            kb.name(&max, "row_max");
+            kb.name(&sum, "row_sum");
+            Ok((max, sum))
+        }
+        Some(((mx, sm), false)) => {
+            let (max, sum) = max_sumexp(kb, logits, v)?;
+            kb.store_view(mx, &row, max.clone());
+            kb.store_view(sm, &row, sum.clone());
+            Ok((max, sum))
+        }
+        None => max_sumexp(kb, logits, v),
+    }
 }
 
 /// (max, sum of exp(x - max)) of row `row` of logits [N, V].

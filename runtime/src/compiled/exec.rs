@@ -232,6 +232,23 @@ impl CpuProgram {
         Ok(())
     }
 
+    /// Runs the steps like `execute`, timing each: (what, seconds) per step in order, `what`
+    /// being the kernel's family or `gemm MxNxK` (where a step's time goes: `bench_cpu_train`).
+    pub fn execute_timed(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
+        let mut times = Vec::with_capacity(self.plans.len());
+        for i in 0..self.plans.len() {
+            let t = std::time::Instant::now();
+            self.execute_step(i)?;
+            let what = match &self.plans[i] {
+                Plan::Launch(l) if std::env::var_os("QATC_PROFILE_KERNELS").is_some() => format!("{} [{}] #{}", self.prog.kernels[l.kernel].family, l.iterations, l.kernel),
+                Plan::Launch(l) => self.prog.kernels[l.kernel].family.clone(),
+                Plan::Gemm(g) => format!("gemm {}x{}x{}{}", g.m, g.n, g.k, if g.batch() > 1 { format!(" x{}", g.batch()) } else { String::new() }),
+            };
+            times.push((what, t.elapsed().as_secs_f64()));
+        }
+        Ok(times)
+    }
+
     /// The raw bytes of buffer `b`.
     pub fn buffer_bytes(&self, b: usize) -> Option<&[u8]> {
         self.mem.get(b).map(Allocation::bytes)

@@ -1,4 +1,5 @@
-//! Library GEMM steps on the CPU, through the `gemm` crate: c = alpha * a @ b (+ c), plus an
+//! Library GEMM steps on the CPU, through OpenBLAS when it is installed (`blas.rs`, large GEMMs)
+//! and the `gemm` crate otherwise: c = alpha * a @ b (+ c), plus an
 //! optional bias row, each operand read in place through its view's row and column strides (a
 //! transposed operand costs nothing). Batch dims lead and are equal on a, b and c; each batch
 //! element is one call.
@@ -15,6 +16,10 @@ use crate::error::RuntimeError;
 
 /// Below this many multiply-adds a GEMM runs on the calling thread: splitting costs more.
 const PAR_MIN_FLOPS: usize = 1 << 16;
+
+/// From this many multiply-adds on, OpenBLAS (when loaded, `blas.rs`) takes the GEMM: below it
+/// its thread start-up is not repaid.
+const BLAS_MIN_FLOPS: usize = 1 << 20;
 
 fn err(g: &Gemm, msg: String) -> RuntimeError {
     RuntimeError::Gemm { note: g.note.clone(), msg }
@@ -110,6 +115,21 @@ pub unsafe fn run(g: &Gemm, ptr: impl Fn(usize) -> *mut u8) {
                         *cp.offset(ii as isize * s(&g.c, r - 2) + jj as isize * s(&g.c, r - 1)) = 0.0;
                     }
                 }
+            } else if m * n * k >= BLAS_MIN_FLOPS
+                && super::blas::get().is_some_and(|bl| {
+                    bl.sgemm(
+                        m,
+                        n,
+                        k,
+                        g.alpha as f32,
+                        g.accumulate,
+                        (a.add(oa), g.a.strides[r - 2], g.a.strides[r - 1]),
+                        (b.add(ob), g.b.strides[r - 2], g.b.strides[r - 1]),
+                        (cp, g.c.strides[r - 2], g.c.strides[r - 1]),
+                    )
+                })
+            {
+                // OpenBLAS did it
             } else {
                 // gemm computes dst = alpha dst + beta (lhs @ rhs), reading dst only if asked
                 gemm::gemm(

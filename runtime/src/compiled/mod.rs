@@ -14,6 +14,7 @@
 //! LLVM-compiled machine code.
 
 mod attention;
+pub mod blas;
 mod buffers;
 mod exec;
 mod gemm;
