@@ -1,7 +1,8 @@
 //! CPU training throughput of the compiled step against PyTorch eager (../shared/tools/torch_peer.py)
 //! on the same config: 4 layers, n_embd 256, 4 heads, vocab 50257, B 4, T 128, 4-bit g64,
 //! LoRA r 16 on all linears (weights random: speed does not depend on them).
-//! Run: `cargo run --release --example bench_cpu_train -- [steps] [compiled|interpreter]`
+//! Run: `cargo run --release --example bench_cpu_train -- [steps] [compiled|interpreter] [small|124m]`
+//! (124m: GPT-2 124M's shapes at B 1, T 256; `QATC_PROFILE=1` prints where one step's time goes)
 //! (bench/run.sh runs qatc's engines and the PyTorch peers).
 
 use std::time::Instant;
@@ -24,8 +25,12 @@ fn main() -> anyhow::Result<()> {
         Some("interpreter") => Engine::Interpreter,
         Some(other) => anyhow::bail!("engine must be compiled or interpreter, got {other}"),
     };
-    let cfg = Gpt2Config { n_embd: 256, n_layer: 4, n_head: 4, n_positions: 1024, vocab_size: 50257, layer_norm_epsilon: 1e-5 };
-    let (b, t) = (4, 128);
+    // the two CPU configs: the small model at B 4 T 128, GPT-2 124M at B 1 T 256
+    let (cfg, b, t, label) = match std::env::args().nth(3).as_deref() {
+        None | Some("small") => (Gpt2Config { n_embd: 256, n_layer: 4, n_head: 4, n_positions: 1024, vocab_size: 50257, layer_norm_epsilon: 1e-5 }, 4, 128, "small"),
+        Some("124m") => (Gpt2Config::preset("124M").ok_or_else(|| anyhow::anyhow!("no 124M preset"))?, 1, 256, "124m"),
+        Some(other) => anyhow::bail!("model must be small or 124m, got {other}"),
+    };
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("model.safetensors");
     write_synthetic(&path, &cfg, DType::F32, false, 7)?;
@@ -59,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     }
     let med = times[times.len() / 2];
     println!(
-        "{{\"peer\": \"qatc-{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
+        "{{\"peer\": \"qatc-{}\", \"model\": \"{label}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
         if engine == Engine::Compiled { "compiled" } else { "interpreter" },
         times[0],
         (b * t) as f64 / med

@@ -22,7 +22,7 @@ fp=$("$qatc" eval "$model" "${eval_args[@]}" | ppl)
 ptq=$("$qatc" eval "$model" "${eval_args[@]}" "${quant[@]}" | ppl)
 echo "   full precision ppl $fp, 4-bit PTQ ppl $ptq"
 echo
-echo "== train: 4-bit QAT + LoRA r=16 on the train split, $steps steps on the CPU interpreter"
+echo "== train: 4-bit QAT + LoRA r=16 on the train split, $steps steps, compiled for this CPU"
 "$qatc" train "$model" --data "$train" --batch 4 --seq 128 --steps "$steps" "${quant[@]}" --lora r=16 \
   --lr 2e-3 --warmup 5 --schedule cosine --shuffle --seed 1 \
   --val "$val" --eval-every 20 --val-batches 2 \

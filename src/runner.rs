@@ -58,7 +58,12 @@ pub fn resolve(device: Device, interpreter: bool) -> anyhow::Result<(Engine, Opt
 pub enum Runner {
     Interpreter(Box<Interpreter<f32>>),
     #[cfg(feature = "llvm")]
-    Compiled(Box<qatc_runtime::compiled::CpuProgram>),
+    Compiled {
+        prog: Box<qatc_runtime::compiled::CpuProgram>,
+        /// Frozen weights: copied in on the first run only (they never change while training).
+        frozen: std::collections::HashSet<String>,
+        bound: bool,
+    },
 }
 
 impl Runner {
@@ -69,8 +74,12 @@ impl Runner {
             Engine::Compiled => {
                 let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
                 let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).context("compiling the kernels with LLVM")?;
-                let p = qatc_runtime::compiled::CpuProgram::new(prog, Box::new(jit))?;
-                Ok(Runner::Compiled(Box::new(p)))
+                let mut p = qatc_runtime::compiled::CpuProgram::new(prog, Box::new(jit))?;
+                let frozen: std::collections::HashSet<String> =
+                    g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(qatc_ir::InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
+                // the dequantized frozen weights are the same every step: computed once
+                p.hoist(&frozen);
+                Ok(Runner::Compiled { prog: Box::new(p), frozen, bound: false })
             }
             #[cfg(not(feature = "llvm"))]
             Engine::Compiled => anyhow::bail!("this qatc was built without LLVM; the compiled CPU runtime needs it"),
@@ -81,7 +90,20 @@ impl Runner {
         Ok(match self {
             Runner::Interpreter(i) => i.run(inputs)?,
             #[cfg(feature = "llvm")]
-            Runner::Compiled(p) => p.run(inputs)?,
+            Runner::Compiled { prog, frozen, bound } => {
+                for (name, v) in inputs {
+                    if !*bound || !frozen.contains(name) {
+                        // names the step does not read are not an error (as `run`)
+                        match prog.set_input(name, v) {
+                            Ok(()) | Err(qatc_runtime::RuntimeError::UnknownInput(_)) => {}
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                }
+                *bound = true;
+                prog.execute()?;
+                prog.outputs()?
+            }
         })
     }
 
@@ -91,7 +113,7 @@ impl Runner {
         match self {
             Runner::Interpreter(_) => Ok(None),
             #[cfg(feature = "llvm")]
-            Runner::Compiled(p) => {
+            Runner::Compiled { prog: p, .. } => {
                 let mut by: HashMap<String, (usize, f64)> = HashMap::new();
                 for (what, s) in p.execute_timed()? {
                     let e = by.entry(what).or_default();
@@ -110,7 +132,7 @@ impl Runner {
         match self {
             Runner::Interpreter(_) => "the reference interpreter".into(),
             #[cfg(feature = "llvm")]
-            Runner::Compiled(p) => {
+            Runner::Compiled { prog: p, .. } => {
                 let prog = p.program();
                 let gemms = match qatc_runtime::compiled::blas::get() {
                     Some(b) => format!("large ones by OpenBLAS ({})", b.name),

@@ -322,3 +322,28 @@ fn an_f16_gemm_is_rejected_with_its_note() {
         Ok(_) => panic!("an f16 GEMM ran on the f32 GEMM"),
     }
 }
+
+/// Steps that read only frozen inputs run once (`hoist`), and again after a frozen input is set.
+#[test]
+fn hoisted_frozen_steps_run_once_and_again_when_the_weight_changes() {
+    let mut g = Graph::new("hoist");
+    let w = g.input("w", InputKind::Frozen, DType::F32, [8, 8]).unwrap();
+    let x = g.input("x", InputKind::Data, DType::F32, [8, 8]).unwrap();
+    let w2 = g.add(Op::Unary(UnaryOp::Exp), &[w]).unwrap();
+    let y = g.add(Op::Binary(BinaryOp::Add), &[w2, x]).unwrap();
+    g.set_output("y", y).unwrap();
+    let prog = lower(&g).unwrap();
+    let mut cp = CpuProgram::with_kir_eval(prog).unwrap();
+    let frozen = std::collections::HashSet::from(["w".to_string()]);
+    assert_eq!(cp.hoist(&frozen), 1, "exp(w) is computed from the frozen weight alone");
+    let full = |v: f64| Value::floats([8, 8], &[v; 64]).unwrap();
+    let y_of = |cp: &mut CpuProgram, ins: &[(&str, f64)]| -> f32 {
+        let m: HashMap<String, Value<f32>> = ins.iter().map(|(n, v)| (n.to_string(), full(*v))).collect();
+        cp.run(&m).unwrap()["y"].as_float().unwrap().data[0]
+    };
+    assert_eq!(y_of(&mut cp, &[("w", 0.0), ("x", 1.0)]), 2.0);
+    // only x given: exp(w) is not recomputed, and still right
+    assert_eq!(y_of(&mut cp, &[("x", 5.0)]), 6.0);
+    // a new weight: recomputed
+    assert_eq!(y_of(&mut cp, &[("w", 1.0)]), 5.0 + std::f32::consts::E);
+}

@@ -48,8 +48,14 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
         args.push(i64t.into());
         let f = m.add_function(&format!("{name}.body"), cx.void_type().fn_type(&args, false), Some(Linkage::Internal));
         let noalias = cx.create_enum_attribute(Attribute::get_named_enum_kind_id("noalias"), 0);
-        for p in 0..k.params.len() {
+        for (p, param) in k.params.iter().enumerate() {
             f.add_attribute(AttributeLoc::Param(p as u32), noalias);
+            // the whole buffer is there (the runtime checks sizes): loads of loop-invariant
+            // scalars (AdamW's step, the learning rate) may be hoisted out of conditional code
+            let bytes = param.dtype.bytes_for(param.numel()) as u64;
+            if bytes > 0 {
+                f.add_attribute(AttributeLoc::Param(p as u32), cx.create_enum_attribute(Attribute::get_named_enum_kind_id("dereferenceable"), bytes));
+            }
         }
         let b = cx.create_builder();
         let allocas = cx.append_basic_block(f, "allocas");

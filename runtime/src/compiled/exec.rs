@@ -35,6 +35,8 @@ struct LaunchPlan {
     iterations: usize,
     /// Iterations per parallel chunk (a multiple of `grain`); `iterations` or more: inline.
     chunk: usize,
+    /// The buffers behind `args`.
+    bufs: Vec<usize>,
 }
 
 enum Plan {
@@ -55,6 +57,12 @@ pub struct CpuProgram {
     given: Vec<bool>,
     /// Input buffers some step or output reads: a run needs them given.
     needed: Vec<usize>,
+    /// Steps that compute the same values every run (`hoist`): run once, then skipped.
+    hoisted: Vec<bool>,
+    /// Input buffers whose setting makes the hoisted steps run again.
+    frozen: Vec<bool>,
+    /// The hoisted steps' results are out of date.
+    stale: bool,
 }
 
 /// The longest loop of a kernel: a rough cost of one iteration.
@@ -119,7 +127,7 @@ impl CpuProgram {
                     } else {
                         iterations.div_ceil(4 * threads).next_multiple_of(grain).max(grain)
                     };
-                    Plan::Launch(LaunchPlan { kernel: *kernel, args: RawArgs(ptrs.into_boxed_slice()), iterations, chunk })
+                    Plan::Launch(LaunchPlan { kernel: *kernel, args: RawArgs(ptrs.into_boxed_slice()), iterations, chunk, bufs: args.clone() })
                 }
                 Step::Gemm(g) => {
                     gemm::check(g, &prog.buffers)?;
@@ -141,7 +149,8 @@ impl CpuProgram {
         let inputs: Vec<(String, usize)> = prog.buffers.iter().enumerate().filter_map(|(i, b)| if let BufKind::Input(n) = &b.kind { Some((n.clone(), i)) } else { None }).collect();
         let needed = inputs.iter().map(|&(_, b)| b).filter(|&b| read[b]).collect();
         let given = vec![false; prog.buffers.len()];
-        Ok(CpuProgram { prog, launcher, mem, plans, inputs, given, needed })
+        let (hoisted, frozen) = (vec![false; plans.len()], vec![false; prog.buffers.len()]);
+        Ok(CpuProgram { prog, launcher, mem, plans, inputs, given, needed, hoisted, frozen, stale: true })
     }
 
     /// `prog` with its kernels run by the kernel-IR evaluator ([`KirEval`]).
@@ -167,6 +176,7 @@ impl CpuProgram {
             if n == name {
                 write_input(&self.prog.buffers[b], &mut self.mem[b], v)?;
                 self.given[b] = true;
+                self.stale |= self.frozen[b];
                 found = true;
             }
         }
@@ -186,6 +196,7 @@ impl CpuProgram {
             if let Some(v) = inputs.get(name) {
                 write_input(&self.prog.buffers[b], &mut self.mem[b], v)?;
                 self.given[b] = true;
+                self.stale |= self.frozen[b];
             }
         }
         self.execute()?;
@@ -198,9 +209,68 @@ impl CpuProgram {
             return Err(RuntimeError::MissingInput(self.prog.buffers[b].name.clone()));
         }
         for i in 0..self.plans.len() {
-            self.execute_step(i)?;
+            if !self.hoisted[i] || self.stale {
+                self.execute_step(i)?;
+            }
         }
+        self.stale = false;
         Ok(())
+    }
+
+    /// Declares the graph inputs named in `frozen` constant between runs (frozen weights), so
+    /// that the steps computing only from them (dequantizing 4-bit weights, mostly) run on the
+    /// first run and after such an input is set again, not every step: their buffers are never
+    /// reused, so their results stay. A step qualifies when everything it reads is frozen or
+    /// written by qualifying steps, and no other step writes what it writes. Returns how many.
+    pub fn hoist(&mut self, frozen: &std::collections::HashSet<String>) -> usize {
+        let nb = self.prog.buffers.len();
+        let mut writers = vec![0usize; nb];
+        let rw = |plan: &Plan, prog: &Program| -> (Vec<usize>, Vec<usize>) {
+            match plan {
+                Plan::Launch(l) => {
+                    let k = &prog.kernels[l.kernel];
+                    let (mut r, mut w) = (Vec::new(), Vec::new());
+                    for (p, &b) in k.params.iter().zip(&l.bufs) {
+                        if p.write { w.push(b) } else { r.push(b) }
+                    }
+                    (r, w)
+                }
+                Plan::Gemm(g) => {
+                    let mut r = vec![g.a.buf, g.b.buf];
+                    r.extend(g.bias.as_ref().map(|b| b.buf));
+                    if g.accumulate {
+                        r.push(g.c.buf);
+                    }
+                    (r, vec![g.c.buf])
+                }
+            }
+        };
+        for plan in &self.plans {
+            for b in rw(plan, &self.prog).1 {
+                writers[b] += 1;
+            }
+        }
+        let mut constant = vec![false; nb];
+        for &(ref n, b) in &self.inputs {
+            if frozen.contains(n) {
+                constant[b] = true;
+                self.frozen[b] = true;
+            }
+        }
+        let mut count = 0;
+        for (i, plan) in self.plans.iter().enumerate() {
+            let (r, w) = rw(plan, &self.prog);
+            let ok = !w.is_empty() && r.iter().all(|&b| constant[b]) && w.iter().all(|&b| writers[b] == 1);
+            self.hoisted[i] = ok;
+            if ok {
+                count += 1;
+                for b in w {
+                    constant[b] = true;
+                }
+            }
+        }
+        self.stale = true;
+        count
     }
 
     /// Runs step `i` alone (a launch or a GEMM) on whatever the buffers hold: the per-kernel
@@ -237,6 +307,9 @@ impl CpuProgram {
     pub fn execute_timed(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
         let mut times = Vec::with_capacity(self.plans.len());
         for i in 0..self.plans.len() {
+            if self.hoisted[i] && !self.stale {
+                continue;
+            }
             let t = std::time::Instant::now();
             self.execute_step(i)?;
             let what = match &self.plans[i] {
