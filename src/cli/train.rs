@@ -261,6 +261,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve).as_bytes()).with_context(|| format!("{}", p.display()))?;
     }
     let what = if tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
-    println!("trained steps {start}..{}: loss {first:.4} -> {last:.4}; {what} in {}", a.steps, a.out.display());
+    // one batch's loss is noisy: the means of the first and last (up to) ten steps of this run
+    let n = curve.len().min(10);
+    let mean = |xs: &[(usize, f64)]| if xs.is_empty() { f64::NAN } else { xs.iter().map(|x| x.1).sum::<f64>() / xs.len() as f64 };
+    let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (first, last) };
+    println!("trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps); {what} in {}", a.steps, n.max(1), a.out.display());
     Ok(())
 }
