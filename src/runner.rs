@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+#[cfg(feature = "llvm")]
 use anyhow::Context;
 use qatc_ir::Graph;
 use qatc_runtime::{Interpreter, Value};
