@@ -11,7 +11,9 @@ use super::fb::{Fb, R};
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044715;
 
-/// QLoRA's NormalFloat4 code values (`quant::NF4`, the same literals).
+/// QLoRA's NormalFloat4 code values: `quant::NF4`'s literals, digit for digit, so the two tables
+/// can be compared by eye.
+#[allow(clippy::excessive_precision)]
 const NF4: [f32; 16] = [
     -1.0,
     -0.696_192_800_998_687_7,
