@@ -139,12 +139,14 @@ impl Runner {
                     Some(b) => format!("large ones by OpenBLAS ({})", b.name),
                     None => "by the gemm crate".into(),
                 };
+                // the executor gives every buffer its own allocation (no reuse yet): say how much
                 format!(
-                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads",
+                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, {} of buffers",
                     prog.kernels.len(),
                     prog.launches(),
                     prog.gemms().count(),
-                    rayon::current_num_threads()
+                    rayon::current_num_threads(),
+                    qatc_passes::plan::units::human(p.allocated_bytes())
                 )
             }
         }
