@@ -149,6 +149,28 @@ pub enum Op {
     AdamParam { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
 }
 
+/// QLoRA / bitsandbytes NormalFloat4 code values, the one table every backend reads (the
+/// interpreter's `quant`, the LLVM backend; `qatc_quant.cuh` carries the same literals).
+#[allow(clippy::excessive_precision)]
+pub const NF4: [f32; 16] = [
+    -1.0,
+    -0.696_192_800_998_687_7,
+    -0.525_073_051_452_636_7,
+    -0.394_917_488_098_144_53,
+    -0.284_441_381_692_886_35,
+    -0.184_773_430_228_233_34,
+    -0.091_050_036_251_544_95,
+    0.0,
+    0.079_580_299_556_255_34,
+    0.160_930_201_411_247_25,
+    0.246_112_301_945_686_34,
+    0.337_915_241_718_292_24,
+    0.440_709_829_330_444_34,
+    0.562_617_003_917_694_1,
+    0.722_956_836_223_602_3,
+    1.0,
+];
+
 /// How weights are quantized (see `FakeQuant`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QuantScheme {

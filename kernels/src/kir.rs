@@ -35,6 +35,19 @@ pub enum Ty {
     Bool,
 }
 
+impl Ty {
+    /// C's usual arithmetic conversions, which the backends follow for mixed operands:
+    /// double > float > long long > int (bool counts as int).
+    pub fn common(a: Ty, b: Ty) -> Ty {
+        match (a, b) {
+            (Ty::F64, _) | (_, Ty::F64) => Ty::F64,
+            (Ty::F32, _) | (_, Ty::F32) => Ty::F32,
+            (Ty::I64, _) | (_, Ty::I64) => Ty::I64,
+            _ => Ty::I32,
+        }
+    }
+}
+
 /// A kernel parameter: a device buffer of `dtype` elements (its graph shape, for comments and
 /// bounds; the kernel addresses it by linear element index).
 #[derive(Clone, Debug, PartialEq)]

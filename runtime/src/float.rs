@@ -33,6 +33,7 @@ pub trait Float:
     fn from_i32(v: i32) -> Self;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
+    fn powf(self, y: Self) -> Self;
     fn sqrt(self) -> Self;
     fn tanh(self) -> Self;
     fn is_nan(self) -> bool;
@@ -94,6 +95,10 @@ macro_rules! impl_float {
             #[inline]
             fn ln(self) -> Self {
                 <$t>::ln(self)
+            }
+            #[inline]
+            fn powf(self, y: Self) -> Self {
+                <$t>::powf(self, y)
             }
             #[inline]
             fn sqrt(self) -> Self {

@@ -12,25 +12,19 @@
 use half::f16;
 use qatc_ir::{QuantScheme, QuantSpec};
 
-/// QLoRA / bitsandbytes NormalFloat4 code values.
-pub const NF4: [f32; 16] = [
-    -1.0,
-    -0.696_192_800_998_687_7,
-    -0.525_073_051_452_636_7,
-    -0.394_917_488_098_144_53,
-    -0.284_441_381_692_886_35,
-    -0.184_773_430_228_233_34,
-    -0.091_050_036_251_544_95,
-    0.0,
-    0.079_580_299_556_255_34,
-    0.160_930_201_411_247_25,
-    0.246_112_301_945_686_34,
-    0.337_915_241_718_292_24,
-    0.440_709_829_330_444_34,
-    0.562_617_003_917_694_1,
-    0.722_956_836_223_602_3,
-    1.0,
-];
+pub use qatc_ir::NF4;
+
+/// The nearest NF4 code to x (a value already divided by the group's absmax), the first one on
+/// ties.
+pub fn nf4_nearest(x: f32) -> u8 {
+    let mut best = 0usize;
+    for (k, c) in NF4.iter().enumerate() {
+        if (x - c).abs() < (x - NF4[best]).abs() {
+            best = k;
+        }
+    }
+    best as u8
+}
 
 /// A quantized weight: one code per element (unpacked; see `pack_i4` for storage), scales and,
 /// for asym, zero points, each [groups, out] row-major.
@@ -114,14 +108,7 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
                     let absmax = col.iter().fold(0f32, |m, v| m.max(v.abs()));
                     for (r, &v) in col.iter().enumerate() {
                         let x = if absmax == 0.0 { 0.0 } else { v / absmax };
-                        // nearest code value, the first one on ties
-                        let mut best = 0usize;
-                        for (k, c) in NF4.iter().enumerate() {
-                            if (x - c).abs() < (x - NF4[best]).abs() {
-                                best = k;
-                            }
-                        }
-                        put(r, best as u8);
+                        put(r, nf4_nearest(x));
                     }
                     q.scales[si] = absmax;
                 }

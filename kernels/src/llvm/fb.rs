@@ -292,10 +292,14 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
             .and_then(|i| i.get_declaration(self.m, &[ty.into()]))
             .ok_or_else(|| KernelError::Internal(format!("no intrinsic {name}")))?;
         let args: Vec<BasicMetadataValueEnum> = args.iter().map(|&a| a.into()).collect();
-        let call = self.b.build_call(decl, &args, name)?;
-        match call.try_as_basic_value() {
-            inkwell::values::ValueKind::Basic(v) => Ok(v.into_float_value()),
-            inkwell::values::ValueKind::Instruction(_) => Err(KernelError::Internal(format!("{name} returned nothing"))),
+        Ok(self.call(decl, &args, name)?.into_float_value())
+    }
+
+    /// The value of a call to `f` (a function that returns one).
+    pub fn call(&self, f: FunctionValue<'ctx>, args: &[BasicMetadataValueEnum<'ctx>], name: &str) -> R<BasicValueEnum<'ctx>> {
+        match self.b.build_call(f, args, name)?.try_as_basic_value() {
+            inkwell::values::ValueKind::Basic(v) => Ok(v),
+            inkwell::values::ValueKind::Instruction(_) => Err(KernelError::Internal(format!("{}: {name} returned nothing", self.name))),
         }
     }
 
@@ -316,10 +320,7 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
             }
         };
         let args: Vec<BasicMetadataValueEnum> = x.iter().map(|&a| a.into()).collect();
-        match self.b.build_call(f, &args, name)?.try_as_basic_value() {
-            inkwell::values::ValueKind::Basic(v) => Ok(v.into_float_value()),
-            inkwell::values::ValueKind::Instruction(_) => Err(KernelError::Internal(format!("{name} returned nothing"))),
-        }
+        Ok(self.call(f, &args, name)?.into_float_value())
     }
 
     pub fn is_nan(&self, x: FloatValue<'ctx>) -> R<IntValue<'ctx>> {

@@ -79,14 +79,12 @@ fn is_float(t: Ty) -> bool {
     matches!(t, Ty::F32 | Ty::F64)
 }
 
-/// The type two operands meet in: an integer literal takes the other side's type.
+/// The type two operands meet in: C's conversions, except that two bools stay a bool (an i1
+/// select, not an int).
 fn join(a: Ty, b: Ty) -> Ty {
     match (a, b) {
-        (Ty::F64, _) | (_, Ty::F64) => Ty::F64,
-        (Ty::F32, _) | (_, Ty::F32) => Ty::F32,
-        (Ty::I64, _) | (_, Ty::I64) => Ty::I64,
         (Ty::Bool, Ty::Bool) => Ty::Bool,
-        _ => Ty::I32,
+        _ => Ty::common(a, b),
     }
 }
 
@@ -478,10 +476,7 @@ fn cast<'ctx>(f: &Fb<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<
             let decl = inkwell::intrinsics::Intrinsic::find("llvm.fptosi.sat")
                 .and_then(|i| i.get_declaration(f.m, &[it.into(), f.f32t().into()]))
                 .ok_or_else(|| KernelError::Internal(format!("no intrinsic {name}")))?;
-            match f.b.build_call(decl, &[x.into()], "sat")?.try_as_basic_value() {
-                inkwell::values::ValueKind::Basic(v) => Ok(v),
-                inkwell::values::ValueKind::Instruction(_) => Err(KernelError::Internal(format!("{name} returned nothing"))),
-            }
+            f.call(decl, &[x.into()], &name)
         }
         _ => convert(f, v, from, to),
     }

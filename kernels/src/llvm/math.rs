@@ -6,32 +6,12 @@ use inkwell::module::Linkage;
 use inkwell::values::{FloatValue, IntValue};
 use inkwell::FloatPredicate;
 
+use qatc_ir::NF4;
+
 use super::fb::{Fb, R};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044715;
-
-/// QLoRA's NormalFloat4 code values: `quant::NF4`'s literals, digit for digit, so the two tables
-/// can be compared by eye.
-#[allow(clippy::excessive_precision)]
-const NF4: [f32; 16] = [
-    -1.0,
-    -0.696_192_800_998_687_7,
-    -0.525_073_051_452_636_7,
-    -0.394_917_488_098_144_53,
-    -0.284_441_381_692_886_35,
-    -0.184_773_430_228_233_34,
-    -0.091_050_036_251_544_95,
-    0.0,
-    0.079_580_299_556_255_34,
-    0.160_930_201_411_247_25,
-    0.246_112_301_945_686_34,
-    0.337_915_241_718_292_24,
-    0.440_709_829_330_444_34,
-    0.562_617_003_917_694_1,
-    0.722_956_836_223_602_3,
-    1.0,
-];
 
 /// e^x in f32: Cephes' range reduction (x = n ln2 + r, |r| <= ln2/2) and degree-6 polynomial,
 /// scaled by 2^n in two halves so that neither factor leaves the normal range. Within 2 ulp of

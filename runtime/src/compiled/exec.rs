@@ -306,6 +306,7 @@ impl CpuProgram {
     /// being the kernel's family or `gemm MxNxK` (where a step's time goes: `bench_cpu_train`).
     pub fn execute_timed(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
         let mut times = Vec::with_capacity(self.plans.len());
+        let by_kernel = std::env::var_os("QATC_PROFILE_KERNELS").is_some();
         for i in 0..self.plans.len() {
             if self.hoisted[i] && !self.stale {
                 continue;
@@ -313,7 +314,7 @@ impl CpuProgram {
             let t = std::time::Instant::now();
             self.execute_step(i)?;
             let what = match &self.plans[i] {
-                Plan::Launch(l) if std::env::var_os("QATC_PROFILE_KERNELS").is_some() => format!("{} [{}] #{}", self.prog.kernels[l.kernel].family, l.iterations, l.kernel),
+                Plan::Launch(l) if by_kernel => format!("{} [{}] #{}", self.prog.kernels[l.kernel].family, l.iterations, l.kernel),
                 Plan::Launch(l) => self.prog.kernels[l.kernel].family.clone(),
                 Plan::Gemm(g) => format!("gemm {}x{}x{}{}", g.m, g.n, g.k, if g.batch() > 1 { format!(" x{}", g.batch()) } else { String::new() }),
             };

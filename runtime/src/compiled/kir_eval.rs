@@ -81,7 +81,7 @@ impl KirEval {
                 if let Body::Loops { stmts, .. } = &p.kernel.body {
                     kir::visit_exprs(stmts, &mut |e| {
                         if let Expr::Select(_, a, b) = e {
-                            select_ty.insert(e as *const Expr as usize, scalar::common(p.env.ty(&p.kernel, a), p.env.ty(&p.kernel, b)));
+                            select_ty.insert(e as *const Expr as usize, Ty::common(p.env.ty(&p.kernel, a), p.env.ty(&p.kernel, b)));
                         }
                     });
                 }
@@ -245,7 +245,7 @@ impl Frame<'_> {
                 // an integer constant takes the type of the other operand
                 let x = if let Expr::Int(i) = **a { int_as(i, y.ty())? } else { x };
                 let y = if let Expr::Int(i) = **b { int_as(i, x.ty())? } else { y };
-                let t = scalar::common(x.ty(), y.ty());
+                let t = Ty::common(x.ty(), y.ty());
                 scalar::binary(*op, scalar::cast(t, x)?, scalar::cast(t, y)?)?
             }
             Expr::Select(c, a, b) => {
@@ -253,7 +253,7 @@ impl Frame<'_> {
                 // type of the two branches
                 let t = match self.k.select_ty.get(&(e as *const Expr as usize)) {
                     Some(&t) => t,
-                    None => scalar::common(self.ty(a), self.ty(b)),
+                    None => Ty::common(self.ty(a), self.ty(b)),
                 };
                 let v = if self.eval(c)?.bool()? { self.eval(a)? } else { self.eval(b)? };
                 if v.ty() == Ty::Bool { v } else { scalar::cast(t, v)? }

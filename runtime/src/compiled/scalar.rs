@@ -8,8 +8,9 @@
 use half::{bf16, f16};
 use qatc_kernels::kir::{BinOp, Intrinsic, Ty, UnOp};
 
-use crate::kernels::elementwise::{gelu, gelu_grad};
-use crate::quant::{dropout_keep, NF4};
+use crate::kernels::elementwise::{gelu, gelu_grad, nan_or};
+use crate::Float;
+use crate::quant::{dropout_keep, nf4_nearest, NF4};
 
 /// A scalar value of one of the IR's types.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -103,27 +104,6 @@ pub fn cast(to: Ty, v: V) -> R<V> {
     })
 }
 
-/// C's usual arithmetic conversions: double > float > long long > int (bool counts as int).
-pub fn common(a: Ty, b: Ty) -> Ty {
-    match (a, b) {
-        (Ty::F64, _) | (_, Ty::F64) => Ty::F64,
-        (Ty::F32, _) | (_, Ty::F32) => Ty::F32,
-        (Ty::I64, _) | (_, Ty::I64) => Ty::I64,
-        _ => Ty::I32,
-    }
-}
-
-/// max / min that propagate NaN (`qatc::max_nan`, torch.maximum, the interpreter).
-fn max_nan<T: Copy>(a: T, b: T, nan: impl Fn(T) -> bool, pick_a: bool) -> T {
-    if nan(a) {
-        a
-    } else if nan(b) || !pick_a {
-        b
-    } else {
-        a
-    }
-}
-
 pub fn unary(op: UnOp, v: V) -> R<V> {
     if op == UnOp::Not {
         return Ok(V::B(!v.bool()?));
@@ -144,62 +124,7 @@ pub fn unary(op: UnOp, v: V) -> R<V> {
     })
 }
 
-trait Real:
-    Copy
-    + PartialOrd
-    + Into<f64>
-    + std::ops::Neg<Output = Self>
-    + std::ops::Add<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Div<Output = Self>
-{
-    const ONE: Self;
-    fn powf(self, y: Self) -> Self;
-    fn exp(self) -> Self;
-    fn ln(self) -> Self;
-    fn sqrt(self) -> Self;
-    fn tanh(self) -> Self;
-    fn abs(self) -> Self;
-    fn rint(self) -> Self;
-    fn trunc(self) -> Self;
-}
-
-macro_rules! real {
-    ($t:ty) => {
-        impl Real for $t {
-            const ONE: Self = 1.0;
-            fn powf(self, y: Self) -> Self {
-                <$t>::powf(self, y)
-            }
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            fn ln(self) -> Self {
-                <$t>::ln(self)
-            }
-            fn sqrt(self) -> Self {
-                <$t>::sqrt(self)
-            }
-            fn tanh(self) -> Self {
-                <$t>::tanh(self)
-            }
-            fn abs(self) -> Self {
-                <$t>::abs(self)
-            }
-            fn rint(self) -> Self {
-                <$t>::round_ties_even(self)
-            }
-            fn trunc(self) -> Self {
-                <$t>::trunc(self)
-            }
-        }
-    };
-}
-real!(f32);
-real!(f64);
-
-fn float_un<T: Real>(op: UnOp, x: T) -> T {
+fn float_un<T: Float>(op: UnOp, x: T) -> T {
     match op {
         UnOp::Neg => -x,
         UnOp::Exp => x.exp(),
@@ -209,7 +134,7 @@ fn float_un<T: Real>(op: UnOp, x: T) -> T {
         UnOp::Recip => T::ONE / x,
         UnOp::Tanh => x.tanh(),
         UnOp::Abs => x.abs(),
-        UnOp::RoundEven => x.rint(),
+        UnOp::RoundEven => x.round_ties_even(),
         UnOp::Trunc => x.trunc(),
         // handled by `unary` before it gets here
         UnOp::Gelu | UnOp::RoundF16 | UnOp::RoundBf16 | UnOp::Not => x,
@@ -256,15 +181,14 @@ pub fn binary(op: BinOp, a: V, b: V) -> R<V> {
     })
 }
 
-fn float_bin<T: Real>(op: BinOp, x: T, y: T) -> R<T> {
-    let nan = |v: T| v.into().is_nan();
+fn float_bin<T: Float>(op: BinOp, x: T, y: T) -> R<T> {
     Ok(match op {
         BinOp::Add => x + y,
         BinOp::Sub => x - y,
         BinOp::Mul => x * y,
         BinOp::Div => x / y,
-        BinOp::Max => max_nan(x, y, nan, x >= y),
-        BinOp::Min => max_nan(x, y, nan, x <= y),
+        BinOp::Max => nan_or(x, y, x >= y),
+        BinOp::Min => nan_or(x, y, x <= y),
         BinOp::Pow => x.powf(y),
         _ => return Err(format!("{op:?} of floats")),
     })
@@ -294,16 +218,7 @@ pub fn call(i: Intrinsic, args: &[V]) -> R<V> {
             V::B(dropout_keep(seed, stream as usize, arg(1)?.index()?, arg(2)?.f64()))
         }
         Intrinsic::Nf4Value => V::F(NF4[(arg(0)?.int()? & 15) as usize]),
-        Intrinsic::Nf4Nearest => {
-            let x = arg(0)?.f32();
-            let mut best = 0usize;
-            for (k, c) in NF4.iter().enumerate() {
-                if (x - c).abs() < (x - NF4[best]).abs() {
-                    best = k;
-                }
-            }
-            V::I(best as i32)
-        }
+        Intrinsic::Nf4Nearest => V::I(i32::from(nf4_nearest(arg(0)?.f32()))),
         Intrinsic::F16Round => V::F(f16::from_f32(arg(0)?.f32()).to_f32()),
     })
 }

@@ -34,7 +34,7 @@ pub fn gelu_grad<T: Float>(x: T, dy: T) -> T {
 /// max/min that propagate NaN (as torch.maximum does): an oracle should surface NaNs, not hide
 /// them behind the other operand.
 #[inline]
-fn nan_or<T: Float>(a: T, b: T, pick_a: bool) -> T {
+pub(crate) fn nan_or<T: Float>(a: T, b: T, pick_a: bool) -> T {
     if a.is_nan() {
         a
     } else if b.is_nan() {
