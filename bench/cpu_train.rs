@@ -46,6 +46,7 @@ fn main() -> anyhow::Result<()> {
     let mut tr = Trainer::with_engine(&m, o, None, 0, engine)?;
     let build_s = t0.elapsed().as_secs_f64();
     tr.step(&data, 0, 1e-3)?; // warm-up step, not timed
+    eprintln!("{}", tr.describe());
     let mut times = Vec::new();
     for s in 1..=steps {
         let t0 = Instant::now();

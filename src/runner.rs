@@ -55,6 +55,17 @@ pub fn resolve(device: Device, interpreter: bool) -> anyhow::Result<(Engine, Opt
     }
 }
 
+/// The most bytes of one dequantized weight panel: the GEMM packs from it while it is in L2.
+/// `QATC_PANEL_KIB=0` materializes whole weights instead (as the CUDA path does).
+#[cfg(feature = "llvm")]
+fn panel_bytes() -> usize {
+    match std::env::var("QATC_PANEL_KIB").ok().and_then(|v| v.parse::<usize>().ok()) {
+        Some(0) => 0,
+        Some(k) => k * 1024,
+        None => 512 * 1024,
+    }
+}
+
 /// A step graph ready to run.
 pub enum Runner {
     Interpreter(Box<Interpreter<f32>>),
@@ -64,6 +75,8 @@ pub enum Runner {
         /// Frozen weights: copied in on the first run only (they never change while training).
         frozen: std::collections::HashSet<String>,
         bound: bool,
+        /// The 4-bit weights the GEMMs dequantize a panel at a time.
+        panels: qatc_kernels::panels::PanelReport,
     },
 }
 
@@ -73,14 +86,15 @@ impl Runner {
             Engine::Interpreter => Ok(Runner::Interpreter(Box::new(Interpreter::<f32>::new(g)?))),
             #[cfg(feature = "llvm")]
             Engine::Compiled => {
-                let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
+                let mut prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
+                let panels = qatc_kernels::panels::feed_panels(&mut prog, panel_bytes());
                 let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).context("compiling the kernels with LLVM")?;
                 let mut p = qatc_runtime::compiled::CpuProgram::new(prog, Box::new(jit))?;
                 let frozen: std::collections::HashSet<String> =
                     g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(qatc_ir::InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
                 // the dequantized frozen weights are the same every step: computed once
                 p.hoist(&frozen);
-                Ok(Runner::Compiled { prog: Box::new(p), frozen, bound: false })
+                Ok(Runner::Compiled { prog: Box::new(p), frozen, bound: false, panels })
             }
             #[cfg(not(feature = "llvm"))]
             Engine::Compiled => anyhow::bail!("this qatc was built without LLVM; the compiled CPU runtime needs it"),
@@ -91,7 +105,7 @@ impl Runner {
         Ok(match self {
             Runner::Interpreter(i) => i.run(inputs)?,
             #[cfg(feature = "llvm")]
-            Runner::Compiled { prog, frozen, bound } => {
+            Runner::Compiled { prog, frozen, bound, .. } => {
                 for (name, v) in inputs {
                     if !*bound || !frozen.contains(name) {
                         // names the step does not read are not an error (as `run`)
@@ -133,15 +147,20 @@ impl Runner {
         match self {
             Runner::Interpreter(_) => "the reference interpreter".into(),
             #[cfg(feature = "llvm")]
-            Runner::Compiled { prog: p, .. } => {
+            Runner::Compiled { prog: p, panels, .. } => {
                 let prog = p.program();
+                let fed = if panels.lines.is_empty() {
+                    String::new()
+                } else {
+                    format!(", {} 4-bit weights dequantized into GEMM panels ({} of f32 copies never made)", panels.lines.len(), qatc_passes::plan::units::human(panels.bytes_saved))
+                };
                 let gemms = match qatc_runtime::compiled::blas::get() {
                     Some(b) => format!("large ones by OpenBLAS ({})", b.name),
                     None => "by the gemm crate".into(),
                 };
                 // the executor gives every buffer its own allocation (no reuse yet): say how much
                 format!(
-                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, {} of buffers",
+                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, {} of buffers{fed}",
                     prog.kernels.len(),
                     prog.launches(),
                     prog.gemms().count(),

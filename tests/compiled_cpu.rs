@@ -98,14 +98,35 @@ fn check(what: &str, h: &AdamW, before: &HashMap<String, Value<f32>>, got: &Hash
 /// Runs two steps of `o` on the interpreter and compiled (kernels by the kernel-IR evaluator,
 /// and with the `llvm` feature also by LLVM), comparing every output after each; returns the
 /// attention kernel parts of the program.
-fn compare(what: &str, mut o: StepOptions) -> BTreeSet<String> {
+fn compare(what: &str, o: StepOptions) -> BTreeSet<String> {
+    compare_with(what, o, 0)
+}
+
+/// `compare`, with the 4-bit weights fed to their GEMMs in panels of at most `panel_bytes`
+/// (`qatc_kernels::panels`) when that is not 0: the rewrite must find every dequantized weight
+/// and change no output beyond f32 reassociation of the split GEMMs.
+fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<String> {
     let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
     let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
     o.keep_grads = true;
     let (b, t, k) = (o.batch, o.seq, o.grad_accum);
     let tr = Trainer::new(&m, o.clone(), None, 3).unwrap();
     let interp = Interpreter::<f32>::new(&tr.graph).unwrap();
-    let prog = qatc_kernels::lower(&tr.graph).unwrap_or_else(|e| panic!("{what}: lower: {e}"));
+    let mut prog = qatc_kernels::lower(&tr.graph).unwrap_or_else(|e| panic!("{what}: lower: {e}"));
+    if panel_bytes > 0 {
+        // unfused, one dequantized value per 4-bit weight, read by its forward and backward
+        // GEMMs; fused, one materialized per GEMM (the report counts them)
+        let dequants = if o.fuse.is_some() { prog.materialized.len() } else { prog.buffers.iter().filter(|b| b.dtype == qatc_ir::DType::I4 && matches!(b.kind, qatc_kernels::program::BufKind::Input(_))).count() };
+        let before: usize = prog.buffers.iter().map(|b| b.bytes()).sum();
+        let r = qatc_kernels::panels::feed_panels(&mut prog, panel_bytes);
+        let after: usize = prog.buffers.iter().map(|b| b.bytes()).sum();
+        eprintln!("{what}: {}", r.lines.join("; "));
+        assert!(dequants > 0 && r.lines.len() == dequants, "{what}: {} of {dequants} dequantized weights fed in panels", r.lines.len());
+        assert_eq!(before - after, r.bytes_saved - r.scratch_bytes, "{what}: the buffers shrank by what the report says");
+        let fed: Vec<_> = prog.gemms().filter_map(|g| g.feed.as_ref()).collect();
+        assert!(fed.iter().any(|f| f.rows_are_k) && fed.iter().any(|f| !f.rows_are_k), "{what}: both b = W and b = W^T are fed");
+        assert!(fed.iter().any(|f| f.rows % f.panel != 0 && f.rows > f.panel), "{what}: some weight ends in a short panel");
+    }
     eprintln!("{what}: {} kernels, {} launches, {} GEMMs", prog.kernels.len(), prog.launches(), prog.gemms().count());
     let parts: BTreeSet<String> = prog
         .kernels
@@ -181,6 +202,18 @@ fn qlora_step_fused() {
     o.fuse = Some(FuseOptions::default());
     let parts = compare("4-bit + LoRA, fused", o);
     assert!(parts.contains("Forward") && parts.contains("BackwardV"), "{parts:?}");
+}
+
+/// The dequantized weights fed to the GEMMs a few rows at a time (panels of 5000 bytes: 6 rows
+/// of a [64, 192] weight, 19 of a [.., 64] one, so most weights end in a short panel), unfused
+/// and fused.
+#[test]
+fn qlora_step_panels() {
+    let mut o = StepOptions::new(2, 16);
+    qlora(&mut o);
+    compare_with("4-bit + LoRA, unfused, in panels", o.clone(), 5000);
+    o.fuse = Some(FuseOptions::default());
+    compare_with("4-bit + LoRA, fused, in panels", o, 5000);
 }
 
 /// Gradient clipping (a global norm: a reduction over every gradient) and accumulation over two

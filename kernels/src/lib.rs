@@ -17,6 +17,7 @@ pub mod kir;
 pub mod llvm;
 pub mod lower;
 pub mod nvrtc;
+pub mod panels;
 pub mod program;
 
 use std::path::Path;

@@ -145,6 +145,9 @@ pub struct Gemm {
     pub accumulate: bool,
     pub bias: Option<View>,
     pub note: String,
+    /// Operand b is computed a panel at a time rather than read whole (a CPU rewrite,
+    /// `panels::feed_panels`); `lower` never sets it.
+    pub feed: Option<crate::panels::PanelFeed>,
 }
 
 impl Gemm {

@@ -240,7 +240,7 @@ fn gemm(lw: &mut Lowerer, cx: &mut Ctx, mm: NodeId, dest: View, bias: Option<Vie
     let (m, n, k) = (shape[r - 2], shape[r - 1], a.shape[r - 1]);
     let c = if dest.shape == *shape { dest } else { View { shape: shape.clone(), strides: crate::index::strides(shape), ..dest } };
     let note = lw.note(cx, mm, None);
-    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha: 1.0, accumulate: false, bias, note });
+    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha: 1.0, accumulate: false, bias, note, feed: None });
     Ok(())
 }
 

@@ -39,9 +39,61 @@ struct LaunchPlan {
     bufs: Vec<usize>,
 }
 
+/// A GEMM whose operand b a kernel computes panel by panel (`qatc_kernels::panels`): before
+/// each partial GEMM, `feed` runs over that panel's element range.
+struct Fed {
+    feed: LaunchPlan,
+    /// The whole GEMM's (m, n, k), for the profile.
+    dims: (usize, usize, usize),
+    panels: Vec<((usize, usize), Gemm)>,
+}
+
 enum Plan {
     Launch(LaunchPlan),
     Gemm(Box<Gemm>),
+    Fed(Box<Fed>),
+}
+
+/// Checks a launch's buffers against its kernel's params (count, dtype, size, no graph input
+/// written), marks them read, and resolves their addresses.
+/// A panel feed's written buffer (the shared scratch) may be longer than its param.
+fn resolve_args<'p>(prog: &'p Program, mem: &[Allocation], read: &mut [bool], kernel: usize, args: &[usize], feed: bool) -> Result<(RawArgs, &'p Kernel), RuntimeError> {
+    let k = prog.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the program has {} kernels", prog.kernels.len()) })?;
+    let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(k), msg };
+    if args.len() != k.params.len() {
+        return Err(err(format!("launched with {} buffers for {} params", args.len(), k.params.len())));
+    }
+    let mut ptrs = Vec::with_capacity(args.len());
+    for (p, &b) in k.params.iter().zip(args) {
+        let buf = prog.buffers.get(b).ok_or_else(|| err(format!("param {} is buffer {b} of {}", p.name, prog.buffers.len())))?;
+        let fits = if feed && p.write { buf.numel() >= p.numel() } else { buf.numel() == p.numel() };
+        if buf.dtype != p.dtype || !fits {
+            return Err(err(format!("param {} ({} {:?}) gets buffer {} ({} {:?})", p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape)));
+        }
+        if p.write && matches!(buf.kind, BufKind::Input(_)) {
+            return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
+        }
+        read[b] = true;
+        ptrs.push(mem[b].ptr());
+    }
+    Ok((RawArgs(ptrs.into_boxed_slice()), k))
+}
+
+/// Runs iterations `start..end` of a launch, in chunks of `l.chunk` over rayon's pool.
+///
+/// # Safety
+/// `l`'s arguments must have been resolved by `resolve_args` against live buffers that nothing
+/// else accesses during the call.
+unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: usize) -> Result<(), RuntimeError> {
+    let args = &l.args;
+    // SAFETY (both calls): the caller's guarantee, and parallel chunks are disjoint ranges of
+    // one launch.
+    if end - start <= l.chunk {
+        unsafe { launcher.launch(l.kernel, &args.0, start, end) }
+    } else {
+        let chunks = (end - start).div_ceil(l.chunk);
+        (0..chunks).into_par_iter().try_for_each(|c| unsafe { launcher.launch(l.kernel, &args.0, start + c * l.chunk, (start + (c + 1) * l.chunk).min(end)) })
+    }
 }
 
 /// A lowered program ready to run on the CPU: every buffer allocated once (64-byte aligned,
@@ -102,24 +154,8 @@ impl CpuProgram {
         let mut plans = Vec::with_capacity(prog.steps.len());
         for step in &prog.steps {
             plans.push(match step {
-                Step::Launch { kernel, args, .. } => {
-                    let k = prog.kernels.get(*kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the program has {} kernels", prog.kernels.len()) })?;
-                    let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(k), msg };
-                    if args.len() != k.params.len() {
-                        return Err(err(format!("launched with {} buffers for {} params", args.len(), k.params.len())));
-                    }
-                    let mut ptrs = Vec::with_capacity(args.len());
-                    for (p, &b) in k.params.iter().zip(args) {
-                        let buf = prog.buffers.get(b).ok_or_else(|| err(format!("param {} is buffer {b} of {}", p.name, prog.buffers.len())))?;
-                        if buf.dtype != p.dtype || buf.numel() != p.numel() {
-                            return Err(err(format!("param {} ({} {:?}) gets buffer {} ({} {:?})", p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape)));
-                        }
-                        if p.write && matches!(buf.kind, BufKind::Input(_)) {
-                            return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
-                        }
-                        read[b] = true;
-                        ptrs.push(mem[b].ptr());
-                    }
+                Step::Launch { kernel, args: bufs, .. } => {
+                    let (args, k) = resolve_args(&prog, &mem, &mut read, *kernel, bufs, false)?;
                     let iterations = kir::iterations(k);
                     let (grain, cost) = shape_of(k);
                     let chunk = if iterations.saturating_mul(cost) < PAR_MIN_WORK || threads == 1 {
@@ -127,7 +163,25 @@ impl CpuProgram {
                     } else {
                         iterations.div_ceil(4 * threads).next_multiple_of(grain).max(grain)
                     };
-                    Plan::Launch(LaunchPlan { kernel: *kernel, args: RawArgs(ptrs.into_boxed_slice()), iterations, chunk, bufs: args.clone() })
+                    Plan::Launch(LaunchPlan { kernel: *kernel, args, iterations, chunk, bufs: bufs.clone() })
+                }
+                Step::Gemm(g) if g.feed.is_some() => {
+                    let f = g.feed.as_ref().ok_or_else(|| RuntimeError::Gemm { note: g.note.clone(), msg: "no feed".into() })?;
+                    let (args, k) = resolve_args(&prog, &mem, &mut read, f.kernel, &f.args, true)?;
+                    let per_panel = f.panel * f.cols;
+                    let chunk = if per_panel < PAR_MIN_WORK || threads == 1 { per_panel.max(1) } else { per_panel.div_ceil(2 * threads).next_multiple_of(shape_of(k).0) };
+                    let panels = g.panels();
+                    for (_, sub) in &panels {
+                        gemm::check(sub, &prog.buffers)?;
+                    }
+                    if matches!(prog.buffers[g.c.buf].kind, BufKind::Input(_)) {
+                        return Err(RuntimeError::Gemm { note: g.note.clone(), msg: format!("writes the graph input {}", prog.buffers[g.c.buf].name) });
+                    }
+                    for v in [Some(&g.a), Some(&g.b), Some(&g.c), g.bias.as_ref()].into_iter().flatten() {
+                        read[v.buf] = true;
+                    }
+                    let feed = LaunchPlan { kernel: f.kernel, args, iterations: f.rows * f.cols, chunk, bufs: f.args.clone() };
+                    Plan::Fed(Box::new(Fed { feed, dims: (g.m, g.n, g.k), panels }))
                 }
                 Step::Gemm(g) => {
                     gemm::check(g, &prog.buffers)?;
@@ -243,6 +297,16 @@ impl CpuProgram {
                     }
                     (r, vec![g.c.buf])
                 }
+                Plan::Fed(f) => {
+                    let Some((_, g)) = f.panels.first() else { return (Vec::new(), Vec::new()) };
+                    let mut r: Vec<usize> = prog.kernels[f.feed.kernel].params.iter().zip(&f.feed.bufs).filter(|(p, _)| !p.write).map(|(_, &b)| b).collect();
+                    r.push(g.a.buf);
+                    r.extend(f.panels.iter().filter_map(|(_, g)| g.bias.as_ref().map(|b| b.buf)));
+                    if g.accumulate {
+                        r.push(g.c.buf);
+                    }
+                    (r, vec![g.c.buf, g.b.buf])
+                }
             }
         };
         for plan in &self.plans {
@@ -279,17 +343,21 @@ impl CpuProgram {
         let plan = self.plans.get(i).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no step {i}") })?;
         match plan {
             Plan::Launch(l) => {
-                let launcher = &*self.launcher;
-                let args = &l.args;
-                // SAFETY (both calls): `new` checked that each pointer addresses a live
-                // allocation of `self.mem` (64-byte aligned) holding at least its param's
-                // elements in the param's dtype; `&mut self` keeps everything else away from
-                // the buffers, and parallel chunks are disjoint ranges of one launch.
-                if l.chunk >= l.iterations {
-                    unsafe { launcher.launch(l.kernel, &args.0, 0, l.iterations)? };
-                } else {
-                    let chunks = l.iterations.div_ceil(l.chunk);
-                    (0..chunks).into_par_iter().try_for_each(|c| unsafe { launcher.launch(l.kernel, &args.0, c * l.chunk, ((c + 1) * l.chunk).min(l.iterations)) })?;
+                // SAFETY: `new` checked that each pointer addresses a live allocation of
+                // `self.mem` (64-byte aligned) holding at least its param's elements in the
+                // param's dtype; `&mut self` keeps everything else away from the buffers.
+                unsafe { run_range(&*self.launcher, l, 0, l.iterations)? };
+            }
+            Plan::Fed(f) => {
+                let mem = &self.mem;
+                for ((start, end), g) in &f.panels {
+                    // SAFETY: as for a launch (the feed's arguments were resolved in `new`), and
+                    // each partial GEMM passed `gemm::check` there; the feed fills the scratch
+                    // before the GEMM that reads it, one after the other.
+                    unsafe {
+                        run_range(&*self.launcher, &f.feed, *start, *end)?;
+                        gemm::run(g, |b| mem[b].ptr());
+                    }
                 }
             }
             Plan::Gemm(g) => {
@@ -317,6 +385,7 @@ impl CpuProgram {
                 Plan::Launch(l) if by_kernel => format!("{} [{}] #{}", self.prog.kernels[l.kernel].family, l.iterations, l.kernel),
                 Plan::Launch(l) => self.prog.kernels[l.kernel].family.clone(),
                 Plan::Gemm(g) => format!("gemm {}x{}x{}{}", g.m, g.n, g.k, if g.batch() > 1 { format!(" x{}", g.batch()) } else { String::new() }),
+                Plan::Fed(f) => format!("gemm {}x{}x{} fed by {}", f.dims.0, f.dims.1, f.dims.2, self.prog.kernels[f.feed.kernel].family),
             };
             times.push((what, t.elapsed().as_secs_f64()));
         }

@@ -1,0 +1,248 @@
+//! Dequantization fused into the CPU GEMM's operand feed: a 4-bit weight that `lower`
+//! materializes as a whole f32 matrix for the library GEMM (what cuBLAS needs, and what the
+//! fusion report prices) is instead dequantized a panel of rows at a time into a scratch of a
+//! few hundred KiB, which the GEMM packs from while it is still in cache. The f32 copy of the
+//! weight never exists: a 4-bit weight costs its half byte per parameter plus one panel.
+//!
+//! ```text
+//! before:  dequant(codes, scales) -> W f32[R, S]          GEMM c = a @ W   (or a @ W^T)
+//! after:   for each panel p of P rows of W:
+//!              dequant rows p*P .. p*P+P -> scratch f32[P, S]
+//!              GEMM c += a[:, rows] @ scratch               (W's rows are the GEMM's K)
+//!           or GEMM c[:, rows] = a @ scratch^T              (W's rows are the GEMM's N)
+//! ```
+//!
+//! The panel kernel is the dequant kernel itself with one change: its store goes to element
+//! `(row mod P) * S + col` of the scratch instead of `row * S + col` of W. Its loads still read
+//! the whole codes and scales at the global row, so a launch over the element range of one panel
+//! fills that panel. This is a CPU rewrite: the CUDA backend keeps the materialized operand,
+//! since cuBLAS reads only dense f32/bf16 matrices.
+
+use std::collections::HashMap;
+
+use crate::kir::{BinOp, Body, Expr, Ix, Kernel, Space, Stmt};
+use qatc_ir::DType;
+
+use crate::program::{BufId, BufKind, Buffer, Gemm, Program, Step, View};
+
+/// How a GEMM gets operand b: `kernel` writes rows `r .. r + panel` of the logical weight
+/// [rows, cols] into the front of the scratch buffer (`b.buf`, shared by every fed GEMM and at
+/// least [panel, cols] long) when launched over elements `r * cols .. (r + panel) * cols`; the
+/// GEMM then consumes that panel. `b` keeps describing the whole logical weight.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PanelFeed {
+    /// The panel kernel (an index into `Program::kernels`).
+    pub kernel: usize,
+    /// One buffer per kernel param; the written one is the scratch.
+    pub args: Vec<BufId>,
+    pub rows: usize,
+    pub cols: usize,
+    /// Rows per panel; the last panel may be shorter.
+    pub panel: usize,
+    /// W's rows are the GEMM's K dimension (b = W) rather than its N (b = W^T).
+    pub rows_are_k: bool,
+}
+
+/// What the rewrite did, one line per fed weight (for `qatc train`'s description and tests).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PanelReport {
+    pub lines: Vec<String>,
+    /// Bytes of f32 weight copies no longer allocated, and bytes of the one scratch panel.
+    pub bytes_saved: usize,
+    pub scratch_bytes: usize,
+}
+
+/// The rows of a launch's single written buffer, if the kernel is a plain elementwise map over a
+/// rank-2 space that stores element `Elem` (or `Coord(0) * S + Coord(1)`) of it and nothing else.
+fn dequant_like(k: &Kernel) -> Option<(usize, usize, usize)> {
+    let Body::Loops { space: Space::Elements { shape }, stmts } = &k.body else { return None };
+    let [rows, cols] = shape[..] else { return None };
+    let out: Vec<usize> = k.params.iter().enumerate().filter(|(_, p)| p.write).map(|(i, _)| i).collect();
+    let [out] = out[..] else { return None };
+    if k.params[out].shape.iter().product::<usize>() != rows * cols {
+        return None;
+    }
+    let mut stores = 0;
+    for s in stmts {
+        match s {
+            Stmt::Let { .. } => {}
+            Stmt::Store { param, index, .. } if *param == out && *index == Expr::Ix(Ix::Elem) => stores += 1,
+            _ => return None,
+        }
+    }
+    // the output is written, never read back (a load of it would see the scratch layout)
+    let mut reads_out = false;
+    crate::kir::visit_exprs(stmts, &mut |e| {
+        if let Expr::Load { param, .. } = e {
+            reads_out |= *param == out;
+        }
+    });
+    (stores == 1 && !reads_out).then_some((out, rows, cols))
+}
+
+/// `k` storing into a [panel, cols] scratch: element (r, c) goes to (r mod panel) * cols + c.
+fn panel_kernel(k: &Kernel, out: usize, cols: usize, panel: usize) -> Kernel {
+    let mut pk = k.clone();
+    pk.family = format!("{}.panel", k.family);
+    pk.params[out].shape = vec![panel, cols];
+    pk.note = format!("{} (rows mod {panel}: one panel of the weight at a time)", k.note);
+    if let Body::Loops { stmts, .. } = &mut pk.body {
+        for s in stmts.iter_mut() {
+            if let Stmt::Store { index, .. } = s {
+                let row = Expr::bin(BinOp::Rem, Expr::Ix(Ix::Coord(0)), Expr::Int(panel as i64));
+                *index = Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, row, Expr::Int(cols as i64)), Expr::Ix(Ix::Coord(1)));
+            }
+        }
+    }
+    pk
+}
+
+/// Whether `v` reads the whole of W [rows, cols] as b = W (Some(true)) or b = W^T (Some(false)).
+fn weight_view(v: &View, rows: usize, cols: usize) -> Option<bool> {
+    if v.offset != 0 || v.shape.len() != 2 {
+        return None;
+    }
+    if v.shape == [rows, cols] && v.strides == [cols, 1] {
+        Some(true)
+    } else if v.shape == [cols, rows] && v.strides == [1, cols] {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Rows per panel: as many as fit in `max_bytes`, at least one.
+fn panel_rows(rows: usize, cols: usize, max_bytes: usize) -> usize {
+    (max_bytes / (4 * cols.max(1))).clamp(1, rows)
+}
+
+/// Feeds every qualifying GEMM operand from a panel kernel instead of a materialized weight:
+/// the Launch step that writes a buffer W (no graph input or output) by a dequant-like kernel,
+/// from graph inputs only, with W read by nothing but later GEMMs as their whole operand b, is
+/// removed; W is left empty; each of those GEMMs gets a [`PanelFeed`] writing into one scratch
+/// buffer, `dequant_panel`, which all of them share. Anything else is left as it was, and
+/// everything when `max_panel_bytes` is 0.
+pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
+    if max_panel_bytes == 0 {
+        return PanelReport::default();
+    }
+    let nb = prog.buffers.len();
+    let mut writers = vec![0usize; nb];
+    let mut other_use = vec![false; nb]; // read by a launch, or as a GEMM's a / c / bias
+    for s in &prog.steps {
+        match s {
+            Step::Launch { kernel, args, .. } => {
+                for (p, &b) in prog.kernels[*kernel].params.iter().zip(args) {
+                    if p.write {
+                        writers[b] += 1;
+                    } else {
+                        other_use[b] = true;
+                    }
+                }
+            }
+            Step::Gemm(g) => {
+                writers[g.c.buf] += 1;
+                for v in [Some(&g.a), Some(&g.c), g.bias.as_ref()].into_iter().flatten() {
+                    other_use[v.buf] = true;
+                }
+            }
+        }
+    }
+    for (_, v) in &prog.outputs {
+        other_use[v.buf] = true;
+    }
+    let mut report = PanelReport::default();
+    // (step, kernel, out param, W, rows, cols, panel, GEMM users with their form)
+    let mut found = Vec::new();
+    for si in 0..prog.steps.len() {
+        let Step::Launch { kernel, args, .. } = &prog.steps[si] else { continue };
+        let k = &prog.kernels[*kernel];
+        let Some((out, rows, cols)) = dequant_like(k).filter(|&(_, r, c)| r > 0 && c > 0) else { continue };
+        let w = args[out];
+        let from_inputs = k.params.iter().zip(args).all(|(p, &b)| p.write || matches!(prog.buffers[b].kind, BufKind::Input(_)));
+        if !from_inputs || writers[w] != 1 || other_use[w] || matches!(prog.buffers[w].kind, BufKind::Input(_)) {
+            continue;
+        }
+        let users: Vec<(usize, bool)> = (0..prog.steps.len())
+            .filter_map(|j| match &prog.steps[j] {
+                Step::Gemm(g) if g.b.buf == w => Some((j, if g.batch() == 1 && g.feed.is_none() && j > si { weight_view(&g.b, rows, cols) } else { None })),
+                _ => None,
+            })
+            .map(|(j, form)| form.map(|f| (j, f)).ok_or(()))
+            .collect::<Result<_, ()>>()
+            .unwrap_or_default();
+        if !users.is_empty() {
+            found.push((si, *kernel, out, w, rows, cols, panel_rows(rows, cols, max_panel_bytes), users));
+        }
+    }
+    let Some(scratch_elems) = found.iter().map(|f| f.6 * f.5).max() else { return report };
+    // one scratch for every fed GEMM: only one panel is live at a time
+    let scratch = prog.buffers.len();
+    prog.buffers.push(Buffer { name: "dequant_panel".into(), dtype: DType::F32, shape: vec![scratch_elems], kind: BufKind::Temp });
+    report.scratch_bytes = prog.buffers[scratch].bytes();
+    let mut panel_ids: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut drop_step = vec![false; prog.steps.len()];
+    for (si, kernel, out, w, rows, cols, panel, users) in found {
+        let next = prog.kernels.len();
+        let pid = *panel_ids.entry((kernel, panel)).or_insert(next);
+        if pid == next {
+            let pk = panel_kernel(&prog.kernels[kernel], out, cols, panel);
+            prog.kernels.push(pk);
+        }
+        let Step::Launch { args, .. } = &prog.steps[si] else { continue };
+        let mut args = args.clone();
+        args[out] = scratch;
+        let name = prog.buffers[w].name.clone();
+        report.bytes_saved += prog.buffers[w].bytes();
+        // nothing refers to W any more: it keeps its number, holding nothing
+        prog.buffers[w].shape = vec![0];
+        for &(j, rows_are_k) in &users {
+            if let Step::Gemm(g) = &mut prog.steps[j] {
+                g.b.buf = scratch;
+                g.feed = Some(PanelFeed { kernel: pid, args: args.clone(), rows, cols, panel, rows_are_k });
+            }
+        }
+        drop_step[si] = true;
+        report.lines.push(format!("{name}: {rows}x{cols} dequantized {panel} rows at a time for {} GEMMs", users.len()));
+    }
+    let mut i = 0;
+    prog.steps.retain(|_| {
+        i += 1;
+        !drop_step[i - 1]
+    });
+    report
+}
+
+impl Gemm {
+    /// The GEMMs that together compute this one when its operand b comes from a [`PanelFeed`],
+    /// each with the element range of the feed launch that must run before it: over K, partial
+    /// products accumulate into c (the bias is added by the last); over N, each writes its own
+    /// columns of c (and of the bias).
+    pub fn panels(&self) -> Vec<((usize, usize), Gemm)> {
+        let Some(f) = &self.feed else { return Vec::new() };
+        let mut out = Vec::new();
+        let mut r = 0;
+        while r < f.rows {
+            let e = (r + f.panel).min(f.rows);
+            let scratch = View { buf: self.b.buf, offset: 0, shape: vec![e - r, f.cols], strides: vec![f.cols, 1] };
+            let mut g = Gemm { feed: None, ..self.clone() };
+            if f.rows_are_k {
+                g.a = self.a.slice(1, r, e);
+                g.b = scratch;
+                g.k = e - r;
+                g.accumulate = self.accumulate || r > 0;
+                if e < f.rows {
+                    g.bias = None;
+                }
+            } else {
+                g.b = scratch.transpose(&[1, 0]);
+                g.c = self.c.slice(1, r, e);
+                g.n = e - r;
+                g.bias = self.bias.as_ref().map(|b| b.slice(0, r, e));
+            }
+            out.push(((r * f.cols, e * f.cols), g));
+            r = e;
+        }
+        out
+    }
+}
