@@ -89,7 +89,14 @@ impl Runner {
                 let mut prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
                 let panels = qatc_kernels::panels::feed_panels(&mut prog, panel_bytes());
                 let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).context("compiling the kernels with LLVM")?;
-                let mut p = qatc_runtime::compiled::CpuProgram::new(prog, Box::new(jit))?;
+                // attention runs as GEMMs over blocks of query rows (QATC_ATTENTION=llvm: as the
+                // generated per-row programs, for comparison); every other kernel as LLVM made it
+                let launcher: Box<dyn qatc_runtime::Launcher> = if std::env::var("QATC_ATTENTION").is_ok_and(|v| v == "llvm") {
+                    Box::new(jit)
+                } else {
+                    Box::new(qatc_runtime::compiled::GemmAttention::new(jit, &prog.kernels))
+                };
+                let mut p = qatc_runtime::compiled::CpuProgram::new(prog, launcher)?;
                 let frozen: std::collections::HashSet<String> =
                     g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(qatc_ir::InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
                 // the dequantized frozen weights are the same every step: computed once

@@ -130,13 +130,15 @@ fn longest_loop(stmts: &[Stmt]) -> usize {
 }
 
 /// (grain, cost of one iteration). Elements kernels and kernels storing packed i4 split on
-/// multiples of 64 iterations, so two threads never store into the two nibbles of one byte.
+/// multiples of 64 iterations, so two threads never store into the two nibbles of one byte;
+/// attention on multiples of T.
 fn shape_of(k: &Kernel) -> (usize, usize) {
     let packed = k.params.iter().any(|p| p.write && p.dtype == DType::I4);
     match &k.body {
         Body::Loops { space: Space::Elements { .. }, .. } => (64, 1),
         Body::Loops { stmts, .. } => (if packed { 64 } else { 1 }, longest_loop(stmts)),
-        Body::Attention(a) => (1, a.t.max(1) * a.hs.max(1)),
+        // whole heads: `GemmAttention` runs a head's query blocks as GEMMs
+        Body::Attention(a) => (a.t.max(1), a.t.max(1) * a.hs.max(1)),
     }
 }
 

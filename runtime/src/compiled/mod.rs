@@ -14,15 +14,18 @@
 //! LLVM-compiled machine code.
 
 mod attention;
+mod attn_gemm;
 pub mod blas;
 mod buffers;
 mod exec;
 mod gemm;
 mod kir_eval;
 mod scalar;
+mod vmath;
 #[cfg(feature = "llvm")]
 mod llvm;
 
+pub use attn_gemm::GemmAttention;
 pub use exec::CpuProgram;
 pub use kir_eval::KirEval;
 

@@ -1,0 +1,266 @@
+//! Causal attention on the CPU as small GEMMs: a [`Launcher`] that runs the attention kernels
+//! (`kir::Body::Attention`) itself and hands every other kernel to the launcher it wraps.
+//!
+//! The generated per-row programs (LLVM's `attention.rs`) reduce each q.k dot product
+//! horizontally and run at 10-15 GFLOP/s; the same work as GEMMs over blocks of query rows runs
+//! near the GEMM kernel's speed. One head (b, h) is one unit of work; its query rows go in blocks
+//! of [`BLOCK`], and a block only meets keys 0..i1 (the causal mask cuts the rest):
+//!
+//! ```text
+//! S  = scale Q[i0..i1] K[0..i1]^T              [bm, i1], j > i masked
+//! P  = exp(S - lse)                            (forward: row max and sum give lse, P / l)
+//! O  = P V                                     forward
+//! dP = dO[i0..i1] V[0..i1]^T;  delta_i = sum_j P_ij dP_ij
+//! dS = scale P (dP - delta)
+//! dQ = dS K;   dK += dS^T Q[i0..i1];   dV += P^T dO[i0..i1]
+//! ```
+//!
+//! The scores of a block live in a [bm, T] scratch, never the whole T x T matrix. Launch ranges
+//! must cover whole heads (the executor splits attention launches on multiples of T).
+
+use gemm::Parallelism;
+use qatc_ir::DType;
+use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel};
+
+use super::vmath::exp_shift_sum;
+use super::Launcher;
+use crate::error::RuntimeError;
+
+/// Query rows per block: a [64, T] block of scores is 256 KiB at T = 1024.
+const BLOCK: usize = 64;
+
+/// A launcher that runs attention kernels as GEMMs and the rest through `inner`.
+pub struct GemmAttention<L> {
+    inner: L,
+    attention: Vec<Option<(Attention, String)>>,
+}
+
+impl<L: Launcher> GemmAttention<L> {
+    /// Wraps `inner` for a program's kernels (`Program::kernels`, in order). Attention over
+    /// anything but f32 buffers stays with `inner`.
+    pub fn new(inner: L, kernels: &[Kernel]) -> GemmAttention<L> {
+        let attention = kernels
+            .iter()
+            .map(|k| match &k.body {
+                Body::Attention(a) if k.params.iter().all(|p| p.dtype == DType::F32) => Some((a.clone(), k.family.clone())),
+                _ => None,
+            })
+            .collect();
+        GemmAttention { inner, attention }
+    }
+}
+
+/// The param indices of each part (as `kernels/src/cuda/attention.rs` orders them): q, k, v,
+/// dout, lse, delta, and the outputs (o | dq | dk, dv).
+struct Roles {
+    v: Option<usize>,
+    dout: Option<usize>,
+    lse: usize,
+    delta: Option<usize>,
+    out: [Option<usize>; 2],
+}
+
+fn roles(part: AttentionPart) -> Roles {
+    let r = |v, dout, lse, delta, out| Roles { v, dout, lse, delta, out };
+    match part {
+        AttentionPart::Forward => r(Some(2), None, 4, None, [Some(3), None]),
+        AttentionPart::BackwardDelta => r(Some(2), Some(3), 4, Some(5), [None, None]),
+        AttentionPart::BackwardQ => r(Some(2), Some(3), 4, Some(5), [Some(6), None]),
+        AttentionPart::BackwardKV => r(Some(2), Some(3), 4, Some(5), [Some(6), Some(7)]),
+        AttentionPart::Lse => r(None, None, 2, None, [None, None]),
+        AttentionPart::BackwardV => r(None, Some(2), 3, None, [Some(4), None]),
+    }
+}
+
+/// A [T, hs] matrix of one head: row r at `ptr + r * rs`, its hs elements contiguous.
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: *mut f32,
+    rs: usize,
+}
+
+impl Mat {
+    /// # Safety
+    /// `ptr` must be valid for the head's T rows.
+    unsafe fn row(self, r: usize) -> *mut f32 {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.ptr.add(r * self.rs) }
+    }
+}
+
+/// dst[m, n] (= or +=) beta * lhs[m, k] @ rhs[k, n], single-threaded (heads run in parallel);
+/// each operand as (pointer, row stride, column stride).
+///
+/// # Safety
+/// Every element the strides reach must be valid, and dst must not overlap lhs or rhs.
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm(m: usize, n: usize, k: usize, dst: (*mut f32, isize, isize), acc: bool, lhs: (*const f32, isize, isize), rhs: (*const f32, isize, isize), beta: f32) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the caller's guarantee; gemm reads dst only when `acc`.
+    unsafe { gemm::gemm(m, n, k, dst.0, dst.2, dst.1, acc, lhs.0, lhs.2, lhs.1, rhs.0, rhs.2, rhs.1, 1.0, beta, false, false, false, Parallelism::None) }
+}
+
+struct Head<'a> {
+    a: &'a Attention,
+    t: usize,
+    hs: usize,
+    scale: f32,
+    q: Mat,
+    k: Mat,
+    v: Option<Mat>,
+    dout: Option<Mat>,
+    /// This head's T entries of lse and delta.
+    lse: *mut f32,
+    delta: Option<*mut f32>,
+    out: [Option<Mat>; 2],
+}
+
+impl Head<'_> {
+    /// Runs this head's part. `s` and `dp` are [BLOCK, T] scratch.
+    ///
+    /// # Safety
+    /// Every pointer must address this head's rows (T of hs, at its row stride) or T stats;
+    /// outputs must overlap nothing else this call reads or writes.
+    unsafe fn run(&self, s: &mut [f32], dp: &mut [f32]) -> Result<(), String> {
+        let (t, hs, part) = (self.t, self.hs, self.a.part);
+        let need = |m: Option<Mat>| m.ok_or_else(|| format!("attention {part:?} lacks an operand"));
+        // dK and dV accumulate over query blocks: start from zero
+        if matches!(part, AttentionPart::BackwardKV | AttentionPart::BackwardV) {
+            for o in self.out.iter().flatten() {
+                for r in 0..t {
+                    // SAFETY: row r of an output head, hs elements.
+                    unsafe { std::ptr::write_bytes(o.row(r), 0, hs) };
+                }
+            }
+        }
+        let f = |p: *mut f32| p as *const f32;
+        let mut i0 = 0;
+        while i0 < t {
+            let i1 = (i0 + BLOCK).min(t);
+            let (bm, n) = (i1 - i0, i1);
+            let (s, dp) = (&mut s[..bm * n], &mut dp[..bm * n]);
+            // SAFETY (every `mm` and row access below): the rows are within the head by the
+            // caller's guarantee, scratch blocks are [bm, n] row-major, and no output is an
+            // operand of the same product.
+            unsafe {
+                // S = scale Q K^T
+                mm(bm, n, hs, (s.as_mut_ptr(), n as isize, 1), false, (f(self.q.row(i0)), self.q.rs as isize, 1), (f(self.k.ptr), 1, self.k.rs as isize), self.scale);
+                match part {
+                    AttentionPart::Forward | AttentionPart::Lse => {
+                        for i in 0..bm {
+                            let row = &mut s[i * n..(i + 1) * n];
+                            let live = i0 + i + 1;
+                            let m = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                            let l = exp_shift_sum(&mut row[..live], m);
+                            row[live..].fill(0.0);
+                            *self.lse.add(i0 + i) = m + l.ln();
+                            let inv = 1.0 / l;
+                            row[..live].iter_mut().for_each(|x| *x *= inv);
+                        }
+                        if part == AttentionPart::Forward {
+                            let (v, o) = (need(self.v)?, need(self.out[0])?);
+                            mm(bm, hs, n, (o.row(i0), o.rs as isize, 1), false, (s.as_ptr(), n as isize, 1), (f(v.ptr), v.rs as isize, 1), 1.0);
+                        }
+                    }
+                    _ => {
+                        // P from the forward's log-sum-exp
+                        for i in 0..bm {
+                            let row = &mut s[i * n..(i + 1) * n];
+                            let (live, li) = (i0 + i + 1, *self.lse.add(i0 + i));
+                            exp_shift_sum(&mut row[..live], li);
+                            row[live..].fill(0.0);
+                        }
+                        let dout = need(self.dout)?;
+                        if part == AttentionPart::BackwardV {
+                            let dv = need(self.out[0])?;
+                            mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+                        } else {
+                            let v = need(self.v)?;
+                            mm(bm, n, hs, (dp.as_mut_ptr(), n as isize, 1), false, (f(dout.row(i0)), dout.rs as isize, 1), (f(v.ptr), 1, v.rs as isize), 1.0);
+                            let delta = self.delta.ok_or("attention backward without delta")?;
+                            if part == AttentionPart::BackwardDelta {
+                                for i in 0..bm {
+                                    let (p, d) = (&s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
+                                    *delta.add(i0 + i) = p.iter().zip(d).map(|(a, b)| a * b).sum();
+                                }
+                            } else {
+                                // dS = scale P (dP - delta), over P's storage once dV has used P
+                                if part == AttentionPart::BackwardKV {
+                                    let dv = need(self.out[1])?;
+                                    mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+                                }
+                                for i in 0..bm {
+                                    let di = *delta.add(i0 + i);
+                                    let (p, d) = (&mut s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
+                                    p.iter_mut().zip(d).for_each(|(p, &d)| *p = self.scale * *p * (d - di));
+                                }
+                                if part == AttentionPart::BackwardQ {
+                                    let dq = need(self.out[0])?;
+                                    mm(bm, hs, n, (dq.row(i0), dq.rs as isize, 1), false, (s.as_ptr(), n as isize, 1), (f(self.k.ptr), self.k.rs as isize, 1), 1.0);
+                                } else {
+                                    let dk = need(self.out[0])?;
+                                    mm(n, hs, bm, (dk.ptr, dk.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(self.q.row(i0)), self.q.rs as isize, 1), 1.0);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            i0 = i1;
+        }
+        Ok(())
+    }
+}
+
+impl<L: Launcher> Launcher for GemmAttention<L> {
+    unsafe fn launch(&self, kernel: usize, args: &[*mut u8], start: usize, end: usize) -> Result<(), RuntimeError> {
+        let Some(Some((a, family))) = self.attention.get(kernel) else {
+            // SAFETY: passed on under the caller's guarantee.
+            return unsafe { self.inner.launch(kernel, args, start, end) };
+        };
+        let err = |msg: String| RuntimeError::Kernel { kernel: family.clone(), msg };
+        let t = a.t.max(1);
+        if !start.is_multiple_of(t) || !end.is_multiple_of(t) || end > a.b * a.nh * a.t || start > end {
+            return Err(err(format!("iterations {start}..{end} are not whole heads of {t} rows")));
+        }
+        let ro = roles(a.part);
+        let mut s = vec![0.0f32; BLOCK * a.t];
+        let mut dp = vec![0.0f32; BLOCK * a.t];
+        for bh in start / t..end / t {
+            let (b, h) = (bh / a.nh, bh % a.nh);
+            let mat = |p: usize| -> Result<Mat, RuntimeError> {
+                let (Some(&[sb, sh, st]), Some(&off), Some(&base)) = (a.strides.get(p), a.offsets.get(p), args.get(p)) else {
+                    return Err(err(format!("no view for param {p}")));
+                };
+                // SAFETY: the view's head start lies inside param p's buffer (the kernel's views
+                // were checked against the buffers when the program was lowered).
+                Ok(Mat { ptr: unsafe { base.cast::<f32>().add(off + b * sb + h * sh) }, rs: st })
+            };
+            let stat = |p: usize| -> Result<*mut f32, RuntimeError> {
+                let base = args.get(p).ok_or_else(|| err(format!("no param {p}")))?;
+                // SAFETY: lse and delta hold B*NH*T floats; this head's T start at bh * T.
+                Ok(unsafe { base.cast::<f32>().add(bh * a.t) })
+            };
+            let opt = |p: Option<usize>| p.map(mat).transpose();
+            let head = Head {
+                a,
+                t: a.t,
+                hs: a.hs,
+                scale: a.scale as f32,
+                q: mat(0)?,
+                k: mat(1)?,
+                v: opt(ro.v)?,
+                dout: opt(ro.dout)?,
+                lse: stat(ro.lse)?,
+                delta: ro.delta.map(stat).transpose()?,
+                out: [opt(ro.out[0])?, opt(ro.out[1])?],
+            };
+            // SAFETY: the caller guarantees each pointer addresses its param's buffer, which
+            // this launch alone touches (other ranges of it are other heads).
+            unsafe { head.run(&mut s, &mut dp) }.map_err(err)?;
+        }
+        Ok(())
+    }
+}

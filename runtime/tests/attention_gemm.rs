@@ -1,0 +1,150 @@
+//! `GemmAttention` (attention kernels as GEMMs over blocks of query rows) against the kernel-IR
+//! evaluator's plain per-row attention, part by part, at sizes that do not fit the 64-row blocks
+//! (T 70 and 131: a short last block) and on head views strided the way GPT-2's qkv slices are.
+
+use qatc_ir::DType;
+use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel, Param, Ty};
+use qatc_runtime::compiled::{GemmAttention, KirEval, Launcher};
+
+const TOL: f64 = 1e-5;
+
+struct Dims {
+    b: usize,
+    nh: usize,
+    t: usize,
+    hs: usize,
+}
+
+/// Deterministic values in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Buffers: 0 qkv [B, T, 3C] (q, k, v are column slices), 1 dout [B, NH, T, hs], 2 lse, 3 delta,
+/// 4 o, 5 dq, 6 dk, 7 dv (the last four [B, NH, T, hs]).
+fn buffers(d: &Dims) -> Vec<Vec<f32>> {
+    let c = d.nh * d.hs;
+    let head = d.b * d.nh * d.t * d.hs;
+    vec![noise(d.b * d.t * 3 * c, 1), noise(head, 2), vec![0.0; d.b * d.nh * d.t], vec![0.0; d.b * d.nh * d.t], vec![0.0; head], vec![0.0; head], vec![0.0; head], vec![0.0; head]]
+}
+
+/// The kernel of `part` and the buffers its params are, in param order.
+fn kernel(d: &Dims, part: AttentionPart) -> (Kernel, Vec<usize>) {
+    let c = d.nh * d.hs;
+    let qkv = [d.t * 3 * c, d.hs, 3 * c]; // (b, h, t) strides of a head slice of qkv
+    let heads = [d.nh * d.t * d.hs, d.t * d.hs, d.hs];
+    let bufs: &[usize] = match part {
+        AttentionPart::Forward => &[0, 0, 0, 4, 2],
+        AttentionPart::BackwardDelta => &[0, 0, 0, 1, 2, 3],
+        AttentionPart::BackwardQ => &[0, 0, 0, 1, 2, 3, 5],
+        AttentionPart::BackwardKV => &[0, 0, 0, 1, 2, 3, 6, 7],
+        AttentionPart::Lse => &[0, 0, 2],
+        AttentionPart::BackwardV => &[0, 0, 1, 2, 7],
+    };
+    let writes: &[usize] = match part {
+        AttentionPart::Forward => &[3, 4],
+        AttentionPart::BackwardDelta => &[5],
+        AttentionPart::BackwardQ => &[6],
+        AttentionPart::BackwardKV => &[6, 7],
+        AttentionPart::Lse => &[2],
+        AttentionPart::BackwardV => &[4],
+    };
+    let shapes = buffers(d).iter().map(Vec::len).collect::<Vec<_>>();
+    let mut qkv_seen = 0;
+    let (mut strides, mut offsets, mut params) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, &b) in bufs.iter().enumerate() {
+        let (s, o) = match b {
+            0 => {
+                qkv_seen += 1;
+                (qkv, (qkv_seen - 1) * c)
+            }
+            2 | 3 => ([0; 3], 0),
+            _ => (heads, 0),
+        };
+        strides.push(s);
+        offsets.push(o);
+        params.push(Param { name: format!("p{i}"), dtype: DType::F32, shape: vec![shapes[b]], write: writes.contains(&i) });
+    }
+    let a = Attention { b: d.b, nh: d.nh, t: d.t, hs: d.hs, scale: 1.0 / (d.hs as f64).sqrt(), strides, offsets, part };
+    (Kernel { family: "attention".into(), params, index_ty: Ty::I32, body: Body::Attention(a), note: String::new(), names: Default::default() }, bufs.to_vec())
+}
+
+fn launch(l: &dyn Launcher, k: usize, mem: &mut [Vec<f32>], bufs: &[usize], d: &Dims, heads_per_call: usize) {
+    let ptrs: Vec<*mut u8> = bufs.iter().map(|&b| mem[b].as_mut_ptr().cast::<u8>()).collect();
+    let n = d.b * d.nh;
+    let mut h = 0;
+    while h < n {
+        let e = (h + heads_per_call).min(n);
+        // SAFETY: one pointer per param, each to a live Vec of the param's element count, not
+        // touched by anything else during the call.
+        unsafe { l.launch(k, &ptrs, h * d.t, e * d.t) }.expect("launch");
+        h = e;
+    }
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let m = b.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+    let e = a.iter().zip(b).fold(0.0f64, |e, (&x, &y)| e.max((f64::from(x) - f64::from(y)).abs()));
+    e / m.max(1e-30)
+}
+
+fn check(d: Dims) {
+    use AttentionPart::*;
+    let parts = [Forward, Lse, BackwardDelta, BackwardQ, BackwardKV, BackwardV];
+    let kernels: Vec<(Kernel, Vec<usize>)> = parts.iter().map(|&p| kernel(&d, p)).collect();
+    let ks: Vec<Kernel> = kernels.iter().map(|k| k.0.clone()).collect();
+    let (slow, fast) = (KirEval::new(&ks), GemmAttention::new(KirEval::new(&ks), &ks));
+    let (mut want, mut got) = (buffers(&d), buffers(&d));
+    for (i, part) in parts.iter().enumerate() {
+        launch(&slow, i, &mut want, &kernels[i].1, &d, 1);
+        // backward parts read the reference's lse and delta, so each part is checked alone
+        got[2] = want[2].clone();
+        got[3] = want[3].clone();
+        if matches!(part, Forward | Lse) {
+            got[2].fill(0.0);
+        }
+        if *part == BackwardDelta {
+            got[3].fill(0.0);
+        }
+        launch(&fast, i, &mut got, &kernels[i].1, &d, 2);
+        for (p, &b) in kernels[i].1.iter().enumerate() {
+            if kernels[i].0.params[p].write {
+                let e = rel_err(&got[b], &want[b]);
+                eprintln!("T {} {part:?}: param {p} within {e:.1e}", d.t);
+                assert!(e <= TOL, "T {} {part:?}: param {p} differs by {e:e}", d.t);
+                assert!(want[b].iter().any(|&x| x != 0.0), "{part:?} wrote something");
+            }
+        }
+    }
+}
+
+#[test]
+fn every_part_matches_the_evaluator_with_a_short_last_block() {
+    check(Dims { b: 2, nh: 3, t: 70, hs: 8 });
+}
+
+#[test]
+fn longer_rows_and_wider_heads() {
+    check(Dims { b: 1, nh: 2, t: 131, hs: 32 });
+}
+
+#[test]
+fn a_launch_that_is_not_whole_heads_is_an_error() {
+    let d = Dims { b: 1, nh: 1, t: 10, hs: 4 };
+    let (k, bufs) = kernel(&d, AttentionPart::Forward);
+    let ks = [k];
+    let fast = GemmAttention::new(KirEval::new(&ks), &ks);
+    let mut mem = buffers(&d);
+    let ptrs: Vec<*mut u8> = bufs.iter().map(|&b| mem[b].as_mut_ptr().cast::<u8>()).collect();
+    // SAFETY: as in `launch`.
+    let r = unsafe { fast.launch(0, &ptrs, 3, 10) };
+    assert!(r.is_err_and(|e| e.to_string().contains("whole heads")));
+}
