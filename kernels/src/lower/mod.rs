@@ -32,6 +32,7 @@ macro_rules! launch {
 mod attention;
 pub mod builder;
 mod fused;
+mod hoist;
 pub mod inline;
 mod reduce;
 mod rows;
