@@ -55,14 +55,17 @@ pub fn resolve(device: Device, interpreter: bool) -> anyhow::Result<(Engine, Opt
     }
 }
 
-/// The most bytes of one dequantized weight panel: the GEMM packs from it while it is in L2.
-/// `QATC_PANEL_KIB=0` materializes whole weights instead (as the CUDA path does).
+/// The most bytes of one dequantized weight panel (one scratch, shared by every fed GEMM). Small
+/// panels split the GEMMs finely, and each partial GEMM costs a library call and a pass over its
+/// output: at 512 KiB the 124M step's fed GEMMs took 1.5x as long as on whole weights, at 8 MiB
+/// the same (bench/RESULTS.md). `QATC_PANEL_KIB=0` materializes whole weights instead, once
+/// (as the CUDA path does).
 #[cfg(feature = "llvm")]
 fn panel_bytes() -> usize {
     match std::env::var("QATC_PANEL_KIB").ok().and_then(|v| v.parse::<usize>().ok()) {
         Some(0) => 0,
         Some(k) => k * 1024,
-        None => 512 * 1024,
+        None => 8 << 20,
     }
 }
 

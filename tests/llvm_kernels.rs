@@ -45,3 +45,46 @@ fn every_kernel_of_the_gpt2_124m_step_compiles() {
     o.fuse = Some(FuseOptions::default());
     compile_all(&cfg, &o);
 }
+
+/// A kernel that loads packed 4-bit codes at its own element index runs two elements per
+/// iteration (`llvm/loops.rs`), with one element before and after the pairs when its range
+/// starts or ends on an odd element. Every split of a [3, 5] dequantization (odd rows, so rows
+/// start on odd elements), and of the same without coordinates, agrees with the kernel-IR
+/// evaluator exactly.
+#[test]
+fn packed_codes_by_pairs_at_every_range() {
+    use qatc_ir::DType;
+    use qatc_kernels::kir::{BinOp, Body, Expr, Ix, Kernel, Param, Space, Stmt, Ty};
+    use qatc_runtime::compiled::{KirEval, Launcher};
+
+    let param = |name: &str, dtype, shape: &[usize], write| Param { name: name.into(), dtype, shape: shape.to_vec(), write };
+    let load = |p: usize, i: Expr| Expr::Load { param: p, index: Box::new(i) };
+    let code = Expr::Cast(Ty::F32, Box::new(Expr::bin(BinOp::Sub, load(0, Expr::Ix(Ix::Elem)), Expr::Int(7))));
+    let kernel = |scale_ix: Expr| Kernel {
+        family: "dequant".into(),
+        params: vec![param("codes", DType::I4, &[3, 5], false), param("scales", DType::F32, &[5], false), param("out", DType::F32, &[3, 5], true)],
+        index_ty: Ty::I32,
+        body: Body::Loops { space: Space::Elements { shape: vec![3, 5] }, stmts: vec![Stmt::Store { param: 2, index: Expr::Ix(Ix::Elem), value: Expr::bin(BinOp::Mul, code.clone(), load(1, scale_ix)) }] },
+        note: String::new(),
+        names: Default::default(),
+    };
+    // with coordinates (a row loop) and without (one flat loop)
+    let kernels = [kernel(Expr::Ix(Ix::Coord(1))), kernel(Expr::Int(2))];
+    let jit = qatc_kernels::llvm::Jit::compile(&kernels).expect("compiles");
+    let eval = KirEval::new(&kernels);
+    let mut codes: Vec<u8> = (0..8u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+    let mut scales: Vec<f32> = (0..5).map(|i| 0.5 + i as f32).collect();
+    for k in 0..kernels.len() {
+        for start in 0..15 {
+            for end in start..=15 {
+                let (mut a, mut b) = (vec![-1.0f32; 15], vec![-1.0f32; 15]);
+                for (l, out) in [(&jit as &dyn Launcher, &mut a), (&eval as &dyn Launcher, &mut b)] {
+                    let args = [codes.as_mut_ptr(), scales.as_mut_ptr().cast::<u8>(), out.as_mut_ptr().cast::<u8>()];
+                    // SAFETY: one pointer per param, each to a live buffer of the param's size.
+                    unsafe { l.launch(k, &args, start, end) }.expect("runs");
+                }
+                assert_eq!(a, b, "kernel {k}, elements {start}..{end}");
+            }
+        }
+    }
+}

@@ -1,8 +1,9 @@
 //! Dequantization fused into the CPU GEMM's operand feed: a 4-bit weight that `lower`
 //! materializes as a whole f32 matrix for the library GEMM (what cuBLAS needs, and what the
-//! fusion report prices) is instead dequantized a panel of rows at a time into a scratch of a
-//! few hundred KiB, which the GEMM packs from while it is still in cache. The f32 copy of the
-//! weight never exists: a 4-bit weight costs its half byte per parameter plus one panel.
+//! fusion report prices) is instead dequantized a panel of rows at a time into one scratch of a
+//! few MiB, shared by every fed GEMM, which the GEMM packs from while it is still in cache. The
+//! f32 copy of the weight never exists: a 4-bit weight costs its half byte per parameter, and
+//! the whole step one panel.
 //!
 //! ```text
 //! before:  dequant(codes, scales) -> W f32[R, S]          GEMM c = a @ W   (or a @ W^T)

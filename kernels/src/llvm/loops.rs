@@ -22,7 +22,7 @@ pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
     let it = f.index_ty();
     let start = f.b.build_int_truncate_or_bit_cast(f.start, it, "start")?;
     let end = f.b.build_int_truncate_or_bit_cast(f.end, it, "end")?;
-    let mut em = Em { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new() };
+    let mut em = Em { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new(), nibbles: HashMap::new() };
     match space {
         Space::Elements { shape } if (0..shape.len()).any(|d| f.k.uses_ix(Ix::Coord(d as u8))) => {
             // Coordinates by division are not affine in the element index, and LLVM vectorizes
@@ -36,6 +36,8 @@ pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
             let r0 = f.b.build_int_unsigned_div(start, c(d_len), "r0")?;
             let end_m1 = f.b.build_int_sub(end, c(1), "e1")?;
             let r1 = f.b.build_int_add(f.b.build_int_unsigned_div(end_m1, c(d_len), "r1")?, c(1), "r1")?;
+            // an empty range (end - 1 would wrap) visits no row
+            let r1 = f.b.build_select(f.b.build_int_compare(IntPredicate::SLT, start, end, "any")?, r1, r0, "r1")?.into_int_value();
             f.for_range(r0, r1, &mut |f, r| {
                 let base = f.b.build_int_mul(r, c(d_len), "row0")?;
                 let lo = f.b.build_select(f.b.build_int_compare(IntPredicate::SGT, start, base, "gt")?, start, base, "lo")?.into_int_value();
@@ -51,21 +53,28 @@ pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
                         em.ix.insert(Ix::Coord(d as u8), cd);
                     }
                 }
-                f.for_range(lo, hi, &mut |f, idx| {
-                    em.ix.insert(Ix::Elem, idx);
-                    em.ix.insert(Ix::Coord(last as u8), f.b.build_int_sub(idx, base, "cl")?);
-                    em.stmts(f, stmts)
-                })
+                em.elements(f, lo, hi, Some((base, last)), stmts)
             })
         }
-        _ => f.for_range(start, end, &mut |f, idx| {
-            match space {
-                Space::Elements { .. } => em.ix.insert(Ix::Elem, idx),
-                Space::Rows { .. } => em.ix.insert(Ix::Row, idx),
-            };
+        Space::Elements { .. } => em.elements(f, start, end, None, stmts),
+        Space::Rows { .. } => f.for_range(start, end, &mut |f, idx| {
+            em.ix.insert(Ix::Row, idx);
             em.stmts(f, stmts)
         }),
     }
+}
+
+/// The packed 4-bit params the kernel loads at its own element index (`Ix::Elem`).
+fn i4_at_elem(f: &Fb, stmts: &[Stmt]) -> Vec<usize> {
+    let mut ps = Vec::new();
+    crate::kir::visit_exprs(stmts, &mut |e| {
+        if let Expr::Load { param, index } = e {
+            if **index == Expr::Ix(Ix::Elem) && f.k.params.get(*param).is_some_and(|p| p.dtype == qatc_ir::DType::I4) && !ps.contains(param) {
+                ps.push(*param);
+            }
+        }
+    });
+    ps
 }
 
 /// Emission state: index variables and let-bound values in scope.
@@ -73,6 +82,62 @@ struct Em<'ctx> {
     env: TypeEnv,
     ix: HashMap<Ix, IntValue<'ctx>>,
     vars: HashMap<VarId, BasicValueEnum<'ctx>>,
+    /// Codes of packed 4-bit params at the current element, already unpacked (`elements`).
+    nibbles: HashMap<usize, IntValue<'ctx>>,
+}
+
+impl<'ctx> Em<'ctx> {
+    /// Elements lo..hi of an Elements space (`row`: the row's first element and the last dim,
+    /// when coordinates are in use). A kernel that loads packed 4-bit codes at its own element
+    /// index goes two elements per iteration: one byte load gives both codes. Element by
+    /// element, LLVM sees the byte index i / 2 as a gather and loads bytes one at a time (a 4-bit
+    /// weight dequantized at 2-3 ns per element); by pairs, the bytes are a contiguous vector and
+    /// the two halves interleaved accesses, which it vectorizes.
+    fn elements(&mut self, f: &mut Fb<'_, 'ctx>, lo: IntValue<'ctx>, hi: IntValue<'ctx>, row: Option<(IntValue<'ctx>, usize)>, stmts: &[Stmt]) -> R<()> {
+        let one = |em: &mut Self, f: &mut Fb<'_, 'ctx>, idx: IntValue<'ctx>| -> R<()> {
+            em.ix.insert(Ix::Elem, idx);
+            if let Some((base, last)) = row {
+                em.ix.insert(Ix::Coord(last as u8), f.b.build_int_sub(idx, base, "cl")?);
+            }
+            em.stmts(f, stmts)
+        };
+        let packed = i4_at_elem(f, stmts);
+        if packed.is_empty() {
+            return f.for_range(lo, hi, &mut |f, idx| one(self, f, idx));
+        }
+        let it = lo.get_type();
+        let c = |v: u64| it.const_int(v, false);
+        // [lo, lo2) one element when lo is odd; pairs [lo2, hi2); [max(lo2, hi2), hi) the last
+        let lo2 = f.b.build_and(f.b.build_int_add(lo, c(1), "lo1")?, c(!1u64), "lo2")?;
+        let hi2 = f.b.build_and(hi, c(!1u64), "hi2")?;
+        let head_end = f.b.build_select(f.b.build_int_compare(IntPredicate::SLT, lo2, hi, "lt")?, lo2, hi, "he")?.into_int_value();
+        f.for_range(lo, head_end, &mut |f, idx| one(self, f, idx))?;
+        let p0 = f.b.build_right_shift(lo2, c(1), false, "p0")?;
+        let p1 = f.b.build_right_shift(hi2, c(1), false, "p1")?;
+        f.for_range(p0, p1, &mut |f, p| {
+            let i32t = f.cx.i32_type();
+            let mut halves = Vec::new();
+            for &q in &packed {
+                let byte = f.b.build_load(f.cx.i8_type(), f.gep(f.cx.i8_type(), f.param(q)?, p)?, "pair")?.into_int_value();
+                let byte = f.b.build_int_z_extend(byte, i32t, "pair")?;
+                let low = f.b.build_and(byte, i32t.const_int(15, false), "lo")?;
+                let high = f.b.build_right_shift(byte, i32t.const_int(4, false), false, "hi")?;
+                halves.push((q, low, high));
+            }
+            let even = f.b.build_int_add(p, p, "e")?;
+            for (k, idx) in [even, f.b.build_int_add(even, c(1), "o")?].into_iter().enumerate() {
+                for &(q, low, high) in &halves {
+                    self.nibbles.insert(q, if k == 0 { low } else { high });
+                }
+                one(self, f, idx)?;
+            }
+            self.nibbles.clear();
+            Ok(())
+        })?;
+        let tail = f.b.build_select(f.b.build_int_compare(IntPredicate::SGT, hi2, lo2, "gt")?, hi2, lo2, "tl")?.into_int_value();
+        let tail = f.b.build_select(f.b.build_int_compare(IntPredicate::SGT, tail, lo, "gt")?, tail, lo, "tl")?.into_int_value();
+        f.for_range(tail, hi, &mut |f, idx| one(self, f, idx))
+    }
 }
 
 fn is_float(t: Ty) -> bool {
@@ -264,6 +329,10 @@ impl<'ctx> Em<'ctx> {
             Expr::Var(v) => {
                 let val = self.vars.get(v).copied().ok_or_else(|| KernelError::Internal(format!("{}: v{v} used before its definition", f.name)))?;
                 (val, self.ty(f, e))
+            }
+            Expr::Load { param, index } if **index == Expr::Ix(Ix::Elem) && self.nibbles.contains_key(param) => {
+                let v = self.nibbles.get(param).copied().ok_or_else(|| KernelError::Internal(format!("{}: no codes for param {param}", f.name)))?;
+                (v.into(), self.ty(f, e))
             }
             Expr::Load { param, index } => {
                 let i = self.index(f, index)?;
