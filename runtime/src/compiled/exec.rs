@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use qatc_ir::DType;
-use qatc_kernels::kir::{self, Body, Kernel, Space, Stmt};
-use qatc_kernels::program::{BufKind, Gemm, Program, Step};
+use qatc_kernels::kir::{self, Body, Expr, Kernel, Space, Stmt};
+use qatc_kernels::program::{BufId, BufKind, Gemm, Program, Step};
 use rayon::prelude::*;
 
 use super::buffers::{check_view, read_view, write_input, Allocation};
@@ -36,7 +36,7 @@ struct LaunchPlan {
     /// Iterations per parallel chunk (a multiple of `grain`); `iterations` or more: inline.
     chunk: usize,
     /// The buffers behind `args`.
-    bufs: Vec<usize>,
+    bufs: Vec<BufId>,
 }
 
 enum Plan {
@@ -85,6 +85,68 @@ fn shape_of(k: &Kernel) -> (usize, usize) {
         Body::Loops { space: Space::Elements { .. }, .. } => (64, 1),
         Body::Loops { stmts, .. } => (if packed { 64 } else { 1 }, longest_loop(stmts)),
         Body::Attention(a) => (1, a.t.max(1) * a.hs.max(1)),
+    }
+}
+
+/// Which params of `k` it reads as well as writes (a load of a written param, or an atomic add
+/// into one): such a param may read what the buffer held before the launch.
+fn written_params_read(k: &Kernel) -> Vec<bool> {
+    fn atomics(stmts: &[Stmt], read: &mut [bool]) {
+        for s in stmts {
+            match s {
+                Stmt::AtomicAdd { param, .. } => {
+                    if let Some(r) = read.get_mut(*param) {
+                        *r = true;
+                    }
+                }
+                Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => atomics(body, read),
+                Stmt::Let { .. } | Stmt::Store { .. } => {}
+            }
+        }
+    }
+    let mut read = vec![false; k.params.len()];
+    // attention kernels read their inputs and only write their outputs
+    if let Body::Loops { stmts, .. } = &k.body {
+        kir::visit_exprs(stmts, &mut |e| {
+            if let Expr::Load { param, .. } = e {
+                if let Some(r) = read.get_mut(*param) {
+                    *r = true;
+                }
+            }
+        });
+        atomics(stmts, &mut read);
+    }
+    read.iter_mut().zip(&k.params).for_each(|(r, p)| *r &= p.write);
+    read
+}
+
+/// The buffers a step reads and those it writes: the one place that knows how each kind of step
+/// uses its buffers (hoisting and the memory layout both ask it). A buffer read and written by
+/// the same step is in both lists: a kernel's written param that it also reads, the destination
+/// of an accumulating GEMM.
+fn reads_writes(plan: &Plan, prog: &Program) -> (Vec<BufId>, Vec<BufId>) {
+    match plan {
+        Plan::Launch(l) => {
+            let k = &prog.kernels[l.kernel];
+            let (mut r, mut w) = (Vec::new(), Vec::new());
+            for ((p, &b), read) in k.params.iter().zip(&l.bufs).zip(written_params_read(k)) {
+                if p.write {
+                    w.push(b);
+                }
+                if !p.write || read {
+                    r.push(b);
+                }
+            }
+            (r, w)
+        }
+        Plan::Gemm(g) => {
+            let mut r = vec![g.a.buf, g.b.buf];
+            r.extend(g.bias.as_ref().map(|b| b.buf));
+            if g.accumulate {
+                r.push(g.c.buf);
+            }
+            (r, vec![g.c.buf])
+        }
     }
 }
 
@@ -221,32 +283,13 @@ impl CpuProgram {
     /// that the steps computing only from them (dequantizing 4-bit weights, mostly) run on the
     /// first run and after such an input is set again, not every step: their buffers are never
     /// reused, so their results stay. A step qualifies when everything it reads is frozen or
-    /// written by qualifying steps, and no other step writes what it writes. Returns how many.
+    /// written by qualifying steps (or by itself), and no other step writes what it writes.
+    /// Returns how many.
     pub fn hoist(&mut self, frozen: &std::collections::HashSet<String>) -> usize {
         let nb = self.prog.buffers.len();
         let mut writers = vec![0usize; nb];
-        let rw = |plan: &Plan, prog: &Program| -> (Vec<usize>, Vec<usize>) {
-            match plan {
-                Plan::Launch(l) => {
-                    let k = &prog.kernels[l.kernel];
-                    let (mut r, mut w) = (Vec::new(), Vec::new());
-                    for (p, &b) in k.params.iter().zip(&l.bufs) {
-                        if p.write { w.push(b) } else { r.push(b) }
-                    }
-                    (r, w)
-                }
-                Plan::Gemm(g) => {
-                    let mut r = vec![g.a.buf, g.b.buf];
-                    r.extend(g.bias.as_ref().map(|b| b.buf));
-                    if g.accumulate {
-                        r.push(g.c.buf);
-                    }
-                    (r, vec![g.c.buf])
-                }
-            }
-        };
         for plan in &self.plans {
-            for b in rw(plan, &self.prog).1 {
+            for b in reads_writes(plan, &self.prog).1 {
                 writers[b] += 1;
             }
         }
@@ -259,8 +302,8 @@ impl CpuProgram {
         }
         let mut count = 0;
         for (i, plan) in self.plans.iter().enumerate() {
-            let (r, w) = rw(plan, &self.prog);
-            let ok = !w.is_empty() && r.iter().all(|&b| constant[b]) && w.iter().all(|&b| writers[b] == 1);
+            let (r, w) = reads_writes(plan, &self.prog);
+            let ok = !w.is_empty() && r.iter().all(|&b| constant[b] || w.contains(&b)) && w.iter().all(|&b| writers[b] == 1);
             self.hoisted[i] = ok;
             if ok {
                 count += 1;
