@@ -79,7 +79,7 @@ impl Runner {
                 let frozen: std::collections::HashSet<String> =
                     g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(qatc_ir::InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
                 // the dequantized frozen weights are the same every step: computed once
-                p.hoist(&frozen);
+                p.hoist(&frozen)?;
                 Ok(Runner::Compiled { prog: Box::new(p), frozen, bound: false })
             }
             #[cfg(not(feature = "llvm"))]
