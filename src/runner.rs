@@ -139,14 +139,20 @@ impl Runner {
                     Some(b) => format!("large ones by OpenBLAS ({})", b.name),
                     None => "by the gemm crate".into(),
                 };
-                // the executor gives every buffer its own allocation (no reuse yet): say how much
+                // buffers never live at the same step share the arena: what it holds against what
+                // one allocation per buffer would take, and the least any layout could
+                let (r, human) = (p.layout_report(), qatc_passes::plan::units::human);
                 format!(
-                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, {} of buffers",
+                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, buffers: {} (arena {} for {} of buffers, at least {} live at once; inputs {})",
                     prog.kernels.len(),
                     prog.launches(),
                     prog.gemms().count(),
                     rayon::current_num_threads(),
-                    qatc_passes::plan::units::human(p.allocated_bytes())
+                    human(p.allocated_bytes()),
+                    human(r.arena_bytes),
+                    human(r.placed_bytes),
+                    human(r.peak_live_bytes),
+                    human(r.input_bytes)
                 )
             }
         }
