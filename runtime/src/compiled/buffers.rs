@@ -18,11 +18,22 @@ use crate::value::{IntTensor, Tensor, Value};
 /// Cache-line alignment: no two buffers share a line, and vector loads of any width are aligned.
 pub const ALIGN: usize = 64;
 
+/// What `zeroed` asks the allocator for: std's `alloc_zeroed` of a larger alignment is
+/// `posix_memalign` plus a memset that touches every page at once, while at this one it is
+/// `calloc`, which leaves the fresh pages of a large allocation untouched (and not resident)
+/// until used. The arena made by `CpuProgram::new` and replaced by `hoist` is never used: with
+/// the memset both arenas were resident at once.
+const ALLOC_ALIGN: usize = 16;
+
 /// Memory for buffers (one input, or the arena of all others), owned like a `Box<[u8]>` but
 /// aligned to [`ALIGN`].
 pub struct Allocation {
-    ptr: NonNull<u8>,
+    /// What the allocator returned, with `layout`.
+    base: NonNull<u8>,
     layout: Layout,
+    /// From `base` to the first [`ALIGN`]-aligned byte.
+    offset: usize,
+    len: usize,
 }
 
 // SAFETY: an Allocation uniquely owns its memory (as Box<[u8]> does, which is Send and Sync); it
@@ -36,39 +47,50 @@ impl Allocation {
     /// `bytes` zeroed bytes for `name` (a buffer, or the arena).
     pub fn zeroed(name: &str, bytes: usize) -> Result<Allocation, RuntimeError> {
         let err = |msg: String| RuntimeError::Buffer { name: name.to_string(), msg };
-        // a zero-size layout may not be allocated: empty buffers get one line, never read
-        let layout = Layout::from_size_align(bytes.max(1).next_multiple_of(ALIGN), ALIGN).map_err(|e| err(format!("{bytes} bytes: {e}")))?;
+        // empty buffers get one line (never read): a zero-size layout may not be allocated
+        let len = bytes.max(1).next_multiple_of(ALIGN);
+        // aligned by hand: room for the slack up to the next ALIGN boundary (see ALLOC_ALIGN)
+        let size = len.checked_add(ALIGN - ALLOC_ALIGN).ok_or_else(|| err(format!("{bytes} bytes: too many")))?;
+        let layout = Layout::from_size_align(size, ALLOC_ALIGN).map_err(|e| err(format!("{bytes} bytes: {e}")))?;
         // SAFETY: the layout's size is at least ALIGN, so non-zero.
         let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).ok_or_else(|| err(format!("cannot allocate {bytes} bytes")))?;
-        Ok(Allocation { ptr, layout })
+        let base = NonNull::new(p).ok_or_else(|| err(format!("cannot allocate {bytes} bytes")))?;
+        let offset = p.align_offset(ALIGN);
+        if offset > ALIGN - ALLOC_ALIGN {
+            // SAFETY: allocated just above with this layout, and not handed out.
+            unsafe { dealloc(p, layout) };
+            return Err(err(format!("the allocator returned {p:?}, not {ALLOC_ALIGN}-byte aligned")));
+        }
+        Ok(Allocation { base, layout, offset, len })
     }
 
-    /// The base address, for kernels and GEMMs.
+    /// The base address, for kernels and GEMMs: [`ALIGN`]-aligned.
     pub fn ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        // in bounds: `zeroed` checked that offset + len fits in the allocation
+        self.base.as_ptr().wrapping_add(self.offset)
     }
 
     pub fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation is live, `layout.size()` bytes long and initialized (zeroed at
-        // allocation); `&self` excludes writers (the executor writes only through `&mut`).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+        // SAFETY: `ptr()..ptr() + len` lies inside the live allocation (`zeroed` reserved the
+        // slack before it) and is initialized (zeroed at allocation); `&self` excludes writers
+        // (the executor writes only through `&mut`).
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as `bytes`, and `&mut self` makes this the only access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
     }
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this very layout, and freed only here.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: allocated in `zeroed` with this very layout at `base`, and freed only here.
+        unsafe { dealloc(self.base.as_ptr(), self.layout) }
     }
 }
 
