@@ -103,7 +103,7 @@ impl Runner {
                 let frozen: std::collections::HashSet<String> =
                     g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(qatc_ir::InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
                 // the dequantized frozen weights are the same every step: computed once
-                p.hoist(&frozen);
+                p.hoist(&frozen)?;
                 Ok(Runner::Compiled { prog: Box::new(p), frozen, bound: false, panels })
             }
             #[cfg(not(feature = "llvm"))]
@@ -168,14 +168,20 @@ impl Runner {
                     Some(b) => format!("large ones by OpenBLAS ({})", b.name),
                     None => "by the gemm crate".into(),
                 };
-                // the executor gives every buffer its own allocation (no reuse yet): say how much
+                // buffers never live at the same step share the arena: what it holds against what
+                // one allocation per buffer would take, and the least any layout could
+                let (r, human) = (p.layout_report(), qatc_passes::plan::units::human);
                 format!(
-                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, {} of buffers{fed}",
+                    "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, buffers: {} (arena {} for {} of buffers, at least {} live at once; inputs {}){fed}",
                     prog.kernels.len(),
                     prog.launches(),
                     prog.gemms().count(),
                     rayon::current_num_threads(),
-                    qatc_passes::plan::units::human(p.allocated_bytes())
+                    human(p.allocated_bytes()),
+                    human(r.arena_bytes),
+                    human(r.placed_bytes),
+                    human(r.peak_live_bytes),
+                    human(r.input_bytes)
                 )
             }
         }

@@ -17,14 +17,14 @@ use qatc::data::TokenFile;
 use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
-use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_ir::{InputKind, QuantScheme, QuantSpec};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::microbatch::micro_name;
 use qatc_passes::optim::AdamW;
 use qatc_passes::quant::QuantOptions;
 use qatc_runtime::kernels::elementwise::{adam_param, AdamHyper};
-use qatc_runtime::{CpuProgram, Interpreter, Value};
+use qatc_runtime::{BufferLayout, CpuProgram, Interpreter, RuntimeError, Value};
 
 const TOL: f64 = 1e-5;
 const LR: f64 = 1e-2;
@@ -232,3 +232,90 @@ fn clipped_accumulated_qlora_step_fused() {
     compare("4-bit + LoRA, clipped, 2 micro-batches, fused", o);
 }
 
+/// The outputs as bits: equal means bit for bit (NaNs included).
+fn bits(out: &HashMap<String, Value<f32>>) -> Vec<(String, Vec<u32>)> {
+    let mut v: Vec<(String, Vec<u32>)> = out
+        .iter()
+        .map(|(n, v)| {
+            let b = match v {
+                Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
+                Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
+            };
+            (n.clone(), b)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Buffers that are never live at the same step share memory, and that changes nothing: the tiny
+/// 4-bit + LoRA step, used as the trainer uses it (`src/runner.rs`: the dequantization of frozen
+/// weights hoisted, the frozen weights set on the first run only, the updates fed back), gives
+/// the same outputs bit for bit over three steps whether its buffers share or not, from an arena
+/// smaller than the buffers it holds.
+#[test]
+fn shared_buffers_change_no_bit_of_three_steps() {
+    for fuse in [false, true] {
+        let mut o = StepOptions::new(2, 16);
+        qlora(&mut o);
+        o.fuse = fuse.then(FuseOptions::default);
+        let what = format!("4-bit + LoRA, fuse {fuse}");
+        let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+        let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+        let (b, t) = (o.batch, o.seq);
+        let tr = Trainer::new(&m, o, None, 3).unwrap();
+        let g = &tr.graph;
+        let frozen: std::collections::HashSet<String> = g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
+        let prog = qatc_kernels::lower(g).unwrap();
+        let program = |layout: BufferLayout| -> CpuProgram {
+            #[cfg(feature = "llvm")]
+            let launcher: Box<dyn qatc_runtime::Launcher> = Box::new(qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap());
+            #[cfg(not(feature = "llvm"))]
+            let launcher: Box<dyn qatc_runtime::Launcher> = Box::new(qatc_runtime::KirEval::new(&prog.kernels));
+            let mut cp = CpuProgram::with_layout(prog.clone(), launcher, layout).unwrap();
+            assert!(cp.hoist(&frozen).unwrap() > 0, "{what}: the 4-bit weights' dequantization is hoisted");
+            cp
+        };
+        let (mut shared, mut distinct) = (program(BufferLayout::Shared), program(BufferLayout::Distinct));
+        let updates: Vec<String> = g.outputs().iter().filter(|o| o.update).map(|o| o.name.clone()).collect();
+        let mut state = tr.state.clone();
+        for step in 0..3 {
+            let (ids, targets) = data.batch(step, b, t).unwrap();
+            state.insert("ids".into(), Value::ints([b, t], ids).unwrap());
+            state.insert("targets".into(), Value::ints([b, t], targets).unwrap());
+            state.insert(DROPOUT_SEED.into(), Value::ints([], vec![1234 + step as i32]).unwrap());
+            state.insert("lr".into(), Value::scalar(LR));
+            let mut outs = Vec::new();
+            for cp in [&mut shared, &mut distinct] {
+                for (name, v) in &state {
+                    // as the trainer: frozen weights once, so the hoisted steps run on the first
+                    // run only and later runs read their results
+                    if step == 0 || !frozen.contains(name) {
+                        match cp.set_input(name, v) {
+                            Ok(()) | Err(RuntimeError::UnknownInput(_)) => {}
+                            Err(e) => panic!("{what}: {e}"),
+                        }
+                    }
+                }
+                cp.execute().unwrap();
+                outs.push(cp.outputs().unwrap());
+            }
+            assert!(bits(&outs[0]) == bits(&outs[1]), "{what}, step {step}: the shared layout's outputs differ from the distinct one's");
+            for u in &updates {
+                state.insert(u.clone(), outs[1][u].clone());
+            }
+        }
+        let (s, d) = (shared.layout_report(), distinct.layout_report());
+        eprintln!(
+            "{what}: shared {} bytes (arena {} for {} of buffers, {} live at most; inputs {}), distinct {} bytes",
+            shared.allocated_bytes(),
+            s.arena_bytes,
+            s.placed_bytes,
+            s.peak_live_bytes,
+            s.input_bytes,
+            distinct.allocated_bytes()
+        );
+        assert!(shared.allocated_bytes() < distinct.allocated_bytes(), "{what}: {s:?} against {d:?}");
+        assert!(s.arena_bytes >= s.peak_live_bytes && s.placed_bytes == d.placed_bytes && d.arena_bytes == d.placed_bytes, "{what}: {s:?} against {d:?}");
+    }
+}

@@ -17,7 +17,8 @@ use qatc_kernels::program::{BufKind, Step};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::compiled::CpuProgram;
+use qatc_runtime::compiled::{BufferLayout, CpuProgram};
+use qatc_runtime::KirEval;
 use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
 
 const TOL: f64 = 1e-5;
@@ -70,7 +71,8 @@ fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, us
         }
     }
     let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).expect("the kernels compile");
-    let mut cp = CpuProgram::new(prog, Box::new(jit)).expect("the program loads");
+    // every buffer is read after the run: none may share memory
+    let mut cp = CpuProgram::with_layout(prog, Box::new(jit), BufferLayout::Distinct).expect("the program loads");
     cp.run(&ins).expect("the compiled step runs");
     // buffer -> node: lowering names a node's buffer after the node (else t{index}) and creates
     // buffers in topological order, so the i-th buffer of a name holds the i-th node of that name
@@ -202,8 +204,9 @@ fn isolate(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> usize {
     let ins = inputs(&g, cfg, o.batch, o.seq);
     let prog = qatc_kernels::lower(&g).expect("it lowers");
     let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).expect("the kernels compile");
-    let mut fast = CpuProgram::new(prog.clone(), Box::new(jit)).expect("the program loads");
-    let mut slow = CpuProgram::with_kir_eval(prog.clone()).expect("the program loads");
+    // every buffer is copied from one program to the other before each launch: none may share
+    let mut fast = CpuProgram::with_layout(prog.clone(), Box::new(jit), BufferLayout::Distinct).expect("the program loads");
+    let mut slow = CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&prog.kernels)), BufferLayout::Distinct).expect("the program loads");
     for (name, v) in &ins {
         let _ = fast.set_input(name, v);
     }

@@ -50,7 +50,7 @@ pub mod quant;
 mod value;
 
 pub use arena::{ArenaInterpreter, ArenaLayout, Slot};
-pub use compiled::{CpuProgram, KirEval, Launcher};
+pub use compiled::{BufferLayout, CpuProgram, KirEval, Launcher, LayoutReport};
 pub use error::RuntimeError;
 pub use float::Float;
 pub use interp::{Interpreter, RunOutputs};

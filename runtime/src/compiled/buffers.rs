@@ -1,5 +1,6 @@
-//! A compiled program's memory: one zeroed, 64-byte aligned allocation per buffer, made once, and
-//! the conversions between it and the interpreter's [`Value`]s (graph inputs in, outputs out).
+//! A compiled program's memory: zeroed, 64-byte aligned allocations (where buffers go in them:
+//! layout.rs), and the conversions between a buffer's bytes and the interpreter's [`Value`]s
+//! (graph inputs in, outputs out).
 //!
 //! Element layouts are the kernel IR's: f32/i32 little-endian 4 bytes, f16/bf16 as raw 16-bit
 //! patterns, u8 one byte, i4 packed two per byte (element 2k in the low nibble of byte k).
@@ -17,10 +18,22 @@ use crate::value::{IntTensor, Tensor, Value};
 /// Cache-line alignment: no two buffers share a line, and vector loads of any width are aligned.
 pub const ALIGN: usize = 64;
 
-/// One buffer's memory, owned like a `Box<[u8]>` but aligned to [`ALIGN`].
+/// What `zeroed` asks the allocator for: std's `alloc_zeroed` of a larger alignment is
+/// `posix_memalign` plus a memset that touches every page at once, while at this one it is
+/// `calloc`, which leaves the fresh pages of a large allocation untouched (and not resident)
+/// until used. The arena made by `CpuProgram::new` and replaced by `hoist` is never used: with
+/// the memset both arenas were resident at once.
+const ALLOC_ALIGN: usize = 16;
+
+/// Memory for buffers (one input, or the arena of all others), owned like a `Box<[u8]>` but
+/// aligned to [`ALIGN`].
 pub struct Allocation {
-    ptr: NonNull<u8>,
+    /// What the allocator returned, with `layout`.
+    base: NonNull<u8>,
     layout: Layout,
+    /// From `base` to the first [`ALIGN`]-aligned byte.
+    offset: usize,
+    len: usize,
 }
 
 // SAFETY: an Allocation uniquely owns its memory (as Box<[u8]> does, which is Send and Sync); it
@@ -31,42 +44,53 @@ unsafe impl Send for Allocation {}
 unsafe impl Sync for Allocation {}
 
 impl Allocation {
-    /// `bytes` zeroed bytes for buffer `name`.
+    /// `bytes` zeroed bytes for `name` (a buffer, or the arena).
     pub fn zeroed(name: &str, bytes: usize) -> Result<Allocation, RuntimeError> {
         let err = |msg: String| RuntimeError::Buffer { name: name.to_string(), msg };
-        // a zero-size layout may not be allocated: empty buffers get one line, never read
-        let layout = Layout::from_size_align(bytes.max(1).next_multiple_of(ALIGN), ALIGN).map_err(|e| err(format!("{bytes} bytes: {e}")))?;
+        // empty buffers get one line (never read): a zero-size layout may not be allocated
+        let len = bytes.max(1).next_multiple_of(ALIGN);
+        // aligned by hand: room for the slack up to the next ALIGN boundary (see ALLOC_ALIGN)
+        let size = len.checked_add(ALIGN - ALLOC_ALIGN).ok_or_else(|| err(format!("{bytes} bytes: too many")))?;
+        let layout = Layout::from_size_align(size, ALLOC_ALIGN).map_err(|e| err(format!("{bytes} bytes: {e}")))?;
         // SAFETY: the layout's size is at least ALIGN, so non-zero.
         let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).ok_or_else(|| err(format!("cannot allocate {bytes} bytes")))?;
-        Ok(Allocation { ptr, layout })
+        let base = NonNull::new(p).ok_or_else(|| err(format!("cannot allocate {bytes} bytes")))?;
+        let offset = p.align_offset(ALIGN);
+        if offset > ALIGN - ALLOC_ALIGN {
+            // SAFETY: allocated just above with this layout, and not handed out.
+            unsafe { dealloc(p, layout) };
+            return Err(err(format!("the allocator returned {p:?}, not {ALLOC_ALIGN}-byte aligned")));
+        }
+        Ok(Allocation { base, layout, offset, len })
     }
 
-    /// The base address, for kernels and GEMMs.
+    /// The base address, for kernels and GEMMs: [`ALIGN`]-aligned.
     pub fn ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        // in bounds: `zeroed` checked that offset + len fits in the allocation
+        self.base.as_ptr().wrapping_add(self.offset)
     }
 
     pub fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation is live, `layout.size()` bytes long and initialized (zeroed at
-        // allocation); `&self` excludes writers (the executor writes only through `&mut`).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+        // SAFETY: `ptr()..ptr() + len` lies inside the live allocation (`zeroed` reserved the
+        // slack before it) and is initialized (zeroed at allocation); `&self` excludes writers
+        // (the executor writes only through `&mut`).
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as `bytes`, and `&mut self` makes this the only access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
     }
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this very layout, and freed only here.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: allocated in `zeroed` with this very layout at `base`, and freed only here.
+        unsafe { dealloc(self.base.as_ptr(), self.layout) }
     }
 }
 
@@ -122,14 +146,16 @@ fn kind_err(buf: &Buffer, want: &str, v: &Value<f32>) -> RuntimeError {
 /// even, as the interpreter rounds such inputs), ints into i32, u8 or packed i4. The same checks
 /// as the interpreter's inputs (kind, shape, element count); codes out of their dtype's range are
 /// an error rather than silently wrapped.
-pub fn write_input(buf: &Buffer, mem: &mut Allocation, v: &Value<f32>) -> Result<(), RuntimeError> {
+pub fn write_input(buf: &Buffer, out: &mut [u8], v: &Value<f32>) -> Result<(), RuntimeError> {
     if v.shape() != buf.shape.as_slice() {
         return Err(RuntimeError::InputShape { name: buf.name.clone(), want: buf.shape.clone(), got: v.shape().to_vec() });
     }
     if v.len() != buf.numel() {
         return Err(RuntimeError::BadTensor { shape: buf.shape.clone(), want: buf.numel(), got: v.len() });
     }
-    let out = mem.bytes_mut();
+    if out.len() < buf.bytes() {
+        return Err(RuntimeError::Buffer { name: buf.name.clone(), msg: format!("{} bytes of memory for {} bytes", out.len(), buf.bytes()) });
+    }
     match (buf.dtype, v) {
         (DType::F32, Value::Float(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
         (DType::F16, Value::Float(t)) => out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes())),
@@ -170,10 +196,13 @@ fn int_at(d: DType, b: &[u8], i: usize) -> i32 {
 }
 
 /// The value a view of `buf` holds, as the interpreter would return it: a float tensor (f16/bf16
-/// widened) or an int tensor (i4/u8 one code per element), of the view's shape.
-pub fn read_view(buf: &Buffer, mem: &Allocation, v: &View) -> Result<Value<f32>, RuntimeError> {
+/// widened) or an int tensor (i4/u8 one code per element), of the view's shape. `b` is the
+/// buffer's memory.
+pub fn read_view(buf: &Buffer, b: &[u8], v: &View) -> Result<Value<f32>, RuntimeError> {
     check_view(buf, v, "output")?;
-    let b = mem.bytes();
+    if b.len() < buf.bytes() {
+        return Err(RuntimeError::Buffer { name: buf.name.clone(), msg: format!("{} bytes of memory for {} bytes", b.len(), buf.bytes()) });
+    }
     let mut idx = Vec::with_capacity(v.numel());
     for_each_index(v, |i| idx.push(i));
     let shape = v.shape.clone();
@@ -199,23 +228,23 @@ mod tests {
         let mut mem = Allocation::zeroed("b", buf.bytes()).unwrap();
         assert_eq!(mem.ptr() as usize % ALIGN, 0);
         let v = Value::ints([5], vec![1, 2, 15, 0, 7]).unwrap();
-        write_input(&buf, &mut mem, &v).unwrap();
+        write_input(&buf, mem.bytes_mut(), &v).unwrap();
         assert_eq!(&mem.bytes()[..3], &[0x21, 0x0f, 0x07]);
-        assert_eq!(read_view(&buf, &mem, &View::contiguous(0, &[5])).unwrap(), v);
+        assert_eq!(read_view(&buf, mem.bytes(), &View::contiguous(0, &[5])).unwrap(), v);
         let bad = Value::ints([5], vec![1, 2, 16, 0, 7]).unwrap();
-        assert!(matches!(write_input(&buf, &mut mem, &bad), Err(RuntimeError::Buffer { .. })));
+        assert!(matches!(write_input(&buf, mem.bytes_mut(), &bad), Err(RuntimeError::Buffer { .. })));
     }
 
     #[test]
     fn f16_inputs_round_and_views_read_strided() {
         let buf = buffer(DType::F16, &[2, 3]);
         let mut mem = Allocation::zeroed("b", buf.bytes()).unwrap();
-        write_input(&buf, &mut mem, &Value::floats([2, 3], &[0.1, 1.0, 2.0, 3.0, 4.0, 2049.0]).unwrap()).unwrap();
+        write_input(&buf, mem.bytes_mut(), &Value::floats([2, 3], &[0.1, 1.0, 2.0, 3.0, 4.0, 2049.0]).unwrap()).unwrap();
         let t = View::contiguous(0, &[2, 3]).transpose(&[1, 0]);
-        let got = read_view(&buf, &mem, &t).unwrap().into_float().unwrap();
+        let got = read_view(&buf, mem.bytes(), &t).unwrap().into_float().unwrap();
         assert_eq!(got.shape, [3, 2]);
         assert_eq!(got.data, [f16::from_f32(0.1).to_f32(), 3.0, 1.0, 4.0, 2.0, 2048.0]);
         let wrong = Value::<f32>::ints([2, 3], vec![0; 6]).unwrap();
-        assert!(matches!(write_input(&buf, &mut mem, &wrong), Err(RuntimeError::InputKind { .. })));
+        assert!(matches!(write_input(&buf, mem.bytes_mut(), &wrong), Err(RuntimeError::InputKind { .. })));
     }
 }

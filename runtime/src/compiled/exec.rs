@@ -1,15 +1,17 @@
-//! [`CpuProgram`]: a lowered program's buffers, allocated once, and its steps run in order on
-//! them, kernel launches split over rayon's pool.
+//! [`CpuProgram`]: a lowered program's buffers, allocated once (buffers that are never live at
+//! the same step share bytes: layout.rs), and its steps run in order on them, kernel launches
+//! split over rayon's pool.
 
 use std::collections::HashMap;
 
 use qatc_ir::DType;
-use qatc_kernels::kir::{self, Body, Kernel, Space, Stmt};
-use qatc_kernels::program::{BufKind, Gemm, Program, Step};
+use qatc_kernels::kir::{self, Body, Expr, Kernel, Space, Stmt};
+use qatc_kernels::program::{BufId, BufKind, Gemm, Program, Step};
 use rayon::prelude::*;
 
-use super::buffers::{check_view, read_view, write_input, Allocation};
+use super::buffers::{check_view, read_view, write_input};
 use super::kir_eval::{kernel_name, KirEval};
+use super::layout::{self, BufferLayout, LayoutReport, Live, Memory};
 use super::{gemm, Launcher};
 use crate::error::RuntimeError;
 use crate::value::Value;
@@ -21,9 +23,9 @@ const PAR_MIN_WORK: usize = 1 << 14;
 /// A launch's buffer addresses, one per kernel param.
 struct RawArgs(Box<[*mut u8]>);
 
-// SAFETY: the pointers address allocations owned by the same CpuProgram, which dereferences them
-// (through its launcher) only inside `execute(&mut self)`: moving or sharing the list between
-// threads gives no access by itself.
+// SAFETY: the pointers address memory owned by the same CpuProgram (re-resolved whenever it lays
+// its memory out again), which dereferences them (through its launcher) only inside
+// `execute_step(&mut self)`: moving or sharing the list between threads gives no access by itself.
 unsafe impl Send for RawArgs {}
 // SAFETY: see Send.
 unsafe impl Sync for RawArgs {}
@@ -36,7 +38,7 @@ struct LaunchPlan {
     /// Iterations per parallel chunk (a multiple of `grain`); `iterations` or more: inline.
     chunk: usize,
     /// The buffers behind `args`.
-    bufs: Vec<usize>,
+    bufs: Vec<BufId>,
 }
 
 /// A GEMM whose operand b a kernel computes panel by panel (`qatc_kernels::panels`): before
@@ -55,15 +57,14 @@ enum Plan {
 }
 
 /// Checks a launch's buffers against its kernel's params (count, dtype, size, no graph input
-/// written), marks them read, and resolves their addresses.
-/// A panel feed's written buffer (the shared scratch) may be longer than its param.
-fn resolve_args<'p>(prog: &'p Program, mem: &[Allocation], read: &mut [bool], kernel: usize, args: &[usize], feed: bool) -> Result<(RawArgs, &'p Kernel), RuntimeError> {
+/// written) and marks them read. A panel feed's written buffer (the shared scratch) may be longer
+/// than its param.
+fn check_args<'p>(prog: &'p Program, read: &mut [bool], kernel: usize, args: &[usize], feed: bool) -> Result<&'p Kernel, RuntimeError> {
     let k = prog.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the program has {} kernels", prog.kernels.len()) })?;
     let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(k), msg };
     if args.len() != k.params.len() {
         return Err(err(format!("launched with {} buffers for {} params", args.len(), k.params.len())));
     }
-    let mut ptrs = Vec::with_capacity(args.len());
     for (p, &b) in k.params.iter().zip(args) {
         let buf = prog.buffers.get(b).ok_or_else(|| err(format!("param {} is buffer {b} of {}", p.name, prog.buffers.len())))?;
         let fits = if feed && p.write { buf.numel() >= p.numel() } else { buf.numel() == p.numel() };
@@ -74,16 +75,15 @@ fn resolve_args<'p>(prog: &'p Program, mem: &[Allocation], read: &mut [bool], ke
             return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
         }
         read[b] = true;
-        ptrs.push(mem[b].ptr());
     }
-    Ok((RawArgs(ptrs.into_boxed_slice()), k))
+    Ok(k)
 }
 
 /// Runs iterations `start..end` of a launch, in chunks of `l.chunk` over rayon's pool.
 ///
 /// # Safety
-/// `l`'s arguments must have been resolved by `resolve_args` against live buffers that nothing
-/// else accesses during the call.
+/// `l`'s arguments must have been checked by `check_args` and resolved by `resolve` against live
+/// memory that nothing else accesses during the call.
 unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: usize) -> Result<(), RuntimeError> {
     let args = &l.args;
     // SAFETY (both calls): the caller's guarantee, and parallel chunks are disjoint ranges of
@@ -96,12 +96,14 @@ unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: 
     }
 }
 
-/// A lowered program ready to run on the CPU: every buffer allocated once (64-byte aligned,
-/// zeroed), the launches' arguments resolved and checked, kernels run by a [`Launcher`].
+/// A lowered program ready to run on the CPU: its buffers allocated once (64-byte aligned,
+/// zeroed; those never live at the same step at the same addresses unless [`BufferLayout::Distinct`]),
+/// the launches' arguments resolved and checked, kernels run by a [`Launcher`].
 pub struct CpuProgram {
     prog: Program,
     launcher: Box<dyn Launcher>,
-    mem: Vec<Allocation>,
+    layout: BufferLayout,
+    mem: Memory,
     plans: Vec<Plan>,
     /// Graph inputs: (name, buffer), in buffer order.
     inputs: Vec<(String, usize)>,
@@ -142,22 +144,125 @@ fn shape_of(k: &Kernel) -> (usize, usize) {
     }
 }
 
+/// Which params of `k` it reads as well as writes (a load of a written param, or an atomic add
+/// into one): such a param may read what the buffer held before the launch.
+fn written_params_read(k: &Kernel) -> Vec<bool> {
+    fn atomics(stmts: &[Stmt], read: &mut [bool]) {
+        for s in stmts {
+            match s {
+                Stmt::AtomicAdd { param, .. } => {
+                    if let Some(r) = read.get_mut(*param) {
+                        *r = true;
+                    }
+                }
+                Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => atomics(body, read),
+                Stmt::Let { .. } | Stmt::Store { .. } => {}
+            }
+        }
+    }
+    let mut read = vec![false; k.params.len()];
+    // attention kernels read their inputs and only write their outputs
+    if let Body::Loops { stmts, .. } = &k.body {
+        kir::visit_exprs(stmts, &mut |e| {
+            if let Expr::Load { param, .. } = e {
+                if let Some(r) = read.get_mut(*param) {
+                    *r = true;
+                }
+            }
+        });
+        atomics(stmts, &mut read);
+    }
+    read.iter_mut().zip(&k.params).for_each(|(r, p)| *r &= p.write);
+    read
+}
+
+/// The buffers a step reads and those it writes: the one place that knows how each kind of step
+/// uses its buffers (hoisting and the memory layout both ask it). A buffer read and written by
+/// the same step is in both lists: a kernel's written param that it also reads, the destination
+/// of an accumulating GEMM.
+fn reads_writes(plan: &Plan, prog: &Program) -> (Vec<BufId>, Vec<BufId>) {
+    match plan {
+        Plan::Launch(l) => {
+            let k = &prog.kernels[l.kernel];
+            let (mut r, mut w) = (Vec::new(), Vec::new());
+            for ((p, &b), read) in k.params.iter().zip(&l.bufs).zip(written_params_read(k)) {
+                if p.write {
+                    w.push(b);
+                }
+                if !p.write || read {
+                    r.push(b);
+                }
+            }
+            (r, w)
+        }
+        Plan::Gemm(g) => {
+            let mut r = vec![g.a.buf, g.b.buf];
+            r.extend(g.bias.as_ref().map(|b| b.buf));
+            if g.accumulate {
+                r.push(g.c.buf);
+            }
+            (r, vec![g.c.buf])
+        }
+        // the scratch is written (by the feed) before the partial GEMMs read it, inside the step
+        Plan::Fed(f) => {
+            let Some((_, g)) = f.panels.first() else { return (Vec::new(), Vec::new()) };
+            let mut r: Vec<BufId> = prog.kernels[f.feed.kernel].params.iter().zip(&f.feed.bufs).filter(|(p, _)| !p.write).map(|(_, &b)| b).collect();
+            r.push(g.a.buf);
+            r.extend(f.panels.iter().filter_map(|(_, g)| g.bias.as_ref().map(|b| b.buf)));
+            if g.accumulate {
+                r.push(g.c.buf);
+            }
+            (r, vec![g.c.buf, g.b.buf])
+        }
+    }
+}
+
+/// Each buffer's lifetime: the outputs, and the results of hoisted steps (read on later runs
+/// without being computed again), live the whole run, as does everything when distinct.
+fn lifetimes(prog: &Program, plans: &[Plan], hoisted: &[bool], layout: BufferLayout) -> Vec<Live> {
+    let steps: Vec<(Vec<BufId>, Vec<BufId>)> = plans.iter().map(|p| reads_writes(p, prog)).collect();
+    let mut whole = vec![layout == BufferLayout::Distinct; prog.buffers.len()];
+    for (_, v) in &prog.outputs {
+        whole[v.buf] = true;
+    }
+    for ((_, w), _) in steps.iter().zip(hoisted).filter(|(_, h)| **h) {
+        for &b in w {
+            whole[b] = true;
+        }
+    }
+    layout::lifetimes(&prog.buffers, &steps, &whole)
+}
+
+/// Points every launch at its buffers' current addresses in `mem`.
+fn resolve(plans: &mut [Plan], mem: &Memory) {
+    for plan in plans {
+        match plan {
+            Plan::Launch(l) => l.args = RawArgs(l.bufs.iter().map(|&b| mem.ptr(b)).collect()),
+            Plan::Fed(f) => f.feed.args = RawArgs(f.feed.bufs.iter().map(|&b| mem.ptr(b)).collect()),
+            Plan::Gemm(_) => {}
+        }
+    }
+}
+
 impl CpuProgram {
-    /// Allocates `prog`'s buffers and checks every step against them (buffer counts, dtypes and
+    /// Allocates `prog`'s buffers, sharing memory between buffers never live at the same step
+    /// ([`BufferLayout::Shared`]), and checks every step against them (buffer counts, dtypes and
     /// sizes of kernel params, GEMM views, no step writing a graph input); `launcher` runs its
     /// kernels.
     pub fn new(prog: Program, launcher: Box<dyn Launcher>) -> Result<CpuProgram, RuntimeError> {
-        let mut mem = Vec::with_capacity(prog.buffers.len());
-        for b in &prog.buffers {
-            mem.push(Allocation::zeroed(&b.name, b.bytes())?);
-        }
+        CpuProgram::with_layout(prog, launcher, BufferLayout::Shared)
+    }
+
+    /// [`CpuProgram::new`] with the buffers laid out as `layout` says: [`BufferLayout::Distinct`]
+    /// keeps every buffer readable after a run.
+    pub fn with_layout(prog: Program, launcher: Box<dyn Launcher>, layout: BufferLayout) -> Result<CpuProgram, RuntimeError> {
         let threads = rayon::current_num_threads().max(1);
         let mut read = vec![false; prog.buffers.len()];
         let mut plans = Vec::with_capacity(prog.steps.len());
         for step in &prog.steps {
             plans.push(match step {
                 Step::Launch { kernel, args: bufs, .. } => {
-                    let (args, k) = resolve_args(&prog, &mem, &mut read, *kernel, bufs, false)?;
+                    let k = check_args(&prog, &mut read, *kernel, bufs, false)?;
                     let iterations = kir::iterations(k);
                     let (grain, cost) = shape_of(k);
                     let chunk = if iterations.saturating_mul(cost) < PAR_MIN_WORK || threads == 1 {
@@ -165,11 +270,12 @@ impl CpuProgram {
                     } else {
                         iterations.div_ceil(4 * threads).next_multiple_of(grain).max(grain)
                     };
-                    Plan::Launch(LaunchPlan { kernel: *kernel, args, iterations, chunk, bufs: bufs.clone() })
+                    // the addresses come once the memory is laid out (`resolve`)
+                    Plan::Launch(LaunchPlan { kernel: *kernel, args: RawArgs(Box::new([])), iterations, chunk, bufs: bufs.clone() })
                 }
                 Step::Gemm(g) if g.feed.is_some() => {
                     let f = g.feed.as_ref().ok_or_else(|| RuntimeError::Gemm { note: g.note.clone(), msg: "no feed".into() })?;
-                    let (args, k) = resolve_args(&prog, &mem, &mut read, f.kernel, &f.args, true)?;
+                    let k = check_args(&prog, &mut read, f.kernel, &f.args, true)?;
                     let per_panel = f.panel * f.cols;
                     let chunk = if per_panel < PAR_MIN_WORK || threads == 1 { per_panel.max(1) } else { per_panel.div_ceil(2 * threads).next_multiple_of(shape_of(k).0) };
                     let panels = g.panels();
@@ -182,7 +288,7 @@ impl CpuProgram {
                     for v in [Some(&g.a), Some(&g.b), Some(&g.c), g.bias.as_ref()].into_iter().flatten() {
                         read[v.buf] = true;
                     }
-                    let feed = LaunchPlan { kernel: f.kernel, args, iterations: f.rows * f.cols, chunk, bufs: f.args.clone() };
+                    let feed = LaunchPlan { kernel: f.kernel, args: RawArgs(Box::new([])), iterations: f.rows * f.cols, chunk, bufs: f.args.clone() };
                     Plan::Fed(Box::new(Fed { feed, dims: (g.m, g.n, g.k), panels }))
                 }
                 Step::Gemm(g) => {
@@ -206,7 +312,9 @@ impl CpuProgram {
         let needed = inputs.iter().map(|&(_, b)| b).filter(|&b| read[b]).collect();
         let given = vec![false; prog.buffers.len()];
         let (hoisted, frozen) = (vec![false; plans.len()], vec![false; prog.buffers.len()]);
-        Ok(CpuProgram { prog, launcher, mem, plans, inputs, given, needed, hoisted, frozen, stale: true })
+        let mem = Memory::new(&prog.buffers, lifetimes(&prog, &plans, &hoisted, layout))?;
+        resolve(&mut plans, &mem);
+        Ok(CpuProgram { prog, launcher, layout, mem, plans, inputs, given, needed, hoisted, frozen, stale: true })
     }
 
     /// `prog` with its kernels run by the kernel-IR evaluator ([`KirEval`]).
@@ -219,9 +327,16 @@ impl CpuProgram {
         &self.prog
     }
 
-    /// Bytes held by the buffers.
+    /// Bytes this program holds for its buffers: the arena and the inputs' own allocations.
     pub fn allocated_bytes(&self) -> usize {
-        self.mem.iter().map(Allocation::len).sum()
+        let r = self.mem.report();
+        r.arena_bytes + r.input_bytes
+    }
+
+    /// How the buffers are laid out: the arena against the sum of the buffers in it, and the
+    /// most bytes live at one step (no arena can be smaller).
+    pub fn layout_report(&self) -> LayoutReport {
+        self.mem.report()
     }
 
     /// Copies a graph input's value into its buffer, where it stays for later runs: floats into
@@ -230,7 +345,7 @@ impl CpuProgram {
         let mut found = false;
         for &(ref n, b) in &self.inputs {
             if n == name {
-                write_input(&self.prog.buffers[b], &mut self.mem[b], v)?;
+                write_input(&self.prog.buffers[b], self.mem.bytes_mut(b), v)?;
                 self.given[b] = true;
                 self.stale |= self.frozen[b];
                 found = true;
@@ -250,7 +365,7 @@ impl CpuProgram {
         for i in 0..self.inputs.len() {
             let (name, b) = (&self.inputs[i].0, self.inputs[i].1);
             if let Some(v) = inputs.get(name) {
-                write_input(&self.prog.buffers[b], &mut self.mem[b], v)?;
+                write_input(&self.prog.buffers[b], self.mem.bytes_mut(b), v)?;
                 self.given[b] = true;
                 self.stale |= self.frozen[b];
             }
@@ -275,44 +390,16 @@ impl CpuProgram {
 
     /// Declares the graph inputs named in `frozen` constant between runs (frozen weights), so
     /// that the steps computing only from them (dequantizing 4-bit weights, mostly) run on the
-    /// first run and after such an input is set again, not every step: their buffers are never
-    /// reused, so their results stay. A step qualifies when everything it reads is frozen or
-    /// written by qualifying steps, and no other step writes what it writes. Returns how many.
-    pub fn hoist(&mut self, frozen: &std::collections::HashSet<String>) -> usize {
+    /// first run and after such an input is set again, not every step: their results live the
+    /// whole run (the memory is laid out again here), so they stay. A step qualifies when
+    /// everything it reads is frozen or written by qualifying steps (or by itself), and no other
+    /// step writes what it writes. Returns how many; fails only if the new layout cannot be
+    /// allocated.
+    pub fn hoist(&mut self, frozen: &std::collections::HashSet<String>) -> Result<usize, RuntimeError> {
         let nb = self.prog.buffers.len();
         let mut writers = vec![0usize; nb];
-        let rw = |plan: &Plan, prog: &Program| -> (Vec<usize>, Vec<usize>) {
-            match plan {
-                Plan::Launch(l) => {
-                    let k = &prog.kernels[l.kernel];
-                    let (mut r, mut w) = (Vec::new(), Vec::new());
-                    for (p, &b) in k.params.iter().zip(&l.bufs) {
-                        if p.write { w.push(b) } else { r.push(b) }
-                    }
-                    (r, w)
-                }
-                Plan::Gemm(g) => {
-                    let mut r = vec![g.a.buf, g.b.buf];
-                    r.extend(g.bias.as_ref().map(|b| b.buf));
-                    if g.accumulate {
-                        r.push(g.c.buf);
-                    }
-                    (r, vec![g.c.buf])
-                }
-                Plan::Fed(f) => {
-                    let Some((_, g)) = f.panels.first() else { return (Vec::new(), Vec::new()) };
-                    let mut r: Vec<usize> = prog.kernels[f.feed.kernel].params.iter().zip(&f.feed.bufs).filter(|(p, _)| !p.write).map(|(_, &b)| b).collect();
-                    r.push(g.a.buf);
-                    r.extend(f.panels.iter().filter_map(|(_, g)| g.bias.as_ref().map(|b| b.buf)));
-                    if g.accumulate {
-                        r.push(g.c.buf);
-                    }
-                    (r, vec![g.c.buf, g.b.buf])
-                }
-            }
-        };
         for plan in &self.plans {
-            for b in rw(plan, &self.prog).1 {
+            for b in reads_writes(plan, &self.prog).1 {
                 writers[b] += 1;
             }
         }
@@ -324,9 +411,10 @@ impl CpuProgram {
             }
         }
         let mut count = 0;
+        let before = self.hoisted.clone();
         for (i, plan) in self.plans.iter().enumerate() {
-            let (r, w) = rw(plan, &self.prog);
-            let ok = !w.is_empty() && r.iter().all(|&b| constant[b]) && w.iter().all(|&b| writers[b] == 1);
+            let (r, w) = reads_writes(plan, &self.prog);
+            let ok = !w.is_empty() && r.iter().all(|&b| constant[b] || w.contains(&b)) && w.iter().all(|&b| writers[b] == 1);
             self.hoisted[i] = ok;
             if ok {
                 count += 1;
@@ -336,7 +424,15 @@ impl CpuProgram {
             }
         }
         self.stale = true;
-        count
+        if self.hoisted != before {
+            if let Err(e) = self.mem.relayout(&self.prog.buffers, lifetimes(&self.prog, &self.plans, &self.hoisted, self.layout)) {
+                // the old layout stays, and is right only for the old hoisting
+                self.hoisted = before;
+                return Err(e);
+            }
+            resolve(&mut self.plans, &self.mem);
+        }
+        Ok(count)
     }
 
     /// Runs step `i` alone (a launch or a GEMM) on whatever the buffers hold: the per-kernel
@@ -345,28 +441,30 @@ impl CpuProgram {
         let plan = self.plans.get(i).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no step {i}") })?;
         match plan {
             Plan::Launch(l) => {
-                // SAFETY: `new` checked that each pointer addresses a live allocation of
-                // `self.mem` (64-byte aligned) holding at least its param's elements in the
-                // param's dtype; `&mut self` keeps everything else away from the buffers.
+                // SAFETY: `new` checked each param against its buffer, and `resolve` pointed it at
+                // that buffer's bytes in `self.mem` (64-byte aligned, at least the param's
+                // elements in its dtype), which no other buffer live at this step shares
+                // (layout.rs); `&mut self` keeps everything else away from the buffers.
                 unsafe { run_range(&*self.launcher, l, 0, l.iterations)? };
             }
             Plan::Fed(f) => {
                 let mem = &self.mem;
                 for ((start, end), g) in &f.panels {
-                    // SAFETY: as for a launch (the feed's arguments were resolved in `new`), and
-                    // each partial GEMM passed `gemm::check` there; the feed fills the scratch
-                    // before the GEMM that reads it, one after the other.
+                    // SAFETY: as for a launch (the feed's arguments are resolved like one), and
+                    // each partial GEMM passed `gemm::check` in `new`; the feed fills the
+                    // scratch before the GEMM that reads it, one after the other.
                     unsafe {
                         run_range(&*self.launcher, &f.feed, *start, *end)?;
-                        gemm::run(g, |b| mem[b].ptr());
+                        gemm::run(g, |b| mem.ptr(b));
                     }
                 }
             }
             Plan::Gemm(g) => {
                 let mem = &self.mem;
-                // SAFETY: `gemm::check` passed for this step in `new`, against these buffers,
-                // which `&mut self` keeps from any other access.
-                unsafe { gemm::run(g, |b| mem[b].ptr()) };
+                // SAFETY: `gemm::check` passed for this step in `new`, against these buffers;
+                // all of them are live at this step, so the layout gives them disjoint bytes
+                // (c aliases no operand), and `&mut self` keeps them from any other access.
+                unsafe { gemm::run(g, |b| mem.ptr(b)) };
             }
         }
         Ok(())
@@ -394,16 +492,22 @@ impl CpuProgram {
         Ok(times)
     }
 
-    /// The raw bytes of buffer `b`.
+    /// The raw bytes of buffer `b` (its size rounded up to 64). With [`BufferLayout::Shared`],
+    /// after a run only inputs, outputs and hoisted results still hold their value: another
+    /// buffer's bytes may since have been reused by a buffer that lives later.
     pub fn buffer_bytes(&self, b: usize) -> Option<&[u8]> {
-        self.mem.get(b).map(Allocation::bytes)
+        (b < self.prog.buffers.len()).then(|| self.mem.bytes(b))
     }
 
-    /// Overwrites buffer `b` with `bytes` (its exact size), as if a step had written it.
+    /// Overwrites buffer `b` with `bytes` (its exact size), as if a step had written it. With
+    /// [`BufferLayout::Shared`] that also overwrites whatever buffers share its bytes: copying
+    /// every buffer in needs [`BufferLayout::Distinct`].
     pub fn set_buffer_bytes(&mut self, b: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
         let name = self.prog.buffers.get(b).map(|x| x.name.clone()).unwrap_or_default();
-        let mem = self.mem.get_mut(b).ok_or_else(|| RuntimeError::Buffer { name: name.clone(), msg: format!("no buffer {b}") })?;
-        let dst = mem.bytes_mut();
+        if b >= self.prog.buffers.len() {
+            return Err(RuntimeError::Buffer { name, msg: format!("no buffer {b}") });
+        }
+        let dst = self.mem.bytes_mut(b);
         if dst.len() < bytes.len() {
             return Err(RuntimeError::Buffer { name, msg: format!("{} bytes into {}", bytes.len(), dst.len()) });
         }
@@ -419,7 +523,7 @@ impl CpuProgram {
     pub fn outputs(&self) -> Result<HashMap<String, Value<f32>>, RuntimeError> {
         let mut out: HashMap<String, Value<f32>> = HashMap::with_capacity(self.prog.outputs.len());
         for (name, v) in &self.prog.outputs {
-            let val = read_view(&self.prog.buffers[v.buf], &self.mem[v.buf], v)?;
+            let val = read_view(&self.prog.buffers[v.buf], self.mem.bytes(v.buf), v)?;
             match out.get(name) {
                 Some(old) if *old != val => return Err(RuntimeError::OutputClash(name.clone())),
                 _ => {
@@ -433,15 +537,17 @@ impl CpuProgram {
     /// One named output of the last run.
     pub fn output(&self, name: &str) -> Option<Result<Value<f32>, RuntimeError>> {
         let (_, v) = self.prog.outputs.iter().find(|(n, _)| n == name)?;
-        Some(read_view(&self.prog.buffers[v.buf], &self.mem[v.buf], v))
+        Some(read_view(&self.prog.buffers[v.buf], self.mem.bytes(v.buf), v))
     }
 }
 
 impl CpuProgram {
     /// The whole of buffer `b` after the last run (any buffer, not only outputs: the LLVM
-    /// equivalence test compares every value a kernel wrote with the interpreter's).
+    /// equivalence test compares every value a kernel wrote with the interpreter's). That needs
+    /// [`BufferLayout::Distinct`]: shared, only inputs, outputs and hoisted results are sure to
+    /// hold their value after a run (see `buffer_bytes`).
     pub fn buffer(&self, b: usize) -> Result<Value<f32>, RuntimeError> {
         let buf = self.prog.buffers.get(b).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no buffer {b}") })?;
-        read_view(buf, &self.mem[b], &qatc_kernels::View::contiguous(b, &buf.shape))
+        read_view(buf, self.mem.bytes(b), &qatc_kernels::View::contiguous(b, &buf.shape))
     }
 }

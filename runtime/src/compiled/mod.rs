@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! Program { buffers, kernels, steps: [Launch | Gemm], outputs }
-//!    buffers  -> allocated once, 64-byte aligned (buffers.rs)
+//!    buffers  -> allocated once, 64-byte aligned (buffers.rs); inputs alone, the others in one
+//!                arena, at the same bytes when never live at the same step (layout.rs)
 //!    Launch   -> 0..iterations(kernel) split over rayon's pool, each range run by a Launcher
 //!    Gemm     -> the gemm crate on the views' strides (gemm.rs)
 //! ```
@@ -20,6 +21,7 @@ mod buffers;
 mod exec;
 mod gemm;
 mod kir_eval;
+mod layout;
 mod scalar;
 mod vmath;
 #[cfg(feature = "llvm")]
@@ -27,6 +29,7 @@ mod llvm;
 
 pub use attn_gemm::GemmAttention;
 pub use exec::CpuProgram;
+pub use layout::{BufferLayout, LayoutReport};
 pub use kir_eval::KirEval;
 
 use crate::error::RuntimeError;
