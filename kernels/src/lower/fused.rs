@@ -138,8 +138,7 @@ pub fn lower_root(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, dest: View, fami
         if Some(a) == fused || cx.leaves.contains_key(&a) {
             continue;
         }
-        let t = lw.temp(&format!("t{}", a.index()), g.ty(a).dtype, &g.ty(a).shape.0);
-        lower_root(lw, cx, a, t.clone(), family)?;
+        let t = temp_for(lw, cx, a, family)?;
         cx.leaves.insert(a, t);
     }
     match fused {
@@ -175,17 +174,34 @@ pub fn operand_view(lw: &mut Lowerer, cx: &mut Ctx, node: NodeId, family: &str) 
     }
     let g = cx.g;
     let ty = g.ty(node).clone();
-    let t = lw.temp(&format!("t{}", node.index()), ty.dtype, &ty.shape.0);
     let sub_family = match g.node(node).op {
         Op::Dequantize { .. } => "dequant",
         _ => family,
     };
-    lower_root(lw, cx, node, t.clone(), sub_family)?;
+    let t = temp_for(lw, cx, node, sub_family)?;
     if let Op::Dequantize { .. } = g.node(node).op {
         let read: usize = g.operands(node).iter().map(|&o| g.ty(o).bytes()).sum();
         lw.prog.materialized.push(Materialized { what: format!("dequantize {} -> {}", g.describe(node), ty), bytes_read: read, bytes_written: ty.bytes() });
     }
     cx.leaves.insert(node, t.clone());
+    Ok(t)
+}
+
+/// Lowers `node` into a scratch of its own, or over its logits for a cross-entropy gradient
+/// whose logits die here (`inplace.rs`); returns where its value is.
+fn temp_for(lw: &mut Lowerer, cx: &mut Ctx, node: NodeId, family: &str) -> Result<View, KernelError> {
+    let g = cx.g;
+    let logits = g.operands(node).first().and_then(|l| cx.leaves.get(l)).cloned();
+    let over = super::inplace::over_logits(lw, g, node, logits.as_ref());
+    let first = lw.prog.steps.len();
+    let t = match &over {
+        Some(v) => v.clone(),
+        None => lw.temp(&format!("t{}", node.index()), g.ty(node).dtype, &g.ty(node).shape.0),
+    };
+    lower_root(lw, cx, node, t.clone(), family)?;
+    if let Some(v) = &over {
+        super::inplace::verify(&lw.prog, first, v.buf)?;
+    }
     Ok(t)
 }
 

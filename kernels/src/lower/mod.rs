@@ -33,6 +33,7 @@ mod attention;
 pub mod builder;
 mod fused;
 mod hoist;
+pub(crate) mod inplace;
 pub mod inline;
 mod reduce;
 mod rows;
@@ -185,7 +186,13 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
             values.insert(id, v);
             continue;
         }
-        let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value);
+        // the cross-entropy gradient over its logits, when they die here (inplace.rs)
+        let over = inplace::over_logits(&lw, g, id, ops.first().and_then(|o| values.get(o)));
+        let first_step = lw.prog.steps.len();
+        let dest = match &over {
+            Some(v) => v.clone(),
+            None => lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value),
+        };
         match &n.op {
             Op::Kernel { family, body } => {
                 let mut operand_views = Vec::new();
@@ -209,6 +216,9 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
                 let family = n.op.mnemonic().to_string();
                 fused::lower_root(&mut lw, &mut cx, id, dest.clone(), &family)?;
             }
+        }
+        if let Some(v) = &over {
+            inplace::verify(&lw.prog, first_step, v.buf)?;
         }
         values.insert(id, dest);
     }

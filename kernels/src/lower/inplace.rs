@@ -1,0 +1,170 @@
+//! The cross-entropy gradient written over the logits it is computed from.
+//!
+//! The logits of a GPT-2 step are the largest tensor in it ([B*T, V], 98 MiB at B 4, T 128), and
+//! their gradient is the same size. The gradient kernel is the logits' last reader: each row
+//! program reads its row (max and sum of exponentials, or the shared statistics), then visits
+//! every element once, reading it and writing its gradient at the same index. Written over the
+//! logits, the step holds one such tensor instead of two, as the memory plan assumes
+//! (`passes/src/plan`: in place where the op allows it).
+//!
+//! [`over_logits`] picks the logits when nothing else reads them afterwards; [`verify`] checks
+//! what was generated, so a kernel shape this reasoning does not cover fails loudly instead of
+//! reading overwritten values.
+
+use qatc_ir::{Graph, NodeId, Op};
+
+use crate::error::KernelError;
+use crate::kir::{BinOp, Body, Expr, Ix, Kernel, ParamId, Space, Stmt};
+use crate::program::{BufKind, Program, Step, View};
+
+/// Users of `id`, seen through shape ops (which are views of the same bytes).
+fn readers(g: &Graph, id: NodeId, out: &mut Vec<NodeId>) {
+    for u in g.users(id) {
+        match g.node(u).op {
+            Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Broadcast { .. } => readers(g, u, out),
+            _ => out.push(u),
+        }
+    }
+}
+
+/// The view a `CrossEntropyGrad` node may write its result into: its logits' (`logits`, their
+/// view), when that is a whole Temp or Value buffer of the same type, not an output of `g`, read
+/// by nothing but cross-entropy nodes and this one, and the cross-entropy forward was lowered
+/// already (its row statistics are in `ce_stats`), so no reader comes after.
+pub fn over_logits(lw: &super::Lowerer, g: &Graph, node: NodeId, logits: Option<&View>) -> Option<View> {
+    if !matches!(g.node(node).op, Op::CrossEntropyGrad) {
+        return None;
+    }
+    let (l, v) = (*g.operands(node).first()?, logits?);
+    let buf = lw.prog.buffers.get(v.buf)?;
+    let ty = g.ty(node);
+    let whole = v.offset == 0 && v.is_contiguous() && v.numel() == buf.numel() && buf.dtype == ty.dtype && g.ty(l) == ty;
+    if !whole || matches!(buf.kind, BufKind::Input(_)) || g.outputs().iter().any(|o| o.node == l) || !lw.ce_stats.contains_key(v) {
+        return None;
+    }
+    let mut rs = Vec::new();
+    readers(g, l, &mut rs);
+    rs.iter().all(|&r| r == node || matches!(g.node(r).op, Op::CrossEntropy)).then(|| v.clone())
+}
+
+/// `Row * V + Loop(l)`: element l of the row's own V elements.
+fn row_local(e: &Expr, v: usize) -> bool {
+    match e {
+        Expr::Bin(BinOp::Add, a, b) => {
+            matches!(&**a, Expr::Bin(BinOp::Mul, r, n) if **r == Expr::Ix(Ix::Row) && **n == Expr::Int(v as i64)) && matches!(**b, Expr::Ix(Ix::Loop(_)))
+        }
+        _ => false,
+    }
+}
+
+/// Whether `k` may read and write param `p` in place: a row kernel touching only its own row of
+/// `p` whose writes are all in its last statement, a loop reading each element of `p` only at
+/// the index it writes (or an elementwise kernel reading and writing `p` at its own element).
+pub fn in_place_ok(k: &Kernel, p: ParamId) -> bool {
+    let Body::Loops { space, stmts } = &k.body else { return false };
+    let mut touches = Vec::new(); // (is store, index)
+    /// Every store to and load of `p` in `stmts`, at any depth.
+    fn walk(stmts: &[Stmt], p: ParamId, out: &mut Vec<(bool, Expr)>) {
+        fn stores(stmts: &[Stmt], p: ParamId, out: &mut Vec<(bool, Expr)>) {
+            for s in stmts {
+                match s {
+                    Stmt::Store { param, index, .. } | Stmt::AtomicAdd { param, index, .. } if *param == p => out.push((true, index.clone())),
+                    Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => stores(body, p, out),
+                    _ => {}
+                }
+            }
+        }
+        stores(stmts, p, out);
+        crate::kir::visit_exprs(stmts, &mut |e| {
+            if let Expr::Load { param, index } = e {
+                if *param == p {
+                    out.push((false, (**index).clone()));
+                }
+            }
+        });
+    }
+    walk(stmts, p, &mut touches);
+    match space {
+        Space::Elements { .. } => touches.iter().all(|(_, i)| *i == Expr::Ix(Ix::Elem)) && stmts.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Store { .. })),
+        Space::Rows { .. } => {
+            let v = k.params[p].shape.last().copied().unwrap_or(0);
+            let Some((Stmt::ForEach { body, .. }, before)) = stmts.split_last() else { return false };
+            let mut stores_before = Vec::new();
+            walk(before, p, &mut stores_before);
+            let mut last = Vec::new();
+            walk(body, p, &mut last);
+            let writes: Vec<&Expr> = last.iter().filter(|t| t.0).map(|t| &t.1).collect();
+            let [w] = writes[..] else { return false };
+            touches.iter().all(|(_, i)| row_local(i, v))
+                && stores_before.iter().all(|(st, _)| !st)
+                && last.iter().all(|(_, i)| i == w)
+                && body.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Store { .. }))
+        }
+    }
+}
+
+/// Checks the steps from `first` on that write `buf` (the logits' buffer, reused): kernels that
+/// satisfy [`in_place_ok`], no GEMM.
+pub fn verify(prog: &Program, first: usize, buf: usize) -> Result<(), KernelError> {
+    for s in &prog.steps[first..] {
+        match s {
+            Step::Launch { kernel, args, .. } => {
+                let k = &prog.kernels[*kernel];
+                for (i, (&b, p)) in args.iter().zip(&k.params).enumerate() {
+                    if b == buf && p.write && !in_place_ok(k, i) {
+                        return Err(KernelError::Internal(format!("{}: the cross-entropy gradient cannot be written over its logits ({})", k.family, prog.buffers[buf].name)));
+                    }
+                }
+            }
+            Step::Gemm(g) if g.c.buf == buf => return Err(KernelError::Internal(format!("a GEMM writes over the logits in place ({})", g.note))),
+            Step::Gemm(_) => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kir::{Loop, Param, ReduceOp, RowMapping, Ty};
+    use qatc_ir::DType;
+
+    fn kernel(stmts: Vec<Stmt>) -> Kernel {
+        let p = Param { name: "t".into(), dtype: DType::F32, shape: vec![4, 10], write: true };
+        Kernel { family: "t".into(), params: vec![p], index_ty: Ty::I32, body: Body::Loops { space: Space::Rows { rows: 4, mapping: RowMapping::Block }, stmts }, note: String::new(), names: Default::default() }
+    }
+    fn at(l: u8) -> Expr {
+        Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, Expr::Ix(Ix::Row), Expr::Int(10)), Expr::Ix(Ix::Loop(l)))
+    }
+    fn load(i: Expr) -> Expr {
+        Expr::Load { param: 0, index: Box::new(i) }
+    }
+    fn lp(var: u8) -> Loop {
+        Loop { var, extent: Expr::Int(10), max: 10 }
+    }
+    fn max_of_row() -> Stmt {
+        Stmt::Reduce { var: 0, op: ReduceOp::Max, ty: Ty::F32, lp: lp(0), body: vec![], value: load(at(0)) }
+    }
+    fn rewrite_row() -> Stmt {
+        Stmt::ForEach { lp: lp(1), body: vec![Stmt::Store { param: 0, index: at(1), value: Expr::bin(BinOp::Sub, load(at(1)), Expr::Var(0)) }] }
+    }
+
+    #[test]
+    fn read_the_row_then_rewrite_each_element_once() {
+        assert!(in_place_ok(&kernel(vec![max_of_row(), rewrite_row()]), 0));
+    }
+
+    #[test]
+    fn a_read_after_the_rewrite_or_of_another_element_is_refused() {
+        // the row read again after it was rewritten
+        assert!(!in_place_ok(&kernel(vec![rewrite_row(), max_of_row()]), 0));
+        // element j written from element j + 1 (another iteration's element)
+        let shifted = Expr::bin(BinOp::Add, at(1), Expr::Int(1));
+        let bad = Stmt::ForEach { lp: lp(1), body: vec![Stmt::Store { param: 0, index: at(1), value: load(shifted) }] };
+        assert!(!in_place_ok(&kernel(vec![bad]), 0));
+        // the next row's elements
+        let next_row = Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, Expr::bin(BinOp::Add, Expr::Ix(Ix::Row), Expr::Int(1)), Expr::Int(10)), Expr::Ix(Ix::Loop(0)));
+        let other = Stmt::Reduce { var: 0, op: ReduceOp::Max, ty: Ty::F32, lp: lp(0), body: vec![], value: load(next_row) };
+        assert!(!in_place_ok(&kernel(vec![other, rewrite_row()]), 0));
+    }
+}
