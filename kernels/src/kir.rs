@@ -282,6 +282,34 @@ pub enum AttentionPart {
     BackwardV,
 }
 
+/// Which param of an attention kernel plays which part: the order every backend and the
+/// lowering agree on (`lower/attention.rs` launches them so; `cuda/attention.rs` names them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionRoles {
+    pub q: usize,
+    pub k: usize,
+    pub v: Option<usize>,
+    pub dout: Option<usize>,
+    pub lse: usize,
+    pub delta: Option<usize>,
+    /// out | dq | dk, and dv for `BackwardKV`.
+    pub out: [Option<usize>; 2],
+}
+
+impl AttentionPart {
+    pub fn roles(self) -> AttentionRoles {
+        let r = |v, dout, lse, delta, out| AttentionRoles { q: 0, k: 1, v, dout, lse, delta, out };
+        match self {
+            AttentionPart::Forward => r(Some(2), None, 4, None, [Some(3), None]),
+            AttentionPart::BackwardDelta => r(Some(2), Some(3), 4, Some(5), [None, None]),
+            AttentionPart::BackwardQ => r(Some(2), Some(3), 4, Some(5), [Some(6), None]),
+            AttentionPart::BackwardKV => r(Some(2), Some(3), 4, Some(5), [Some(6), Some(7)]),
+            AttentionPart::Lse => r(None, None, 2, None, [None, None]),
+            AttentionPart::BackwardV => r(None, Some(2), 3, None, [Some(4), None]),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Body {
     Loops { space: Space, stmts: Vec<Stmt> },

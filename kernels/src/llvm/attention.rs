@@ -15,29 +15,6 @@ use crate::kir::{Attention, AttentionPart};
 /// `reassoc` + `nsz` on the dot products' and the softmax sum's adds (folded in any order).
 const FMF: u32 = 1 | 8;
 
-/// Param indices of each part (see `cuda/attention.rs`): q, k, v, dout, lse, delta, and outputs.
-struct Slots {
-    q: usize,
-    k: usize,
-    v: Option<usize>,
-    dout: Option<usize>,
-    lse: usize,
-    delta: Option<usize>,
-    out: [Option<usize>; 2],
-}
-
-fn slots(part: AttentionPart) -> Slots {
-    let s = |v, dout, lse, delta, out| Slots { q: 0, k: 1, v, dout, lse, delta, out };
-    match part {
-        AttentionPart::Forward => s(Some(2), None, 4, None, [Some(3), None]),
-        AttentionPart::BackwardDelta => s(Some(2), Some(3), 4, Some(5), [None, None]),
-        AttentionPart::BackwardQ => s(Some(2), Some(3), 4, Some(5), [Some(6), None]),
-        AttentionPart::BackwardKV => s(Some(2), Some(3), 4, Some(5), [Some(6), Some(7)]),
-        AttentionPart::Lse => s(None, None, 2, None, [None, None]),
-        AttentionPart::BackwardV => s(None, Some(2), 3, None, [Some(4), None]),
-    }
-}
-
 struct At<'ctx> {
     a: Attention,
     hs: IntValue<'ctx>,
@@ -116,7 +93,7 @@ pub fn emit(f: &mut Fb, a: &Attention) -> R<()> {
     if let Some(p) = f.k.params.iter().find(|p| p.dtype != qatc_ir::DType::F32) {
         return Err(KernelError::Internal(format!("{}: attention on {} {}", f.name, p.dtype, p.name)));
     }
-    let s = slots(a.part);
+    let s = a.part.roles();
     let i64t = f.cx.i64_type();
     let c = |v: usize| i64t.const_int(v as u64, false);
     let t_len = a.t as u32;

@@ -14,27 +14,6 @@ use qatc_kernels::kir::{Attention, AttentionPart};
 use super::kir_eval::Mem;
 use super::scalar::{V, R};
 
-/// Params of each part, by role (see `kernels/src/cuda/attention.rs`).
-struct Roles {
-    q: usize,
-    k: usize,
-    v: Option<usize>,
-    dout: Option<usize>,
-    lse: usize,
-    delta: Option<usize>,
-}
-
-fn roles(part: AttentionPart) -> Roles {
-    let r = |v, dout, lse, delta| Roles { q: 0, k: 1, v, dout, lse, delta };
-    match part {
-        AttentionPart::Forward => r(Some(2), None, 4, None),
-        AttentionPart::BackwardDelta => r(Some(2), Some(3), 4, Some(5)),
-        AttentionPart::BackwardQ | AttentionPart::BackwardKV => r(Some(2), Some(3), 4, Some(5)),
-        AttentionPart::Lse => r(None, None, 2, None),
-        AttentionPart::BackwardV => r(None, Some(2), 3, None),
-    }
-}
-
 struct Ctx<'a> {
     a: &'a Attention,
     mem: &'a [Mem],
@@ -101,7 +80,7 @@ pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
     let z = || vec![0.0f32; a.hs];
     let mut s = Rows { q: z(), k: z(), v: z(), d: z(), acc: z(), acc2: z() };
     let mut scores = vec![0.0f32; a.t];
-    let ro = roles(a.part);
+    let ro = a.part.roles();
     let t = a.t;
     for it in start..end {
         let (bh, r) = (it / t, it % t);
@@ -128,7 +107,7 @@ pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
                 }
                 if a.part == AttentionPart::Forward {
                     s.acc.iter_mut().for_each(|o| *o /= l);
-                    cx.write_row(3, r, &s.acc)?;
+                    cx.write_row(need(ro.out[0])?, r, &s.acc)?;
                 }
                 cx.buf(ro.lse)?.store(stat(r), V::F(m + l.ln()))?;
             }
@@ -152,7 +131,7 @@ pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
                 if a.part == AttentionPart::BackwardDelta {
                     cx.buf(delta)?.store(stat(r), V::F(total))?;
                 } else {
-                    cx.write_row(6, r, &s.acc)?;
+                    cx.write_row(need(ro.out[0])?, r, &s.acc)?;
                 }
             }
             AttentionPart::BackwardKV | AttentionPart::BackwardV => {
@@ -176,10 +155,10 @@ pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
                     }
                 }
                 if a.part == AttentionPart::BackwardKV {
-                    cx.write_row(6, r, &s.acc)?;
-                    cx.write_row(7, r, &s.acc2)?;
+                    cx.write_row(need(ro.out[0])?, r, &s.acc)?;
+                    cx.write_row(need(ro.out[1])?, r, &s.acc2)?;
                 } else {
-                    cx.write_row(4, r, &s.acc2)?;
+                    cx.write_row(need(ro.out[0])?, r, &s.acc2)?;
                 }
             }
         }

@@ -50,28 +50,6 @@ impl<L: Launcher> GemmAttention<L> {
     }
 }
 
-/// The param indices of each part (as `kernels/src/cuda/attention.rs` orders them): q, k, v,
-/// dout, lse, delta, and the outputs (o | dq | dk, dv).
-struct Roles {
-    v: Option<usize>,
-    dout: Option<usize>,
-    lse: usize,
-    delta: Option<usize>,
-    out: [Option<usize>; 2],
-}
-
-fn roles(part: AttentionPart) -> Roles {
-    let r = |v, dout, lse, delta, out| Roles { v, dout, lse, delta, out };
-    match part {
-        AttentionPart::Forward => r(Some(2), None, 4, None, [Some(3), None]),
-        AttentionPart::BackwardDelta => r(Some(2), Some(3), 4, Some(5), [None, None]),
-        AttentionPart::BackwardQ => r(Some(2), Some(3), 4, Some(5), [Some(6), None]),
-        AttentionPart::BackwardKV => r(Some(2), Some(3), 4, Some(5), [Some(6), Some(7)]),
-        AttentionPart::Lse => r(None, None, 2, None, [None, None]),
-        AttentionPart::BackwardV => r(None, Some(2), 3, None, [Some(4), None]),
-    }
-}
-
 /// A [T, hs] matrix of one head: row r at `ptr + r * rs`, its hs elements contiguous.
 #[derive(Clone, Copy)]
 struct Mat {
@@ -225,7 +203,7 @@ impl<L: Launcher> Launcher for GemmAttention<L> {
         if !start.is_multiple_of(t) || !end.is_multiple_of(t) || end > a.b * a.nh * a.t || start > end {
             return Err(err(format!("iterations {start}..{end} are not whole heads of {t} rows")));
         }
-        let ro = roles(a.part);
+        let ro = a.part.roles();
         let mut s = vec![0.0f32; BLOCK * a.t];
         let mut dp = vec![0.0f32; BLOCK * a.t];
         for bh in start / t..end / t {
