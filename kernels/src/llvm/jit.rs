@@ -67,6 +67,18 @@ pub fn host_machine() -> Result<TargetMachine, KernelError> {
         .ok_or_else(|| llvm_err("-", format!("no target machine for {}", triple.as_str().to_string_lossy())))
 }
 
+/// The vector width LLVM should prefer: 512 bits where the host has AVX-512. LLVM's own default
+/// for these CPUs is 256, to spare the clock; the kernels here are exp- and memory-bound loops,
+/// and on the development VM (Sapphire Rapids features) 512-bit vectors halved the
+/// cross-entropy gradient (27.6 -> 14 ms) and took the config A step from 0.29-0.37 s to
+/// 0.26-0.28 s (bench/RESULTS.md). `QATC_VECTOR_WIDTH=256` (or any width) overrides it.
+fn vector_width(features: &str) -> Option<String> {
+    match std::env::var("QATC_VECTOR_WIDTH") {
+        Ok(w) if !w.is_empty() => Some(w),
+        _ => features.split(',').any(|f| f == "+avx512f").then(|| "512".to_string()),
+    }
+}
+
 /// O3 for the host. The functions carry the host CPU as attributes, because MCJIT's code
 /// generator otherwise targets generic x86-64 (SSE2) whatever the optimizer assumed.
 pub(crate) fn optimize(m: &Module, tm: &TargetMachine, name: &str) -> Result<(), KernelError> {
@@ -75,9 +87,13 @@ pub(crate) fn optimize(m: &Module, tm: &TargetMachine, name: &str) -> Result<(),
     let cpu = tm.get_cpu().to_string();
     let features = tm.get_feature_string().to_string_lossy().into_owned();
     let cx = m.get_context();
+    let width = vector_width(&features);
     for f in m.get_functions().filter(|f| f.count_basic_blocks() > 0) {
         f.add_attribute(inkwell::attributes::AttributeLoc::Function, cx.create_string_attribute("target-cpu", &cpu));
         f.add_attribute(inkwell::attributes::AttributeLoc::Function, cx.create_string_attribute("target-features", &features));
+        if let Some(w) = &width {
+            f.add_attribute(inkwell::attributes::AttributeLoc::Function, cx.create_string_attribute("prefer-vector-width", w));
+        }
     }
     m.run_passes("default<O3>", tm, PassBuilderOptions::create()).map_err(|e| llvm_err(name, e))
 }
