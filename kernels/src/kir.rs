@@ -183,6 +183,25 @@ impl Expr {
     }
 
     /// Visits this expression and every sub-expression, parents first.
+    /// Calls `f` on each direct operand of this expression, in order (rewrites recurse with it).
+    pub fn for_each_child_mut(&mut self, mut f: impl FnMut(&mut Expr)) {
+        match self {
+            Expr::Float(..) | Expr::Int(_) | Expr::Bool(_) | Expr::Ix(_) | Expr::Var(_) => {}
+            Expr::Load { index, .. } => f(index),
+            Expr::Un(_, a) | Expr::Cast(_, a) => f(a),
+            Expr::Bin(_, a, b) => {
+                f(a);
+                f(b);
+            }
+            Expr::Select(c, a, b) => {
+                f(c);
+                f(a);
+                f(b);
+            }
+            Expr::Call(_, args) => args.iter_mut().for_each(f),
+        }
+    }
+
     pub fn visit(&self, f: &mut impl FnMut(&Expr)) {
         f(self);
         match self {

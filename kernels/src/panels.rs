@@ -27,8 +27,8 @@ use qatc_ir::DType;
 use crate::program::{BufId, BufKind, Buffer, Gemm, Program, Step, View};
 
 /// How a GEMM gets operand b: `kernel` writes rows `r .. r + panel` of the logical weight
-/// [rows, cols] into the front of the scratch buffer (`b.buf`, shared by every fed GEMM and at
-/// least [panel, cols] long) when launched over elements `r * cols .. (r + panel) * cols`; the
+/// [rows, cols] into the front of the scratch buffer (`b.buf`, shared by every fed GEMM, at
+/// least [panel, cols] long, and the size of the kernel's param) when launched over elements `r * cols .. (r + panel) * cols`; the
 /// GEMM then consumes that panel. `b` keeps describing the whole logical weight.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PanelFeed {
@@ -81,11 +81,13 @@ fn dequant_like(k: &Kernel) -> Option<(usize, usize, usize)> {
     (stores == 1 && !reads_out).then_some((out, rows, cols))
 }
 
-/// `k` storing into a [panel, cols] scratch: element (r, c) goes to (r mod panel) * cols + c.
-fn panel_kernel(k: &Kernel, out: usize, cols: usize, panel: usize) -> Kernel {
+/// `k` storing into the shared scratch of `scratch` elements (at least [panel, cols]): element
+/// (r, c) goes to (r mod panel) * cols + c. The param is the scratch's size, so the launch's
+/// buffers match its params exactly, as every launch's do.
+fn panel_kernel(k: &Kernel, out: usize, cols: usize, panel: usize, scratch: usize) -> Kernel {
     let mut pk = k.clone();
     pk.family = format!("{}.panel", k.family);
-    pk.params[out].shape = vec![panel, cols];
+    pk.params[out].shape = vec![scratch];
     pk.note = format!("{} (rows mod {panel}: one panel of the weight at a time)", k.note);
     if let Body::Loops { stmts, .. } = &mut pk.body {
         for s in stmts.iter_mut() {
@@ -110,6 +112,20 @@ fn weight_view(v: &View, rows: usize, cols: usize) -> Option<bool> {
     } else {
         None
     }
+}
+
+/// A dequant launch whose GEMM users can be fed in panels.
+struct Found {
+    step: usize,
+    kernel: usize,
+    /// Its written param, and the buffer W behind it ([rows, cols]).
+    out: usize,
+    w: BufId,
+    rows: usize,
+    cols: usize,
+    panel: usize,
+    /// The GEMM steps reading W as b, and whether W's rows are their K.
+    users: Vec<(usize, bool)>,
 }
 
 /// Rows per panel: as many as fit in `max_bytes`, at least one.
@@ -153,8 +169,7 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
         other_use[v.buf] = true;
     }
     let mut report = PanelReport::default();
-    // (step, kernel, out param, W, rows, cols, panel, GEMM users with their form)
-    let mut found = Vec::new();
+    let mut found: Vec<Found> = Vec::new();
     for si in 0..prog.steps.len() {
         let Step::Launch { kernel, args, .. } = &prog.steps[si] else { continue };
         let k = &prog.kernels[*kernel];
@@ -173,21 +188,21 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
             .collect::<Result<_, ()>>()
             .unwrap_or_default();
         if !users.is_empty() {
-            found.push((si, *kernel, out, w, rows, cols, panel_rows(rows, cols, max_panel_bytes), users));
+            found.push(Found { step: si, kernel: *kernel, out, w, rows, cols, panel: panel_rows(rows, cols, max_panel_bytes), users });
         }
     }
-    let Some(scratch_elems) = found.iter().map(|f| f.6 * f.5).max() else { return report };
+    let Some(scratch_elems) = found.iter().map(|f| f.panel * f.cols).max() else { return report };
     // one scratch for every fed GEMM: only one panel is live at a time
     let scratch = prog.buffers.len();
     prog.buffers.push(Buffer { name: "dequant_panel".into(), dtype: DType::F32, shape: vec![scratch_elems], kind: BufKind::Temp });
     report.scratch_bytes = prog.buffers[scratch].bytes();
     let mut panel_ids: HashMap<(usize, usize), usize> = HashMap::new();
     let mut drop_step = vec![false; prog.steps.len()];
-    for (si, kernel, out, w, rows, cols, panel, users) in found {
+    for Found { step: si, kernel, out, w, rows, cols, panel, users } in found {
         let next = prog.kernels.len();
         let pid = *panel_ids.entry((kernel, panel)).or_insert(next);
         if pid == next {
-            let pk = panel_kernel(&prog.kernels[kernel], out, cols, panel);
+            let pk = panel_kernel(&prog.kernels[kernel], out, cols, panel, scratch_elems);
             prog.kernels.push(pk);
         }
         let Step::Launch { args, .. } = &prog.steps[si] else { continue };

@@ -78,23 +78,7 @@ impl Hoist<'_> {
 
     /// The children of `e`, not `e` itself.
     fn rewrite_inside(&mut self, e: &mut Expr) {
-        let mut whole = std::mem::replace(e, Expr::Int(0));
-        match &mut whole {
-            Expr::Load { index, .. } => self.rewrite(index),
-            Expr::Un(_, a) | Expr::Cast(_, a) => self.rewrite(a),
-            Expr::Bin(_, a, b) => {
-                self.rewrite(a);
-                self.rewrite(b);
-            }
-            Expr::Select(c, a, b) => {
-                self.rewrite(c);
-                self.rewrite(a);
-                self.rewrite(b);
-            }
-            Expr::Call(_, args) => args.iter_mut().for_each(|a| self.rewrite(a)),
-            Expr::Float(..) | Expr::Int(_) | Expr::Bool(_) | Expr::Ix(_) | Expr::Var(_) => {}
-        }
-        *e = whole;
+        e.for_each_child_mut(|c| self.rewrite(c));
     }
 
     fn stmts(&mut self, stmts: &mut [Stmt], top: bool) {

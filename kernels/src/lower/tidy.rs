@@ -49,21 +49,7 @@ fn substitute(e: &mut Expr, inline: &HashMap<VarId, Expr>) {
         }
         return;
     }
-    match e {
-        Expr::Float(..) | Expr::Int(_) | Expr::Bool(_) | Expr::Ix(_) | Expr::Var(_) => {}
-        Expr::Load { index, .. } => substitute(index, inline),
-        Expr::Un(_, a) | Expr::Cast(_, a) => substitute(a, inline),
-        Expr::Bin(_, a, b) => {
-            substitute(a, inline);
-            substitute(b, inline);
-        }
-        Expr::Select(c, a, b) => {
-            substitute(c, inline);
-            substitute(a, inline);
-            substitute(b, inline);
-        }
-        Expr::Call(_, args) => args.iter_mut().for_each(|a| substitute(a, inline)),
-    }
+    e.for_each_child_mut(|c| substitute(c, inline));
 }
 
 fn rewrite(stmts: Vec<Stmt>, inline: &mut HashMap<VarId, Expr>, single: &dyn Fn(VarId) -> bool) -> Vec<Stmt> {

@@ -204,20 +204,43 @@ impl<L: Launcher> Launcher for GemmAttention<L> {
             return Err(err(format!("iterations {start}..{end} are not whole heads of {t} rows")));
         }
         let ro = a.part.roles();
-        let mut s = vec![0.0f32; BLOCK * a.t];
-        let mut dp = vec![0.0f32; BLOCK * a.t];
-        for bh in start / t..end / t {
+        SCRATCH.with_borrow_mut(|scratch| {
+            if scratch.len() < 2 * BLOCK * a.t {
+                scratch.resize(2 * BLOCK * a.t, 0.0);
+            }
+            let (s, dp) = scratch[..2 * BLOCK * a.t].split_at_mut(BLOCK * a.t);
+            // SAFETY: the caller's guarantee, passed on.
+            unsafe { self.heads(a, &ro, args, start / t..end / t, s, dp) }.map_err(err)
+        })
+    }
+}
+
+thread_local! {
+    /// Two [BLOCK, T] blocks of scores per thread, kept between launches: a launch (every
+    /// attention kernel of every step) would otherwise allocate them again. Each block is written
+    /// whole by a GEMM before it is read, so what a previous launch left there never matters.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl<L> GemmAttention<L> {
+    /// Runs heads `heads` (b * NH + h) of part `a` with the launch's `args`.
+    ///
+    /// # Safety
+    /// As [`Launcher::launch`]: one pointer per param, each to its param's buffer, which nothing
+    /// else touches but other heads of the same launch.
+    unsafe fn heads(&self, a: &Attention, ro: &qatc_kernels::kir::AttentionRoles, args: &[*mut u8], heads: std::ops::Range<usize>, s: &mut [f32], dp: &mut [f32]) -> Result<(), String> {
+        for bh in heads {
             let (b, h) = (bh / a.nh, bh % a.nh);
-            let mat = |p: usize| -> Result<Mat, RuntimeError> {
+            let mat = |p: usize| -> Result<Mat, String> {
                 let (Some(&[sb, sh, st]), Some(&off), Some(&base)) = (a.strides.get(p), a.offsets.get(p), args.get(p)) else {
-                    return Err(err(format!("no view for param {p}")));
+                    return Err(format!("no view for param {p}"));
                 };
                 // SAFETY: the view's head start lies inside param p's buffer (the kernel's views
                 // were checked against the buffers when the program was lowered).
                 Ok(Mat { ptr: unsafe { base.cast::<f32>().add(off + b * sb + h * sh) }, rs: st })
             };
-            let stat = |p: usize| -> Result<*mut f32, RuntimeError> {
-                let base = args.get(p).ok_or_else(|| err(format!("no param {p}")))?;
+            let stat = |p: usize| -> Result<*mut f32, String> {
+                let base = args.get(p).ok_or_else(|| format!("no param {p}"))?;
                 // SAFETY: lse and delta hold B*NH*T floats; this head's T start at bh * T.
                 Ok(unsafe { base.cast::<f32>().add(bh * a.t) })
             };
@@ -235,9 +258,9 @@ impl<L: Launcher> Launcher for GemmAttention<L> {
                 delta: ro.delta.map(stat).transpose()?,
                 out: [opt(ro.out[0])?, opt(ro.out[1])?],
             };
-            // SAFETY: the caller guarantees each pointer addresses its param's buffer, which
-            // this launch alone touches (other ranges of it are other heads).
-            unsafe { head.run(&mut s, &mut dp) }.map_err(err)?;
+            // SAFETY: the launch's caller guarantees each pointer addresses its param's buffer,
+            // which this launch alone touches (other ranges of it are other heads).
+            unsafe { head.run(s, dp) }?;
         }
         Ok(())
     }

@@ -57,9 +57,8 @@ enum Plan {
 }
 
 /// Checks a launch's buffers against its kernel's params (count, dtype, size, no graph input
-/// written) and marks them read. A panel feed's written buffer (the shared scratch) may be longer
-/// than its param.
-fn check_args<'p>(prog: &'p Program, read: &mut [bool], kernel: usize, args: &[usize], feed: bool) -> Result<&'p Kernel, RuntimeError> {
+/// written) and marks them read.
+fn check_args<'p>(prog: &'p Program, read: &mut [bool], kernel: usize, args: &[usize]) -> Result<&'p Kernel, RuntimeError> {
     let k = prog.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the program has {} kernels", prog.kernels.len()) })?;
     let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(k), msg };
     if args.len() != k.params.len() {
@@ -67,8 +66,7 @@ fn check_args<'p>(prog: &'p Program, read: &mut [bool], kernel: usize, args: &[u
     }
     for (p, &b) in k.params.iter().zip(args) {
         let buf = prog.buffers.get(b).ok_or_else(|| err(format!("param {} is buffer {b} of {}", p.name, prog.buffers.len())))?;
-        let fits = if feed && p.write { buf.numel() >= p.numel() } else { buf.numel() == p.numel() };
-        if buf.dtype != p.dtype || !fits {
+        if buf.dtype != p.dtype || buf.numel() != p.numel() {
             return Err(err(format!("param {} ({} {:?}) gets buffer {} ({} {:?})", p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape)));
         }
         if p.write && matches!(buf.kind, BufKind::Input(_)) {
@@ -141,6 +139,18 @@ fn shape_of(k: &Kernel) -> (usize, usize) {
         Body::Loops { stmts, .. } => (if packed { 64 } else { 1 }, longest_loop(stmts)),
         // whole heads: `GemmAttention` runs a head's query blocks as GEMMs
         Body::Attention(a) => (a.t.max(1), a.t.max(1) * a.hs.max(1)),
+    }
+}
+
+/// Iterations per parallel chunk when `n` iterations of `k` run at once (a launch, or one panel
+/// of a feed): about `per_thread` chunks per thread, on `k`'s grain; all `n` on the calling
+/// thread when that is too little work to hand out.
+fn chunk_for(k: &Kernel, n: usize, threads: usize, per_thread: usize) -> usize {
+    let (grain, cost) = shape_of(k);
+    if n.saturating_mul(cost) < PAR_MIN_WORK || threads == 1 {
+        n.max(1)
+    } else {
+        n.div_ceil(per_thread * threads).next_multiple_of(grain).max(grain)
     }
 }
 
@@ -262,22 +272,16 @@ impl CpuProgram {
         for step in &prog.steps {
             plans.push(match step {
                 Step::Launch { kernel, args: bufs, .. } => {
-                    let k = check_args(&prog, &mut read, *kernel, bufs, false)?;
+                    let k = check_args(&prog, &mut read, *kernel, bufs)?;
                     let iterations = kir::iterations(k);
-                    let (grain, cost) = shape_of(k);
-                    let chunk = if iterations.saturating_mul(cost) < PAR_MIN_WORK || threads == 1 {
-                        iterations.max(1)
-                    } else {
-                        iterations.div_ceil(4 * threads).next_multiple_of(grain).max(grain)
-                    };
+                    let chunk = chunk_for(k, iterations, threads, 4);
                     // the addresses come once the memory is laid out (`resolve`)
                     Plan::Launch(LaunchPlan { kernel: *kernel, args: RawArgs(Box::new([])), iterations, chunk, bufs: bufs.clone() })
                 }
                 Step::Gemm(g) if g.feed.is_some() => {
                     let f = g.feed.as_ref().ok_or_else(|| RuntimeError::Gemm { note: g.note.clone(), msg: "no feed".into() })?;
-                    let k = check_args(&prog, &mut read, f.kernel, &f.args, true)?;
-                    let per_panel = f.panel * f.cols;
-                    let chunk = if per_panel < PAR_MIN_WORK || threads == 1 { per_panel.max(1) } else { per_panel.div_ceil(2 * threads).next_multiple_of(shape_of(k).0) };
+                    let k = check_args(&prog, &mut read, f.kernel, &f.args)?;
+                    let chunk = chunk_for(k, f.panel * f.cols, threads, 2);
                     let panels = g.panels();
                     for (_, sub) in &panels {
                         gemm::check(sub, &prog.buffers)?;
