@@ -27,7 +27,12 @@ fn main() -> anyhow::Result<()> {
     };
     // the two CPU configs: the small model at B 4 T 128, GPT-2 124M at B 1 T 256
     let (cfg, b, t, label) = match std::env::args().nth(3).as_deref() {
-        None | Some("small") => (Gpt2Config { n_embd: 256, n_layer: 4, n_head: 4, n_positions: 1024, vocab_size: 50257, layer_norm_epsilon: 1e-5 }, 4, 128, "small"),
+        None | Some("small") => (
+            Gpt2Config { n_embd: 256, n_layer: 4, n_head: 4, n_positions: 1024, vocab_size: 50257, layer_norm_epsilon: 1e-5 },
+            4,
+            128,
+            "small",
+        ),
         Some("124m") => (Gpt2Config::preset("124M").ok_or_else(|| anyhow::anyhow!("no 124M preset"))?, 1, 256, "124m"),
         Some(other) => anyhow::bail!("model must be small or 124m, got {other}"),
     };

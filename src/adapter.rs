@@ -73,7 +73,8 @@ pub fn read(dir: &Path) -> Result<Adapter, AdapterError> {
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(&st_path, format!("not a safetensors file: {e}")))?;
     let mut tensors = BTreeMap::new();
     for (key, v) in st.tensors() {
-        let name = qatc_name(&key).ok_or_else(|| bad(&st_path, format!("unexpected key {key:?} (want base_model.model....lora_A.weight)")))?;
+        let name =
+            qatc_name(&key).ok_or_else(|| bad(&st_path, format!("unexpected key {key:?} (want base_model.model....lora_A.weight)")))?;
         let data: Vec<f32> = match v.dtype() {
             safetensors::Dtype::F32 => v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             safetensors::Dtype::F16 => v.data().chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),

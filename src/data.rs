@@ -139,13 +139,7 @@ impl TokenFile {
     /// Like `num_batches`, but an error naming the file when not even one batch fits.
     pub fn require_batches(&self, b: usize, t: usize) -> Result<usize, DataError> {
         match self.num_batches(b, t) {
-            0 => Err(DataError::TooShort {
-                path: self.path.clone(),
-                have: self.tokens.len(),
-                need: (b as u128) * (t as u128) + 1,
-                b,
-                t,
-            }),
+            0 => Err(DataError::TooShort { path: self.path.clone(), have: self.tokens.len(), need: (b as u128) * (t as u128) + 1, b, t }),
             n => Ok(n),
         }
     }
@@ -176,8 +170,8 @@ impl TokenFile {
     /// Writes a token file atomically.
     pub fn write(path: &Path, tokens: &[u16]) -> Result<(), DataError> {
         let io = |e| DataError::Io { path: path.into(), source: e };
-        let count = i32::try_from(tokens.len())
-            .map_err(|_| io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "over 2^31 tokens")))?;
+        let count =
+            i32::try_from(tokens.len()).map_err(|_| io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "over 2^31 tokens")))?;
         let mut header = [0u8; HEADER_BYTES];
         for (i, v) in [MAGIC, VERSION, count].into_iter().enumerate() {
             header[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());

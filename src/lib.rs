@@ -12,7 +12,7 @@ pub mod manifest;
 pub mod model;
 pub mod plot;
 pub mod runner;
-pub mod step;
 pub mod schedule;
+pub mod step;
 pub mod tokenize;
 pub mod trainer;

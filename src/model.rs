@@ -50,10 +50,10 @@ impl Model {
     /// Reads one weight converted to the interpreter's float type.
     pub fn weight<T: Float>(&self, name: &str) -> Result<Tensor<T>, LoadError> {
         let name = Self::tensor_name(name);
-        let info = self.ckpt.info(name).ok_or_else(|| LoadError::MissingTensor {
-            path: self.ckpt.path().to_path_buf(),
-            tensor: name.to_string(),
-        })?;
+        let info = self
+            .ckpt
+            .info(name)
+            .ok_or_else(|| LoadError::MissingTensor { path: self.ckpt.path().to_path_buf(), tensor: name.to_string() })?;
         let data: Vec<T> = if std::mem::size_of::<T>() == 8 {
             self.ckpt.to_f64(name)?.into_iter().map(T::from_f64).collect()
         } else {
@@ -87,23 +87,27 @@ impl Model {
                     }
                     None => adapter::init_tensor(name, want, seed),
                 };
-                m.insert(name.clone(), Value::Float(Tensor { shape: t.shape, data: t.data.into_iter().map(|v| T::from_f64(v as f64)).collect() }));
+                m.insert(
+                    name.clone(),
+                    Value::Float(Tensor { shape: t.shape, data: t.data.into_iter().map(|v| T::from_f64(v as f64)).collect() }),
+                );
             }
         }
         // folded weights: quantize the checkpoint tensor once, hand out codes/scales/zero points
         for (spec, codes_name) in dequantized(g) {
             let Some(w) = codes_name.strip_suffix(".qcodes") else { continue };
-            let info = self.ckpt.info(Self::tensor_name(w)).ok_or_else(|| LoadError::MissingTensor {
-                path: self.ckpt.path().to_path_buf(),
-                tensor: w.to_string(),
-            })?;
+            let info = self
+                .ckpt
+                .info(Self::tensor_name(w))
+                .ok_or_else(|| LoadError::MissingTensor { path: self.ckpt.path().to_path_buf(), tensor: w.to_string() })?;
             let (n_in, n_out) = (info.shape[0], info.shape[1]);
             let q = quant::quantize(&self.ckpt.to_f32(Self::tensor_name(w))?, n_in, n_out, spec);
             let (cn, sn, zn) = storage_names(w);
             let codes = q.codes.iter().map(|&c| c as i32).collect();
             m.insert(cn, Value::Int(IntTensor { shape: vec![n_in, n_out], data: codes }));
             let groups = q.groups();
-            let f = |v: &[f32]| Value::Float(Tensor { shape: vec![groups, n_out], data: v.iter().map(|&x| T::from_f64(x as f64)).collect() });
+            let f =
+                |v: &[f32]| Value::Float(Tensor { shape: vec![groups, n_out], data: v.iter().map(|&x| T::from_f64(x as f64)).collect() });
             m.insert(sn, f(&q.scales));
             if spec.scheme.has_zero_point() {
                 m.insert(zn, f(&q.zeros));

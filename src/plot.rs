@@ -33,7 +33,8 @@ pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)]) -> St
         let _ = writeln!(o, r##"<text x="{}" y="{}" text-anchor="middle" fill="#444">{s}</text>"##, x(s), h - b + 16.0);
     }
     let _ = writeln!(o, r##"<text x="{}" y="{}" text-anchor="middle" fill="#444">step</text>"##, (l + w - r) / 2.0, h - 8.0);
-    let _ = writeln!(o, r##"<text transform="translate(14 {}) rotate(-90)" text-anchor="middle" fill="#444">loss</text>"##, (t + h - b) / 2.0);
+    let _ =
+        writeln!(o, r##"<text transform="translate(14 {}) rotate(-90)" text-anchor="middle" fill="#444">loss</text>"##, (t + h - b) / 2.0);
     // raw per-step loss, light, and its trailing mean over 10 steps, dark: batches are noisy
     let pts: Vec<String> = train.iter().filter(|p| p.1.is_finite()).map(|&(s, v)| format!("{:.1},{:.1}", x(s), y(v))).collect();
     let _ = writeln!(o, r##"<polyline points="{}" fill="none" stroke="#9ecae1" stroke-width="1"/>"##, pts.join(" "));

@@ -49,7 +49,9 @@ pub fn resolve(device: Device, interpreter: bool) -> anyhow::Result<(Engine, Opt
             Err(why) => cpu(Some(why)),
         }),
         Device::Cuda => match qatc_kernels::device::probe_cuda() {
-            Ok(_) => anyhow::bail!("--device cuda: this qatc has no CUDA runtime yet (kernels compile through NVRTC, but nothing runs them); use --device cpu"),
+            Ok(_) => anyhow::bail!(
+                "--device cuda: this qatc has no CUDA runtime yet (kernels compile through NVRTC, but nothing runs them); use --device cpu"
+            ),
             Err(why) => anyhow::bail!("--device cuda: {why}"),
         },
     }
@@ -100,8 +102,12 @@ impl Runner {
                     Box::new(qatc_runtime::compiled::GemmAttention::new(jit, &prog.kernels))
                 };
                 let mut p = qatc_runtime::compiled::CpuProgram::new(prog, launcher)?;
-                let frozen: std::collections::HashSet<String> =
-                    g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(qatc_ir::InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
+                let frozen: std::collections::HashSet<String> = g
+                    .inputs()
+                    .into_iter()
+                    .filter(|&id| g.input_kind(id) == Some(qatc_ir::InputKind::Frozen))
+                    .filter_map(|id| g.node(id).name.clone())
+                    .collect();
                 // the dequantized frozen weights are the same every step: computed once
                 p.hoist(&frozen)?;
                 Ok(Runner::Compiled { prog: Box::new(p), frozen, bound: false, panels })
@@ -162,7 +168,11 @@ impl Runner {
                 let fed = if panels.lines.is_empty() {
                     String::new()
                 } else {
-                    format!(", {} 4-bit weights dequantized into GEMM panels ({} of f32 copies never made)", panels.lines.len(), qatc_passes::plan::units::human(panels.bytes_saved))
+                    format!(
+                        ", {} 4-bit weights dequantized into GEMM panels ({} of f32 copies never made)",
+                        panels.lines.len(),
+                        qatc_passes::plan::units::human(panels.bytes_saved)
+                    )
                 };
                 let gemms = match qatc_runtime::compiled::blas::get() {
                     Some(b) => format!("large ones by OpenBLAS ({})", b.name),

@@ -135,11 +135,7 @@ pub fn model(
 }
 
 /// The joint forward + backward + AdamW step from the model graph.
-pub fn train_from(
-    g: Graph,
-    opts: &StepOptions,
-    after: impl FnMut(&'static str, &Graph),
-) -> Result<(Graph, Vec<PassReport>), PassError> {
+pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(&'static str, &Graph)) -> Result<(Graph, Vec<PassReport>), PassError> {
     let k = opts.grad_accum;
     let mut passes = vec![Pass::new("microbatch", move |g| microbatch::microbatch(g, k)), Pass::new("autodiff", autodiff::autodiff)];
     if let Some(x) = opts.clip {

@@ -35,7 +35,13 @@ impl Trainer {
     }
 
     /// As `new`, with the step run by `engine`.
-    pub fn with_engine(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64, engine: Engine) -> anyhow::Result<Trainer> {
+    pub fn with_engine(
+        m: &Model,
+        opts: step::StepOptions,
+        adapter: Option<&Adapter>,
+        seed: u64,
+        engine: Engine,
+    ) -> anyhow::Result<Trainer> {
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
         let runner = Runner::new(&graph, engine)?;
         let mut state = m.bind::<f32>(&graph, adapter, seed)?;
@@ -67,7 +73,8 @@ impl Trainer {
         }
         for (i, &s) in batches.iter().enumerate() {
             let (ids, tgt) = data.batch(s, b, t)?;
-            let (ni, nt) = if k == 1 { ("ids".to_string(), "targets".to_string()) } else { (micro_name("ids", i), micro_name("targets", i)) };
+            let (ni, nt) =
+                if k == 1 { ("ids".to_string(), "targets".to_string()) } else { (micro_name("ids", i), micro_name("targets", i)) };
             self.state.insert(ni, Value::Int(IntTensor { shape: vec![b, t], data: ids }));
             self.state.insert(nt, Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
         }
@@ -151,10 +158,8 @@ impl Trainer {
 
 /// Serializes weights as a Hugging Face safetensors file (F32, names without prefix).
 pub fn weights_safetensors(ws: &[(String, &Tensor<f32>)]) -> anyhow::Result<Vec<u8>> {
-    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = ws
-        .iter()
-        .map(|(n, t)| (n.clone(), t.data.iter().flat_map(|v| v.to_le_bytes()).collect(), t.shape.clone()))
-        .collect();
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> =
+        ws.iter().map(|(n, t)| (n.clone(), t.data.iter().flat_map(|v| v.to_le_bytes()).collect(), t.shape.clone())).collect();
     let views = bytes
         .iter()
         .map(|(n, b, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?)))

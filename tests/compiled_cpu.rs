@@ -47,7 +47,14 @@ fn floats(v: &Value<f32>) -> Vec<f64> {
 /// AdamW (`kernels::elementwise::adam_param`) applied to the compiled step's own moments (which
 /// are checked element-wise against the interpreter's), and norm-wise against the interpreter's
 /// weight. Returns (element-wise max relative error, norm-wise relative error).
-fn adam_errors(h: &AdamW, old: &Value<f32>, got: &Value<f32>, want: &Value<f32>, out: &HashMap<String, Value<f32>>, name: &str) -> (f64, f64) {
+fn adam_errors(
+    h: &AdamW,
+    old: &Value<f32>,
+    got: &Value<f32>,
+    want: &Value<f32>,
+    out: &HashMap<String, Value<f32>>,
+    name: &str,
+) -> (f64, f64) {
     let f = |v: &Value<f32>| v.as_float().map(|t| t.data.clone()).unwrap_or_default();
     let (m, v, t) = (f(&out[&format!("adam.m:{name}")]), f(&out[&format!("adam.v:{name}")]), f(&out["step"])[0]);
     let hyper = AdamHyper { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay: h.weight_decay };
@@ -66,7 +73,13 @@ fn qlora(o: &mut StepOptions) {
 
 /// Checks one compiled run's outputs against the interpreter's; returns a line on the worst
 /// errors.
-fn check(what: &str, h: &AdamW, before: &HashMap<String, Value<f32>>, got: &HashMap<String, Value<f32>>, want: &HashMap<String, Value<f32>>) -> String {
+fn check(
+    what: &str,
+    h: &AdamW,
+    before: &HashMap<String, Value<f32>>,
+    got: &HashMap<String, Value<f32>>,
+    want: &HashMap<String, Value<f32>>,
+) -> String {
     assert_eq!(got.len(), want.len(), "{what}: the same outputs");
     let mut names: Vec<&String> = want.keys().collect();
     names.sort();
@@ -116,7 +129,14 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
     if panel_bytes > 0 {
         // unfused, one dequantized value per 4-bit weight, read by its forward and backward
         // GEMMs; fused, one materialized per GEMM (the report counts them)
-        let dequants = if o.fuse.is_some() { prog.materialized.len() } else { prog.buffers.iter().filter(|b| b.dtype == qatc_ir::DType::I4 && matches!(b.kind, qatc_kernels::program::BufKind::Input(_))).count() };
+        let dequants = if o.fuse.is_some() {
+            prog.materialized.len()
+        } else {
+            prog.buffers
+                .iter()
+                .filter(|b| b.dtype == qatc_ir::DType::I4 && matches!(b.kind, qatc_kernels::program::BufKind::Input(_)))
+                .count()
+        };
         let before: usize = prog.buffers.iter().map(|b| b.bytes()).sum();
         let r = qatc_kernels::panels::feed_panels(&mut prog, panel_bytes);
         let after: usize = prog.buffers.iter().map(|b| b.bytes()).sum();
@@ -144,7 +164,10 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
         // as `qatc train` runs it: attention as GEMMs, the rest by LLVM
         let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap_or_else(|e| panic!("{what}: {e}"));
         let gemm_attention = qatc_runtime::compiled::GemmAttention::new(jit, &prog.kernels);
-        runners.push(("LLVM + GEMM attention", CpuProgram::new(prog.clone(), Box::new(gemm_attention)).unwrap_or_else(|e| panic!("{what}: {e}"))));
+        runners.push((
+            "LLVM + GEMM attention",
+            CpuProgram::new(prog.clone(), Box::new(gemm_attention)).unwrap_or_else(|e| panic!("{what}: {e}")),
+        ));
     }
     runners.push(("KIR evaluator", CpuProgram::with_kir_eval(prog).unwrap_or_else(|e| panic!("{what}: {e}"))));
     let mut state = tr.state.clone();
@@ -265,7 +288,12 @@ fn shared_buffers_change_no_bit_of_three_steps() {
         let (b, t) = (o.batch, o.seq);
         let tr = Trainer::new(&m, o, None, 3).unwrap();
         let g = &tr.graph;
-        let frozen: std::collections::HashSet<String> = g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(InputKind::Frozen)).filter_map(|id| g.node(id).name.clone()).collect();
+        let frozen: std::collections::HashSet<String> = g
+            .inputs()
+            .into_iter()
+            .filter(|&id| g.input_kind(id) == Some(InputKind::Frozen))
+            .filter_map(|id| g.node(id).name.clone())
+            .collect();
         let prog = qatc_kernels::lower(g).unwrap();
         let program = |layout: BufferLayout| -> CpuProgram {
             #[cfg(feature = "llvm")]
@@ -316,6 +344,9 @@ fn shared_buffers_change_no_bit_of_three_steps() {
             distinct.allocated_bytes()
         );
         assert!(shared.allocated_bytes() < distinct.allocated_bytes(), "{what}: {s:?} against {d:?}");
-        assert!(s.arena_bytes >= s.peak_live_bytes && s.placed_bytes == d.placed_bytes && d.arena_bytes == d.placed_bytes, "{what}: {s:?} against {d:?}");
+        assert!(
+            s.arena_bytes >= s.peak_live_bytes && s.placed_bytes == d.placed_bytes && d.arena_bytes == d.placed_bytes,
+            "{what}: {s:?} against {d:?}"
+        );
     }
 }

@@ -149,7 +149,8 @@ fn safetensors_export_after_base_qat_has_the_trained_loss() {
     let back = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(back.len(), 4 + 12 * 2, "every tensor once, no lm_head (tied)");
     let ln = model().weight::<f32>("h.1.ln_2.bias").unwrap();
-    let got: Vec<f32> = back.tensor("h.1.ln_2.bias").unwrap().data().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let got: Vec<f32> =
+        back.tensor("h.1.ln_2.bias").unwrap().data().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     assert_eq!(got, ln.data);
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("export.json")).unwrap()).unwrap();
     assert_eq!((summary["format"].as_str(), summary["qat"].as_str()), (Some("safetensors"), Some("base")));
@@ -212,7 +213,8 @@ fn check_gguf_metadata(f: &Gguf, ftype: u32) {
     assert_eq!(s("general.name").as_deref(), Some("f32_prefix"));
     assert_eq!(s("tokenizer.ggml.model").as_deref(), Some("gpt2"));
     assert_eq!(s("tokenizer.ggml.pre").as_deref(), Some("gpt-2"));
-    let sizes = ["gpt2.context_length", "gpt2.embedding_length", "gpt2.block_count", "gpt2.feed_forward_length", "gpt2.attention.head_count"];
+    let sizes =
+        ["gpt2.context_length", "gpt2.embedding_length", "gpt2.block_count", "gpt2.feed_forward_length", "gpt2.attention.head_count"];
     assert_eq!(sizes.map(u), [Some(32), Some(64), Some(2), Some(256), Some(4)]);
     assert_eq!(f.get("gpt2.attention.layer_norm_epsilon"), Some(&Value::F32(1e-5)));
     assert_eq!((u("general.file_type"), u("general.quantization_version"), u("general.alignment")), (Some(ftype), Some(2), Some(32)));
@@ -353,7 +355,11 @@ fn bad_input_fails_with_one_line_and_writes_nothing() {
     let missing = d.join("nope");
     fails(d, &[m, "--adapter", missing.to_str().unwrap(), "--out", o], &["nope", "adapter_config.json"]);
     fails(d, &[m, "--adapter", ad, "--out", o, "--format", "onnx"], &["--format", "onnx", "gguf"]);
-    fails(d, &[m, "--adapter", ad, "--out", o, "--format", "gguf", "--bits", "4", "--scheme", "q4_0", "--group", "64"], &["q4_0", "group 32"]);
+    fails(
+        d,
+        &[m, "--adapter", ad, "--out", o, "--format", "gguf", "--bits", "4", "--scheme", "q4_0", "--group", "64"],
+        &["q4_0", "group 32"],
+    );
     fails(d, &[m, "--adapter", ad, "--out", o, "--bits", "4", "--group", "32", "--act-bits", "8"], &["--act-bits"]);
     fails(d, &[m, "--adapter", ad, "--out", o, "--bits", "4", "--group", "32", "--quant-targets", "c_attn,lm_head"], &["lm_head"]);
     // the adapter is for n_embd 64, 2 layers

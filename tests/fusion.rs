@@ -127,7 +127,8 @@ fn compile_writes_the_fused_step_and_the_report() {
     let dir = tempfile::tempdir().unwrap();
     for (sub, extra) in [("fused", vec![]), ("plain", vec!["--no-fuse"])] {
         let out = dir.path().join(sub);
-        let mut args = vec!["compile", model.to_str().unwrap(), "--batch", "2", "--seq", "16", "--bits", "4", "--group", "32", "--lora", "r=4"];
+        let mut args =
+            vec!["compile", model.to_str().unwrap(), "--batch", "2", "--seq", "16", "--bits", "4", "--group", "32", "--lora", "r=4"];
         args.extend(extra);
         args.extend(["-o", out.to_str().unwrap()]);
         let run = std::process::Command::new(env!("CARGO_BIN_EXE_qatc")).args(&args).output().unwrap();

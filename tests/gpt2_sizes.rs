@@ -12,12 +12,7 @@ fn all_four_sizes_lower_with_the_published_parameter_counts() {
         assert_eq!(cfg.param_count(), params, "{name}");
         let g = step::forward(&cfg, 1, 64, false).unwrap();
         qatc_ir::verify(&g).unwrap();
-        let n: usize = g
-            .inputs()
-            .into_iter()
-            .filter(|&i| g.input_kind(i) == Some(InputKind::Frozen))
-            .map(|i| g.ty(i).numel())
-            .sum();
+        let n: usize = g.inputs().into_iter().filter(|&i| g.input_kind(i) == Some(InputKind::Frozen)).map(|i| g.ty(i).numel()).sum();
         assert_eq!(n, params, "{name}: the graph's weights are the model's");
         let mut o = StepOptions::new(1, 64);
         o.model.full_finetune = false;

@@ -34,7 +34,9 @@ fn inputs(g: &Graph, cfg: &Gpt2Config, b: usize, t: usize) -> HashMap<String, Va
         let ty = g.ty(id);
         if g.input_kind(id) == Some(InputKind::State) {
             // non-zero moments and step count, so AdamW's every term is exercised
-            let data = (0..ty.numel()).map(|i| if name.starts_with("adam.v") { 1e-4 * (1 + i % 7) as f32 } else { 1e-3 * ((i % 5) as f32 - 2.0) }).collect();
+            let data = (0..ty.numel())
+                .map(|i| if name.starts_with("adam.v") { 1e-4 * (1 + i % 7) as f32 } else { 1e-3 * ((i % 5) as f32 - 2.0) })
+                .collect();
             v.insert(name, Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data }));
         }
     }
@@ -107,17 +109,29 @@ fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, us
     for (name, bufs) in &bufs_by_name {
         // shape ops are usually views (no buffer of their own): drop them when that makes the counts agree
         let all = nodes_by_name.get(name).cloned().unwrap_or_default();
-        let computed: Vec<NodeId> = all.iter().copied().filter(|&i| !matches!(g.node(i).op, Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Broadcast { .. })).collect();
+        let computed: Vec<NodeId> = all
+            .iter()
+            .copied()
+            .filter(|&i| !matches!(g.node(i).op, Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Broadcast { .. }))
+            .collect();
         let nodes = if all.len() == bufs.len() { Some(all) } else { Some(computed).filter(|c| c.len() == bufs.len()) };
         let Some(nodes) = nodes else {
             if std::env::var_os("QATC_EQ_DEBUG").is_some() {
-                eprintln!("skip {name}: {} buffers, {:?} nodes", bufs.len(), nodes_by_name.get(name).map(|n| n.iter().map(|&i| g.describe(i)).collect::<Vec<_>>()));
+                eprintln!(
+                    "skip {name}: {} buffers, {:?} nodes",
+                    bufs.len(),
+                    nodes_by_name.get(name).map(|n| n.iter().map(|&i| g.describe(i)).collect::<Vec<_>>())
+                );
             }
             continue;
         };
         for (&bi, &id) in bufs.iter().zip(&nodes) {
             let b = &cp.program().buffers[bi];
-            if writer.contains_key(&bi) && !rewritten.contains(&bi) && g.ty(id).shape.dims() == b.shape.as_slice() && g.ty(id).dtype == b.dtype {
+            if writer.contains_key(&bi)
+                && !rewritten.contains(&bi)
+                && g.ty(id).shape.dims() == b.shape.as_slice()
+                && g.ty(id).dtype == b.dtype
+            {
                 targets.push((bi, id));
             }
         }
@@ -131,7 +145,9 @@ fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, us
         let got = cp.buffer(*bi).expect("the buffer reads back");
         let who = &writer[bi];
         let (a, b) = match (&got, r) {
-            (Value::Float(a), Value::Float(b)) => (a.data.iter().map(|&x| x as f64).collect::<Vec<_>>(), b.data.iter().map(|&x| x as f64).collect::<Vec<_>>()),
+            (Value::Float(a), Value::Float(b)) => {
+                (a.data.iter().map(|&x| x as f64).collect::<Vec<_>>(), b.data.iter().map(|&x| x as f64).collect::<Vec<_>>())
+            }
             (Value::Int(a), Value::Int(b)) => {
                 assert_eq!(a.data, b.data, "{what}: {} written by {who} differs", g.describe(*id));
                 *seen.entry(who.split(' ').next().unwrap_or("").to_string()).or_default() += 1;
@@ -161,7 +177,32 @@ fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, us
             }
         }
     }
-    let missed: Vec<String> = cp.program().kernels.iter().zip(&direct).filter(|(_, d)| !**d).map(|(k, _)| format!("{} [{}]", k.family, cp.program().steps.iter().find_map(|s| match s { Step::Launch { kernel, args, .. } if cp.program().kernels[*kernel] == *k => Some(args.iter().map(|&b| format!("{}:{:?}", cp.program().buffers[b].name, cp.program().buffers[b].kind)).collect::<Vec<_>>().join(",")), _ => None }).unwrap_or_default())).collect();
+    let missed: Vec<String> = cp
+        .program()
+        .kernels
+        .iter()
+        .zip(&direct)
+        .filter(|(_, d)| !**d)
+        .map(|(k, _)| {
+            format!(
+                "{} [{}]",
+                k.family,
+                cp.program()
+                    .steps
+                    .iter()
+                    .find_map(|s| match s {
+                        Step::Launch { kernel, args, .. } if cp.program().kernels[*kernel] == *k => Some(
+                            args.iter()
+                                .map(|&b| format!("{}:{:?}", cp.program().buffers[b].name, cp.program().buffers[b].kind))
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        ),
+                        _ => None,
+                    })
+                    .unwrap_or_default()
+            )
+        })
+        .collect();
     eprintln!("{what}: {} of {} kernels not compared directly: {missed:#?}", missed.len(), direct.len());
     seen
 }
@@ -220,7 +261,8 @@ fn isolate(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> usize {
     let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).expect("the kernels compile");
     // every buffer is copied from one program to the other before each launch: none may share
     let mut fast = CpuProgram::with_layout(prog.clone(), Box::new(jit), BufferLayout::Distinct).expect("the program loads");
-    let mut slow = CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&prog.kernels)), BufferLayout::Distinct).expect("the program loads");
+    let mut slow =
+        CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&prog.kernels)), BufferLayout::Distinct).expect("the program loads");
     for (name, v) in &ins {
         let _ = fast.set_input(name, v);
     }
@@ -245,7 +287,11 @@ fn isolate(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> usize {
             match (&a, &r) {
                 (Value::Float(a), Value::Float(r)) => {
                     let scale = r.data.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
-                    let err = a.data.iter().zip(&r.data).fold(0.0f64, |m, (x, y)| if x.is_nan() && y.is_nan() { m } else { m.max((x - y).abs() as f64) });
+                    let err =
+                        a.data
+                            .iter()
+                            .zip(&r.data)
+                            .fold(0.0f64, |m, (x, y)| if x.is_nan() && y.is_nan() { m } else { m.max((x - y).abs() as f64) });
                     assert!(
                         err <= TOL * scale || err == 0.0,
                         "{what}: step {i}, {} ({}) writing {}: max |llvm - kir| = {err:.3e} of max {scale:.3e}",

@@ -62,9 +62,16 @@ fn packed_codes_by_pairs_at_every_range() {
     let code = Expr::Cast(Ty::F32, Box::new(Expr::bin(BinOp::Sub, load(0, Expr::Ix(Ix::Elem)), Expr::Int(7))));
     let kernel = |scale_ix: Expr| Kernel {
         family: "dequant".into(),
-        params: vec![param("codes", DType::I4, &[3, 5], false), param("scales", DType::F32, &[5], false), param("out", DType::F32, &[3, 5], true)],
+        params: vec![
+            param("codes", DType::I4, &[3, 5], false),
+            param("scales", DType::F32, &[5], false),
+            param("out", DType::F32, &[3, 5], true),
+        ],
         index_ty: Ty::I32,
-        body: Body::Loops { space: Space::Elements { shape: vec![3, 5] }, stmts: vec![Stmt::Store { param: 2, index: Expr::Ix(Ix::Elem), value: Expr::bin(BinOp::Mul, code.clone(), load(1, scale_ix)) }] },
+        body: Body::Loops {
+            space: Space::Elements { shape: vec![3, 5] },
+            stmts: vec![Stmt::Store { param: 2, index: Expr::Ix(Ix::Elem), value: Expr::bin(BinOp::Mul, code.clone(), load(1, scale_ix)) }],
+        },
         note: String::new(),
         names: Default::default(),
     };

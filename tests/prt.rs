@@ -60,7 +60,8 @@ fn prt_writes_a_bit_map_that_eval_and_compile_use() {
     // no --lora: a full fine-tune, so every quantized module keeps a (trainable) fake-quant
     assert_eq!(step.matches("= fake_quant[").count(), chosen, "each module the map quantizes is fake-quantized");
     // a broken map is one clear error
-    std::fs::write(&map, "{\"version\": 1, \"modules\": {\"h.0.attn.c_attn\": {\"bits\": 4, \"group\": 16, \"scheme\": \"fp4\"}}}").unwrap();
+    std::fs::write(&map, "{\"version\": 1, \"modules\": {\"h.0.attn.c_attn\": {\"bits\": 4, \"group\": 16, \"scheme\": \"fp4\"}}}")
+        .unwrap();
     let bad = qatc(&e);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown --scheme `fp4`"));

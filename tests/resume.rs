@@ -10,9 +10,35 @@ use std::time::{Duration, Instant};
 
 fn args<'a>(m: &'a str, d: &'a str, out: &'a str, log: &'a str) -> Vec<&'a str> {
     vec![
-        "train", m, "--data", d, "--batch", "2", "--seq", "32", "--steps", "10", "--bits", "4", "--lora",
-        "r=8,dropout=0.1", "--lr", "2e-3", "--warmup", "2", "--schedule", "cosine", "--shuffle", "--seed", "5",
-        "--save-every", "2", "--out", out, "--log-json", log,
+        "train",
+        m,
+        "--data",
+        d,
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--steps",
+        "10",
+        "--bits",
+        "4",
+        "--lora",
+        "r=8,dropout=0.1",
+        "--lr",
+        "2e-3",
+        "--warmup",
+        "2",
+        "--schedule",
+        "cosine",
+        "--shuffle",
+        "--seed",
+        "5",
+        "--save-every",
+        "2",
+        "--out",
+        out,
+        "--log-json",
+        log,
     ]
 }
 
@@ -77,7 +103,22 @@ fn resume_with_other_options_is_refused() {
     let d = common::fixture("tiny/tokens.bin");
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("o");
-    let base = ["train", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--batch", "2", "--seq", "16", "--steps", "2", "--lora", "r=4", "--out", out.to_str().unwrap()];
+    let base = [
+        "train",
+        m.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--lora",
+        "r=4",
+        "--out",
+        out.to_str().unwrap(),
+    ];
     assert!(Command::new(env!("CARGO_BIN_EXE_qatc")).args(base).output().unwrap().status.success());
     let mut other: Vec<&str> = base.to_vec();
     other.extend(["--lr", "5e-3", "--resume", out.to_str().unwrap()]);

@@ -37,8 +37,23 @@ fn full_finetune_for_20_steps_lowers_the_loss() {
     let m = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
     let d = common::root().join("examples/shakespeare_train.bin");
     run(&[
-        "train", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--batch", "2", "--seq", "64", "--steps", "20",
-        "--lr", "1e-3", "--full-finetune", "--out", out.to_str().unwrap(), "--log-json", log.to_str().unwrap(),
+        "train",
+        m.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--steps",
+        "20",
+        "--lr",
+        "1e-3",
+        "--full-finetune",
+        "--out",
+        out.to_str().unwrap(),
+        "--log-json",
+        log.to_str().unwrap(),
     ]);
     let l = losses(&log);
     assert_eq!(l.len(), 20);
@@ -56,8 +71,26 @@ fn qat_lora_training_writes_an_adapter() {
     let m = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
     let d = common::root().join("examples/shakespeare_train.bin");
     run(&[
-        "train", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--batch", "2", "--seq", "64", "--steps", "12",
-        "--lr", "3e-3", "--bits", "4", "--lora", "r=16", "--out", out.to_str().unwrap(), "--log-json", log.to_str().unwrap(),
+        "train",
+        m.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--steps",
+        "12",
+        "--lr",
+        "3e-3",
+        "--bits",
+        "4",
+        "--lora",
+        "r=16",
+        "--out",
+        out.to_str().unwrap(),
+        "--log-json",
+        log.to_str().unwrap(),
     ]);
     let l = losses(&log);
     assert!(mean(&l[8..]) < mean(&l[..4]), "the loss does not fall: {l:?}");
@@ -80,9 +113,28 @@ fn accumulated_steps_with_lora_dropout_run_compiled_and_interpreted() {
         let log = dir.path().join(format!("log{}.jsonl", curves.len()));
         let out = dir.path().join(format!("ad{}", curves.len()));
         let mut args = vec![
-            "train", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--batch", "2", "--seq", "32", "--steps", "2",
-            "--grad-accum", "2", "--lora", "r=4,dropout=0.1", "--bits", "4", "--group", "32",
-            "--out", out.to_str().unwrap(), "--log-json", log.to_str().unwrap(),
+            "train",
+            m.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "2",
+            "--grad-accum",
+            "2",
+            "--lora",
+            "r=4,dropout=0.1",
+            "--bits",
+            "4",
+            "--group",
+            "32",
+            "--out",
+            out.to_str().unwrap(),
+            "--log-json",
+            log.to_str().unwrap(),
         ];
         args.extend(engine);
         run(&args);

@@ -13,9 +13,7 @@ use qatc::frontend::config::Gpt2Config;
 /// `Gpt2Config::load` takes the inference path.
 fn dir() -> &'static tempfile::TempDir {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        tempfile::tempdir_in("/dev/shm").or_else(|_| tempfile::tempdir()).expect("temp dir for the fuzz input")
-    })
+    DIR.get_or_init(|| tempfile::tempdir_in("/dev/shm").or_else(|_| tempfile::tempdir()).expect("temp dir for the fuzz input"))
 }
 
 fuzz_target!(|data: &[u8]| {

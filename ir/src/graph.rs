@@ -154,19 +154,15 @@ impl Graph {
 
     /// Operands in slot order.
     pub fn operands(&self, id: NodeId) -> Vec<NodeId> {
-        let mut es: Vec<(u32, NodeId)> = self
-            .g
-            .edges_directed(Self::idx(id), Direction::Incoming)
-            .map(|e| (*e.weight(), NodeId(e.source().index() as u32)))
-            .collect();
+        let mut es: Vec<(u32, NodeId)> =
+            self.g.edges_directed(Self::idx(id), Direction::Incoming).map(|e| (*e.weight(), NodeId(e.source().index() as u32))).collect();
         es.sort_unstable();
         es.into_iter().map(|(_, n)| n).collect()
     }
 
     /// Nodes that use `id` as an operand (each once, in id order).
     pub fn users(&self, id: NodeId) -> Vec<NodeId> {
-        let mut us: Vec<NodeId> =
-            self.g.neighbors_directed(Self::idx(id), Direction::Outgoing).map(|n| NodeId(n.index() as u32)).collect();
+        let mut us: Vec<NodeId> = self.g.neighbors_directed(Self::idx(id), Direction::Outgoing).map(|n| NodeId(n.index() as u32)).collect();
         us.sort_unstable();
         us.dedup();
         us

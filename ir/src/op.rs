@@ -29,9 +29,7 @@ impl InputKind {
         }
     }
     pub fn from_name(s: &str) -> Option<InputKind> {
-        [InputKind::Frozen, InputKind::Trainable, InputKind::Data, InputKind::State]
-            .into_iter()
-            .find(|k| k.name() == s)
+        [InputKind::Frozen, InputKind::Trainable, InputKind::Data, InputKind::State].into_iter().find(|k| k.name() == s)
     }
     pub fn is_param(self) -> bool {
         matches!(self, InputKind::Frozen | InputKind::Trainable)
@@ -69,52 +67,95 @@ pub enum BinaryOp {
 pub enum Op {
     // ---- leaves ----
     /// A value supplied from outside the graph; its name is the node's name.
-    Input { kind: InputKind, dtype: DType, shape: Shape },
+    Input {
+        kind: InputKind,
+        dtype: DType,
+        shape: Shape,
+    },
     /// A tensor filled with one value.
-    Const { value: f64, dtype: DType, shape: Shape },
+    Const {
+        value: f64,
+        dtype: DType,
+        shape: Shape,
+    },
 
     // ---- elementwise (operands of equal shape; see Broadcast) ----
     Unary(UnaryOp),
     Binary(BinaryOp),
     /// x * mul + add
-    Affine { mul: f64, add: f64 },
+    Affine {
+        mul: f64,
+        add: f64,
+    },
     /// Element type conversion.
-    Cast { to: DType },
+    Cast {
+        to: DType,
+    },
 
     // ---- shape ----
     /// Numpy-style broadcast to `shape` (trailing dims aligned; each input dim equals or is 1).
-    Broadcast { shape: Shape },
+    Broadcast {
+        shape: Shape,
+    },
     /// The adjoint of Broadcast: sums the broadcast dimensions away, down to `shape`.
-    SumTo { shape: Shape },
-    Reshape { shape: Shape },
+    SumTo {
+        shape: Shape,
+    },
+    Reshape {
+        shape: Shape,
+    },
     /// out.dims[i] = in.dims[perm[i]]
-    Transpose { perm: Vec<usize> },
+    Transpose {
+        perm: Vec<usize>,
+    },
     /// Elements [start, end) along `axis`.
-    Slice { axis: usize, start: usize, end: usize },
+    Slice {
+        axis: usize,
+        start: usize,
+        end: usize,
+    },
     /// (a, b, ...) joined along `axis`.
-    Concat { axis: usize },
+    Concat {
+        axis: usize,
+    },
 
     // ---- linear algebra ----
     /// (a [.., M, K], b [.., K, N]) -> [.., M, N]; `ta`/`tb` read a or b transposed in its last two
     /// dims. Batch dims must be equal.
-    MatMul { ta: bool, tb: bool },
+    MatMul {
+        ta: bool,
+        tb: bool,
+    },
 
     // ---- neural-network ops ----
     /// (table [V, C], ids [..] i32) -> [.., C]
     Gather,
     /// (ids [..] i32, dy [.., C]) -> [rows, C]: the adjoint of Gather, summing rows hit twice.
-    ScatterAdd { rows: usize },
+    ScatterAdd {
+        rows: usize,
+    },
     /// (x [.., C], gamma [C], beta [C]) -> [.., C], normalized over the last dim.
-    LayerNorm { eps: f64 },
+    LayerNorm {
+        eps: f64,
+    },
     /// (x, gamma, dy) -> dx
-    LayerNormGradX { eps: f64 },
+    LayerNormGradX {
+        eps: f64,
+    },
     /// (x, dy) -> dgamma [C] = sum over rows of dy * xhat
-    LayerNormGradGamma { eps: f64 },
+    LayerNormGradGamma {
+        eps: f64,
+    },
     /// x [.., T, S] -> softmax over the last dim of scale * x; with `causal`, entries j > i are
     /// masked out (T == S).
-    Softmax { scale: f64, causal: bool },
+    Softmax {
+        scale: f64,
+        causal: bool,
+    },
     /// (y, dy) -> dx = scale * y * (dy - sum(dy * y)) where y is Softmax's output.
-    SoftmaxGrad { scale: f64 },
+    SoftmaxGrad {
+        scale: f64,
+    },
     /// (logits [N, V], targets [N] i32) -> [] : mean over N of -log softmax(logits)[target].
     CrossEntropy,
     /// (logits [N, V], targets [N] i32, dloss []) -> dlogits [N, V]
@@ -123,30 +164,51 @@ pub enum Op {
     // ---- quantization and LoRA ----
     /// w [in, out] -> the weight rounded to the quantization grid of `spec` (same type). Its
     /// gradient is the straight-through estimator: dy passes through unchanged.
-    FakeQuant { spec: QuantSpec },
+    FakeQuant {
+        spec: QuantSpec,
+    },
     /// (codes [in, out] i4/u8, scales [in/G, out] f32 (f16 for q4_0)[, zero_points [in/G, out] f32
     /// for asym]) -> f32 [in, out]; equals FakeQuant of the original weight bit for bit.
-    Dequantize { spec: QuantSpec },
+    Dequantize {
+        spec: QuantSpec,
+    },
     /// x [.., C] -> dynamic per-token (per row) symmetric fake-quant to `bits`: S = absmax/qmax.
     /// Straight-through inside the range (which the absmax scale always covers).
-    ActQuant { bits: u8 },
+    ActQuant {
+        bits: u8,
+    },
     /// (x, seed i32 []) -> x * mask / (1 - p), the mask drawn from a counter-based hash of
     /// (seed, stream, element index): deterministic, so the backward applies the same mask.
-    Dropout { p: f64, stream: usize },
+    Dropout {
+        p: f64,
+        stream: usize,
+    },
 
     // ---- fusion ----
     /// A fused kernel: `body` computes this node's value from its operands in one pass over
     /// memory. The body's inputs are `in0`, `in1`, ... (operand order, kind data) and its one
     /// output is `out`; intermediates inside it are never written to device memory.
-    Kernel { family: String, body: Box<crate::graph::Graph> },
+    Kernel {
+        family: String,
+        body: Box<crate::graph::Graph>,
+    },
 
     // ---- optimizer (PyTorch AdamW semantics) ----
     /// (m, g) -> beta1 * m + (1 - beta1) * g
-    AdamM { beta1: f64 },
+    AdamM {
+        beta1: f64,
+    },
     /// (v, g) -> beta2 * v + (1 - beta2) * g^2
-    AdamV { beta2: f64 },
+    AdamV {
+        beta2: f64,
+    },
     /// (p, m', v', lr [], t []) -> p * (1 - lr * wd) - lr / (1 - beta1^t) * m' / (sqrt(v' / (1 - beta2^t)) + eps)
-    AdamParam { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+    AdamParam {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
 }
 
 /// QLoRA / bitsandbytes NormalFloat4 code values, the one table every backend reads (the
@@ -357,10 +419,7 @@ impl Op {
     }
 
     pub fn is_elementwise(&self) -> bool {
-        matches!(
-            self,
-            Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::AdamM { .. } | Op::AdamV { .. }
-        )
+        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::AdamM { .. } | Op::AdamV { .. })
     }
 
     /// The attributes in print order. Leaves print their type after the colon, not here.
@@ -385,22 +444,17 @@ impl Op {
             }
             Op::Softmax { scale, causal } => vec![("scale", Float(*scale)), ("causal", Bool(*causal))],
             Op::SoftmaxGrad { scale } => vec![("scale", Float(*scale))],
-            Op::FakeQuant { spec } | Op::Dequantize { spec } => vec![
-                ("bits", Int(spec.bits as usize)),
-                ("group", Int(spec.group)),
-                ("scheme", Word(spec.scheme.name())),
-            ],
+            Op::FakeQuant { spec } | Op::Dequantize { spec } => {
+                vec![("bits", Int(spec.bits as usize)), ("group", Int(spec.group)), ("scheme", Word(spec.scheme.name()))]
+            }
             Op::ActQuant { bits } => vec![("bits", Int(*bits as usize))],
             Op::Dropout { p, stream } => vec![("p", Float(*p)), ("stream", Int(*stream))],
             Op::Kernel { family, .. } => vec![("family", Str(family.clone()))],
             Op::AdamM { beta1 } => vec![("beta1", Float(*beta1))],
             Op::AdamV { beta2 } => vec![("beta2", Float(*beta2))],
-            Op::AdamParam { beta1, beta2, eps, weight_decay } => vec![
-                ("beta1", Float(*beta1)),
-                ("beta2", Float(*beta2)),
-                ("eps", Float(*eps)),
-                ("weight_decay", Float(*weight_decay)),
-            ],
+            Op::AdamParam { beta1, beta2, eps, weight_decay } => {
+                vec![("beta1", Float(*beta1)), ("beta2", Float(*beta2)), ("eps", Float(*eps)), ("weight_decay", Float(*weight_decay))]
+            }
         }
     }
 }

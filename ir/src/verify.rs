@@ -27,10 +27,7 @@ pub fn verify(g: &Graph) -> Result<(), IrError> {
         let tys: Vec<_> = ops.iter().map(|&o| g.ty(o)).collect();
         let ty = infer(&node.op, &tys).map_err(|msg| IrError::Type { node: label(id), msg })?;
         if ty != node.ty {
-            return Err(IrError::Type {
-                node: label(id),
-                msg: format!("recorded type {} but the op computes {ty}", node.ty),
-            });
+            return Err(IrError::Type { node: label(id), msg: format!("recorded type {} but the op computes {ty}", node.ty) });
         }
         if let Op::Input { .. } = node.op {
             match &node.name {
@@ -49,11 +46,7 @@ pub fn verify(g: &Graph) -> Result<(), IrError> {
                 return Err(IrError::BadUpdateTarget(o.name.clone()));
             }
             if g.ty(inp) != g.ty(o.node) {
-                return Err(IrError::UpdateType {
-                    name: o.name.clone(),
-                    got: g.ty(o.node).to_string(),
-                    want: g.ty(inp).to_string(),
-                });
+                return Err(IrError::UpdateType { name: o.name.clone(), got: g.ty(o.node).to_string(), want: g.ty(inp).to_string() });
             }
         }
     }

@@ -21,8 +21,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use qatc_ir::infer::broadcasts_to;
 use qatc_ir::{
-    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape,
-    TensorType, UnaryOp,
+    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape, TensorType, UnaryOp,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -409,8 +408,7 @@ impl<'a> Builder<'a> {
                 let x = self.float_operand(0, 4)?;
                 let s = self.ty(x).shape.0;
                 let keep = self.ch.below(s.len() + 1);
-                let dims: Vec<usize> =
-                    s[s.len() - keep..].iter().map(|&d| if self.ch.one_in(3) { 1 } else { d }).collect();
+                let dims: Vec<usize> = s[s.len() - keep..].iter().map(|&d| if self.ch.one_in(3) { 1 } else { d }).collect();
                 let shape = Shape(dims);
                 debug_assert!(broadcasts_to(&shape, &Shape(s)));
                 self.op(Op::SumTo { shape }, &[x])
@@ -736,8 +734,7 @@ fn reinsert(g: &Graph, ch: &mut Choices) -> Result<Graph, IrError> {
                 h.add(Op::Reshape { shape: h.ty(x).shape.clone() }, &[x])?;
             }
         }
-        let ready: Vec<usize> =
-            (0..todo.len()).filter(|&i| g.operands(todo[i]).iter().all(|o| map.contains_key(o))).collect();
+        let ready: Vec<usize> = (0..todo.len()).filter(|&i| g.operands(todo[i]).iter().all(|o| map.contains_key(o))).collect();
         let i = ready[ch.below(ready.len())];
         let n = todo.swap_remove(i);
         let ops: Vec<NodeId> = g.operands(n).iter().map(|o| map[o]).collect();

@@ -124,11 +124,7 @@ fn nn_op_type_errors() {
     type_err(g.add(Op::ScatterAdd { rows: 10 }, &[ids, dy]), "scatter_add", "plus a channel dim");
     let c3 = f32_in(&mut g, "c3", &[3]);
     let c4 = f32_in(&mut g, "c4", &[4]);
-    type_err(
-        g.add_named(Op::LayerNorm { eps: 1e-5 }, &[x, c3, c4], "ln_1"),
-        "\"ln_1\" (layernorm)",
-        "gamma must be [4]",
-    );
+    type_err(g.add_named(Op::LayerNorm { eps: 1e-5 }, &[x, c3, c4], "ln_1"), "\"ln_1\" (layernorm)", "gamma must be [4]");
     type_err(g.add(Op::LayerNorm { eps: 1e-5 }, &[x, c4, c3]), "layernorm", "beta must be [4]");
     let s = f32_in(&mut g, "s", &[]);
     type_err(g.add(Op::LayerNorm { eps: 1e-5 }, &[s, s, s]), "layernorm", "scalar");
@@ -202,11 +198,7 @@ fn quantization_op_type_errors() {
     type_err(g.add(dq(spec(8, 32, QuantScheme::Sym)), &[codes4, s2]), "dequantize", "codes must be u8[in, out]");
     type_err(g.add(dq(spec(4, 16, QuantScheme::Sym)), &[codes4, s2]), "dequantize", "scales must be f32[4, 8]");
     type_err(g.add(dq(spec(4, 32, QuantScheme::Q4_0)), &[codes4, s2]), "dequantize", "scales must be f16[2, 8]");
-    type_err(
-        g.add(dq(spec(8, 16, QuantScheme::Asym)), &[codes8, s4, s2]),
-        "dequantize",
-        "zero points must be f32[4, 8]",
-    );
+    type_err(g.add(dq(spec(8, 16, QuantScheme::Asym)), &[codes8, s4, s2]), "dequantize", "zero points must be f32[4, 8]");
     // ActQuant and Dropout.
     type_err(g.add(Op::ActQuant { bits: 9 }, &[w]), "act_quant", "bits 2..8");
     let sc = f32_in(&mut g, "sc", &[]);
@@ -222,11 +214,7 @@ fn quantization_op_type_errors() {
 #[test]
 fn leaves_and_ids_are_checked() {
     let mut g = Graph::new("t");
-    type_err(
-        g.add(Op::Input { kind: InputKind::Data, dtype: DType::F32, shape: Shape::new([2]) }, &[]),
-        "new input",
-        "must be named",
-    );
+    type_err(g.add(Op::Input { kind: InputKind::Data, dtype: DType::F32, shape: Shape::new([2]) }, &[]), "new input", "must be named");
     g.input("x", InputKind::Frozen, DType::F32, [2]).expect("input");
     assert_eq!(g.input("x", InputKind::Data, DType::I32, [3]), Err(IrError::DuplicateInput("x".into())));
     // An operand id this graph never handed out.
@@ -264,10 +252,7 @@ fn update_targets_must_be_trainable_or_state_of_equal_type() {
     assert_eq!(g.set_update("f", v), Err(IrError::BadUpdateTarget("f".into())));
     assert_eq!(g.set_update("d", v), Err(IrError::BadUpdateTarget("d".into())));
     assert_eq!(g.set_update("nope", v), Err(IrError::BadUpdateTarget("nope".into())));
-    assert_eq!(
-        g.set_update("h", v),
-        Err(IrError::UpdateType { name: "h".into(), got: "f32[3]".into(), want: "f16[3]".into() })
-    );
+    assert_eq!(g.set_update("h", v), Err(IrError::UpdateType { name: "h".into(), got: "f32[3]".into(), want: "f16[3]".into() }));
     assert_eq!(
         g.set_update("w", long).map_err(|e| e.to_string()),
         Err("update of \"w\": value type f32[4] differs from the input's f32[3]".into())
@@ -310,17 +295,9 @@ fn parser_errors_carry_the_line() {
     parse_err(&format!("{HEAD}  %1 = neg(%0) : f64[2, 3]\n}}\n"), 3, "unknown dtype `f64`");
     parse_err(&format!("{HEAD}  %1 = input[kind=data] : q8[2] \"q\"\n}}\n"), 3, "unknown dtype `q8`");
     parse_err(&format!("{HEAD}  %1 = cast[to=f8](%0) : f32[2, 3]\n}}\n"), 3, "unknown dtype `f8`");
-    parse_err(
-        &format!("{HEAD}  %1 = neg(%2) : f32[2, 3]\n  %2 = neg(%0) : f32[2, 3]\n}}\n"),
-        3,
-        "%2 is used before it is defined",
-    );
+    parse_err(&format!("{HEAD}  %1 = neg(%2) : f32[2, 3]\n  %2 = neg(%0) : f32[2, 3]\n}}\n"), 3, "%2 is used before it is defined");
     parse_err(&format!("{HEAD}  output \"y\" = %7\n}}\n"), 3, "%7 is used before it is defined");
-    parse_err(
-        &format!("{HEAD}  %1 = neg(%0) : f32[3, 2]\n}}\n"),
-        3,
-        "written type f32[3, 2] but the op computes f32[2, 3]",
-    );
+    parse_err(&format!("{HEAD}  %1 = neg(%0) : f32[3, 2]\n}}\n"), 3, "written type f32[3, 2] but the op computes f32[2, 3]");
     parse_err(&format!("{HEAD}  %1 = neg(%0) : f16[2, 3]\n}}\n"), 3, "written type f16[2, 3]");
     parse_err(&format!("{HEAD}  %1 = input[kind=frozen] : f32[4] \"x\"\n}}\n"), 3, "input \"x\" is declared twice");
     parse_err(&format!("{HEAD}  %1 = neg(%0) : f32[2, 3]\n"), 3, "missing closing `}`");
@@ -343,18 +320,9 @@ fn parser_errors_carry_the_line() {
         4,
         "unknown quant scheme `int4`",
     );
-    parse_err(
-        &format!("{HEAD}{w}  %2 = fake_quant[bits=300, group=0, scheme=sym](%1) : f32[64, 8]\n}}\n"),
-        4,
-        "bits 300 out of range",
-    );
-    parse_err(
-        &format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=7, scheme=sym](%1) : f32[64, 8]\n}}\n"),
-        4,
-        "group 7 does not divide",
-    );
-    parse(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=32, scheme=q4_0](%1) : f32[64, 8]\n}}\n"))
-        .expect("valid fake_quant");
+    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=300, group=0, scheme=sym](%1) : f32[64, 8]\n}}\n"), 4, "bits 300 out of range");
+    parse_err(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=7, scheme=sym](%1) : f32[64, 8]\n}}\n"), 4, "group 7 does not divide");
+    parse(&format!("{HEAD}{w}  %2 = fake_quant[bits=4, group=32, scheme=q4_0](%1) : f32[64, 8]\n}}\n")).expect("valid fake_quant");
     parse_err("", 1, "empty input");
     parse_err("grph \"p\" {\n}\n", 1, "expected `graph`");
     // Blank and comment lines are skipped but still counted.

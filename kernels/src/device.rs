@@ -27,7 +27,8 @@ pub fn probe_cuda() -> Result<CudaProbe, String> {
         if rc != 0 {
             return Err(format!("cuInit failed (CUresult {rc}): no usable GPU"));
         }
-        let count: Symbol<CuDeviceGetCount> = lib.get(b"cuDeviceGetCount\0").map_err(|e| format!("the CUDA driver has no cuDeviceGetCount ({e})"))?;
+        let count: Symbol<CuDeviceGetCount> =
+            lib.get(b"cuDeviceGetCount\0").map_err(|e| format!("the CUDA driver has no cuDeviceGetCount ({e})"))?;
         let mut n: i32 = 0;
         let rc = count(&mut n);
         if rc != 0 || n <= 0 {

@@ -177,11 +177,7 @@ pub fn strides(shape: &[usize]) -> Vec<usize> {
 /// The coordinates of linear index `lin` in `shape`.
 pub fn delinearize(b: &Bounds, lin: &Expr, shape: &[usize]) -> Vec<Expr> {
     let st = strides(shape);
-    shape
-        .iter()
-        .zip(&st)
-        .map(|(&d, &s)| if d == 1 { Expr::Int(0) } else { b.rem(b.div(lin.clone(), s as i64), d as i64) })
-        .collect()
+    shape.iter().zip(&st).map(|(&d, &s)| if d == 1 { Expr::Int(0) } else { b.rem(b.div(lin.clone(), s as i64), d as i64) }).collect()
 }
 
 /// offset + sum of coords[d] * strides[d].

@@ -151,7 +151,10 @@ pub enum Expr {
     Ix(Ix),
     Var(VarId),
     /// Element `index` of a parameter (see the module docs for the widening rules).
-    Load { param: ParamId, index: Box<Expr> },
+    Load {
+        param: ParamId,
+        index: Box<Expr>,
+    },
     Un(UnOp, Box<Expr>),
     Bin(BinOp, Box<Expr>, Box<Expr>),
     /// cond ? a : b, lazily.

@@ -181,7 +181,9 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
         }
         let users: Vec<(usize, bool)> = (0..prog.steps.len())
             .filter_map(|j| match &prog.steps[j] {
-                Step::Gemm(g) if g.b.buf == w => Some((j, if g.batch() == 1 && g.feed.is_none() && j > si { weight_view(&g.b, rows, cols) } else { None })),
+                Step::Gemm(g) if g.b.buf == w => {
+                    Some((j, if g.batch() == 1 && g.feed.is_none() && j > si { weight_view(&g.b, rows, cols) } else { None }))
+                }
                 _ => None,
             })
             .map(|(j, form)| form.map(|f| (j, f)).ok_or(()))

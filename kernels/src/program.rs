@@ -163,7 +163,11 @@ impl Gemm {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     /// Launch `kernel` (an index into `Program::kernels`) with one buffer per param, in order.
-    Launch { kernel: usize, args: Vec<BufId>, note: String },
+    Launch {
+        kernel: usize,
+        args: Vec<BufId>,
+        note: String,
+    },
     Gemm(Box<Gemm>),
 }
 

@@ -75,7 +75,11 @@ fn a_gradient_lowered_before_the_loss_keeps_the_logits() {
     // the gradient part comes first: the loss kernel reads the logits after it
     let g = linear_ce(false, false);
     let prog = lower(&g).unwrap();
-    let fams: Vec<String> = prog.steps.iter().filter_map(|s| if let Step::Launch { kernel, .. } = s { Some(prog.kernels[*kernel].family.clone()) } else { None }).collect();
+    let fams: Vec<String> = prog
+        .steps
+        .iter()
+        .filter_map(|s| if let Step::Launch { kernel, .. } = s { Some(prog.kernels[*kernel].family.clone()) } else { None })
+        .collect();
     eprintln!("{fams:?}");
     assert!(in_place(&prog).is_empty(), "{prog}");
 }

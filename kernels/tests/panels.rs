@@ -21,7 +21,11 @@ fn a_dequantized_weight_becomes_panels_of_its_rows() {
     let Step::Gemm(g) = &prog.steps[0] else { panic!("{prog}") };
     let f = g.feed.as_ref().expect("fed");
     assert_eq!((f.rows, f.cols, f.panel, f.rows_are_k), (128, 384, 50, true));
-    assert_eq!((prog.buffers[g.b.buf].name.as_str(), &prog.buffers[g.b.buf].shape[..]), ("dequant_panel", &[50 * 384][..]), "one panel of scratch");
+    assert_eq!(
+        (prog.buffers[g.b.buf].name.as_str(), &prog.buffers[g.b.buf].shape[..]),
+        ("dequant_panel", &[50 * 384][..]),
+        "one panel of scratch"
+    );
     assert!(prog.buffers.iter().any(|b| b.shape == [0] && b.dtype == DType::F32), "W holds nothing");
     // the panel kernel: the dequant over the whole weight, storing row mod 50
     let k = &prog.kernels[f.kernel];
@@ -30,7 +34,9 @@ fn a_dequantized_weight_becomes_panels_of_its_rows() {
     assert_eq!(shape, &[128, 384]);
     let store = stmts.iter().find_map(|s| if let Stmt::Store { index, .. } = s { Some(index) } else { None }).expect("a store");
     let mut uses = Vec::new();
-    qatc_kernels::kir::visit_exprs(std::slice::from_ref(&Stmt::Store { param: 0, index: store.clone(), value: Expr::Int(0) }), &mut |e| uses.push(e.clone()));
+    qatc_kernels::kir::visit_exprs(std::slice::from_ref(&Stmt::Store { param: 0, index: store.clone(), value: Expr::Int(0) }), &mut |e| {
+        uses.push(e.clone())
+    });
     assert!(uses.contains(&Expr::Ix(Ix::Coord(0))) && uses.contains(&Expr::Int(50)) && !uses.contains(&Expr::Ix(Ix::Elem)), "{store:?}");
     // the partial GEMMs cover K once, accumulate after the first, and add the bias once, last
     let parts = g.panels();
@@ -57,7 +63,10 @@ fn a_transposed_weight_is_fed_by_output_columns() {
     let f = gm.feed.as_ref().unwrap_or_else(|| panic!("not fed: {prog}"));
     assert!(!f.rows_are_k);
     let parts = gm.panels();
-    assert_eq!(parts.iter().map(|(_, p)| (p.n, p.c.offset, p.k)).collect::<Vec<_>>(), [(100, 0, 128), (100, 100, 128), (100, 200, 128), (84, 300, 128)]);
+    assert_eq!(
+        parts.iter().map(|(_, p)| (p.n, p.c.offset, p.k)).collect::<Vec<_>>(),
+        [(100, 0, 128), (100, 100, 128), (100, 200, 128), (84, 300, 128)]
+    );
     assert!(parts.iter().all(|(_, p)| !p.accumulate && p.b.strides == [1, 128]));
 }
 

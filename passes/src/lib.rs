@@ -22,8 +22,8 @@ pub mod optim;
 pub mod pipeline;
 pub mod plan;
 pub mod quant;
-pub mod remat;
 mod rebuild;
+pub mod remat;
 
 pub use error::PassError;
 pub use pipeline::{Pass, PassReport};

@@ -75,7 +75,8 @@ pub fn lora(mut g: Graph, o: &LoraOptions) -> Result<(Graph, PassReport), PassEr
         }
     }
     let lins: Vec<_> = linears::find(&g).into_iter().filter(|l| o.targets.iter().any(|t| matches(&l.module, t))).collect();
-    let seed = if o.dropout > 0.0 { Some(g.input(DROPOUT_SEED, InputKind::Data, DType::I32, Shape::scalar()).in_pass(PASS)?) } else { None };
+    let seed =
+        if o.dropout > 0.0 { Some(g.input(DROPOUT_SEED, InputKind::Data, DType::I32, Shape::scalar()).in_pass(PASS)?) } else { None };
     let s = o.scaling();
     for (stream, lin) in lins.iter().enumerate() {
         if o.r > lin.n_in.min(lin.n_out) {

@@ -37,10 +37,9 @@ fn grads(g: &Graph, pass: &'static str) -> Result<Vec<(String, NodeId, NodeId)>,
             continue;
         }
         let name = g.node(p).name.clone().unwrap_or_default();
-        let gr = g.output(&grad_name(&name)).ok_or_else(|| PassError::Invalid {
-            pass,
-            msg: format!("trainable {name:?} has no gradient output: run autodiff first"),
-        })?;
+        let gr = g
+            .output(&grad_name(&name))
+            .ok_or_else(|| PassError::Invalid { pass, msg: format!("trainable {name:?} has no gradient output: run autodiff first") })?;
         v.push((name, p, gr));
     }
     Ok(v)

@@ -34,10 +34,8 @@ fn differentiate(g: &Graph) -> (Graph, PassReport) {
     let text = print(&ad);
     let back = parse(&text).unwrap_or_else(|e| panic!("autodiff output does not parse: {e}"));
     assert_eq!(print(&back), text);
-    let trainable: Vec<NodeId> =
-        ad.inputs().into_iter().filter(|&i| ad.input_kind(i) == Some(InputKind::Trainable)).collect();
-    let grads: Vec<&str> =
-        ad.outputs().iter().filter(|o| o.name.starts_with("grad:")).map(|o| o.name.as_str()).collect();
+    let trainable: Vec<NodeId> = ad.inputs().into_iter().filter(|&i| ad.input_kind(i) == Some(InputKind::Trainable)).collect();
+    let grads: Vec<&str> = ad.outputs().iter().filter(|o| o.name.starts_with("grad:")).map(|o| o.name.as_str()).collect();
     assert_eq!(grads.len(), trainable.len(), "one gradient per trainable input: {grads:?}");
     for p in trainable {
         let name = ad.node(p).name.clone().unwrap_or_default();
@@ -83,10 +81,7 @@ fn frozen_weight_gets_no_weight_gradient_matmul() {
         assert_eq!(matmuls(&g), 2);
         let (ad, report) = differentiate(&g);
         assert_eq!(matmuls(&ad), 2 + backward, "W1 {k1:?}, W2 {k2:?}");
-        assert_eq!(
-            report.counters.get("trainable").copied(),
-            Some(i64::from(k1 == Trainable) + i64::from(k2 == Trainable))
-        );
+        assert_eq!(report.counters.get("trainable").copied(), Some(i64::from(k1 == Trainable) + i64::from(k2 == Trainable)));
         // The backward never reads W1: dW1 = x^T dy needs x, and nothing upstream of W1 wants a
         // gradient through it. (W2 is read when W1 is trainable: dy = dz W2^T.)
         let w1 = ad.find_input("W1").expect("W1");
@@ -135,11 +130,8 @@ fn frozen_branch_gets_no_backward_nodes() {
     // The whole backward is the same size: add's rule passes dy through without new nodes.
     assert_eq!(r.counters.get("backward_nodes"), r_plain.counters.get("backward_nodes"));
     // And no backward node reads any node of the branch (no gelu_grad, nothing).
-    let branch: Vec<NodeId> = branched
-        .node_ids()
-        .into_iter()
-        .filter(|&n| branched.node(n).name.as_deref().is_some_and(|s| s.starts_with("branch.")))
-        .collect();
+    let branch: Vec<NodeId> =
+        branched.node_ids().into_iter().filter(|&n| branched.node(n).name.as_deref().is_some_and(|s| s.starts_with("branch."))).collect();
     assert_eq!(branch.len(), 3);
     for n in branch {
         assert_eq!(ad.users(n), branched.users(n), "backward reads {}", ad.describe(n));
@@ -239,8 +231,7 @@ struct Dims {
 fn gpt2_like(d: &Dims, lora_layers: &[usize]) -> Result<Graph, IrError> {
     let (b, t, c, nh, v) = (d.b, d.t, d.c, d.nh, d.v);
     let (n, hd, r) = (b * t, c / nh, 2);
-    let f32_in =
-        |g: &mut Graph, name: &str, kind: InputKind, shape: &[usize]| g.input(name, kind, DType::F32, shape.to_vec());
+    let f32_in = |g: &mut Graph, name: &str, kind: InputKind, shape: &[usize]| g.input(name, kind, DType::F32, shape.to_vec());
     let mut g = Graph::new("gpt2-like");
     let wte = f32_in(&mut g, "wte.weight", InputKind::Frozen, &[v, c])?;
     let wpe = f32_in(&mut g, "wpe.weight", InputKind::Frozen, &[t, c])?;
@@ -338,8 +329,7 @@ fn gpt2_shaped_lora_backward_has_exactly_the_needed_matmuls() {
         let (ad, report) = differentiate(&g);
         assert_eq!(matmuls(&ad) - matmuls(&g), backward, "backward matmuls, lora in {lora:?}\n{report}");
         // Only the adapters have gradients.
-        let grads: Vec<&str> =
-            ad.outputs().iter().filter(|o| o.name.starts_with("grad:")).map(|o| o.name.as_str()).collect();
+        let grads: Vec<&str> = ad.outputs().iter().filter(|o| o.name.starts_with("grad:")).map(|o| o.name.as_str()).collect();
         assert_eq!(grads.len(), 2 * lora.len());
         assert!(grads.iter().all(|n| n.contains("lora_")), "{grads:?}");
         // Frozen embeddings: no scatter_add (the gather's table gradient is never built).
@@ -349,11 +339,7 @@ fn gpt2_shaped_lora_backward_has_exactly_the_needed_matmuls() {
         // trainable tensor is upstream of it), plus ln_f.
         let first = lora.iter().copied().min().unwrap_or(d.layers);
         let ln_grads = ad.op_counts().get("layernorm_grad_x").copied().unwrap_or(0);
-        assert_eq!(
-            ln_grads,
-            1 + (d.layers - first) + (d.layers - first).saturating_sub(1),
-            "layernorm_grad_x, lora in {lora:?}"
-        );
+        assert_eq!(ln_grads, 1 + (d.layers - first) + (d.layers - first).saturating_sub(1), "layernorm_grad_x, lora in {lora:?}");
         assert_eq!(ad.op_counts().get("layernorm_grad_gamma"), None, "all gammas are frozen");
     }
 }

@@ -81,14 +81,7 @@ struct Case {
 
 impl Case {
     fn new(name: &str, seed: u64) -> Case {
-        Case {
-            name: name.into(),
-            g: Graph::new(name),
-            rng: Rng(seed),
-            vals: HashMap::new(),
-            trainable: Vec::new(),
-            tamper: None,
-        }
+        Case { name: name.into(), g: Graph::new(name), rng: Rng(seed), vals: HashMap::new(), trainable: Vec::new(), tamper: None }
     }
 
     fn values(&mut self, n: usize, d: Dist) -> Vec<f64> {
@@ -199,10 +192,7 @@ impl Case {
 
         for p in &self.trainable {
             let gname = grad_name(p);
-            let grad = analytic
-                .get(&gname)
-                .and_then(Value::as_float)
-                .unwrap_or_else(|| panic!("{name}: no float output {gname:?}"));
+            let grad = analytic.get(&gname).and_then(Value::as_float).unwrap_or_else(|| panic!("{name}: no float output {gname:?}"));
             let x = self.vals[p].as_float().expect("float param").clone();
             assert_eq!(grad.shape, x.shape, "{name}: {gname} has the wrong shape");
             let mut vals = self.vals.clone();
@@ -343,10 +333,7 @@ fn binary_ops_with_one_side_frozen() {
     // Only the trainable side wants a gradient; the rule must still be right for it.
     for (k, b) in [BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div].into_iter().enumerate() {
         for trainable_lhs in [true, false] {
-            let mut c = Case::new(
-                &format!("{b:?} lhs-trainable={trainable_lhs}"),
-                250 + 2 * k as u64 + u64::from(trainable_lhs),
-            );
+            let mut c = Case::new(&format!("{b:?} lhs-trainable={trainable_lhs}"), 250 + 2 * k as u64 + u64::from(trainable_lhs));
             let (x, y) = if trainable_lhs {
                 (c.param("a", &[7], ANY), c.frozen("b", &[7], Dist::AwayFromZero(0.5, 2.0)))
             } else {
@@ -444,9 +431,7 @@ fn reshape() {
 #[test]
 fn transpose() {
     // Non-involutive permutations, so perm and its inverse differ.
-    for (k, perm) in
-        [vec![2, 0, 1], vec![1, 2, 0], vec![1, 0, 2], vec![0, 1, 2], vec![3, 1, 0, 2]].into_iter().enumerate()
-    {
+    for (k, perm) in [vec![2, 0, 1], vec![1, 2, 0], vec![1, 0, 2], vec![0, 1, 2], vec![3, 1, 0, 2]].into_iter().enumerate() {
         let shape: &[usize] = if perm.len() == 4 { &[2, 3, 1, 5] } else { &[2, 3, 5] };
         let mut c = Case::new(&format!("transpose {perm:?}"), 800 + k as u64);
         let x = c.param("x", shape, ANY);

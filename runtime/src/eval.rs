@@ -4,8 +4,8 @@
 use qatc_ir::{DType, Op, TensorType};
 
 use crate::float::Float;
-use crate::quant;
 use crate::kernels::{elementwise as ew, embed, layout, matmul, norm, softmax};
+use crate::quant;
 use crate::value::{IntTensor, Tensor, Value};
 
 fn fl<'a, T>(v: &'a Value<T>, what: &str) -> Result<&'a Tensor<T>, String> {
@@ -68,9 +68,7 @@ fn cast<T: Float>(v: &Value<T>, to: DType) -> Value<T> {
         (Value::Float(t), false) => {
             Value::Int(IntTensor { shape: t.shape.clone(), data: t.data.iter().map(|x| to_code(x.to_f64(), to)).collect() })
         }
-        (Value::Int(t), true) => {
-            Value::Float(Tensor { shape: t.shape.clone(), data: t.data.iter().map(|&x| T::from_i32(x)).collect() })
-        }
+        (Value::Int(t), true) => Value::Float(Tensor { shape: t.shape.clone(), data: t.data.iter().map(|&x| T::from_i32(x)).collect() }),
         (Value::Int(t), false) => {
             Value::Int(IntTensor { shape: t.shape.clone(), data: t.data.iter().map(|&x| to_code(f64::from(x), to)).collect() })
         }

@@ -120,10 +120,8 @@ impl<T: Float> Interpreter<T> {
 
     /// Runs only what the requested nodes need and returns their values, in `want`'s order.
     pub fn run_nodes(&self, inputs: &HashMap<String, Value<T>>, want: &[NodeId]) -> Result<Vec<Value<T>>, RuntimeError> {
-        let pos = want
-            .iter()
-            .map(|id| self.pos_of.get(id).copied().ok_or(RuntimeError::UnknownNode(*id)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let pos =
+            want.iter().map(|id| self.pos_of.get(id).copied().ok_or(RuntimeError::UnknownNode(*id))).collect::<Result<Vec<_>, _>>()?;
         self.execute(inputs, &pos)
     }
 
@@ -138,11 +136,7 @@ impl<T: Float> Interpreter<T> {
         let v = inputs.get(&name).ok_or_else(|| RuntimeError::MissingInput(name.clone()))?;
         let want_kind = if step.ty.dtype.is_float() { "float" } else { "int" };
         if v.kind_name() != want_kind {
-            return Err(RuntimeError::InputKind {
-                name,
-                want: format!("{want_kind} ({})", step.ty),
-                got: v.kind_name().to_string(),
-            });
+            return Err(RuntimeError::InputKind { name, want: format!("{want_kind} ({})", step.ty), got: v.kind_name().to_string() });
         }
         let want = step.ty.shape.dims();
         if v.shape() != want {

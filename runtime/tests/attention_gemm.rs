@@ -33,7 +33,16 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
 fn buffers(d: &Dims) -> Vec<Vec<f32>> {
     let c = d.nh * d.hs;
     let head = d.b * d.nh * d.t * d.hs;
-    vec![noise(d.b * d.t * 3 * c, 1), noise(head, 2), vec![0.0; d.b * d.nh * d.t], vec![0.0; d.b * d.nh * d.t], vec![0.0; head], vec![0.0; head], vec![0.0; head], vec![0.0; head]]
+    vec![
+        noise(d.b * d.t * 3 * c, 1),
+        noise(head, 2),
+        vec![0.0; d.b * d.nh * d.t],
+        vec![0.0; d.b * d.nh * d.t],
+        vec![0.0; head],
+        vec![0.0; head],
+        vec![0.0; head],
+        vec![0.0; head],
+    ]
 }
 
 /// The kernel of `part` and the buffers its params are, in param order.
@@ -74,7 +83,17 @@ fn kernel(d: &Dims, part: AttentionPart) -> (Kernel, Vec<usize>) {
         params.push(Param { name: format!("p{i}"), dtype: DType::F32, shape: vec![shapes[b]], write: writes.contains(&i) });
     }
     let a = Attention { b: d.b, nh: d.nh, t: d.t, hs: d.hs, scale: 1.0 / (d.hs as f64).sqrt(), strides, offsets, part };
-    (Kernel { family: "attention".into(), params, index_ty: Ty::I32, body: Body::Attention(a), note: String::new(), names: Default::default() }, bufs.to_vec())
+    (
+        Kernel {
+            family: "attention".into(),
+            params,
+            index_ty: Ty::I32,
+            body: Body::Attention(a),
+            note: String::new(),
+            names: Default::default(),
+        },
+        bufs.to_vec(),
+    )
 }
 
 fn launch(l: &dyn Launcher, k: usize, mem: &mut [Vec<f32>], bufs: &[usize], d: &Dims, heads_per_call: usize) {

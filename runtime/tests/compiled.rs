@@ -34,7 +34,12 @@ fn compare(what: &str, got: &HashMap<String, Value<f32>>, want: &HashMap<String,
                 assert_eq!(nan(&g.data), nan(&w.data), "{what}: {name}: NaNs differ");
                 let clean = |t: &[f32]| t.iter().map(|&v| if v.is_nan() { 0.0 } else { v }).collect::<Vec<_>>();
                 let e = rel_err(&clean(&g.data), &clean(&w.data));
-                assert!(e <= TOL, "{what}: {name} differs by {e:e} relative\n got {:?}\nwant {:?}", &g.data[..g.data.len().min(16)], &w.data[..w.data.len().min(16)]);
+                assert!(
+                    e <= TOL,
+                    "{what}: {name} differs by {e:e} relative\n got {:?}\nwant {:?}",
+                    &g.data[..g.data.len().min(16)],
+                    &w.data[..w.data.len().min(16)]
+                );
             }
             (Value::Int(g), Value::Int(w)) => assert_eq!(g, w, "{what}: {name}"),
             _ => panic!("{what}: {name}: value kinds differ"),
@@ -213,7 +218,9 @@ fn matmuls_transposed_batched_on_views_and_into_slices() {
     }
     let mut rng = Rng::new(4);
     let mut inputs = HashMap::new();
-    for (name, shape) in [("a", vec![7, 5]), ("b", vec![9, 7]), ("x", vec![4, 24]), ("y", vec![2, 12, 3]), ("w1", vec![5, 3]), ("w2", vec![5, 4])] {
+    for (name, shape) in
+        [("a", vec![7, 5]), ("b", vec![9, 7]), ("x", vec![4, 24]), ("y", vec![2, 12, 3]), ("w1", vec![5, 3]), ("w2", vec![5, 4])]
+    {
         inputs.insert(name.to_string(), floats(&mut rng, &shape, -1.0, 1.0));
     }
     agree("matmuls", &g, &inputs);
@@ -381,10 +388,23 @@ fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
     let buf = |name: &str, kind: BufKind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![4, 4], kind };
     let mm = |a: usize, b: usize, c: usize, accumulate: bool| {
         let v = |i| View::contiguous(i, &[4, 4]);
-        Step::Gemm(Box::new(Gemm { a: v(a), b: v(b), c: v(c), m: 4, n: 4, k: 4, alpha: 1.0, accumulate, bias: None, feed: None, note: format!("{c} = {a} @ {b}") }))
+        Step::Gemm(Box::new(Gemm {
+            a: v(a),
+            b: v(b),
+            c: v(c),
+            m: 4,
+            n: 4,
+            k: 4,
+            alpha: 1.0,
+            accumulate,
+            bias: None,
+            feed: None,
+            note: format!("{c} = {a} @ {b}"),
+        }))
     };
     let names = ["a", "b", "t", "u", "c", "out", "x", "y"];
-    let buffers = names.iter().enumerate().map(|(i, n)| buf(n, if i < 2 { BufKind::Input(n.to_string()) } else { BufKind::Value })).collect();
+    let buffers =
+        names.iter().enumerate().map(|(i, n)| buf(n, if i < 2 { BufKind::Input(n.to_string()) } else { BufKind::Value })).collect();
     let prog = Program {
         buffers,
         // t = a b; u = t b; c += a b (c first read here); out = c u; x = a a; y = x b
@@ -393,7 +413,8 @@ fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
         ..Program::default()
     };
     let mut rng = Rng::new(9);
-    let ins = HashMap::from([("a".to_string(), floats(&mut rng, &[4, 4], -1.0, 1.0)), ("b".to_string(), floats(&mut rng, &[4, 4], -1.0, 1.0))]);
+    let ins =
+        HashMap::from([("a".to_string(), floats(&mut rng, &[4, 4], -1.0, 1.0)), ("b".to_string(), floats(&mut rng, &[4, 4], -1.0, 1.0))]);
     let runs = [ins, HashMap::new(), HashMap::new()];
     let mut distinct = CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&[])), BufferLayout::Distinct).unwrap();
     let mut shared = CpuProgram::with_layout(prog, Box::new(KirEval::new(&[])), BufferLayout::Shared).unwrap();
@@ -422,8 +443,13 @@ fn hoisted_results_survive_buffer_reuse() {
     let prog = lower(&g).unwrap();
     let frozen = std::collections::HashSet::from(["w".to_string()]);
     let mut rng = Rng::new(10);
-    let first = HashMap::from([("w".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0)), ("x".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0))]);
-    let runs = [first, HashMap::from([("x".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0))]), HashMap::from([("x".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0))])];
+    let first =
+        HashMap::from([("w".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0)), ("x".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0))]);
+    let runs = [
+        first,
+        HashMap::from([("x".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0))]),
+        HashMap::from([("x".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0))]),
+    ];
     let mut outs = Vec::new();
     for layout in [BufferLayout::Distinct, BufferLayout::Shared] {
         let mut cp = CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&prog.kernels)), layout).unwrap();

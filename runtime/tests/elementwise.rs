@@ -29,14 +29,7 @@ fn unary_ops_match_their_definitions() {
 #[test]
 fn gelu_matches_gpt2_gelu_new() {
     // Reference values of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) computed in Python.
-    let want = [
-        -0.0036373920817729943,
-        -0.15880800939172324,
-        0.0,
-        0.34571400982514394,
-        0.8411919906082768,
-        1.954597694087775,
-    ];
+    let want = [-0.0036373920817729943, -0.15880800939172324, 0.0, 0.34571400982514394, 0.8411919906082768, 1.954597694087775];
     let xs = [-3.0, -1.0, 0.0, 0.5, 1.0, 2.0];
     assert_close(&unary(UnaryOp::Gelu, &xs), &want, 1e-14, 0.0);
     assert_close(&run_op::<f32>(Op::Unary(UnaryOp::Gelu), &[In::f(&[6], &xs)]), &want, 1e-6, 1e-7);

@@ -72,10 +72,7 @@ fn run_returns_outputs_and_updates() {
     let interp = Interpreter::<f32>::new(&g).unwrap();
     let names: Vec<_> = interp.inputs().iter().map(|(n, k, _)| (n.to_string(), *k)).collect();
     assert!(names.contains(&("w".into(), InputKind::Trainable)) && names.len() == 2);
-    let inputs = HashMap::from([
-        ("w".to_string(), Value::floats([3], &[1.0, 2.0, 4.0]).unwrap()),
-        ("lr".to_string(), Value::scalar(0.5)),
-    ]);
+    let inputs = HashMap::from([("w".to_string(), Value::floats([3], &[1.0, 2.0, 4.0]).unwrap()), ("lr".to_string(), Value::scalar(0.5))]);
     let out = interp.run(&inputs).unwrap();
     assert_eq!(out.len(), 3);
     assert_eq!(out["loss"], Value::scalar(7.0));
@@ -135,10 +132,8 @@ fn half_precision_values_round_after_every_op() {
         let interp = Interpreter::<f64>::new(&g).unwrap();
         let av = [0.1, 1.0, 300.3];
         let bv = [0.2, 1e-4, 0.01];
-        let inputs = HashMap::from([
-            ("a".to_string(), Value::floats([3], &av).unwrap()),
-            ("b".to_string(), Value::floats([3], &bv).unwrap()),
-        ]);
+        let inputs =
+            HashMap::from([("a".to_string(), Value::floats([3], &av).unwrap()), ("b".to_string(), Value::floats([3], &bv).unwrap())]);
         let out = interp.run(&inputs).unwrap();
         let ar: Vec<f64> = av.iter().map(|&v| round(v)).collect();
         let sr: Vec<f64> = (0..3).map(|i| round(ar[i] + round(bv[i]))).collect();

@@ -46,7 +46,8 @@ fn sum_to_is_broadcasts_adjoint() {
     let want: Vec<f64> = (0..4).map(|c| (0..6).map(|r| x[r * 4 + c]).sum()).collect();
     assert_eq!(y, want);
     let y = run_f64(Op::SumTo { shape: Shape::new([3, 1]) }, &[In::f(&[2, 3, 4], &x)]);
-    let want: Vec<f64> = (0..3).map(|b| (0..2).flat_map(|a| (0..4).map(move |c| (a, c))).map(|(a, c)| x[a * 12 + b * 4 + c]).sum()).collect();
+    let want: Vec<f64> =
+        (0..3).map(|b| (0..2).flat_map(|a| (0..4).map(move |c| (a, c))).map(|(a, c)| x[a * 12 + b * 4 + c]).sum()).collect();
     assert_eq!(y, want);
     let y = run_f64(Op::SumTo { shape: Shape::scalar() }, &[In::f(&[2, 3, 4], &x)]);
     assert_eq!(y, vec![276.0]);

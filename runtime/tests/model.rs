@@ -54,10 +54,8 @@ fn block() -> Block {
         ("fc2.w", vec![4 * C, C]),
         ("fc2.b", vec![C]),
     ];
-    let p: HashMap<&str, NodeId> = params
-        .iter()
-        .map(|(n, s)| (*n, g.input(*n, InputKind::Trainable, DType::F32, s.clone()).unwrap()))
-        .collect();
+    let p: HashMap<&str, NodeId> =
+        params.iter().map(|(n, s)| (*n, g.input(*n, InputKind::Trainable, DType::F32, s.clone()).unwrap())).collect();
     let ids = g.input("ids", InputKind::Data, DType::I32, [B, T]).unwrap();
     let targets = g.input("targets", InputKind::Data, DType::I32, [B * T]).unwrap();
 
@@ -97,11 +95,8 @@ fn inputs<F: Float>(params: &[(&'static str, Vec<usize>)]) -> HashMap<String, Va
         .iter()
         .map(|(n, s)| {
             let numel = s.iter().product();
-            let data: Vec<f64> = if n.ends_with(".g") {
-                vec![1.0; numel]
-            } else {
-                rng.vec(numel, -0.5, 0.5).into_iter().map(|v| v as f32 as f64).collect()
-            };
+            let data: Vec<f64> =
+                if n.ends_with(".g") { vec![1.0; numel] } else { rng.vec(numel, -0.5, 0.5).into_iter().map(|v| v as f32 as f64).collect() };
             (n.to_string(), Value::floats(s.clone(), &data).unwrap())
         })
         .collect();

@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use qatc_ir::print;
 
+use super::StepArgs;
 use crate::artifacts::OutDir;
 use crate::manifest::{sizes, Manifest};
 use crate::step;
-use super::StepArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

@@ -116,7 +116,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             .map(|r| (r.module.clone(), r.bits.map(|bits| ModuleBits { bits, group: a.group, scheme: a.scheme.clone() })))
             .collect(),
     };
-    write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes()).with_context(|| format!("{}", a.bits_map.display()))?;
+    write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes())
+        .with_context(|| format!("{}", a.bits_map.display()))?;
 
     // summary: average bits over the tested weights' elements, bytes against the checkpoint
     let (mut elems, mut bit_elems, mut stored, mut quant_bytes) = (0usize, 0usize, 0usize, 0usize);
@@ -130,7 +131,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             Some(b) => {
                 bit_elems += e * b as usize;
                 let groups = n_in / if a.group == 0 { n_in } else { a.group };
-                let scale_bytes = groups * n_out * if sch == QuantScheme::Q4_0 { 2 } else { 4 } * if sch == QuantScheme::Asym { 2 } else { 1 };
+                let scale_bytes =
+                    groups * n_out * if sch == QuantScheme::Q4_0 { 2 } else { 4 } * if sch == QuantScheme::Asym { 2 } else { 1 };
                 quant_bytes += if b <= 4 { e.div_ceil(2) } else { e } + scale_bytes;
             }
             None => {

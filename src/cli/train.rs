@@ -206,13 +206,27 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     let mut log = match &a.log_json {
         Some(p) => Some(std::io::BufWriter::new(
-            std::fs::OpenOptions::new().create(true).append(resume.is_some()).write(true).truncate(resume.is_none()).open(p)
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(resume.is_some())
+                .write(true)
+                .truncate(resume.is_none())
+                .open(p)
                 .with_context(|| format!("{}", p.display()))?,
         )),
         None => None,
     };
     let order = if a.shuffle { DataOrder::Shuffle { seed: a.step.seed } } else { DataOrder::Sequential };
-    let val_setup = EvalSetup { model: { let mut mo = tr.opts.model.clone(); if let Some(l) = mo.lora.as_mut() { l.dropout = 0.0; } mo }, adapter: None };
+    let val_setup = EvalSetup {
+        model: {
+            let mut mo = tr.opts.model.clone();
+            if let Some(l) = mo.lora.as_mut() {
+                l.dropout = 0.0;
+            }
+            mo
+        },
+        adapter: None,
+    };
     let pb = super::progress((a.steps - start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
@@ -265,6 +279,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let n = curve.len().min(10);
     let mean = |xs: &[(usize, f64)]| if xs.is_empty() { f64::NAN } else { xs.iter().map(|x| x.1).sum::<f64>() / xs.len() as f64 };
     let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (first, last) };
-    println!("trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps); {what} in {}", a.steps, n.max(1), a.out.display());
+    println!(
+        "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps); {what} in {}",
+        a.steps,
+        n.max(1),
+        a.out.display()
+    );
     Ok(())
 }

@@ -304,7 +304,13 @@ fn implied_size(name: &str, dims: &[u64], ty: GgmlType) -> Result<usize, GgufErr
 fn check_size(t: &TensorData) -> Result<usize, GgufError> {
     let size = implied_size(&t.name, &t.dims, t.ty)?;
     if size != t.data.len() {
-        return Err(invalid(format!("tensor {:?}: {} bytes of data, dims {:?} of {} need {size}", t.name, t.data.len(), t.dims, t.ty.name())));
+        return Err(invalid(format!(
+            "tensor {:?}: {} bytes of data, dims {:?} of {} need {size}",
+            t.name,
+            t.data.len(),
+            t.dims,
+            t.ty.name()
+        )));
     }
     Ok(size)
 }
@@ -526,10 +532,13 @@ pub fn decode(ty: GgmlType, data: &[u8]) -> Option<Vec<f32>> {
         GgmlType::F16 => data.chunks_exact(2).map(h).collect(),
         GgmlType::Q4_0 => {
             let (ds, qs) = q4_0_unpack(data)?;
-            qs.chunks_exact(32).zip(ds).flat_map(|(q, d)| {
-                let d = f16::from_bits(d).to_f32();
-                q.iter().map(move |&c| (c as f32 - 8.0) * d).collect::<Vec<_>>()
-            }).collect()
+            qs.chunks_exact(32)
+                .zip(ds)
+                .flat_map(|(q, d)| {
+                    let d = f16::from_bits(d).to_f32();
+                    q.iter().map(move |&c| (c as f32 - 8.0) * d).collect::<Vec<_>>()
+                })
+                .collect()
         }
         GgmlType::Q8_0 => data
             .chunks_exact(34)
@@ -540,4 +549,3 @@ pub fn decode(ty: GgmlType, data: &[u8]) -> Option<Vec<f32>> {
             .collect(),
     })
 }
-

@@ -226,7 +226,10 @@ fn check_ranges(path: &Path, entries: &[Parsed], data_len: u64) -> Result<(), Lo
             let what = if p.begin >= data_len { "lies beyond" } else { "is cut by" };
             return Err(bad(
                 p,
-                format!("byte range [{}, {}) {what} the end of the data section ({data_len} bytes): truncated or bad offsets", p.begin, p.end),
+                format!(
+                    "byte range [{}, {}) {what} the end of the data section ({data_len} bytes): truncated or bad offsets",
+                    p.begin, p.end
+                ),
             ));
         }
         if p.begin == p.end {
@@ -242,10 +245,7 @@ fn check_ranges(path: &Path, entries: &[Parsed], data_len: u64) -> Result<(), Lo
         }
         if let Some((owner, e)) = covered {
             if p.begin < e {
-                return Err(bad(
-                    p,
-                    format!("byte range [{}, {}) overlaps {:?} (which ends at {e})", p.begin, p.end, owner.key),
-                ));
+                return Err(bad(p, format!("byte range [{}, {}) overlaps {:?} (which ends at {e})", p.begin, p.end, owner.key)));
             }
         }
         if covered.is_none_or(|(_, e)| p.end > e) {
@@ -292,10 +292,9 @@ impl Checkpoint {
             return Err(LoadError::HeaderBeyondFile { path: path.into(), len: n, file_len });
         }
         let data_start = 8 + n as usize;
-        let header = std::str::from_utf8(&mmap[8..data_start])
-            .map_err(|e| not_st(path, format!("header is not UTF-8: {e}")))?;
-        let RawHeader(raw) = serde_json::from_str(header)
-            .map_err(|e| not_st(path, format!("header is not a JSON object of tensor entries: {e}")))?;
+        let header = std::str::from_utf8(&mmap[8..data_start]).map_err(|e| not_st(path, format!("header is not UTF-8: {e}")))?;
+        let RawHeader(raw) =
+            serde_json::from_str(header).map_err(|e| not_st(path, format!("header is not a JSON object of tensor entries: {e}")))?;
         let data_len = file_len - data_start as u64;
 
         let mut seen = HashSet::new();
@@ -373,9 +372,7 @@ impl Checkpoint {
     }
 
     fn entry(&self, name: &str) -> Result<&Entry, LoadError> {
-        self.tensors
-            .get(name)
-            .ok_or_else(|| LoadError::MissingTensor { path: self.path.clone(), tensor: self.key_of(name) })
+        self.tensors.get(name).ok_or_else(|| LoadError::MissingTensor { path: self.path.clone(), tensor: self.key_of(name) })
     }
 
     /// The tensor's bytes as stored (little-endian).

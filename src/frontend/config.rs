@@ -122,9 +122,7 @@ impl Gpt2Config {
         let path = ckpt.path();
         let bad = |why: String| LoadError::BadConfig { path: path.into(), why };
         let matrix = |name: &str| -> Result<(usize, usize), LoadError> {
-            let info = ckpt
-                .info(name)
-                .ok_or_else(|| LoadError::MissingTensor { path: path.into(), tensor: ckpt.key_of(name) })?;
+            let info = ckpt.info(name).ok_or_else(|| LoadError::MissingTensor { path: path.into(), tensor: ckpt.key_of(name) })?;
             match info.shape[..] {
                 [r, c] if r > 0 && c > 0 => Ok((r, c)),
                 _ => Err(bad(format!(
@@ -202,9 +200,7 @@ impl Gpt2Config {
             return Err(bad(format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head)));
         }
         let check = |name: &str, shape: &[usize]| -> Result<(), LoadError> {
-            let info = ckpt
-                .info(name)
-                .ok_or_else(|| LoadError::MissingTensor { path: path.into(), tensor: ckpt.key_of(name) })?;
+            let info = ckpt.info(name).ok_or_else(|| LoadError::MissingTensor { path: path.into(), tensor: ckpt.key_of(name) })?;
             if info.shape != shape {
                 return Err(LoadError::ShapeMismatch {
                     path: path.into(),
@@ -227,11 +223,7 @@ impl Gpt2Config {
         }
         for name in ckpt.names() {
             if layer_of(name).is_some_and(|i| i >= self.n_layer) {
-                return Err(bad(format!(
-                    "tensor {:?} belongs to a block beyond the config's n_layer {}",
-                    ckpt.key_of(name),
-                    self.n_layer
-                )));
+                return Err(bad(format!("tensor {:?} belongs to a block beyond the config's n_layer {}", ckpt.key_of(name), self.n_layer)));
             }
         }
         Ok(())

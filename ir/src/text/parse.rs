@@ -204,12 +204,7 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "kernel" => Op::Kernel { family: a.raw("family")?.to_string(), body: Box::new(Graph::new(a.raw("family")?)) },
         "adam_m" => Op::AdamM { beta1: a.f("beta1")? },
         "adam_v" => Op::AdamV { beta2: a.f("beta2")? },
-        "adam_param" => Op::AdamParam {
-            beta1: a.f("beta1")?,
-            beta2: a.f("beta2")?,
-            eps: a.f("eps")?,
-            weight_decay: a.f("weight_decay")?,
-        },
+        "adam_param" => Op::AdamParam { beta1: a.f("beta1")?, beta2: a.f("beta2")?, eps: a.f("eps")?, weight_decay: a.f("weight_decay")? },
         _ => return Err(format!("unknown op `{mn}`")),
     })
 }

@@ -84,8 +84,12 @@ fn max_loop(stmts: &[Stmt]) -> usize {
 pub fn launch_dims(k: &Kernel) -> LaunchDims {
     let blocks = |n: usize, per: u32| n.div_ceil(per as usize).max(1).min(u32::MAX as usize) as u32;
     match &k.body {
-        Body::Loops { space: Space::Elements { shape }, .. } => LaunchDims { grid: [blocks(shape.iter().product(), BLOCK), 1, 1], block: BLOCK },
-        Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Thread }, .. } => LaunchDims { grid: [blocks(*rows, BLOCK), 1, 1], block: BLOCK },
+        Body::Loops { space: Space::Elements { shape }, .. } => {
+            LaunchDims { grid: [blocks(shape.iter().product(), BLOCK), 1, 1], block: BLOCK }
+        }
+        Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Thread }, .. } => {
+            LaunchDims { grid: [blocks(*rows, BLOCK), 1, 1], block: BLOCK }
+        }
         Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Block }, stmts } => {
             LaunchDims { grid: [(*rows).max(1) as u32, 1, 1], block: row_block(max_loop(stmts)) }
         }
@@ -133,7 +137,9 @@ fn render(k: &Kernel, name: &str) -> Result<String, KernelError> {
     match &k.body {
         Body::Loops { space, .. } => match space {
             Space::Elements { shape } => w.line(format!("// one thread per element of {shape:?}")),
-            Space::Rows { rows, mapping: RowMapping::Block } => w.line(format!("// {rows} rows, one block of {} threads per row", dims.block)),
+            Space::Rows { rows, mapping: RowMapping::Block } => {
+                w.line(format!("// {rows} rows, one block of {} threads per row", dims.block))
+            }
             Space::Rows { rows, mapping: RowMapping::Thread } => w.line(format!("// {rows} rows, one thread per row")),
         },
         Body::Attention(_) => {}
@@ -412,7 +418,9 @@ impl<'k> Body_<'k> {
             }
             Expr::Un(op, a) => {
                 let d = self.ty(a) == Ty::F64;
-                let call = |f32: &str, f64: &str| -> Result<(String, u8), KernelError> { Ok((format!("{}({})", if d { f64 } else { f32 }, self.expr(a, 0)?), TOP)) };
+                let call = |f32: &str, f64: &str| -> Result<(String, u8), KernelError> {
+                    Ok((format!("{}({})", if d { f64 } else { f32 }, self.expr(a, 0)?), TOP))
+                };
                 match op {
                     UnOp::Neg => (format!("-{}", self.expr(a, 90)?), 90),
                     UnOp::Not => (format!("!{}", self.expr(a, 90)?), 90),
@@ -447,7 +455,12 @@ impl<'k> Body_<'k> {
             Expr::Call(i, args) => {
                 let a: Vec<String> = args.iter().map(|x| self.expr(x, 0)).collect::<Result<_, _>>()?;
                 let s = match i {
-                    Intrinsic::DropoutKeep { stream } => format!("qatc::dropout_keep({}, {stream}ull, {}, {})", a.first().cloned().unwrap_or_default(), a.get(1).cloned().unwrap_or_default(), a.get(2).cloned().unwrap_or_default()),
+                    Intrinsic::DropoutKeep { stream } => format!(
+                        "qatc::dropout_keep({}, {stream}ull, {}, {})",
+                        a.first().cloned().unwrap_or_default(),
+                        a.get(1).cloned().unwrap_or_default(),
+                        a.get(2).cloned().unwrap_or_default()
+                    ),
                     Intrinsic::Nf4Value => format!("qatc::nf4_value({})", a.join(", ")),
                     Intrinsic::Nf4Nearest => format!("qatc::nf4_nearest({})", a.join(", ")),
                     Intrinsic::F16Round => format!("qatc::round_f16({})", a.join(", ")),
@@ -459,7 +472,9 @@ impl<'k> Body_<'k> {
 
     fn binary(&self, op: BinOp, a: &Expr, b: &Expr) -> Result<(String, u8), KernelError> {
         let float = matches!(self.ty(a), Ty::F32 | Ty::F64) || matches!(self.ty(b), Ty::F32 | Ty::F64);
-        let infix = |sym: &str, p: u8| -> Result<(String, u8), KernelError> { Ok((format!("{} {sym} {}", self.expr(a, p)?, self.expr(b, p + 1)?), p)) };
+        let infix = |sym: &str, p: u8| -> Result<(String, u8), KernelError> {
+            Ok((format!("{} {sym} {}", self.expr(a, p)?, self.expr(b, p + 1)?), p))
+        };
         let call = |f: &str| -> Result<(String, u8), KernelError> { Ok((format!("{f}({}, {})", self.expr(a, 0)?, self.expr(b, 0)?), 100)) };
         match op {
             BinOp::Add => infix("+", 70),

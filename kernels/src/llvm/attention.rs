@@ -28,7 +28,8 @@ impl<'ctx> At<'ctx> {
     /// Element index of (b, h, t, 0) in param p's buffer.
     fn row(&self, f: &Fb<'_, 'ctx>, p: usize, t: IntValue<'ctx>) -> R<IntValue<'ctx>> {
         let i64t = f.cx.i64_type();
-        let [sb, sh, st] = self.a.strides.get(p).copied().ok_or_else(|| KernelError::Internal(format!("{}: no strides for param {p}", f.name)))?;
+        let [sb, sh, st] =
+            self.a.strides.get(p).copied().ok_or_else(|| KernelError::Internal(format!("{}: no strides for param {p}", f.name)))?;
         let off = self.a.offsets.get(p).copied().unwrap_or(0);
         let c = |v: usize| i64t.const_int(v as u64, false);
         let x = f.b.build_int_add(f.b.build_int_mul(self.b, c(sb), "sb")?, f.b.build_int_mul(self.h, c(sh), "sh")?, "x")?;

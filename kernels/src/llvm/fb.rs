@@ -54,7 +54,10 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
             // scalars (AdamW's step, the learning rate) may be hoisted out of conditional code
             let bytes = param.dtype.bytes_for(param.numel()) as u64;
             if bytes > 0 {
-                f.add_attribute(AttributeLoc::Param(p as u32), cx.create_enum_attribute(Attribute::get_named_enum_kind_id("dereferenceable"), bytes));
+                f.add_attribute(
+                    AttributeLoc::Param(p as u32),
+                    cx.create_enum_attribute(Attribute::get_named_enum_kind_id("dereferenceable"), bytes),
+                );
             }
         }
         let b = cx.create_builder();
@@ -63,7 +66,8 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
         b.position_at_end(code);
         let params = (0..k.params.len()).filter_map(|p| f.get_nth_param(p as u32)).map(|v| v.into_pointer_value()).collect();
         let n = k.params.len() as u32;
-        let get = |i: u32| f.get_nth_param(i).map(|v| v.into_int_value()).ok_or_else(|| KernelError::Internal("missing range param".into()));
+        let get =
+            |i: u32| f.get_nth_param(i).map(|v| v.into_int_value()).ok_or_else(|| KernelError::Internal("missing range param".into()));
         let (start, end) = (get(n)?, get(n + 1)?);
         Ok(Fb { cx, m, b, k, name: name.to_string(), f, params, start, end, allocas, code })
     }
@@ -125,11 +129,7 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
     pub fn alloca(&self, ty: BasicTypeEnum<'ctx>, count: u32, name: &str) -> R<PointerValue<'ctx>> {
         let here = self.b.get_insert_block().ok_or_else(|| KernelError::Internal("builder has no block".into()))?;
         self.b.position_at_end(self.allocas);
-        let slot = if count == 1 {
-            self.b.build_alloca(ty, name)?
-        } else {
-            self.b.build_alloca(ty.array_type(count), name)?
-        };
+        let slot = if count == 1 { self.b.build_alloca(ty, name)? } else { self.b.build_alloca(ty.array_type(count), name)? };
         self.b.position_at_end(here);
         Ok(slot)
     }

@@ -40,7 +40,8 @@ pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
             let r1 = f.b.build_select(f.b.build_int_compare(IntPredicate::SLT, start, end, "any")?, r1, r0, "r1")?.into_int_value();
             f.for_range(r0, r1, &mut |f, r| {
                 let base = f.b.build_int_mul(r, c(d_len), "row0")?;
-                let lo = f.b.build_select(f.b.build_int_compare(IntPredicate::SGT, start, base, "gt")?, start, base, "lo")?.into_int_value();
+                let lo =
+                    f.b.build_select(f.b.build_int_compare(IntPredicate::SGT, start, base, "gt")?, start, base, "lo")?.into_int_value();
                 let next = f.b.build_int_add(base, c(d_len), "row1")?;
                 let hi = f.b.build_select(f.b.build_int_compare(IntPredicate::SLT, end, next, "lt")?, end, next, "hi")?.into_int_value();
                 for (d, (&dim, &st)) in shape.iter().zip(&strides).enumerate().take(last) {
@@ -69,7 +70,8 @@ fn i4_at_elem(f: &Fb, stmts: &[Stmt]) -> Vec<usize> {
     let mut ps = Vec::new();
     crate::kir::visit_exprs(stmts, &mut |e| {
         if let Expr::Load { param, index } = e {
-            if **index == Expr::Ix(Ix::Elem) && f.k.params.get(*param).is_some_and(|p| p.dtype == qatc_ir::DType::I4) && !ps.contains(param) {
+            if **index == Expr::Ix(Ix::Elem) && f.k.params.get(*param).is_some_and(|p| p.dtype == qatc_ir::DType::I4) && !ps.contains(param)
+            {
                 ps.push(*param);
             }
         }
@@ -93,7 +95,14 @@ impl<'ctx> Em<'ctx> {
     /// element, LLVM sees the byte index i / 2 as a gather and loads bytes one at a time (a 4-bit
     /// weight dequantized at 2-3 ns per element); by pairs, the bytes are a contiguous vector and
     /// the two halves interleaved accesses, which it vectorizes.
-    fn elements(&mut self, f: &mut Fb<'_, 'ctx>, lo: IntValue<'ctx>, hi: IntValue<'ctx>, row: Option<(IntValue<'ctx>, usize)>, stmts: &[Stmt]) -> R<()> {
+    fn elements(
+        &mut self,
+        f: &mut Fb<'_, 'ctx>,
+        lo: IntValue<'ctx>,
+        hi: IntValue<'ctx>,
+        row: Option<(IntValue<'ctx>, usize)>,
+        stmts: &[Stmt],
+    ) -> R<()> {
         let one = |em: &mut Self, f: &mut Fb<'_, 'ctx>, idx: IntValue<'ctx>| -> R<()> {
             em.ix.insert(Ix::Elem, idx);
             if let Some((base, last)) = row {
@@ -257,7 +266,17 @@ impl<'ctx> Em<'ctx> {
     /// Folds positions 0 .. n - n % MAX_LANES of a Max reduction into `acc` with MAX_LANES
     /// independent accumulators; returns where the remainder starts.
     #[allow(clippy::too_many_arguments)]
-    fn max_lanes(&mut self, f: &mut Fb<'_, 'ctx>, acc: inkwell::values::PointerValue<'ctx>, fty: inkwell::types::FloatType<'ctx>, lp: &crate::kir::Loop, body: &[Stmt], value: &Expr, ty: Ty, n: IntValue<'ctx>) -> R<IntValue<'ctx>> {
+    fn max_lanes(
+        &mut self,
+        f: &mut Fb<'_, 'ctx>,
+        acc: inkwell::values::PointerValue<'ctx>,
+        fty: inkwell::types::FloatType<'ctx>,
+        lp: &crate::kir::Loop,
+        body: &[Stmt],
+        value: &Expr,
+        ty: Ty,
+        n: IntValue<'ctx>,
+    ) -> R<IntValue<'ctx>> {
         let it = n.get_type();
         let lanes = f.alloca(fty.into(), MAX_LANES as u32, "lanes")?;
         for l in 0..MAX_LANES {
@@ -323,15 +342,24 @@ impl<'ctx> Em<'ctx> {
             }
             Expr::Bool(b) => (f.cx.bool_type().const_int(u64::from(*b), false).into(), Ty::Bool),
             Expr::Ix(ix) => {
-                let v = self.ix.get(ix).copied().ok_or_else(|| KernelError::Internal(format!("{}: {ix:?} used outside its loop", f.name)))?;
+                let v =
+                    self.ix.get(ix).copied().ok_or_else(|| KernelError::Internal(format!("{}: {ix:?} used outside its loop", f.name)))?;
                 (v.into(), f.k.index_ty)
             }
             Expr::Var(v) => {
-                let val = self.vars.get(v).copied().ok_or_else(|| KernelError::Internal(format!("{}: v{v} used before its definition", f.name)))?;
+                let val = self
+                    .vars
+                    .get(v)
+                    .copied()
+                    .ok_or_else(|| KernelError::Internal(format!("{}: v{v} used before its definition", f.name)))?;
                 (val, self.ty(f, e))
             }
             Expr::Load { param, index } if **index == Expr::Ix(Ix::Elem) && self.nibbles.contains_key(param) => {
-                let v = self.nibbles.get(param).copied().ok_or_else(|| KernelError::Internal(format!("{}: no codes for param {param}", f.name)))?;
+                let v = self
+                    .nibbles
+                    .get(param)
+                    .copied()
+                    .ok_or_else(|| KernelError::Internal(format!("{}: no codes for param {param}", f.name)))?;
                 (v.into(), self.ty(f, e))
             }
             Expr::Load { param, index } => {
@@ -347,7 +375,8 @@ impl<'ctx> Em<'ctx> {
                     let (va, vb) = (self.typed(f, a, t)?, self.typed(f, b, t)?);
                     (f.b.build_select(cond, va, vb, "sel")?, t)
                 } else {
-                    let (yes, no, join_bb) = (f.cx.append_basic_block(f.f, "sel.a"), f.cx.append_basic_block(f.f, "sel.b"), f.cx.append_basic_block(f.f, "sel"));
+                    let (yes, no, join_bb) =
+                        (f.cx.append_basic_block(f.f, "sel.a"), f.cx.append_basic_block(f.f, "sel.b"), f.cx.append_basic_block(f.f, "sel"));
                     f.b.build_conditional_branch(cond, yes, no)?;
                     f.b.position_at_end(yes);
                     let va = self.typed(f, a, t)?;
@@ -525,7 +554,9 @@ fn convert<'ctx>(f: &Fb<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) ->
         }
         (Ty::I32, Ty::I64) => b.build_int_s_extend(v.into_int_value(), f.cx.i64_type(), "s")?.into(),
         (Ty::I64, Ty::I32) => b.build_int_truncate(v.into_int_value(), f.cx.i32_type(), "t")?.into(),
-        (Ty::I32 | Ty::I64, Ty::F32 | Ty::F64) => b.build_signed_int_to_float(v.into_int_value(), f.llty(to).into_float_type(), "f")?.into(),
+        (Ty::I32 | Ty::I64, Ty::F32 | Ty::F64) => {
+            b.build_signed_int_to_float(v.into_int_value(), f.llty(to).into_float_type(), "f")?.into()
+        }
         (Ty::F32, Ty::F64) => b.build_float_ext(v.into_float_value(), f.cx.f64_type(), "d")?.into(),
         (Ty::F64, Ty::F32) => b.build_float_trunc(v.into_float_value(), f.f32t(), "f")?.into(),
         (Ty::F32 | Ty::F64, Ty::I32 | Ty::I64) => cast(f, v, from, to)?,

@@ -134,7 +134,13 @@ pub fn round_bf16<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'
 
 /// `quant::dropout_keep`: splitmix64's finalizer of (seed, stream, i); keep when the top 24 bits
 /// as a uniform in [0, 1) are >= p (in f64).
-pub fn dropout_keep<'ctx>(f: &Fb<'_, 'ctx>, seed: IntValue<'ctx>, stream: u64, i: IntValue<'ctx>, p: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
+pub fn dropout_keep<'ctx>(
+    f: &Fb<'_, 'ctx>,
+    seed: IntValue<'ctx>,
+    stream: u64,
+    i: IntValue<'ctx>,
+    p: FloatValue<'ctx>,
+) -> R<IntValue<'ctx>> {
     let b = &f.b;
     let i64t = f.cx.i64_type();
     let k = |v: u64| i64t.const_int(v, false);

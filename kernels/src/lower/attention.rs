@@ -65,8 +65,12 @@ pub fn matches(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Optio
     let m = match (ta, &g.node(a).op) {
         (false, Op::Softmax { .. }) => probs(g, a, leaves).map(|(q, k, scale)| Match::Forward { q, k, v: b, scale }),
         (true, Op::Softmax { .. }) => probs(g, a, leaves).map(|(q, k, scale)| Match::Dv { q, k, dout: b, scale }),
-        (false, Op::SoftmaxGrad { .. }) => dscores(g, a, leaves).filter(|d| d.1 == b).map(|(q, k, v, dout, scale)| Match::Dq { q, k, v, dout, scale }),
-        (true, Op::SoftmaxGrad { .. }) => dscores(g, a, leaves).filter(|d| d.0 == b).map(|(q, k, v, dout, scale)| Match::Dk { q, k, v, dout, scale }),
+        (false, Op::SoftmaxGrad { .. }) => {
+            dscores(g, a, leaves).filter(|d| d.1 == b).map(|(q, k, v, dout, scale)| Match::Dq { q, k, v, dout, scale })
+        }
+        (true, Op::SoftmaxGrad { .. }) => {
+            dscores(g, a, leaves).filter(|d| d.0 == b).map(|(q, k, v, dout, scale)| Match::Dk { q, k, v, dout, scale })
+        }
         _ => None,
     }?;
     let operands = match m {
@@ -107,11 +111,19 @@ fn launch(lw: &mut Lowerer, l: &Launch, params: &[(&str, &View, bool)]) {
             Param { name: name.to_string(), dtype: buf.dtype, shape: buf.shape.clone(), write: *write }
         })
         .collect();
-    let strides = params.iter().map(|(_, v, _)| if v.strides.len() == 4 { [v.strides[0], v.strides[1], v.strides[2]] } else { [0; 3] }).collect();
+    let strides =
+        params.iter().map(|(_, v, _)| if v.strides.len() == 4 { [v.strides[0], v.strides[1], v.strides[2]] } else { [0; 3] }).collect();
     let offsets = params.iter().map(|(_, v, _)| v.offset).collect();
     let att = Attention { b, nh, t, hs, scale: l.scale, strides, offsets, part: l.part };
     let index_ty = if ps.iter().all(|p| p.numel() < i32::MAX as usize) { Ty::I32 } else { Ty::I64 };
-    let kernel = Kernel { family: l.family.to_string(), params: ps, index_ty, body: Body::Attention(att), note: l.note.clone(), names: Default::default() };
+    let kernel = Kernel {
+        family: l.family.to_string(),
+        params: ps,
+        index_ty,
+        body: Body::Attention(att),
+        note: l.note.clone(),
+        names: Default::default(),
+    };
     let args = params.iter().map(|(_, v, _)| v.buf).collect();
     lw.push_kernel((kernel, args));
 }
@@ -162,14 +174,25 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
             let vs = views(lw, &[q, k, dout])?;
             let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note };
             let lse = lse(lw, &l, &vs[0], &vs[1]);
-            launch(lw, &l, &[("q", &vs[0], false), ("k", &vs[1], false), ("dout", &vs[2], false), ("lse", &lse, false), ("dv", &dest, true)]);
+            launch(
+                lw,
+                &l,
+                &[("q", &vs[0], false), ("k", &vs[1], false), ("dout", &vs[2], false), ("lse", &lse, false), ("dv", &dest, true)],
+            );
         }
         Match::Dq { q, k, v, dout, scale } | Match::Dk { q, k, v, dout, scale } => {
             let vs = views(lw, &[q, k, v, dout])?;
             let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note };
             let lse = lse(lw, &l, &vs[0], &vs[1]);
             let delta = delta(lw, &l, [&vs[0], &vs[1], &vs[2], &vs[3]], &lse);
-            let base = [("q", &vs[0], false), ("k", &vs[1], false), ("v", &vs[2], false), ("dout", &vs[3], false), ("lse", &lse, false), ("delta", &delta, false)];
+            let base = [
+                ("q", &vs[0], false),
+                ("k", &vs[1], false),
+                ("v", &vs[2], false),
+                ("dout", &vs[3], false),
+                ("lse", &lse, false),
+                ("delta", &delta, false),
+            ];
             if let Match::Dq { .. } = m {
                 let mut ps = base.to_vec();
                 ps.push(("dq", &dest, true));

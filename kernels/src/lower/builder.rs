@@ -274,7 +274,8 @@ impl<'g> Kb<'g> {
         super::tidy::remap_params(&mut stmts, &map);
         let params = perm.iter().map(|&i| self.params[i].clone()).collect();
         let args = perm.iter().map(|&i| self.args[i]).collect();
-        let mut kernel = Kernel { family: family.to_string(), params, index_ty: self.index_ty, body: Body::Loops { space, stmts }, note, names };
+        let mut kernel =
+            Kernel { family: family.to_string(), params, index_ty: self.index_ty, body: Body::Loops { space, stmts }, note, names };
         super::hoist::hoist_uniform(&mut kernel);
         Ok((kernel, args))
     }

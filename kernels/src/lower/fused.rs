@@ -18,15 +18,26 @@ use crate::error::KernelError;
 use crate::program::{Gemm, Materialized, Step, View};
 
 /// Lowers `Op::Kernel { family, body }` with its operands in `operands` into `dest`.
-pub fn lower_kernel_node(lw: &mut Lowerer, g: &Graph, id: NodeId, family: &str, body: &Graph, operands: &[View], dest: View) -> Result<(), KernelError> {
+pub fn lower_kernel_node(
+    lw: &mut Lowerer,
+    g: &Graph,
+    id: NodeId,
+    family: &str,
+    body: &Graph,
+    operands: &[View],
+    dest: View,
+) -> Result<(), KernelError> {
     let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
     for (i, v) in operands.iter().enumerate() {
         let name = format!("in{i}");
-        let inp = body.find_input(&name).ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
+        let inp = body
+            .find_input(&name)
+            .ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
         cx.names.entry(v.buf).or_insert(name);
         cx.leaves.insert(inp, v.clone());
     }
-    let root = body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
+    let root =
+        body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
     let before = lw.prog.steps.len();
     if cx.leaves.contains_key(&root) {
         // the body returns an operand as is: a copy
@@ -77,7 +88,10 @@ fn anchors_under(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Vec
 
 /// Ops that keep a position: the value at p depends only on operands at p (same shape).
 fn keeps_position(op: &Op) -> bool {
-    matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::Dropout { .. } | Op::AdamM { .. } | Op::AdamV { .. })
+    matches!(
+        op,
+        Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::Dropout { .. } | Op::AdamM { .. } | Op::AdamV { .. }
+    )
 }
 
 /// The row op among `anchors` that `root` reads only through position-keeping ops of its own
@@ -96,7 +110,13 @@ fn epilogue_anchor(g: &Graph, root: NodeId, anchors: &[NodeId], leaves: &HashMap
 
 /// Some(true) if `n` reaches `a` and every node on the way keeps positions at `a`'s shape,
 /// Some(false) if it reaches it otherwise, None if it does not reach it.
-fn reaches_only_elementwise(g: &Graph, n: NodeId, a: NodeId, leaves: &HashMap<NodeId, View>, memo: &mut HashMap<NodeId, bool>) -> Option<bool> {
+fn reaches_only_elementwise(
+    g: &Graph,
+    n: NodeId,
+    a: NodeId,
+    leaves: &HashMap<NodeId, View>,
+    memo: &mut HashMap<NodeId, bool>,
+) -> Option<bool> {
     if n == a {
         return Some(true);
     }
@@ -181,7 +201,11 @@ pub fn operand_view(lw: &mut Lowerer, cx: &mut Ctx, node: NodeId, family: &str) 
     let t = temp_for(lw, cx, node, sub_family)?;
     if let Op::Dequantize { .. } = g.node(node).op {
         let read: usize = g.operands(node).iter().map(|&o| g.ty(o).bytes()).sum();
-        lw.prog.materialized.push(Materialized { what: format!("dequantize {} -> {}", g.describe(node), ty), bytes_read: read, bytes_written: ty.bytes() });
+        lw.prog.materialized.push(Materialized {
+            what: format!("dequantize {} -> {}", g.describe(node), ty),
+            bytes_read: read,
+            bytes_written: ty.bytes(),
+        });
     }
     cx.leaves.insert(node, t.clone());
     Ok(t)

@@ -50,7 +50,11 @@ impl Hoist<'_> {
     fn costly(e: &Expr) -> bool {
         let (mut op, mut load) = (false, false);
         e.visit(&mut |x| {
-            op |= matches!(x, Expr::Bin(BinOp::Pow | BinOp::Div, ..) | Expr::Un(UnOp::Sqrt | UnOp::Rsqrt | UnOp::Recip | UnOp::Exp | UnOp::Log | UnOp::Tanh, _));
+            op |= matches!(
+                x,
+                Expr::Bin(BinOp::Pow | BinOp::Div, ..)
+                    | Expr::Un(UnOp::Sqrt | UnOp::Rsqrt | UnOp::Recip | UnOp::Exp | UnOp::Log | UnOp::Tanh, _)
+            );
             load |= matches!(x, Expr::Load { .. });
         });
         op && load
@@ -158,8 +162,18 @@ mod tests {
             Box::new(Expr::bin(BinOp::Div, x.clone(), bc32.clone())),
             Box::new(Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, x, bc32.clone()), third.clone())),
         );
-        let body = Body::Loops { space: Space::Elements { shape: vec![8] }, stmts: vec![Stmt::Store { param: 2, index: Expr::Ix(Ix::Elem), value }] };
-        let mut k = Kernel { family: "t".into(), params: vec![param("x", &[8], false), param("step", &[], false), param("out", &[8], true)], index_ty: Ty::I32, body, note: String::new(), names: Default::default() };
+        let body = Body::Loops {
+            space: Space::Elements { shape: vec![8] },
+            stmts: vec![Stmt::Store { param: 2, index: Expr::Ix(Ix::Elem), value }],
+        };
+        let mut k = Kernel {
+            family: "t".into(),
+            params: vec![param("x", &[8], false), param("step", &[], false), param("out", &[8], true)],
+            index_ty: Ty::I32,
+            body,
+            note: String::new(),
+            names: Default::default(),
+        };
         hoist_uniform(&mut k);
         let Body::Loops { stmts, .. } = &k.body else { panic!() };
         assert_eq!(stmts.len(), 2, "{stmts:?}");
@@ -186,7 +200,14 @@ mod tests {
         let mut params = vec![param("x", &[8], false), param("n", &[], false), param("out", &[8], true)];
         params[1].dtype = DType::I32;
         let stmts = vec![Stmt::Store { param: 2, index: Expr::Ix(Ix::Elem), value }];
-        let mut k = Kernel { family: "t".into(), params, index_ty: Ty::I32, body: Body::Loops { space: Space::Elements { shape: vec![8] }, stmts: stmts.clone() }, note: String::new(), names: Default::default() };
+        let mut k = Kernel {
+            family: "t".into(),
+            params,
+            index_ty: Ty::I32,
+            body: Body::Loops { space: Space::Elements { shape: vec![8] }, stmts: stmts.clone() },
+            note: String::new(),
+            names: Default::default(),
+        };
         hoist_uniform(&mut k);
         assert_eq!(k.body, Body::Loops { space: Space::Elements { shape: vec![8] }, stmts });
     }

@@ -168,9 +168,7 @@ impl Kb<'_> {
                 let g2 = Expr::bin(BinOp::Mul, Expr::bin(BinOp::Mul, f(1.0 - beta2), g.clone()), g);
                 Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, f(*beta2), v), g2)
             }
-            Op::AdamParam { beta1, beta2, eps, weight_decay } => {
-                self.adam_param(&ops, pos, [*beta1, *beta2, *eps, *weight_decay])?
-            }
+            Op::AdamParam { beta1, beta2, eps, weight_decay } => self.adam_param(&ops, pos, [*beta1, *beta2, *eps, *weight_decay])?,
             _ => {
                 return Err(KernelError::Internal(format!(
                     "{} must be computed by a kernel of its own before it is read",
@@ -257,7 +255,16 @@ impl Kb<'_> {
         let bc2_sqrt = self.bind(Ty::F32, Expr::cast(Ty::F32, Expr::un(UnOp::Sqrt, bc2.clone())));
         let denom = Expr::bin(BinOp::Add, Expr::bin(BinOp::Div, Expr::un(UnOp::Sqrt, v), bc2_sqrt.clone()), f(eps));
         let denom = self.bind(Ty::F32, denom);
-        for (e, n) in [(&lr, "lr"), (&t, "t"), (&bc1, "bias1"), (&bc2, "bias2"), (&decay, "decay"), (&step, "step_size"), (&bc2_sqrt, "bias2_sqrt"), (&denom, "denom")] {
+        for (e, n) in [
+            (&lr, "lr"),
+            (&t, "t"),
+            (&bc1, "bias1"),
+            (&bc2, "bias2"),
+            (&decay, "decay"),
+            (&step, "step_size"),
+            (&bc2_sqrt, "bias2_sqrt"),
+            (&denom, "denom"),
+        ] {
             self.name(e, n);
         }
         Ok(Expr::bin(BinOp::Sub, Expr::bin(BinOp::Mul, p, decay), Expr::bin(BinOp::Mul, step, Expr::bin(BinOp::Div, m, denom))))

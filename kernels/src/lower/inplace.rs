@@ -51,7 +51,8 @@ pub fn over_logits(lw: &super::Lowerer, g: &Graph, node: NodeId, logits: Option<
 fn row_local(e: &Expr, v: usize) -> bool {
     match e {
         Expr::Bin(BinOp::Add, a, b) => {
-            matches!(&**a, Expr::Bin(BinOp::Mul, r, n) if **r == Expr::Ix(Ix::Row) && **n == Expr::Int(v as i64)) && matches!(**b, Expr::Ix(Ix::Loop(_)))
+            matches!(&**a, Expr::Bin(BinOp::Mul, r, n) if **r == Expr::Ix(Ix::Row) && **n == Expr::Int(v as i64))
+                && matches!(**b, Expr::Ix(Ix::Loop(_)))
         }
         _ => false,
     }
@@ -68,7 +69,9 @@ pub fn in_place_ok(k: &Kernel, p: ParamId) -> bool {
         fn stores(stmts: &[Stmt], p: ParamId, out: &mut Vec<(bool, Expr)>) {
             for s in stmts {
                 match s {
-                    Stmt::Store { param, index, .. } | Stmt::AtomicAdd { param, index, .. } if *param == p => out.push((true, index.clone())),
+                    Stmt::Store { param, index, .. } | Stmt::AtomicAdd { param, index, .. } if *param == p => {
+                        out.push((true, index.clone()))
+                    }
                     Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => stores(body, p, out),
                     _ => {}
                 }
@@ -85,7 +88,10 @@ pub fn in_place_ok(k: &Kernel, p: ParamId) -> bool {
     }
     walk(stmts, p, &mut touches);
     match space {
-        Space::Elements { .. } => touches.iter().all(|(_, i)| *i == Expr::Ix(Ix::Elem)) && stmts.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Store { .. })),
+        Space::Elements { .. } => {
+            touches.iter().all(|(_, i)| *i == Expr::Ix(Ix::Elem))
+                && stmts.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Store { .. }))
+        }
         Space::Rows { .. } => {
             let v = k.params[p].shape.last().copied().unwrap_or(0);
             let Some((Stmt::ForEach { body, .. }, before)) = stmts.split_last() else { return false };
@@ -112,11 +118,16 @@ pub fn verify(prog: &Program, first: usize, buf: usize) -> Result<(), KernelErro
                 let k = &prog.kernels[*kernel];
                 for (i, (&b, p)) in args.iter().zip(&k.params).enumerate() {
                     if b == buf && p.write && !in_place_ok(k, i) {
-                        return Err(KernelError::Internal(format!("{}: the cross-entropy gradient cannot be written over its logits ({})", k.family, prog.buffers[buf].name)));
+                        return Err(KernelError::Internal(format!(
+                            "{}: the cross-entropy gradient cannot be written over its logits ({})",
+                            k.family, prog.buffers[buf].name
+                        )));
                     }
                 }
             }
-            Step::Gemm(g) if g.c.buf == buf => return Err(KernelError::Internal(format!("a GEMM writes over the logits in place ({})", g.note))),
+            Step::Gemm(g) if g.c.buf == buf => {
+                return Err(KernelError::Internal(format!("a GEMM writes over the logits in place ({})", g.note)))
+            }
             Step::Gemm(_) => {}
         }
     }
@@ -131,7 +142,14 @@ mod tests {
 
     fn kernel(stmts: Vec<Stmt>) -> Kernel {
         let p = Param { name: "t".into(), dtype: DType::F32, shape: vec![4, 10], write: true };
-        Kernel { family: "t".into(), params: vec![p], index_ty: Ty::I32, body: Body::Loops { space: Space::Rows { rows: 4, mapping: RowMapping::Block }, stmts }, note: String::new(), names: Default::default() }
+        Kernel {
+            family: "t".into(),
+            params: vec![p],
+            index_ty: Ty::I32,
+            body: Body::Loops { space: Space::Rows { rows: 4, mapping: RowMapping::Block }, stmts },
+            note: String::new(),
+            names: Default::default(),
+        }
     }
     fn at(l: u8) -> Expr {
         Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, Expr::Ix(Ix::Row), Expr::Int(10)), Expr::Ix(Ix::Loop(l)))
@@ -146,7 +164,10 @@ mod tests {
         Stmt::Reduce { var: 0, op: ReduceOp::Max, ty: Ty::F32, lp: lp(0), body: vec![], value: load(at(0)) }
     }
     fn rewrite_row() -> Stmt {
-        Stmt::ForEach { lp: lp(1), body: vec![Stmt::Store { param: 0, index: at(1), value: Expr::bin(BinOp::Sub, load(at(1)), Expr::Var(0)) }] }
+        Stmt::ForEach {
+            lp: lp(1),
+            body: vec![Stmt::Store { param: 0, index: at(1), value: Expr::bin(BinOp::Sub, load(at(1)), Expr::Var(0)) }],
+        }
     }
 
     #[test]
@@ -163,7 +184,11 @@ mod tests {
         let bad = Stmt::ForEach { lp: lp(1), body: vec![Stmt::Store { param: 0, index: at(1), value: load(shifted) }] };
         assert!(!in_place_ok(&kernel(vec![bad]), 0));
         // the next row's elements
-        let next_row = Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, Expr::bin(BinOp::Add, Expr::Ix(Ix::Row), Expr::Int(1)), Expr::Int(10)), Expr::Ix(Ix::Loop(0)));
+        let next_row = Expr::bin(
+            BinOp::Add,
+            Expr::bin(BinOp::Mul, Expr::bin(BinOp::Add, Expr::Ix(Ix::Row), Expr::Int(1)), Expr::Int(10)),
+            Expr::Ix(Ix::Loop(0)),
+        );
         let other = Stmt::Reduce { var: 0, op: ReduceOp::Max, ty: Ty::F32, lp: lp(0), body: vec![], value: load(next_row) };
         assert!(!in_place_ok(&kernel(vec![other, rewrite_row()]), 0));
     }

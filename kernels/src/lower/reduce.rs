@@ -72,7 +72,8 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let xv = kb.value(x, &p)?;
             let d = kb.bind(Ty::F32, Expr::bin(BinOp::Sub, xv, m.clone()));
             let var = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, Expr::bin(BinOp::Mul, d.clone(), d));
-            let r = Expr::bin(BinOp::Div, f(1.0), Expr::un(UnOp::Sqrt, Expr::bin(BinOp::Add, Expr::bin(BinOp::Div, var, f(c as f64)), f(eps))));
+            let r =
+                Expr::bin(BinOp::Div, f(1.0), Expr::un(UnOp::Sqrt, Expr::bin(BinOp::Add, Expr::bin(BinOp::Div, var, f(c as f64)), f(eps))));
             kb.store_view(&mean, &Pos::Lin(Expr::Ix(Ix::Row)), m);
             kb.store_view(&rstd, &Pos::Lin(Expr::Ix(Ix::Row)), r);
             launch!(lw, kb, "layernorm_stats", Space::Rows { rows, mapping: RowMapping::Block }, format!("{note}: row statistics"))?;

@@ -59,7 +59,13 @@ fn at(kb: &Kb, c: usize, j: &Expr) -> Pos {
 }
 
 /// Reduces `f(x at (row, j))` over the row with `op`.
-fn reduce(kb: &mut Kb, op: ReduceOp, len: usize, extent: Expr, mut body: impl FnMut(&mut Kb, &Expr) -> Result<Expr, KernelError>) -> Result<Expr, KernelError> {
+fn reduce(
+    kb: &mut Kb,
+    op: ReduceOp,
+    len: usize,
+    extent: Expr,
+    mut body: impl FnMut(&mut Kb, &Expr) -> Result<Expr, KernelError>,
+) -> Result<Expr, KernelError> {
     let (lp, j) = kb.open_loop(extent, len);
     let v = body(kb, &j)?;
     Ok(kb.close_reduce(lp, op, Ty::F32, v))
@@ -151,7 +157,8 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let rows = node.ty.numel() / s.max(1);
             let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
             // a causal row i of each [T, S] matrix sees columns j <= i
-            let valid = if causal { kb.bind(Ty::I32, add(kb.bounds.rem(Expr::Ix(Ix::Row), t as i64), Expr::Int(1))) } else { Expr::Int(s as i64) };
+            let valid =
+                if causal { kb.bind(Ty::I32, add(kb.bounds.rem(Expr::Ix(Ix::Row), t as i64), Expr::Int(1))) } else { Expr::Int(s as i64) };
             kb.name(&valid, "valid");
             let x = ops[0];
             let max = reduce(&mut kb, ReduceOp::Max, s, valid.clone(), |kb, j| {
@@ -203,7 +210,8 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let (logits, targets, dloss) = (ops[0], ops[1], ops[2]);
             let (n, v) = (shape[0], shape[1]);
             let stats = ce_stats(lw, cx, logits, n);
-            let touched: Vec<&View> = [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+            let touched: Vec<&View> =
+                [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
             let mut kb = lw.kb_rows(cx, n, &touched);
             let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
             let k = kb.bind(Ty::F32, div(dl, f(n as f64)));
@@ -226,7 +234,8 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let (n, v) = (lt[0], lt[1]);
             let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
             let stats = ce_stats(lw, cx, logits, n);
-            let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+            let touched: Vec<&View> =
+                [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
             let mut kb = lw.kb_rows(cx, n, &touched);
             let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
             let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;

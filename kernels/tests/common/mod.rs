@@ -7,11 +7,13 @@ use qatc_ir::{BinaryOp, DType, Graph, InputKind, NodeId, Op, UnaryOp};
 /// Wraps `build(body, inputs)` as one `Op::Kernel { family }` node over inputs of `tys`.
 pub fn fused(family: &str, tys: &[(DType, Vec<usize>)], build: impl FnOnce(&mut Graph, &[NodeId]) -> NodeId) -> Graph {
     let mut body = Graph::new(family);
-    let ins: Vec<NodeId> = tys.iter().enumerate().map(|(i, (d, s))| body.input(format!("in{i}"), InputKind::Data, *d, s.clone()).unwrap()).collect();
+    let ins: Vec<NodeId> =
+        tys.iter().enumerate().map(|(i, (d, s))| body.input(format!("in{i}"), InputKind::Data, *d, s.clone()).unwrap()).collect();
     let out = build(&mut body, &ins);
     body.set_output("out", out).unwrap();
     let mut g = Graph::new("step");
-    let outer: Vec<NodeId> = tys.iter().enumerate().map(|(i, (d, s))| g.input(format!("x{i}"), InputKind::Data, *d, s.clone()).unwrap()).collect();
+    let outer: Vec<NodeId> =
+        tys.iter().enumerate().map(|(i, (d, s))| g.input(format!("x{i}"), InputKind::Data, *d, s.clone()).unwrap()).collect();
     let k = g.add(Op::Kernel { family: family.into(), body: Box::new(body) }, &outer).unwrap();
     g.set_output("y", k).unwrap();
     g

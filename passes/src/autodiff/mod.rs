@@ -28,8 +28,7 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
     if g.ty(loss).shape.rank() != 0 {
         return Err(PassError::Invalid { pass: PASS, msg: format!("loss must be a scalar, got {}", g.ty(loss)) });
     }
-    let trainable: Vec<NodeId> =
-        g.inputs().into_iter().filter(|&i| g.input_kind(i) == Some(InputKind::Trainable)).collect();
+    let trainable: Vec<NodeId> = g.inputs().into_iter().filter(|&i| g.input_kind(i) == Some(InputKind::Trainable)).collect();
     if trainable.is_empty() {
         return Err(PassError::Invalid { pass: PASS, msg: "no trainable inputs: nothing to differentiate".into() });
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use egg::Id;
 use qatc_ir::{infer::infer, Op, Shape, TensorType};
 
-use super::lang::{Entry, ENode, Kernel, EG, FUSED};
+use super::lang::{ENode, Entry, Kernel, EG, FUSED};
 
 /// An operand inside a body: a kernel input or an earlier body node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -60,9 +60,35 @@ pub fn prim_family(kind: &str) -> &'static str {
 pub fn is_pointwise(kind: &str) -> bool {
     matches!(
         kind,
-        "neg" | "exp" | "log" | "sqrt" | "rsqrt" | "recip" | "tanh" | "square" | "gelu" | "add" | "sub" | "mul" | "div"
-            | "max" | "min" | "gelu_grad" | "affine" | "cast" | "broadcast" | "reshape" | "transpose" | "slice"
-            | "concat" | "const" | "gather" | "dropout" | "adam_m" | "adam_v" | "adam_param"
+        "neg"
+            | "exp"
+            | "log"
+            | "sqrt"
+            | "rsqrt"
+            | "recip"
+            | "tanh"
+            | "square"
+            | "gelu"
+            | "add"
+            | "sub"
+            | "mul"
+            | "div"
+            | "max"
+            | "min"
+            | "gelu_grad"
+            | "affine"
+            | "cast"
+            | "broadcast"
+            | "reshape"
+            | "transpose"
+            | "slice"
+            | "concat"
+            | "const"
+            | "gather"
+            | "dropout"
+            | "adam_m"
+            | "adam_v"
+            | "adam_param"
     )
 }
 

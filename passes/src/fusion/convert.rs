@@ -104,9 +104,12 @@ pub fn to_graph(eg: &EG, roots: &Roots, choice: &BTreeMap<Id, ENode>) -> Result<
             }
             let n = choice.get(&c).ok_or_else(|| FusionError::Extract(format!("no e-node chosen for {}", describe(eg, c))))?;
             if expanded {
-                let args: Vec<NodeId> = n.args.iter().map(|a| made.get(&eg.find(*a)).copied()).collect::<Option<_>>().ok_or_else(|| {
-                    FusionError::Extract(format!("operand of {} not built", describe(eg, c)))
-                })?;
+                let args: Vec<NodeId> = n
+                    .args
+                    .iter()
+                    .map(|a| made.get(&eg.find(*a)).copied())
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| FusionError::Extract(format!("operand of {} not built", describe(eg, c))))?;
                 let id = build(eg, c, n, &args, &mut g)?;
                 made.insert(c, id);
                 open.remove(&c);

@@ -24,7 +24,7 @@ use egg::Id;
 use qatc_ir::{Graph, Op, TensorType};
 
 use super::body::{BRef, Body};
-use super::lang::{Entry, ENode, EG};
+use super::lang::{ENode, Entry, EG};
 
 /// The bytes an op reads from operand `slot` when that operand has `full` bytes and the op
 /// produces `out` bytes: slices and gathered rows touch only what they return.
@@ -165,4 +165,3 @@ fn kernel_traffic(g: &Graph, ops: &[qatc_ir::NodeId], body: &Graph, out: &Tensor
     }
     Traffic { launches: 1, bytes: read + out.bytes() as u64 }
 }
-

@@ -78,7 +78,13 @@ pub fn extract(eg: &EG, roots: &[Id], launch_bytes: u64, budget_s: f64) -> Extra
             for (j, k) in cls[i].kids.iter().enumerate() {
                 let mut v = cls[i].cost[j];
                 for &kk in k {
-                    v += if best[kk] >= INF { INF } else if cls[kk].shared { 0 } else { best[kk] };
+                    v += if best[kk] >= INF {
+                        INF
+                    } else if cls[kk].shared {
+                        0
+                    } else {
+                        best[kk]
+                    };
                 }
                 let v = v.min(INF);
                 if v < best[i] {

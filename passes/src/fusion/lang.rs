@@ -28,11 +28,51 @@ pub const ANY: u32 = u32::MAX;
 
 /// Every kind an e-node can have: the mnemonics of `qatc_ir::Op` and [`FUSED`].
 pub const KINDS: &[&str] = &[
-    "input", "const", "neg", "exp", "log", "sqrt", "rsqrt", "recip", "tanh", "square", "gelu", "add", "sub", "mul",
-    "div", "max", "min", "gelu_grad", "affine", "cast", "broadcast", "sum_to", "reshape", "transpose", "slice",
-    "concat", "matmul", "gather", "scatter_add", "layernorm", "layernorm_grad_x", "layernorm_grad_gamma", "softmax",
-    "softmax_grad", "cross_entropy", "cross_entropy_grad", "fake_quant", "dequantize", "act_quant", "dropout",
-    "kernel", "adam_m", "adam_v", "adam_param", FUSED,
+    "input",
+    "const",
+    "neg",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "recip",
+    "tanh",
+    "square",
+    "gelu",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "max",
+    "min",
+    "gelu_grad",
+    "affine",
+    "cast",
+    "broadcast",
+    "sum_to",
+    "reshape",
+    "transpose",
+    "slice",
+    "concat",
+    "matmul",
+    "gather",
+    "scatter_add",
+    "layernorm",
+    "layernorm_grad_x",
+    "layernorm_grad_gamma",
+    "softmax",
+    "softmax_grad",
+    "cross_entropy",
+    "cross_entropy_grad",
+    "fake_quant",
+    "dequantize",
+    "act_quant",
+    "dropout",
+    "kernel",
+    "adam_m",
+    "adam_v",
+    "adam_param",
+    FUSED,
 ];
 
 /// An e-node: an op (by table index) applied to operand e-classes.
@@ -52,9 +92,7 @@ impl Language for ENode {
 
     /// Same kind and arity, and the same op unless one side is a pattern's [`ANY`].
     fn matches(&self, other: &Self) -> bool {
-        self.kind == other.kind
-            && self.args.len() == other.args.len()
-            && (self.op == ANY || other.op == ANY || self.op == other.op)
+        self.kind == other.kind && self.args.len() == other.args.len() && (self.op == ANY || other.op == ANY || self.op == other.op)
     }
 
     fn children(&self) -> &[Id] {
@@ -107,7 +145,10 @@ pub struct Kernel {
 #[derive(Clone, Debug)]
 pub enum Entry {
     /// A qatc op with its attributes; leaves keep their name (inputs are identified by it).
-    Prim { op: Op, name: Option<String> },
+    Prim {
+        op: Op,
+        name: Option<String>,
+    },
     Fused(Kernel),
 }
 

@@ -12,7 +12,7 @@ use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart};
 
 use super::kir_eval::Mem;
-use super::scalar::{V, R};
+use super::scalar::{R, V};
 
 struct Ctx<'a> {
     a: &'a Attention,

@@ -72,12 +72,43 @@ impl Mat {
 /// # Safety
 /// Every element the strides reach must be valid, and dst must not overlap lhs or rhs.
 #[allow(clippy::too_many_arguments)]
-unsafe fn mm(m: usize, n: usize, k: usize, dst: (*mut f32, isize, isize), acc: bool, lhs: (*const f32, isize, isize), rhs: (*const f32, isize, isize), beta: f32) {
+unsafe fn mm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (*mut f32, isize, isize),
+    acc: bool,
+    lhs: (*const f32, isize, isize),
+    rhs: (*const f32, isize, isize),
+    beta: f32,
+) {
     if m == 0 || n == 0 {
         return;
     }
     // SAFETY: the caller's guarantee; gemm reads dst only when `acc`.
-    unsafe { gemm::gemm(m, n, k, dst.0, dst.2, dst.1, acc, lhs.0, lhs.2, lhs.1, rhs.0, rhs.2, rhs.1, 1.0, beta, false, false, false, Parallelism::None) }
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.0,
+            dst.2,
+            dst.1,
+            acc,
+            lhs.0,
+            lhs.2,
+            lhs.1,
+            rhs.0,
+            rhs.2,
+            rhs.1,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
 }
 
 struct Head<'a> {
@@ -124,7 +155,16 @@ impl Head<'_> {
             // operand of the same product.
             unsafe {
                 // S = scale Q K^T
-                mm(bm, n, hs, (s.as_mut_ptr(), n as isize, 1), false, (f(self.q.row(i0)), self.q.rs as isize, 1), (f(self.k.ptr), 1, self.k.rs as isize), self.scale);
+                mm(
+                    bm,
+                    n,
+                    hs,
+                    (s.as_mut_ptr(), n as isize, 1),
+                    false,
+                    (f(self.q.row(i0)), self.q.rs as isize, 1),
+                    (f(self.k.ptr), 1, self.k.rs as isize),
+                    self.scale,
+                );
                 match part {
                     AttentionPart::Forward | AttentionPart::Lse => {
                         for i in 0..bm {
@@ -139,7 +179,16 @@ impl Head<'_> {
                         }
                         if part == AttentionPart::Forward {
                             let (v, o) = (need(self.v)?, need(self.out[0])?);
-                            mm(bm, hs, n, (o.row(i0), o.rs as isize, 1), false, (s.as_ptr(), n as isize, 1), (f(v.ptr), v.rs as isize, 1), 1.0);
+                            mm(
+                                bm,
+                                hs,
+                                n,
+                                (o.row(i0), o.rs as isize, 1),
+                                false,
+                                (s.as_ptr(), n as isize, 1),
+                                (f(v.ptr), v.rs as isize, 1),
+                                1.0,
+                            );
                         }
                     }
                     _ => {
@@ -153,10 +202,28 @@ impl Head<'_> {
                         let dout = need(self.dout)?;
                         if part == AttentionPart::BackwardV {
                             let dv = need(self.out[0])?;
-                            mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+                            mm(
+                                n,
+                                hs,
+                                bm,
+                                (dv.ptr, dv.rs as isize, 1),
+                                true,
+                                (s.as_ptr(), 1, n as isize),
+                                (f(dout.row(i0)), dout.rs as isize, 1),
+                                1.0,
+                            );
                         } else {
                             let v = need(self.v)?;
-                            mm(bm, n, hs, (dp.as_mut_ptr(), n as isize, 1), false, (f(dout.row(i0)), dout.rs as isize, 1), (f(v.ptr), 1, v.rs as isize), 1.0);
+                            mm(
+                                bm,
+                                n,
+                                hs,
+                                (dp.as_mut_ptr(), n as isize, 1),
+                                false,
+                                (f(dout.row(i0)), dout.rs as isize, 1),
+                                (f(v.ptr), 1, v.rs as isize),
+                                1.0,
+                            );
                             let delta = self.delta.ok_or("attention backward without delta")?;
                             if part == AttentionPart::BackwardDelta {
                                 for i in 0..bm {
@@ -167,7 +234,16 @@ impl Head<'_> {
                                 // dS = scale P (dP - delta), over P's storage once dV has used P
                                 if part == AttentionPart::BackwardKV {
                                     let dv = need(self.out[1])?;
-                                    mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+                                    mm(
+                                        n,
+                                        hs,
+                                        bm,
+                                        (dv.ptr, dv.rs as isize, 1),
+                                        true,
+                                        (s.as_ptr(), 1, n as isize),
+                                        (f(dout.row(i0)), dout.rs as isize, 1),
+                                        1.0,
+                                    );
                                 }
                                 for i in 0..bm {
                                     let di = *delta.add(i0 + i);
@@ -176,10 +252,28 @@ impl Head<'_> {
                                 }
                                 if part == AttentionPart::BackwardQ {
                                     let dq = need(self.out[0])?;
-                                    mm(bm, hs, n, (dq.row(i0), dq.rs as isize, 1), false, (s.as_ptr(), n as isize, 1), (f(self.k.ptr), self.k.rs as isize, 1), 1.0);
+                                    mm(
+                                        bm,
+                                        hs,
+                                        n,
+                                        (dq.row(i0), dq.rs as isize, 1),
+                                        false,
+                                        (s.as_ptr(), n as isize, 1),
+                                        (f(self.k.ptr), self.k.rs as isize, 1),
+                                        1.0,
+                                    );
                                 } else {
                                     let dk = need(self.out[0])?;
-                                    mm(n, hs, bm, (dk.ptr, dk.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(self.q.row(i0)), self.q.rs as isize, 1), 1.0);
+                                    mm(
+                                        n,
+                                        hs,
+                                        bm,
+                                        (dk.ptr, dk.rs as isize, 1),
+                                        true,
+                                        (s.as_ptr(), 1, n as isize),
+                                        (f(self.q.row(i0)), self.q.rs as isize, 1),
+                                        1.0,
+                                    );
                                 }
                             }
                         }
@@ -228,7 +322,15 @@ impl<L> GemmAttention<L> {
     /// # Safety
     /// As [`Launcher::launch`]: one pointer per param, each to its param's buffer, which nothing
     /// else touches but other heads of the same launch.
-    unsafe fn heads(&self, a: &Attention, ro: &qatc_kernels::kir::AttentionRoles, args: &[*mut u8], heads: std::ops::Range<usize>, s: &mut [f32], dp: &mut [f32]) -> Result<(), String> {
+    unsafe fn heads(
+        &self,
+        a: &Attention,
+        ro: &qatc_kernels::kir::AttentionRoles,
+        args: &[*mut u8],
+        heads: std::ops::Range<usize>,
+        s: &mut [f32],
+        dp: &mut [f32],
+    ) -> Result<(), String> {
         for bh in heads {
             let (b, h) = (bh / a.nh, bh % a.nh);
             let mat = |p: usize| -> Result<Mat, String> {

@@ -83,7 +83,17 @@ impl Blas {
     /// # Safety
     /// The pointers and strides must describe live, in-bounds f32 matrices, c distinct from a and b.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn sgemm(&self, m: usize, n: usize, k: usize, alpha: f32, accumulate: bool, a: (*const f32, usize, usize), b: (*const f32, usize, usize), c: (*mut f32, usize, usize)) -> bool {
+    pub unsafe fn sgemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        accumulate: bool,
+        a: (*const f32, usize, usize),
+        b: (*const f32, usize, usize),
+        c: (*mut f32, usize, usize),
+    ) -> bool {
         let fits = [m, n, k, a.1, a.2, b.1, b.2, c.1].iter().all(|&v| v < i32::MAX as usize);
         let (Some((ta, lda)), Some((tb, ldb))) = (operand(m, k, a.1, a.2), operand(k, n, b.1, b.2)) else { return false };
         let ldc = if c.2 == 1 && c.1 >= n.max(1) {

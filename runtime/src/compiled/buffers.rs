@@ -154,18 +154,28 @@ pub fn write_input(buf: &Buffer, out: &mut [u8], v: &Value<f32>) -> Result<(), R
         return Err(RuntimeError::BadTensor { shape: buf.shape.clone(), want: buf.numel(), got: v.len() });
     }
     if out.len() < buf.bytes() {
-        return Err(RuntimeError::Buffer { name: buf.name.clone(), msg: format!("{} bytes of memory for {} bytes", out.len(), buf.bytes()) });
+        return Err(RuntimeError::Buffer {
+            name: buf.name.clone(),
+            msg: format!("{} bytes of memory for {} bytes", out.len(), buf.bytes()),
+        });
     }
     match (buf.dtype, v) {
         (DType::F32, Value::Float(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
-        (DType::F16, Value::Float(t)) => out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes())),
-        (DType::BF16, Value::Float(t)) => out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes())),
+        (DType::F16, Value::Float(t)) => {
+            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
+        }
+        (DType::BF16, Value::Float(t)) => {
+            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
+        }
         (DType::F32 | DType::F16 | DType::BF16, Value::Int(_)) => return Err(kind_err(buf, "float", v)),
         (DType::I32, Value::Int(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
         (DType::U8 | DType::I4, Value::Int(t)) => {
             let top = if buf.dtype == DType::U8 { 255 } else { 15 };
             if let Some((i, c)) = t.data.iter().enumerate().find(|(_, &c)| !(0..=top).contains(&c)) {
-                return Err(RuntimeError::Buffer { name: buf.name.clone(), msg: format!("element {i} is {c}, outside {}'s 0..={top}", buf.dtype) });
+                return Err(RuntimeError::Buffer {
+                    name: buf.name.clone(),
+                    msg: format!("element {i} is {c}, outside {}'s 0..={top}", buf.dtype),
+                });
             }
             if buf.dtype == DType::U8 {
                 out.iter_mut().zip(&t.data).for_each(|(o, &c)| *o = c as u8);

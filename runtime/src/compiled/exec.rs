@@ -59,7 +59,10 @@ enum Plan {
 /// Checks a launch's buffers against its kernel's params (count, dtype, size, no graph input
 /// written) and marks them read.
 fn check_args<'p>(prog: &'p Program, read: &mut [bool], kernel: usize, args: &[usize]) -> Result<&'p Kernel, RuntimeError> {
-    let k = prog.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the program has {} kernels", prog.kernels.len()) })?;
+    let k = prog.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel {
+        kernel: format!("#{kernel}"),
+        msg: format!("the program has {} kernels", prog.kernels.len()),
+    })?;
     let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(k), msg };
     if args.len() != k.params.len() {
         return Err(err(format!("launched with {} buffers for {} params", args.len(), k.params.len())));
@@ -67,7 +70,10 @@ fn check_args<'p>(prog: &'p Program, read: &mut [bool], kernel: usize, args: &[u
     for (p, &b) in k.params.iter().zip(args) {
         let buf = prog.buffers.get(b).ok_or_else(|| err(format!("param {} is buffer {b} of {}", p.name, prog.buffers.len())))?;
         if buf.dtype != p.dtype || buf.numel() != p.numel() {
-            return Err(err(format!("param {} ({} {:?}) gets buffer {} ({} {:?})", p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape)));
+            return Err(err(format!(
+                "param {} ({} {:?}) gets buffer {} ({} {:?})",
+                p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape
+            )));
         }
         if p.write && matches!(buf.kind, BufKind::Input(_)) {
             return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
@@ -90,7 +96,9 @@ unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: 
         unsafe { launcher.launch(l.kernel, &args.0, start, end) }
     } else {
         let chunks = (end - start).div_ceil(l.chunk);
-        (0..chunks).into_par_iter().try_for_each(|c| unsafe { launcher.launch(l.kernel, &args.0, start + c * l.chunk, (start + (c + 1) * l.chunk).min(end)) })
+        (0..chunks)
+            .into_par_iter()
+            .try_for_each(|c| unsafe { launcher.launch(l.kernel, &args.0, start + c * l.chunk, (start + (c + 1) * l.chunk).min(end)) })
     }
 }
 
@@ -216,7 +224,8 @@ fn reads_writes(plan: &Plan, prog: &Program) -> (Vec<BufId>, Vec<BufId>) {
         // the scratch is written (by the feed) before the partial GEMMs read it, inside the step
         Plan::Fed(f) => {
             let Some((_, g)) = f.panels.first() else { return (Vec::new(), Vec::new()) };
-            let mut r: Vec<BufId> = prog.kernels[f.feed.kernel].params.iter().zip(&f.feed.bufs).filter(|(p, _)| !p.write).map(|(_, &b)| b).collect();
+            let mut r: Vec<BufId> =
+                prog.kernels[f.feed.kernel].params.iter().zip(&f.feed.bufs).filter(|(p, _)| !p.write).map(|(_, &b)| b).collect();
             r.push(g.a.buf);
             r.extend(f.panels.iter().filter_map(|(_, g)| g.bias.as_ref().map(|b| b.buf)));
             if g.accumulate {
@@ -287,18 +296,30 @@ impl CpuProgram {
                         gemm::check(sub, &prog.buffers)?;
                     }
                     if matches!(prog.buffers[g.c.buf].kind, BufKind::Input(_)) {
-                        return Err(RuntimeError::Gemm { note: g.note.clone(), msg: format!("writes the graph input {}", prog.buffers[g.c.buf].name) });
+                        return Err(RuntimeError::Gemm {
+                            note: g.note.clone(),
+                            msg: format!("writes the graph input {}", prog.buffers[g.c.buf].name),
+                        });
                     }
                     for v in [Some(&g.a), Some(&g.b), Some(&g.c), g.bias.as_ref()].into_iter().flatten() {
                         read[v.buf] = true;
                     }
-                    let feed = LaunchPlan { kernel: f.kernel, args: RawArgs(Box::new([])), iterations: f.rows * f.cols, chunk, bufs: f.args.clone() };
+                    let feed = LaunchPlan {
+                        kernel: f.kernel,
+                        args: RawArgs(Box::new([])),
+                        iterations: f.rows * f.cols,
+                        chunk,
+                        bufs: f.args.clone(),
+                    };
                     Plan::Fed(Box::new(Fed { feed, dims: (g.m, g.n, g.k), panels }))
                 }
                 Step::Gemm(g) => {
                     gemm::check(g, &prog.buffers)?;
                     if matches!(prog.buffers[g.c.buf].kind, BufKind::Input(_)) {
-                        return Err(RuntimeError::Gemm { note: g.note.clone(), msg: format!("writes the graph input {}", prog.buffers[g.c.buf].name) });
+                        return Err(RuntimeError::Gemm {
+                            note: g.note.clone(),
+                            msg: format!("writes the graph input {}", prog.buffers[g.c.buf].name),
+                        });
                     }
                     for v in [Some(&g.a), Some(&g.b), Some(&g.c), g.bias.as_ref()].into_iter().flatten() {
                         read[v.buf] = true;
@@ -308,11 +329,19 @@ impl CpuProgram {
             });
         }
         for (name, v) in &prog.outputs {
-            let buf = prog.buffers.get(v.buf).ok_or_else(|| RuntimeError::Buffer { name: name.clone(), msg: format!("output in buffer {} of {}", v.buf, prog.buffers.len()) })?;
+            let buf = prog.buffers.get(v.buf).ok_or_else(|| RuntimeError::Buffer {
+                name: name.clone(),
+                msg: format!("output in buffer {} of {}", v.buf, prog.buffers.len()),
+            })?;
             check_view(buf, v, &format!("output {name}"))?;
             read[v.buf] = true;
         }
-        let inputs: Vec<(String, usize)> = prog.buffers.iter().enumerate().filter_map(|(i, b)| if let BufKind::Input(n) = &b.kind { Some((n.clone(), i)) } else { None }).collect();
+        let inputs: Vec<(String, usize)> = prog
+            .buffers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| if let BufKind::Input(n) = &b.kind { Some((n.clone(), i)) } else { None })
+            .collect();
         let needed = inputs.iter().map(|&(_, b)| b).filter(|&b| read[b]).collect();
         let given = vec![false; prog.buffers.len()];
         let (hoisted, frozen) = (vec![false; plans.len()], vec![false; prog.buffers.len()]);
@@ -488,7 +517,9 @@ impl CpuProgram {
             let what = match &self.plans[i] {
                 Plan::Launch(l) if by_kernel => format!("{} [{}] #{}", self.prog.kernels[l.kernel].family, l.iterations, l.kernel),
                 Plan::Launch(l) => self.prog.kernels[l.kernel].family.clone(),
-                Plan::Gemm(g) => format!("gemm {}x{}x{}{}", g.m, g.n, g.k, if g.batch() > 1 { format!(" x{}", g.batch()) } else { String::new() }),
+                Plan::Gemm(g) => {
+                    format!("gemm {}x{}x{}{}", g.m, g.n, g.k, if g.batch() > 1 { format!(" x{}", g.batch()) } else { String::new() })
+                }
                 Plan::Fed(f) => format!("gemm {}x{}x{} fed by {}", f.dims.0, f.dims.1, f.dims.2, self.prog.kernels[f.feed.kernel].family),
             };
             times.push((what, t.elapsed().as_secs_f64()));

@@ -60,7 +60,10 @@ pub fn check(g: &Gemm, bufs: &[Buffer]) -> Result<(), RuntimeError> {
     let batch = &g.c.shape[..r - 2];
     let want = |v: &View, rows: usize, cols: usize| v.shape[..r - 2] == *batch && v.shape[r - 2..] == [rows, cols];
     if !(want(&g.a, g.m, g.k) && want(&g.b, g.k, g.n) && want(&g.c, g.m, g.n)) {
-        return Err(err(g, format!("a {:?} @ b {:?} -> c {:?} is not [.., {}, {}] @ [.., {}, {}]", g.a.shape, g.b.shape, g.c.shape, g.m, g.k, g.k, g.n)));
+        return Err(err(
+            g,
+            format!("a {:?} @ b {:?} -> c {:?} is not [.., {}, {}] @ [.., {}, {}]", g.a.shape, g.b.shape, g.c.shape, g.m, g.k, g.k, g.n),
+        ));
     }
     if g.c.buf == g.a.buf || g.c.buf == g.b.buf || !distinct_elements(&g.c) {
         return Err(err(g, "the destination overlaps itself or an operand".into()));

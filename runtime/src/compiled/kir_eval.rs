@@ -14,7 +14,7 @@ use half::{bf16, f16};
 use qatc_ir::DType;
 use qatc_kernels::kir::{self, Body, Expr, Ix, Kernel, Loop, ReduceOp, Space, Stmt, Ty, TypeEnv, VarId};
 
-use super::scalar::{self, int_as, V, R};
+use super::scalar::{self, int_as, R, V};
 use super::Launcher;
 use crate::error::RuntimeError;
 
@@ -234,7 +234,9 @@ impl Frame<'_> {
                     self.ix(v.ok_or_else(|| format!("loop {l} used outside it"))?)?
                 }
             },
-            Expr::Var(v) => self.vars.get(*v as usize).copied().flatten().ok_or_else(|| format!("variable {v} used before it is defined"))?,
+            Expr::Var(v) => {
+                self.vars.get(*v as usize).copied().flatten().ok_or_else(|| format!("variable {v} used before it is defined"))?
+            }
             Expr::Load { param, index } => {
                 let i = self.eval(index)?.index()?;
                 self.mem(*param)?.load(i)?
@@ -256,7 +258,11 @@ impl Frame<'_> {
                     None => Ty::common(self.ty(a), self.ty(b)),
                 };
                 let v = if self.eval(c)?.bool()? { self.eval(a)? } else { self.eval(b)? };
-                if v.ty() == Ty::Bool { v } else { scalar::cast(t, v)? }
+                if v.ty() == Ty::Bool {
+                    v
+                } else {
+                    scalar::cast(t, v)?
+                }
             }
             Expr::Cast(t, a) => scalar::cast(*t, self.eval(a)?)?,
             Expr::Call(i, args) => {
@@ -343,7 +349,10 @@ impl Frame<'_> {
 
 impl Launcher for KirEval {
     unsafe fn launch(&self, kernel: usize, args: &[*mut u8], start: usize, end: usize) -> Result<(), RuntimeError> {
-        let k = self.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the program has {} kernels", self.kernels.len()) })?;
+        let k = self.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel {
+            kernel: format!("#{kernel}"),
+            msg: format!("the program has {} kernels", self.kernels.len()),
+        })?;
         let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(&k.kernel), msg };
         let params = &k.kernel.params;
         if args.len() != params.len() {

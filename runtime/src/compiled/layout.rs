@@ -201,7 +201,8 @@ impl Memory {
                 _ => Home::Arena { offset: 0, len: 0 },
             });
         }
-        let mut m = Memory { arena: Allocation::zeroed("arena", 0)?, homes, live: vec![Live::Never; bufs.len()], report: LayoutReport::default() };
+        let mut m =
+            Memory { arena: Allocation::zeroed("arena", 0)?, homes, live: vec![Live::Never; bufs.len()], report: LayoutReport::default() };
         m.relayout(bufs, live)?;
         Ok(m)
     }
@@ -367,7 +368,14 @@ mod tests {
     /// from their first step to their last.
     #[test]
     fn read_before_written_lives_the_whole_run() {
-        let bufs = vec![buf(BufKind::Input("x".into()), 4), buf(BufKind::Value, 4), buf(BufKind::Temp, 4), buf(BufKind::Value, 4), buf(BufKind::Value, 4), buf(BufKind::Temp, 4)];
+        let bufs = vec![
+            buf(BufKind::Input("x".into()), 4),
+            buf(BufKind::Value, 4),
+            buf(BufKind::Temp, 4),
+            buf(BufKind::Value, 4),
+            buf(BufKind::Value, 4),
+            buf(BufKind::Temp, 4),
+        ];
         let steps = vec![(vec![0], vec![1]), (vec![1], vec![2]), (vec![2, 3], vec![3]), (vec![3], vec![4])];
         let whole = [false, false, false, false, true, false];
         let live = lifetimes(&bufs, &steps, &whole);

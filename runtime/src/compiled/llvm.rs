@@ -9,7 +9,9 @@ use crate::error::RuntimeError;
 impl Launcher for Jit {
     unsafe fn launch(&self, kernel: usize, args: &[*mut u8], start: usize, end: usize) -> Result<(), RuntimeError> {
         let name = || self.name(kernel).unwrap_or("?").to_string();
-        let f = self.function(kernel).ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the JIT has {} kernels", self.len()) })?;
+        let f = self
+            .function(kernel)
+            .ok_or_else(|| RuntimeError::Kernel { kernel: format!("#{kernel}"), msg: format!("the JIT has {} kernels", self.len()) })?;
         if start > end {
             return Err(RuntimeError::Kernel { kernel: name(), msg: format!("iterations {start}..{end}") });
         }

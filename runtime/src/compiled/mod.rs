@@ -22,15 +22,15 @@ mod exec;
 mod gemm;
 mod kir_eval;
 mod layout;
-mod scalar;
-mod vmath;
 #[cfg(feature = "llvm")]
 mod llvm;
+mod scalar;
+mod vmath;
 
 pub use attn_gemm::GemmAttention;
 pub use exec::CpuProgram;
-pub use layout::{BufferLayout, LayoutReport};
 pub use kir_eval::KirEval;
+pub use layout::{BufferLayout, LayoutReport};
 
 use crate::error::RuntimeError;
 

@@ -9,8 +9,8 @@ use half::{bf16, f16};
 use qatc_kernels::kir::{BinOp, Intrinsic, Ty, UnOp};
 
 use crate::kernels::elementwise::{gelu, gelu_grad, nan_or};
-use crate::Float;
 use crate::quant::{dropout_keep, nf4_nearest, NF4};
+use crate::Float;
 
 /// A scalar value of one of the IR's types.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -170,7 +170,9 @@ pub fn binary(op: BinOp, a: V, b: V) -> R<V> {
         },
         (V::I(x), V::I(y)) => match op.is_compare() {
             true => V::B(cmp(x.cmp(&y)).unwrap_or(false)),
-            false => V::I(i32::try_from(int_bin(op, i64::from(x), i64::from(y))?).map_err(|_| format!("i32 {op:?} of {x} and {y} overflows"))?),
+            false => {
+                V::I(i32::try_from(int_bin(op, i64::from(x), i64::from(y))?).map_err(|_| format!("i32 {op:?} of {x} and {y} overflows"))?)
+            }
         },
         (V::L(x), V::L(y)) => match op.is_compare() {
             true => V::B(cmp(x.cmp(&y)).unwrap_or(false)),

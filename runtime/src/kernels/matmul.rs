@@ -29,7 +29,13 @@ pub fn matmul<T: Float>(
     let batch: usize = out_shape[..r - 2].iter().product();
     let (a_mat, b_mat, c_mat) = (m * k, k * n, m * n);
     if a.len() != batch * a_mat || b.len() != batch * b_mat {
-        return Err(format!("matmul operands hold {} and {} elements, their types need {} and {}", a.len(), b.len(), batch * a_mat, batch * b_mat));
+        return Err(format!(
+            "matmul operands hold {} and {} elements, their types need {} and {}",
+            a.len(),
+            b.len(),
+            batch * a_mat,
+            batch * b_mat
+        ));
     }
     let mut c = vec![T::ZERO; batch * c_mat];
     if c_mat == 0 || k == 0 {

@@ -69,13 +69,9 @@ pub fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
         Op::Kernel { .. } => vec![x(rng), x(rng)],
         Op::AdamM { .. } => vec![x(rng), x(rng)],
         Op::AdamV { .. } => vec![fin(rng, &[3, 5, 7], 0.0, 1.0), x(rng)],
-        Op::AdamParam { .. } => vec![
-            x(rng),
-            fin(rng, &[3, 5, 7], -0.1, 0.1),
-            fin(rng, &[3, 5, 7], 0.0, 0.01),
-            In::f(&[], &[1e-3]),
-            In::f(&[], &[3.0]),
-        ],
+        Op::AdamParam { .. } => {
+            vec![x(rng), fin(rng, &[3, 5, 7], -0.1, 0.1), fin(rng, &[3, 5, 7], 0.0, 0.01), In::f(&[], &[1e-3]), In::f(&[], &[3.0])]
+        }
     }
 }
 
@@ -94,10 +90,8 @@ pub fn gelu_mul_kernel() -> Op {
 pub fn all_ops() -> Vec<Op> {
     use BinaryOp as B;
     use UnaryOp as U;
-    let mut ops: Vec<Op> = [U::Neg, U::Exp, U::Log, U::Sqrt, U::Rsqrt, U::Recip, U::Tanh, U::Square, U::Gelu]
-        .into_iter()
-        .map(Op::Unary)
-        .collect();
+    let mut ops: Vec<Op> =
+        [U::Neg, U::Exp, U::Log, U::Sqrt, U::Rsqrt, U::Recip, U::Tanh, U::Square, U::Gelu].into_iter().map(Op::Unary).collect();
     ops.extend([B::Add, B::Sub, B::Mul, B::Div, B::Max, B::Min, B::GeluGrad].into_iter().map(Op::Binary));
     for ta in [false, true] {
         for tb in [false, true] {

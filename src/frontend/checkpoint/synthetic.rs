@@ -76,10 +76,7 @@ pub fn write_synthetic(path: &Path, cfg: &Gpt2Config, dtype: DType, prefix: bool
     let mut offset = 0usize;
     for (name, shape) in &tensors {
         let bytes = dtype.bytes_for(shape.iter().product());
-        header.insert(
-            format!("{pre}{name}"),
-            json!({ "dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + bytes] }),
-        );
+        header.insert(format!("{pre}{name}"), json!({ "dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + bytes] }));
         offset += bytes;
     }
     let mut header = Value::Object(header).to_string().into_bytes();

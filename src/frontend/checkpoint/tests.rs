@@ -171,7 +171,9 @@ fn size_mismatch() {
     let h = json!({ "h.0.attn.c_attn.weight": entry("F32", &[64, 191], 0, 48000) });
     let e = open_err(&h.to_string(), &vec![0; 48000]);
     assert!(
-        e.ends_with("model.safetensors: tensor \"h.0.attn.c_attn.weight\": shape [64, 191] x f32 needs 48896 bytes but its range holds 48000"),
+        e.ends_with(
+            "model.safetensors: tensor \"h.0.attn.c_attn.weight\": shape [64, 191] x f32 needs 48896 bytes but its range holds 48000"
+        ),
         "{e}"
     );
 }

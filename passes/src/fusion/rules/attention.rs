@@ -82,11 +82,7 @@ fn dq_dk(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         let dsr = b.splice(eg, &f, &[]);
         let mut outs: Vec<(Id, BRef)> = Vec::new();
         for (u, m) in &consumers {
-            let args = m
-                .args
-                .iter()
-                .map(|&a| if eg.find(a) == ds { dsr } else { cheap(eg, &mut b, a) })
-                .collect();
+            let args = m.args.iter().map(|&a| if eg.find(a) == ds { dsr } else { cheap(eg, &mut b, a) }).collect();
             outs.push((*u, b.node(eg, m.op, args, Some(*u))));
         }
         let mut inside: Vec<Id> = b.origins().collect();

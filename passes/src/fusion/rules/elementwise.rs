@@ -10,9 +10,34 @@ use crate::fusion::lang::{Entry, EG};
 
 /// Every pointwise op kind (see `body::is_pointwise`).
 pub const POINTWISE: &[&str] = &[
-    "neg", "exp", "log", "sqrt", "rsqrt", "recip", "tanh", "square", "gelu", "add", "sub", "mul", "div", "max", "min",
-    "gelu_grad", "affine", "cast", "broadcast", "reshape", "transpose", "slice", "concat", "gather", "dropout",
-    "adam_m", "adam_v", "adam_param",
+    "neg",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "recip",
+    "tanh",
+    "square",
+    "gelu",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "max",
+    "min",
+    "gelu_grad",
+    "affine",
+    "cast",
+    "broadcast",
+    "reshape",
+    "transpose",
+    "slice",
+    "concat",
+    "gather",
+    "dropout",
+    "adam_m",
+    "adam_v",
+    "adam_param",
 ];
 
 pub fn rules() -> Vec<Rule> {
@@ -50,8 +75,8 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         let mut absorbed = 0;
         for &a in &n.args {
             let c = eg.find(a);
-            let frag = body::best(eg, c, |f| base(&f.family) == "pointwise")
-                .filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
+            let frag =
+                body::best(eg, c, |f| base(&f.family) == "pointwise").filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
             match frag {
                 Some(f) => {
                     key.push(f.op as usize);

@@ -68,13 +68,16 @@ fn bwd_all(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let mut siblings = Vec::new();
     for &u in &eg[x].data.users.clone() {
         let u = eg.find(u);
-        if let Some(s) = eg[u].nodes.iter().find(|s| s.kind == "layernorm_grad_gamma" && eg.find(s.args[0]) == x && eg.find(s.args[1]) == dy) {
+        if let Some(s) =
+            eg[u].nodes.iter().find(|s| s.kind == "layernorm_grad_gamma" && eg.find(s.args[0]) == x && eg.find(s.args[1]) == dy)
+        {
             siblings.push((u, s.clone()));
         }
     }
     for &u in &eg[dy].data.users.clone() {
         let u = eg.find(u);
-        let is_dbeta = eg[u].nodes.iter().find(|s| s.kind == "sum_to").filter(|_| eg[u].data.ty.as_ref().is_some_and(|t| t.shape.dims() == [c]));
+        let is_dbeta =
+            eg[u].nodes.iter().find(|s| s.kind == "sum_to").filter(|_| eg[u].data.ty.as_ref().is_some_and(|t| t.shape.dims() == [c]));
         if let Some(s) = is_dbeta.cloned() {
             siblings.push((u, s));
         }

@@ -59,7 +59,10 @@ pub enum Take {
 pub enum Family {
     New(&'static str),
     /// The absorbed variable's family plus a tag (`gemm.dequant` + `bias`).
-    Extend { var: &'static str, tag: &'static str },
+    Extend {
+        var: &'static str,
+        tag: &'static str,
+    },
     /// A base family tagged by what its cheap prologues do: `.strided` (transpose, reshape,
     /// slice, broadcast) and/or `.scaled` (scale-and-shift).
     Prologue(&'static str),
@@ -165,8 +168,9 @@ impl Rule {
                 let ast = pat.ast.clone();
                 Rewrite::new(name, pat, FuseApplier { rule: f, ast, absorb, fam_var, index }).map_err(bad)
             }
-            Rule::Custom(c) => Rewrite::new(name, KindSearcher { roots: c.roots, global: c.global }, CustomApplier { apply: c.apply, index })
-                .map_err(bad),
+            Rule::Custom(c) => {
+                Rewrite::new(name, KindSearcher { roots: c.roots, global: c.global }, CustomApplier { apply: c.apply, index }).map_err(bad)
+            }
         }
     }
 }
