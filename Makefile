@@ -11,7 +11,7 @@ VAL   := examples/shakespeare_val.bin
 TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
-.PHONY: all deps llvm openblas nvrtc build demo test fmt bench clean
+.PHONY: all deps llvm openblas nvrtc build demo test lint bench clean
 
 all: build
 
@@ -52,7 +52,16 @@ $(NVRTC_LIB):
 
 nvrtc: $(NVRTC_LIB)
 
-test: deps nvrtc
+# The tree's own checks, before any test: formatting as rustfmt.toml states it, and no clippy
+# warning anywhere (library, tests, benches; with and without LLVM).
+lint:
+	@$(CARGO) fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+	@$(CARGO) clippy --version >/dev/null 2>&1 || rustup component add clippy
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets --release -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --release --no-default-features -- -D warnings
+
+test: deps nvrtc lint
 	QATC_NVRTC_LIB=$(abspath $(NVRTC_LIB)) $(CARGO) test --workspace --release
 
 bench: build

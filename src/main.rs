@@ -19,7 +19,7 @@ enum Cmd {
     /// Print the IR after a named pipeline stage.
     Dump(cli::dump::Args),
     /// Fine-tune on a token file.
-    Train(cli::train::Args),
+    Train(Box<cli::train::Args>),
     /// Precision range test: the lowest bits per module that keep the loss within a threshold.
     Prt(cli::prt::Args),
     /// The memory plan of the training step: will it fit, and where the memory goes.

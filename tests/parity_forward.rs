@@ -54,5 +54,5 @@ fn prefix_detection_and_buffer_skipping() {
     assert!(with.ckpt.has_prefix());
     assert!(!without.ckpt.has_prefix());
     assert_eq!(with.ckpt.names(), without.ckpt.names(), "attn.bias / masked_bias buffers must be skipped");
-    assert!(with.ckpt.names().iter().any(|n| *n == "h.0.attn.c_attn.bias"), "c_attn.bias is a weight, not a buffer");
+    assert!(with.ckpt.names().contains(&"h.0.attn.c_attn.bias"), "c_attn.bias is a weight, not a buffer");
 }

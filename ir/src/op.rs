@@ -321,8 +321,8 @@ impl QuantSpec {
             _ => {}
         }
         let g = self.group_for(n_in);
-        if g == 0 || n_in % g != 0 {
-            let ok: Vec<String> = (1..=n_in).filter(|d| n_in % d == 0 && *d >= 8).map(|d| d.to_string()).collect();
+        if g == 0 || !n_in.is_multiple_of(g) {
+            let ok: Vec<String> = (1..=n_in).filter(|&d| n_in.is_multiple_of(d) && d >= 8).map(|d| d.to_string()).collect();
             return Err(format!(
                 "group {} does not divide the input dimension {n_in}; sizes that do: {} (or 0 for per-channel)",
                 self.group,

@@ -44,8 +44,11 @@ impl std::fmt::Display for PassReport {
 /// that rebuild, like autodiff's, and passes that edit in place look the same from outside).
 pub struct Pass<'a> {
     pub name: &'static str,
-    pub run: Box<dyn FnOnce(Graph) -> Result<(Graph, PassReport), PassError> + 'a>,
+    pub run: PassFn<'a>,
 }
+
+/// A pass body: the graph in, the new graph and its report out.
+pub type PassFn<'a> = Box<dyn FnOnce(Graph) -> Result<(Graph, PassReport), PassError> + 'a>;
 
 impl<'a> Pass<'a> {
     pub fn new(name: &'static str, run: impl FnOnce(Graph) -> Result<(Graph, PassReport), PassError> + 'a) -> Pass<'a> {

@@ -225,7 +225,7 @@ mod tests {
     #[test]
     fn zero_groups_dequantize_to_zero() {
         for s in QuantScheme::ALL {
-            let sp = if s == QuantScheme::Q4_0 { spec(4, 32, s) } else { spec(4, 32, s) };
+            let sp = spec(4, 32, s);
             let out = fake_quant(&[0.0; 64], 32, 2, sp);
             assert!(out.iter().all(|&v| v == 0.0), "{s:?}");
         }

@@ -59,7 +59,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     super::check_seq(&m, a.batch, a.seq)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
-    if !(a.threshold >= 0.0) {
+    if a.threshold.is_nan() || a.threshold < 0.0 {
         anyhow::bail!("--threshold must be >= 0");
     }
     let n = a.batches.min(data.num_batches(a.batch, a.seq));

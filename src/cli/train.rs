@@ -122,7 +122,7 @@ fn check(a: &Args) -> anyhow::Result<LrSchedule> {
     if a.steps == 0 {
         anyhow::bail!("--steps must be at least 1");
     }
-    if !(a.lr > 0.0 && a.lr.is_finite()) || !(a.min_lr >= 0.0 && a.min_lr <= a.lr) {
+    if !(a.lr > 0.0 && a.lr.is_finite() && (0.0..=a.lr).contains(&a.min_lr)) {
         anyhow::bail!("--lr must be a positive number and --min-lr within [0, lr]");
     }
     if !["constant", "cosine"].contains(&a.schedule.as_str()) {

@@ -20,6 +20,9 @@ use super::gguf::{self, GgmlType, Gguf, TensorData, Value, ValueType};
 use super::{vocab, ExportError, LinearExport, Merged};
 use crate::frontend::config::Gpt2Config;
 
+/// Tensors by Hugging Face name.
+pub type NamedTensors = Vec<(String, Tensor<f32>)>;
+
 /// llama.cpp's `llama_ftype` for the file's predominant weight type.
 fn file_type(types: &[GgmlType]) -> u32 {
     let has = |t| types.contains(&t);
@@ -202,7 +205,7 @@ pub fn to_gguf(m: &Merged, name: &str) -> Result<Gguf, ExportError> {
 
 /// Reads a GPT-2 GGUF back into HF tensors (f32, linears [in, out]) and its config: what a test
 /// evaluates to check an export.
-pub fn from_gguf(f: &Gguf) -> Result<(Gpt2Config, Vec<(String, Tensor<f32>)>), ExportError> {
+pub fn from_gguf(f: &Gguf) -> Result<(Gpt2Config, NamedTensors), ExportError> {
     let bad = |m: String| ExportError::Unsupported(format!("not a qatc GPT-2 GGUF: {m}"));
     if f.get("general.architecture").and_then(Value::as_str) != Some("gpt2") {
         return Err(bad("general.architecture is not \"gpt2\"".into()));

@@ -204,8 +204,11 @@ fn check_entry(path: &Path, p: &Parsed) -> Result<(), LoadError> {
         return Err(LoadError::SizeMismatch {
             path: path.into(),
             tensor: tensor(),
-            shape: p.shape.clone(),
-            dtype: p.dtype.map(|d| d.name().to_string()).unwrap_or_else(|| p.st_dtype.to_lowercase()),
+            what: format!(
+                "{} x {}",
+                super::error::dims(&p.shape),
+                p.dtype.map(|d| d.name().to_string()).unwrap_or_else(|| p.st_dtype.to_lowercase())
+            ),
             needed,
             holds,
         });

@@ -40,8 +40,9 @@ pub enum LoadError {
     #[error("{}: tensor {tensor:?}: {why}", path.display())]
     BadOffsets { path: PathBuf, tensor: String, why: String },
 
-    #[error("{}: tensor {tensor:?}: shape {} x {dtype} needs {needed} bytes but its range holds {holds}", path.display(), dims(shape))]
-    SizeMismatch { path: PathBuf, tensor: String, shape: Vec<usize>, dtype: String, needed: u128, holds: u64 },
+    /// `what` is the shape and dtype as written in the header (`[2, 3] x f32`).
+    #[error("{}: tensor {tensor:?}: shape {what} needs {needed} bytes but its range holds {holds}", path.display())]
+    SizeMismatch { path: PathBuf, tensor: String, what: String, needed: u128, holds: u64 },
 
     #[error("{}: {extra} bytes after the last tensor's data: the data section must end at the end of the file", path.display())]
     TrailingBytes { path: PathBuf, extra: u64 },
