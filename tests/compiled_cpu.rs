@@ -23,7 +23,7 @@ use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::microbatch::micro_name;
 use qatc_passes::optim::AdamW;
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::kernels::elementwise::{adam_param, AdamHyper};
+use qatc_runtime::ops::elementwise::{adam_param, AdamHyper};
 use qatc_runtime::{BufferLayout, CpuProgram, Interpreter, RuntimeError, Value};
 
 const TOL: f64 = 1e-5;
@@ -44,7 +44,7 @@ fn floats(v: &Value<f32>) -> Vec<f64> {
 /// element whose gradient is tiny (or exactly zero in exact arithmetic: the key third of
 /// `c_attn.bias`) moves by up to lr in a direction that rounding decides, in either program (see
 /// tests/parity_train.rs). So a weight is checked twice: element-wise against the interpreter's
-/// AdamW (`kernels::elementwise::adam_param`) applied to the compiled step's own moments (which
+/// AdamW (`ops::elementwise::adam_param`) applied to the compiled step's own moments (which
 /// are checked element-wise against the interpreter's), and norm-wise against the interpreter's
 /// weight. Returns (element-wise max relative error, norm-wise relative error).
 fn adam_errors(

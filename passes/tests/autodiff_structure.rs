@@ -230,7 +230,7 @@ struct Dims {
 
 fn gpt2_like(d: &Dims, lora_layers: &[usize]) -> Result<Graph, IrError> {
     let (b, t, c, nh, v) = (d.b, d.t, d.c, d.nh, d.v);
-    let (n, hd, r) = (b * t, c / nh, 2);
+    let (n, hs, r) = (b * t, c / nh, 2);
     let f32_in = |g: &mut Graph, name: &str, kind: InputKind, shape: &[usize]| g.input(name, kind, DType::F32, shape.to_vec());
     let mut g = Graph::new("gpt2-like");
     let wte = f32_in(&mut g, "wte.weight", InputKind::Frozen, &[v, c])?;
@@ -274,11 +274,11 @@ fn gpt2_like(d: &Dims, lora_layers: &[usize]) -> Result<Graph, IrError> {
         let mut heads = Vec::new();
         for i in 0..3 {
             let s = g.add(Op::Slice { axis: 1, start: i * c, end: (i + 1) * c }, &[qkv])?;
-            let s = g.add(Op::Reshape { shape: Shape::new([b, t, nh, hd]) }, &[s])?;
+            let s = g.add(Op::Reshape { shape: Shape::new([b, t, nh, hs]) }, &[s])?;
             heads.push(g.add(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[s])?);
         }
         let att = g.add(Op::MatMul { ta: false, tb: true }, &[heads[0], heads[1]])?;
-        let att = g.add(Op::Softmax { scale: 1.0 / (hd as f64).sqrt(), causal: true }, &[att])?;
+        let att = g.add(Op::Softmax { scale: 1.0 / (hs as f64).sqrt(), causal: true }, &[att])?;
         let o = mm(&mut g, att, heads[2])?;
         let o = g.add(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[o])?;
         let o = g.add(Op::Reshape { shape: Shape::new([n, c]) }, &[o])?;

@@ -4,7 +4,7 @@
 use qatc_ir::{DType, Op, TensorType};
 
 use crate::float::Float;
-use crate::kernels::{elementwise as ew, embed, layout, matmul, norm, softmax};
+use crate::ops::{elementwise as ew, embed, layout, matmul, norm, softmax};
 use crate::quant;
 use crate::value::{IntTensor, Tensor, Value};
 

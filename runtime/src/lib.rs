@@ -45,7 +45,7 @@ mod error;
 mod eval;
 mod float;
 mod interp;
-pub mod kernels;
+pub mod ops;
 pub mod quant;
 mod value;
 

@@ -1,4 +1,4 @@
-//! GGUF v3, the file llama.cpp loads (shared/notes/formats.md section 5): a writer, a
+//! GGUF v3, the file llama.cpp loads (docs/formats.md section 5): a writer, a
 //! bounds-checked reader, and the block formats qatc exports (F32, F16, Q4_0, Q8_0).
 //!
 //! Layout: "GGUF", u32 version 3, u64 tensor_count, u64 kv_count, the key-values, the tensor

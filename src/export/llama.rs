@@ -1,6 +1,6 @@
 //! The merged model as a GGUF file for llama.cpp's `gpt2` architecture, and back.
 //!
-//! Tensor names and KVs follow llama.cpp's converter (shared/notes/formats.md section 5). Linear
+//! Tensor names and KVs follow llama.cpp's converter (docs/formats.md section 5). Linear
 //! weights are stored transposed, [out, in] row-major (GGUF ne = [in, out]), so quantization
 //! blocks run along in-features, as qatc's groups do. Tensor types:
 //! - Q4_0 when trained with `--scheme q4_0` (group 32): the codes and f16 scales are

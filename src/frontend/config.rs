@@ -1,6 +1,6 @@
 //! The GPT-2 hyperparameters: read from the `config.json` Hugging Face saves beside the weights,
 //! or inferred from tensor shapes when there is none, then checked against every tensor the
-//! lowering needs (shared/notes/formats.md section 1).
+//! lowering needs (docs/formats.md section 1).
 
 use std::path::{Path, PathBuf};
 
@@ -229,7 +229,7 @@ impl Gpt2Config {
         Ok(())
     }
 
-    pub fn head_dim(&self) -> usize {
+    pub fn head_size(&self) -> usize {
         self.n_embd.checked_div(self.n_head).unwrap_or(0)
     }
 

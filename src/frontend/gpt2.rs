@@ -3,7 +3,7 @@
 //! checkpoint key without the `transformer.` prefix, so passes (fake-quant, LoRA) find linears
 //! by name and the runtime binds weights by name.
 //!
-//! Shapes: B batch, T sequence, C = n_embd, NH heads, hd = C / NH, V vocab, P n_positions.
+//! Shapes: B batch, T sequence, C = n_embd, NH heads, hs = C / NH, V vocab, P n_positions.
 
 use qatc_ir::{BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, Shape, UnaryOp};
 
@@ -60,7 +60,7 @@ impl Builder<'_> {
     /// One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.)). x is [B*T, C].
     fn block(&mut self, x: NodeId, l: usize, b: usize, t: usize) -> Result<NodeId, IrError> {
         let (c, nh) = (self.cfg.n_embd, self.cfg.n_head);
-        let hd = c / nh;
+        let hs = c / nh;
         let p = format!("h.{l}");
         // attention
         let h = self.layernorm(x, &format!("{p}.ln_1"))?; // [BT, C]
@@ -68,15 +68,15 @@ impl Builder<'_> {
         let mut heads = Vec::new();
         for (i, which) in ["q", "k", "v"].iter().enumerate() {
             let s = self.op(Op::Slice { axis: 1, start: i * c, end: (i + 1) * c }, &[qkv])?; // [BT, C]
-            let r = self.op(Op::Reshape { shape: Shape::new([b, t, nh, hd]) }, &[s])?;
-            let tr = self.named(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[r], &format!("{p}.attn.{which}"))?; // [B, NH, T, hd]
+            let r = self.op(Op::Reshape { shape: Shape::new([b, t, nh, hs]) }, &[s])?;
+            let tr = self.named(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[r], &format!("{p}.attn.{which}"))?; // [B, NH, T, hs]
             heads.push(tr);
         }
         let att = self.op(Op::MatMul { ta: false, tb: true }, &[heads[0], heads[1]])?; // [B, NH, T, T]
-        let scale = 1.0 / (hd as f64).sqrt();
+        let scale = 1.0 / (hs as f64).sqrt();
         let probs = self.named(Op::Softmax { scale, causal: true }, &[att], &format!("{p}.attn.probs"))?;
-        let y = self.op(Op::MatMul { ta: false, tb: false }, &[probs, heads[2]])?; // [B, NH, T, hd]
-        let y = self.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?; // [B, T, NH, hd]
+        let y = self.op(Op::MatMul { ta: false, tb: false }, &[probs, heads[2]])?; // [B, NH, T, hs]
+        let y = self.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?; // [B, T, NH, hs]
         let y = self.op(Op::Reshape { shape: Shape::new([b * t, c]) }, &[y])?; // [BT, C]
         let a = self.linear(y, &format!("{p}.attn.c_proj"), c, c)?;
         let x = self.named(Op::Binary(BinaryOp::Add), &[x, a], &format!("{p}.resid_attn"))?;

@@ -155,7 +155,7 @@ fn render(k: &Kernel, name: &str) -> Result<String, KernelError> {
             w.line(format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(", dims.block));
             params(&mut w, k);
             w.open("");
-            Body_::new(k, stmts).kernel(&mut w, space, stmts)?;
+            LoopNestWriter::new(k, stmts).kernel(&mut w, space, stmts)?;
             w.close();
         }
         Body::Attention(a) => super::attention::render(&mut w, k, a, name, dims.block),
@@ -211,7 +211,7 @@ fn has_reduce(stmts: &[Stmt]) -> bool {
 }
 
 /// Emission state for one loop-nest kernel.
-struct Body_<'k> {
+struct LoopNestWriter<'k> {
     k: &'k Kernel,
     env: TypeEnv,
     /// Variable -> its C name: its display name where it has a free one, else `v{n}` / `acc{n}`.
@@ -224,8 +224,8 @@ struct Body_<'k> {
     block_rows: bool,
 }
 
-impl<'k> Body_<'k> {
-    fn new(k: &'k Kernel, stmts: &[Stmt]) -> Body_<'k> {
+impl<'k> LoopNestWriter<'k> {
+    fn new(k: &'k Kernel, stmts: &[Stmt]) -> LoopNestWriter<'k> {
         let mut taken: BTreeSet<String> = k.params.iter().map(|p| p.name.clone()).collect();
         taken.extend(["idx", "row", "j", "j1", "j2", "scratch"].map(String::from));
         let mut vars = HashMap::new();
@@ -241,7 +241,7 @@ impl<'k> Body_<'k> {
             taken.insert(name.clone());
             vars.insert(v, name);
         }
-        Body_ { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false }
+        LoopNestWriter { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false }
     }
 
     fn var(&self, v: VarId) -> String {

@@ -7,7 +7,7 @@
 
 use inkwell::values::{BasicValue, FloatValue, IntValue, PointerValue};
 
-use super::fb::{Fb, R};
+use super::fb::{FnBuilder, R};
 use super::math::exp_f32;
 use crate::error::KernelError;
 use crate::kir::{Attention, AttentionPart};
@@ -15,7 +15,7 @@ use crate::kir::{Attention, AttentionPart};
 /// `reassoc` + `nsz` on the dot products' and the softmax sum's adds (folded in any order).
 const FMF: u32 = 1 | 8;
 
-struct At<'ctx> {
+struct AttentionScope<'ctx> {
     a: Attention,
     hs: IntValue<'ctx>,
     b: IntValue<'ctx>,
@@ -24,9 +24,9 @@ struct At<'ctx> {
     stat0: IntValue<'ctx>,
 }
 
-impl<'ctx> At<'ctx> {
+impl<'ctx> AttentionScope<'ctx> {
     /// Element index of (b, h, t, 0) in param p's buffer.
-    fn row(&self, f: &Fb<'_, 'ctx>, p: usize, t: IntValue<'ctx>) -> R<IntValue<'ctx>> {
+    fn row(&self, f: &FnBuilder<'_, 'ctx>, p: usize, t: IntValue<'ctx>) -> R<IntValue<'ctx>> {
         let i64t = f.cx.i64_type();
         let [sb, sh, st] =
             self.a.strides.get(p).copied().ok_or_else(|| KernelError::Internal(format!("{}: no strides for param {p}", f.name)))?;
@@ -37,12 +37,12 @@ impl<'ctx> At<'ctx> {
         Ok(f.b.build_int_add(x, c(off), "row")?)
     }
 
-    fn stat(&self, f: &Fb<'_, 'ctx>, p: usize, t: IntValue<'ctx>) -> R<FloatValue<'ctx>> {
+    fn stat(&self, f: &FnBuilder<'_, 'ctx>, p: usize, t: IntValue<'ctx>) -> R<FloatValue<'ctx>> {
         f.load_f32(f.param(p)?, f.b.build_int_add(self.stat0, t, "r")?)
     }
 
     /// sum_d x[xr + d] * y[yr + d]
-    fn dot(&self, f: &mut Fb<'_, 'ctx>, x: (usize, IntValue<'ctx>), y: (usize, IntValue<'ctx>)) -> R<FloatValue<'ctx>> {
+    fn dot(&self, f: &mut FnBuilder<'_, 'ctx>, x: (usize, IntValue<'ctx>), y: (usize, IntValue<'ctx>)) -> R<FloatValue<'ctx>> {
         let acc = f.alloca(f.f32t().into(), 1, "dot")?;
         f.b.build_store(acc, f.f32c(0.0))?;
         let (px, py) = (f.param(x.0)?, f.param(y.0)?);
@@ -61,7 +61,7 @@ impl<'ctx> At<'ctx> {
     }
 
     /// acc[d] += w * x[xr + d]
-    fn axpy(&self, f: &mut Fb<'_, 'ctx>, acc: PointerValue<'ctx>, w: FloatValue<'ctx>, x: (usize, IntValue<'ctx>)) -> R<()> {
+    fn axpy(&self, f: &mut FnBuilder<'_, 'ctx>, acc: PointerValue<'ctx>, w: FloatValue<'ctx>, x: (usize, IntValue<'ctx>)) -> R<()> {
         let px = f.param(x.0)?;
         let zero = f.cx.i64_type().const_int(0, false);
         f.for_range(zero, self.hs, &mut |f, d| {
@@ -71,13 +71,20 @@ impl<'ctx> At<'ctx> {
         })
     }
 
-    fn fill(&self, f: &mut Fb<'_, 'ctx>, acc: PointerValue<'ctx>) -> R<()> {
+    fn fill(&self, f: &mut FnBuilder<'_, 'ctx>, acc: PointerValue<'ctx>) -> R<()> {
         let zero = f.cx.i64_type().const_int(0, false);
         f.for_range(zero, self.hs, &mut |f, d| f.store_f32(acc, d, f.f32c(0.0)))
     }
 
     /// out[or + d] = acc[d] * scale
-    fn write(&self, f: &mut Fb<'_, 'ctx>, p: usize, t: IntValue<'ctx>, acc: PointerValue<'ctx>, div: Option<FloatValue<'ctx>>) -> R<()> {
+    fn write(
+        &self,
+        f: &mut FnBuilder<'_, 'ctx>,
+        p: usize,
+        t: IntValue<'ctx>,
+        acc: PointerValue<'ctx>,
+        div: Option<FloatValue<'ctx>>,
+    ) -> R<()> {
         let (po, base) = (f.param(p)?, self.row(f, p, t)?);
         let zero = f.cx.i64_type().const_int(0, false);
         f.for_range(zero, self.hs, &mut |f, d| {
@@ -90,7 +97,7 @@ impl<'ctx> At<'ctx> {
     }
 }
 
-pub fn emit(f: &mut Fb, a: &Attention) -> R<()> {
+pub fn emit(f: &mut FnBuilder, a: &Attention) -> R<()> {
     if let Some(p) = f.k.params.iter().find(|p| p.dtype != qatc_ir::DType::F32) {
         return Err(KernelError::Internal(format!("{}: attention on {} {}", f.name, p.dtype, p.name)));
     }
@@ -108,7 +115,7 @@ pub fn emit(f: &mut Fb, a: &Attention) -> R<()> {
     f.for_range(start, end, &mut |f, it| {
         let bh = f.b.build_int_unsigned_div(it, c(a.t), "bh")?;
         let r = f.b.build_int_unsigned_rem(it, c(a.t), "r")?;
-        let at = At {
+        let at = AttentionScope {
             a: a.clone(),
             hs: c(a.hs),
             b: f.b.build_int_unsigned_div(bh, c(a.nh), "b")?,

@@ -23,7 +23,7 @@ impl From<BuilderError> for KernelError {
 
 pub(crate) type R<T> = Result<T, KernelError>;
 
-pub(crate) struct Fb<'a, 'ctx> {
+pub(crate) struct FnBuilder<'a, 'ctx> {
     pub cx: &'ctx Context,
     pub m: &'a Module<'ctx>,
     pub b: Builder<'ctx>,
@@ -39,8 +39,8 @@ pub(crate) struct Fb<'a, 'ctx> {
     code: BasicBlock<'ctx>,
 }
 
-impl<'a, 'ctx> Fb<'a, 'ctx> {
-    pub fn new(cx: &'ctx Context, m: &'a Module<'ctx>, k: &'a Kernel, name: &str) -> R<Fb<'a, 'ctx>> {
+impl<'a, 'ctx> FnBuilder<'a, 'ctx> {
+    pub fn new(cx: &'ctx Context, m: &'a Module<'ctx>, k: &'a Kernel, name: &str) -> R<FnBuilder<'a, 'ctx>> {
         let ptr = cx.ptr_type(AddressSpace::default());
         let i64t = cx.i64_type();
         let mut args: Vec<inkwell::types::BasicMetadataTypeEnum> = k.params.iter().map(|_| ptr.into()).collect();
@@ -69,7 +69,7 @@ impl<'a, 'ctx> Fb<'a, 'ctx> {
         let get =
             |i: u32| f.get_nth_param(i).map(|v| v.into_int_value()).ok_or_else(|| KernelError::Internal("missing range param".into()));
         let (start, end) = (get(n)?, get(n + 1)?);
-        Ok(Fb { cx, m, b, k, name: name.to_string(), f, params, start, end, allocas, code })
+        Ok(FnBuilder { cx, m, b, k, name: name.to_string(), f, params, start, end, allocas, code })
     }
 
     /// Closes the body and adds the exported wrapper `NAME(ptr args, i64 start, i64 end)`.

@@ -166,7 +166,7 @@ impl Jit {
         for name in &names {
             let addr = engine.get_function_address(name).map_err(|e| llvm_err(name, e))?;
             // SAFETY: `addr` is the entry of a function this module defines with exactly the
-            // signature `void (ptr, i64, i64)` (`Fb::finish`).
+            // signature `void (ptr, i64, i64)` (`FnBuilder::finish`).
             fns.push(unsafe { std::mem::transmute::<usize, KernelFn>(addr) });
         }
         Ok((engine, fns, names))

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use inkwell::values::{BasicValue, BasicValueEnum, FloatValue, IntValue};
 use inkwell::{FloatPredicate, IntPredicate};
 
-use super::fb::{Fb, R};
+use super::fb::{FnBuilder, R};
 use super::math;
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Intrinsic, Ix, ReduceOp, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
@@ -18,11 +18,11 @@ const REDUCE_FMF: u32 = 1 | 8;
 /// Independent accumulators of a long Max reduction (one AVX2 vector of f32).
 const MAX_LANES: usize = 8;
 
-pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
+pub fn emit(f: &mut FnBuilder, space: &Space, stmts: &[Stmt]) -> R<()> {
     let it = f.index_ty();
     let start = f.b.build_int_truncate_or_bit_cast(f.start, it, "start")?;
     let end = f.b.build_int_truncate_or_bit_cast(f.end, it, "end")?;
-    let mut em = Em { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new(), nibbles: HashMap::new() };
+    let mut em = Scope { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new(), nibbles: HashMap::new() };
     match space {
         Space::Elements { shape } if (0..shape.len()).any(|d| f.k.uses_ix(Ix::Coord(d as u8))) => {
             // Coordinates by division are not affine in the element index, and LLVM vectorizes
@@ -66,7 +66,7 @@ pub fn emit(f: &mut Fb, space: &Space, stmts: &[Stmt]) -> R<()> {
 }
 
 /// The packed 4-bit params the kernel loads at its own element index (`Ix::Elem`).
-fn i4_at_elem(f: &Fb, stmts: &[Stmt]) -> Vec<usize> {
+fn i4_at_elem(f: &FnBuilder, stmts: &[Stmt]) -> Vec<usize> {
     let mut ps = Vec::new();
     crate::kir::visit_exprs(stmts, &mut |e| {
         if let Expr::Load { param, index } = e {
@@ -80,7 +80,7 @@ fn i4_at_elem(f: &Fb, stmts: &[Stmt]) -> Vec<usize> {
 }
 
 /// Emission state: index variables and let-bound values in scope.
-struct Em<'ctx> {
+struct Scope<'ctx> {
     env: TypeEnv,
     ix: HashMap<Ix, IntValue<'ctx>>,
     vars: HashMap<VarId, BasicValueEnum<'ctx>>,
@@ -88,7 +88,7 @@ struct Em<'ctx> {
     nibbles: HashMap<usize, IntValue<'ctx>>,
 }
 
-impl<'ctx> Em<'ctx> {
+impl<'ctx> Scope<'ctx> {
     /// Elements lo..hi of an Elements space (`row`: the row's first element and the last dim,
     /// when coordinates are in use). A kernel that loads packed 4-bit codes at its own element
     /// index goes two elements per iteration: one byte load gives both codes. Element by
@@ -97,13 +97,13 @@ impl<'ctx> Em<'ctx> {
     /// the two halves interleaved accesses, which it vectorizes.
     fn elements(
         &mut self,
-        f: &mut Fb<'_, 'ctx>,
+        f: &mut FnBuilder<'_, 'ctx>,
         lo: IntValue<'ctx>,
         hi: IntValue<'ctx>,
         row: Option<(IntValue<'ctx>, usize)>,
         stmts: &[Stmt],
     ) -> R<()> {
-        let one = |em: &mut Self, f: &mut Fb<'_, 'ctx>, idx: IntValue<'ctx>| -> R<()> {
+        let one = |em: &mut Self, f: &mut FnBuilder<'_, 'ctx>, idx: IntValue<'ctx>| -> R<()> {
             em.ix.insert(Ix::Elem, idx);
             if let Some((base, last)) = row {
                 em.ix.insert(Ix::Coord(last as u8), f.b.build_int_sub(idx, base, "cl")?);
@@ -176,15 +176,15 @@ fn speculatable(e: &Expr) -> bool {
     ok
 }
 
-impl<'ctx> Em<'ctx> {
-    fn stmts(&mut self, f: &mut Fb<'_, 'ctx>, stmts: &[Stmt]) -> R<()> {
+impl<'ctx> Scope<'ctx> {
+    fn stmts(&mut self, f: &mut FnBuilder<'_, 'ctx>, stmts: &[Stmt]) -> R<()> {
         for s in stmts {
             self.stmt(f, s)?;
         }
         Ok(())
     }
 
-    fn stmt(&mut self, f: &mut Fb<'_, 'ctx>, s: &Stmt) -> R<()> {
+    fn stmt(&mut self, f: &mut FnBuilder<'_, 'ctx>, s: &Stmt) -> R<()> {
         match s {
             Stmt::Let { var, ty, value } => {
                 let v = self.typed(f, value, *ty)?;
@@ -268,7 +268,7 @@ impl<'ctx> Em<'ctx> {
     #[allow(clippy::too_many_arguments)]
     fn max_lanes(
         &mut self,
-        f: &mut Fb<'_, 'ctx>,
+        f: &mut FnBuilder<'_, 'ctx>,
         acc: inkwell::values::PointerValue<'ctx>,
         fty: inkwell::types::FloatType<'ctx>,
         lp: &crate::kir::Loop,
@@ -311,24 +311,24 @@ impl<'ctx> Em<'ctx> {
         Ok(f.b.build_int_mul(blocks, it.const_int(MAX_LANES as u64, false), "tail")?)
     }
 
-    fn ty(&self, f: &Fb, e: &Expr) -> Ty {
+    fn ty(&self, f: &FnBuilder, e: &Expr) -> Ty {
         self.env.ty(f.k, e)
     }
 
     /// `e` converted to the index type.
-    fn index(&mut self, f: &mut Fb<'_, 'ctx>, e: &Expr) -> R<IntValue<'ctx>> {
+    fn index(&mut self, f: &mut FnBuilder<'_, 'ctx>, e: &Expr) -> R<IntValue<'ctx>> {
         let t = f.k.index_ty;
         Ok(self.typed(f, e, t)?.into_int_value())
     }
 
     /// `e` evaluated and converted to `want`.
-    fn typed(&mut self, f: &mut Fb<'_, 'ctx>, e: &Expr, want: Ty) -> R<BasicValueEnum<'ctx>> {
+    fn typed(&mut self, f: &mut FnBuilder<'_, 'ctx>, e: &Expr, want: Ty) -> R<BasicValueEnum<'ctx>> {
         let (v, t) = self.expr(f, e, Some(want))?;
         convert(f, v, t, want)
     }
 
     /// The value of `e` and its type; `hint` types integer literals.
-    fn expr(&mut self, f: &mut Fb<'_, 'ctx>, e: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
+    fn expr(&mut self, f: &mut FnBuilder<'_, 'ctx>, e: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
         Ok(match e {
             Expr::Float(v, t) => (f.llty(*t).into_float_type().const_float(*v).into(), *t),
             Expr::Int(i) => {
@@ -402,7 +402,7 @@ impl<'ctx> Em<'ctx> {
     }
 
     /// The type both operands are computed in.
-    fn meet(&self, f: &Fb, a: &Expr, b: &Expr, hint: Option<Ty>) -> Ty {
+    fn meet(&self, f: &FnBuilder, a: &Expr, b: &Expr, hint: Option<Ty>) -> Ty {
         match (matches!(a, Expr::Int(_)), matches!(b, Expr::Int(_))) {
             (true, true) => hint.unwrap_or(f.k.index_ty),
             (true, false) => self.ty(f, b),
@@ -411,7 +411,7 @@ impl<'ctx> Em<'ctx> {
         }
     }
 
-    fn unary(&mut self, f: &mut Fb<'_, 'ctx>, op: UnOp, a: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
+    fn unary(&mut self, f: &mut FnBuilder<'_, 'ctx>, op: UnOp, a: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
         if op == UnOp::Not {
             let v = self.typed(f, a, Ty::Bool)?.into_int_value();
             return Ok((f.b.build_not(v, "not")?.into(), Ty::Bool));
@@ -454,11 +454,11 @@ impl<'ctx> Em<'ctx> {
         Ok((v.into(), t))
     }
 
-    fn to_f32(&self, f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+    fn to_f32(&self, f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
         Ok(if x.get_type() == f.f32t() { x } else { f.b.build_float_trunc(x, f.f32t(), "f")? })
     }
 
-    fn binary(&mut self, f: &mut Fb<'_, 'ctx>, op: BinOp, a: &Expr, b: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
+    fn binary(&mut self, f: &mut FnBuilder<'_, 'ctx>, op: BinOp, a: &Expr, b: &Expr, hint: Option<Ty>) -> R<(BasicValueEnum<'ctx>, Ty)> {
         if op == BinOp::And {
             let (x, y) = (self.typed(f, a, Ty::Bool)?.into_int_value(), self.typed(f, b, Ty::Bool)?.into_int_value());
             return Ok((f.b.build_and(x, y, "and")?.into(), Ty::Bool));
@@ -509,7 +509,7 @@ impl<'ctx> Em<'ctx> {
         }
     }
 
-    fn call(&mut self, f: &mut Fb<'_, 'ctx>, i: Intrinsic, args: &[Expr]) -> R<(BasicValueEnum<'ctx>, Ty)> {
+    fn call(&mut self, f: &mut FnBuilder<'_, 'ctx>, i: Intrinsic, args: &[Expr]) -> R<(BasicValueEnum<'ctx>, Ty)> {
         let name = f.name.clone();
         let arg = |n: usize| args.get(n).ok_or_else(|| KernelError::Internal(format!("{name}: {i:?} is missing operand {n}")));
         Ok(match i {
@@ -536,7 +536,7 @@ impl<'ctx> Em<'ctx> {
 }
 
 /// Implicit conversion between operand types (C's usual conversions).
-fn convert<'ctx>(f: &Fb<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
+fn convert<'ctx>(f: &FnBuilder<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
     if from == to {
         return Ok(v);
     }
@@ -566,7 +566,7 @@ fn convert<'ctx>(f: &Fb<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) ->
 
 /// `Expr::Cast`: float to integer truncates toward zero, saturates, and maps NaN to 0 (through
 /// f32, as the CUDA backend's `f2i_sat`); everything else as [`convert`].
-fn cast<'ctx>(f: &Fb<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
+fn cast<'ctx>(f: &FnBuilder<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
     match (from, to) {
         (Ty::F32 | Ty::F64, Ty::I32 | Ty::I64) => {
             let x = v.into_float_value();

@@ -8,7 +8,7 @@ use inkwell::FloatPredicate;
 
 use qatc_ir::NF4;
 
-use super::fb::{Fb, R};
+use super::fb::{FnBuilder, R};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044715;
@@ -16,7 +16,7 @@ const GELU_C: f64 = 0.044715;
 /// e^x in f32: Cephes' range reduction (x = n ln2 + r, |r| <= ln2/2) and degree-6 polynomial,
 /// scaled by 2^n in two halves so that neither factor leaves the normal range. Within 2 ulp of
 /// libm's expf, and unlike a libm call it vectorizes. exp(-inf) = 0, exp(+inf) = inf, NaN stays.
-pub fn exp_f32<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+pub fn exp_f32<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
     let b = &f.b;
     let c = |v: f64| f.f32c(v);
     let xc = f.intrinsic("llvm.maxnum", &[x, c(-104.0)])?;
@@ -46,7 +46,7 @@ pub fn exp_f32<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx
 
 /// tanh in f32, Cephes' tanhf: an odd polynomial below |x| = 0.625, 1 - 2 / (e^2|x| + 1) above
 /// (both computed, one selected, so it vectorizes; within 2 ulp of libm). NaN stays NaN.
-pub fn tanh_f32<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+pub fn tanh_f32<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
     let b = &f.b;
     let c = |v: f64| f.f32c(v);
     let ax = f.intrinsic("llvm.fabs", &[x])?;
@@ -64,7 +64,7 @@ pub fn tanh_f32<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ct
 }
 
 /// GPT-2's gelu_new, operation for operation as the interpreter: 0.5 x (1 + tanh(k (x + c x^3))).
-pub fn gelu<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+pub fn gelu<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
     let b = &f.b;
     let t = tanh_arg(f, x)?;
     let half_x = b.build_float_mul(f.f32c(0.5), x, "hx")?;
@@ -72,7 +72,7 @@ pub fn gelu<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> 
 }
 
 /// tanh(k (x + c x x x)), the factor both GELU and its gradient share.
-fn tanh_arg<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+fn tanh_arg<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
     let b = &f.b;
     let cube = b.build_float_mul(b.build_float_mul(b.build_float_mul(f.f32c(GELU_C), x, "c")?, x, "c")?, x, "c")?;
     let u = b.build_float_mul(f.f32c(SQRT_2_OVER_PI), b.build_float_add(x, cube, "u")?, "u")?;
@@ -80,7 +80,7 @@ fn tanh_arg<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> 
 }
 
 /// dy * gelu'(x) = dy (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2)).
-pub fn gelu_grad<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>, dy: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+pub fn gelu_grad<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>, dy: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
     let b = &f.b;
     let c = |v: f64| f.f32c(v);
     let t = tanh_arg(f, x)?;
@@ -94,7 +94,7 @@ pub fn gelu_grad<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>, dy: FloatValue<'ct
 }
 
 /// torch.maximum / torch.minimum: NaN if either is NaN, else the larger (smaller), `a` on ties.
-pub fn max_min_nan<'ctx>(f: &Fb<'_, 'ctx>, a: FloatValue<'ctx>, b_: FloatValue<'ctx>, max: bool) -> R<FloatValue<'ctx>> {
+pub fn max_min_nan<'ctx>(f: &FnBuilder<'_, 'ctx>, a: FloatValue<'ctx>, b_: FloatValue<'ctx>, max: bool) -> R<FloatValue<'ctx>> {
     let b = &f.b;
     let pred = if max { FloatPredicate::OGE } else { FloatPredicate::OLE };
     let pick = b.build_select(b.build_float_compare(pred, a, b_, "ge")?, a, b_, "m")?.into_float_value();
@@ -103,13 +103,13 @@ pub fn max_min_nan<'ctx>(f: &Fb<'_, 'ctx>, a: FloatValue<'ctx>, b_: FloatValue<'
 }
 
 /// x rounded to the nearest f16 (ties to even) and back.
-pub fn round_f16<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+pub fn round_f16<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
     let h = f.b.build_float_trunc(x, f.cx.f16_type(), "h")?;
     Ok(f.b.build_float_ext(h, f.f32t(), "x")?)
 }
 
 /// The bf16 bits of x, rounded to nearest even; NaN stays a quiet NaN.
-pub fn f32_to_bf16_bits<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
+pub fn f32_to_bf16_bits<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
     let b = &f.b;
     let i32t = f.cx.i32_type();
     let k = |v: u64| i32t.const_int(v, false);
@@ -124,7 +124,7 @@ pub fn f32_to_bf16_bits<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<IntVal
     Ok(b.build_int_truncate(v, f.cx.i16_type(), "bf16")?)
 }
 
-pub fn round_bf16<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
+pub fn round_bf16<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
     let b = &f.b;
     let i32t = f.cx.i32_type();
     let bits = b.build_int_z_extend(f32_to_bf16_bits(f, x)?, i32t, "w")?;
@@ -135,7 +135,7 @@ pub fn round_bf16<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'
 /// `quant::dropout_keep`: splitmix64's finalizer of (seed, stream, i); keep when the top 24 bits
 /// as a uniform in [0, 1) are >= p (in f64).
 pub fn dropout_keep<'ctx>(
-    f: &Fb<'_, 'ctx>,
+    f: &FnBuilder<'_, 'ctx>,
     seed: IntValue<'ctx>,
     stream: u64,
     i: IntValue<'ctx>,
@@ -162,7 +162,7 @@ pub fn dropout_keep<'ctx>(
 }
 
 /// NF4[code & 15], from a constant table in the module.
-pub fn nf4_value<'ctx>(f: &Fb<'_, 'ctx>, code: IntValue<'ctx>) -> R<FloatValue<'ctx>> {
+pub fn nf4_value<'ctx>(f: &FnBuilder<'_, 'ctx>, code: IntValue<'ctx>) -> R<FloatValue<'ctx>> {
     let g = match f.m.get_global("qatc.nf4") {
         Some(g) => g,
         None => {
@@ -180,7 +180,7 @@ pub fn nf4_value<'ctx>(f: &Fb<'_, 'ctx>, code: IntValue<'ctx>) -> R<FloatValue<'
 }
 
 /// The nearest NF4 code to x, the first on ties (a chain of 15 compares, as `quant`'s scan).
-pub fn nf4_nearest<'ctx>(f: &Fb<'_, 'ctx>, x: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
+pub fn nf4_nearest<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
     let b = &f.b;
     let i32t = f.cx.i32_type();
     let dist = |v: FloatValue<'ctx>| -> R<FloatValue<'ctx>> { f.intrinsic("llvm.fabs", &[b.build_float_sub(x, v, "d")?]) };

@@ -45,7 +45,7 @@ pub fn kernel_name(k: &Kernel) -> Result<String, KernelError> {
 /// Builds the (unoptimized) module of one kernel.
 pub(crate) fn module<'ctx>(cx: &'ctx Context, k: &Kernel, name: &str) -> Result<Module<'ctx>, KernelError> {
     let m = cx.create_module(name);
-    let mut f = fb::Fb::new(cx, &m, k, name)?;
+    let mut f = fb::FnBuilder::new(cx, &m, k, name)?;
     match &k.body {
         Body::Loops { space, stmts } => loops::emit(&mut f, space, stmts)?,
         Body::Attention(a) => attention::emit(&mut f, a)?,

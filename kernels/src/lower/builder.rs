@@ -29,7 +29,7 @@ pub struct Source<'g> {
     pub order: &'g [BufId],
 }
 
-pub struct Kb<'g> {
+pub struct KernelBuilder<'g> {
     pub src: Source<'g>,
     pub params: Vec<Param>,
     pub args: Vec<BufId>,
@@ -52,9 +52,9 @@ pub fn pos_key(node: NodeId, pos: &Pos) -> (NodeId, String) {
     (node, format!("{pos:?}"))
 }
 
-impl<'g> Kb<'g> {
-    pub fn new(src: Source<'g>, index_ty: Ty) -> Kb<'g> {
-        Kb {
+impl<'g> KernelBuilder<'g> {
+    pub fn new(src: Source<'g>, index_ty: Ty) -> KernelBuilder<'g> {
+        KernelBuilder {
             src,
             params: Vec::new(),
             args: Vec::new(),
@@ -72,8 +72,8 @@ impl<'g> Kb<'g> {
     }
 
     /// An Elements space over `shape`.
-    pub fn elements(src: Source<'g>, index_ty: Ty, shape: &[usize]) -> Kb<'g> {
-        let mut kb = Kb::new(src, index_ty);
+    pub fn elements(src: Source<'g>, index_ty: Ty, shape: &[usize]) -> KernelBuilder<'g> {
+        let mut kb = KernelBuilder::new(src, index_ty);
         kb.bounds.elem = shape.iter().product::<usize>() as i64;
         kb.bounds.coords = shape.iter().map(|&d| d as i64).collect();
         kb.space_shape = Some(shape.to_vec());
@@ -81,8 +81,8 @@ impl<'g> Kb<'g> {
     }
 
     /// A Rows space of `rows` rows.
-    pub fn rows(src: Source<'g>, index_ty: Ty, rows: usize) -> Kb<'g> {
-        let mut kb = Kb::new(src, index_ty);
+    pub fn rows(src: Source<'g>, index_ty: Ty, rows: usize) -> KernelBuilder<'g> {
+        let mut kb = KernelBuilder::new(src, index_ty);
         kb.bounds.row = rows as i64;
         kb
     }

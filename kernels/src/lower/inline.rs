@@ -4,7 +4,7 @@
 
 use qatc_ir::{BinaryOp, DType, NodeId, Op, QuantScheme, QuantSpec, UnaryOp};
 
-use super::builder::{compute_ty, pos_key, Kb, Pos};
+use super::builder::{compute_ty, pos_key, KernelBuilder, Pos};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Intrinsic, Ty, UnOp};
 
@@ -61,7 +61,7 @@ fn f(v: f64) -> Expr {
     Expr::f32(v)
 }
 
-impl Kb<'_> {
+impl KernelBuilder<'_> {
     /// The value of `node` at `pos` (a position in the node's own shape).
     pub fn value(&mut self, node: NodeId, pos: &Pos) -> Result<Expr, KernelError> {
         let key = pos_key(node, pos);

@@ -18,7 +18,7 @@ use qatc_ir::{DType, Graph, NodeId, Op};
 use crate::error::KernelError;
 use crate::kir::{Kernel, Space, Ty};
 use crate::program::{BufId, BufKind, Buffer, Gemm, Program, Step, View};
-use builder::{index_ty_for, Kb, Source};
+use builder::{index_ty_for, KernelBuilder, Source};
 
 /// Finishes a kernel builder and adds its kernel and launch to the program.
 macro_rules! launch {
@@ -82,14 +82,14 @@ impl Lowerer {
         Source { g: cx.g, leaves: &cx.leaves, buffers: &self.prog.buffers, names: &cx.names, order: &cx.order }
     }
 
-    pub fn kb_rows<'a>(&'a self, cx: &'a Ctx, rows: usize, touched: &[&View]) -> Kb<'a> {
+    pub fn kb_rows<'a>(&'a self, cx: &'a Ctx, rows: usize, touched: &[&View]) -> KernelBuilder<'a> {
         let ty = self.index_ty(cx, touched, rows.saturating_mul(1024));
-        Kb::rows(self.source(cx), ty, rows)
+        KernelBuilder::rows(self.source(cx), ty, rows)
     }
 
-    pub fn kb_elements<'a>(&'a self, cx: &'a Ctx, shape: &[usize], touched: &[&View]) -> Kb<'a> {
+    pub fn kb_elements<'a>(&'a self, cx: &'a Ctx, shape: &[usize], touched: &[&View]) -> KernelBuilder<'a> {
         let ty = self.index_ty(cx, touched, shape.iter().product());
-        Kb::elements(self.source(cx), ty, shape)
+        KernelBuilder::elements(self.source(cx), ty, shape)
     }
 
     pub fn push_kernel(&mut self, (kernel, args): (Kernel, Vec<BufId>)) {

@@ -6,7 +6,7 @@
 
 use qatc_ir::{DType, Op, QuantScheme, QuantSpec};
 
-use super::builder::{Kb, Pos};
+use super::builder::{KernelBuilder, Pos};
 use super::inline::qmax_sym;
 use super::rows::{clamp, emit_out, Anchor};
 use super::{Ctx, Lowerer};
@@ -61,7 +61,7 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let mean = lw.temp("ln_mean", DType::F32, &[rows]);
             let rstd = lw.temp("ln_rstd", DType::F32, &[rows]);
             let mut kb = lw.kb_rows(cx, rows, &[&mean, &rstd]);
-            let row_at = |kb: &Kb, j: &Expr| Pos::Lin(kb.bounds.add(kb.bounds.mul(Expr::Ix(Ix::Row), c as i64), j.clone()));
+            let row_at = |kb: &KernelBuilder, j: &Expr| Pos::Lin(kb.bounds.add(kb.bounds.mul(Expr::Ix(Ix::Row), c as i64), j.clone()));
             let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
             let p = row_at(&kb, &j);
             let xv = kb.value(x, &p)?;
@@ -126,11 +126,11 @@ fn fake_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, spec: QuantSpec, shape: &[
     let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
     let b = kb.bounds.clone();
     let (grp, col) = (b.div(Expr::Ix(Ix::Row), n_out as i64), b.rem(Expr::Ix(Ix::Row), n_out as i64));
-    let elem = |kb: &Kb, r: &Expr| {
+    let elem = |kb: &KernelBuilder, r: &Expr| {
         let i = kb.bounds.add(kb.bounds.mul(grp.clone(), gsz as i64), r.clone());
         Pos::Coords(vec![i, col.clone()])
     };
-    let fold = |kb: &mut Kb, op: ReduceOp, map: &dyn Fn(Expr) -> Expr| -> Result<Expr, KernelError> {
+    let fold = |kb: &mut KernelBuilder, op: ReduceOp, map: &dyn Fn(Expr) -> Expr| -> Result<Expr, KernelError> {
         let (lp, r) = kb.open_loop(Expr::Int(gsz as i64), gsz);
         let p = elem(kb, &r);
         let v = kb.value(w, &p)?;
@@ -140,7 +140,7 @@ fn fake_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, spec: QuantSpec, shape: &[
     let mul = |x: Expr, y: Expr| Expr::bin(BinOp::Mul, x, y);
     let is_zero = |x: Expr| Expr::bin(BinOp::Eq, x, f(0.0));
     let abs = |v: Expr| Expr::un(UnOp::Abs, v);
-    let out = |kb: &mut Kb, val: &dyn Fn(&mut Kb, Expr) -> Expr| -> Result<(), KernelError> {
+    let out = |kb: &mut KernelBuilder, val: &dyn Fn(&mut KernelBuilder, Expr) -> Expr| -> Result<(), KernelError> {
         let (lp, r) = kb.open_loop(Expr::Int(gsz as i64), gsz);
         let p = elem(kb, &r);
         let v = kb.value(w, &p)?;

@@ -7,7 +7,7 @@
 
 use qatc_ir::{NodeId, Op};
 
-use super::builder::{pos_key, Kb, Pos};
+use super::builder::{pos_key, KernelBuilder, Pos};
 use super::inline::qmax_sym;
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
@@ -40,7 +40,7 @@ fn div(a: Expr, b: Expr) -> Expr {
 }
 
 /// Stores `y`, the anchor's value at `pos`, through the epilogue if there is one.
-pub fn emit_out(kb: &mut Kb, a: &Anchor, pos: Pos, y: Expr) -> Result<(), KernelError> {
+pub fn emit_out(kb: &mut KernelBuilder, a: &Anchor, pos: Pos, y: Expr) -> Result<(), KernelError> {
     let v = match a.epilogue {
         Some(root) => {
             kb.subst.insert(pos_key(a.node, &pos), y);
@@ -53,18 +53,18 @@ pub fn emit_out(kb: &mut Kb, a: &Anchor, pos: Pos, y: Expr) -> Result<(), Kernel
 }
 
 /// Element (row, j) of a tensor with rows of `c`.
-fn at(kb: &Kb, c: usize, j: &Expr) -> Pos {
+fn at(kb: &KernelBuilder, c: usize, j: &Expr) -> Pos {
     let b = &kb.bounds;
     Pos::Lin(b.add(b.mul(Expr::Ix(Ix::Row), c as i64), j.clone()))
 }
 
 /// Reduces `f(x at (row, j))` over the row with `op`.
 fn reduce(
-    kb: &mut Kb,
+    kb: &mut KernelBuilder,
     op: ReduceOp,
     len: usize,
     extent: Expr,
-    mut body: impl FnMut(&mut Kb, &Expr) -> Result<Expr, KernelError>,
+    mut body: impl FnMut(&mut KernelBuilder, &Expr) -> Result<Expr, KernelError>,
 ) -> Result<Expr, KernelError> {
     let (lp, j) = kb.open_loop(extent, len);
     let v = body(kb, &j)?;
@@ -72,7 +72,7 @@ fn reduce(
 }
 
 /// LayerNorm's statistics of row `row` of x: (mean, rstd), var biased.
-fn ln_stats(kb: &mut Kb, x: NodeId, c: usize, eps: f64) -> Result<(Expr, Expr), KernelError> {
+fn ln_stats(kb: &mut KernelBuilder, x: NodeId, c: usize, eps: f64) -> Result<(Expr, Expr), KernelError> {
     let sum = reduce(kb, ReduceOp::Sum, c, Expr::Int(c as i64), |kb, j| {
         let p = at(kb, c, j);
         kb.value(x, &p)
@@ -124,7 +124,7 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let (x, gamma, dy) = (ops[0], ops[1], ops[2]);
             let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
             let (mean, rstd) = ln_stats(&mut kb, x, c, eps)?;
-            let gj = |kb: &mut Kb, j: &Expr| -> Result<Expr, KernelError> {
+            let gj = |kb: &mut KernelBuilder, j: &Expr| -> Result<Expr, KernelError> {
                 let p = at(kb, c, j);
                 let d = kb.value(dy, &p)?;
                 let w = kb.value(gamma, &Pos::Lin(j.clone()))?;
@@ -302,7 +302,12 @@ fn ce_stats(lw: &mut Lowerer, cx: &Ctx, logits: NodeId, n: usize) -> Option<((Vi
 /// The row's (max, sum of exp(x - max)): read from the shared scratch when another kernel
 /// computed them (bit-identical: the same reductions in the same backend), else computed here
 /// and, when there is a scratch, stored for the other kernel.
-fn shared_max_sumexp(kb: &mut Kb, logits: NodeId, v: usize, stats: &Option<((View, View), bool)>) -> Result<(Expr, Expr), KernelError> {
+fn shared_max_sumexp(
+    kb: &mut KernelBuilder,
+    logits: NodeId,
+    v: usize,
+    stats: &Option<((View, View), bool)>,
+) -> Result<(Expr, Expr), KernelError> {
     let row = Pos::Lin(Expr::Ix(Ix::Row));
     match stats {
         Some(((mx, sm), true)) => {
@@ -325,7 +330,7 @@ fn shared_max_sumexp(kb: &mut Kb, logits: NodeId, v: usize, stats: &Option<((Vie
 }
 
 /// (max, sum of exp(x - max)) of row `row` of logits [N, V].
-fn max_sumexp(kb: &mut Kb, logits: NodeId, v: usize) -> Result<(Expr, Expr), KernelError> {
+fn max_sumexp(kb: &mut KernelBuilder, logits: NodeId, v: usize) -> Result<(Expr, Expr), KernelError> {
     let max = reduce(kb, ReduceOp::Max, v, Expr::Int(v as i64), |kb, j| {
         let p = at(kb, v, j);
         kb.value(logits, &p)

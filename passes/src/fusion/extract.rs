@@ -24,7 +24,7 @@ pub struct Extraction {
     pub time_s: f64,
 }
 
-struct Cls {
+struct ClassInfo {
     id: Id,
     nodes: Vec<ENode>,
     cost: Vec<Cost>,
@@ -39,7 +39,7 @@ pub fn extract(eg: &EG, roots: &[Id], launch_bytes: u64, budget_s: f64) -> Extra
     ids.sort();
     let index: BTreeMap<Id, usize> = ids.iter().enumerate().map(|(i, &c)| (c, i)).collect();
     let mut parents: Vec<Vec<usize>> = vec![Vec::new(); ids.len()];
-    let mut cls: Vec<Cls> = Vec::with_capacity(ids.len());
+    let mut cls: Vec<ClassInfo> = Vec::with_capacity(ids.len());
     for (ci, &c) in ids.iter().enumerate() {
         let class = &eg[c];
         let out = class.data.ty.clone();
@@ -63,7 +63,7 @@ pub fn extract(eg: &EG, roots: &[Id], launch_bytes: u64, budget_s: f64) -> Extra
             }
             kids.push(k);
         }
-        cls.push(Cls { id: c, nodes, cost, kids, shared: false });
+        cls.push(ClassInfo { id: c, nodes, cost, kids, shared: false });
     }
     for (i, c) in cls.iter_mut().enumerate() {
         let d = &eg[c.id].data;
@@ -113,7 +113,7 @@ pub fn extract(eg: &EG, roots: &[Id], launch_bytes: u64, budget_s: f64) -> Extra
 
 /// For every packed kernel's class: its results' classes and, in each, the e-node that is the
 /// view `reshape(slice(buffer))`.
-fn pack_views(eg: &EG, cls: &[Cls], index: &BTreeMap<Id, usize>) -> Vec<Vec<(usize, usize)>> {
+fn pack_views(eg: &EG, cls: &[ClassInfo], index: &BTreeMap<Id, usize>) -> Vec<Vec<(usize, usize)>> {
     // packed buffers, then the slices of each, then the reshapes of those slices
     let mut pack_of: BTreeMap<usize, usize> = BTreeMap::new();
     for (pi, p) in cls.iter().enumerate() {
@@ -143,7 +143,7 @@ fn pack_views(eg: &EG, cls: &[Cls], index: &BTreeMap<Id, usize>) -> Vec<Vec<(usi
 
 /// The local search over a [`Selection`].
 struct Search<'a> {
-    cls: &'a [Cls],
+    cls: &'a [ClassInfo],
     sel: Selection,
     /// Classes any of whose e-nodes reads the class.
     parents: Vec<Vec<usize>>,
@@ -242,7 +242,7 @@ struct Selection {
 }
 
 impl Selection {
-    fn new(cls: &[Cls], pick: &[usize], roots: &[usize]) -> Selection {
+    fn new(cls: &[ClassInfo], pick: &[usize], roots: &[usize]) -> Selection {
         let mut s = Selection { pick: pick.to_vec(), refs: vec![0; cls.len()], total: 0 };
         for &r in roots {
             s.inc(cls, r);
@@ -250,14 +250,14 @@ impl Selection {
         s
     }
 
-    fn own(&self, cls: &[Cls], i: usize) -> Cost {
+    fn own(&self, cls: &[ClassInfo], i: usize) -> Cost {
         match self.pick[i] {
             usize::MAX => INF,
             j => cls[i].cost[j],
         }
     }
 
-    fn inc(&mut self, cls: &[Cls], i: usize) {
+    fn inc(&mut self, cls: &[ClassInfo], i: usize) {
         let mut stack = vec![i];
         while let Some(c) = stack.pop() {
             self.refs[c] += 1;
@@ -270,7 +270,7 @@ impl Selection {
         }
     }
 
-    fn dec(&mut self, cls: &[Cls], i: usize) {
+    fn dec(&mut self, cls: &[ClassInfo], i: usize) {
         let mut stack = vec![i];
         while let Some(c) = stack.pop() {
             self.refs[c] -= 1;
@@ -284,7 +284,7 @@ impl Selection {
     }
 
     /// Makes class `i` use its e-node `j` (only a materialized class changes the total).
-    fn switch(&mut self, cls: &[Cls], i: usize, j: usize) {
+    fn switch(&mut self, cls: &[ClassInfo], i: usize, j: usize) {
         let old = self.pick[i];
         if self.refs[i] == 0 {
             self.pick[i] = j;

@@ -12,7 +12,7 @@ use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart};
 
 use super::kir_eval::Mem;
-use super::scalar::{R, V};
+use super::scalar::{Scalar, R};
 
 struct Ctx<'a> {
     a: &'a Attention,
@@ -45,7 +45,7 @@ impl Ctx<'_> {
 
     fn write_row(&self, p: usize, r: usize, x: &[f32]) -> R<()> {
         let (m, at) = (self.buf(p)?, self.row(p, r)?);
-        x.iter().enumerate().try_for_each(|(d, &v)| m.store(at + d, V::F(v)))
+        x.iter().enumerate().try_for_each(|(d, &v)| m.store(at + d, Scalar::F32(v)))
     }
 
     /// Element r of this (b, h)'s [T] row of lse or delta.
@@ -109,7 +109,7 @@ pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
                     s.acc.iter_mut().for_each(|o| *o /= l);
                     cx.write_row(need(ro.out[0])?, r, &s.acc)?;
                 }
-                cx.buf(ro.lse)?.store(stat(r), V::F(m + l.ln()))?;
+                cx.buf(ro.lse)?.store(stat(r), Scalar::F32(m + l.ln()))?;
             }
             AttentionPart::BackwardDelta | AttentionPart::BackwardQ => {
                 let (v, dout, delta) = (need(ro.v)?, need(ro.dout)?, need(ro.delta)?);
@@ -129,7 +129,7 @@ pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
                     s.acc.iter_mut().zip(&s.k).for_each(|(o, &x)| *o += ds * x);
                 }
                 if a.part == AttentionPart::BackwardDelta {
-                    cx.buf(delta)?.store(stat(r), V::F(total))?;
+                    cx.buf(delta)?.store(stat(r), Scalar::F32(total))?;
                 } else {
                     cx.write_row(need(ro.out[0])?, r, &s.acc)?;
                 }

@@ -14,7 +14,7 @@ use half::{bf16, f16};
 use qatc_ir::DType;
 use qatc_kernels::kir::{self, Body, Expr, Ix, Kernel, Loop, ReduceOp, Space, Stmt, Ty, TypeEnv, VarId};
 
-use super::scalar::{self, int_as, R, V};
+use super::scalar::{self, int_as, Scalar, R};
 use super::Launcher;
 use crate::error::RuntimeError;
 
@@ -116,7 +116,7 @@ impl Mem {
     }
 
     /// Element `i`, widened: floats to f32, integers to i32.
-    pub fn load(&self, i: usize) -> R<V> {
+    pub fn load(&self, i: usize) -> R<Scalar> {
         self.check(i)?;
         let p = self.ptr;
         // SAFETY: i < numel, and `launch`'s contract makes `ptr` a live allocation of at least
@@ -124,20 +124,20 @@ impl Mem {
         // aligned too); other threads write only elements of their own iterations.
         Ok(unsafe {
             match self.dtype {
-                DType::F32 => V::F(p.cast::<f32>().add(i).read()),
-                DType::F16 => V::F(f16::from_bits(p.cast::<u16>().add(i).read()).to_f32()),
-                DType::BF16 => V::F(bf16::from_bits(p.cast::<u16>().add(i).read()).to_f32()),
-                DType::I32 => V::I(p.cast::<i32>().add(i).read()),
-                DType::U8 => V::I(i32::from(p.add(i).read())),
+                DType::F32 => Scalar::F32(p.cast::<f32>().add(i).read()),
+                DType::F16 => Scalar::F32(f16::from_bits(p.cast::<u16>().add(i).read()).to_f32()),
+                DType::BF16 => Scalar::F32(bf16::from_bits(p.cast::<u16>().add(i).read()).to_f32()),
+                DType::I32 => Scalar::I32(p.cast::<i32>().add(i).read()),
+                DType::U8 => Scalar::I32(i32::from(p.add(i).read())),
                 // the byte may be updated by another thread's store of the other nibble
-                DType::I4 => V::I(i32::from((AtomicU8::from_ptr(p.add(i / 2)).load(Ordering::Relaxed) >> (4 * (i % 2))) & 15)),
+                DType::I4 => Scalar::I32(i32::from((AtomicU8::from_ptr(p.add(i / 2)).load(Ordering::Relaxed) >> (4 * (i % 2))) & 15)),
             }
         })
     }
 
     /// Stores `v` into element `i`, converted to the dtype as C does (floats round to nearest
     /// even; u8 keeps the low 8 bits and i4 the low 4 of the integer).
-    pub fn store(&self, i: usize, v: V) -> R<()> {
+    pub fn store(&self, i: usize, v: Scalar) -> R<()> {
         self.check(i)?;
         let p = self.ptr;
         let int = || -> R<i32> { Ok(scalar::cast(Ty::I32, v)?.int()? as i32) };
@@ -164,7 +164,7 @@ impl Mem {
     }
 
     /// element i += v, atomically (f32 only, as CUDA's atomicAdd in the generated code).
-    pub fn atomic_add(&self, i: usize, v: V) -> R<()> {
+    pub fn atomic_add(&self, i: usize, v: Scalar) -> R<()> {
         self.check(i)?;
         if self.dtype != DType::F32 {
             return Err(format!("atomic add into a {} buffer", self.dtype));
@@ -184,7 +184,7 @@ impl Mem {
     }
 
     pub fn f32_at(&self, i: usize) -> R<f32> {
-        self.load(i).map(V::f32)
+        self.load(i).map(Scalar::f32)
     }
 }
 
@@ -192,7 +192,7 @@ impl Mem {
 struct Frame<'a> {
     k: &'a Prepared,
     mem: &'a [Mem],
-    vars: Vec<Option<V>>,
+    vars: Vec<Option<Scalar>>,
     loops: Vec<Option<i64>>,
     /// A Rows space (`row` is the iteration), else Elements (`elem` is).
     rows: bool,
@@ -201,7 +201,7 @@ struct Frame<'a> {
 }
 
 impl Frame<'_> {
-    fn ix(&self, i: i64) -> R<V> {
+    fn ix(&self, i: i64) -> R<Scalar> {
         int_as(i, self.k.kernel.index_ty)
     }
 
@@ -213,12 +213,12 @@ impl Frame<'_> {
         self.mem.get(p).ok_or_else(|| format!("no param {p}"))
     }
 
-    fn eval(&mut self, e: &Expr) -> R<V> {
+    fn eval(&mut self, e: &Expr) -> R<Scalar> {
         Ok(match e {
-            Expr::Float(v, Ty::F64) => V::D(*v),
-            Expr::Float(v, _) => V::F(*v as f32),
+            Expr::Float(v, Ty::F64) => Scalar::F64(*v),
+            Expr::Float(v, _) => Scalar::F32(*v as f32),
             Expr::Int(i) => self.ix(*i)?,
-            Expr::Bool(b) => V::B(*b),
+            Expr::Bool(b) => Scalar::Bool(*b),
             Expr::Ix(ix) => match *ix {
                 Ix::Elem | Ix::Coord(_) if self.rows => return Err(format!("{ix:?} in a Rows space")),
                 Ix::Row if !self.rows => return Err("Ix::Row in an Elements space".into()),
@@ -266,7 +266,7 @@ impl Frame<'_> {
             }
             Expr::Cast(t, a) => scalar::cast(*t, self.eval(a)?)?,
             Expr::Call(i, args) => {
-                let mut vs = [V::B(false); 3];
+                let mut vs = [Scalar::Bool(false); 3];
                 for (slot, a) in vs.iter_mut().zip(args) {
                     *slot = self.eval(a)?;
                 }
@@ -314,9 +314,9 @@ impl Frame<'_> {
                 }
                 Stmt::Reduce { var, op, ty, lp, body, value } => {
                     let mut acc = match (op, ty) {
-                        (ReduceOp::Max, Ty::F32) => V::F(f32::NEG_INFINITY),
-                        (ReduceOp::Max, Ty::F64) => V::D(f64::NEG_INFINITY),
-                        (_, Ty::F32 | Ty::F64) => scalar::cast(*ty, V::F(0.0))?,
+                        (ReduceOp::Max, Ty::F32) => Scalar::F32(f32::NEG_INFINITY),
+                        (ReduceOp::Max, Ty::F64) => Scalar::F64(f64::NEG_INFINITY),
+                        (_, Ty::F32 | Ty::F64) => scalar::cast(*ty, Scalar::F32(0.0))?,
                         _ => return Err(format!("{op:?} reduction of type {ty:?}")),
                     };
                     for j in 0..self.extent(lp)? {
@@ -324,11 +324,11 @@ impl Frame<'_> {
                         self.stmts(body)?;
                         let x = scalar::cast(*ty, self.eval(value)?)?;
                         acc = match (op, acc, x) {
-                            (ReduceOp::Sum, V::F(a), V::F(x)) => V::F(a + x),
-                            (ReduceOp::Sum, V::D(a), V::D(x)) => V::D(a + x),
+                            (ReduceOp::Sum, Scalar::F32(a), Scalar::F32(x)) => Scalar::F32(a + x),
+                            (ReduceOp::Sum, Scalar::F64(a), Scalar::F64(x)) => Scalar::F64(a + x),
                             // fmaxf: a NaN operand loses
-                            (ReduceOp::Max, V::F(a), V::F(x)) => V::F(a.max(x)),
-                            (ReduceOp::Max, V::D(a), V::D(x)) => V::D(a.max(x)),
+                            (ReduceOp::Max, Scalar::F32(a), Scalar::F32(x)) => Scalar::F32(a.max(x)),
+                            (ReduceOp::Max, Scalar::F64(a), Scalar::F64(x)) => Scalar::F64(a.max(x)),
                             (ReduceOp::FirstAbsMax, a, x) if x.f64().abs() > a.f64().abs() => x,
                             (_, a, _) => a,
                         };
@@ -341,7 +341,7 @@ impl Frame<'_> {
         Ok(())
     }
 
-    fn def(&mut self, var: VarId, v: V) -> R<()> {
+    fn def(&mut self, var: VarId, v: Scalar) -> R<()> {
         *self.vars.get_mut(var as usize).ok_or("variable out of range")? = Some(v);
         Ok(())
     }

@@ -49,7 +49,7 @@ fn presets_match_the_published_parameter_counts() {
     for (name, n) in counts {
         let c = Gpt2Config::preset(name).unwrap();
         assert_eq!(c.param_count(), n, "{name}");
-        assert_eq!(c.head_dim(), 64);
+        assert_eq!(c.head_size(), 64);
         let listed: usize = c.expected_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
         assert_eq!(listed, n);
     }

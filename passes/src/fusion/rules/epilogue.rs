@@ -90,8 +90,8 @@ pub fn rules() -> Vec<Rule> {
             check: |m| m.root().is_some_and(|t| t.shape.rank() >= 2),
             aux: false,
         }),
-        // transpose(gemm(..))  =>  gemm[permuted store](..)     attention's [B, NH, T, hd] ->
-        //   [B, T, NH, hd] written directly in the layout the output projection reads
+        // transpose(gemm(..))  =>  gemm[permuted store](..)     attention's [B, NH, T, hs] ->
+        //   [B, T, NH, hs] written directly in the layout the output projection reads
         Rule::Fuse(Fuse {
             name: "epilogue-permute",
             lhs: "(transpose ?y)",

@@ -1,4 +1,5 @@
-//! The op kernels, on plain slices. Output shapes come from the node's inferred type, so kernels
+//! The interpreter's ops, on plain slices (not to be confused with the `qatc-kernels` crate, which
+//! generates code). Output shapes come from the node's inferred type, so kernels
 //! receive them rather than re-deriving them; messages are plain strings the interpreter prefixes
 //! with the node.
 
