@@ -75,14 +75,6 @@ pub fn value_bytes(ty: &TensorType) -> usize {
     ty.bytes()
 }
 
-/// `bytes` rounded up to the arena's alignment.
-pub fn aligned(bytes: usize, align: usize) -> usize {
-    if align <= 1 {
-        bytes
-    } else {
-        bytes.div_ceil(align) * align
-    }
-}
 
 #[cfg(test)]
 mod tests {

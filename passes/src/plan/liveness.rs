@@ -2,7 +2,8 @@
 //! each storage buffer's first and last step, and the bytes live at every step, whose maximum
 //! is the lower bound no offset assignment can beat.
 
-use super::cost::aligned;
+use qatc_arena::aligned;
+
 use super::region::Dense;
 use super::schedule::static_groups;
 
@@ -132,23 +133,17 @@ pub(crate) fn analyze(d: &Dense, order: &[usize], align: usize) -> Liveness {
             buf.last = end;
         }
     }
-    // live bytes per step (arena only), by a difference array over [first, last]
-    let mut diff = vec![0i64; steps + 1];
-    for b in bufs.iter().filter(|b| b.persistent.is_none()) {
-        diff[b.first] += b.size as i64;
-        diff[b.last + 1] -= b.size as i64;
-    }
-    let mut live = Vec::with_capacity(steps);
-    let mut acc = 0i64;
+    // live bytes per step (arena only): qatc_arena's profile, whose maximum bounds the placement
+    let arena: Vec<qatc_arena::Interval> =
+        bufs.iter().filter(|b| b.persistent.is_none()).map(|b| qatc_arena::Interval { first: b.first, last: b.last, size: b.size }).collect();
+    let mut live = qatc_arena::live_profile(&arena, align);
+    live.resize(steps, 0);
     let (mut lb, mut lb_step) = (0usize, 0usize);
-    for (s, dv) in diff.iter().take(steps).enumerate() {
-        acc += dv;
-        let v = acc.max(0) as usize;
+    for (s, &v) in live.iter().enumerate() {
         if v > lb {
             lb = v;
             lb_step = s;
         }
-        live.push(v);
     }
     Liveness { pos, buf_of, bufs, last_use, in_place, live, lower_bound: lb, lower_bound_step: lb_step }
 }

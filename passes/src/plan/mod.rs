@@ -4,7 +4,7 @@
 //! - [`region`]: the needed nodes, the forward region, lazy nodes, write-backs, views;
 //! - [`schedule`]: the memory-aware topological order;
 //! - [`liveness`]: storage sharing (views, write-backs, in place), lifetimes, the lower bound;
-//! - [`arena`]: offset assignment (greedy by size, best fit);
+//! - offsets: `qatc_arena::place`, the placer the executors lay their memory out with too;
 //! - [`cost`]: bytes and FLOPs per op; [`breakdown`]: categories;
 //! - [`json`] / [`svg`]: the plan as a versioned JSON document and as a picture.
 //!
@@ -14,7 +14,6 @@
 //! of that input first (AdamW's new parameters and moments are: see `region`), so optimizer
 //! updates take no arena bytes.
 
-pub mod arena;
 pub mod breakdown;
 pub mod cost;
 pub mod json;
@@ -175,13 +174,13 @@ impl Plan {
     }
     /// Checks that arena buffers live at the same time never share a byte.
     pub fn verify(&self) -> Result<(), PlanError> {
-        let (iv, off): (Vec<arena::Interval>, Vec<usize>) = self
+        let (iv, off): (Vec<qatc_arena::Interval>, Vec<usize>) = self
             .buffers
             .iter()
             .filter(|b| b.region == Region::Arena)
-            .map(|b| (arena::Interval { first: b.first_step, last: b.last_step, size: b.size }, b.offset))
+            .map(|b| (qatc_arena::Interval { first: b.first_step, last: b.last_step, size: b.size }, b.offset))
             .unzip();
-        arena::check(&iv, &off).map_err(PlanError::Internal)?;
+        qatc_arena::check(&iv, &off, 1).map_err(|e| PlanError::Internal(e.to_string()))?;
         if self.buffers.iter().any(|b| b.region == Region::Arena && b.offset + b.size > self.arena_bytes) {
             return Err(PlanError::Internal("a buffer reaches past the arena".into()));
         }
@@ -238,9 +237,10 @@ fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, schedu
     let prof = breakdown::profile(d, &lv);
     // arena offsets
     let arena_ids: Vec<usize> = (0..lv.bufs.len()).filter(|&b| lv.bufs[b].persistent.is_none()).collect();
-    let iv: Vec<arena::Interval> =
-        arena_ids.iter().map(|&b| arena::Interval { first: lv.bufs[b].first, last: lv.bufs[b].last, size: lv.bufs[b].size }).collect();
-    let (offs, arena_bytes) = arena::assign(&iv);
+    let iv: Vec<qatc_arena::Interval> =
+        arena_ids.iter().map(|&b| qatc_arena::Interval { first: lv.bufs[b].first, last: lv.bufs[b].last, size: lv.bufs[b].size }).collect();
+    // sizes are aligned already (`liveness`)
+    let qatc_arena::Placement { offsets: offs, size: arena_bytes } = qatc_arena::place(&iv, 1);
     let mut offset = vec![0usize; lv.bufs.len()];
     for (k, &b) in arena_ids.iter().enumerate() {
         offset[b] = offs[k];

@@ -122,7 +122,7 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
             readers[g] += 1;
         }
     }
-    let size = |i: usize| if d.view[i] || d.write_back[i].is_some() { 0 } else { super::cost::aligned(d.bytes[i], align) as i64 };
+    let size = |i: usize| if d.view[i] || d.write_back[i].is_some() { 0 } else { qatc_arena::aligned(d.bytes[i], align) as i64 };
 
     let mut done = vec![false; n];
     let mut order = Vec::with_capacity(n);
@@ -188,7 +188,7 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
                 }
                 seen.push(g);
                 if readers[g] == 1 {
-                    freed += super::cost::aligned(d.bytes[g], align) as i64;
+                    freed += qatc_arena::aligned(d.bytes[g], align) as i64;
                 }
             }
             let recent = match priority {
