@@ -76,7 +76,7 @@ pub enum Runner {
     Interpreter(Box<Interpreter<f32>>),
     #[cfg(feature = "llvm")]
     Compiled {
-        prog: Box<qatc_runtime::compiled::CpuProgram>,
+        prog: Box<qatc_runtime::cpu::CpuProgram>,
         /// Frozen weights: copied in on the first run only (they never change while training).
         frozen: std::collections::HashSet<String>,
         bound: bool,
@@ -99,9 +99,9 @@ impl Runner {
                 let launcher: Box<dyn qatc_runtime::Launcher> = if std::env::var("QATC_ATTENTION").is_ok_and(|v| v == "llvm") {
                     Box::new(jit)
                 } else {
-                    Box::new(qatc_runtime::compiled::GemmAttention::new(jit, &prog.kernels))
+                    Box::new(qatc_runtime::cpu::GemmAttention::new(jit, &prog.kernels))
                 };
-                let mut p = qatc_runtime::compiled::CpuProgram::new(prog, launcher)?;
+                let mut p = qatc_runtime::cpu::CpuProgram::new(prog, launcher)?;
                 let frozen: std::collections::HashSet<String> = g
                     .inputs()
                     .into_iter()
@@ -174,7 +174,7 @@ impl Runner {
                         qatc_passes::plan::units::human(panels.bytes_saved)
                     )
                 };
-                let gemms = match qatc_runtime::compiled::blas::get() {
+                let gemms = match qatc_runtime::cpu::blas::get() {
                     Some(b) => format!("large ones by OpenBLAS ({})", b.name),
                     None => "by the gemm crate".into(),
                 };

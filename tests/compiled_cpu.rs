@@ -163,7 +163,7 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
         runners.push(("LLVM", CpuProgram::new(prog.clone(), Box::new(jit)).unwrap_or_else(|e| panic!("{what}: {e}"))));
         // as `qatc train` runs it: attention as GEMMs, the rest by LLVM
         let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap_or_else(|e| panic!("{what}: {e}"));
-        let gemm_attention = qatc_runtime::compiled::GemmAttention::new(jit, &prog.kernels);
+        let gemm_attention = qatc_runtime::cpu::GemmAttention::new(jit, &prog.kernels);
         runners.push((
             "LLVM + GEMM attention",
             CpuProgram::new(prog.clone(), Box::new(gemm_attention)).unwrap_or_else(|e| panic!("{what}: {e}")),

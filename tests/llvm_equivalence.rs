@@ -17,7 +17,7 @@ use qatc_kernels::program::{BufKind, Step};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::compiled::{BufferLayout, CpuProgram};
+use qatc_runtime::cpu::{BufferLayout, CpuProgram};
 use qatc_runtime::KirEval;
 use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
 

@@ -55,7 +55,7 @@ fn every_kernel_of_the_gpt2_124m_step_compiles() {
 fn packed_codes_by_pairs_at_every_range() {
     use qatc_ir::DType;
     use qatc_kernels::kir::{BinOp, Body, Expr, Ix, Kernel, Param, Space, Stmt, Ty};
-    use qatc_runtime::compiled::{KirEval, Launcher};
+    use qatc_runtime::cpu::{KirEval, Launcher};
 
     let param = |name: &str, dtype, shape: &[usize], write| Param { name: name.into(), dtype, shape: shape.to_vec(), write };
     let load = |p: usize, i: Expr| Expr::Load { param: p, index: Box::new(i) };

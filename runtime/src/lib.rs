@@ -40,9 +40,10 @@
 //!   computed the same way regardless, so results do not depend on the thread count.
 
 mod arena;
-pub mod compiled;
+pub mod cpu;
 mod error;
 mod eval;
+pub(crate) mod exec;
 mod float;
 mod interp;
 pub mod ops;
@@ -50,7 +51,7 @@ pub mod quant;
 mod value;
 
 pub use arena::{ArenaInterpreter, ArenaLayout, Slot};
-pub use compiled::{BufferLayout, CpuProgram, KirEval, Launcher, LayoutReport};
+pub use cpu::{BufferLayout, CpuProgram, KirEval, Launcher, LayoutReport};
 pub use error::RuntimeError;
 pub use float::Float;
 pub use interp::{Interpreter, RunOutputs};

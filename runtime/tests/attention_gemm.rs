@@ -4,7 +4,7 @@
 
 use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel, Param, Ty};
-use qatc_runtime::compiled::{GemmAttention, KirEval, Launcher};
+use qatc_runtime::cpu::{GemmAttention, KirEval, Launcher};
 
 const TOL: f64 = 1e-5;
 

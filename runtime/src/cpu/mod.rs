@@ -17,20 +17,18 @@
 mod attention;
 mod attn_gemm;
 pub mod blas;
-mod buffers;
-mod exec;
 mod gemm;
 mod kir_eval;
-mod layout;
+mod program;
 #[cfg(feature = "llvm")]
 mod llvm;
 mod scalar;
 mod vmath;
 
 pub use attn_gemm::GemmAttention;
-pub use exec::CpuProgram;
+pub use program::CpuProgram;
 pub use kir_eval::KirEval;
-pub use layout::{BufferLayout, LayoutReport};
+pub use crate::exec::layout::{BufferLayout, LayoutReport};
 
 use crate::error::RuntimeError;
 

@@ -11,7 +11,7 @@ use gemm::Parallelism;
 use qatc_ir::DType;
 use qatc_kernels::program::{Buffer, Gemm, View};
 
-use super::buffers::check_view;
+use crate::exec::values::check_view;
 use crate::error::RuntimeError;
 
 /// Below this many multiply-adds a GEMM runs on the calling thread: splitting costs more.

@@ -13,7 +13,7 @@
 
 use qatc_kernels::program::{BufId, BufKind, Buffer};
 
-use super::buffers::{Allocation, ALIGN};
+use super::values::{Allocation, ALIGN};
 use crate::error::RuntimeError;
 
 /// Whether buffers whose lifetimes do not overlap share memory.

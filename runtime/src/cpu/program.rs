@@ -9,9 +9,9 @@ use qatc_kernels::kir::{self, Body, Expr, Kernel, Space, Stmt};
 use qatc_kernels::program::{BufId, BufKind, Gemm, Program, Step};
 use rayon::prelude::*;
 
-use super::buffers::{check_view, read_view, write_input};
+use crate::exec::values::{check_view, read_view, write_input};
 use super::kir_eval::{kernel_name, KirEval};
-use super::layout::{self, BufferLayout, LayoutReport, Live, Memory};
+use crate::exec::layout::{self, BufferLayout, LayoutReport, Live, Memory};
 use super::{gemm, Launcher};
 use crate::error::RuntimeError;
 use crate::value::Value;
