@@ -11,7 +11,7 @@ echo "== CPU training step: 4 layers, n_embd 256, vocab 50257, B 4, T 128, 4-bit
 common=(--layers 4 --embd 256 --heads 4 --vocab 50257 --seq 128 --batch 4 --bits 4 --group 64 --r 16 --steps 10 --threads 2)
 for round in 1 2; do
   target/release/examples/bench_cpu_train 10 compiled small
-  QATC_BLAS=off target/release/examples/bench_cpu_train 10 compiled small | sed 's/qatc-compiled/qatc-compiled-gemm-crate/'
+  target/release/examples/bench_cpu_train 10 compiled small --no-blas | sed 's/qatc-compiled/qatc-compiled-gemm-crate/'
   "$py" ../shared/tools/torch_peer.py "${common[@]}" 2>/dev/null | tail -1
   "$py" ../shared/tools/torch_peer.py "${common[@]}" --precompute-quant 2>/dev/null | tail -1
 done

@@ -87,7 +87,7 @@ pub fn read(dir: &Path) -> Result<Adapter, AdapterError> {
 }
 
 /// adapter_config.json and adapter_model.safetensors, as PEFT writes them for GPT-2.
-pub fn to_files(o: &LoraOptions, tensors: &[(String, &Tensor<f32>)], base: &str) -> anyhow::Result<(String, Vec<u8>)> {
+pub fn to_files(o: &LoraOptions, tensors: &[(String, Tensor<f32>)], base: &str) -> anyhow::Result<(String, Vec<u8>)> {
     let cfg = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -29,6 +29,15 @@ enum Cmd {
 }
 
 fn main() {
+    // Process-wide settings, made before any thread starts. OpenBLAS picks its kernels from the
+    // CPU model, which it may not know on a VM (then: SSE3 kernels, 6x slower), and reads
+    // OPENBLAS_CORETYPE when it loads: name the kernel set from the CPU's features unless the
+    // user did.
+    if std::env::var_os("OPENBLAS_CORETYPE").is_none() {
+        if let Some(core) = qatc_runtime::cpu::blas::openblas_core_type() {
+            std::env::set_var("OPENBLAS_CORETYPE", core);
+        }
+    }
     let args = Cli::parse();
     let r = match &args.cmd {
         Cmd::Compile(a) => cli::compile::run(a),

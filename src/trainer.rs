@@ -1,16 +1,21 @@
 //! The training loop's state and one optimizer step (compiled, or on the reference interpreter:
-//! `runner`), plus the
-//! resume state: every persistent input of the step (weights, Adam moments, the step count) is
-//! saved bit for bit, so a resumed run continues exactly where an uninterrupted one would be.
+//! `runner`), plus the resume state: every persistent input of the step (weights, Adam moments,
+//! the step count) is saved bit for bit, so a resumed run continues exactly where an
+//! uninterrupted one would be.
+//!
+//! The state lives in the executor (`qatc_runtime::TrainStep`): the weights are bound once, each
+//! step's updates are written over them there, and per step only the batch, the learning rate
+//! and the dropout seeds go in and the loss comes out. Parameters and moments are read back only
+//! to save them or to validate.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::Context;
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
-use qatc_runtime::{IntTensor, Tensor, Value};
+use qatc_runtime::{CpuOptions, IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
 use crate::data::TokenFile;
@@ -18,41 +23,75 @@ use crate::model::Model;
 use crate::runner::{Engine, Runner};
 use crate::step;
 
-/// The training loop's state: every input of the step graph that persists across steps.
+/// Where the steps' time went (`Trainer::set_profile`), summed over the profiled steps.
+#[derive(Default)]
+struct Profile {
+    steps: usize,
+    /// what -> (times run, seconds)
+    by: BTreeMap<String, (usize, f64)>,
+}
+
+/// The training loop: the step graph and its executor, which holds every input that persists
+/// across steps.
 pub struct Trainer {
     pub graph: Graph,
-    runner: Runner,
-    pub state: HashMap<String, Value<f32>>,
+    step: Box<dyn TrainStep>,
+    description: String,
     pub opts: step::StepOptions,
     seed: u64,
+    /// The graph's input names: per-step inputs it does not have (a dropout seed without
+    /// dropout) are not given.
+    inputs: HashSet<String>,
+    runs: usize,
+    profile: Option<Profile>,
 }
 
 impl Trainer {
-    /// Compiles the step and binds the weights (LoRA from `adapter`, else initialised from
-    /// `seed`); Adam moments and the step count start at zero.
+    /// Compiles the step for the reference interpreter and binds the weights (LoRA from
+    /// `adapter`, else initialised from `seed`); Adam moments and the step count start at zero.
     pub fn new(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64) -> anyhow::Result<Trainer> {
-        Self::with_engine(m, opts, adapter, seed, Engine::Interpreter)
+        Self::with_engine(m, opts, adapter, seed, Engine::Interpreter, &CpuOptions::default())
     }
 
-    /// As `new`, with the step run by `engine`.
+    /// As `new`, with the step run by `engine` (`cpu`: the compiled CPU executor's settings).
     pub fn with_engine(
         m: &Model,
         opts: step::StepOptions,
         adapter: Option<&Adapter>,
         seed: u64,
         engine: Engine,
+        cpu: &CpuOptions,
     ) -> anyhow::Result<Trainer> {
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
-        let runner = Runner::new(&graph, engine)?;
-        let mut state = m.bind::<f32>(&graph, adapter, seed)?;
+        let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
+        // the weights go to the executor once; no host copy is kept
+        for (name, v) in m.bind::<f32>(&graph, adapter, seed)? {
+            step.set_input(&name, &v).with_context(|| format!("binding {name}"))?;
+        }
+        let mut inputs = HashSet::new();
         for id in graph.inputs() {
+            let name = graph.node(id).name.clone().unwrap_or_default();
             if graph.input_kind(id) == Some(InputKind::State) {
                 let ty = graph.ty(id);
-                let name = graph.node(id).name.clone().unwrap_or_default();
-                state.insert(name, Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data: vec![0.0; ty.numel()] }));
+                let zeros = Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data: vec![0.0; ty.numel()] });
+                step.set_input(&name, &zeros).with_context(|| format!("binding {name}"))?;
             }
+            inputs.insert(name);
         }
-        Ok(Trainer { graph, runner, state, opts, seed })
+        Ok(Trainer { graph, step, description, opts, seed, inputs, runs: 0, profile: None })
+    }
+
+    /// Gives the step an input's value (a weight, a moment, data): it stays until set again.
+    pub fn set_input(&mut self, name: &str, v: Value<f32>) -> anyhow::Result<()> {
+        self.step.set_input(name, &v).with_context(|| format!("input {name}"))
+    }
+
+    /// Gives the step a per-step input, if the graph has it.
+    fn give(&mut self, name: &str, v: Value<f32>) -> anyhow::Result<()> {
+        if self.inputs.contains(name) {
+            self.step.set_input(name, &v).with_context(|| format!("input {name}"))?;
+        }
+        Ok(())
     }
 
     /// Runs one optimizer step on micro-batches `first .. first + K` (llm.c's sequential order,
@@ -75,89 +114,122 @@ impl Trainer {
             let (ids, tgt) = data.batch(s, b, t)?;
             let (ni, nt) =
                 if k == 1 { ("ids".to_string(), "targets".to_string()) } else { (micro_name("ids", i), micro_name("targets", i)) };
-            self.state.insert(ni, Value::Int(IntTensor { shape: vec![b, t], data: ids }));
-            self.state.insert(nt, Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
+            self.give(&ni, Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
+            self.give(&nt, Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
         }
-        self.state.insert("lr".into(), Value::scalar(lr));
+        self.give("lr", Value::scalar(lr))?;
         // a fresh dropout mask every step, reproducible from the seed and the step's first batch
         let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(salt as i64) as i32;
         // micro-batching renames per-step data inputs (`dropout.seed.0`, ..): a mask of its own each
         let names: Vec<String> = if k == 1 { vec![DROPOUT_SEED.into()] } else { (0..k).map(|i| micro_name(DROPOUT_SEED, i)).collect() };
         for (i, n) in names.into_iter().enumerate() {
-            self.state.insert(n, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }));
+            self.give(&n, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }))?;
         }
-        let mut out = self.runner.run(&self.state)?;
-        for o in self.graph.outputs().iter().filter(|o| o.update) {
-            if let Some(v) = out.remove(&format!("update:{}", o.name)).or_else(|| out.remove(&o.name)) {
-                self.state.insert(o.name.clone(), v);
+        // the first run also computes what is hoisted out of later ones: not profiled
+        match self.profile.as_mut() {
+            Some(p) if self.runs > 0 => {
+                if let Some(times) = self.step.run_timed()? {
+                    p.steps += 1;
+                    for (what, s) in times {
+                        let e = p.by.entry(what).or_default();
+                        e.0 += 1;
+                        e.1 += s;
+                    }
+                }
             }
+            _ => self.step.run()?,
         }
-        Ok(out)
+        self.runs += 1;
+        Ok(self.step.outputs()?)
     }
 
-    /// Where the compiled step's time goes (see `Runner::profile`).
-    pub fn profile(&mut self) -> anyhow::Result<Option<Vec<(String, usize, f64)>>> {
-        self.runner.profile()
+    /// Times every part of the steps from now on (but the first step run), for `profile`.
+    pub fn set_profile(&mut self, on: bool) {
+        self.profile = on.then(Profile::default);
+    }
+
+    /// Where a step's time goes, from the steps profiled (`set_profile`): (what, times per step,
+    /// seconds per step), largest first. None when nothing was profiled (the interpreter does not
+    /// time its parts; the first step is not profiled).
+    pub fn profile(&self) -> Option<Vec<(String, f64, f64)>> {
+        let p = self.profile.as_ref().filter(|p| p.steps > 0)?;
+        let n = p.steps as f64;
+        let mut v: Vec<(String, f64, f64)> = p.by.iter().map(|(k, &(c, s))| (k.clone(), c as f64 / n, s / n)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Some(v)
     }
 
     /// What runs the step, in words.
-    pub fn describe(&self) -> String {
-        self.runner.describe()
+    pub fn describe(&self) -> &str {
+        &self.description
     }
 
-    /// The persistent state: trainable weights, Adam moments and the step count, by name.
-    pub fn persistent(&self) -> Vec<(String, &Tensor<f32>)> {
+    /// The inputs of these kinds, read back from the executor, in the graph's input order.
+    fn read(&self, kinds: &[InputKind]) -> anyhow::Result<Vec<(String, Value<f32>)>> {
         let mut v = Vec::new();
         for id in self.graph.inputs() {
-            if matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)) {
+            if self.graph.input_kind(id).is_some_and(|k| kinds.contains(&k)) {
                 let name = self.graph.node(id).name.clone().unwrap_or_default();
-                if let Some(Value::Float(t)) = self.state.get(&name) {
-                    v.push((name, t));
-                }
+                let val = self.step.read_input(&name).with_context(|| format!("reading {name} back"))?;
+                v.push((name, val));
             }
         }
-        v
+        Ok(v)
+    }
+
+    fn tensors(v: Vec<(String, Value<f32>)>) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
+        v.into_iter()
+            .map(|(n, v)| match v {
+                Value::Float(t) => Ok((n, t)),
+                Value::Int(_) => anyhow::bail!("internal: {n} holds integers"),
+            })
+            .collect()
+    }
+
+    /// The persistent state, read back: trainable weights, Adam moments and the step count.
+    pub fn persistent(&self) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
+        Self::tensors(self.read(&[InputKind::Trainable, InputKind::State])?)
+    }
+
+    /// The trainable weights, read back.
+    pub fn weights(&self) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
+        Self::tensors(self.read(&[InputKind::Trainable])?)
+    }
+
+    /// Every input that persists across steps, read back (frozen weights as the step holds them:
+    /// 4-bit codes as integers), by name.
+    pub fn state(&self) -> anyhow::Result<HashMap<String, Value<f32>>> {
+        Ok(self.read(&[InputKind::Frozen, InputKind::Trainable, InputKind::State])?.into_iter().collect())
     }
 
     /// Saves the persistent state as one safetensors file (raw f32: bit for bit).
     pub fn save_state(&self) -> anyhow::Result<Vec<u8>> {
-        weights_safetensors(&self.persistent())
+        weights_safetensors(&self.persistent()?)
     }
 
     /// Restores what `save_state` wrote; every persistent input must be there with its shape.
     pub fn load_state(&mut self, path: &Path) -> anyhow::Result<()> {
         let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
         let st = safetensors::SafeTensors::deserialize(&bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
-        let names: Vec<String> = self.persistent().into_iter().map(|(n, _)| n).collect();
-        for name in names {
+        for id in self.graph.inputs() {
+            if !matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)) {
+                continue;
+            }
+            let name = self.graph.node(id).name.clone().unwrap_or_default();
+            let want = self.graph.ty(id).shape.dims().to_vec();
             let v = st.tensor(&name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
-            let want = self.state.get(&name).map(|v| v.shape().to_vec()).unwrap_or_default();
             if v.shape() != want.as_slice() || v.dtype() != safetensors::Dtype::F32 {
                 anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {want:?}", path.display(), v.dtype(), v.shape());
             }
             let data = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            self.state.insert(name, Value::Float(Tensor { shape: want, data }));
+            self.step.set_input(&name, &Value::Float(Tensor { shape: want, data })).with_context(|| format!("restoring {name}"))?;
         }
         Ok(())
-    }
-
-    /// The trainable weights, by name.
-    pub fn weights(&self) -> Vec<(String, &Tensor<f32>)> {
-        let mut v = Vec::new();
-        for id in self.graph.inputs() {
-            if self.graph.input_kind(id) == Some(InputKind::Trainable) {
-                let name = self.graph.node(id).name.clone().unwrap_or_default();
-                if let Some(Value::Float(t)) = self.state.get(&name) {
-                    v.push((name, t));
-                }
-            }
-        }
-        v
     }
 }
 
 /// Serializes weights as a Hugging Face safetensors file (F32, names without prefix).
-pub fn weights_safetensors(ws: &[(String, &Tensor<f32>)]) -> anyhow::Result<Vec<u8>> {
+pub fn weights_safetensors(ws: &[(String, Tensor<f32>)]) -> anyhow::Result<Vec<u8>> {
     let bytes: Vec<(String, Vec<u8>, Vec<usize>)> =
         ws.iter().map(|(n, t)| (n.clone(), t.data.iter().flat_map(|v| v.to_le_bytes()).collect(), t.shape.clone())).collect();
     let views = bytes

@@ -17,14 +17,15 @@ use qatc::data::TokenFile;
 use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
-use qatc_ir::{InputKind, QuantScheme, QuantSpec};
+use qatc_ir::{QuantScheme, QuantSpec};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::microbatch::micro_name;
 use qatc_passes::optim::AdamW;
 use qatc_passes::quant::QuantOptions;
+use qatc_runtime::exec::Region;
 use qatc_runtime::ops::elementwise::{adam_param, AdamHyper};
-use qatc_runtime::{BufferLayout, CpuProgram, Interpreter, RuntimeError, Value};
+use qatc_runtime::{BufferLayout, CpuOptions, CpuProgram, ExecOptions, ExecPlan, Interpreter, RuntimeError, Value};
 
 const TOL: f64 = 1e-5;
 const LR: f64 = 1e-2;
@@ -134,7 +135,7 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
         } else {
             prog.buffers
                 .iter()
-                .filter(|b| b.dtype == qatc_ir::DType::I4 && matches!(b.kind, qatc_kernels::program::BufKind::Input(_)))
+                .filter(|b| b.dtype == qatc_ir::DType::I4 && matches!(b.kind, qatc_kernels::program::BufKind::Input(..)))
                 .count()
         };
         let before: usize = prog.buffers.iter().map(|b| b.bytes()).sum();
@@ -170,7 +171,7 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
         ));
     }
     runners.push(("KIR evaluator", CpuProgram::with_kir_eval(prog).unwrap_or_else(|e| panic!("{what}: {e}"))));
-    let mut state = tr.state.clone();
+    let mut state = tr.state().unwrap();
     let updates: Vec<String> = tr.graph.outputs().iter().filter(|o| o.update).map(|o| o.name.clone()).collect();
     assert!(!updates.is_empty());
     for step in 0..2 {
@@ -272,10 +273,10 @@ fn bits(out: &HashMap<String, Value<f32>>) -> Vec<(String, Vec<u32>)> {
 }
 
 /// Buffers that are never live at the same step share memory, and that changes nothing: the tiny
-/// 4-bit + LoRA step, used as the trainer uses it (`src/runner.rs`: the dequantization of frozen
-/// weights hoisted, the frozen weights set on the first run only, the updates fed back), gives
-/// the same outputs bit for bit over three steps whether its buffers share or not, from an arena
-/// smaller than the buffers it holds.
+/// 4-bit + LoRA step, as the trainer runs it (the dequantization of frozen weights hoisted, the
+/// frozen weights set on the first run only, the updates written back over their inputs by the
+/// executor), gives the same outputs and state bit for bit over three steps whether its buffers
+/// share or not, from an arena smaller than the buffers it holds.
 #[test]
 fn shared_buffers_change_no_bit_of_three_steps() {
     for fuse in [false, true] {
@@ -287,66 +288,143 @@ fn shared_buffers_change_no_bit_of_three_steps() {
         let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
         let (b, t) = (o.batch, o.seq);
         let tr = Trainer::new(&m, o, None, 3).unwrap();
-        let g = &tr.graph;
-        let frozen: std::collections::HashSet<String> = g
-            .inputs()
-            .into_iter()
-            .filter(|&id| g.input_kind(id) == Some(InputKind::Frozen))
-            .filter_map(|id| g.node(id).name.clone())
-            .collect();
-        let prog = qatc_kernels::lower(g).unwrap();
+        let prog = qatc_kernels::lower(&tr.graph).unwrap();
         let program = |layout: BufferLayout| -> CpuProgram {
             #[cfg(feature = "llvm")]
             let launcher: Box<dyn qatc_runtime::Launcher> = Box::new(qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap());
             #[cfg(not(feature = "llvm"))]
             let launcher: Box<dyn qatc_runtime::Launcher> = Box::new(qatc_runtime::KirEval::new(&prog.kernels));
-            let mut cp = CpuProgram::with_layout(prog.clone(), launcher, layout).unwrap();
-            assert!(cp.hoist(&frozen).unwrap() > 0, "{what}: the 4-bit weights' dequantization is hoisted");
+            let exec = ExecOptions { layout, hoist_frozen: true, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
+            let cp = CpuProgram::with_options(prog.clone(), launcher, exec, &CpuOptions::default()).unwrap();
+            assert!(cp.plan().hoisted_steps() > 0, "{what}: the 4-bit weights' dequantization is hoisted");
             cp
         };
         let (mut shared, mut distinct) = (program(BufferLayout::Shared), program(BufferLayout::Distinct));
-        let updates: Vec<String> = g.outputs().iter().filter(|o| o.update).map(|o| o.name.clone()).collect();
-        let mut state = tr.state.clone();
+        let state = tr.state().unwrap();
         for step in 0..3 {
             let (ids, targets) = data.batch(step, b, t).unwrap();
-            state.insert("ids".into(), Value::ints([b, t], ids).unwrap());
-            state.insert("targets".into(), Value::ints([b, t], targets).unwrap());
-            state.insert(DROPOUT_SEED.into(), Value::ints([], vec![1234 + step as i32]).unwrap());
-            state.insert("lr".into(), Value::scalar(LR));
+            let mut given = HashMap::from([
+                ("ids".to_string(), Value::ints([b, t], ids).unwrap()),
+                ("targets".to_string(), Value::ints([b, t], targets).unwrap()),
+                (DROPOUT_SEED.to_string(), Value::ints([], vec![1234 + step as i32]).unwrap()),
+                ("lr".to_string(), Value::scalar(LR)),
+            ]);
+            if step == 0 {
+                // the weights, moments and step count once: the executor keeps them, updated
+                given.extend(state.clone());
+            }
             let mut outs = Vec::new();
             for cp in [&mut shared, &mut distinct] {
-                for (name, v) in &state {
-                    // as the trainer: frozen weights once, so the hoisted steps run on the first
-                    // run only and later runs read their results
-                    if step == 0 || !frozen.contains(name) {
-                        match cp.set_input(name, v) {
-                            Ok(()) | Err(RuntimeError::UnknownInput(_)) => {}
-                            Err(e) => panic!("{what}: {e}"),
-                        }
+                for (name, v) in &given {
+                    match cp.set_input(name, v) {
+                        Ok(()) | Err(RuntimeError::UnknownInput(_)) => {}
+                        Err(e) => panic!("{what}: {e}"),
                     }
                 }
                 cp.execute().unwrap();
-                outs.push(cp.outputs().unwrap());
+                outs.push(cp.results().unwrap());
             }
             assert!(bits(&outs[0]) == bits(&outs[1]), "{what}, step {step}: the shared layout's outputs differ from the distinct one's");
-            for u in &updates {
-                state.insert(u.clone(), outs[1][u].clone());
-            }
         }
-        let (s, d) = (shared.layout_report(), distinct.layout_report());
+        let (s, d) = (shared.layout(), distinct.layout());
         eprintln!(
             "{what}: shared {} bytes (arena {} for {} of buffers, {} live at most; inputs {}), distinct {} bytes",
-            shared.allocated_bytes(),
+            s.total_bytes(),
             s.arena_bytes,
             s.placed_bytes,
-            s.peak_live_bytes,
-            s.input_bytes,
-            distinct.allocated_bytes()
+            s.lower_bound,
+            s.input_bytes(),
+            d.total_bytes()
         );
-        assert!(shared.allocated_bytes() < distinct.allocated_bytes(), "{what}: {s:?} against {d:?}");
-        assert!(
-            s.arena_bytes >= s.peak_live_bytes && s.placed_bytes == d.placed_bytes && d.arena_bytes == d.placed_bytes,
-            "{what}: {s:?} against {d:?}"
-        );
+        assert!(s.total_bytes() < d.total_bytes(), "{what}: {s:?} against {d:?}");
+        assert!(s.arena_bytes >= s.lower_bound && s.placed_bytes == d.placed_bytes && d.arena_bytes == d.placed_bytes, "{what}");
+    }
+}
+
+/// The CPU executor puts every buffer exactly where the executor core's plan says: for the tiny
+/// 4-bit + LoRA step as `qatc train` compiles it (panels, hoisting), the addresses its steps are
+/// given, measured from each region's start, are the layout's offsets, and the plan is the one
+/// `ExecPlan::new` makes on its own from the same program and options.
+#[test]
+fn the_cpu_executor_lays_buffers_out_as_the_plan_says() {
+    let mut o = StepOptions::new(2, 16);
+    qlora(&mut o);
+    o.fuse = Some(FuseOptions::default());
+    let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+    let tr = Trainer::new(&m, o, None, 3).unwrap();
+    let mut prog = qatc_kernels::lower(&tr.graph).unwrap();
+    qatc_kernels::panels::feed_panels(&mut prog, 5000);
+    let exec = ExecOptions { hoist_frozen: true, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
+    let cp =
+        CpuProgram::with_options(prog.clone(), Box::new(qatc_runtime::KirEval::new(&prog.kernels)), exec, &CpuOptions::default()).unwrap();
+    let plan = ExecPlan::new(&prog, exec).unwrap();
+    assert!(plan == *cp.plan(), "the executor's plan is the core's");
+    let (mut regions, mut shared) = (std::collections::HashSet::new(), 0);
+    for (b, place) in plan.layout.places.iter().enumerate() {
+        assert_eq!(cp.address_of(b), Some((place.region, place.offset)), "buffer {b} ({})", prog.buffers[b].name);
+        assert_eq!(place.offset % 64, 0);
+        regions.insert(place.region);
+        shared += plan.layout.places.iter().filter(|p| p.region == Region::Arena && p.offset == place.offset).count().min(2) - 1;
+    }
+    assert_eq!(regions.len(), 3, "arena, persistent and data regions all used");
+    assert!(shared > 0, "some arena buffers share an offset");
+    assert!(!plan.write_backs.is_empty(), "the LoRA weights, their moments and the step count are written back");
+    eprintln!("{} write-backs, {} steps hoisted", plan.write_backs.len(), plan.hoisted_steps());
+}
+
+/// The trainer keeps the step's state in the executor: three compiled 4-bit + LoRA steps (with
+/// dropout) give bit for bit the losses, weights, Adam moments and step count of the same
+/// compiled program driven the old way, every input copied in and every update output copied
+/// out to the host at every step.
+#[cfg(feature = "llvm")]
+#[test]
+fn resident_state_equals_the_host_round_trip_bit_for_bit() {
+    use qatc::runner::Engine;
+    for fuse in [false, true] {
+        let mut o = StepOptions::new(2, 16);
+        qlora(&mut o);
+        o.fuse = fuse.then(FuseOptions::default);
+        let what = format!("4-bit + LoRA, fuse {fuse}");
+        let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+        let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+        let seed = 3;
+        let mut resident = Trainer::with_engine(&m, o.clone(), None, seed, Engine::Compiled, &CpuOptions::default()).unwrap();
+        // the old way: the host holds the state, binds everything every step, reads the updates
+        // out of their buffers
+        let g = &resident.graph;
+        let (mut cp, _) = CpuProgram::compile(qatc_kernels::lower(g).unwrap(), &CpuOptions::default()).unwrap();
+        let mut host = m.bind::<f32>(g, None, seed).unwrap();
+        for id in g.inputs() {
+            if g.input_kind(id) == Some(qatc_ir::InputKind::State) {
+                host.insert(
+                    g.node(id).name.clone().unwrap(),
+                    Value::floats(g.ty(id).shape.dims().to_vec(), &vec![0.0; g.ty(id).numel()]).unwrap(),
+                );
+            }
+        }
+        let (b, t) = (o.batch, o.seq);
+        for s in 0..3 {
+            let (ids, targets) = data.batch(s, b, t).unwrap();
+            host.insert("ids".into(), Value::ints([b, t], ids).unwrap());
+            host.insert("targets".into(), Value::ints([b, t], targets).unwrap());
+            host.insert("lr".into(), Value::scalar(LR));
+            // the trainer's dropout seed for step s (its first batch is s)
+            host.insert(DROPOUT_SEED.into(), Value::ints([], vec![(seed as i64 * 1_000_003 + s as i64) as i32]).unwrap());
+            let old = cp.run(&host).unwrap();
+            for (name, v) in &cp.program().updates.clone() {
+                let buf = &cp.program().buffers[v.buf];
+                let value = qatc_runtime::exec::values::read_view(buf, cp.buffer_bytes(v.buf).unwrap(), v).unwrap();
+                host.insert(name.clone(), value);
+            }
+            let new = resident.step(&data, s, LR).unwrap();
+            let loss = |out: &HashMap<String, Value<f32>>| out["loss"].as_float().unwrap().data[0].to_bits();
+            assert_eq!(loss(&old), loss(&new), "{what}, step {s}: the loss");
+        }
+        let state = resident.persistent().unwrap();
+        assert!(state.len() > 10);
+        for (name, t) in state {
+            let want = host[&name].as_float().unwrap();
+            assert!(t.data.iter().map(|x| x.to_bits()).eq(want.data.iter().map(|x| x.to_bits())), "{what}: {name} after three steps");
+        }
     }
 }

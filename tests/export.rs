@@ -63,7 +63,7 @@ fn train(q: &QuantArgs, dir: &Path) -> Adapter {
     for s in 0..3 {
         tr.step(&data, s, 1e-2).unwrap();
     }
-    let (cfg, st) = adapter::to_files(&init.options(), &tr.weights(), "tiny").unwrap();
+    let (cfg, st) = adapter::to_files(&init.options(), &tr.weights().unwrap(), "tiny").unwrap();
     std::fs::write(dir.join("adapter_config.json"), cfg).unwrap();
     std::fs::write(dir.join("adapter_model.safetensors"), st).unwrap();
     adapter::read(dir).unwrap()
@@ -333,8 +333,7 @@ fn synthetic(dir: &Path, n_embd: usize, n_layer: usize) -> (PathBuf, PathBuf) {
             ts.push((bn.clone(), Tensor { shape: vec![out, 4], data: vec![0.01; out * 4] }));
         }
     }
-    let refs: Vec<(String, &Tensor<f32>)> = ts.iter().map(|(n, t)| (n.clone(), t)).collect();
-    let (c, st) = adapter::to_files(&o, &refs, "synthetic").unwrap();
+    let (c, st) = adapter::to_files(&o, &ts, "synthetic").unwrap();
     let ad = dir.join(format!("a{n_embd}_{n_layer}"));
     std::fs::create_dir_all(&ad).unwrap();
     std::fs::write(ad.join("adapter_config.json"), c).unwrap();

@@ -63,8 +63,8 @@ fn compare(mut o: StepOptions, steps: usize, clip: Option<f64>) {
         assert!(n > 0 && oa.contains_key("loss"));
     }
     let mut checked = 0;
-    let sb: &HashMap<String, Value<f32>> = &b.state;
-    for (name, va) in &a.state {
+    let sb: HashMap<String, Value<f32>> = b.state().unwrap();
+    for (name, va) in &a.state().unwrap() {
         if let (Some(vb), Value::Float(_)) = (sb.get(name), va) {
             let e = common::rel_err(&floats(vb), &floats(va));
             assert!(e <= TOL, "after {steps} steps: {name} differs by {e:e} relative");

@@ -17,8 +17,8 @@ use qatc_kernels::program::{BufKind, Step};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::cpu::{BufferLayout, CpuProgram};
 use qatc_runtime::KirEval;
+use qatc_runtime::{BufferLayout, CpuOptions, CpuProgram, ExecOptions, Launcher};
 use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
 
 const TOL: f64 = 1e-5;
@@ -47,6 +47,12 @@ fn inputs(g: &Graph, cfg: &Gpt2Config, b: usize, t: usize) -> HashMap<String, Va
     v.insert("lr".into(), Value::scalar(1e-2));
     v.insert(DROPOUT_SEED.into(), Value::Int(IntTensor { shape: vec![], data: vec![77] }));
     v
+}
+
+/// `prog` run by `launcher` with every buffer in memory of its own, kept after the run.
+fn distinct(prog: qatc_kernels::Program, launcher: Box<dyn Launcher>) -> Result<CpuProgram, qatc_runtime::RuntimeError> {
+    let exec = ExecOptions { layout: BufferLayout::Distinct, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
+    CpuProgram::with_options(prog, launcher, exec, &CpuOptions::default())
 }
 
 /// Runs the step both ways; returns (family -> values compared) and panics on the first value
@@ -88,7 +94,7 @@ fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, us
     }
     let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).expect("the kernels compile");
     // every buffer is read after the run: none may share memory
-    let mut cp = CpuProgram::with_layout(prog, Box::new(jit), BufferLayout::Distinct).expect("the program loads");
+    let mut cp = distinct(prog, Box::new(jit)).expect("the program loads");
     cp.run(&ins).expect("the compiled step runs");
     // buffer -> node: lowering names a node's buffer after the node (else t{index}) and creates
     // buffers in topological order, so the i-th buffer of a name holds the i-th node of that name
@@ -260,9 +266,8 @@ fn isolate(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> usize {
     let prog = qatc_kernels::lower(&g).expect("it lowers");
     let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).expect("the kernels compile");
     // every buffer is copied from one program to the other before each launch: none may share
-    let mut fast = CpuProgram::with_layout(prog.clone(), Box::new(jit), BufferLayout::Distinct).expect("the program loads");
-    let mut slow =
-        CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&prog.kernels)), BufferLayout::Distinct).expect("the program loads");
+    let mut fast = distinct(prog.clone(), Box::new(jit)).expect("the program loads");
+    let mut slow = distinct(prog.clone(), Box::new(KirEval::new(&prog.kernels))).expect("the program loads");
     for (name, v) in &ins {
         let _ = fast.set_input(name, v);
     }

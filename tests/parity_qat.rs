@@ -137,7 +137,7 @@ fn three_qat_lora_steps_match_peft() {
         assert!((loss - w).abs() <= 1e-4, "step {s}: loss {loss} vs PEFT {w}");
     }
     let fin = adapter::read(&common::fixture("tiny_qat/adapter_3steps")).unwrap();
-    let ws = tr.weights();
+    let ws = tr.weights().unwrap();
     assert_eq!(ws.len(), 16, "only the LoRA tensors train");
     for (name, t) in ws {
         let ours: Vec<f64> = t.data.iter().map(|&v| v as f64).collect();
@@ -146,7 +146,7 @@ fn three_qat_lora_steps_match_peft() {
         assert!(e <= 1e-4, "{name} after 3 steps: {e:e} relative to PEFT");
     }
     // and the adapter qatc writes reads back as the same tensors under PEFT's keys
-    let (cfg, st) = adapter::to_files(&ad.options(), &tr.weights(), "tiny").unwrap();
+    let (cfg, st) = adapter::to_files(&ad.options(), &tr.weights().unwrap(), "tiny").unwrap();
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("adapter_config.json"), cfg).unwrap();
     std::fs::write(dir.path().join("adapter_model.safetensors"), &st).unwrap();
@@ -200,7 +200,7 @@ fn the_adapter_qatc_writes_is_the_one_peft_loaded() {
     for s in 0..3 {
         tr.step(&tokens(), s, 1e-3).unwrap();
     }
-    let (cfg, st) = adapter::to_files(&lo, &tr.weights(), "tests/fixtures/tiny/f32_prefix/model.safetensors").unwrap();
+    let (cfg, st) = adapter::to_files(&lo, &tr.weights().unwrap(), "tests/fixtures/tiny/f32_prefix/model.safetensors").unwrap();
     let dir = common::fixture("tiny_qat/qatc_adapter");
     assert_eq!(cfg, std::fs::read_to_string(dir.join("adapter_config.json")).unwrap());
     assert!(st == std::fs::read(dir.join("adapter_model.safetensors")).unwrap(), "adapter bytes changed: rerun the PEFT check");

@@ -34,7 +34,7 @@ fn quant_lora(o: &mut StepOptions, r: usize) {
 fn step_inputs(tr: &Trainer, b: usize, t: usize) -> HashMap<String, Value<f32>> {
     let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
     let (ids, tgt) = data.batch(0, b, t).unwrap();
-    let mut m = tr.state.clone();
+    let mut m = tr.state().unwrap();
     m.insert("ids".into(), Value::Int(IntTensor { shape: vec![b, t], data: ids }));
     m.insert("targets".into(), Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
     m.insert("lr".into(), Value::scalar(1e-3));
@@ -142,7 +142,8 @@ fn gradients_and_updates_are_bit_identical_under_every_policy() {
             let out = tr.step(&data, 0, 1e-3).unwrap();
             let grads = out.into_iter().filter(|(k, _)| k.starts_with("grad:") || k == "loss").collect::<HashMap<_, _>>();
             let after = tr
-                .state
+                .state()
+                .unwrap()
                 .iter()
                 .filter(|(k, _)| k.contains("weight") || k.starts_with("adam"))
                 .map(|(k, v)| (k.clone(), v.clone()))

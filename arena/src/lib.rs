@@ -225,8 +225,11 @@ mod tests {
 
     fn interval() -> impl Strategy<Value = Interval> {
         // mostly short lives among a few long ones, sizes from empty to a few lines
-        (0usize..5000, 0usize..200, prop_oneof![4 => 0usize..6, 1 => 0usize..150])
-            .prop_map(|(size, first, len)| Interval { first, last: first + len, size })
+        (0usize..5000, 0usize..200, prop_oneof![4 => 0usize..6, 1 => 0usize..150]).prop_map(|(size, first, len)| Interval {
+            first,
+            last: first + len,
+            size,
+        })
     }
 
     proptest! {
@@ -319,7 +322,8 @@ mod tests {
 
     #[test]
     fn alignment_rounds_sizes_and_offsets() {
-        let bufs = [Interval { first: 0, last: 2, size: 1 }, Interval { first: 1, last: 1, size: 300 }, Interval { first: 2, last: 3, size: 0 }];
+        let bufs =
+            [Interval { first: 0, last: 2, size: 1 }, Interval { first: 1, last: 1, size: 300 }, Interval { first: 2, last: 3, size: 0 }];
         let p = place(&bufs, 256);
         assert!(p.offsets.iter().all(|o| o % 256 == 0), "{p:?}");
         assert_eq!(p.size, 768);

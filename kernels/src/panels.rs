@@ -165,7 +165,7 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
             }
         }
     }
-    for (_, v) in &prog.outputs {
+    for (_, v) in prog.outputs.iter().chain(&prog.updates) {
         other_use[v.buf] = true;
     }
     let mut report = PanelReport::default();
@@ -175,8 +175,8 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
         let k = &prog.kernels[*kernel];
         let Some((out, rows, cols)) = dequant_like(k).filter(|&(_, r, c)| r > 0 && c > 0) else { continue };
         let w = args[out];
-        let from_inputs = k.params.iter().zip(args).all(|(p, &b)| p.write || matches!(prog.buffers[b].kind, BufKind::Input(_)));
-        if !from_inputs || writers[w] != 1 || other_use[w] || matches!(prog.buffers[w].kind, BufKind::Input(_)) {
+        let from_inputs = k.params.iter().zip(args).all(|(p, &b)| p.write || matches!(prog.buffers[b].kind, BufKind::Input(..)));
+        if !from_inputs || writers[w] != 1 || other_use[w] || matches!(prog.buffers[w].kind, BufKind::Input(..)) {
             continue;
         }
         let users: Vec<(usize, bool)> = (0..prog.steps.len())

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use qatc_ir::DType;
+use qatc_ir::{DType, InputKind};
 
 use crate::kir::Kernel;
 
@@ -11,8 +11,9 @@ pub type BufId = usize;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum BufKind {
-    /// A graph input, supplied by name.
-    Input(String),
+    /// A graph input, supplied by name; its kind says whether it persists between steps
+    /// (weights, optimizer state) or is given anew for each (`InputKind::Data`).
+    Input(String, InputKind),
     /// The value of a graph node (named outputs and update targets among them).
     Value,
     /// Scratch that one step writes and a later step of the same node reads.
@@ -186,8 +187,11 @@ pub struct Program {
     /// Distinct kernels; launches refer to them by index.
     pub kernels: Vec<Kernel>,
     pub steps: Vec<Step>,
-    /// Where each named graph output lives (update outputs under the input's name).
+    /// Where each named graph output lives (not the updates).
     pub outputs: Vec<(String, View)>,
+    /// Where each update output lives, under the name of the input it is the new value of
+    /// (`Graph::set_update`): after a step the executor copies it into that input's buffer.
+    pub updates: Vec<(String, View)>,
     pub materialized: Vec<Materialized>,
     /// Fused nodes that could not run as one kernel and were split, with why.
     pub splits: Vec<String>,

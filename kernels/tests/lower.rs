@@ -80,7 +80,8 @@ fn an_unfused_step_lowers_every_node() {
     let g = qatc_ir::parse(body.trim_start()).unwrap();
     let prog = lower(&g).unwrap();
     assert!(prog.launches() > 50 && prog.gemms().count() > 10, "{prog}");
-    assert_eq!(prog.outputs.len(), g.outputs().len());
+    assert_eq!(prog.outputs.len() + prog.updates.len(), g.outputs().len());
+    assert_eq!(prog.updates.len(), g.outputs().iter().filter(|o| o.update).count());
 }
 
 #[test]

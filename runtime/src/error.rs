@@ -35,4 +35,11 @@ pub enum RuntimeError {
     /// `set_input` of a name the compiled program has no input for.
     #[error("the compiled program has no input {0:?}")]
     UnknownInput(String),
+    /// An output asked for that the step has not (a name it has no output of, or no run yet).
+    #[error("no output {0:?}: the step has none of that name, or has not run")]
+    MissingOutput(String),
+    /// Compiling a program for the CPU failed (lowering rewrites or the LLVM JIT; the message
+    /// names the kernel).
+    #[error("compiling the program: {0}")]
+    Compile(String),
 }

@@ -1,7 +1,8 @@
 //! qatc's reference interpreter: the numerical oracle every optimization (fusion, LLVM/CUDA code
 //! generation) is checked against, and a slow but complete way to run training steps. Also the
-//! executor of compiled programs on the CPU ([`compiled`]: a lowered `qatc_kernels::Program`'s
-//! kernel launches and GEMMs over buffers allocated once).
+//! executor of compiled programs on the CPU ([`cpu`]: a lowered `qatc_kernels::Program`'s
+//! kernel launches and GEMMs over buffers allocated once), built on the executor core that every
+//! device shares ([`exec`]: checks, lifetimes, hoisting, the memory layout, [`TrainStep`]).
 //!
 //! [`Interpreter<T>`] runs a [`qatc_ir::Graph`] with floats computed in `T` (`f32` or `f64`):
 //! f64 mode is the accurate reference used for finite-difference gradient checks, f32 mode
@@ -43,7 +44,7 @@ mod arena;
 pub mod cpu;
 mod error;
 mod eval;
-pub(crate) mod exec;
+pub mod exec;
 mod float;
 mod interp;
 pub mod ops;
@@ -51,8 +52,9 @@ pub mod quant;
 mod value;
 
 pub use arena::{ArenaInterpreter, ArenaLayout, Slot};
-pub use cpu::{BufferLayout, CpuProgram, KirEval, Launcher, LayoutReport};
+pub use cpu::{CpuOptions, CpuProgram, KirEval, Launcher};
 pub use error::RuntimeError;
+pub use exec::{BufferLayout, ExecOptions, ExecPlan, InterpretedStep, MemoryLayout, TrainStep};
 pub use float::Float;
 pub use interp::{Interpreter, RunOutputs};
 pub use value::{IntTensor, Tensor, Value};

@@ -12,7 +12,7 @@ use common::ops::{all_ops, case, f32s, fin};
 use common::{input_map, op_graph, Rng};
 use qatc_ir::{BinaryOp, DType, Graph, InputKind, NodeId, Op, QuantScheme, QuantSpec, Shape, UnaryOp};
 use qatc_kernels::lower;
-use qatc_runtime::{BufferLayout, CpuProgram, Interpreter, KirEval, RuntimeError, Value};
+use qatc_runtime::{BufferLayout, CpuOptions, CpuProgram, ExecOptions, Interpreter, KirEval, RuntimeError, Value};
 
 const TOL: f64 = 1e-5;
 
@@ -275,7 +275,9 @@ fn dequantized_i4_weights_feed_a_matmul() {
 }
 
 /// An AdamW-like update of a trainable input and a state input, run twice with the updates fed
-/// back: buffers persist between runs, and update outputs come back under their input's name.
+/// back, then twice more with nothing given: buffers persist between runs, each run writes its
+/// updates over their inputs (so the state advances on the executor alone), and update outputs
+/// come back under their input's name.
 #[test]
 fn updates_feed_back_and_inputs_persist() {
     let mut g = Graph::new("sgd");
@@ -309,6 +311,14 @@ fn updates_feed_back_and_inputs_persist() {
         want = interp.run(&inputs).unwrap();
         compare("update, next run", &got, &want);
     }
+    for _ in 0..2 {
+        // nothing given: p and m are where the last run's write-back left them
+        let got = cp.run(&HashMap::new()).unwrap();
+        inputs.extend([("p".to_string(), want["p"].clone()), ("m".to_string(), want["m"].clone())]);
+        want = interp.run(&inputs).unwrap();
+        compare("update, resident", &got, &want);
+        assert_eq!(cp.plan().write_backs.len(), 2);
+    }
     assert!(matches!(cp.set_input("nope", &Value::scalar(0.0)), Err(RuntimeError::UnknownInput(_))));
     assert!(matches!(cp.set_input("x", &Value::scalar(0.0)), Err(RuntimeError::InputShape { .. })));
     let mut fresh = CpuProgram::with_kir_eval(lower(&g).unwrap()).unwrap();
@@ -330,7 +340,14 @@ fn an_f16_gemm_is_rejected_with_its_note() {
     }
 }
 
-/// Steps that read only frozen inputs run once (`hoist`), and again after a frozen input is set.
+/// `prog` run by the kernel-IR evaluator, laid out as `layout` says, steps that read only frozen
+/// inputs hoisted or not.
+fn program(prog: qatc_kernels::Program, layout: BufferLayout, hoist_frozen: bool) -> CpuProgram {
+    let exec = ExecOptions { layout, hoist_frozen, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
+    CpuProgram::with_options(prog.clone(), Box::new(KirEval::new(&prog.kernels)), exec, &CpuOptions::default()).unwrap()
+}
+
+/// Steps that read only frozen inputs run once (hoisted), and again after a frozen input is set.
 #[test]
 fn hoisted_frozen_steps_run_once_and_again_when_the_weight_changes() {
     let mut g = Graph::new("hoist");
@@ -340,9 +357,8 @@ fn hoisted_frozen_steps_run_once_and_again_when_the_weight_changes() {
     let y = g.add(Op::Binary(BinaryOp::Add), &[w2, x]).unwrap();
     g.set_output("y", y).unwrap();
     let prog = lower(&g).unwrap();
-    let mut cp = CpuProgram::with_kir_eval(prog).unwrap();
-    let frozen = std::collections::HashSet::from(["w".to_string()]);
-    assert_eq!(cp.hoist(&frozen).unwrap(), 1, "exp(w) is computed from the frozen weight alone");
+    let mut cp = program(prog, BufferLayout::Shared, true);
+    assert_eq!(cp.plan().hoisted_steps(), 1, "exp(w) is computed from the frozen weight alone");
     let full = |v: f64| Value::floats([8, 8], &[v; 64]).unwrap();
     let y_of = |cp: &mut CpuProgram, ins: &[(&str, f64)]| -> f32 {
         let m: HashMap<String, Value<f32>> = ins.iter().map(|(n, v)| (n.to_string(), full(*v))).collect();
@@ -403,8 +419,11 @@ fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
         }))
     };
     let names = ["a", "b", "t", "u", "c", "out", "x", "y"];
-    let buffers =
-        names.iter().enumerate().map(|(i, n)| buf(n, if i < 2 { BufKind::Input(n.to_string()) } else { BufKind::Value })).collect();
+    let buffers = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| buf(n, if i < 2 { BufKind::Input(n.to_string(), InputKind::Data) } else { BufKind::Value }))
+        .collect();
     let prog = Program {
         buffers,
         // t = a b; u = t b; c += a b (c first read here); out = c u; x = a a; y = x b
@@ -416,14 +435,14 @@ fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
     let ins =
         HashMap::from([("a".to_string(), floats(&mut rng, &[4, 4], -1.0, 1.0)), ("b".to_string(), floats(&mut rng, &[4, 4], -1.0, 1.0))]);
     let runs = [ins, HashMap::new(), HashMap::new()];
-    let mut distinct = CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&[])), BufferLayout::Distinct).unwrap();
-    let mut shared = CpuProgram::with_layout(prog, Box::new(KirEval::new(&[])), BufferLayout::Shared).unwrap();
+    let mut distinct = program(prog.clone(), BufferLayout::Distinct, false);
+    let mut shared = program(prog, BufferLayout::Shared, false);
     let want = runs_as_bits(&mut distinct, &runs);
     assert_ne!(want[0], want[1], "c accumulates from run to run");
     assert_eq!(runs_as_bits(&mut shared, &runs), want);
-    let r = shared.layout_report();
+    let r = shared.layout();
     assert!(r.arena_bytes < r.placed_bytes, "{r:?}");
-    assert_eq!(distinct.layout_report().arena_bytes, distinct.layout_report().placed_bytes);
+    assert_eq!(distinct.layout().arena_bytes, distinct.layout().placed_bytes);
 }
 
 /// The results of hoisted steps are read on every later run but written only on the first: they
@@ -441,7 +460,6 @@ fn hoisted_results_survive_buffer_reuse() {
     let y = g.add(Op::Affine { mul: 1.5, add: 0.25 }, &[u]).unwrap();
     g.set_output("y", y).unwrap();
     let prog = lower(&g).unwrap();
-    let frozen = std::collections::HashSet::from(["w".to_string()]);
     let mut rng = Rng::new(10);
     let first =
         HashMap::from([("w".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0)), ("x".to_string(), floats(&mut rng, &[8, 8], -1.0, 1.0))]);
@@ -452,12 +470,12 @@ fn hoisted_results_survive_buffer_reuse() {
     ];
     let mut outs = Vec::new();
     for layout in [BufferLayout::Distinct, BufferLayout::Shared] {
-        let mut cp = CpuProgram::with_layout(prog.clone(), Box::new(KirEval::new(&prog.kernels)), layout).unwrap();
-        let before = cp.layout_report();
-        assert_eq!(cp.hoist(&frozen).unwrap(), 1);
+        let before = program(prog.clone(), layout, false).layout().clone();
+        let mut cp = program(prog.clone(), layout, true);
+        assert_eq!(cp.plan().hoisted_steps(), 1);
         if layout == BufferLayout::Shared {
             assert!(before.arena_bytes < before.placed_bytes, "unhoisted, exp(w) shares: {before:?}");
-            assert!(cp.layout_report().arena_bytes > before.arena_bytes, "hoisted, it may not: {:?}", cp.layout_report());
+            assert!(cp.layout().arena_bytes > before.arena_bytes, "hoisted, it may not: {:?}", cp.layout());
         }
         outs.push(runs_as_bits(&mut cp, &runs));
     }

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
+use qatc_runtime::{CpuOptions, Value};
 
 use super::eval::{evaluate_with, EvalSetup};
 use super::StepArgs;
@@ -80,6 +81,14 @@ pub struct Args {
     /// numerical oracle).
     #[arg(long)]
     pub interpreter: bool,
+    /// Print where a step's time goes at the end: per kernel family and GEMM shape, averaged
+    /// over every step but the first (compiled step only).
+    #[arg(long)]
+    pub profile: bool,
+    /// The most KiB of one dequantized 4-bit weight panel fed to a GEMM (compiled CPU step); 0
+    /// keeps whole dequantized weights instead (4 bytes per parameter).
+    #[arg(long, default_value_t = 8192)]
+    pub panel_kib: usize,
 }
 
 /// One logged step.
@@ -139,12 +148,12 @@ fn check(a: &Args) -> anyhow::Result<LrSchedule> {
 fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize) -> anyhow::Result<()> {
     match &tr.opts.model.lora {
         Some(l) => {
-            let (cfg, st) = crate::adapter::to_files(l, &tr.weights(), &a.model.display().to_string())?;
+            let (cfg, st) = crate::adapter::to_files(l, &tr.weights()?, &a.model.display().to_string())?;
             write_atomic(&out.join("adapter_config.json"), cfg.as_bytes())?;
             write_atomic(&out.join("adapter_model.safetensors"), &st)?;
         }
         None => {
-            write_atomic(&out.join("model.safetensors"), &weights_safetensors(&tr.weights())?)?;
+            write_atomic(&out.join("model.safetensors"), &weights_safetensors(&tr.weights()?)?)?;
             write_atomic(&out.join("config.json"), (serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n").as_bytes())?;
         }
     }
@@ -191,7 +200,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
-    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), a.step.seed, engine)?;
+    let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
+    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), a.step.seed, engine, &cpu)?;
+    tr.set_profile(a.profile);
     eprintln!("qatc: the step runs {}", tr.describe());
     let start = match &resume {
         Some((step, state)) => {
@@ -244,7 +255,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         let val_loss = match &val {
             Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == a.steps => {
                 let n = a.val_batches.min(v.num_batches(tr.opts.batch, tr.opts.seq)).max(1);
-                Some(evaluate_with(&m, v, tr.opts.batch, tr.opts.seq, n, &val_setup, &tr.state)?.loss)
+                // the trained weights, read back from the executor
+                let weights = tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
+                Some(evaluate_with(&m, v, tr.opts.batch, tr.opts.seq, n, &val_setup, &weights)?.loss)
             }
             _ => None,
         };
@@ -270,6 +283,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
     }
     pb.finish_and_clear();
+    if a.profile {
+        match tr.profile() {
+            Some(rows) => eprint!("{}", crate::runner::profile_table(&rows, 40)),
+            None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first step is not timed)"),
+        }
+    }
     if let Some(p) = &a.plot {
         let title = format!("qatc train: {}", a.model.display());
         write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve).as_bytes()).with_context(|| format!("{}", p.display()))?;

@@ -67,27 +67,36 @@ pub fn host_machine() -> Result<TargetMachine, KernelError> {
         .ok_or_else(|| llvm_err("-", format!("no target machine for {}", triple.as_str().to_string_lossy())))
 }
 
+/// How the JIT compiles a program's kernels (a setting passed in: the CPU executor's
+/// `CpuOptions` carries it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct JitOptions {
+    /// The vector width LLVM should prefer, in bits; None: 512 where the host has AVX-512 (see
+    /// `vector_width`), else LLVM's own choice.
+    pub vector_width: Option<u32>,
+}
+
 /// The vector width LLVM should prefer: 512 bits where the host has AVX-512. LLVM's own default
 /// for these CPUs is 256, to spare the clock; the kernels here are exp- and memory-bound loops,
 /// and on the development VM (Sapphire Rapids features) 512-bit vectors halved the
 /// cross-entropy gradient (27.6 -> 14 ms) and took the config A step from 0.29-0.37 s to
-/// 0.26-0.28 s (bench/RESULTS.md). `QATC_VECTOR_WIDTH=256` (or any width) overrides it.
-fn vector_width(features: &str) -> Option<String> {
-    match std::env::var("QATC_VECTOR_WIDTH") {
-        Ok(w) if !w.is_empty() => Some(w),
-        _ => features.split(',').any(|f| f == "+avx512f").then(|| "512".to_string()),
+/// 0.26-0.28 s (bench/RESULTS.md). `JitOptions::vector_width` overrides it.
+fn vector_width(features: &str, opts: &JitOptions) -> Option<String> {
+    match opts.vector_width {
+        Some(w) => Some(w.to_string()),
+        None => features.split(',').any(|f| f == "+avx512f").then(|| "512".to_string()),
     }
 }
 
 /// O3 for the host. The functions carry the host CPU as attributes, because MCJIT's code
 /// generator otherwise targets generic x86-64 (SSE2) whatever the optimizer assumed.
-pub(crate) fn optimize(m: &Module, tm: &TargetMachine, name: &str) -> Result<(), KernelError> {
+pub(crate) fn optimize(m: &Module, tm: &TargetMachine, name: &str, opts: &JitOptions) -> Result<(), KernelError> {
     m.set_triple(&tm.get_triple());
     m.set_data_layout(&tm.get_target_data().get_data_layout());
     let cpu = tm.get_cpu().to_string();
     let features = tm.get_feature_string().to_string_lossy().into_owned();
     let cx = m.get_context();
-    let width = vector_width(&features);
+    let width = vector_width(&features, opts);
     for f in m.get_functions().filter(|f| f.count_basic_blocks() > 0) {
         f.add_attribute(inkwell::attributes::AttributeLoc::Function, cx.create_string_attribute("target-cpu", &cpu));
         f.add_attribute(inkwell::attributes::AttributeLoc::Function, cx.create_string_attribute("target-features", &features));
@@ -116,11 +125,16 @@ unsafe impl Sync for Jit {}
 impl Jit {
     /// Builds, optimizes (O3, host CPU) and compiles `kernels`; `function(i)` is kernel i's entry.
     pub fn compile(kernels: &[Kernel]) -> Result<Jit, KernelError> {
+        Self::compile_with(kernels, &JitOptions::default())
+    }
+
+    /// [`Jit::compile`] with the settings given.
+    pub fn compile_with(kernels: &[Kernel], opts: &JitOptions) -> Result<Jit, KernelError> {
         let cx: *mut Context = Box::into_raw(Box::new(Context::create()));
         // SAFETY: `cx` comes from Box::into_raw and is freed only in Drop, after the engine
         // (which owns every module of this context) has been dropped.
         let cxr: &'static Context = unsafe { &*cx };
-        match Self::build(cxr, kernels) {
+        match Self::build(cxr, kernels, opts) {
             Ok((engine, fns, names)) => Ok(Jit { fns, names, engine: ManuallyDrop::new(engine), cx }),
             Err(e) => {
                 // SAFETY: `build` dropped every module and engine it made before returning an
@@ -132,7 +146,11 @@ impl Jit {
     }
 
     #[allow(clippy::type_complexity)]
-    fn build(cx: &'static Context, kernels: &[Kernel]) -> Result<(ExecutionEngine<'static>, Vec<KernelFn>, Vec<String>), KernelError> {
+    fn build(
+        cx: &'static Context,
+        kernels: &[Kernel],
+        opts: &JitOptions,
+    ) -> Result<(ExecutionEngine<'static>, Vec<KernelFn>, Vec<String>), KernelError> {
         inkwell::support::load_visible_symbols();
         let tm = host_machine()?;
         let mut engine: Option<ExecutionEngine<'static>> = None;
@@ -140,7 +158,7 @@ impl Jit {
         for k in kernels {
             let name = super::kernel_name(k)?;
             let m = super::module(cx, k, &name)?;
-            optimize(&m, &tm, &name)?;
+            optimize(&m, &tm, &name, opts)?;
             let e = match &engine {
                 Some(e) => {
                     e.add_module(&m).map_err(|()| llvm_err(&name, "could not add the module to the JIT"))?;

@@ -35,7 +35,7 @@ use inkwell::module::Module;
 use crate::error::KernelError;
 use crate::kir::{Body, Kernel};
 
-pub use jit::{host_machine, Jit, KernelFn};
+pub use jit::{host_machine, Jit, JitOptions, KernelFn};
 
 /// The kernel's name, shared with the CUDA backend (a content hash of the kernel).
 pub fn kernel_name(k: &Kernel) -> Result<String, KernelError> {
@@ -62,6 +62,6 @@ pub fn emit_ir(k: &Kernel) -> Result<(String, String), KernelError> {
     let cx = Context::create();
     let m = module(&cx, k, &name)?;
     let tm = host_machine()?;
-    jit::optimize(&m, &tm, &name)?;
+    jit::optimize(&m, &tm, &name, &jit::JitOptions::default())?;
     Ok((name, m.print_to_string().to_string()))
 }

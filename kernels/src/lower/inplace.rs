@@ -39,7 +39,7 @@ pub fn over_logits(lw: &super::Lowerer, g: &Graph, node: NodeId, logits: Option<
     let buf = lw.prog.buffers.get(v.buf)?;
     let ty = g.ty(node);
     let whole = v.offset == 0 && v.is_contiguous() && v.numel() == buf.numel() && buf.dtype == ty.dtype && g.ty(l) == ty;
-    if !whole || matches!(buf.kind, BufKind::Input(_)) || g.outputs().iter().any(|o| o.node == l) || !lw.ce_stats.contains_key(v) {
+    if !whole || matches!(buf.kind, BufKind::Input(..)) || g.outputs().iter().any(|o| o.node == l) || !lw.ce_stats.contains_key(v) {
         return None;
     }
     let mut rs = Vec::new();

@@ -169,8 +169,8 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
         let shape = n.ty.shape.0.clone();
         let view_of = |i: usize| ops.get(i).and_then(|o| values.get(o));
         let as_view = match &n.op {
-            Op::Input { .. } => {
-                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id)));
+            Op::Input { kind, .. } => {
+                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id), *kind));
                 values.insert(id, v);
                 continue;
             }
@@ -230,7 +230,11 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
                 k => k.clone(),
             };
         }
-        lw.prog.outputs.push((o.name.clone(), v));
+        if o.update {
+            lw.prog.updates.push((o.name.clone(), v));
+        } else {
+            lw.prog.outputs.push((o.name.clone(), v));
+        }
     }
     Ok(lw.prog)
 }

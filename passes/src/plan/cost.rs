@@ -75,7 +75,6 @@ pub fn value_bytes(ty: &TensorType) -> usize {
     ty.bytes()
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -134,8 +134,11 @@ pub(crate) fn analyze(d: &Dense, order: &[usize], align: usize) -> Liveness {
         }
     }
     // live bytes per step (arena only): qatc_arena's profile, whose maximum bounds the placement
-    let arena: Vec<qatc_arena::Interval> =
-        bufs.iter().filter(|b| b.persistent.is_none()).map(|b| qatc_arena::Interval { first: b.first, last: b.last, size: b.size }).collect();
+    let arena: Vec<qatc_arena::Interval> = bufs
+        .iter()
+        .filter(|b| b.persistent.is_none())
+        .map(|b| qatc_arena::Interval { first: b.first, last: b.last, size: b.size })
+        .collect();
     let mut live = qatc_arena::live_profile(&arena, align);
     live.resize(steps, 0);
     let (mut lb, mut lb_step) = (0usize, 0usize);

@@ -2,15 +2,18 @@
 //! installs Debian's libopenblas0-pthread). Its AVX-512 kernels are about twice as fast as the
 //! gemm crate's AVX2 ones (which need a nightly compiler for AVX-512), and the GEMMs are most of a
 //! CPU step. Loading, not linking: a machine without OpenBLAS builds and runs the same binary on
-//! the gemm crate. `QATC_BLAS=off` turns it off (to compare), `QATC_BLAS_LIB=PATH` picks a library.
+//! the gemm crate. Which library (or none) is `CpuOptions::blas`.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex};
 
 use libloading::Library;
 
 /// cblas_sgemm(order, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 type Sgemm = unsafe extern "C" fn(i32, i32, i32, i32, i32, i32, f32, *const f32, i32, *const f32, i32, f32, *mut f32, i32);
 type SetThreads = unsafe extern "C" fn(i32);
+
+/// The library the CPU executor loads unless told otherwise.
+pub const OPENBLAS: &str = "libopenblas.so.0";
 
 pub struct Blas {
     sgemm: Sgemm,
@@ -22,35 +25,40 @@ const ROW_MAJOR: i32 = 101;
 const NO_TRANS: i32 = 111;
 const TRANS: i32 = 112;
 
-/// The loaded library, once per process; None when there is none (or QATC_BLAS=off).
-pub fn get() -> Option<&'static Blas> {
-    static BLAS: OnceLock<Option<Blas>> = OnceLock::new();
-    BLAS.get_or_init(load).as_ref()
+/// The library of that name (a file name the dynamic loader finds, or a path), loaded once per
+/// process and name; None when it cannot be loaded or has no `cblas_sgemm`.
+pub fn load(name: &str) -> Option<Arc<Blas>> {
+    static LOADED: Mutex<Vec<(String, Option<Arc<Blas>>)>> = Mutex::new(Vec::new());
+    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, b)) = loaded.iter().find(|(n, _)| n == name) {
+        return b.clone();
+    }
+    let b = open(name).map(Arc::new);
+    loaded.push((name.to_string(), b.clone()));
+    b
 }
 
-fn load() -> Option<Blas> {
-    if std::env::var("QATC_BLAS").is_ok_and(|v| v == "off") {
-        return None;
-    }
-    let name = std::env::var("QATC_BLAS_LIB").unwrap_or_else(|_| "libopenblas.so.0".into());
-    // OpenBLAS picks its kernels from the CPU model; on a VM whose model it does not know it falls
-    // back to Prescott's SSE3 kernels (seen here: 6x slower than SkylakeX's). Name the kernel set
-    // from the features instead, unless the user did. Set before the library loads, which reads it.
+/// The kernel set OpenBLAS should use on this CPU, for its `OPENBLAS_CORETYPE` variable: OpenBLAS
+/// picks its kernels from the CPU model, and on a VM whose model it does not know it falls back
+/// to Prescott's SSE3 kernels (seen here: 6x slower than SkylakeX's). The variable is read when
+/// the library loads, and is process-wide: the `qatc` binary sets it in `main`, before any thread
+/// starts, unless the user did.
+pub fn openblas_core_type() -> Option<&'static str> {
     #[cfg(target_arch = "x86_64")]
-    if std::env::var_os("OPENBLAS_CORETYPE").is_none() {
-        let core = if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") {
-            Some("SkylakeX")
-        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            Some("Haswell")
-        } else {
-            None
-        };
-        if let Some(c) = core {
-            std::env::set_var("OPENBLAS_CORETYPE", c);
+    {
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") {
+            return Some("SkylakeX");
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Some("Haswell");
         }
     }
+    None
+}
+
+fn open(name: &str) -> Option<Blas> {
     // SAFETY: loading OpenBLAS runs its initializers (thread pool set-up), as linking it would.
-    let lib = unsafe { Library::new(&name) }.ok()?;
+    let lib = unsafe { Library::new(name) }.ok()?;
     // SAFETY: the symbols are looked up with the signatures of cblas.h / OpenBLAS's openblas_config.h.
     unsafe {
         let sgemm: Sgemm = *lib.get::<Sgemm>(b"cblas_sgemm\0").ok()?;
@@ -58,7 +66,7 @@ fn load() -> Option<Blas> {
             // as many threads as the kernels get: the two never run at once
             set(rayon::current_num_threads() as i32);
         }
-        Some(Blas { sgemm, name, _lib: lib })
+        Some(Blas { sgemm, name: name.to_string(), _lib: lib })
     }
 }
 

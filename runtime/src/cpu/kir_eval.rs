@@ -17,6 +17,7 @@ use qatc_kernels::kir::{self, Body, Expr, Ix, Kernel, Loop, ReduceOp, Space, Stm
 use super::scalar::{self, int_as, Scalar, R};
 use super::Launcher;
 use crate::error::RuntimeError;
+use crate::exec::kernel_label;
 
 /// A kernel prepared for evaluation.
 struct Prepared {
@@ -91,11 +92,6 @@ impl KirEval {
             .collect();
         KirEval { kernels }
     }
-}
-
-/// Names a kernel in messages: its family and what it computes.
-pub fn kernel_name(k: &Kernel) -> String {
-    format!("{} ({})", k.family, k.note)
 }
 
 /// One kernel param's buffer: its base address, element count and dtype.
@@ -353,7 +349,7 @@ impl Launcher for KirEval {
             kernel: format!("#{kernel}"),
             msg: format!("the program has {} kernels", self.kernels.len()),
         })?;
-        let err = |msg: String| RuntimeError::Kernel { kernel: kernel_name(&k.kernel), msg };
+        let err = |msg: String| RuntimeError::Kernel { kernel: kernel_label(&k.kernel), msg };
         let params = &k.kernel.params;
         if args.len() != params.len() {
             return Err(err(format!("launched with {} buffers for {} params", args.len(), params.len())));

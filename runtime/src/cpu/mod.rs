@@ -1,12 +1,14 @@
 //! The compiled-program executor for the CPU: runs a [`qatc_kernels::Program`] (what
-//! `qatc_kernels::lower` makes of a graph) instead of interpreting the graph node by node.
+//! `qatc_kernels::lower` makes of a graph) instead of interpreting the graph node by node, on the
+//! executor core (`crate::exec`: checks, lifetimes, hoisting, the layout, write-backs).
 //!
 //! ```text
-//! Program { buffers, kernels, steps: [Launch | Gemm], outputs }
-//!    buffers  -> allocated once, 64-byte aligned (buffers.rs); inputs alone, the others in one
-//!                arena, at the same bytes when never live at the same step (layout.rs)
+//! Program { buffers, kernels, steps: [Launch | Gemm], outputs, updates }
+//!    buffers  -> the ExecPlan's layout: three zeroed allocations, 64-byte aligned (memory.rs)
 //!    Launch   -> 0..iterations(kernel) split over rayon's pool, each range run by a Launcher
-//!    Gemm     -> the gemm crate on the views' strides (gemm.rs)
+//!    Gemm     -> OpenBLAS or the gemm crate on the views' strides (gemm.rs, blas.rs); fed a
+//!                dequantized panel at a time when `qatc_kernels::panels` rewrote it
+//!    updates  -> copied over their inputs after the last step
 //! ```
 //!
 //! Who compiled the kernels is the [`Launcher`]'s business: [`KirEval`] interprets the kernel IR
@@ -19,16 +21,20 @@ mod attn_gemm;
 pub mod blas;
 mod gemm;
 mod kir_eval;
-mod program;
 #[cfg(feature = "llvm")]
 mod llvm;
+mod memory;
+mod options;
+mod program;
 mod scalar;
+mod steps;
 mod vmath;
 
 pub use attn_gemm::GemmAttention;
-pub use program::CpuProgram;
 pub use kir_eval::KirEval;
-pub use crate::exec::layout::{BufferLayout, LayoutReport};
+pub use memory::ALIGN;
+pub use options::{CpuAttention, CpuOptions};
+pub use program::CpuProgram;
 
 use crate::error::RuntimeError;
 

@@ -1,4 +1,29 @@
-//! Program plumbing shared by the executors (being split out of the CPU executor).
+//! The executor core: what running a lowered [`qatc_kernels::Program`] takes on any device, before
+//! and besides the device's own work. The CPU executor (`crate::cpu`) is built on it, and so is
+//! the CUDA executor.
+//!
+//! ```text
+//! Program --ExecPlan::new(prog, ExecOptions { align, layout, hoist_frozen })--> ExecPlan
+//!   check.rs    every launch, GEMM, output and update checked against the buffers, once
+//!   access.rs   what each step reads and writes
+//!   hoist.rs    the steps that read only frozen weights: run once, not every step
+//!   layout.rs   each buffer's lifetime, and its place: the arena (offsets by qatc_arena, shared
+//!               by lifetime), the persistent inputs, the per-step data inputs
+//!   plan.rs     the plan itself, and the updates' write-backs into their inputs
+//! values.rs       host bytes <-> interpreter values (inputs in, outputs out)
+//! train_step.rs   TrainStep: a training step whose state stays on its executor
+//! ```
 
-pub(crate) mod layout;
-pub(crate) mod values;
+mod access;
+mod check;
+mod hoist;
+mod layout;
+mod plan;
+mod train_step;
+pub mod values;
+
+pub use access::{written_params_read, Access};
+pub use check::{check_gemm, check_launch, check_view, kernel_label, view_extent};
+pub use layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout, Place, Region};
+pub use plan::{ExecOptions, ExecPlan, InputBuf, WriteBack};
+pub use train_step::{InterpretedStep, TrainStep};

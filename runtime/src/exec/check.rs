@@ -1,0 +1,143 @@
+//! Checks of a program against its buffers, made once before anything runs, whatever the
+//! device: every launch's buffers against its kernel's params, every GEMM's views against their
+//! buffers and shapes, every output inside its buffer, and no step writing a graph input (inputs
+//! change only by being set, or by an update's write-back after the step). The executors'
+//! unchecked pointer arithmetic relies on them.
+
+use qatc_kernels::kir::Kernel;
+use qatc_kernels::program::{BufId, BufKind, Buffer, Gemm, Program, View};
+
+use crate::error::RuntimeError;
+
+/// A kernel as messages name it: its family and what it computes.
+pub fn kernel_label(k: &Kernel) -> String {
+    format!("{} ({})", k.family, k.note)
+}
+
+/// The last element a view reaches, plus one (0 for an empty view).
+pub fn view_extent(v: &View) -> usize {
+    if v.shape.contains(&0) {
+        return 0;
+    }
+    v.offset + v.shape.iter().zip(&v.strides).map(|(&d, &s)| (d - 1) * s).sum::<usize>() + 1
+}
+
+/// Checks that `v` stays inside `buf` and has one stride per dim.
+pub fn check_view(buf: &Buffer, v: &View, what: &str) -> Result<(), RuntimeError> {
+    let err = |msg: String| RuntimeError::Buffer { name: buf.name.clone(), msg };
+    if v.shape.len() != v.strides.len() {
+        return Err(err(format!("{what}: view of shape {:?} has strides {:?}", v.shape, v.strides)));
+    }
+    let end = view_extent(v);
+    if end > buf.numel() {
+        return Err(err(format!("{what}: view {v:?} reaches element {} of {}", end - 1, buf.numel())));
+    }
+    Ok(())
+}
+
+/// The buffer a view names, checked to hold it.
+pub fn viewed<'p>(bufs: &'p [Buffer], v: &View, what: &str) -> Result<&'p Buffer, RuntimeError> {
+    let buf = bufs
+        .get(v.buf)
+        .ok_or_else(|| RuntimeError::Buffer { name: what.to_string(), msg: format!("in buffer {} of {}", v.buf, bufs.len()) })?;
+    check_view(buf, v, what)?;
+    Ok(buf)
+}
+
+fn is_input(buf: &Buffer) -> bool {
+    matches!(buf.kind, BufKind::Input(..))
+}
+
+/// Checks a launch's buffers against its kernel's params: their count, each one's dtype and
+/// size, and that no graph input is written.
+pub fn check_launch<'p>(prog: &'p Program, kernel: usize, args: &[BufId]) -> Result<&'p Kernel, RuntimeError> {
+    let k = prog.kernels.get(kernel).ok_or_else(|| RuntimeError::Kernel {
+        kernel: format!("#{kernel}"),
+        msg: format!("the program has {} kernels", prog.kernels.len()),
+    })?;
+    let err = |msg: String| RuntimeError::Kernel { kernel: kernel_label(k), msg };
+    if args.len() != k.params.len() {
+        return Err(err(format!("launched with {} buffers for {} params", args.len(), k.params.len())));
+    }
+    for (p, &b) in k.params.iter().zip(args) {
+        let buf = prog.buffers.get(b).ok_or_else(|| err(format!("param {} is buffer {b} of {}", p.name, prog.buffers.len())))?;
+        if buf.dtype != p.dtype || buf.numel() != p.numel() {
+            return Err(err(format!(
+                "param {} ({} {:?}) gets buffer {} ({} {:?})",
+                p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape
+            )));
+        }
+        if p.write && is_input(buf) {
+            return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
+        }
+    }
+    Ok(k)
+}
+
+fn gemm_err(g: &Gemm, msg: String) -> RuntimeError {
+    RuntimeError::Gemm { note: g.note.clone(), msg }
+}
+
+/// No two elements of `v` share an address (a GEMM's destination must not).
+fn distinct_elements(v: &View) -> bool {
+    let mut dims: Vec<(usize, usize)> = v.shape.iter().zip(&v.strides).filter(|(&d, _)| d > 1).map(|(&d, &s)| (s, d)).collect();
+    dims.sort_unstable();
+    let mut span = 0; // elements spanned by the dims so far, minus one
+    for (s, d) in dims {
+        if s <= span {
+            return false;
+        }
+        span += (d - 1) * s;
+    }
+    true
+}
+
+/// Checks one GEMM against the program's buffers: views inside their buffers, operands of
+/// matching shapes, a destination that overlaps neither itself nor an operand's buffer and is no
+/// graph input. Which dtypes a device's GEMM takes is the device's check.
+pub fn check_gemm(g: &Gemm, bufs: &[Buffer]) -> Result<(), RuntimeError> {
+    let buf = |v: &View, what: &str| viewed(bufs, v, what).map_err(|e| gemm_err(g, e.to_string()));
+    buf(&g.a, "a")?;
+    buf(&g.b, "b")?;
+    let c = buf(&g.c, "c")?;
+    if is_input(c) {
+        return Err(gemm_err(g, format!("writes the graph input {}", c.name)));
+    }
+    let r = g.c.shape.len();
+    if r < 2 || g.a.shape.len() != r || g.b.shape.len() != r {
+        return Err(gemm_err(g, format!("ranks of a {:?}, b {:?}, c {:?}", g.a.shape, g.b.shape, g.c.shape)));
+    }
+    let batch = &g.c.shape[..r - 2];
+    let want = |v: &View, rows: usize, cols: usize| v.shape[..r - 2] == *batch && v.shape[r - 2..] == [rows, cols];
+    if !(want(&g.a, g.m, g.k) && want(&g.b, g.k, g.n) && want(&g.c, g.m, g.n)) {
+        return Err(gemm_err(
+            g,
+            format!("a {:?} @ b {:?} -> c {:?} is not [.., {}, {}] @ [.., {}, {}]", g.a.shape, g.b.shape, g.c.shape, g.m, g.k, g.k, g.n),
+        ));
+    }
+    if g.c.buf == g.a.buf || g.c.buf == g.b.buf || !distinct_elements(&g.c) {
+        return Err(gemm_err(g, "the destination overlaps itself or an operand".into()));
+    }
+    if let Some(bias) = &g.bias {
+        buf(bias, "bias")?;
+        if bias.shape != [g.n] || bias.buf == g.c.buf {
+            return Err(gemm_err(g, format!("bias of shape {:?} for {} columns", bias.shape, g.n)));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a GEMM step: fed panel by panel (`qatc_kernels::panels`), its feed kernel's launch and
+/// every partial GEMM; else the GEMM itself.
+pub fn check_gemm_step(prog: &Program, g: &Gemm) -> Result<(), RuntimeError> {
+    match &g.feed {
+        Some(f) => {
+            check_launch(prog, f.kernel, &f.args)?;
+            if is_input(viewed(&prog.buffers, &g.c, "c")?) {
+                return Err(gemm_err(g, format!("writes the graph input {}", prog.buffers[g.c.buf].name)));
+            }
+            g.panels().iter().try_for_each(|(_, sub)| check_gemm(sub, &prog.buffers))
+        }
+        None => check_gemm(g, &prog.buffers),
+    }
+}
