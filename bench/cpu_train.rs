@@ -14,6 +14,7 @@
 //!   --vector-width N   LLVM's preferred vector width in bits
 //!   --host-round-trip  copy the parameters and moments out and back in every step (the trainer
 //!                      before its state stayed in the executor), to measure what that cost
+//!   --full-finetune    train every weight (f32, no quantization, no LoRA) instead
 
 use std::time::Instant;
 
@@ -34,10 +35,11 @@ struct Flags {
     cpu: CpuOptions,
     profile: bool,
     round_trip: bool,
+    full_finetune: bool,
 }
 
 fn flags(args: &[String]) -> anyhow::Result<Flags> {
-    let mut f = Flags { cpu: CpuOptions::default(), profile: false, round_trip: false };
+    let mut f = Flags { cpu: CpuOptions::default(), profile: false, round_trip: false, full_finetune: false };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or_else(|| anyhow::anyhow!("{a} needs a value"));
@@ -50,6 +52,7 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
             "--attention-kernels" => f.cpu.attention = CpuAttention::Kernels,
             "--vector-width" => f.cpu.vector_width = Some(value()?.parse()?),
             "--host-round-trip" => f.round_trip = true,
+            "--full-finetune" => f.full_finetune = true,
             other => anyhow::bail!("unknown flag {other}"),
         }
     }
@@ -90,7 +93,11 @@ fn main() -> anyhow::Result<()> {
     let data = TokenFile::from_tokens(&path, tokens);
     let q = QuantArgs { bits: Some(4), group, scheme: scheme.into(), qat: "base".into(), ..Default::default() };
     let mut o = StepOptions::new(b, t);
-    o.model = model_options(&q, Some(LoraOptions::new(16)), false, true)?;
+    o.model = if f.full_finetune {
+        model_options(&QuantArgs { qat: "base".into(), ..Default::default() }, None, true, true)?
+    } else {
+        model_options(&q, Some(LoraOptions::new(16)), false, true)?
+    };
     // as `qatc train` builds it: fused by egg
     o.fuse = Some(qatc_passes::fusion::FuseOptions::default());
     let t0 = Instant::now();
@@ -118,9 +125,10 @@ fn main() -> anyhow::Result<()> {
     }
     let med = times[times.len() / 2];
     println!(
-        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
+        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
         if engine == Engine::Compiled { "compiled" } else { "interpreter" },
         if f.round_trip { "-host-round-trip" } else { "" },
+        if f.full_finetune { "-full-finetune" } else { "" },
         times[0],
         (b * t) as f64 / med
     );
