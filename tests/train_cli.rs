@@ -6,9 +6,14 @@ mod common;
 use std::process::Command;
 
 fn run(args: &[&str]) -> String {
+    run_both(args).0
+}
+
+/// (stdout, stderr) of a successful run.
+fn run_both(args: &[&str]) -> (String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 fn losses(log: &std::path::Path) -> Vec<f64> {
@@ -63,6 +68,9 @@ fn full_finetune_for_20_steps_lowers_the_loss() {
     qatc::model::Model::open(&out.join("model.safetensors")).unwrap();
 }
 
+/// Also: validation during training reads the trained weights back from the executor (the last
+/// validation loss is `qatc eval`'s of the adapter written at the end), and `--profile` prints
+/// where a step's time goes.
 #[test]
 fn qat_lora_training_writes_an_adapter() {
     let dir = tempfile::tempdir().unwrap();
@@ -70,7 +78,8 @@ fn qat_lora_training_writes_an_adapter() {
     let out = dir.path().join("adapter");
     let m = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
     let d = common::root().join("examples/shakespeare_train.bin");
-    run(&[
+    let v = common::root().join("examples/shakespeare_val.bin");
+    let (_, stderr) = run_both(&[
         "train",
         m.to_str().unwrap(),
         "--data",
@@ -91,9 +100,46 @@ fn qat_lora_training_writes_an_adapter() {
         out.to_str().unwrap(),
         "--log-json",
         log.to_str().unwrap(),
+        "--val",
+        v.to_str().unwrap(),
+        "--eval-every",
+        "6",
+        "--val-batches",
+        "1",
+        "--profile",
     ]);
     let l = losses(&log);
     assert!(mean(&l[8..]) < mean(&l[..4]), "the loss does not fall: {l:?}");
+    assert!(stderr.contains("one step, ") && stderr.contains("gemm ") && stderr.contains("cross_entropy"), "{stderr}");
+    let val: Vec<(u64, f64)> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let j: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((j["step"].as_u64()?, j.get("val_loss")?.as_f64()?))
+        })
+        .collect();
+    assert_eq!(val.iter().map(|v| v.0).collect::<Vec<_>>(), [5, 11], "validated after steps 6 and 12");
+    assert!(val[0].1 != val[1].1, "{val:?}");
+    let e = run(&[
+        "eval",
+        m.to_str().unwrap(),
+        "--data",
+        v.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--batches",
+        "1",
+        "--bits",
+        "4",
+        "--adapter",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    let adapter_loss = serde_json::from_str::<serde_json::Value>(&e).unwrap()["loss"].as_f64().unwrap();
+    assert!((adapter_loss - val[1].1).abs() <= 1e-6 * adapter_loss, "validation {} against the adapter's eval {adapter_loss}", val[1].1);
     let a = qatc::adapter::read(&out).unwrap();
     assert_eq!(a.r, 16);
     assert_eq!(a.tensors.len(), 4 * 4 * 2, "A and B for 4 linears x 4 layers");
