@@ -308,6 +308,26 @@ impl QuantSpec {
             DType::F32
         }
     }
+    /// The storage type of the zero points (asym only).
+    pub fn zero_dtype(&self) -> Option<DType> {
+        self.scheme.has_zero_point().then_some(DType::F32)
+    }
+    /// Bytes as stored for a weight [n_in, n_out]: packed codes, the scales and zero points.
+    pub fn stored_bytes(&self, n_in: usize, n_out: usize) -> usize {
+        let groups = n_in / self.group_for(n_in).max(1) * n_out;
+        self.code_dtype().bytes_for(n_in * n_out)
+            + self.scale_dtype().bytes_for(groups)
+            + self.zero_dtype().map_or(0, |d| d.bytes_for(groups))
+    }
+    /// The largest symmetric code magnitude, 2^(bits-1) - 1 (codes are stored offset by it,
+    /// so that they are unsigned: 0 ..= 2 qmax).
+    pub fn sym_qmax(bits: u8) -> u32 {
+        (1u32 << (bits - 1)) - 1
+    }
+    /// The largest asymmetric code, 2^bits - 1.
+    pub fn asym_levels(bits: u8) -> u32 {
+        (1u32 << bits) - 1
+    }
     /// Checks the combination for a weight with `n_in` input features.
     pub fn check(&self, n_in: usize) -> Result<(), String> {
         if !(2..=8).contains(&self.bits) {
