@@ -38,7 +38,19 @@ fn main() {
             std::env::set_var("OPENBLAS_CORETYPE", core);
         }
     }
-    let args = Cli::parse();
+    let args = match Cli::try_parse() {
+        Ok(a) => a,
+        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => e.exit(),
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+        Err(e) => {
+            // one line, as every other error: clap's message with its hint lines folded in
+            let text = e.render().to_string();
+            let parts: Vec<&str> =
+                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("For more information")).collect();
+            eprintln!("{}", parts.join(" "));
+            std::process::exit(2);
+        }
+    };
     let r = match &args.cmd {
         Cmd::Compile(a) => cli::compile::run(a),
         Cmd::Eval(a) => cli::eval::run(a),

@@ -267,16 +267,45 @@ impl QuantScheme {
     }
 }
 
+impl std::fmt::Display for QuantScheme {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl serde::Serialize for QuantScheme {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(self.name())
     }
 }
 
+impl<'de> serde::Deserialize<'de> for QuantScheme {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        QuantScheme::from_name(&s).ok_or_else(|| {
+            let names: Vec<&str> = QuantScheme::ALL.iter().map(|q| q.name()).collect();
+            serde::de::Error::custom(format!("unknown scheme `{s}`; schemes: {}", names.join(", ")))
+        })
+    }
+}
+
+/// `--scheme`: the values are `ALL` by `name`, so the command line, the text format and the
+/// JSON files spell a scheme the same way.
+#[cfg(feature = "clap")]
+impl clap::ValueEnum for QuantScheme {
+    fn value_variants<'a>() -> &'a [Self] {
+        &QuantScheme::ALL
+    }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()))
+    }
+}
+
 /// The quantization of one weight: `bits` per element in groups of `group` consecutive elements
 /// along the input dimension (dim 0 of a Conv1D weight [in, out]) for each output channel;
 /// `group` 0 means one group per output channel (per-channel).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct QuantSpec {
     pub bits: u8,
     pub group: usize,

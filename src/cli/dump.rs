@@ -33,7 +33,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
-    let opts = a.step.options()?;
+    let opts = a.step.options(&a.model)?;
     let mut found: Option<Graph> = None;
     step::train(&m.cfg, &opts, |name, g| {
         if name == a.after {

@@ -4,8 +4,10 @@
 //! Data order is llm.c's by default: optimizer step s consumes micro-batches s*K .. s*K+K-1
 //! (wrapping at the end of the data); `--shuffle --seed N` permutes the batches every epoch. The
 //! loss logged for step s is the loss of its batches before that step's update. Every
-//! `--save-every N` steps (and at the end) OUT gets the adapter (PEFT format) or the weights, and
-//! `OUT/checkpoint/` the resume state, each replaced atomically; `--resume OUT` continues exactly.
+//! `--save-every N` steps (and at the end) OUT is replaced whole (`artifacts::OutDir`: written
+//! beside, then swapped in) by the adapter (PEFT format) or the weights, the run's configuration
+//! (`qatc.json`) and the resume state (`checkpoint/`): at every instant OUT is one complete save
+//! (or absent before the first), and `--resume OUT` continues exactly.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -15,12 +17,13 @@ use anyhow::Context;
 use qatc_runtime::{CpuOptions, Value};
 
 use super::eval::{evaluate_with, EvalSetup};
-use super::StepArgs;
-use crate::artifacts::{write_atomic, OutDir};
+use super::{Placement, StepArgs};
+use crate::artifacts::{self, write_atomic, Faults, OutDir};
+use crate::config::{self, RunConfig, TrainConfig};
 use crate::data::TokenFile;
 use crate::model::Model;
 use crate::runner::Device;
-use crate::schedule::{DataOrder, LrSchedule};
+use crate::schedule::{DataOrder, Schedule};
 pub use crate::trainer::{weights_safetensors, Trainer};
 
 #[derive(clap::Args, Debug)]
@@ -40,9 +43,9 @@ pub struct Args {
     /// Linear warmup steps.
     #[arg(long, default_value_t = 0)]
     pub warmup: usize,
-    /// constant | cosine (decays to --min-lr by the end of the run).
-    #[arg(long, default_value = "constant")]
-    pub schedule: String,
+    /// The learning rate after warmup.
+    #[arg(long, value_enum, default_value_t = Schedule::Constant)]
+    pub schedule: Schedule,
     #[arg(long, default_value_t = 0.0)]
     pub min_lr: f64,
     /// Visit the batches in a seeded random order (a new order every epoch).
@@ -102,77 +105,136 @@ pub struct StepLog {
     pub val_loss: Option<f64>,
 }
 
-/// What a resume needs besides the tensors: where the run stands and what it was run with.
+/// Where a saved run stands (`checkpoint/resume.json`); what it was run with is `qatc.json`,
+/// beside the checkpoint in the same directory.
 #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
-struct ResumeInfo {
+#[serde(deny_unknown_fields)]
+struct Progress {
     /// Steps completed.
     step: usize,
-    /// The options that must match for an exact continuation.
-    fingerprint: String,
 }
 
-fn fingerprint(a: &Args) -> String {
-    let s = &a.step;
-    format!(
-        "model={} data={} B={} T={} K={} clip={:?} wd={} quant={:?} lora={:?} full={} seed={} lr={} warmup={} schedule={} min_lr={} shuffle={} steps={}",
-        a.model.display(), a.data.display(), s.batch, s.seq, s.grad_accum, s.clip, s.weight_decay,
-        (s.quant.bits, s.quant.group, &s.quant.scheme, &s.quant.quant_targets, s.quant.act_bits, &s.quant.qat),
-        s.lora, s.full_finetune, s.seed, a.lr, a.warmup, a.schedule, a.min_lr, a.shuffle, a.steps
-    )
-}
+const STATE: &str = "checkpoint/state.safetensors";
+const PROGRESS: &str = "checkpoint/resume.json";
 
-fn check(a: &Args) -> anyhow::Result<LrSchedule> {
-    if a.step.full_finetune && a.step.lora.is_some() {
-        anyhow::bail!("--full-finetune and --lora exclude each other");
+impl Args {
+    /// The run's configuration: the step's (`StepArgs::config`) and this run's.
+    pub fn config(&self) -> anyhow::Result<RunConfig> {
+        let mut c = self.step.config(&self.model, Placement { device: self.device, interpreter: self.interpreter })?;
+        let train = TrainConfig {
+            data: config::absolute(&self.data),
+            steps: self.steps,
+            lr: self.lr,
+            schedule: self.schedule,
+            warmup: self.warmup,
+            min_lr: self.min_lr,
+            shuffle: self.shuffle,
+            seed: self.step.seed,
+            init_adapter: self.init_adapter.as_deref().map(config::absolute),
+        };
+        train.check().map_err(anyhow::Error::msg)?;
+        c.train = Some(train);
+        Ok(c)
     }
+}
+
+/// Everything that can be refused before any work: the options, and every output.
+fn check(a: &Args) -> anyhow::Result<RunConfig> {
     if a.step.lora.is_none() && !a.step.full_finetune {
         anyhow::bail!("nothing to train: pass --lora r=N (an adapter) or --full-finetune (every weight)");
     }
-    if a.steps == 0 {
-        anyhow::bail!("--steps must be at least 1");
-    }
-    if !(a.lr > 0.0 && a.lr.is_finite() && (0.0..=a.lr).contains(&a.min_lr)) {
-        anyhow::bail!("--lr must be a positive number and --min-lr within [0, lr]");
-    }
-    if !["constant", "cosine"].contains(&a.schedule.as_str()) {
-        anyhow::bail!("--schedule must be constant or cosine, got `{}`", a.schedule);
-    }
+    let cfg = a.config()?;
     if a.eval_every > 0 && a.val.is_none() {
         anyhow::bail!("--eval-every needs --val FILE");
     }
-    Ok(LrSchedule { lr: a.lr, warmup: a.warmup, kind: a.schedule.clone(), min_lr: a.min_lr, total: a.steps })
+    // every input must survive the run: none may lie in OUT, which each save replaces whole
+    let mut inputs: Vec<&Path> = vec![&a.model, &a.data];
+    inputs.extend(a.val.as_deref());
+    inputs.extend(a.init_adapter.as_deref());
+    match &a.resume {
+        Some(r) if !same_dir(r, &a.out) => inputs.push(r),
+        _ => {}
+    }
+    artifacts::check_target(&a.out, config::FILE, &inputs).with_context(|| format!("--out {}", a.out.display()))?;
+    for (flag, p) in [("--log-json", &a.log_json), ("--plot", &a.plot)] {
+        let Some(p) = p else { continue };
+        if artifacts::is_within(p, &a.out) {
+            anyhow::bail!(
+                "{flag} {} is inside --out {}, which every save replaces whole; write it elsewhere",
+                p.display(),
+                a.out.display()
+            );
+        }
+        artifacts::check_writable(p).with_context(|| format!("{flag} {}", p.display()))?;
+    }
+    Ok(cfg)
 }
 
-/// Writes the adapter (or full weights) into `out` and the resume state into `out/checkpoint`,
-/// each file atomically, the checkpoint directory swapped in whole.
-fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize) -> anyhow::Result<()> {
+fn same_dir(a: &Path, b: &Path) -> bool {
+    artifacts::is_within(a, b) && artifacts::is_within(b, a)
+}
+
+/// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
+/// the resume state, so that the adapter and the checkpoint of one save are never apart.
+fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, cfg: &RunConfig, step: usize, faults: &Faults) -> anyhow::Result<()> {
+    let dir = OutDir::create_with(out, config::FILE, &[], faults)?;
     match &tr.opts.model.lora {
         Some(l) => {
-            let (cfg, st) = crate::adapter::to_files(l, &tr.weights()?, &a.model.display().to_string())?;
-            write_atomic(&out.join("adapter_config.json"), cfg.as_bytes())?;
-            write_atomic(&out.join("adapter_model.safetensors"), &st)?;
+            let (peft_config, st) = crate::adapter::to_files(l, &tr.weights()?, &a.model.display().to_string())?;
+            dir.write("adapter_config.json", peft_config)?;
+            dir.write("adapter_model.safetensors", st)?;
         }
         None => {
-            write_atomic(&out.join("model.safetensors"), &weights_safetensors(&tr.weights()?)?)?;
-            write_atomic(&out.join("config.json"), (serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n").as_bytes())?;
+            dir.write("model.safetensors", weights_safetensors(&tr.weights()?)?)?;
+            dir.write("config.json", serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n")?;
         }
     }
-    let ck = OutDir::create(&out.join("checkpoint"), "resume.json")?;
-    ck.write("state.safetensors", tr.save_state()?)?;
-    ck.write("resume.json", serde_json::to_string_pretty(&ResumeInfo { step, fingerprint: fingerprint(a) })? + "\n")?;
-    ck.commit()?;
+    dir.write(config::FILE, cfg.to_json())?;
+    dir.write(STATE, tr.save_state()?)?;
+    dir.write(PROGRESS, serde_json::to_string_pretty(&Progress { step })? + "\n")?;
+    dir.commit()?;
     Ok(())
 }
 
+/// Reads a saved run: its configuration must be `cfg`, field for field. Returns the steps done.
+fn read_resume(dir: &Path, cfg: &RunConfig) -> anyhow::Result<usize> {
+    let saved = RunConfig::read(dir).with_context(|| format!("--resume {}: no saved run", dir.display()))?;
+    if let Some((field, was, now)) = config::first_difference(&saved, cfg) {
+        anyhow::bail!(
+            "--resume {}: the run was started with {field} {was}, not {now}; resume with the options it was started with",
+            dir.display()
+        );
+    }
+    let p = dir.join(PROGRESS);
+    let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
+    let progress: Progress = serde_json::from_str(&text).with_context(|| format!("{}: not a qatc resume state", p.display()))?;
+    Ok(progress.step)
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let sched = check(a)?;
+    run_with(a, Faults::none())
+}
+
+/// `run`, with every filesystem step of every save passed through `faults` (the crash tests).
+pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
+    let cfg = check(a)?;
+    let sched = cfg.train.as_ref().map(TrainConfig::lr_schedule).context("internal: no train section")?;
+    // what a killed save left beside OUT goes first (and a swap a kill cut short is completed)
+    artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
+    if let Some(r) = &a.resume {
+        artifacts::recover(r, faults).with_context(|| format!("--resume {}", r.display()))?;
+    }
+    let resume = match &a.resume {
+        Some(dir) => Some((read_resume(dir, &cfg)?, dir.join(STATE))),
+        None => None,
+    };
     let (engine, notice) = crate::runner::resolve(a.device, a.interpreter)?;
     if let Some(n) = notice {
         eprintln!("qatc: {n}");
     }
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
-    let opts = a.step.options()?;
+    let opts = cfg.step_options().map_err(anyhow::Error::msg)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;
@@ -186,18 +248,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         None => None,
     };
     let init = a.init_adapter.as_deref().map(crate::adapter::read).transpose()?;
-    let resume = match &a.resume {
-        Some(dir) => {
-            let p = dir.join("checkpoint/resume.json");
-            let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
-            let info: ResumeInfo = serde_json::from_str(&text).with_context(|| format!("{}", p.display()))?;
-            if info.fingerprint != fingerprint(a) {
-                anyhow::bail!("{}: the run was started with other options; resume with the same ones ({})", p.display(), info.fingerprint);
-            }
-            Some((info.step, dir.join("checkpoint/state.safetensors")))
-        }
-        None => None,
-    };
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
@@ -211,10 +261,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         None => 0,
     };
-    // OUT is created up front so that saves land in it; a fresh run refuses a foreign directory.
-    if resume.is_none() {
-        OutDir::create(&a.out, "checkpoint").with_context(|| format!("{}", a.out.display()))?.commit()?;
-    }
     let mut log = match &a.log_json {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
@@ -279,7 +325,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         });
         pb.inc(1);
         if (a.save_every > 0 && done % a.save_every == 0) || done == a.steps {
-            save(&a.out, &tr, &m, a, done)?;
+            save(&a.out, &tr, &m, a, &cfg, done, faults)?;
         }
     }
     pb.finish_and_clear();

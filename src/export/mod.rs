@@ -55,26 +55,19 @@ pub enum ExportError {
     Internal(String),
 }
 
-/// The output formats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The output formats (`--format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
+    /// Hugging Face: float32 `model.safetensors` + `config.json`.
     Safetensors,
+    /// llama.cpp: GGUF v3.
     Gguf,
 }
 
 impl Format {
-    pub fn from_name(s: &str) -> Option<Format> {
-        match s {
-            "safetensors" => Some(Format::Safetensors),
-            "gguf" => Some(Format::Gguf),
-            _ => None,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Safetensors => "safetensors",
-            Format::Gguf => "gguf",
-        }
+    /// The name `--format` takes.
+    pub fn name(self) -> String {
+        clap::ValueEnum::to_possible_value(&self).map(|v| v.get_name().to_string()).unwrap_or_default()
     }
 }
 
