@@ -30,10 +30,10 @@ use qatc::frontend::config::Gpt2Config;
 use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc_ir::{BinaryOp, DType, Graph, InputKind, Op, QuantScheme, QuantSpec};
+use qatc_passes::linears::MODULES;
 use qatc_runtime::{quant, Interpreter, Tensor, Value as RtValue};
 
 const MODEL: &str = "tiny/f32_prefix/model.safetensors";
-const MODULES: [&str; 4] = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"];
 
 fn model() -> Model {
     Model::open(&common::fixture(MODEL)).unwrap()

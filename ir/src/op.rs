@@ -212,7 +212,7 @@ pub enum Op {
 }
 
 /// QLoRA / bitsandbytes NormalFloat4 code values, the one table every backend reads (the
-/// interpreter's `quant`, the LLVM backend; `qatc_quant.cuh` carries the same literals).
+/// interpreter's `quant`, the LLVM backend; `qatc_quant.cuh` spells the same literals, tested equal).
 #[allow(clippy::excessive_precision)]
 pub const NF4: [f32; 16] = [
     -1.0,

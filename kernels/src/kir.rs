@@ -318,7 +318,35 @@ pub struct AttentionRoles {
     pub out: [Option<usize>; 2],
 }
 
+impl AttentionRoles {
+    /// The params that are [B, NH, T, hs] views, in param order (the others are the
+    /// [B*NH, T] rows of lse and delta).
+    pub fn views(&self) -> Vec<usize> {
+        let mut v = vec![self.q, self.k];
+        v.extend(self.v.into_iter().chain(self.dout).chain(self.out.into_iter().flatten()));
+        v.sort_unstable();
+        v
+    }
+
+    /// How many params the kernel takes.
+    pub fn count(&self) -> usize {
+        let all = [Some(self.q), Some(self.k), self.v, self.dout, Some(self.lse), self.delta, self.out[0], self.out[1]];
+        all.into_iter().flatten().max().map_or(0, |m| m + 1)
+    }
+}
+
 impl AttentionPart {
+    /// Whether the kernel writes the row log-sum-exp (the forward, and `Lse`) rather than
+    /// reading it.
+    pub fn writes_lse(self) -> bool {
+        matches!(self, AttentionPart::Forward | AttentionPart::Lse)
+    }
+
+    /// Whether the kernel writes delta (`BackwardDelta`) rather than reading it.
+    pub fn writes_delta(self) -> bool {
+        self == AttentionPart::BackwardDelta
+    }
+
     pub fn roles(self) -> AttentionRoles {
         let r = |v, dout, lse, delta, out| AttentionRoles { q: 0, k: 1, v, dout, lse, delta, out };
         match self {

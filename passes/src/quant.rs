@@ -57,7 +57,7 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
         if !(linears::is_known_target(t) || t == "lm_head" || t == "wte") {
             return Err(PassError::Invalid {
                 pass: PASS,
-                msg: format!("unknown quant target `{t}`; targets: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (or c_attn, c_proj, c_fc), lm_head, wte"),
+                msg: format!("unknown quant target `{t}`; targets: {}, lm_head, wte", linears::described()),
             });
         }
     }

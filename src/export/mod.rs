@@ -27,7 +27,6 @@ use qatc_runtime::{Interpreter, Tensor, Value};
 
 use crate::adapter::Adapter;
 use crate::frontend::config::Gpt2Config;
-use crate::frontend::gpt2::LINEARS;
 use crate::model::Model;
 use crate::step::{self, ModelOptions};
 
@@ -178,7 +177,7 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
     let internal = |what: String| ExportError::Internal(what);
     let mut plans = Vec::new();
     for l in 0..m.cfg.n_layer {
-        for lin in LINEARS {
+        for lin in qatc_passes::linears::MODULES {
             let module = format!("h.{l}.{lin}");
             // lowering: add(matmul(x, weight_op), broadcast(bias)) named after the module
             let out = *by_name.get(&module).ok_or_else(|| internal(format!("no node named {module}")))?;
