@@ -360,6 +360,16 @@ impl AttentionPart {
     }
 }
 
+/// FNV-1a, 64 bit: stable across runs, platforms and Rust versions (std's hashers are not).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Body {
     Loops { space: Space, stmts: Vec<Stmt> },
@@ -382,6 +392,20 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// The kernel's identity: the FNV-1a 64 hash of what it computes (family, params, index type
+    /// and body; not its note, nor the display names of its values). Launches share one kernel
+    /// exactly when their identities are equal (`lower`), and the name carries the hash.
+    pub fn identity(&self) -> u64 {
+        fnv1a64(format!("{:?}", (&self.family, &self.params, &self.index_ty, &self.body)).as_bytes())
+    }
+
+    /// `fused_{family}_{hash8}`, hash8 the identity's first 8 hex digits: the kernel's name in
+    /// CUDA C, in LLVM IR and in messages.
+    pub fn name(&self) -> String {
+        let family: String = self.family.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+        format!("fused_{family}_{:08x}", self.identity() >> 32)
+    }
+
     /// Every variable a loop body or the space defines, for backends that declare them up front.
     pub fn uses_ix(&self, ix: Ix) -> bool {
         let mut found = false;
