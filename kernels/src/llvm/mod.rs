@@ -50,6 +50,15 @@ pub(crate) fn module<'ctx>(cx: &'ctx Context, k: &Kernel, name: &str) -> Result<
     Ok(m)
 }
 
+/// One kernel as LLVM IR text as the backend builds it, before any optimization: independent of
+/// the host (the JIT adds the target and optimizes), so snapshot tests pin it: (name, text).
+pub fn emit_unoptimized_ir(k: &Kernel) -> Result<(String, String), KernelError> {
+    let name = k.name();
+    let cx = Context::create();
+    let m = module(&cx, k, &name)?;
+    Ok((name, m.print_to_string().to_string()))
+}
+
 /// One kernel as LLVM IR text, optimized for this machine exactly as the JIT compiles it
 /// (`qatc compile --emit-llvm`): (name, text).
 pub fn emit_ir(k: &Kernel) -> Result<(String, String), KernelError> {
