@@ -197,18 +197,18 @@ pub struct OutDir<'f> {
 
 impl OutDir<'static> {
     /// Starts writing `target` (see `create_with`).
-    pub fn create(target: &Path, marker: &str, inputs: &[&Path]) -> io::Result<OutDir<'static>> {
-        OutDir::create_with(target, marker, inputs, Faults::none())
+    pub fn create(target: &Path, markers: &[&str], inputs: &[&Path]) -> io::Result<OutDir<'static>> {
+        OutDir::create_with(target, markers, inputs, Faults::none())
     }
 }
 
 impl<'f> OutDir<'f> {
     /// Starts writing `target`. It is refused when it exists and is not a directory qatc wrote
-    /// (one with `marker`) or an empty one (qatc never deletes a user's files), and when any of
+    /// (one with any of `markers`) or an empty one (qatc never deletes a user's files), and when any of
     /// `inputs` lies inside it (the input would be replaced). What a killed earlier write left
     /// beside it is cleaned first.
-    pub fn create_with(target: &Path, marker: &str, inputs: &[&Path], faults: &'f Faults) -> io::Result<OutDir<'f>> {
-        check_target(target, marker, inputs)?;
+    pub fn create_with(target: &Path, markers: &[&str], inputs: &[&Path], faults: &'f Faults) -> io::Result<OutDir<'f>> {
+        check_target(target, markers, inputs)?;
         let (parent, name) = split(target)?;
         fs::create_dir_all(&parent)?;
         clean_leftovers(target, faults)?;
@@ -279,7 +279,7 @@ impl<'f> OutDir<'f> {
 
 /// The checks of `OutDir::create`, on their own: a command calls this before any work, so that
 /// a run never fails at its end on an output it could have refused at its start.
-pub fn check_target(target: &Path, marker: &str, inputs: &[&Path]) -> io::Result<()> {
+pub fn check_target(target: &Path, markers: &[&str], inputs: &[&Path]) -> io::Result<()> {
     let refuse = |why: String| Err(io::Error::new(io::ErrorKind::AlreadyExists, why));
     for i in inputs {
         if i.exists() && is_within(i, target) {
@@ -291,7 +291,7 @@ pub fn check_target(target: &Path, marker: &str, inputs: &[&Path]) -> io::Result
         }
     }
     if target.exists() {
-        let ours = target.join(marker).exists() || fs::read_dir(target).map(|mut d| d.next().is_none()).unwrap_or(false);
+        let ours = markers.iter().any(|m| target.join(m).exists()) || fs::read_dir(target).map(|mut d| d.next().is_none()).unwrap_or(false);
         if !target.is_dir() || !ours {
             return refuse(format!("{} exists and is not a qatc output directory; choose another output", target.display()));
         }
@@ -343,7 +343,7 @@ mod tests {
     }
 
     fn write_dir(target: &Path, text: &str, faults: &Faults) -> io::Result<()> {
-        let o = OutDir::create_with(target, "m", &[], faults)?;
+        let o = OutDir::create_with(target, &["m"], &[], faults)?;
         o.write("m", text)?;
         o.write("sub/x", text)?;
         o.commit().map(|_| ())
@@ -383,7 +383,7 @@ mod tests {
         for i in 0..count.taken() {
             write_dir(&t, "old", Faults::none()).unwrap();
             assert!(write_dir(&t, "new", &Faults::fail_at(i).without_exchange()).is_err());
-            let o = OutDir::create(&t, "m", &[]).unwrap();
+            let o = OutDir::create(&t, &["m"], &[]).unwrap();
             let m = fs::read_to_string(t.join("m")).unwrap();
             assert!(m == "old" || m == "new", "step {i}");
             assert_eq!(fs::read_to_string(t.join("sub/x")).unwrap(), m, "step {i}");
@@ -398,10 +398,10 @@ mod tests {
         let t = tmp.path().join("out");
         fs::create_dir(&t).unwrap();
         fs::write(t.join("precious"), "x").unwrap();
-        assert!(OutDir::create(&t, "m", &[]).is_err());
+        assert!(OutDir::create(&t, &["m"], &[]).is_err());
         let t2 = tmp.path().join("out2");
         write_dir(&t2, "a", Faults::none()).unwrap();
-        let e = OutDir::create(&t2, "m", &[&t2.join("sub/x")]).err().unwrap();
+        let e = OutDir::create(&t2, &["m"], &[&t2.join("sub/x")]).err().unwrap();
         assert!(e.to_string().contains("is inside the output directory"), "{e}");
         assert_eq!(listing(tmp.path()), ["out", "out2"]);
     }

@@ -46,7 +46,7 @@ fn emit_llvm(_: &std::path::Path, _: &qatc_kernels::Program) -> anyhow::Result<(
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    crate::artifacts::check_target(&a.out, MARKER, &[&a.model]).with_context(|| format!("-o {}", a.out.display()))?;
+    crate::artifacts::check_target(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("-o {}", a.out.display()))?;
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options(&a.model)?;
@@ -92,7 +92,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         passes: reports.iter().collect(),
         artifacts: artifacts.clone(),
     };
-    let out = OutDir::create(&a.out, MARKER, &[&a.model]).with_context(|| format!("{}", a.out.display()))?;
+    let out = OutDir::create(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("{}", a.out.display()))?;
     out.write("forward.qir", &fwd_text)?;
     out.write("train.qir", print(unfused.as_ref().unwrap_or(&train)))?;
     if let Some(f) = fusion {

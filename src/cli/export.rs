@@ -37,12 +37,12 @@ const MARKER: &str = "export.json";
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let format = a.format;
     let inputs: [&std::path::Path; 2] = [&a.model, &a.adapter];
-    crate::artifacts::check_target(&a.out, MARKER, &inputs).with_context(|| format!("--out {}", a.out.display()))?;
+    crate::artifacts::check_target(&a.out, &[MARKER], &inputs).with_context(|| format!("--out {}", a.out.display()))?;
     let m = super::open_model(&a.model)?;
     let (cfg, adapter) = options::adapter_config(&a.quant, &a.adapter, &a.model)?;
     let mo = cfg.model.options(false);
     let merged = export::merge(&m, &mo, &adapter).with_context(|| format!("export of {} + {}", a.model.display(), a.adapter.display()))?;
-    let out = OutDir::create(&a.out, MARKER, &inputs).with_context(|| format!("{}", a.out.display()))?;
+    let out = OutDir::create(&a.out, &[MARKER], &inputs).with_context(|| format!("{}", a.out.display()))?;
     let mut tensors = serde_json::Map::new();
     let file = match format {
         Format::Safetensors => {

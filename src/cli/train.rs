@@ -115,6 +115,9 @@ struct Progress {
 }
 
 const STATE: &str = "checkpoint/state.safetensors";
+/// What marks a directory as a training output qatc may replace: `qatc.json`, or the
+/// `checkpoint/` of a qatc from before it.
+const MARKERS: [&str; 2] = [config::FILE, "checkpoint"];
 const PROGRESS: &str = "checkpoint/resume.json";
 
 impl Args {
@@ -155,7 +158,7 @@ fn check(a: &Args) -> anyhow::Result<RunConfig> {
         Some(r) if !same_dir(r, &a.out) => inputs.push(r),
         _ => {}
     }
-    artifacts::check_target(&a.out, config::FILE, &inputs).with_context(|| format!("--out {}", a.out.display()))?;
+    artifacts::check_target(&a.out, &MARKERS, &inputs).with_context(|| format!("--out {}", a.out.display()))?;
     for (flag, p) in [("--log-json", &a.log_json), ("--plot", &a.plot)] {
         let Some(p) = p else { continue };
         if artifacts::is_within(p, &a.out) {
@@ -177,7 +180,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 /// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
 /// the resume state, so that the adapter and the checkpoint of one save are never apart.
 fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, cfg: &RunConfig, step: usize, faults: &Faults) -> anyhow::Result<()> {
-    let dir = OutDir::create_with(out, config::FILE, &[], faults)?;
+    let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
     match &tr.opts.model.lora {
         Some(l) => {
             let (peft_config, st) = crate::adapter::to_files(l, &tr.weights()?, &a.model.display().to_string())?;
