@@ -8,15 +8,16 @@
 //! aside (`.NAME.qatc-old-XXXX`) and the new one renamed in; a kill between the two renames
 //! leaves no target, and the next write of the same target renames the old one back.
 //!
-//! Nothing is cleaned up on an error path: an error leaves exactly what a kill at that point
-//! would. The next `OutDir::create` or `write_atomic` of the same target removes what a killed
-//! write left beside it. The crash tests (`tests/crash.rs`) fail every filesystem step in turn
-//! through `Faults`, and kill the real binary in a loop.
+//! An error removes the unfinished staging directory (or temporary file); a kill cannot, so the
+//! next `OutDir::create` or `write_atomic` of the same target removes what a killed write left
+//! beside it. The crash tests (`tests/crash.rs`) fail every filesystem step in turn through
+//! `Faults`, whose failures stand for kills (nothing is removed after one), and kill the real
+//! binary in a loop.
 
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Where a write may be cut short, for the crash tests: every filesystem step of `OutDir` and
@@ -30,6 +31,8 @@ pub struct Faults {
     /// the fallback).
     pub(crate) no_exchange: bool,
     taken: AtomicUsize,
+    /// An injected failure happened: the process is to be taken as killed there.
+    fired: AtomicBool,
     names: Mutex<Vec<String>>,
 }
 
@@ -37,7 +40,14 @@ static NO_FAULTS: Faults = Faults::new(None, false);
 
 impl Faults {
     const fn new(fail_at: Option<usize>, record: bool) -> Faults {
-        Faults { fail_at, record, no_exchange: false, taken: AtomicUsize::new(0), names: Mutex::new(Vec::new()) }
+        Faults {
+            fail_at,
+            record,
+            no_exchange: false,
+            taken: AtomicUsize::new(0),
+            fired: AtomicBool::new(false),
+            names: Mutex::new(Vec::new()),
+        }
     }
 
     /// No failures: what every command uses.
@@ -73,9 +83,17 @@ impl Faults {
             v.push(name.clone());
         }
         match self.fail_at {
-            Some(n) if i >= n => Err(io::Error::other(format!("injected failure at step {i} ({name})"))),
+            Some(n) if i >= n => {
+                self.fired.store(true, Ordering::SeqCst);
+                Err(io::Error::other(format!("injected failure at step {i} ({name})")))
+            }
             _ => Ok(()),
         }
+    }
+
+    /// Whether an injected failure happened (then nothing is cleaned up, as after a kill).
+    fn fired(&self) -> bool {
+        self.fired.load(Ordering::SeqCst)
     }
 
     /// The steps taken so far.
@@ -189,10 +207,21 @@ fn exchange(_: &Path, _: &Path) -> io::Result<bool> {
 }
 
 /// A directory being written: files go into the staging directory; `commit` swaps it in.
+/// Dropped unfinished (an error), it removes the staging directory.
 pub struct OutDir<'f> {
     staging: PathBuf,
     target: PathBuf,
     faults: &'f Faults,
+    committed: bool,
+}
+
+impl Drop for OutDir<'_> {
+    fn drop(&mut self) {
+        if !self.committed && !self.faults.fired() {
+            // best effort: what stays behind, the next write of the target removes
+            let _ = fs::remove_dir_all(&self.staging);
+        }
+    }
 }
 
 impl OutDir<'static> {
@@ -214,7 +243,7 @@ impl<'f> OutDir<'f> {
         clean_leftovers(target, faults)?;
         faults.step(|| format!("create the staging directory of {}", target.display()))?;
         let staging = tempfile::Builder::new().prefix(&format!("{}stage-", temp_prefix(&name))).tempdir_in(&parent)?.keep();
-        Ok(OutDir { staging, target: target.to_path_buf(), faults })
+        Ok(OutDir { staging, target: target.to_path_buf(), faults, committed: false })
     }
 
     /// Where the files are being written (not the target: that changes only at `commit`).
@@ -235,7 +264,13 @@ impl<'f> OutDir<'f> {
     }
 
     /// Swaps the finished directory into place and deletes the old contents.
-    pub fn commit(self) -> io::Result<PathBuf> {
+    pub fn commit(mut self) -> io::Result<PathBuf> {
+        self.swap_in()?;
+        self.committed = true;
+        Ok(self.target.clone())
+    }
+
+    fn swap_in(&self) -> io::Result<()> {
         let f = self.faults;
         let (parent, name) = split(&self.target)?;
         // every subdirectory, then the directory itself: their entries are on disk before the swap
@@ -273,7 +308,7 @@ impl<'f> OutDir<'f> {
             f.step(|| format!("fsync {}", parent.display()))?;
             sync_dir(&parent)?;
         }
-        Ok(self.target)
+        Ok(())
     }
 }
 
@@ -325,9 +360,14 @@ pub fn write_atomic_with(path: &Path, contents: &[u8], faults: &Faults) -> io::R
     clean_leftovers(path, faults)?;
     let (_, tmp) =
         tempfile::Builder::new().prefix(&format!("{}tmp-", temp_prefix(&name))).tempfile_in(&dir)?.keep().map_err(|e| e.error)?;
-    write_file(&tmp, contents, faults)?;
-    faults.step(|| format!("rename {} into place", tmp.display()))?;
-    fs::rename(&tmp, path)?;
+    let written = write_file(&tmp, contents, faults).and_then(|()| {
+        faults.step(|| format!("rename {} into place", tmp.display()))?;
+        fs::rename(&tmp, path)
+    });
+    if written.is_err() && !faults.fired() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written?;
     faults.step(|| format!("fsync {}", dir.display()))?;
     sync_dir(&dir)
 }
@@ -390,6 +430,18 @@ mod tests {
             o.commit().unwrap();
             assert_eq!(listing(tmp.path()), ["out"], "step {i}: leftovers cleaned");
         }
+    }
+
+    /// An error (not a kill) leaves nothing beside the target.
+    #[test]
+    fn an_unfinished_directory_dropped_on_an_error_is_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path().join("out");
+        {
+            let o = OutDir::create(&t, &["m"], &[]).unwrap();
+            o.write("m", "x").unwrap();
+        }
+        assert!(listing(tmp.path()).is_empty());
     }
 
     #[test]

@@ -3,8 +3,10 @@
 //! both compute with. e^x = 2^n e^r with n = round(x log2 e) and r = x - n ln 2, |r| <= ln2/2;
 //! e^r = 1 + r + r^2 P(r).
 
-/// ln 2 split in two: `LN2_HI` has few enough significant bits that n * LN2_HI is exact for
-/// every n the range reduction takes, and LN2_HI + LN2_LO is ln 2 to about 2^-32.
+/// ln 2 split in two: `LN2_HI` (355/512, written out exactly) has few enough significant bits
+/// that n * LN2_HI is exact for every n the range reduction takes, and LN2_HI + LN2_LO is ln 2
+/// to about 2^-32.
+#[allow(clippy::excessive_precision)]
 pub const LN2_HI: f32 = 0.693_359_375;
 pub const LN2_LO: f32 = -2.121_944_4e-4;
 

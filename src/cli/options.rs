@@ -64,10 +64,11 @@ pub fn read_bit_map(path: &Path) -> anyhow::Result<BTreeMap<String, Option<Quant
     Ok(bm.modules)
 }
 
-/// A value as the configuration spells it (`sym`, `merged`, `[c_attn]`).
+/// A value as the configuration spells it (`sym`, `merged`, `["c_attn"]`; `none` for null).
 fn spelled<T: Serialize + std::fmt::Debug>(v: &T) -> String {
     match serde_json::to_value(v) {
         Ok(serde_json::Value::String(s)) => s,
+        Ok(serde_json::Value::Null) => "none".into(),
         Ok(other) => other.to_string(),
         Err(_) => format!("{v:?}"),
     }

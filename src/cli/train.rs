@@ -115,10 +115,10 @@ struct Progress {
 }
 
 const STATE: &str = "checkpoint/state.safetensors";
+const PROGRESS: &str = "checkpoint/resume.json";
 /// What marks a directory as a training output qatc may replace: `qatc.json`, or the
 /// `checkpoint/` of a qatc from before it.
 const MARKERS: [&str; 2] = [config::FILE, "checkpoint"];
-const PROGRESS: &str = "checkpoint/resume.json";
 
 impl Args {
     /// The run's configuration: the step's (`StepArgs::config`) and this run's.
