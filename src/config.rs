@@ -1,11 +1,13 @@
 //! The run's configuration as data: `qatc.json`, written beside every adapter, export and
 //! checkpoint. `qatc eval --adapter DIR` and `qatc export --adapter DIR` read it instead of
-//! asking for the quantization flags again, and `qatc train --resume` compares it whole.
+//! asking for the quantization flags again, and `qatc train --resume` continues with it (an
+//! option given must agree with it, field by field: `cli::resume`).
 //!
 //! One value, three sections: `model` (what the graph is built with: quantization, LoRA, full
 //! fine-tune; all that eval and export need), `step` (the training step's shape, precision,
 //! optimizer, checkpoint policy, fusion and device) and `train` (the run: data, schedule, seed).
-//! The command line builds it in one place (`cli::options`); it becomes the pipeline's
+//! The command line builds it in one place (`cli::StepArgs::config`, `cli::options`,
+//! `cli::train::Args::config`); it becomes the pipeline's
 //! `ModelOptions` / `StepOptions` here, in one place.
 //!
 //! The file is versioned (`version`), and unknown fields are refused: a file from a newer qatc
@@ -368,23 +370,34 @@ impl RunConfig {
     }
 }
 
-/// The first difference between two configurations, as `field: A vs B` (field a dotted path;
-/// values as JSON), or None when they are equal.
-pub fn first_difference(a: &RunConfig, b: &RunConfig) -> Option<(String, String, String)> {
-    let (va, vb) = (serde_json::to_value(a).ok()?, serde_json::to_value(b).ok()?);
-    diff_values("", &va, &vb)
+/// Every difference between two configurations, in field order, as (field, A, B): the field a
+/// dotted path (`model.quant.modules.h.0.mlp.c_fc.bits`), the values as JSON. An object on one
+/// side and anything else on the other is one difference at the object's path.
+pub fn differences(a: &RunConfig, b: &RunConfig) -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    if let (Ok(va), Ok(vb)) = (serde_json::to_value(a), serde_json::to_value(b)) {
+        diff_values("", &va, &vb, &mut out);
+    }
+    out
 }
 
-fn diff_values(at: &str, a: &serde_json::Value, b: &serde_json::Value) -> Option<(String, String, String)> {
+/// The first of `differences`, or None when the configurations are equal.
+pub fn first_difference(a: &RunConfig, b: &RunConfig) -> Option<(String, String, String)> {
+    differences(a, b).into_iter().next()
+}
+
+fn diff_values(at: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<(String, String, String)>) {
     use serde_json::Value;
     let join = |k: &str| if at.is_empty() { k.to_string() } else { format!("{at}.{k}") };
     match (a, b) {
         (Value::Object(x), Value::Object(y)) => {
             let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
-            keys.into_iter().find_map(|k| diff_values(&join(k), x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null)))
+            for k in keys {
+                diff_values(&join(k), x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null), out);
+            }
         }
-        _ if a == b => None,
-        _ => Some((at.to_string(), a.to_string(), b.to_string())),
+        _ if a == b => {}
+        _ => out.push((at.to_string(), a.to_string(), b.to_string())),
     }
 }
 

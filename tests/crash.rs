@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use qatc::artifacts::Faults;
+use qatc::cli::resume::Given;
 use qatc::cli::train::{run_with, Args};
 
 #[derive(Parser)]
@@ -75,7 +76,7 @@ fn train_args(out: &Path, log: &Path, steps: usize, resume: bool) -> Vec<String>
 fn in_process(out: &Path, log: &Path, steps: usize, resume: bool, faults: &Faults) -> anyhow::Result<()> {
     let mut argv = vec!["train".to_string()];
     argv.extend(train_args(out, log, steps, resume));
-    run_with(&Train::parse_from(argv).args, faults)
+    run_with(&Train::parse_from(argv).args, &Given::all(), faults)
 }
 
 /// Every logged loss by step, as bit patterns; a step logged twice (replayed after a resume)

@@ -168,3 +168,91 @@ fn resume_with_a_changed_bit_map_is_refused() {
     let e = refused(&tiny_train(&out, &again));
     assert!(e.contains("model.quant.modules.h.0.mlp.c_fc.bits 4, not 5"), "{e}");
 }
+
+#[derive(clap::Parser)]
+struct Train {
+    #[command(flatten)]
+    args: qatc::cli::train::Args,
+}
+
+/// A run cut short after its first save continues from `qatc train --out DIR --resume DIR`
+/// alone: the saved qatc.json gives every option (quantization with a bit map, LoRA with
+/// dropout, the schedule, the shuffled order), and the result is the uninterrupted run's, bit for
+/// bit.
+#[test]
+fn resume_from_the_saved_configuration_alone() {
+    use clap::Parser;
+    use qatc::artifacts::Faults;
+    use qatc::cli::resume::Given;
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n);
+    std::fs::write(p("bits.json"), r#"{"version": 1, "modules": {"h.0.mlp.c_fc": {"bits": 4, "group": 32, "scheme": "nf4"}}}"#).unwrap();
+    let (m, d) = (common::fixture("tiny/f32_prefix/model.safetensors"), common::fixture("tiny/tokens.bin"));
+    let argv = |out: &Path, log: &Path| -> Vec<String> {
+        let map = p("bits.json");
+        [
+            "train",
+            m.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "4",
+            "--bits",
+            "3",
+            "--group",
+            "32",
+            "--bits-map",
+            map.to_str().unwrap(),
+            "--lora",
+            "r=4,dropout=0.1",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "1",
+            "--schedule",
+            "cosine",
+            "--shuffle",
+            "--seed",
+            "9",
+            "--save-every",
+            "2",
+            "--interpreter",
+            "--no-fuse",
+            "--out",
+            out.to_str().unwrap(),
+            "--log-json",
+            log.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let run = |out: &Path, log: &Path, faults: &Faults| {
+        qatc::cli::train::run_with(&Train::parse_from(argv(out, log)).args, &Given::all(), faults)
+    };
+    let counted = Faults::counting();
+    run(&p("a"), &p("a.jsonl"), &counted).unwrap();
+    // the second save replaces the first, so it takes more steps: half of them all is inside it
+    let cut = Faults::fail_at(counted.taken() / 2);
+    assert!(run(&p("b"), &p("b.jsonl"), &cut).is_err());
+    let o = p("b");
+    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(o.join("checkpoint/resume.json")).unwrap()).unwrap();
+    assert_eq!(saved["step"], 2, "cut short in the second save");
+    let log = p("b.jsonl");
+    let args = ["train", "--out", o.to_str().unwrap(), "--resume", o.to_str().unwrap(), "--log-json", log.to_str().unwrap()];
+    let r = Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).output().unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(curve(&p("a.jsonl")), curve(&log));
+    for f in ["adapter_model.safetensors", "checkpoint/state.safetensors", "qatc.json", "checkpoint/resume.json"] {
+        assert!(std::fs::read(p("a").join(f)).unwrap() == std::fs::read(o.join(f)).unwrap(), "{f} differs");
+    }
+    // an option given must agree; a matching one is fine
+    let mut again = args.to_vec();
+    again.extend(["--batch", "2", "--seq", "8"]);
+    let e = refused(&Command::new(env!("CARGO_BIN_EXE_qatc")).args(&again).output().unwrap());
+    assert!(e.contains("step.seq 16, not 8 (--seq)"), "{e}");
+}

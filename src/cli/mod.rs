@@ -8,6 +8,7 @@ pub mod export;
 pub mod options;
 pub mod plan;
 pub mod prt;
+pub mod resume;
 pub mod train;
 
 use std::path::Path;

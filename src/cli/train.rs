@@ -7,7 +7,8 @@
 //! `--save-every N` steps (and at the end) OUT is replaced whole (`artifacts::OutDir`: written
 //! beside, then swapped in) by the adapter (PEFT format) or the weights, the run's configuration
 //! (`qatc.json`) and the resume state (`checkpoint/`): at every instant OUT is one complete save
-//! (or absent before the first), and `--resume OUT` continues exactly.
+//! (or absent before the first), and `--resume OUT` continues exactly, its options read from
+//! the saved `qatc.json` (`cli::resume`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -17,6 +18,7 @@ use anyhow::Context;
 use qatc_runtime::{CpuOptions, Value};
 
 use super::eval::{evaluate_with, EvalSetup};
+use super::resume::{self, Given, PROGRESS, STATE};
 use super::{Placement, StepArgs};
 use crate::artifacts::{self, write_atomic, Faults, OutDir};
 use crate::config::{self, RunConfig, TrainConfig};
@@ -28,10 +30,13 @@ pub use crate::trainer::{weights_safetensors, Trainer};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    pub model: PathBuf,
-    /// llm.c token file, or UTF-8 text (tokenized with GPT-2's BPE).
-    #[arg(long)]
-    pub data: PathBuf,
+    /// The GPT-2 checkpoint (with --resume: the saved run's, unless given).
+    #[arg(required_unless_present = "resume")]
+    pub model: Option<PathBuf>,
+    /// llm.c token file, or UTF-8 text (tokenized with GPT-2's BPE) (with --resume: the saved
+    /// run's, unless given).
+    #[arg(long, required_unless_present = "resume")]
+    pub data: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
     /// Optimizer steps.
@@ -74,7 +79,8 @@ pub struct Args {
     /// Draw the loss curve (train and validation) as SVG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
-    /// Continue the run whose OUT this is, from its last saved step.
+    /// Continue the run whose OUT this is, from its last saved step, with its options (those
+    /// given must agree with them).
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Where the step runs: auto (a CUDA GPU when qatc can use one, else the CPU), cpu, cuda.
@@ -105,27 +111,17 @@ pub struct StepLog {
     pub val_loss: Option<f64>,
 }
 
-/// Where a saved run stands (`checkpoint/resume.json`); what it was run with is `qatc.json`,
-/// beside the checkpoint in the same directory.
-#[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
-#[serde(deny_unknown_fields)]
-struct Progress {
-    /// Steps completed.
-    step: usize,
-}
-
-const STATE: &str = "checkpoint/state.safetensors";
-const PROGRESS: &str = "checkpoint/resume.json";
 /// What marks a directory as a training output qatc may replace: `qatc.json`, or the
 /// `checkpoint/` of a qatc from before it.
 const MARKERS: [&str; 2] = [config::FILE, "checkpoint"];
 
 impl Args {
-    /// The run's configuration: the step's (`StepArgs::config`) and this run's.
-    pub fn config(&self) -> anyhow::Result<RunConfig> {
-        let mut c = self.step.config(&self.model, Placement { device: self.device, interpreter: self.interpreter })?;
+    /// The run's configuration as the command line says it (defaults filled in): the step's
+    /// (`StepArgs::config`) and this run's, for the checkpoint `model` and the data `data`.
+    pub fn config(&self, model: &Path, data: &Path) -> anyhow::Result<RunConfig> {
+        let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter })?;
         let train = TrainConfig {
-            data: config::absolute(&self.data),
+            data: config::absolute(data),
             steps: self.steps,
             lr: self.lr,
             schedule: self.schedule,
@@ -141,23 +137,42 @@ impl Args {
     }
 }
 
-/// Everything that can be refused before any work: the options, and every output.
-fn check(a: &Args) -> anyhow::Result<RunConfig> {
-    if a.step.lora.is_none() && !a.step.full_finetune {
-        anyhow::bail!("nothing to train: pass --lora r=N (an adapter) or --full-finetune (every weight)");
-    }
-    let cfg = a.config()?;
-    if a.eval_every > 0 && a.val.is_none() {
-        anyhow::bail!("--eval-every needs --val FILE");
-    }
+/// The run's configuration, and the steps already done when it resumes: the command line's,
+/// or the saved run's (the options given checked against it).
+fn configure(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<(RunConfig, Option<usize>)> {
+    let Some(dir) = &a.resume else {
+        let (Some(model), Some(data)) = (&a.model, &a.data) else {
+            anyhow::bail!("MODEL and --data are needed (with --resume they come from the saved run)");
+        };
+        if a.step.lora.is_none() && !a.step.full_finetune {
+            anyhow::bail!("nothing to train: pass --lora r=N (an adapter) or --full-finetune (every weight)");
+        }
+        return Ok((a.config(model, data)?, None));
+    };
+    // a swap a kill cut short is completed before the saved run is read
+    artifacts::recover(dir, faults).with_context(|| format!("--resume {}", dir.display()))?;
+    let saved = RunConfig::read(dir).with_context(|| format!("--resume {}: no saved run", dir.display()))?;
+    let model = a.model.clone().unwrap_or_else(|| PathBuf::from(&saved.model.path));
+    let data = match (&a.data, &saved.train) {
+        (Some(d), _) => d.clone(),
+        (None, Some(t)) => PathBuf::from(&t.data),
+        (None, None) => anyhow::bail!("--resume {}: the saved configuration has no training run", dir.display()),
+    };
+    let cfg = resume::reconcile(saved, &a.config(&model, &data)?, given, dir)?;
+    Ok((cfg, Some(resume::read_progress(dir)?)))
+}
+
+/// Refuses, before any work, an output that would destroy an input or that cannot be written.
+fn check_outputs(a: &Args, cfg: &RunConfig, train: &TrainConfig) -> anyhow::Result<()> {
     // every input must survive the run: none may lie in OUT, which each save replaces whole
-    let mut inputs: Vec<&Path> = vec![&a.model, &a.data];
-    inputs.extend(a.val.as_deref());
-    inputs.extend(a.init_adapter.as_deref());
+    let mut inputs: Vec<PathBuf> = vec![PathBuf::from(&cfg.model.path), PathBuf::from(&train.data)];
+    inputs.extend(a.val.clone());
+    inputs.extend(train.init_adapter.as_ref().map(PathBuf::from));
     match &a.resume {
-        Some(r) if !same_dir(r, &a.out) => inputs.push(r),
+        Some(r) if !same_dir(r, &a.out) => inputs.push(r.clone()),
         _ => {}
     }
+    let inputs: Vec<&Path> = inputs.iter().map(PathBuf::as_path).collect();
     artifacts::check_target(&a.out, &MARKERS, &inputs).with_context(|| format!("--out {}", a.out.display()))?;
     for (flag, p) in [("--log-json", &a.log_json), ("--plot", &a.plot)] {
         let Some(p) = p else { continue };
@@ -170,7 +185,7 @@ fn check(a: &Args) -> anyhow::Result<RunConfig> {
         }
         artifacts::check_writable(p).with_context(|| format!("{flag} {}", p.display()))?;
     }
-    Ok(cfg)
+    Ok(())
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {
@@ -179,11 +194,11 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 
 /// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
 /// the resume state, so that the adapter and the checkpoint of one save are never apart.
-fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, cfg: &RunConfig, step: usize, faults: &Faults) -> anyhow::Result<()> {
+fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, faults: &Faults) -> anyhow::Result<()> {
     let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
     match &tr.opts.model.lora {
         Some(l) => {
-            let (peft_config, st) = crate::adapter::to_files(l, &tr.weights()?, &a.model.display().to_string())?;
+            let (peft_config, st) = crate::adapter::to_files(l, &tr.weights()?, &cfg.model.path)?;
             dir.write("adapter_config.json", peft_config)?;
             dir.write("adapter_model.safetensors", st)?;
         }
@@ -194,51 +209,39 @@ fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, cfg: &RunConfig, step: us
     }
     dir.write(config::FILE, cfg.to_json())?;
     dir.write(STATE, tr.save_state()?)?;
-    dir.write(PROGRESS, serde_json::to_string_pretty(&Progress { step })? + "\n")?;
+    dir.write(PROGRESS, serde_json::to_string_pretty(&resume::Progress { step })? + "\n")?;
     dir.commit()?;
     Ok(())
 }
 
-/// Reads a saved run: its configuration must be `cfg`, field for field. Returns the steps done.
-fn read_resume(dir: &Path, cfg: &RunConfig) -> anyhow::Result<usize> {
-    let saved = RunConfig::read(dir).with_context(|| format!("--resume {}: no saved run", dir.display()))?;
-    if let Some((field, was, now)) = config::first_difference(&saved, cfg) {
-        anyhow::bail!(
-            "--resume {}: the run was started with {field} {was}, not {now}; resume with the options it was started with",
-            dir.display()
-        );
-    }
-    let p = dir.join(PROGRESS);
-    let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
-    let progress: Progress = serde_json::from_str(&text).with_context(|| format!("{}: not a qatc resume state", p.display()))?;
-    Ok(progress.step)
-}
-
-pub fn run(a: &Args) -> anyhow::Result<()> {
-    run_with(a, Faults::none())
+/// `qatc train`; `given` says which options the command line gave (with `--resume`, the others
+/// are the saved run's).
+pub fn run(a: &Args, given: &Given) -> anyhow::Result<()> {
+    run_with(a, given, Faults::none())
 }
 
 /// `run`, with every filesystem step of every save passed through `faults` (the crash tests).
-pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
-    let cfg = check(a)?;
-    let sched = cfg.train.as_ref().map(TrainConfig::lr_schedule).context("internal: no train section")?;
-    // what a killed save left beside OUT goes first (and a swap a kill cut short is completed)
-    artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
-    if let Some(r) = &a.resume {
-        artifacts::recover(r, faults).with_context(|| format!("--resume {}", r.display()))?;
+pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> {
+    if a.eval_every > 0 && a.val.is_none() {
+        anyhow::bail!("--eval-every needs --val FILE");
     }
-    let resume = match &a.resume {
-        Some(dir) => Some((read_resume(dir, &cfg)?, dir.join(STATE))),
-        None => None,
+    let (cfg, resume_at) = configure(a, given, faults)?;
+    let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
+        anyhow::bail!("internal: a training configuration without its train or step section");
     };
-    let (engine, notice) = crate::runner::resolve(a.device, a.interpreter)?;
+    check_outputs(a, &cfg, &train)?;
+    // what a killed save left beside OUT goes first
+    artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
+    let sched = train.lr_schedule();
+    let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
+    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter)?;
     if let Some(n) = notice {
         eprintln!("qatc: {n}");
     }
-    let m = super::open_model(&a.model)?;
-    super::check_seq(&m, a.step.batch, a.step.seq)?;
+    let m = super::open_model(&model_path)?;
+    super::check_seq(&m, step.batch, step.seq)?;
     let opts = cfg.step_options().map_err(anyhow::Error::msg)?;
-    let data = TokenFile::load(&a.data)?;
+    let data = TokenFile::load(&data_path)?;
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;
     let val = match &a.val {
@@ -250,33 +253,34 @@ pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let init = a.init_adapter.as_deref().map(crate::adapter::read).transpose()?;
+    let init = train.init_adapter.as_deref().map(|p| crate::adapter::read(Path::new(p))).transpose()?;
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
-    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), a.step.seed, engine, &cpu)?;
+    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), train.seed, engine, &cpu)?;
     tr.set_profile(a.profile);
     eprintln!("qatc: the step runs {}", tr.describe());
-    let start = match &resume {
-        Some((step, state)) => {
-            tr.load_state(state)?;
-            *step
+    let start = match (resume_at, &a.resume) {
+        (Some(done), Some(dir)) => {
+            tr.load_state(&dir.join(STATE))?;
+            done
         }
-        None => 0,
+        _ => 0,
     };
+    let resuming = resume_at.is_some();
     let mut log = match &a.log_json {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
                 .create(true)
-                .append(resume.is_some())
+                .append(resuming)
                 .write(true)
-                .truncate(resume.is_none())
+                .truncate(!resuming)
                 .open(p)
                 .with_context(|| format!("{}", p.display()))?,
         )),
         None => None,
     };
-    let order = if a.shuffle { DataOrder::Shuffle { seed: a.step.seed } } else { DataOrder::Sequential };
+    let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
     let val_setup = EvalSetup {
         model: {
             let mut mo = tr.opts.model.clone();
@@ -287,10 +291,10 @@ pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
         },
         adapter: None,
     };
-    let pb = super::progress((a.steps - start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
+    let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
-    for s in start..a.steps {
+    for s in start..train.steps {
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
         let lr = sched.at(s);
@@ -302,7 +306,7 @@ pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
         }
         let done = s + 1;
         let val_loss = match &val {
-            Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == a.steps => {
+            Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == train.steps => {
                 let n = a.val_batches.min(v.num_batches(tr.opts.batch, tr.opts.seq)).max(1);
                 // the trained weights, read back from the executor
                 let weights = tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
@@ -327,8 +331,8 @@ pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
             None => format!("loss {loss:.4}  {tps:.0} tok/s"),
         });
         pb.inc(1);
-        if (a.save_every > 0 && done % a.save_every == 0) || done == a.steps {
-            save(&a.out, &tr, &m, a, &cfg, done, faults)?;
+        if (a.save_every > 0 && done % a.save_every == 0) || done == train.steps {
+            save(&a.out, &tr, &m, &cfg, done, faults)?;
         }
     }
     pb.finish_and_clear();
@@ -339,7 +343,7 @@ pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
         }
     }
     if let Some(p) = &a.plot {
-        let title = format!("qatc train: {}", a.model.display());
+        let title = format!("qatc train: {}", model_path.display());
         write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve).as_bytes()).with_context(|| format!("{}", p.display()))?;
     }
     let what = if tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
@@ -349,7 +353,7 @@ pub fn run_with(a: &Args, faults: &Faults) -> anyhow::Result<()> {
     let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (first, last) };
     println!(
         "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps); {what} in {}",
-        a.steps,
+        train.steps,
         n.max(1),
         a.out.display()
     );
