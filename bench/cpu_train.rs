@@ -91,10 +91,10 @@ fn main() -> anyhow::Result<()> {
     let m = Model::open(&path)?;
     let tokens: Vec<u16> = (0..(steps + 1) * b * t + 1).map(|i| ((i * 7919) % 50257) as u16).collect();
     let data = TokenFile::from_tokens(&path, tokens);
-    let q = QuantArgs { bits: Some(4), group, scheme: scheme.into(), qat: "base".into(), ..Default::default() };
+    let q = QuantArgs { bits: Some(4), group: Some(group), scheme: qatc_ir::QuantScheme::from_name(scheme), ..Default::default() };
     let mut o = StepOptions::new(b, t);
     o.model = if f.full_finetune {
-        model_options(&QuantArgs { qat: "base".into(), ..Default::default() }, None, true, true)?
+        model_options(&QuantArgs::default(), None, true, true)?
     } else {
         model_options(&q, Some(LoraOptions::new(16)), false, true)?
     };

@@ -27,7 +27,8 @@ echo "== train: 4-bit QAT + LoRA r=16 on the train split, $steps steps, compiled
   --lr 1e-3 --warmup 10 --schedule cosine --shuffle --seed 1 \
   --val "$val" --eval-every 20 --val-batches 2 \
   --out out/demo-adapter --log-json out/demo-train.jsonl --plot out/demo-loss.svg
-qat=$("$qatc" eval "$model" "${eval_args[@]}" "${quant[@]}" --adapter out/demo-adapter | ppl)
+# the adapter's qatc.json says how it was quantized: no quantization flag to repeat
+qat=$("$qatc" eval "$model" "${eval_args[@]}" --adapter out/demo-adapter | ppl)
 echo
 printf '%-34s %10s\n' "validation perplexity" ""
 printf '%-34s %10s\n' "full precision (fp16 weights)" "$fp"

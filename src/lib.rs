@@ -5,6 +5,7 @@
 pub mod adapter;
 pub mod artifacts;
 pub mod cli;
+pub mod config;
 pub mod data;
 pub mod export;
 pub mod frontend;

@@ -1,6 +1,6 @@
 //! The `qatc` command line. Errors print as one line (`error: ...`) and exit with code 2.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use qatc::cli;
 
 #[derive(Parser)]
@@ -28,6 +28,18 @@ enum Cmd {
     Export(cli::export::Args),
 }
 
+/// Clap's error as one line (as every other error), exit code 2; help and version as clap prints them.
+fn usage_error(e: clap::Error) -> ! {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+        e.exit()
+    }
+    let text = e.render().to_string();
+    let parts: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("For more information")).collect();
+    eprintln!("{}", parts.join(" "));
+    std::process::exit(2);
+}
+
 fn main() {
     // Process-wide settings, made before any thread starts. OpenBLAS picks its kernels from the
     // CPU model, which it may not know on a VM (then: SSE3 kernels, 6x slower), and reads
@@ -38,12 +50,15 @@ fn main() {
             std::env::set_var("OPENBLAS_CORETYPE", core);
         }
     }
-    let args = Cli::parse();
+    let matches = Cli::command().try_get_matches().unwrap_or_else(|e| usage_error(e));
+    let args = Cli::from_arg_matches(&matches).unwrap_or_else(|e| usage_error(e));
+    // which of train's options were given (with --resume, the others are the saved run's)
+    let given = matches.subcommand_matches("train").map(cli::resume::Given::from_matches).unwrap_or_else(cli::resume::Given::all);
     let r = match &args.cmd {
         Cmd::Compile(a) => cli::compile::run(a),
         Cmd::Eval(a) => cli::eval::run(a),
         Cmd::Dump(a) => cli::dump::run(a),
-        Cmd::Train(a) => cli::train::run(a),
+        Cmd::Train(a) => cli::train::run(a, &given),
         Cmd::Prt(a) => cli::prt::run(a),
         Cmd::Plan(a) => cli::plan::run(a),
         Cmd::Export(a) => cli::export::run(a),

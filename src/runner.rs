@@ -7,7 +7,8 @@ use qatc_ir::Graph;
 use qatc_runtime::{CpuOptions, InterpretedStep, TrainStep};
 
 /// `--device`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Device {
     /// CUDA when a GPU and qatc's CUDA runtime are both there, else the CPU.
     #[default]

@@ -2,13 +2,22 @@
 
 use std::f64::consts::PI;
 
+/// `--schedule`: the learning rate after warmup.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    #[default]
+    Constant,
+    /// Cosine decay to --min-lr by the end of the run.
+    Cosine,
+}
+
 /// The learning rate at each optimizer step: linear warmup, then constant or cosine decay.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct LrSchedule {
     pub lr: f64,
     pub warmup: usize,
-    /// "constant" or "cosine"
-    pub kind: String,
+    pub kind: Schedule,
     /// Cosine reaches this at step `total` (the end of the run).
     pub min_lr: f64,
     pub total: usize,
@@ -20,13 +29,13 @@ impl LrSchedule {
         if s < self.warmup {
             return self.lr * (s + 1) as f64 / self.warmup as f64;
         }
-        match self.kind.as_str() {
-            "cosine" => {
+        match self.kind {
+            Schedule::Cosine => {
                 let span = self.total.saturating_sub(self.warmup).max(1) as f64;
                 let frac = ((s - self.warmup) as f64 / span).min(1.0);
                 self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (PI * frac).cos())
             }
-            _ => self.lr,
+            Schedule::Constant => self.lr,
         }
     }
 }
@@ -75,13 +84,13 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine_to_min() {
-        let s = LrSchedule { lr: 1.0, warmup: 4, kind: "cosine".into(), min_lr: 0.1, total: 14 };
+        let s = LrSchedule { lr: 1.0, warmup: 4, kind: Schedule::Cosine, min_lr: 0.1, total: 14 };
         assert_eq!(s.at(0), 0.25);
         assert_eq!(s.at(3), 1.0);
         assert!((s.at(4) - 1.0).abs() < 1e-12);
         assert!((s.at(9) - 0.55).abs() < 1e-12);
         assert!((s.at(14) - 0.1).abs() < 1e-12);
-        let c = LrSchedule { kind: "constant".into(), ..s };
+        let c = LrSchedule { kind: Schedule::Constant, ..s };
         assert_eq!(c.at(10), 1.0);
     }
 

@@ -1,17 +1,6 @@
-//! The compile pipeline, top to bottom. Every stage has a name (`qatc dump --after NAME`) and the
-//! graph is verified after each one:
-//!
-//!   lower        checkpoint -> forward + mean cross-entropy
-//!   fake_quant   FakeQuant on the targeted weights (STE)           [--bits]
-//!   lora         LoRA branches with trainable A, B                  [--lora]
-//!   trainable    which weights train (LoRA only, or everything)    [--full-finetune]
-//!   fold         frozen FakeQuant -> packed codes + Dequantize
-//!   microbatch   K micro-batches sharing the weights                [--grad-accum]
-//!   autodiff     reverse-mode gradients of the loss
-//!   clip         global-norm clipping                               [--clip]
-//!   adamw        the AdamW update, moments and step count as state
-//!   remat        recompute instead of saving, by checkpoint policy  [--checkpoint, --memory]
-//!   fuse         kernel fusion by equality saturation (egg)         [on in the CLI; --no-fuse]
+//! The compile pipeline, top to bottom: the stages of `Stage`, in its order, each one named pass
+//! (`qatc dump --after NAME`), the graph verified after each one. `model` runs lower ..= fold,
+//! `train_from` the rest; a stage whose option is off does not run.
 
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::{self, LoraOptions};
@@ -22,20 +11,79 @@ use qatc_passes::{autodiff, microbatch, optim, pipeline, Pass, PassError, PassRe
 use crate::frontend::config::Gpt2Config;
 use crate::frontend::gpt2::{lower, LowerOptions};
 
-/// Every stage in pipeline order, with what it does (for `qatc dump --list` and errors).
-pub const STAGES: [(&str, &str); 11] = [
-    ("lower", "the forward pass and mean cross-entropy, from the checkpoint"),
-    ("fake_quant", "FakeQuant on the targeted weights, straight-through gradient (--bits)"),
-    ("lora", "LoRA branches y += scaling * (x A^T) B^T with trainable A, B (--lora)"),
-    ("trainable", "marks the weights that training updates"),
-    ("fold", "frozen FakeQuant -> packed codes + Dequantize, bit-identical"),
-    ("microbatch", "unrolls --grad-accum K micro-batches sharing the weights"),
-    ("autodiff", "reverse-mode gradients of the loss for the trainable weights"),
-    ("clip", "global-norm gradient clipping (--clip X)"),
-    ("adamw", "the AdamW update with its moments and step count as state"),
-    ("remat", "checkpointing: forward values recomputed in the backward, NAME.recompute (--checkpoint)"),
-    ("fuse", "kernel fusion by equality saturation (egg): one Kernel node per fused group (--no-fuse)"),
-];
+/// The pipeline's stages in order: the one list `qatc dump` offers and the passes are named by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    Lower,
+    FakeQuant,
+    Lora,
+    Trainable,
+    Fold,
+    Microbatch,
+    Autodiff,
+    Clip,
+    Adamw,
+    Remat,
+    Fuse,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 11] = [
+        Stage::Lower,
+        Stage::FakeQuant,
+        Stage::Lora,
+        Stage::Trainable,
+        Stage::Fold,
+        Stage::Microbatch,
+        Stage::Autodiff,
+        Stage::Clip,
+        Stage::Adamw,
+        Stage::Remat,
+        Stage::Fuse,
+    ];
+
+    /// The name `qatc dump --after` takes and the `after` hooks see.
+    pub fn name(self) -> &'static str {
+        self.row().0
+    }
+
+    /// What the stage does (and the option that turns it on).
+    pub fn about(self) -> &'static str {
+        self.row().1
+    }
+
+    fn row(self) -> (&'static str, &'static str) {
+        match self {
+            Stage::Lower => ("lower", "the forward pass and mean cross-entropy, from the checkpoint"),
+            Stage::FakeQuant => ("fake_quant", "FakeQuant on the targeted weights, straight-through gradient (--bits)"),
+            Stage::Lora => ("lora", "LoRA branches y += scaling * (x A^T) B^T with trainable A, B (--lora)"),
+            Stage::Trainable => ("trainable", "marks the weights that training updates (LoRA's, or all with --full-finetune)"),
+            Stage::Fold => ("fold", "frozen FakeQuant -> packed codes + Dequantize, bit-identical"),
+            Stage::Microbatch => ("microbatch", "unrolls --grad-accum K micro-batches sharing the weights"),
+            Stage::Autodiff => ("autodiff", "reverse-mode gradients of the loss for the trainable weights"),
+            Stage::Clip => ("clip", "global-norm gradient clipping (--clip X)"),
+            Stage::Adamw => ("adamw", "the AdamW update with its moments and step count as state"),
+            Stage::Remat => ("remat", "checkpointing: forward values recomputed in the backward, NAME.recompute (--checkpoint)"),
+            Stage::Fuse => ("fuse", "kernel fusion by equality saturation (egg): one Kernel node per fused group (--no-fuse)"),
+        }
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `qatc dump --after`: the values are `Stage::ALL`, with what each does.
+impl clap::ValueEnum for Stage {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Stage::ALL
+    }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()).help(self.about()))
+    }
+}
 
 /// What the model graph is built with (shared by eval, compile and train).
 #[derive(Clone, Debug, Default)]
@@ -84,13 +132,13 @@ impl StepOptions {
 
 /// The bare forward graph (the `lower` stage alone).
 pub fn forward(cfg: &Gpt2Config, batch: usize, seq: usize, logits: bool) -> Result<Graph, PassError> {
-    lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: "lower", source })
+    lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), source })
 }
 
 /// Marks weights trainable: everything for a full fine-tune; otherwise only what the LoRA pass
 /// created as trainable stays so. For evaluation, nothing trains.
 pub fn mark_trainable(mut g: Graph, mo: &ModelOptions) -> Result<(Graph, PassReport), PassError> {
-    let mut r = PassReport::new("trainable");
+    let mut r = PassReport::new(Stage::Trainable.name());
     for id in g.inputs() {
         let Some(kind) = g.input_kind(id) else { continue };
         if !kind.is_param() {
@@ -116,39 +164,42 @@ pub fn model(
     mut after: impl FnMut(&'static str, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
     let g = forward(cfg, batch, seq, logits)?;
-    qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: "lower", source })?;
-    after("lower", &g);
+    qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), source })?;
+    after(Stage::Lower.name(), &g);
     let mut passes = Vec::new();
     if let Some(q) = mo.quant.clone() {
-        passes.push(Pass::new("fake_quant", move |g| quant::fake_quant(g, &q)));
+        passes.push(Pass::new(Stage::FakeQuant.name(), move |g| quant::fake_quant(g, &q)));
     }
     if let Some(mut l) = mo.lora.clone() {
         if !mo.training {
             l.dropout = 0.0;
         }
-        passes.push(Pass::new("lora", move |g| lora::lora(g, &l)));
+        passes.push(Pass::new(Stage::Lora.name(), move |g| lora::lora(g, &l)));
     }
     let m2 = mo.clone();
-    passes.push(Pass::new("trainable", move |g| mark_trainable(g, &m2)));
-    passes.push(Pass::new("fold", quant::fold));
+    passes.push(Pass::new(Stage::Trainable.name(), move |g| mark_trainable(g, &m2)));
+    passes.push(Pass::new(Stage::Fold.name(), quant::fold));
     pipeline::run(g, passes, after)
 }
 
 /// The joint forward + backward + AdamW step from the model graph.
 pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(&'static str, &Graph)) -> Result<(Graph, Vec<PassReport>), PassError> {
     let k = opts.grad_accum;
-    let mut passes = vec![Pass::new("microbatch", move |g| microbatch::microbatch(g, k)), Pass::new("autodiff", autodiff::autodiff)];
+    let mut passes = vec![
+        Pass::new(Stage::Microbatch.name(), move |g| microbatch::microbatch(g, k)),
+        Pass::new(Stage::Autodiff.name(), autodiff::autodiff),
+    ];
     if let Some(x) = opts.clip {
-        passes.push(Pass::new("clip", move |g| optim::clip(g, x)));
+        passes.push(Pass::new(Stage::Clip.name(), move |g| optim::clip(g, x)));
     }
     let (h, keep) = (opts.adamw.clone(), opts.keep_grads);
-    passes.push(Pass::new("adamw", move |g| optim::adamw(g, &h, keep)));
+    passes.push(Pass::new(Stage::Adamw.name(), move |g| optim::adamw(g, &h, keep)));
     if opts.checkpoint != qatc_passes::remat::Checkpoint::None {
         let c = opts.checkpoint;
-        passes.push(Pass::new("remat", move |g| qatc_passes::remat::remat(g, c, &Default::default())));
+        passes.push(Pass::new(Stage::Remat.name(), move |g| qatc_passes::remat::remat(g, c, &Default::default())));
     }
     if let Some(f) = opts.fuse.clone() {
-        passes.push(Pass::new("fuse", move |g| qatc_passes::fusion::fuse(g, &f)));
+        passes.push(Pass::new(Stage::Fuse.name(), move |g| qatc_passes::fusion::fuse(g, &f)));
     }
     pipeline::run(g, passes, after)
 }

@@ -65,7 +65,8 @@ fn bits_out_of_range() {
 
 #[test]
 fn unknown_scheme_and_quant_target() {
-    assert!(compile_fails(&["--bits", "4", "--scheme", "fp4"]).contains("unknown --scheme"));
+    let e = compile_fails(&["--bits", "4", "--scheme", "fp4"]);
+    assert!(e.contains("invalid value 'fp4' for '--scheme") && e.contains("sym, asym, nf4, q4_0"), "{e}");
     assert!(compile_fails(&["--bits", "4", "--quant-targets", "attn.q"]).contains("unknown quant target"));
 }
 

@@ -21,6 +21,7 @@ use qatc::adapter::{self, Adapter};
 use qatc::cli::eval::{evaluate, EvalSetup};
 use qatc::cli::options::{model_options, QuantArgs};
 use qatc::cli::train::Trainer;
+use qatc::config::Qat;
 use qatc::data::TokenFile;
 use qatc::export::gguf::{self, GgmlType, Gguf, TensorData, Value, ValueType};
 use qatc::export::{hf, llama, vocab};
@@ -29,10 +30,10 @@ use qatc::frontend::config::Gpt2Config;
 use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc_ir::{BinaryOp, DType, Graph, InputKind, Op, QuantScheme, QuantSpec};
+use qatc_passes::linears::MODULES;
 use qatc_runtime::{quant, Interpreter, Tensor, Value as RtValue};
 
 const MODEL: &str = "tiny/f32_prefix/model.safetensors";
-const MODULES: [&str; 4] = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"];
 
 fn model() -> Model {
     Model::open(&common::fixture(MODEL)).unwrap()
@@ -43,13 +44,15 @@ fn tokens() -> TokenFile {
 }
 
 fn quant_args(bits: u8, group: usize, scheme: &str, qat: &str) -> QuantArgs {
-    QuantArgs { bits: Some(bits), group, scheme: scheme.into(), qat: qat.into(), ..Default::default() }
+    let qat = <Qat as clap::ValueEnum>::from_str(qat, false).unwrap();
+    QuantArgs { bits: Some(bits), group: Some(group), scheme: QuantScheme::from_name(scheme), qat: Some(qat), ..Default::default() }
 }
 
 /// The CLI flags for `quant_args`.
 fn flags(q: &QuantArgs) -> Vec<String> {
-    let b = q.bits.unwrap().to_string();
-    ["--bits", &b, "--group", &q.group.to_string(), "--scheme", &q.scheme, "--qat", &q.qat].iter().map(|s| s.to_string()).collect()
+    let qat = if q.qat == Some(Qat::Merged) { "merged" } else { "base" };
+    let (b, g, s) = (q.bits.unwrap().to_string(), q.group.unwrap().to_string(), q.scheme.unwrap().name());
+    ["--bits", &b, "--group", &g, "--scheme", s, "--qat", qat].iter().map(|s| s.to_string()).collect()
 }
 
 /// Trains LoRA (from adapter_init, lr 1e-2 so that the merged codes move) for 3 steps under `q`
@@ -153,7 +156,9 @@ fn safetensors_export_after_base_qat_has_the_trained_loss() {
         back.tensor("h.1.ln_2.bias").unwrap().data().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     assert_eq!(got, ln.data);
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("export.json")).unwrap()).unwrap();
-    assert_eq!((summary["format"].as_str(), summary["qat"].as_str()), (Some("safetensors"), Some("base")));
+    assert_eq!(summary["format"].as_str(), Some("safetensors"));
+    let run = qatc::config::RunConfig::read(&out).unwrap();
+    assert_eq!(run.model.quant.map(|q| (q.bits, q.group, q.scheme, q.qat)), Some((4, 32, QuantScheme::Sym, Qat::Base)));
 }
 
 #[test]

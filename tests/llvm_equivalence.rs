@@ -80,7 +80,7 @@ fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, us
                 }
                 for (i, (p, &buf)) in k.params.iter().zip(args).enumerate() {
                     if p.write {
-                        writer.insert(buf, format!("{} ({})", k.family, qatc_kernels::llvm::kernel_name(k).unwrap_or_default()));
+                        writer.insert(buf, format!("{} ({})", k.family, k.name()));
                         if loaded.contains(&i) {
                             rewritten.insert(buf);
                         }
@@ -301,7 +301,7 @@ fn isolate(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> usize {
                         err <= TOL * scale || err == 0.0,
                         "{what}: step {i}, {} ({}) writing {}: max |llvm - kir| = {err:.3e} of max {scale:.3e}",
                         k.family,
-                        qatc_kernels::llvm::kernel_name(k).unwrap_or_default(),
+                        k.name(),
                         prog.buffers[b].name
                     );
                 }

@@ -29,7 +29,7 @@ fn fixture_json(rel: &str) -> serde_json::Value {
 }
 
 fn quant_args(bits: u8, group: usize, scheme: &str) -> QuantArgs {
-    QuantArgs { bits: Some(bits), group, scheme: scheme.into(), qat: "base".into(), ..Default::default() }
+    QuantArgs { bits: Some(bits), group: Some(group), scheme: QuantScheme::from_name(scheme), ..Default::default() }
 }
 
 #[test]
@@ -166,7 +166,7 @@ fn three_qat_lora_steps_match_peft() {
 fn merged_qat_starts_on_the_base_grid_and_trains_a_and_b() {
     // with B = 0 the merged weight is W, so the first loss equals the 4-bit base's
     let m = model();
-    let q = QuantArgs { qat: "merged".into(), ..quant_args(4, 32, "sym") };
+    let q = QuantArgs { qat: Some(qatc::config::Qat::Merged), ..quant_args(4, 32, "sym") };
     let mut o = StepOptions::new(2, 16);
     o.keep_grads = true;
     let mut lo = qatc_passes::lora::LoraOptions::new(4);

@@ -64,5 +64,5 @@ fn prt_writes_a_bit_map_that_eval_and_compile_use() {
         .unwrap();
     let bad = qatc(&e);
     assert_eq!(bad.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown --scheme `fp4`"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown scheme `fp4`"));
 }

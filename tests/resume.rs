@@ -97,13 +97,10 @@ fn kill_9_and_resume_equals_an_uninterrupted_run() {
     }
 }
 
-#[test]
-fn resume_with_other_options_is_refused() {
+fn tiny_train(out: &Path, extra: &[&str]) -> std::process::Output {
     let m = common::fixture("tiny/f32_prefix/model.safetensors");
     let d = common::fixture("tiny/tokens.bin");
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("o");
-    let base = [
+    let mut args = vec![
         "train",
         m.to_str().unwrap(),
         "--data",
@@ -116,13 +113,146 @@ fn resume_with_other_options_is_refused() {
         "2",
         "--lora",
         "r=4",
+        "--interpreter",
+        "--no-fuse",
         "--out",
         out.to_str().unwrap(),
     ];
-    assert!(Command::new(env!("CARGO_BIN_EXE_qatc")).args(base).output().unwrap().status.success());
-    let mut other: Vec<&str> = base.to_vec();
-    other.extend(["--lr", "5e-3", "--resume", out.to_str().unwrap()]);
-    let r = Command::new(env!("CARGO_BIN_EXE_qatc")).args(&other).output().unwrap();
-    assert_eq!(r.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&r.stderr).contains("other options"));
+    args.extend(extra);
+    Command::new(env!("CARGO_BIN_EXE_qatc")).args(&args).output().unwrap()
+}
+
+/// The one error line of a refused run.
+fn refused(o: &std::process::Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    e.trim().to_string()
+}
+
+#[test]
+fn resume_with_other_options_is_refused_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("o");
+    let first = tiny_train(&out, &[]);
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let o = out.to_str().unwrap();
+    let e = refused(&tiny_train(&out, &["--lr", "5e-3", "--resume", o]));
+    assert!(e.contains("the run was started with train.lr 0.001, not 0.005"), "{e}");
+    let e = refused(&tiny_train(&out, &["--device", "cpu", "--resume", o]));
+    assert!(e.contains("step.device \"auto\", not \"cpu\""), "{e}");
+    // the same options continue (here: nothing left to do)
+    assert!(tiny_train(&out, &["--resume", o]).status.success());
+}
+
+#[test]
+fn resume_with_a_changed_bit_map_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, map) = (dir.path().join("o"), dir.path().join("bits.json"));
+    let write_map = |bits: u8| {
+        let m = format!(
+            "{{\"version\": 1, \"modules\": {{\"h.0.mlp.c_fc\": {{\"bits\": {bits}, \"group\": 32, \"scheme\": \"sym\"}}, \"h.1.attn.c_attn\": null}}}}"
+        );
+        std::fs::write(&map, m).unwrap();
+    };
+    write_map(4);
+    let flags = ["--bits", "3", "--group", "32", "--bits-map", map.to_str().unwrap()];
+    let first = tiny_train(&out, &flags);
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let saved = qatc::config::RunConfig::read(&out).unwrap();
+    let q = saved.model.quant.unwrap();
+    assert_eq!((q.bits, q.group, q.modules.len()), (3, 32, 2), "the bit map is part of the saved configuration");
+    write_map(5);
+    let mut again = flags.to_vec();
+    again.extend(["--resume", out.to_str().unwrap()]);
+    let e = refused(&tiny_train(&out, &again));
+    assert!(e.contains("model.quant.modules.h.0.mlp.c_fc.bits 4, not 5"), "{e}");
+}
+
+#[derive(clap::Parser)]
+struct Train {
+    #[command(flatten)]
+    args: qatc::cli::train::Args,
+}
+
+/// A run cut short after its first save continues from `qatc train --out DIR --resume DIR`
+/// alone: the saved qatc.json gives every option (quantization with a bit map, LoRA with
+/// dropout, the schedule, the shuffled order), and the result is the uninterrupted run's, bit for
+/// bit.
+#[test]
+fn resume_from_the_saved_configuration_alone() {
+    use clap::Parser;
+    use qatc::artifacts::Faults;
+    use qatc::cli::resume::Given;
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n);
+    std::fs::write(p("bits.json"), r#"{"version": 1, "modules": {"h.0.mlp.c_fc": {"bits": 4, "group": 32, "scheme": "nf4"}}}"#).unwrap();
+    let (m, d) = (common::fixture("tiny/f32_prefix/model.safetensors"), common::fixture("tiny/tokens.bin"));
+    let argv = |out: &Path, log: &Path| -> Vec<String> {
+        let map = p("bits.json");
+        [
+            "train",
+            m.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "4",
+            "--bits",
+            "3",
+            "--group",
+            "32",
+            "--bits-map",
+            map.to_str().unwrap(),
+            "--lora",
+            "r=4,dropout=0.1",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "1",
+            "--schedule",
+            "cosine",
+            "--shuffle",
+            "--seed",
+            "9",
+            "--save-every",
+            "2",
+            "--interpreter",
+            "--no-fuse",
+            "--out",
+            out.to_str().unwrap(),
+            "--log-json",
+            log.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let run = |out: &Path, log: &Path, faults: &Faults| {
+        qatc::cli::train::run_with(&Train::parse_from(argv(out, log)).args, &Given::all(), faults)
+    };
+    let counted = Faults::counting();
+    run(&p("a"), &p("a.jsonl"), &counted).unwrap();
+    // the second save replaces the first, so it takes more steps: half of them all is inside it
+    let cut = Faults::fail_at(counted.taken() / 2);
+    assert!(run(&p("b"), &p("b.jsonl"), &cut).is_err());
+    let o = p("b");
+    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(o.join("checkpoint/resume.json")).unwrap()).unwrap();
+    assert_eq!(saved["step"], 2, "cut short in the second save");
+    let log = p("b.jsonl");
+    let args = ["train", "--out", o.to_str().unwrap(), "--resume", o.to_str().unwrap(), "--log-json", log.to_str().unwrap()];
+    let r = Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).output().unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(curve(&p("a.jsonl")), curve(&log));
+    for f in ["adapter_model.safetensors", "checkpoint/state.safetensors", "qatc.json", "checkpoint/resume.json"] {
+        assert!(std::fs::read(p("a").join(f)).unwrap() == std::fs::read(o.join(f)).unwrap(), "{f} differs");
+    }
+    // an option given must agree; a matching one is fine
+    let mut again = args.to_vec();
+    again.extend(["--batch", "2", "--seq", "8"]);
+    let e = refused(&Command::new(env!("CARGO_BIN_EXE_qatc")).args(&again).output().unwrap());
+    assert!(e.contains("step.seq 16, not 8 (--seq)"), "{e}");
 }

@@ -1,6 +1,8 @@
 //! Snapshots of the fused training step of the 1-layer tiny GPT-2 (C 8, NH 2, V 11, B 1, T 4; the
-//! config of `snapshots_ir.rs`): a full fine-tune with clipping, and 4-bit + LoRA r=2. A change
-//! here is a change to which kernels qatc builds: review the diff like code (`cargo insta review`).
+//! config of `snapshots_ir.rs`): a full fine-tune with clipping, and 4-bit + LoRA r=2; the
+//! 4-bit + LoRA step lowered to a program (every buffer, launch, GEMM and view), and one of its
+//! kernels as the LLVM backend builds it, unoptimized. A change here is a change to which
+//! kernels qatc builds: review the diff like code (`cargo insta review`).
 
 use qatc::frontend::config::Gpt2Config;
 use qatc::step::{self, StepOptions};
@@ -60,4 +62,26 @@ fn fusion_is_deterministic_and_the_fused_step_parses_back() {
     assert_eq!(text, print(&b));
     assert_eq!(print(&qatc_ir::parse(&text).unwrap()), text);
     assert!(a.node_ids().iter().any(|&n| matches!(a.node(n).op, Op::Kernel { .. })));
+}
+
+/// The lowered 4-bit + LoRA step: which kernel each launch runs on which buffers, every GEMM's
+/// operand views, where each output lives.
+#[test]
+fn lowered_qlora_program() {
+    let (g, _) = fused(qlora());
+    let prog = qatc_kernels::lower(&g).unwrap();
+    insta::assert_snapshot!("lowered_qlora_program", prog.listing());
+}
+
+/// One kernel (the first layernorm of the lowered 4-bit + LoRA step) as LLVM IR before
+/// optimization: the backend's own output, independent of the host.
+#[cfg(feature = "llvm")]
+#[test]
+fn unoptimized_llvm_module() {
+    let (g, _) = fused(qlora());
+    let prog = qatc_kernels::lower(&g).unwrap();
+    let k = prog.kernels.iter().find(|k| k.family == "layernorm").expect("a layernorm kernel");
+    let (name, ir) = qatc_kernels::llvm::emit_unoptimized_ir(k).unwrap();
+    assert!(ir.contains(&format!("define void @{name}(")), "{ir}");
+    insta::assert_snapshot!("unoptimized_llvm_layernorm", ir);
 }

@@ -1,5 +1,8 @@
 //! Snapshots of the IR after every stage of the pipeline for a 1-layer tiny GPT-2
-//! (C 8, NH 2, V 11, B 1, T 4). A change here is a change to what qatc builds: review the diff
+//! (C 8, NH 2, V 11, B 1, T 4): lower, trainable (full fine-tune and LoRA), clip, autodiff and
+//! adamw here with clipping; fake_quant, lora and fold with 4-bit + LoRA; microbatch with K = 2;
+//! remat with the `blocks` policy. The fused step (`fuse`), its lowered program and an LLVM module
+//! are in `snapshots_fusion.rs`. A change here is a change to what qatc builds: review the diff
 //! like code (`cargo insta review`).
 
 use qatc::frontend::config::Gpt2Config;
@@ -19,7 +22,7 @@ fn every_stage_of_the_one_layer_step() {
     let names: Vec<_> = stages.iter().map(|(n, _)| *n).collect();
     assert_eq!(names, ["lower", "trainable", "fold", "microbatch", "autodiff", "clip", "adamw"]);
     for (name, text) in stages {
-        if name == "lower" || name == "autodiff" || name == "adamw" {
+        if ["lower", "trainable", "autodiff", "clip", "adamw"].contains(&name) {
             insta::assert_snapshot!(name, text);
         }
     }
@@ -34,7 +37,8 @@ fn printing_is_deterministic_across_builds() {
 }
 
 /// The QAT + LoRA stages on the same 1-layer model: fake_quant (4-bit g4 sym on all linears),
-/// lora (r 2, all linears), and fold (frozen fake-quants become i4 codes + scales).
+/// lora (r 2, all linears), trainable (only A and B) and fold (frozen fake-quants become i4
+/// codes + scales).
 #[test]
 fn qat_and_lora_stages() {
     use qatc_ir::{QuantScheme, QuantSpec};
@@ -47,8 +51,40 @@ fn qat_and_lora_stages() {
     let mut stages = Vec::new();
     step::train(&tiny(), &o, |name, g| stages.push((name, print(g)))).unwrap();
     for (name, text) in stages {
-        if ["fake_quant", "lora", "fold"].contains(&name) {
+        if ["fake_quant", "lora", "trainable", "fold"].contains(&name) {
             insta::assert_snapshot!(format!("qat_{name}"), text);
         }
     }
+}
+
+/// One stage after another on its own: the step after `stage` with options `o`.
+fn after(o: &StepOptions, stage: &str) -> String {
+    let mut found = None;
+    step::train(&tiny(), o, |name, g| {
+        if name == stage {
+            found = Some(print(g));
+        }
+    })
+    .unwrap();
+    found.unwrap_or_else(|| panic!("stage {stage} did not run"))
+}
+
+/// Gradient accumulation: two micro-batches share the weights (`ids.0`, `ids.1`, ...) and the
+/// loss is their mean.
+#[test]
+fn microbatch_stage_with_two_micro_batches() {
+    let mut o = StepOptions::new(1, 4);
+    o.grad_accum = 2;
+    insta::assert_snapshot!("microbatch_k2", after(&o, "microbatch"));
+}
+
+/// Checkpointing by blocks: the block's inner values are recomputed in the backward
+/// (`NAME.recompute`) instead of being kept.
+#[test]
+fn remat_stage_with_the_blocks_policy() {
+    let mut o = StepOptions::new(1, 4);
+    o.checkpoint = qatc_passes::remat::Checkpoint::Blocks;
+    let text = after(&o, "remat");
+    assert!(text.contains(".recompute\""), "blocks recomputes something");
+    insta::assert_snapshot!("remat_blocks", text);
 }

@@ -212,7 +212,7 @@ pub enum Op {
 }
 
 /// QLoRA / bitsandbytes NormalFloat4 code values, the one table every backend reads (the
-/// interpreter's `quant`, the LLVM backend; `qatc_quant.cuh` carries the same literals).
+/// interpreter's `quant`, the LLVM backend; `qatc_quant.cuh` spells the same literals, tested equal).
 #[allow(clippy::excessive_precision)]
 pub const NF4: [f32; 16] = [
     -1.0,
@@ -267,16 +267,45 @@ impl QuantScheme {
     }
 }
 
+impl std::fmt::Display for QuantScheme {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl serde::Serialize for QuantScheme {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(self.name())
     }
 }
 
+impl<'de> serde::Deserialize<'de> for QuantScheme {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        QuantScheme::from_name(&s).ok_or_else(|| {
+            let names: Vec<&str> = QuantScheme::ALL.iter().map(|q| q.name()).collect();
+            serde::de::Error::custom(format!("unknown scheme `{s}`; schemes: {}", names.join(", ")))
+        })
+    }
+}
+
+/// `--scheme`: the values are `ALL` by `name`, so the command line, the text format and the
+/// JSON files spell a scheme the same way.
+#[cfg(feature = "clap")]
+impl clap::ValueEnum for QuantScheme {
+    fn value_variants<'a>() -> &'a [Self] {
+        &QuantScheme::ALL
+    }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()))
+    }
+}
+
 /// The quantization of one weight: `bits` per element in groups of `group` consecutive elements
 /// along the input dimension (dim 0 of a Conv1D weight [in, out]) for each output channel;
 /// `group` 0 means one group per output channel (per-channel).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct QuantSpec {
     pub bits: u8,
     pub group: usize,
@@ -307,6 +336,26 @@ impl QuantSpec {
         } else {
             DType::F32
         }
+    }
+    /// The storage type of the zero points (asym only).
+    pub fn zero_dtype(&self) -> Option<DType> {
+        self.scheme.has_zero_point().then_some(DType::F32)
+    }
+    /// Bytes as stored for a weight [n_in, n_out]: packed codes, the scales and zero points.
+    pub fn stored_bytes(&self, n_in: usize, n_out: usize) -> usize {
+        let groups = n_in / self.group_for(n_in).max(1) * n_out;
+        self.code_dtype().bytes_for(n_in * n_out)
+            + self.scale_dtype().bytes_for(groups)
+            + self.zero_dtype().map_or(0, |d| d.bytes_for(groups))
+    }
+    /// The largest symmetric code magnitude, 2^(bits-1) - 1 (codes are stored offset by it,
+    /// so that they are unsigned: 0 ..= 2 qmax).
+    pub fn sym_qmax(bits: u8) -> u32 {
+        (1u32 << (bits - 1)) - 1
+    }
+    /// The largest asymmetric code, 2^bits - 1.
+    pub fn asym_levels(bits: u8) -> u32 {
+        (1u32 << bits) - 1
     }
     /// Checks the combination for a weight with `n_in` input features.
     pub fn check(&self, n_in: usize) -> Result<(), String> {

@@ -318,7 +318,35 @@ pub struct AttentionRoles {
     pub out: [Option<usize>; 2],
 }
 
+impl AttentionRoles {
+    /// The params that are [B, NH, T, hs] views, in param order (the others are the
+    /// [B*NH, T] rows of lse and delta).
+    pub fn views(&self) -> Vec<usize> {
+        let mut v = vec![self.q, self.k];
+        v.extend(self.v.into_iter().chain(self.dout).chain(self.out.into_iter().flatten()));
+        v.sort_unstable();
+        v
+    }
+
+    /// How many params the kernel takes.
+    pub fn count(&self) -> usize {
+        let all = [Some(self.q), Some(self.k), self.v, self.dout, Some(self.lse), self.delta, self.out[0], self.out[1]];
+        all.into_iter().flatten().max().map_or(0, |m| m + 1)
+    }
+}
+
 impl AttentionPart {
+    /// Whether the kernel writes the row log-sum-exp (the forward, and `Lse`) rather than
+    /// reading it.
+    pub fn writes_lse(self) -> bool {
+        matches!(self, AttentionPart::Forward | AttentionPart::Lse)
+    }
+
+    /// Whether the kernel writes delta (`BackwardDelta`) rather than reading it.
+    pub fn writes_delta(self) -> bool {
+        self == AttentionPart::BackwardDelta
+    }
+
     pub fn roles(self) -> AttentionRoles {
         let r = |v, dout, lse, delta, out| AttentionRoles { q: 0, k: 1, v, dout, lse, delta, out };
         match self {
@@ -330,6 +358,16 @@ impl AttentionPart {
             AttentionPart::BackwardV => r(None, Some(2), 3, None, [Some(4), None]),
         }
     }
+}
+
+/// FNV-1a, 64 bit: stable across runs, platforms and Rust versions (std's hashers are not).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -354,6 +392,20 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// The kernel's identity: the FNV-1a 64 hash of what it computes (family, params, index type
+    /// and body; not its note, nor the display names of its values). Launches share one kernel
+    /// exactly when their identities are equal (`lower`), and the name carries the hash.
+    pub fn identity(&self) -> u64 {
+        fnv1a64(format!("{:?}", (&self.family, &self.params, &self.index_ty, &self.body)).as_bytes())
+    }
+
+    /// `fused_{family}_{hash8}`, hash8 the identity's first 8 hex digits: the kernel's name in
+    /// CUDA C, in LLVM IR and in messages.
+    pub fn name(&self) -> String {
+        let family: String = self.family.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+        format!("fused_{family}_{:08x}", self.identity() >> 32)
+    }
+
     /// Every variable a loop body or the space defines, for backends that declare them up front.
     pub fn uses_ix(&self, ix: Ix) -> bool {
         let mut found = false;

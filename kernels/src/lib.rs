@@ -8,6 +8,7 @@
 //!                              kir::Kernel --cuda::emit--> fused_{family}_{hash8}.cu --nvrtc--> PTX
 //! ```
 
+pub mod cephes;
 pub mod cuda;
 pub mod device;
 pub mod error;

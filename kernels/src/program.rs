@@ -198,6 +198,68 @@ pub struct Program {
 }
 
 impl Program {
+    /// The whole program as text, one line per buffer, step and output: what the lowering
+    /// decided (which kernel each launch runs on which buffers, every GEMM's operand views,
+    /// where each output lives). Snapshot tests pin it.
+    pub fn listing(&self) -> String {
+        let mut o = String::new();
+        let view = |v: &View| -> String {
+            let whole = self.buffers.get(v.buf).is_some_and(|b| b.shape == v.shape) && v.offset == 0 && v.is_contiguous();
+            if whole {
+                format!("b{}", v.buf)
+            } else {
+                let dims = |xs: &[usize]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",");
+                if v.shape.is_empty() {
+                    format!("b{}+{}[]", v.buf, v.offset)
+                } else {
+                    format!("b{}+{}[{} : {}]", v.buf, v.offset, dims(&v.shape), dims(&v.strides))
+                }
+            }
+        };
+        o += "buffers:\n";
+        for (i, b) in self.buffers.iter().enumerate() {
+            let (kind, name) = match &b.kind {
+                BufKind::Input(n, _) => ("input", n),
+                BufKind::Value => ("value", &b.name),
+                BufKind::Temp => ("temp", &b.name),
+            };
+            let dims: Vec<String> = b.shape.iter().map(|d| d.to_string()).collect();
+            o += &format!("  b{i} {:?}[{}] {kind} \"{name}\"\n", b.dtype, dims.join(", "));
+        }
+        o += "kernels:\n";
+        for (i, k) in self.kernels.iter().enumerate() {
+            o += &format!("  k{i} {} ({} params): {}\n", k.name(), k.params.len(), k.note);
+        }
+        o += "steps:\n";
+        for (i, s) in self.steps.iter().enumerate() {
+            match s {
+                Step::Launch { kernel, args, note } => {
+                    let args: Vec<String> = args.iter().map(|b| format!("b{b}")).collect();
+                    o += &format!("  {i} launch k{kernel}({})  // {note}\n", args.join(", "));
+                }
+                Step::Gemm(g) => {
+                    let mut line = format!("  {i} gemm {} = {} * {} @ {}", view(&g.c), g.alpha, view(&g.a), view(&g.b));
+                    line += &format!(" (batch {}, M {}, N {}, K {})", g.batch(), g.m, g.n, g.k);
+                    if g.accumulate {
+                        line += " accumulate";
+                    }
+                    if let Some(b) = &g.bias {
+                        line += &format!(" + bias {}", view(b));
+                    }
+                    if g.feed.is_some() {
+                        line += " (b fed in panels)";
+                    }
+                    o += &format!("{line}  // {}\n", g.note);
+                }
+            }
+        }
+        o += "outputs:\n";
+        for (name, v) in &self.outputs {
+            o += &format!("  {name} = {}\n", view(v));
+        }
+        o
+    }
+
     pub fn launches(&self) -> usize {
         self.steps.iter().filter(|s| matches!(s, Step::Launch { .. })).count()
     }

@@ -27,6 +27,17 @@ pub fn matches(module: &str, target: &str) -> bool {
     module == target || module.ends_with(&format!(".{target}"))
 }
 
+/// The modules and their short names, for messages: `attn.c_attn, ... (or c_attn, c_proj, c_fc)`.
+pub fn described() -> String {
+    let mut short: Vec<&str> = Vec::new();
+    for s in MODULES.iter().filter_map(|m| m.rsplit('.').next()) {
+        if !short.contains(&s) {
+            short.push(s);
+        }
+    }
+    format!("{} (or {})", MODULES.join(", "), short.join(", "))
+}
+
 /// Whether `target` names any GPT-2 linear at all (for option validation).
 pub fn is_known_target(target: &str) -> bool {
     MODULES.iter().any(|m| matches(&format!("h.0.{m}"), target))

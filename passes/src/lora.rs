@@ -69,9 +69,7 @@ pub fn lora(mut g: Graph, o: &LoraOptions) -> Result<(Graph, PassReport), PassEr
     }
     for t in &o.targets {
         if !linears::is_known_target(t) {
-            return Err(bad(format!(
-                "unknown LoRA target `{t}`; GPT-2's linears are c_attn, c_proj, c_fc (or attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)"
-            )));
+            return Err(bad(format!("unknown LoRA target `{t}`; GPT-2's linears are {}", linears::described())));
         }
     }
     let lins: Vec<_> = linears::find(&g).into_iter().filter(|l| o.targets.iter().any(|t| matches(&l.module, t))).collect();

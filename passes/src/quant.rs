@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use qatc_ir::{DType, Graph, InputKind, Op, QuantSpec, Shape};
+use qatc_ir::{Graph, InputKind, Op, QuantSpec, Shape};
 use serde::Serialize;
 
 use crate::error::{InPass, PassError};
@@ -57,7 +57,7 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
         if !(linears::is_known_target(t) || t == "lm_head" || t == "wte") {
             return Err(PassError::Invalid {
                 pass: PASS,
-                msg: format!("unknown quant target `{t}`; targets: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (or c_attn, c_proj, c_fc), lm_head, wte"),
+                msg: format!("unknown quant target `{t}`; targets: {}, lm_head, wte", linears::described()),
             });
         }
     }
@@ -124,8 +124,8 @@ pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         let codes = g.input(cn, InputKind::Frozen, spec.code_dtype(), [n_in, n_out]).in_pass(PASS)?;
         let scales = g.input(sn, InputKind::Frozen, spec.scale_dtype(), [groups, n_out]).in_pass(PASS)?;
         let mut ops = vec![codes, scales];
-        if spec.scheme.has_zero_point() {
-            ops.push(g.input(zn, InputKind::Frozen, DType::F32, Shape::new([groups, n_out])).in_pass(PASS)?);
+        if let Some(zd) = spec.zero_dtype() {
+            ops.push(g.input(zn, InputKind::Frozen, zd, Shape::new([groups, n_out])).in_pass(PASS)?);
         }
         let dq = g.add_node(Op::Dequantize { spec }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
         g.replace_all_uses(id, dq);

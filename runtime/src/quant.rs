@@ -47,17 +47,16 @@ impl Quantized {
     }
     /// Bytes as stored: packed codes plus scales (f16 for Q4_0) plus zero points.
     pub fn stored_bytes(&self) -> usize {
-        let n = self.n_in * self.n_out;
-        self.spec.code_dtype().bytes_for(n) + self.spec.scale_dtype().bytes_for(self.scales.len()) + 4 * self.zeros.len()
+        self.spec.stored_bytes(self.n_in, self.n_out)
     }
 }
 
 fn qmax_sym(bits: u8) -> f32 {
-    ((1u32 << (bits - 1)) - 1) as f32
+    QuantSpec::sym_qmax(bits) as f32
 }
 
 fn levels(bits: u8) -> f32 {
-    ((1u32 << bits) - 1) as f32
+    QuantSpec::asym_levels(bits) as f32
 }
 
 /// Quantizes w [n_in, n_out]. The spec must have been checked (`QuantSpec::check`).

@@ -27,6 +27,9 @@ pub struct Args {
     pub emit_llvm: bool,
 }
 
+/// The file that marks a directory as `qatc compile`'s (so that it may be replaced).
+const MARKER: &str = "manifest.json";
+
 #[cfg(feature = "llvm")]
 fn emit_llvm(dir: &std::path::Path, program: &qatc_kernels::Program) -> anyhow::Result<()> {
     for k in &program.kernels {
@@ -43,9 +46,10 @@ fn emit_llvm(_: &std::path::Path, _: &qatc_kernels::Program) -> anyhow::Result<(
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
+    crate::artifacts::check_target(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("-o {}", a.out.display()))?;
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
-    let opts = a.step.options()?;
+    let opts = a.step.options(&a.model)?;
     let mut fwd_text = String::new();
     let mut unfused: Option<qatc_ir::Graph> = None;
     let (train, reports) = step::train(&m.cfg, &opts, |stage, g| {
@@ -64,7 +68,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         artifacts.extend(["fused.qir", "fusion.json"]);
     }
     // the memory plan of the step before fusion (see cli::plan::build for why)
-    let memory = a.step.memory_bytes()?;
+    let memory = a.step.memory;
     let (plan_json, plan_svg) =
         super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, unfused.as_ref().unwrap_or(&train), memory)?;
     artifacts.extend(["memory_plan.json", "memory.svg"]);
@@ -88,7 +92,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         passes: reports.iter().collect(),
         artifacts: artifacts.clone(),
     };
-    let out = OutDir::create(&a.out, "manifest.json").with_context(|| format!("{}", a.out.display()))?;
+    let out = OutDir::create(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("{}", a.out.display()))?;
     out.write("forward.qir", &fwd_text)?;
     out.write("train.qir", print(unfused.as_ref().unwrap_or(&train)))?;
     if let Some(f) = fusion {

@@ -5,14 +5,14 @@ use std::path::PathBuf;
 use qatc_ir::{print, Graph};
 
 use super::StepArgs;
-use crate::step::{self, STAGES};
+use crate::step::{self, Stage};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     pub model: PathBuf,
-    /// The stage after which to print (see --list).
-    #[arg(long, default_value = "lower")]
-    pub after: String,
+    /// The stage after which to print.
+    #[arg(long, value_enum, default_value_t = Stage::Lower)]
+    pub after: Stage,
     /// List the stages and exit.
     #[arg(long)]
     pub list: bool,
@@ -22,21 +22,17 @@ pub struct Args {
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     if a.list {
-        for (n, about) in STAGES {
-            println!("{n:<12} {about}");
+        for st in Stage::ALL {
+            println!("{:<12} {}", st.name(), st.about());
         }
         return Ok(());
     }
-    if !STAGES.iter().any(|(n, _)| *n == a.after) {
-        let names: Vec<_> = STAGES.iter().map(|(n, _)| *n).collect();
-        anyhow::bail!("unknown stage `{}`; stages: {}", a.after, names.join(", "));
-    }
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
-    let opts = a.step.options()?;
+    let opts = a.step.options(&a.model)?;
     let mut found: Option<Graph> = None;
     step::train(&m.cfg, &opts, |name, g| {
-        if name == a.after {
+        if name == a.after.name() {
             found = Some(g.clone());
         }
     })?;

@@ -28,9 +28,11 @@ pub struct Args {
     /// Print one JSON object: {"loss", "ppl", "tokens"}.
     #[arg(long)]
     pub json: bool,
+    // quantization (with --adapter: read from the adapter's qatc.json when it has one)
     #[command(flatten)]
     pub quant: options::QuantArgs,
-    /// A PEFT LoRA adapter directory to apply.
+    /// A PEFT LoRA adapter directory to apply (with the quantization it was trained with, when
+    /// qatc trained it).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
 }
@@ -50,10 +52,16 @@ pub struct EvalSetup {
 }
 
 impl EvalSetup {
+    /// What `qatc eval` evaluates: with an adapter, the configuration saved beside it (the
+    /// quantization flags, when given, must agree with it); else the flags.
     pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>) -> anyhow::Result<EvalSetup> {
-        let adapter = adapter.map(crate::adapter::read).transpose()?;
-        let lora = adapter.as_ref().map(|a| a.options());
-        Ok(EvalSetup { model: options::model_options(quant, lora, false, false)?, adapter })
+        match adapter {
+            Some(dir) => {
+                let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
+                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad) })
+            }
+            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None }),
+        }
     }
 }
 

@@ -1,7 +1,9 @@
 //! `qatc export MODEL --adapter DIR --out DIR [--format safetensors|gguf]`: merges a trained
 //! LoRA adapter into the model and writes the weights the trained model computed with, as a
-//! Hugging Face checkpoint or a GGUF for llama.cpp. Pass the quantization flags the adapter was
-//! trained with (`--bits --group --scheme --qat ...`): they say which grid the weights lie on.
+//! Hugging Face checkpoint or a GGUF for llama.cpp. Which grid the weights lie on is what the
+//! adapter was trained with: its `qatc.json` says so when qatc trained it (flags given must
+//! agree with it); for an adapter from elsewhere, pass the quantization flags
+//! (`--bits --group --scheme --qat ...`). The export gets the same `qatc.json`.
 
 use std::path::PathBuf;
 
@@ -21,9 +23,10 @@ pub struct Args {
     /// The output directory.
     #[arg(long)]
     pub out: PathBuf,
-    /// safetensors (Hugging Face, float32 + config.json) | gguf (llama.cpp, GGUF v3).
-    #[arg(long, default_value = "safetensors")]
-    pub format: String,
+    /// The output format.
+    #[arg(long, value_enum, default_value_t = Format::Safetensors)]
+    pub format: Format,
+    // quantization (read from the adapter's qatc.json when it has one)
     #[command(flatten)]
     pub quant: options::QuantArgs,
 }
@@ -32,18 +35,20 @@ pub struct Args {
 const MARKER: &str = "export.json";
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let format = Format::from_name(&a.format).with_context(|| format!("unknown --format `{}`; formats: safetensors, gguf", a.format))?;
+    let format = a.format;
+    let inputs: [&std::path::Path; 2] = [&a.model, &a.adapter];
+    crate::artifacts::check_target(&a.out, &[MARKER], &inputs).with_context(|| format!("--out {}", a.out.display()))?;
     let m = super::open_model(&a.model)?;
-    let adapter = crate::adapter::read(&a.adapter)?;
-    let mo = options::model_options(&a.quant, Some(adapter.options()), false, false)?;
+    let (cfg, adapter) = options::adapter_config(&a.quant, &a.adapter, &a.model)?;
+    let mo = cfg.model.options(false);
     let merged = export::merge(&m, &mo, &adapter).with_context(|| format!("export of {} + {}", a.model.display(), a.adapter.display()))?;
-    let out = OutDir::create(&a.out, MARKER).with_context(|| format!("{}", a.out.display()))?;
+    let out = OutDir::create(&a.out, &[MARKER], &inputs).with_context(|| format!("{}", a.out.display()))?;
     let mut tensors = serde_json::Map::new();
     let file = match format {
         Format::Safetensors => {
-            let (st, cfg) = hf::to_files(&merged)?;
+            let (st, hf_config) = hf::to_files(&merged)?;
             out.write("model.safetensors", st)?;
-            out.write("config.json", cfg)?;
+            out.write("config.json", hf_config)?;
             for (name, _) in merged.hf_tensors() {
                 tensors.insert(name, json!("F32"));
             }
@@ -64,17 +69,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             "model.gguf"
         }
     };
-    let spec = mo.quant.as_ref().map(|q| json!({"bits": q.spec.bits, "group": q.spec.group, "scheme": q.spec.scheme}));
+    // the quantization and LoRA settings are qatc.json's, beside it
     let summary = json!({
         "format": format.name(),
         "file": file,
         "model": a.model.display().to_string(),
         "adapter": a.adapter.display().to_string(),
-        "qat": if merged.qat_merged { "merged" } else { "base" },
-        "quant": spec,
         "tensors": tensors,
     });
     out.write(MARKER, serde_json::to_string_pretty(&summary)? + "\n")?;
+    out.write(crate::config::FILE, cfg.to_json())?;
     let dir = out.commit()?;
     println!("exported {} ({}) to {}", file, format.name(), dir.display());
     Ok(())

@@ -8,13 +8,18 @@ pub mod export;
 pub mod options;
 pub mod plan;
 pub mod prt;
+pub mod resume;
 pub mod train;
 
 use std::path::Path;
 
 use anyhow::Context;
+use qatc_passes::optim::AdamW;
+use qatc_passes::remat::Checkpoint;
 
+use crate::config::{self, OptimConfig, Optimizer, Precision, PrecisionConfig, RunConfig, StepConfig};
 use crate::model::Model;
+use crate::runner::Device;
 
 /// Opens a model and says so once when its config had to be inferred.
 pub fn open_model(path: &Path) -> anyhow::Result<Model> {
@@ -46,7 +51,7 @@ pub fn progress(len: u64, template: &str) -> indicatif::ProgressBar {
     pb
 }
 
-/// The shape of the step and its optimizer settings, shared by compile, dump and train.
+/// The shape of the step and its optimizer settings, shared by compile, dump, plan and train.
 #[derive(clap::Args, Debug, Clone)]
 pub struct StepArgs {
     /// Batch size B (sequences per micro-batch).
@@ -72,57 +77,94 @@ pub struct StepArgs {
     /// Train every weight (without --lora, the default).
     #[arg(long)]
     pub full_finetune: bool,
+    /// Storage precision of the step.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
     /// Seed for LoRA's initialisation and dropout.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Recompute instead of saving: none | blocks | sqrt | budget=SIZE | auto (default: none,
     /// or auto with --memory).
-    #[arg(long)]
-    pub checkpoint: Option<String>,
+    #[arg(long, value_parser = parse_checkpoint)]
+    pub checkpoint: Option<CheckpointArg>,
     /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB).
-    #[arg(long)]
-    pub memory: Option<String>,
+    #[arg(long, value_parser = parse_memory)]
+    pub memory: Option<usize>,
     /// Skip kernel fusion (the `fuse` stage): the step stays one op per node.
     #[arg(long)]
     pub no_fuse: bool,
 }
 
-impl StepArgs {
-    pub fn options(&self) -> anyhow::Result<crate::step::StepOptions> {
-        if self.grad_accum == 0 {
-            anyhow::bail!("--grad-accum must be at least 1");
-        }
-        if let Some(c) = self.clip {
-            if !(c > 0.0 && c.is_finite()) {
-                anyhow::bail!("--clip must be a positive number, got {c}");
-            }
-        }
-        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
-            anyhow::bail!("--weight-decay must be >= 0, got {}", self.weight_decay);
-        }
-        let mut o = crate::step::StepOptions::new(self.batch, self.seq);
-        let lora = self.lora.as_deref().map(options::parse_lora).transpose()?;
-        let full = self.full_finetune || lora.is_none();
-        o.model = options::model_options(&self.quant, lora, full, true)?;
-        o.grad_accum = self.grad_accum;
-        o.clip = self.clip;
-        o.adamw.weight_decay = self.weight_decay;
-        o.checkpoint = self.checkpoint_policy()?;
-        o.fuse = (!self.no_fuse).then(qatc_passes::fusion::FuseOptions::default);
-        Ok(o)
+/// `--checkpoint` as given: a policy, or `auto`, whose size `--memory` gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckpointArg {
+    Policy(Checkpoint),
+    Auto,
+}
+
+fn parse_checkpoint(s: &str) -> Result<CheckpointArg, String> {
+    if s.trim() == "auto" {
+        return Ok(CheckpointArg::Auto);
     }
+    Checkpoint::parse(s, None).map(CheckpointArg::Policy)
+}
+
+fn parse_memory(s: &str) -> Result<usize, String> {
+    qatc_passes::plan::units::parse_size(s)
+}
+
+/// Where the step runs (train's `--device` and `--interpreter`; the defaults elsewhere).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    pub device: Device,
+    pub interpreter: bool,
 }
 
 impl StepArgs {
-    /// `--memory` in bytes, if given.
-    pub fn memory_bytes(&self) -> anyhow::Result<Option<usize>> {
-        self.memory.as_deref().map(|m| qatc_passes::plan::units::parse_size(m).map_err(|e| anyhow::anyhow!("--memory: {e}"))).transpose()
+    /// The run configuration these flags describe (no `train` section): the one place the
+    /// command line becomes a `RunConfig`.
+    pub fn config(&self, model: &Path, placement: Placement) -> anyhow::Result<RunConfig> {
+        let lora = self.lora.as_deref().map(options::parse_lora).transpose()?;
+        let full = self.full_finetune || lora.is_none();
+        if self.full_finetune && lora.is_some() {
+            anyhow::bail!("--full-finetune and --lora exclude each other");
+        }
+        let model = options::model_config(&self.quant, lora.as_ref(), full, model)?;
+        let defaults = AdamW::default();
+        let step = StepConfig {
+            batch: self.batch,
+            seq: self.seq,
+            grad_accum: self.grad_accum,
+            precision: PrecisionConfig { mode: self.precision },
+            optim: OptimConfig {
+                kind: Optimizer::Adamw,
+                beta1: defaults.beta1,
+                beta2: defaults.beta2,
+                eps: defaults.eps,
+                weight_decay: self.weight_decay,
+                clip: self.clip,
+            },
+            checkpoint: self.checkpoint_policy()?,
+            fuse: !self.no_fuse,
+            device: placement.device,
+            interpreter: placement.interpreter,
+        };
+        step.check().map_err(anyhow::Error::msg)?;
+        Ok(RunConfig { version: config::VERSION, model, step: Some(step), train: None })
+    }
+
+    /// The step's options for these flags (through `config`).
+    pub fn options(&self, model: &Path) -> anyhow::Result<crate::step::StepOptions> {
+        self.config(model, Placement::default())?.step_options().map_err(anyhow::Error::msg)
     }
 
     /// The checkpoint policy: `--checkpoint`, else `auto` when `--memory` is given, else none.
-    pub fn checkpoint_policy(&self) -> anyhow::Result<qatc_passes::remat::Checkpoint> {
-        let memory = self.memory_bytes()?;
-        let policy = self.checkpoint.as_deref().unwrap_or(if memory.is_some() { "auto" } else { "none" });
-        qatc_passes::remat::Checkpoint::parse(policy, memory).map_err(anyhow::Error::msg)
+    pub fn checkpoint_policy(&self) -> anyhow::Result<Checkpoint> {
+        match (self.checkpoint, self.memory) {
+            (Some(CheckpointArg::Policy(p)), _) => Ok(p),
+            (Some(CheckpointArg::Auto) | None, Some(m)) => Ok(Checkpoint::Auto(m)),
+            (Some(CheckpointArg::Auto), None) => anyhow::bail!("--checkpoint auto needs --memory SIZE (the device memory to fit)"),
+            (None, None) => Ok(Checkpoint::None),
+        }
     }
 }

@@ -1,5 +1,6 @@
-//! Command-line options shared by compile, dump, eval, train and prt: quantization, LoRA and the
-//! bit map that `qatc prt` writes.
+//! Command-line options shared by compile, dump, eval, export, train and prt: quantization, LoRA
+//! and the bit map that `qatc prt` writes. The flags become a `config::QuantConfig` here and
+//! nowhere else; with a saved `qatc.json` they are checked against it instead.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,19 +11,26 @@ use qatc_passes::lora::LoraOptions;
 use qatc_passes::quant::QuantOptions;
 use serde::{Deserialize, Serialize};
 
+use crate::adapter::Adapter;
+use crate::config::{LoraConfig, ModelConfig, Qat, QuantConfig, RunConfig, Scales};
 use crate::step::ModelOptions;
+
+/// `--group` when not given: 64 elements along the input dimension.
+pub const DEFAULT_GROUP: usize = 64;
+/// `--bits` when only a bit map is given (the map says the rest).
+pub const DEFAULT_BITS: u8 = 4;
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct QuantArgs {
     /// Fake-quantize the targeted weights to B bits (2..8).
     #[arg(long)]
     pub bits: Option<u8>,
-    /// Group size along the input dimension (0: per output channel).
-    #[arg(long, default_value_t = 64)]
-    pub group: usize,
-    /// sym | asym | nf4 | q4_0
-    #[arg(long, default_value = "sym")]
-    pub scheme: String,
+    /// Group size along the input dimension (0: per output channel) [default: 64].
+    #[arg(long)]
+    pub group: Option<usize>,
+    /// The quantization scheme (the rules: `QuantScheme` in ir/src/op.rs) [default: sym].
+    #[arg(long, value_enum)]
+    pub scheme: Option<QuantScheme>,
     /// Comma-separated modules to quantize (default: attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj;
     /// lm_head and wte only when named).
     #[arg(long, value_delimiter = ',')]
@@ -33,64 +41,52 @@ pub struct QuantArgs {
     /// Per-module bits from `qatc prt --bits-map` (JSON).
     #[arg(long)]
     pub bits_map: Option<PathBuf>,
-    /// base: fake-quantize the frozen base weight; merged: fake-quantize W + scaling (BA)^T.
-    #[arg(long, default_value = "base")]
-    pub qat: String,
+    /// What is fake-quantized: the frozen base weight, or W + scaling (BA)^T [default: base].
+    #[arg(long, value_enum)]
+    pub qat: Option<Qat>,
+    /// How the quantization scales are found [default: minmax].
+    #[arg(long, value_enum)]
+    pub scales: Option<Scales>,
 }
 
-/// One module's entry in a bit map: a quantization, or null for full precision.
+/// The bit map `qatc prt` writes and `--bits-map` reads: per module a quantization, or null
+/// for full precision.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct ModuleBits {
-    pub bits: u8,
-    pub group: usize,
-    pub scheme: String,
-}
-
-/// The bit map `qatc prt` writes and `--bits-map` reads.
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
 pub struct BitMap {
     pub version: u32,
-    pub modules: BTreeMap<String, Option<ModuleBits>>,
-}
-
-pub fn scheme(s: &str) -> anyhow::Result<QuantScheme> {
-    QuantScheme::from_name(s).with_context(|| format!("unknown --scheme `{s}`; schemes: sym, asym, nf4, q4_0"))
+    pub modules: BTreeMap<String, Option<QuantSpec>>,
 }
 
 pub fn read_bit_map(path: &Path) -> anyhow::Result<BTreeMap<String, Option<QuantSpec>>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
     let bm: BitMap = serde_json::from_str(&text).with_context(|| format!("{}: not a qatc bit map", path.display()))?;
-    let mut out = BTreeMap::new();
-    for (m, b) in bm.modules {
-        let spec = match b {
-            Some(b) => Some(QuantSpec { bits: b.bits, group: b.group, scheme: scheme(&b.scheme)? }),
-            None => None,
-        };
-        out.insert(m, spec);
+    Ok(bm.modules)
+}
+
+/// A value as the configuration spells it (`sym`, `merged`, `["c_attn"]`; `none` for null).
+fn spelled<T: Serialize + std::fmt::Debug>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(serde_json::Value::Null) => "none".into(),
+        Ok(other) => other.to_string(),
+        Err(_) => format!("{v:?}"),
     }
-    Ok(out)
 }
 
 impl QuantArgs {
-    pub fn options(&self) -> anyhow::Result<Option<QuantOptions>> {
-        let map = match &self.bits_map {
-            Some(p) => Some(read_bit_map(p)?),
-            None => None,
-        };
+    /// The quantization these flags ask for, defaults filled in; None without --bits or
+    /// --bits-map.
+    pub fn config(&self) -> anyhow::Result<Option<QuantConfig>> {
+        let map = self.bits_map.as_deref().map(read_bit_map).transpose()?;
         if self.bits.is_none() && map.is_none() {
             if self.act_bits.is_some() {
                 bail!("--act-bits needs --bits (or --bits-map)");
             }
-            return Ok(None);
-        }
-        let spec = QuantSpec { bits: self.bits.unwrap_or(4), group: self.group, scheme: scheme(&self.scheme)? };
-        if !(2..=8).contains(&spec.bits) {
-            bail!("--bits must be 2..8, got {}", spec.bits);
-        }
-        if let Some(a) = self.act_bits {
-            if !(2..=8).contains(&a) {
-                bail!("--act-bits must be 2..8, got {a}");
+            if self.qat == Some(Qat::Merged) {
+                bail!("--qat merged needs --bits and --lora");
             }
+            return Ok(None);
         }
         let targets = match (&self.quant_targets, &map, self.bits) {
             (Some(t), _, _) => t.clone(),
@@ -98,7 +94,65 @@ impl QuantArgs {
             (None, Some(_), None) => Vec::new(),
             _ => QuantOptions::default_targets(),
         };
-        Ok(Some(QuantOptions { spec, targets, per_module: map.unwrap_or_default(), act_bits: self.act_bits }))
+        Ok(Some(QuantConfig {
+            bits: self.bits.unwrap_or(DEFAULT_BITS),
+            group: self.group.unwrap_or(DEFAULT_GROUP),
+            scheme: self.scheme.unwrap_or(QuantScheme::Sym),
+            targets,
+            modules: map.unwrap_or_default(),
+            act_bits: self.act_bits,
+            qat: self.qat.unwrap_or_default(),
+            scales: self.scales.unwrap_or_default(),
+        }))
+    }
+
+    /// Checks the flags given against the quantization a saved configuration (`file`) records:
+    /// each must say what the file says. The error names the flag and both values.
+    pub fn check_against(&self, saved: Option<&QuantConfig>, file: &Path) -> anyhow::Result<()> {
+        let f = file.display();
+        let Some(q) = saved else {
+            let given = [
+                self.bits.map(|b| format!("--bits {b}")),
+                self.bits_map.as_ref().map(|p| format!("--bits-map {}", p.display())),
+                self.act_bits.map(|b| format!("--act-bits {b}")),
+                (self.qat == Some(Qat::Merged)).then(|| "--qat merged".to_string()),
+            ];
+            if let Some(flag) = given.into_iter().flatten().next() {
+                bail!("{flag} contradicts {f}, which records no quantization (full precision)");
+            }
+            return Ok(());
+        };
+        fn same<T: PartialEq + Serialize + std::fmt::Debug>(
+            flag: &str,
+            given: Option<&T>,
+            saved: &T,
+            f: &dyn std::fmt::Display,
+        ) -> anyhow::Result<()> {
+            match given {
+                Some(g) if g != saved => bail!("{flag} {} contradicts {f}, which has {}", spelled(g), spelled(saved)),
+                _ => Ok(()),
+            }
+        }
+        same("--bits", self.bits.as_ref(), &q.bits, &f)?;
+        same("--group", self.group.as_ref(), &q.group, &f)?;
+        same("--scheme", self.scheme.as_ref(), &q.scheme, &f)?;
+        same("--quant-targets", self.quant_targets.as_ref(), &q.targets, &f)?;
+        same("--act-bits", self.act_bits.map(Some).as_ref(), &q.act_bits, &f)?;
+        same("--qat", self.qat.as_ref(), &q.qat, &f)?;
+        same("--scales", self.scales.as_ref(), &q.scales, &f)?;
+        if let Some(p) = &self.bits_map {
+            let map = read_bit_map(p)?;
+            if map != q.modules {
+                let differs = map.keys().chain(q.modules.keys()).find(|k| map.get(*k) != q.modules.get(*k)).cloned().unwrap_or_default();
+                bail!(
+                    "--bits-map {} contradicts {f}: module {differs} is {} there, {} in the file",
+                    p.display(),
+                    spelled(&map.get(&differs)),
+                    spelled(&q.modules.get(&differs))
+                );
+            }
+        }
+        Ok(())
     }
 }
 
@@ -136,19 +190,42 @@ pub fn parse_lora(s: &str) -> anyhow::Result<LoraOptions> {
     Ok(o)
 }
 
-/// The model options for these flags.
-pub fn model_options(q: &QuantArgs, lora: Option<LoraOptions>, full_finetune: bool, training: bool) -> anyhow::Result<ModelOptions> {
-    let quant = q.options()?;
-    let mut lora = lora;
-    match q.qat.as_str() {
-        "base" => {}
-        "merged" => match lora.as_mut() {
-            Some(l) if quant.is_some() => l.merged = true,
-            _ => bail!("--qat merged needs --bits and --lora"),
-        },
-        other => bail!("--qat must be base or merged, got `{other}`"),
+/// The model section for these flags (`model` the checkpoint's path).
+pub fn model_config(q: &QuantArgs, lora: Option<&LoraOptions>, full_finetune: bool, model: &Path) -> anyhow::Result<ModelConfig> {
+    let c =
+        ModelConfig { path: crate::config::absolute(model), quant: q.config()?, lora: lora.map(LoraConfig::from_options), full_finetune };
+    c.check().map_err(anyhow::Error::msg)?;
+    Ok(c)
+}
+
+/// An adapter directory and the configuration it was trained with: its `qatc.json` when it has
+/// one (the flags given must agree with it), else one made from the flags (`model` the base
+/// checkpoint; no step or train section).
+pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path) -> anyhow::Result<(RunConfig, Adapter)> {
+    let ad = crate::adapter::read(dir)?;
+    let lora = ad.options();
+    let Some(saved) = RunConfig::read_if_any(dir)? else {
+        let model = model_config(q, Some(&lora), false, model)?;
+        return Ok((RunConfig { version: crate::config::VERSION, model, step: None, train: None }, ad));
+    };
+    let file = dir.join(crate::config::FILE);
+    q.check_against(saved.model.quant.as_ref(), &file)?;
+    let peft = LoraConfig::from_options(&lora);
+    if saved.model.lora.as_ref() != Some(&peft) {
+        bail!(
+            "{}: the LoRA settings ({}) differ from {} ({}); the directory was changed by hand?",
+            dir.join("adapter_config.json").display(),
+            spelled(&peft),
+            file.display(),
+            spelled(&saved.model.lora)
+        );
     }
-    Ok(ModelOptions { quant, lora, full_finetune, training })
+    Ok((saved, ad))
+}
+
+/// The model options for these flags (what `model_config` says, as the passes take it).
+pub fn model_options(q: &QuantArgs, lora: Option<LoraOptions>, full_finetune: bool, training: bool) -> anyhow::Result<ModelOptions> {
+    Ok(model_config(q, lora.as_ref(), full_finetune && lora.is_none(), Path::new(""))?.options(training))
 }
 
 #[cfg(test)]
@@ -164,5 +241,19 @@ mod tests {
         assert!(parse_lora("r=0").is_err());
         assert!(parse_lora("alpha=3").is_err());
         assert!(parse_lora("r=4,bogus=1").is_err());
+    }
+
+    #[test]
+    fn flags_that_contradict_a_saved_configuration_name_both_values() {
+        let saved = QuantArgs { bits: Some(3), group: Some(32), ..Default::default() }.config().unwrap();
+        let file = Path::new("ad/qatc.json");
+        assert!(QuantArgs::default().check_against(saved.as_ref(), file).is_ok());
+        assert!(QuantArgs { bits: Some(3), group: Some(32), ..Default::default() }.check_against(saved.as_ref(), file).is_ok());
+        let e = QuantArgs { group: Some(64), ..Default::default() }.check_against(saved.as_ref(), file).unwrap_err().to_string();
+        assert_eq!(e, "--group 64 contradicts ad/qatc.json, which has 32");
+        let e = QuantArgs { scheme: Some(QuantScheme::Nf4), ..Default::default() }.check_against(saved.as_ref(), file).unwrap_err();
+        assert_eq!(e.to_string(), "--scheme nf4 contradicts ad/qatc.json, which has sym");
+        let e = QuantArgs { bits: Some(4), ..Default::default() }.check_against(None, file).unwrap_err();
+        assert!(e.to_string().contains("--bits 4 contradicts ad/qatc.json, which records no quantization"), "{e}");
     }
 }

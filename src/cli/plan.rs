@@ -201,9 +201,13 @@ pub fn table(p: &Plan, title: &str, memory: Option<usize>) -> String {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
+    if let Some(path) = &a.svg {
+        // written after planning: refused now rather than after the work
+        crate::artifacts::check_writable(path).with_context(|| format!("--svg {}", path.display()))?;
+    }
     let (cfg, name) = config(&a.model, &a.step)?;
-    let opts = a.step.options()?;
-    let memory = a.step.memory_bytes()?;
+    let opts = a.step.options(std::path::Path::new(&a.model))?;
+    let memory = a.step.memory;
     let (_g, reports, p) = build(&cfg, &opts)?;
     if let Some(m) = memory {
         if p.peak_bytes() > m {
@@ -217,7 +221,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     let (ctx, title) = context(&name, &cfg, &opts, &reports, memory, &p);
     if let Some(path) = &a.svg {
-        std::fs::write(path, svg::render(&p, &title, memory)).with_context(|| format!("{}", path.display()))?;
+        crate::artifacts::write_atomic(path, svg::render(&p, &title, memory).as_bytes()).with_context(|| format!("{}", path.display()))?;
     }
     if a.json {
         print!("{}", json::to_json(&p, ctx)?);

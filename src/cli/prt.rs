@@ -12,7 +12,7 @@ use qatc_passes::linears::{self, MODULES};
 use qatc_passes::quant::QuantOptions;
 
 use super::eval::{evaluate, EvalSetup};
-use super::options::{scheme, BitMap, ModuleBits};
+use super::options::{BitMap, DEFAULT_GROUP};
 use crate::artifacts::write_atomic;
 use crate::data::TokenFile;
 
@@ -31,10 +31,12 @@ pub struct Args {
     /// Batches per evaluation.
     #[arg(long, default_value_t = 4)]
     pub batches: usize,
-    #[arg(long, default_value_t = 64)]
+    /// Group size along the input dimension (0: per output channel).
+    #[arg(long, default_value_t = DEFAULT_GROUP)]
     pub group: usize,
-    #[arg(long, default_value = "sym")]
-    pub scheme: String,
+    /// The quantization scheme tried (nf4 and q4_0: 4 bits only).
+    #[arg(long, value_enum, default_value_t = QuantScheme::Sym)]
+    pub scheme: QuantScheme,
     /// Modules to test (suffixes, as --quant-targets).
     #[arg(long, value_delimiter = ',')]
     pub targets: Option<Vec<String>>,
@@ -66,7 +68,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if n == 0 {
         data.batch(0, a.batch, a.seq)?;
     }
-    let sch = scheme(&a.scheme)?;
+    let sch = a.scheme;
     let widths: Vec<u8> = match sch {
         QuantScheme::Nf4 | QuantScheme::Q4_0 => vec![4],
         _ => (2..=8).collect(),
@@ -111,10 +113,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
 
     let map = BitMap {
         version: 1,
-        modules: results
-            .iter()
-            .map(|r| (r.module.clone(), r.bits.map(|bits| ModuleBits { bits, group: a.group, scheme: a.scheme.clone() })))
-            .collect(),
+        modules: results.iter().map(|r| (r.module.clone(), r.bits.map(|bits| QuantSpec { bits, group: a.group, scheme: sch }))).collect(),
     };
     write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes())
         .with_context(|| format!("{}", a.bits_map.display()))?;
@@ -128,12 +127,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         elems += e;
         stored += info.dtype.bytes_for(e);
         match r.bits {
-            Some(b) => {
-                bit_elems += e * b as usize;
-                let groups = n_in / if a.group == 0 { n_in } else { a.group };
-                let scale_bytes =
-                    groups * n_out * if sch == QuantScheme::Q4_0 { 2 } else { 4 } * if sch == QuantScheme::Asym { 2 } else { 1 };
-                quant_bytes += if b <= 4 { e.div_ceil(2) } else { e } + scale_bytes;
+            Some(bits) => {
+                bit_elems += e * bits as usize;
+                quant_bytes += QuantSpec { bits, group: a.group, scheme: sch }.stored_bytes(n_in, n_out);
             }
             None => {
                 bit_elems += e * info.dtype.bytes_for(1) * 8;

@@ -4,8 +4,11 @@
 //! Data order is llm.c's by default: optimizer step s consumes micro-batches s*K .. s*K+K-1
 //! (wrapping at the end of the data); `--shuffle --seed N` permutes the batches every epoch. The
 //! loss logged for step s is the loss of its batches before that step's update. Every
-//! `--save-every N` steps (and at the end) OUT gets the adapter (PEFT format) or the weights, and
-//! `OUT/checkpoint/` the resume state, each replaced atomically; `--resume OUT` continues exactly.
+//! `--save-every N` steps (and at the end) OUT is replaced whole (`artifacts::OutDir`: written
+//! beside, then swapped in) by the adapter (PEFT format) or the weights, the run's configuration
+//! (`qatc.json`) and the resume state (`checkpoint/`): at every instant OUT is one complete save
+//! (or absent before the first), and `--resume OUT` continues exactly, its options read from
+//! the saved `qatc.json` (`cli::resume`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -15,20 +18,25 @@ use anyhow::Context;
 use qatc_runtime::{CpuOptions, Value};
 
 use super::eval::{evaluate_with, EvalSetup};
-use super::StepArgs;
-use crate::artifacts::{write_atomic, OutDir};
+use super::resume::{self, Given, PROGRESS, STATE};
+use super::{Placement, StepArgs};
+use crate::artifacts::{self, write_atomic, Faults, OutDir};
+use crate::config::{self, RunConfig, TrainConfig};
 use crate::data::TokenFile;
 use crate::model::Model;
 use crate::runner::Device;
-use crate::schedule::{DataOrder, LrSchedule};
+use crate::schedule::{DataOrder, Schedule};
 pub use crate::trainer::{weights_safetensors, Trainer};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    pub model: PathBuf,
-    /// llm.c token file, or UTF-8 text (tokenized with GPT-2's BPE).
-    #[arg(long)]
-    pub data: PathBuf,
+    /// The GPT-2 checkpoint (with --resume: the saved run's, unless given).
+    #[arg(required_unless_present = "resume")]
+    pub model: Option<PathBuf>,
+    /// llm.c token file, or UTF-8 text (tokenized with GPT-2's BPE) (with --resume: the saved
+    /// run's, unless given).
+    #[arg(long, required_unless_present = "resume")]
+    pub data: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
     /// Optimizer steps.
@@ -40,9 +48,9 @@ pub struct Args {
     /// Linear warmup steps.
     #[arg(long, default_value_t = 0)]
     pub warmup: usize,
-    /// constant | cosine (decays to --min-lr by the end of the run).
-    #[arg(long, default_value = "constant")]
-    pub schedule: String,
+    /// The learning rate after warmup.
+    #[arg(long, value_enum, default_value_t = Schedule::Constant)]
+    pub schedule: Schedule,
     #[arg(long, default_value_t = 0.0)]
     pub min_lr: f64,
     /// Visit the batches in a seeded random order (a new order every epoch).
@@ -71,7 +79,8 @@ pub struct Args {
     /// Draw the loss curve (train and validation) as SVG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
-    /// Continue the run whose OUT this is, from its last saved step.
+    /// Continue the run whose OUT this is, from its last saved step, with its options (those
+    /// given must agree with them).
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Where the step runs: auto (a CUDA GPU when qatc can use one, else the CPU), cpu, cuda.
@@ -102,78 +111,137 @@ pub struct StepLog {
     pub val_loss: Option<f64>,
 }
 
-/// What a resume needs besides the tensors: where the run stands and what it was run with.
-#[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
-struct ResumeInfo {
-    /// Steps completed.
-    step: usize,
-    /// The options that must match for an exact continuation.
-    fingerprint: String,
+/// What marks a directory as a training output qatc may replace: `qatc.json`, or the
+/// `checkpoint/` of a qatc from before it.
+const MARKERS: [&str; 2] = [config::FILE, "checkpoint"];
+
+impl Args {
+    /// The run's configuration as the command line says it (defaults filled in): the step's
+    /// (`StepArgs::config`) and this run's, for the checkpoint `model` and the data `data`.
+    pub fn config(&self, model: &Path, data: &Path) -> anyhow::Result<RunConfig> {
+        let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter })?;
+        let train = TrainConfig {
+            data: config::absolute(data),
+            steps: self.steps,
+            lr: self.lr,
+            schedule: self.schedule,
+            warmup: self.warmup,
+            min_lr: self.min_lr,
+            shuffle: self.shuffle,
+            seed: self.step.seed,
+            init_adapter: self.init_adapter.as_deref().map(config::absolute),
+        };
+        train.check().map_err(anyhow::Error::msg)?;
+        c.train = Some(train);
+        Ok(c)
+    }
 }
 
-fn fingerprint(a: &Args) -> String {
-    let s = &a.step;
-    format!(
-        "model={} data={} B={} T={} K={} clip={:?} wd={} quant={:?} lora={:?} full={} seed={} lr={} warmup={} schedule={} min_lr={} shuffle={} steps={}",
-        a.model.display(), a.data.display(), s.batch, s.seq, s.grad_accum, s.clip, s.weight_decay,
-        (s.quant.bits, s.quant.group, &s.quant.scheme, &s.quant.quant_targets, s.quant.act_bits, &s.quant.qat),
-        s.lora, s.full_finetune, s.seed, a.lr, a.warmup, a.schedule, a.min_lr, a.shuffle, a.steps
-    )
-}
-
-fn check(a: &Args) -> anyhow::Result<LrSchedule> {
-    if a.step.full_finetune && a.step.lora.is_some() {
-        anyhow::bail!("--full-finetune and --lora exclude each other");
-    }
-    if a.step.lora.is_none() && !a.step.full_finetune {
-        anyhow::bail!("nothing to train: pass --lora r=N (an adapter) or --full-finetune (every weight)");
-    }
-    if a.steps == 0 {
-        anyhow::bail!("--steps must be at least 1");
-    }
-    if !(a.lr > 0.0 && a.lr.is_finite() && (0.0..=a.lr).contains(&a.min_lr)) {
-        anyhow::bail!("--lr must be a positive number and --min-lr within [0, lr]");
-    }
-    if !["constant", "cosine"].contains(&a.schedule.as_str()) {
-        anyhow::bail!("--schedule must be constant or cosine, got `{}`", a.schedule);
-    }
-    if a.eval_every > 0 && a.val.is_none() {
-        anyhow::bail!("--eval-every needs --val FILE");
-    }
-    Ok(LrSchedule { lr: a.lr, warmup: a.warmup, kind: a.schedule.clone(), min_lr: a.min_lr, total: a.steps })
-}
-
-/// Writes the adapter (or full weights) into `out` and the resume state into `out/checkpoint`,
-/// each file atomically, the checkpoint directory swapped in whole.
-fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize) -> anyhow::Result<()> {
-    match &tr.opts.model.lora {
-        Some(l) => {
-            let (cfg, st) = crate::adapter::to_files(l, &tr.weights()?, &a.model.display().to_string())?;
-            write_atomic(&out.join("adapter_config.json"), cfg.as_bytes())?;
-            write_atomic(&out.join("adapter_model.safetensors"), &st)?;
+/// The run's configuration, and the steps already done when it resumes: the command line's,
+/// or the saved run's (the options given checked against it).
+fn configure(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<(RunConfig, Option<usize>)> {
+    let Some(dir) = &a.resume else {
+        let (Some(model), Some(data)) = (&a.model, &a.data) else {
+            anyhow::bail!("MODEL and --data are needed (with --resume they come from the saved run)");
+        };
+        if a.step.lora.is_none() && !a.step.full_finetune {
+            anyhow::bail!("nothing to train: pass --lora r=N (an adapter) or --full-finetune (every weight)");
         }
-        None => {
-            write_atomic(&out.join("model.safetensors"), &weights_safetensors(&tr.weights()?)?)?;
-            write_atomic(&out.join("config.json"), (serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n").as_bytes())?;
-        }
+        return Ok((a.config(model, data)?, None));
+    };
+    // a swap a kill cut short is completed before the saved run is read
+    artifacts::recover(dir, faults).with_context(|| format!("--resume {}", dir.display()))?;
+    let saved = RunConfig::read(dir).with_context(|| format!("--resume {}: no saved run", dir.display()))?;
+    let model = a.model.clone().unwrap_or_else(|| PathBuf::from(&saved.model.path));
+    let data = match (&a.data, &saved.train) {
+        (Some(d), _) => d.clone(),
+        (None, Some(t)) => PathBuf::from(&t.data),
+        (None, None) => anyhow::bail!("--resume {}: the saved configuration has no training run", dir.display()),
+    };
+    let cfg = resume::reconcile(saved, &a.config(&model, &data)?, given, dir)?;
+    Ok((cfg, Some(resume::read_progress(dir)?)))
+}
+
+/// Refuses, before any work, an output that would destroy an input or that cannot be written.
+fn check_outputs(a: &Args, cfg: &RunConfig, train: &TrainConfig) -> anyhow::Result<()> {
+    // every input must survive the run: none may lie in OUT, which each save replaces whole
+    let mut inputs: Vec<PathBuf> = vec![PathBuf::from(&cfg.model.path), PathBuf::from(&train.data)];
+    inputs.extend(a.val.clone());
+    inputs.extend(train.init_adapter.as_ref().map(PathBuf::from));
+    match &a.resume {
+        Some(r) if !same_dir(r, &a.out) => inputs.push(r.clone()),
+        _ => {}
     }
-    let ck = OutDir::create(&out.join("checkpoint"), "resume.json")?;
-    ck.write("state.safetensors", tr.save_state()?)?;
-    ck.write("resume.json", serde_json::to_string_pretty(&ResumeInfo { step, fingerprint: fingerprint(a) })? + "\n")?;
-    ck.commit()?;
+    let inputs: Vec<&Path> = inputs.iter().map(PathBuf::as_path).collect();
+    artifacts::check_target(&a.out, &MARKERS, &inputs).with_context(|| format!("--out {}", a.out.display()))?;
+    for (flag, p) in [("--log-json", &a.log_json), ("--plot", &a.plot)] {
+        let Some(p) = p else { continue };
+        if artifacts::is_within(p, &a.out) {
+            anyhow::bail!(
+                "{flag} {} is inside --out {}, which every save replaces whole; write it elsewhere",
+                p.display(),
+                a.out.display()
+            );
+        }
+        artifacts::check_writable(p).with_context(|| format!("{flag} {}", p.display()))?;
+    }
     Ok(())
 }
 
-pub fn run(a: &Args) -> anyhow::Result<()> {
-    let sched = check(a)?;
-    let (engine, notice) = crate::runner::resolve(a.device, a.interpreter)?;
+fn same_dir(a: &Path, b: &Path) -> bool {
+    artifacts::is_within(a, b) && artifacts::is_within(b, a)
+}
+
+/// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
+/// the resume state, so that the adapter and the checkpoint of one save are never apart.
+fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, faults: &Faults) -> anyhow::Result<()> {
+    let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
+    match &tr.opts.model.lora {
+        Some(l) => {
+            let (peft_config, st) = crate::adapter::to_files(l, &tr.weights()?, &cfg.model.path)?;
+            dir.write("adapter_config.json", peft_config)?;
+            dir.write("adapter_model.safetensors", st)?;
+        }
+        None => {
+            dir.write("model.safetensors", weights_safetensors(&tr.weights()?)?)?;
+            dir.write("config.json", serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n")?;
+        }
+    }
+    dir.write(config::FILE, cfg.to_json())?;
+    dir.write(STATE, tr.save_state()?)?;
+    dir.write(PROGRESS, serde_json::to_string_pretty(&resume::Progress { step })? + "\n")?;
+    dir.commit()?;
+    Ok(())
+}
+
+/// `qatc train`; `given` says which options the command line gave (with `--resume`, the others
+/// are the saved run's).
+pub fn run(a: &Args, given: &Given) -> anyhow::Result<()> {
+    run_with(a, given, Faults::none())
+}
+
+/// `run`, with every filesystem step of every save passed through `faults` (the crash tests).
+pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> {
+    if a.eval_every > 0 && a.val.is_none() {
+        anyhow::bail!("--eval-every needs --val FILE");
+    }
+    let (cfg, resume_at) = configure(a, given, faults)?;
+    let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
+        anyhow::bail!("internal: a training configuration without its train or step section");
+    };
+    check_outputs(a, &cfg, &train)?;
+    // what a killed save left beside OUT goes first
+    artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
+    let sched = train.lr_schedule();
+    let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
+    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter)?;
     if let Some(n) = notice {
         eprintln!("qatc: {n}");
     }
-    let m = super::open_model(&a.model)?;
-    super::check_seq(&m, a.step.batch, a.step.seq)?;
-    let opts = a.step.options()?;
-    let data = TokenFile::load(&a.data)?;
+    let m = super::open_model(&model_path)?;
+    super::check_seq(&m, step.batch, step.seq)?;
+    let opts = cfg.step_options().map_err(anyhow::Error::msg)?;
+    let data = TokenFile::load(&data_path)?;
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;
     let val = match &a.val {
@@ -185,49 +253,34 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let init = a.init_adapter.as_deref().map(crate::adapter::read).transpose()?;
-    let resume = match &a.resume {
-        Some(dir) => {
-            let p = dir.join("checkpoint/resume.json");
-            let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
-            let info: ResumeInfo = serde_json::from_str(&text).with_context(|| format!("{}", p.display()))?;
-            if info.fingerprint != fingerprint(a) {
-                anyhow::bail!("{}: the run was started with other options; resume with the same ones ({})", p.display(), info.fingerprint);
-            }
-            Some((info.step, dir.join("checkpoint/state.safetensors")))
-        }
-        None => None,
-    };
+    let init = train.init_adapter.as_deref().map(|p| crate::adapter::read(Path::new(p))).transpose()?;
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
-    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), a.step.seed, engine, &cpu)?;
+    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), train.seed, engine, &cpu)?;
     tr.set_profile(a.profile);
     eprintln!("qatc: the step runs {}", tr.describe());
-    let start = match &resume {
-        Some((step, state)) => {
-            tr.load_state(state)?;
-            *step
+    let start = match (resume_at, &a.resume) {
+        (Some(done), Some(dir)) => {
+            tr.load_state(&dir.join(STATE))?;
+            done
         }
-        None => 0,
+        _ => 0,
     };
-    // OUT is created up front so that saves land in it; a fresh run refuses a foreign directory.
-    if resume.is_none() {
-        OutDir::create(&a.out, "checkpoint").with_context(|| format!("{}", a.out.display()))?.commit()?;
-    }
+    let resuming = resume_at.is_some();
     let mut log = match &a.log_json {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
                 .create(true)
-                .append(resume.is_some())
+                .append(resuming)
                 .write(true)
-                .truncate(resume.is_none())
+                .truncate(!resuming)
                 .open(p)
                 .with_context(|| format!("{}", p.display()))?,
         )),
         None => None,
     };
-    let order = if a.shuffle { DataOrder::Shuffle { seed: a.step.seed } } else { DataOrder::Sequential };
+    let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
     let val_setup = EvalSetup {
         model: {
             let mut mo = tr.opts.model.clone();
@@ -238,10 +291,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         },
         adapter: None,
     };
-    let pb = super::progress((a.steps - start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
+    let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
-    for s in start..a.steps {
+    for s in start..train.steps {
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
         let lr = sched.at(s);
@@ -253,7 +306,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         let done = s + 1;
         let val_loss = match &val {
-            Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == a.steps => {
+            Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == train.steps => {
                 let n = a.val_batches.min(v.num_batches(tr.opts.batch, tr.opts.seq)).max(1);
                 // the trained weights, read back from the executor
                 let weights = tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
@@ -278,8 +331,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             None => format!("loss {loss:.4}  {tps:.0} tok/s"),
         });
         pb.inc(1);
-        if (a.save_every > 0 && done % a.save_every == 0) || done == a.steps {
-            save(&a.out, &tr, &m, a, done)?;
+        if (a.save_every > 0 && done % a.save_every == 0) || done == train.steps {
+            save(&a.out, &tr, &m, &cfg, done, faults)?;
         }
     }
     pb.finish_and_clear();
@@ -290,7 +343,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
     }
     if let Some(p) = &a.plot {
-        let title = format!("qatc train: {}", a.model.display());
+        let title = format!("qatc train: {}", model_path.display());
         write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve).as_bytes()).with_context(|| format!("{}", p.display()))?;
     }
     let what = if tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
@@ -300,7 +353,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (first, last) };
     println!(
         "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps); {what} in {}",
-        a.steps,
+        train.steps,
         n.max(1),
         a.out.display()
     );

@@ -37,54 +37,49 @@ fn file_type(types: &[GgmlType]) -> u32 {
     }
 }
 
+/// The modules of a GPT-2 block: (Hugging Face name, GGUF name), the one table both directions
+/// of the name mapping read.
+const BLOCK_MODULES: [(&str, &str); 6] = [
+    ("ln_1", "attn_norm"),
+    ("attn.c_attn", "attn_qkv"),
+    ("attn.c_proj", "attn_output"),
+    ("ln_2", "ffn_norm"),
+    ("mlp.c_fc", "ffn_up"),
+    ("mlp.c_proj", "ffn_down"),
+];
+
+/// The tensors outside the blocks: (Hugging Face name, GGUF name).
+const TOP_LEVEL: [(&str, &str); 2] = [("wte.weight", "token_embd.weight"), ("wpe.weight", "position_embd.weight")];
+
+/// `ln_f.*` <-> `output_norm.*`.
+const FINAL_NORM: (&str, &str) = ("ln_f.", "output_norm.");
+
 /// The GGUF name of an HF tensor name (without `transformer.`).
 pub fn gguf_name(hf: &str) -> Option<String> {
-    match hf {
-        "wte.weight" => return Some("token_embd.weight".into()),
-        "wpe.weight" => return Some("position_embd.weight".into()),
-        _ => {}
-    }
-    if let Some(rest) = hf.strip_prefix("ln_f.") {
-        return Some(format!("output_norm.{rest}"));
-    }
-    let rest = hf.strip_prefix("h.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let (module, kind) = rest.rsplit_once('.')?;
-    let g = match module {
-        "ln_1" => "attn_norm",
-        "attn.c_attn" => "attn_qkv",
-        "attn.c_proj" => "attn_output",
-        "ln_2" => "ffn_norm",
-        "mlp.c_fc" => "ffn_up",
-        "mlp.c_proj" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{g}.{kind}"))
+    rename(hf, false)
 }
 
 /// The HF name of a GGUF tensor name (the inverse of `gguf_name`).
 pub fn hf_name(gguf: &str) -> Option<String> {
-    match gguf {
-        "token_embd.weight" => return Some("wte.weight".into()),
-        "position_embd.weight" => return Some("wpe.weight".into()),
-        _ => {}
+    rename(gguf, true)
+}
+
+/// Maps a name through the tables, HF -> GGUF, or back with `to_hf`.
+fn rename(name: &str, to_hf: bool) -> Option<String> {
+    let pick = |&(hf, gg): &(&'static str, &'static str)| if to_hf { (gg, hf) } else { (hf, gg) };
+    if let Some((_, to)) = TOP_LEVEL.iter().map(pick).find(|(from, _)| *from == name) {
+        return Some(to.to_string());
     }
-    if let Some(rest) = gguf.strip_prefix("output_norm.") {
-        return Some(format!("ln_f.{rest}"));
+    let (norm_from, norm_to) = pick(&FINAL_NORM);
+    if let Some(rest) = name.strip_prefix(norm_from) {
+        return Some(format!("{norm_to}{rest}"));
     }
-    let rest = gguf.strip_prefix("blk.")?;
+    let (block_from, block_to) = if to_hf { ("blk.", "h.") } else { ("h.", "blk.") };
+    let rest = name.strip_prefix(block_from)?;
     let (layer, rest) = rest.split_once('.')?;
     let (module, kind) = rest.rsplit_once('.')?;
-    let h = match module {
-        "attn_norm" => "ln_1",
-        "attn_qkv" => "attn.c_attn",
-        "attn_output" => "attn.c_proj",
-        "ffn_norm" => "ln_2",
-        "ffn_up" => "mlp.c_fc",
-        "ffn_down" => "mlp.c_proj",
-        _ => return None,
-    };
-    Some(format!("h.{layer}.{h}.{kind}"))
+    let (_, to) = BLOCK_MODULES.iter().map(pick).find(|(from, _)| *from == module)?;
+    Some(format!("{block_to}{layer}.{to}.{kind}"))
 }
 
 /// w [rows, cols] row-major -> [cols, rows].
@@ -239,4 +234,30 @@ pub fn from_gguf(f: &Gguf) -> Result<(Gpt2Config, NamedTensors), ExportError> {
         out.push((hf, tensor));
     }
     Ok((cfg, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_names_map_both_ways() {
+        for (hf, gg) in [
+            ("wte.weight", "token_embd.weight"),
+            ("wpe.weight", "position_embd.weight"),
+            ("ln_f.bias", "output_norm.bias"),
+            ("h.0.ln_1.weight", "blk.0.attn_norm.weight"),
+            ("h.11.attn.c_attn.bias", "blk.11.attn_qkv.bias"),
+            ("h.3.attn.c_proj.weight", "blk.3.attn_output.weight"),
+            ("h.2.ln_2.bias", "blk.2.ffn_norm.bias"),
+            ("h.1.mlp.c_fc.weight", "blk.1.ffn_up.weight"),
+            ("h.1.mlp.c_proj.weight", "blk.1.ffn_down.weight"),
+        ] {
+            assert_eq!(gguf_name(hf).as_deref(), Some(gg));
+            assert_eq!(hf_name(gg).as_deref(), Some(hf));
+        }
+        assert_eq!(gguf_name("h.0.attn.bias"), None);
+        assert_eq!(hf_name("blk.0.attn_q.weight"), None);
+        assert_eq!(gguf_name("blk.0.attn_qkv.weight"), None, "one direction at a time");
+    }
 }

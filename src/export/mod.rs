@@ -27,7 +27,6 @@ use qatc_runtime::{Interpreter, Tensor, Value};
 
 use crate::adapter::Adapter;
 use crate::frontend::config::Gpt2Config;
-use crate::frontend::gpt2::LINEARS;
 use crate::model::Model;
 use crate::step::{self, ModelOptions};
 
@@ -55,26 +54,19 @@ pub enum ExportError {
     Internal(String),
 }
 
-/// The output formats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The output formats (`--format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
+    /// Hugging Face: float32 `model.safetensors` + `config.json`.
     Safetensors,
+    /// llama.cpp: GGUF v3.
     Gguf,
 }
 
 impl Format {
-    pub fn from_name(s: &str) -> Option<Format> {
-        match s {
-            "safetensors" => Some(Format::Safetensors),
-            "gguf" => Some(Format::Gguf),
-            _ => None,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Safetensors => "safetensors",
-            Format::Gguf => "gguf",
-        }
+    /// The name `--format` takes.
+    pub fn name(self) -> String {
+        clap::ValueEnum::to_possible_value(&self).map(|v| v.get_name().to_string()).unwrap_or_default()
     }
 }
 
@@ -185,7 +177,7 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
     let internal = |what: String| ExportError::Internal(what);
     let mut plans = Vec::new();
     for l in 0..m.cfg.n_layer {
-        for lin in LINEARS {
+        for lin in qatc_passes::linears::MODULES {
             let module = format!("h.{l}.{lin}");
             // lowering: add(matmul(x, weight_op), broadcast(bias)) named after the module
             let out = *by_name.get(&module).ok_or_else(|| internal(format!("no node named {module}")))?;

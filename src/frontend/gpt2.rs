@@ -19,9 +19,6 @@ pub struct LowerOptions {
     pub logits: bool,
 }
 
-/// The names of the GPT-2 linears (Conv1D in HF), per layer, in execution order.
-pub const LINEARS: [&str; 4] = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"];
-
 struct Builder<'a> {
     g: Graph,
     cfg: &'a Gpt2Config,

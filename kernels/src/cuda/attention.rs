@@ -9,17 +9,6 @@ use crate::kir::{Attention, AttentionPart, Kernel, Ty};
 const BQ: u32 = 64;
 const BK: u32 = 32;
 
-/// Which params are [B, NH, T, hs] views (the others are the [B*NH, T] lse / delta rows).
-fn view_params(part: AttentionPart) -> &'static [usize] {
-    match part {
-        AttentionPart::Forward | AttentionPart::BackwardDelta => &[0, 1, 2, 3],
-        AttentionPart::BackwardQ => &[0, 1, 2, 3, 6],
-        AttentionPart::BackwardKV => &[0, 1, 2, 3, 6, 7],
-        AttentionPart::Lse => &[0, 1],
-        AttentionPart::BackwardV => &[0, 1, 2, 4],
-    }
-}
-
 pub fn launch_dims(a: &Attention) -> LaunchDims {
     let rows = |per: u32| (a.t as u32).div_ceil(per).max(1);
     let bh = (a.b * a.nh).max(1) as u32;
@@ -47,7 +36,7 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32)
     w.open("");
     w.line(format!("const qatc::AttnShape shape = {{{}, {}, {}}};  // NH, T, scale", a.nh, a.t, float_lit(a.scale, Ty::F32)));
     let mut args = vec!["shape".to_string()];
-    let views = view_params(a.part);
+    let views = a.part.roles().views();
     for (i, p) in k.params.iter().enumerate() {
         args.push(p.name.clone());
         if views.contains(&i) {

@@ -1,7 +1,6 @@
-//! Kernel IR -> CUDA C. One `extern "C" __global__` function per kernel, named
-//! `fused_{family}_{hash8}` where hash8 is the first 8 hex digits of the FNV-1a 64 hash of the
-//! source emitted under the bare name `fused_{family}`: identical kernels get identical names, and
-//! the name is the compile-cache key.
+//! Kernel IR -> CUDA C. One `extern "C" __global__` function per kernel, named by
+//! `Kernel::name` (`fused_{family}_{hash8}`, from the kernel's identity): identical kernels get
+//! identical names.
 //!
 //! Mapping: an Elements space is one thread per element (`idx`, coordinates `i0, i1, ..` where
 //! used); a Rows space with `RowMapping::Block` is one block per row whose threads stride over the
@@ -43,24 +42,8 @@ pub const HEADERS: [(&str, &str); 5] = [
     ("qatc_attention.cuh", include_str!("include/qatc_attention.cuh")),
 ];
 
-/// FNV-1a, 64 bit: stable across runs, platforms and Rust versions (std's hashers are not).
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-fn ident(s: &str) -> String {
-    s.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect()
-}
-
 pub fn emit(k: &Kernel) -> Result<CudaKernel, KernelError> {
-    let base = format!("fused_{}", ident(&k.family));
-    let draft = render(k, &base)?;
-    let name = format!("{base}_{:08x}", fnv1a64(draft.as_bytes()) >> 32);
+    let name = k.name();
     let source = render(k, &name)?;
     Ok(CudaKernel { name, family: k.family.clone(), source, launch: launch_dims(k) })
 }

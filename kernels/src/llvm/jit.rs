@@ -156,7 +156,7 @@ impl Jit {
         let mut engine: Option<ExecutionEngine<'static>> = None;
         let mut names = Vec::new();
         for k in kernels {
-            let name = super::kernel_name(k)?;
+            let name = k.name();
             let m = super::module(cx, k, &name)?;
             optimize(&m, &tm, &name, opts)?;
             let e = match &engine {

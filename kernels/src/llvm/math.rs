@@ -8,12 +8,14 @@ use inkwell::FloatPredicate;
 
 use qatc_ir::NF4;
 
+use crate::cephes::{LN2_HI, LN2_LO, POLY};
+
 use super::fb::{FnBuilder, R};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044715;
 
-/// e^x in f32: Cephes' range reduction (x = n ln2 + r, |r| <= ln2/2) and degree-6 polynomial,
+/// e^x in f32: Cephes' range reduction (x = n ln2 + r, |r| <= ln2/2) and polynomial (`cephes`),
 /// scaled by 2^n in two halves so that neither factor leaves the normal range. Within 2 ulp of
 /// libm's expf, and unlike a libm call it vectorizes. exp(-inf) = 0, exp(+inf) = inf, NaN stays.
 pub fn exp_f32<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatValue<'ctx>> {
@@ -22,13 +24,11 @@ pub fn exp_f32<'ctx>(f: &FnBuilder<'_, 'ctx>, x: FloatValue<'ctx>) -> R<FloatVal
     let xc = f.intrinsic("llvm.maxnum", &[x, c(-104.0)])?;
     let xc = f.intrinsic("llvm.minnum", &[xc, c(89.0)])?;
     let n = f.intrinsic("llvm.roundeven", &[b.build_float_mul(xc, c(std::f64::consts::LOG2_E), "t")?])?;
-    // ln 2 split in two so that n * C1 is exact
-    let r = b.build_float_sub(xc, b.build_float_mul(n, c(0.693_359_375), "hi")?, "r")?;
-    let r = b.build_float_sub(r, b.build_float_mul(n, c(-2.121_944_4e-4), "lo")?, "r")?;
-    let coef = [1.987_569_15e-4, 1.398_199_950_7e-3, 8.333_451_907_3e-3, 4.166_579_589_4e-2, 1.666_666_545_9e-1, 5.000_000_120_1e-1];
-    let mut p = c(coef[0]);
-    for &k in &coef[1..] {
-        p = b.build_float_add(b.build_float_mul(p, r, "p")?, c(k), "p")?;
+    let r = b.build_float_sub(xc, b.build_float_mul(n, c(f64::from(LN2_HI)), "hi")?, "r")?;
+    let r = b.build_float_sub(r, b.build_float_mul(n, c(f64::from(LN2_LO)), "lo")?, "r")?;
+    let mut p = c(f64::from(POLY[0]));
+    for &k in &POLY[1..] {
+        p = b.build_float_add(b.build_float_mul(p, r, "p")?, c(f64::from(k)), "p")?;
     }
     let z = b.build_float_mul(r, r, "z")?;
     let y = b.build_float_add(b.build_float_add(b.build_float_mul(p, z, "y")?, r, "y")?, c(1.0), "y")?;

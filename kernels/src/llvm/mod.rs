@@ -11,8 +11,8 @@
 //! `args[p]` is the base address of parameter p's buffer. The runtime splits `0..iterations`
 //! across threads; disjoint ranges write disjoint memory (i4 stores share a byte between
 //! neighbouring elements, so ranges start at even elements), and `AtomicAdd` is a compare-and-swap
-//! loop. The name is the CUDA kernel's (`fused_{family}_{hash8}`): one kernel, one name, on
-//! both targets.
+//! loop. The name is `Kernel::name` (`fused_{family}_{hash8}`), as in CUDA: one kernel, one name,
+//! on both targets.
 //!
 //! The exported function loads the parameter pointers and calls `NAME.body`, whose pointer
 //! parameters are `noalias` (a launch never passes one buffer twice; the runtime checks), so
@@ -37,11 +37,6 @@ use crate::kir::{Body, Kernel};
 
 pub use jit::{host_machine, Jit, JitOptions, KernelFn};
 
-/// The kernel's name, shared with the CUDA backend (a content hash of the kernel).
-pub fn kernel_name(k: &Kernel) -> Result<String, KernelError> {
-    Ok(crate::cuda::emit(k)?.name)
-}
-
 /// Builds the (unoptimized) module of one kernel.
 pub(crate) fn module<'ctx>(cx: &'ctx Context, k: &Kernel, name: &str) -> Result<Module<'ctx>, KernelError> {
     let m = cx.create_module(name);
@@ -55,10 +50,19 @@ pub(crate) fn module<'ctx>(cx: &'ctx Context, k: &Kernel, name: &str) -> Result<
     Ok(m)
 }
 
+/// One kernel as LLVM IR text as the backend builds it, before any optimization: independent of
+/// the host (the JIT adds the target and optimizes), so snapshot tests pin it: (name, text).
+pub fn emit_unoptimized_ir(k: &Kernel) -> Result<(String, String), KernelError> {
+    let name = k.name();
+    let cx = Context::create();
+    let m = module(&cx, k, &name)?;
+    Ok((name, m.print_to_string().to_string()))
+}
+
 /// One kernel as LLVM IR text, optimized for this machine exactly as the JIT compiles it
 /// (`qatc compile --emit-llvm`): (name, text).
 pub fn emit_ir(k: &Kernel) -> Result<(String, String), KernelError> {
-    let name = kernel_name(k)?;
+    let name = k.name();
     let cx = Context::create();
     let m = module(&cx, k, &name)?;
     let tm = host_machine()?;

@@ -102,7 +102,50 @@ struct Launch<'a> {
     note: String,
 }
 
-fn launch(lw: &mut Lowerer, l: &Launch, params: &[(&str, &View, bool)]) {
+/// An attention kernel's operands by role; `launch` puts each at the param its role has
+/// (`AttentionPart::roles`, the order every backend reads), named as the kernel's text names it.
+#[derive(Clone, Copy)]
+struct Operands<'v> {
+    q: &'v View,
+    k: &'v View,
+    v: Option<&'v View>,
+    dout: Option<&'v View>,
+    lse: &'v View,
+    delta: Option<&'v View>,
+    /// out | dq | dk, and dv for `BackwardKV`.
+    out: [Option<(&'static str, &'v View)>; 2],
+}
+
+impl<'v> Operands<'v> {
+    fn new(q: &'v View, k: &'v View, lse: &'v View) -> Operands<'v> {
+        Operands { q, k, v: None, dout: None, lse, delta: None, out: [None, None] }
+    }
+}
+
+fn launch<'v>(lw: &mut Lowerer, l: &Launch, ops: &Operands<'v>) -> Result<(), KernelError> {
+    let r = l.part.roles();
+    let mut slots: Vec<Option<(&'static str, &'v View, bool)>> = vec![None; r.count()];
+    let mut put = |at: Option<usize>, operand: Option<(&'static str, &'v View, bool)>| -> Result<(), KernelError> {
+        match (at, operand) {
+            (Some(i), Some(o)) => slots[i] = Some(o),
+            (None, None) => {}
+            (at, o) => return Err(KernelError::Internal(format!("attention {:?}: operand {:?} for param {at:?}", l.part, o.map(|o| o.0)))),
+        }
+        Ok(())
+    };
+    put(Some(r.q), Some(("q", ops.q, false)))?;
+    put(Some(r.k), Some(("k", ops.k, false)))?;
+    put(r.v, ops.v.map(|v| ("v", v, false)))?;
+    put(r.dout, ops.dout.map(|v| ("dout", v, false)))?;
+    put(Some(r.lse), Some(("lse", ops.lse, l.part.writes_lse())))?;
+    put(r.delta, ops.delta.map(|v| ("delta", v, l.part.writes_delta())))?;
+    for (at, o) in r.out.into_iter().zip(ops.out) {
+        put(at, o.map(|(name, v)| (name, v, true)))?;
+    }
+    let params = slots
+        .into_iter()
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| KernelError::Internal(format!("attention {:?}: a param without an operand", l.part)))?;
     let [b, nh, t, hs] = l.dims;
     let ps: Vec<Param> = params
         .iter()
@@ -126,34 +169,35 @@ fn launch(lw: &mut Lowerer, l: &Launch, params: &[(&str, &View, bool)]) {
     };
     let args = params.iter().map(|(_, v, _)| v.buf).collect();
     lw.push_kernel((kernel, args));
+    Ok(())
 }
 
 /// The row log-sum-exp of scale q k^T, computed once per (q, k).
-fn lse(lw: &mut Lowerer, l: &Launch, q: &View, k: &View) -> View {
+fn lse(lw: &mut Lowerer, l: &Launch, q: &View, k: &View) -> Result<View, KernelError> {
     let key = vec![q.clone(), k.clone()];
     if let Some(v) = lw.attn_stats.get(&key) {
-        return v.clone();
+        return Ok(v.clone());
     }
     let [b, nh, t, _] = l.dims;
     let out = lw.temp("attn_lse", DType::F32, &[b, nh, t]);
     let stats = Launch { part: AttentionPart::Lse, note: format!("{}: row log-sum-exp", l.note), ..*l };
-    launch(lw, &stats, &[("q", q, false), ("k", k, false), ("lse", &out, true)]);
+    launch(lw, &stats, &Operands::new(q, k, &out))?;
     lw.attn_stats.insert(key, out.clone());
-    out
+    Ok(out)
 }
 
-fn delta(lw: &mut Lowerer, l: &Launch, qkvd: [&View; 4], lse: &View) -> View {
+fn delta(lw: &mut Lowerer, l: &Launch, qkvd: [&View; 4], lse: &View) -> Result<View, KernelError> {
     let key: Vec<View> = qkvd.iter().map(|v| (*v).clone()).collect();
     if let Some(v) = lw.attn_stats.get(&key) {
-        return v.clone();
+        return Ok(v.clone());
     }
     let [b, nh, t, _] = l.dims;
     let out = lw.temp("attn_delta", DType::F32, &[b, nh, t]);
     let d = Launch { part: AttentionPart::BackwardDelta, note: format!("{}: delta", l.note), ..*l };
     let [q, k, v, dout] = qkvd;
-    launch(lw, &d, &[("q", q, false), ("k", k, false), ("v", v, false), ("dout", dout, false), ("lse", lse, false), ("delta", &out, true)]);
+    launch(lw, &d, &Operands { v: Some(v), dout: Some(dout), delta: Some(&out), ..Operands::new(q, k, lse) })?;
     lw.attn_stats.insert(key, out.clone());
-    out
+    Ok(out)
 }
 
 pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View, family: &str) -> Result<(), KernelError> {
@@ -166,44 +210,31 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
             let vs = views(lw, &[q, k, v])?;
             let l = Launch { part: AttentionPart::Forward, dims, scale, family, note };
             let lse = lw.temp("attn_lse", DType::F32, &[dims[0], dims[1], dims[2]]);
-            launch(lw, &l, &[("q", &vs[0], false), ("k", &vs[1], false), ("v", &vs[2], false), ("out", &dest, true), ("lse", &lse, true)]);
+            let ops = Operands { v: Some(&vs[2]), out: [Some(("out", &dest)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
+            launch(lw, &l, &ops)?;
             // the backward of this layer reads it instead of recomputing it
             lw.attn_stats.insert(vec![vs[0].clone(), vs[1].clone()], lse);
         }
         Match::Dv { q, k, dout, scale } => {
             let vs = views(lw, &[q, k, dout])?;
             let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note };
-            let lse = lse(lw, &l, &vs[0], &vs[1]);
-            launch(
-                lw,
-                &l,
-                &[("q", &vs[0], false), ("k", &vs[1], false), ("dout", &vs[2], false), ("lse", &lse, false), ("dv", &dest, true)],
-            );
+            let lse = lse(lw, &l, &vs[0], &vs[1])?;
+            let ops = Operands { dout: Some(&vs[2]), out: [Some(("dv", &dest)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
+            launch(lw, &l, &ops)?;
         }
         Match::Dq { q, k, v, dout, scale } | Match::Dk { q, k, v, dout, scale } => {
             let vs = views(lw, &[q, k, v, dout])?;
             let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note };
-            let lse = lse(lw, &l, &vs[0], &vs[1]);
-            let delta = delta(lw, &l, [&vs[0], &vs[1], &vs[2], &vs[3]], &lse);
-            let base = [
-                ("q", &vs[0], false),
-                ("k", &vs[1], false),
-                ("v", &vs[2], false),
-                ("dout", &vs[3], false),
-                ("lse", &lse, false),
-                ("delta", &delta, false),
-            ];
+            let lse = lse(lw, &l, &vs[0], &vs[1])?;
+            let delta = delta(lw, &l, [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
+            let base = Operands { v: Some(&vs[2]), dout: Some(&vs[3]), delta: Some(&delta), ..Operands::new(&vs[0], &vs[1], &lse) };
             if let Match::Dq { .. } = m {
-                let mut ps = base.to_vec();
-                ps.push(("dq", &dest, true));
-                launch(lw, &l, &ps);
+                launch(lw, &l, &Operands { out: [Some(("dq", &dest)), None], ..base })?;
             } else {
                 // one pass gives dk and dv; dv is not this node's value
                 let dv = lw.temp("attn_dv", DType::F32, &shape);
-                let mut ps = base.to_vec();
-                ps.push(("dk", &dest, true));
-                ps.push(("dv", &dv, true));
-                launch(lw, &Launch { part: AttentionPart::BackwardKV, ..l }, &ps);
+                let ops = Operands { out: [Some(("dk", &dest)), Some(("dv", &dv))], ..base };
+                launch(lw, &Launch { part: AttentionPart::BackwardKV, ..l }, &ops)?;
             }
         }
     }

@@ -31,9 +31,9 @@ pub fn inlinable(op: &Op) -> bool {
     )
 }
 
-/// qmax of symmetric `bits`-bit codes.
+/// qmax of symmetric `bits`-bit codes (`QuantSpec::sym_qmax`), as a kernel constant.
 pub fn qmax_sym(bits: u8) -> f64 {
-    ((1u32 << (bits - 1)) - 1) as f64
+    f64::from(qatc_ir::QuantSpec::sym_qmax(bits))
 }
 
 fn int_range(d: DType) -> (i64, i64) {

@@ -52,8 +52,9 @@ pub struct Ctx<'g> {
 #[derive(Default)]
 pub struct Lowerer {
     pub prog: Program,
-    /// Kernel IR (its Debug text) -> index in `prog.kernels`: one kernel, many launches.
-    ids: HashMap<String, usize>,
+    /// A kernel's identity (`Kernel::identity`) -> its index in `prog.kernels`: one kernel,
+    /// many launches.
+    ids: HashMap<u64, usize>,
     /// Attention statistics already computed, by the views they were computed from (buffers are
     /// written once, so equal views hold equal values): lse by [q, k], delta by [q, k, v, dout].
     pub attn_stats: HashMap<Vec<View>, View>,
@@ -94,9 +95,8 @@ impl Lowerer {
 
     pub fn push_kernel(&mut self, (kernel, args): (Kernel, Vec<BufId>)) {
         let note = kernel.note.clone();
-        let key = format!("{:?}", (&kernel.family, &kernel.params, &kernel.index_ty, &kernel.body));
         let next = self.prog.kernels.len();
-        let id = *self.ids.entry(key).or_insert(next);
+        let id = *self.ids.entry(kernel.identity()).or_insert(next);
         if id == next {
             self.prog.kernels.push(kernel);
         }

@@ -160,7 +160,7 @@ fn fake_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, spec: QuantSpec, shape: &[
             })?;
         }
         QuantScheme::Asym => {
-            let top = ((1u32 << spec.bits) - 1) as f64;
+            let top = f64::from(qatc_ir::QuantSpec::asym_levels(spec.bits));
             let rmin = fold(&mut kb, ReduceOp::Max, &|v| Expr::un(UnOp::Neg, v))?;
             let rmin = kb.bind(Ty::F32, Expr::bin(BinOp::Min, f(0.0), Expr::un(UnOp::Neg, rmin)));
             let rmax = fold(&mut kb, ReduceOp::Max, &|v| v)?;

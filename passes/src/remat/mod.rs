@@ -21,7 +21,7 @@ pub mod budget;
 mod chain;
 
 use qatc_ir::Graph;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use apply::Rewrite;
 
@@ -33,7 +33,7 @@ use crate::plan::{self, PlanOptions};
 
 const PASS: &str = "remat";
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Checkpoint {
     #[default]

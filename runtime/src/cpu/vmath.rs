@@ -4,10 +4,9 @@
 //! vectorizes it, compiled once for AVX2 + FMA (picked at run time) and once for the baseline.
 //! Relative error about 2 ulp; arguments below -87.3 give exp(-87.3) (~1e-38), not 0.
 
+use qatc_kernels::cephes::{LN2_HI as C1, LN2_LO as C2, POLY as P};
+
 const LOG2E: f32 = std::f32::consts::LOG2_E;
-const C1: f32 = 0.693_359_4;
-const C2: f32 = -2.121_944_4e-4;
-const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
 
 #[inline(always)]
 fn exp1(x: f32) -> f32 {

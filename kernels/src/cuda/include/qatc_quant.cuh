@@ -3,7 +3,7 @@
 
 namespace qatc {
 
-// QLoRA / bitsandbytes NormalFloat4 code values (quant::NF4).
+// QLoRA / bitsandbytes NormalFloat4 code values: qatc_ir::NF4 exactly (tested in cuda/mod.rs).
 __device__ __constant__ float NF4[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
     -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,

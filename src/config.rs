@@ -1,0 +1,460 @@
+//! The run's configuration as data: `qatc.json`, written beside every adapter, export and
+//! checkpoint. `qatc eval --adapter DIR` and `qatc export --adapter DIR` read it instead of
+//! asking for the quantization flags again, and `qatc train --resume` continues with it (an
+//! option given must agree with it, field by field: `cli::resume`).
+//!
+//! One value, three sections: `model` (what the graph is built with: quantization, LoRA, full
+//! fine-tune; all that eval and export need), `step` (the training step's shape, precision,
+//! optimizer, checkpoint policy, fusion and device) and `train` (the run: data, schedule, seed).
+//! The command line builds it in one place (`cli::StepArgs::config`, `cli::options`,
+//! `cli::train::Args::config`); it becomes the pipeline's
+//! `ModelOptions` / `StepOptions` here, in one place.
+//!
+//! The file is versioned (`version`), and unknown fields are refused: a file from a newer qatc
+//! is an error that says so, never silently half-read. A field added later is an `Option` or
+//! has a `#[serde(default)]`, so that the files of this version still read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_passes::lora::LoraOptions;
+use qatc_passes::optim::AdamW;
+use qatc_passes::quant::QuantOptions;
+use qatc_passes::remat::Checkpoint;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::runner::Device;
+use crate::schedule::Schedule;
+use crate::step::{ModelOptions, StepOptions};
+
+/// The file's name in an adapter, export or training output directory.
+pub const FILE: &str = "qatc.json";
+/// The version this qatc writes and reads.
+pub const VERSION: u32 = 1;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {why}")]
+    Invalid { path: PathBuf, why: String },
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub version: u32,
+    pub model: ModelConfig,
+    /// The training step (absent for an export of an adapter qatc did not train).
+    pub step: Option<StepConfig>,
+    /// The training run (absent outside `qatc train`).
+    pub train: Option<TrainConfig>,
+}
+
+/// What the model graph is built with: everything eval and export need.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The base checkpoint, as an absolute path.
+    pub path: String,
+    pub quant: Option<QuantConfig>,
+    pub lora: Option<LoraConfig>,
+    /// Every weight trains (no LoRA).
+    pub full_finetune: bool,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct QuantConfig {
+    /// The default quantization of the targeted modules.
+    pub bits: u8,
+    pub group: usize,
+    pub scheme: QuantScheme,
+    /// Module suffixes quantized with the default (`attn.c_attn`, `c_proj`, `lm_head`, ...).
+    pub targets: Vec<String>,
+    /// Per-module quantization from a bit map (`h.3.mlp.c_fc` -> spec; null: full precision).
+    pub modules: BTreeMap<String, Option<QuantSpec>>,
+    /// Dynamic per-token activation quantization of the targeted linears' inputs.
+    pub act_bits: Option<u8>,
+    pub qat: Qat,
+    pub scales: Scales,
+}
+
+/// `--qat`: what the fake-quantization sees.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Qat {
+    /// Fake-quantize the frozen base weight; LoRA adds in full precision.
+    #[default]
+    Base,
+    /// Fake-quantize W + scaling (BA)^T, the weight an export merges.
+    Merged,
+}
+
+/// `--scales`: how the quantization scales are found.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Scales {
+    /// From each group's range (absmax, or min and max), recomputed from the weight.
+    #[default]
+    Minmax,
+    /// Learned with the weights (LSQ); not in this build yet.
+    Learned,
+}
+
+/// LoRA as PEFT configures it (`adapter_config.json` says the same in PEFT's words).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LoraConfig {
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Vec<String>,
+    pub rslora: bool,
+}
+
+/// The training step.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StepConfig {
+    pub batch: usize,
+    pub seq: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    pub precision: PrecisionConfig,
+    pub optim: OptimConfig,
+    /// Which forward values the backward recomputes (`auto` and `budget` carry their bytes).
+    pub checkpoint: Checkpoint,
+    /// Kernel fusion (the `fuse` stage).
+    pub fuse: bool,
+    pub device: Device,
+    /// The reference interpreter instead of the compiled kernels.
+    pub interpreter: bool,
+}
+
+/// `--precision`: the storage type of the step's activations and weights.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    /// bfloat16 storage, f32 master weights; not in this build yet.
+    Bf16,
+    /// float16 storage with loss scaling; not in this build yet.
+    Fp16,
+}
+
+/// Mixed precision (loss-scale settings join `mode` when fp16 lands).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrecisionConfig {
+    pub mode: Precision,
+}
+
+/// `--optim` (one kind for now).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    #[default]
+    Adamw,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OptimConfig {
+    pub kind: Optimizer,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this.
+    pub clip: Option<f64>,
+}
+
+/// The training run: what data, for how long, in what order, at what learning rate.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The training data, as an absolute path.
+    pub data: String,
+    pub steps: usize,
+    pub lr: f64,
+    pub schedule: Schedule,
+    pub warmup: usize,
+    pub min_lr: f64,
+    pub shuffle: bool,
+    /// LoRA's initialisation and dropout masks, and the shuffled order.
+    pub seed: u64,
+    /// The adapter LoRA started from (absolute path), instead of a fresh initialisation.
+    pub init_adapter: Option<String>,
+}
+
+impl QuantConfig {
+    /// The quantization pass's options.
+    pub fn options(&self) -> QuantOptions {
+        QuantOptions {
+            spec: QuantSpec { bits: self.bits, group: self.group, scheme: self.scheme },
+            targets: self.targets.clone(),
+            per_module: self.modules.clone(),
+            act_bits: self.act_bits,
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if !(2..=8).contains(&self.bits) {
+            return Err(format!("--bits must be 2..8, got {}", self.bits));
+        }
+        if let Some(a) = self.act_bits {
+            if !(2..=8).contains(&a) {
+                return Err(format!("--act-bits must be 2..8, got {a}"));
+            }
+        }
+        if self.scales == Scales::Learned {
+            return Err("--scales learned: learned quantization scales are not in this build yet; use --scales minmax".into());
+        }
+        Ok(())
+    }
+}
+
+impl LoraConfig {
+    pub fn from_options(o: &LoraOptions) -> LoraConfig {
+        LoraConfig { r: o.r, alpha: o.alpha, dropout: o.dropout, targets: o.targets.clone(), rslora: o.rslora }
+    }
+
+    /// The LoRA pass's options; `merged` with `--qat merged`.
+    pub fn options(&self, merged: bool) -> LoraOptions {
+        LoraOptions { r: self.r, alpha: self.alpha, dropout: self.dropout, targets: self.targets.clone(), rslora: self.rslora, merged }
+    }
+}
+
+impl ModelConfig {
+    /// The model graph's options; `training` false freezes every weight (and LoRA dropout).
+    pub fn options(&self, training: bool) -> ModelOptions {
+        let merged = self.quant.as_ref().is_some_and(|q| q.qat == Qat::Merged);
+        ModelOptions {
+            quant: self.quant.as_ref().map(QuantConfig::options),
+            lora: self.lora.as_ref().map(|l| l.options(merged)),
+            full_finetune: self.full_finetune,
+            training,
+        }
+    }
+
+    /// The rules a model configuration obeys, whether the flags or a file made it.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(q) = &self.quant {
+            q.check()?;
+            if q.qat == Qat::Merged && self.lora.is_none() {
+                return Err("--qat merged needs --bits and --lora".into());
+            }
+        }
+        if self.full_finetune && self.lora.is_some() {
+            return Err("--full-finetune and --lora exclude each other".into());
+        }
+        if let Some(l) = &self.lora {
+            if l.r == 0 {
+                return Err("--lora r must be at least 1".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl StepConfig {
+    pub fn check(&self) -> Result<(), String> {
+        if self.batch == 0 || self.seq == 0 {
+            return Err("--batch and --seq must be at least 1".into());
+        }
+        if self.grad_accum == 0 {
+            return Err("--grad-accum must be at least 1".into());
+        }
+        let o = &self.optim;
+        if let Some(c) = o.clip {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(format!("--clip must be a positive number, got {c}"));
+            }
+        }
+        if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
+            return Err(format!("--weight-decay must be >= 0, got {}", o.weight_decay));
+        }
+        if self.precision.mode != Precision::Fp32 {
+            return Err(format!(
+                "--precision {}: mixed precision is not in this build yet; use --precision fp32",
+                serde_json::to_value(self.precision.mode).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl TrainConfig {
+    pub fn check(&self) -> Result<(), String> {
+        if self.steps == 0 {
+            return Err("--steps must be at least 1".into());
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite() && (0.0..=self.lr).contains(&self.min_lr)) {
+            return Err("--lr must be a positive number and --min-lr within [0, lr]".into());
+        }
+        Ok(())
+    }
+
+    /// The learning rate of every step.
+    pub fn lr_schedule(&self) -> crate::schedule::LrSchedule {
+        crate::schedule::LrSchedule { lr: self.lr, warmup: self.warmup, kind: self.schedule, min_lr: self.min_lr, total: self.steps }
+    }
+}
+
+impl RunConfig {
+    /// Checks every section present.
+    pub fn check(&self) -> Result<(), String> {
+        self.model.check()?;
+        if let Some(s) = &self.step {
+            s.check()?;
+        }
+        if let Some(t) = &self.train {
+            t.check()?;
+        }
+        Ok(())
+    }
+
+    /// The training step's options (the model's, `training` on). Needs the `step` section.
+    pub fn step_options(&self) -> Result<StepOptions, String> {
+        let s = self.step.as_ref().ok_or("internal: a configuration without a step section")?;
+        let mut o = StepOptions::new(s.batch, s.seq);
+        o.model = self.model.options(true);
+        o.grad_accum = s.grad_accum;
+        o.clip = s.optim.clip;
+        o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay };
+        o.checkpoint = s.checkpoint;
+        o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
+        Ok(o)
+    }
+
+    /// The file's text: pretty JSON, one trailing newline.
+    pub fn to_json(&self) -> String {
+        // a tree of plain values: serializing it cannot fail
+        serde_json::to_string_pretty(self).map(|s| s + "\n").unwrap_or_default()
+    }
+
+    /// Parses a `qatc.json`'s text; `path` names it in errors.
+    pub fn from_json(text: &str, path: &Path) -> Result<RunConfig, ConfigError> {
+        let bad = |why: String| ConfigError::Invalid { path: path.to_path_buf(), why };
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        match v.get("version").and_then(|v| v.as_u64()) {
+            Some(n) if n == u64::from(VERSION) => {}
+            Some(n) => {
+                return Err(bad(format!("version {n} is not one this qatc reads (it reads version {VERSION}); a newer qatc wrote it?")))
+            }
+            None => return Err(bad("no `version`: not a qatc run configuration".into())),
+        }
+        let c: RunConfig = serde_json::from_value(v).map_err(|e| bad(format!("not a qatc run configuration: {e}")))?;
+        c.check().map_err(bad)?;
+        Ok(c)
+    }
+
+    /// Reads `DIR/qatc.json`.
+    pub fn read(dir: &Path) -> Result<RunConfig, ConfigError> {
+        let path = dir.join(FILE);
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io { path: path.clone(), source })?;
+        RunConfig::from_json(&text, &path)
+    }
+
+    /// `DIR/qatc.json` if the directory has one.
+    pub fn read_if_any(dir: &Path) -> Result<Option<RunConfig>, ConfigError> {
+        if dir.join(FILE).exists() {
+            RunConfig::read(dir).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+/// Every difference between two configurations, in field order, as (field, A, B): the field a
+/// dotted path (`model.quant.modules.h.0.mlp.c_fc.bits`), the values as JSON. An object on one
+/// side and anything else on the other is one difference at the object's path.
+pub fn differences(a: &RunConfig, b: &RunConfig) -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    if let (Ok(va), Ok(vb)) = (serde_json::to_value(a), serde_json::to_value(b)) {
+        diff_values("", &va, &vb, &mut out);
+    }
+    out
+}
+
+/// The first of `differences`, or None when the configurations are equal.
+pub fn first_difference(a: &RunConfig, b: &RunConfig) -> Option<(String, String, String)> {
+    differences(a, b).into_iter().next()
+}
+
+fn diff_values(at: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<(String, String, String)>) {
+    use serde_json::Value;
+    let join = |k: &str| if at.is_empty() { k.to_string() } else { format!("{at}.{k}") };
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                diff_values(&join(k), x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null), out);
+            }
+        }
+        _ if a == b => {}
+        _ => out.push((at.to_string(), a.to_string(), b.to_string())),
+    }
+}
+
+/// A path as the configuration records it: absolute (and canonical when it exists), so that
+/// the same file named from another directory compares equal.
+pub fn absolute(p: &Path) -> String {
+    let abs = std::fs::canonicalize(p).or_else(|_| std::path::absolute(p)).unwrap_or_else(|_| p.to_path_buf());
+    abs.display().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> RunConfig {
+        RunConfig {
+            version: VERSION,
+            model: ModelConfig {
+                path: "/m/model.safetensors".into(),
+                quant: Some(QuantConfig {
+                    bits: 3,
+                    group: 32,
+                    scheme: QuantScheme::Sym,
+                    targets: vec!["c_attn".into()],
+                    modules: BTreeMap::from([("h.0.mlp.c_fc".into(), Some(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Nf4 }))]),
+                    act_bits: None,
+                    qat: Qat::Base,
+                    scales: Scales::Minmax,
+                }),
+                lora: Some(LoraConfig { r: 4, alpha: 8.0, dropout: 0.0, targets: vec!["c_attn".into()], rslora: false }),
+                full_finetune: false,
+            },
+            step: None,
+            train: None,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_names_the_first_difference() {
+        let c = sample();
+        let back = RunConfig::from_json(&c.to_json(), Path::new("x")).unwrap();
+        assert_eq!(back, c);
+        let mut d = c.clone();
+        if let Some(q) = d.model.quant.as_mut() {
+            q.modules.insert("h.0.mlp.c_fc".into(), Some(QuantSpec { bits: 3, group: 32, scheme: QuantScheme::Nf4 }));
+        }
+        let (field, a, b) = first_difference(&c, &d).unwrap();
+        assert_eq!((field.as_str(), a.as_str(), b.as_str()), ("model.quant.modules.h.0.mlp.c_fc.bits", "4", "3"));
+        assert!(first_difference(&c, &c).is_none());
+    }
+
+    #[test]
+    fn unknown_versions_and_fields_are_refused() {
+        let text = sample().to_json();
+        let e = RunConfig::from_json(&text.replace("\"version\": 1", "\"version\": 7"), Path::new("d/qatc.json")).unwrap_err();
+        assert!(e.to_string().contains("version 7 is not one this qatc reads"), "{e}");
+        let e = RunConfig::from_json(&text.replace("\"full_finetune\"", "\"bogus\": 1, \"full_finetune\""), Path::new("q")).unwrap_err();
+        assert!(e.to_string().contains("unknown field `bogus`"), "{e}");
+    }
+}
