@@ -10,12 +10,14 @@
 //!   autodiff     reverse-mode gradients of the loss
 //!   clip         global-norm clipping                               [--clip]
 //!   adamw        the AdamW update, moments and step count as state
+//!   precision    bf16/fp16 storage, f32 masters; fp16 loss scaling   [--precision]
 //!   remat        recompute instead of saving, by checkpoint policy  [--checkpoint, --memory]
 //!   fuse         kernel fusion by equality saturation (egg)         [on in the CLI; --no-fuse]
 
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::{self, LoraOptions};
 use qatc_passes::optim::AdamW;
+use qatc_passes::precision::{self, LossScaling, Precision};
 use qatc_passes::quant::{self, QuantOptions};
 use qatc_passes::{autodiff, microbatch, optim, pipeline, Pass, PassError, PassReport};
 
@@ -23,7 +25,7 @@ use crate::frontend::config::Gpt2Config;
 use crate::frontend::gpt2::{lower, LowerOptions};
 
 /// Every stage in pipeline order, with what it does (for `qatc dump --list` and errors).
-pub const STAGES: [(&str, &str); 11] = [
+pub const STAGES: [(&str, &str); 12] = [
     ("lower", "the forward pass and mean cross-entropy, from the checkpoint"),
     ("fake_quant", "FakeQuant on the targeted weights, straight-through gradient (--bits)"),
     ("lora", "LoRA branches y += scaling * (x A^T) B^T with trainable A, B (--lora)"),
@@ -33,6 +35,7 @@ pub const STAGES: [(&str, &str); 11] = [
     ("autodiff", "reverse-mode gradients of the loss for the trainable weights"),
     ("clip", "global-norm gradient clipping (--clip X)"),
     ("adamw", "the AdamW update with its moments and step count as state"),
+    ("precision", "bf16/fp16 activations, gradients and GEMM operands, f32 master weights; fp16 loss scaling (--precision)"),
     ("remat", "checkpointing: forward values recomputed in the backward, NAME.recompute (--checkpoint)"),
     ("fuse", "kernel fusion by equality saturation (egg): one Kernel node per fused group (--no-fuse)"),
 ];
@@ -64,6 +67,10 @@ pub struct StepOptions {
     pub checkpoint: qatc_passes::remat::Checkpoint,
     /// Fuse the step into kernels, last (None skips it; the CLI fuses unless --no-fuse).
     pub fuse: Option<qatc_passes::fusion::FuseOptions>,
+    /// The storage type of activations, gradients and GEMM operands (`precision`).
+    pub precision: Precision,
+    /// fp16's dynamic loss scaling (GradScaler's defaults).
+    pub loss_scaling: LossScaling,
 }
 
 impl StepOptions {
@@ -78,6 +85,8 @@ impl StepOptions {
             model: ModelOptions { full_finetune: true, training: true, ..Default::default() },
             checkpoint: Default::default(),
             fuse: None,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::default(),
         }
     }
 }
@@ -134,6 +143,27 @@ pub fn model(
     pipeline::run(g, passes, after)
 }
 
+/// The model graph for evaluation (the loss, and the logits when asked): `model`, then the
+/// `precision` stage when `p` is not fp32.
+pub fn evaluation(
+    cfg: &Gpt2Config,
+    batch: usize,
+    seq: usize,
+    logits: bool,
+    mo: &ModelOptions,
+    p: Precision,
+    mut after: impl FnMut(&'static str, &Graph),
+) -> Result<(Graph, Vec<PassReport>), PassError> {
+    let (g, mut reports) = model(cfg, batch, seq, logits, mo, &mut after)?;
+    if p == Precision::Fp32 {
+        return Ok((g, reports));
+    }
+    let h = LossScaling::default();
+    let (g, more) = pipeline::run(g, vec![Pass::new("precision", move |g| precision::precision(g, p, &h))], after)?;
+    reports.extend(more);
+    Ok((g, reports))
+}
+
 /// The joint forward + backward + AdamW step from the model graph.
 pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(&'static str, &Graph)) -> Result<(Graph, Vec<PassReport>), PassError> {
     let k = opts.grad_accum;
@@ -143,6 +173,10 @@ pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(&'static str, 
     }
     let (h, keep) = (opts.adamw.clone(), opts.keep_grads);
     passes.push(Pass::new("adamw", move |g| optim::adamw(g, &h, keep)));
+    if opts.precision != Precision::Fp32 {
+        let (p, s) = (opts.precision, opts.loss_scaling.clone());
+        passes.push(Pass::new("precision", move |g| precision::precision(g, p, &s)));
+    }
     if opts.checkpoint != qatc_passes::remat::Checkpoint::None {
         let c = opts.checkpoint;
         passes.push(Pass::new("remat", move |g| qatc_passes::remat::remat(g, c, &Default::default())));

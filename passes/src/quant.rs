@@ -127,7 +127,7 @@ pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         if spec.scheme.has_zero_point() {
             ops.push(g.input(zn, InputKind::Frozen, DType::F32, Shape::new([groups, n_out])).in_pass(PASS)?);
         }
-        let dq = g.add_node(Op::Dequantize { spec }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
+        let dq = g.add_node(Op::Dequantize { spec, to: DType::F32 }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
         g.replace_all_uses(id, dq);
         r.count("weights", 1);
         r.count("bytes_before", g.ty(w).bytes() as i64);

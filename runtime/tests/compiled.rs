@@ -266,7 +266,7 @@ fn dequantized_i4_weights_feed_a_matmul() {
             let z: Vec<f64> = rng.ints(groups * n_out, 16).into_iter().map(f64::from).collect();
             inputs.insert("zeros".to_string(), Value::floats([groups, n_out], &z).unwrap());
         }
-        let w = g.add(Op::Dequantize { spec }, &ops).unwrap();
+        let w = g.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &ops).unwrap();
         let y = g.add(Op::MatMul { ta: false, tb: false }, &[x, w]).unwrap();
         g.set_output("w", w).unwrap();
         g.set_output("y", y).unwrap();

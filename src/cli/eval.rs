@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use qatc_passes::precision::Precision;
 use qatc_runtime::{IntTensor, Interpreter, Value};
 
 use super::options;
@@ -33,6 +34,9 @@ pub struct Args {
     /// A PEFT LoRA adapter directory to apply.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// Storage type of activations (and GEMM operands): fp32, bf16 or fp16.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -47,13 +51,15 @@ pub struct EvalResult {
 pub struct EvalSetup {
     pub model: ModelOptions,
     pub adapter: Option<Adapter>,
+    /// The storage type the forward runs in (`--precision`).
+    pub precision: Precision,
 }
 
 impl EvalSetup {
-    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>) -> anyhow::Result<EvalSetup> {
+    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>, precision: Precision) -> anyhow::Result<EvalSetup> {
         let adapter = adapter.map(crate::adapter::read).transpose()?;
         let lora = adapter.as_ref().map(|a| a.options());
-        Ok(EvalSetup { model: options::model_options(quant, lora, false, false)?, adapter })
+        Ok(EvalSetup { model: options::model_options(quant, lora, false, false)?, adapter, precision })
     }
 }
 
@@ -87,7 +93,7 @@ fn run_eval(
     state: Option<&HashMap<String, Value<f32>>>,
     show: bool,
 ) -> anyhow::Result<EvalResult> {
-    let (g, _) = step::model(&m.cfg, b, t, false, &setup.model, |_, _| {})?;
+    let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
     let interp = Interpreter::<f32>::new(&g)?;
     let mut inputs = m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?;
     if let Some(st) = state {
@@ -149,7 +155,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref())?;
+    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);

@@ -13,6 +13,7 @@ pub mod train;
 use std::path::Path;
 
 use anyhow::Context;
+use qatc_passes::precision::Precision;
 
 use crate::model::Model;
 
@@ -85,6 +86,10 @@ pub struct StepArgs {
     /// Skip kernel fusion (the `fuse` stage): the step stays one op per node.
     #[arg(long)]
     pub no_fuse: bool,
+    /// Storage type of activations, gradients and GEMM operands: fp32, bf16 (f32 master weights),
+    /// or fp16 (f32 masters and dynamic loss scaling).
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
 }
 
 impl StepArgs {
@@ -109,6 +114,7 @@ impl StepArgs {
         o.adamw.weight_decay = self.weight_decay;
         o.checkpoint = self.checkpoint_policy()?;
         o.fuse = (!self.no_fuse).then(qatc_passes::fusion::FuseOptions::default);
+        o.precision = self.precision;
         Ok(o)
     }
 }

@@ -22,6 +22,7 @@ use crate::model::Model;
 use crate::runner::Device;
 use crate::schedule::{DataOrder, LrSchedule};
 pub use crate::trainer::{weights_safetensors, Trainer};
+use qatc_passes::precision::GRADS_FINITE;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -100,6 +101,12 @@ pub struct StepLog {
     pub tokens_per_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// With loss scaling (fp16): the scale this step used, and the steps skipped so far (a
+    /// non-finite gradient leaves the weights, moments and step count unchanged).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<usize>,
 }
 
 /// What a resume needs besides the tensors: where the run stands and what it was run with.
@@ -109,13 +116,16 @@ struct ResumeInfo {
     step: usize,
     /// The options that must match for an exact continuation.
     fingerprint: String,
+    /// Steps skipped by loss scaling so far.
+    #[serde(default)]
+    skipped: usize,
 }
 
 fn fingerprint(a: &Args) -> String {
     let s = &a.step;
     format!(
-        "model={} data={} B={} T={} K={} clip={:?} wd={} quant={:?} lora={:?} full={} seed={} lr={} warmup={} schedule={} min_lr={} shuffle={} steps={}",
-        a.model.display(), a.data.display(), s.batch, s.seq, s.grad_accum, s.clip, s.weight_decay,
+        "model={} data={} B={} T={} K={} clip={:?} wd={} precision={} quant={:?} lora={:?} full={} seed={} lr={} warmup={} schedule={} min_lr={} shuffle={} steps={}",
+        a.model.display(), a.data.display(), s.batch, s.seq, s.grad_accum, s.clip, s.weight_decay, s.precision,
         (s.quant.bits, s.quant.group, &s.quant.scheme, &s.quant.quant_targets, s.quant.act_bits, &s.quant.qat),
         s.lora, s.full_finetune, s.seed, a.lr, a.warmup, a.schedule, a.min_lr, a.shuffle, a.steps
     )
@@ -145,7 +155,7 @@ fn check(a: &Args) -> anyhow::Result<LrSchedule> {
 
 /// Writes the adapter (or full weights) into `out` and the resume state into `out/checkpoint`,
 /// each file atomically, the checkpoint directory swapped in whole.
-fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize) -> anyhow::Result<()> {
+fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize, skipped: usize) -> anyhow::Result<()> {
     match &tr.opts.model.lora {
         Some(l) => {
             let (cfg, st) = crate::adapter::to_files(l, &tr.weights()?, &a.model.display().to_string())?;
@@ -159,7 +169,7 @@ fn save(out: &Path, tr: &Trainer, m: &Model, a: &Args, step: usize) -> anyhow::R
     }
     let ck = OutDir::create(&out.join("checkpoint"), "resume.json")?;
     ck.write("state.safetensors", tr.save_state()?)?;
-    ck.write("resume.json", serde_json::to_string_pretty(&ResumeInfo { step, fingerprint: fingerprint(a) })? + "\n")?;
+    ck.write("resume.json", serde_json::to_string_pretty(&ResumeInfo { step, fingerprint: fingerprint(a), skipped })? + "\n")?;
     ck.commit()?;
     Ok(())
 }
@@ -194,7 +204,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             if info.fingerprint != fingerprint(a) {
                 anyhow::bail!("{}: the run was started with other options; resume with the same ones ({})", p.display(), info.fingerprint);
             }
-            Some((info.step, dir.join("checkpoint/state.safetensors")))
+            Some((info.step, info.skipped, dir.join("checkpoint/state.safetensors")))
         }
         None => None,
     };
@@ -204,12 +214,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), a.step.seed, engine, &cpu)?;
     tr.set_profile(a.profile);
     eprintln!("qatc: the step runs {}", tr.describe());
-    let start = match &resume {
-        Some((step, state)) => {
+    let (start, mut skipped) = match &resume {
+        Some((step, skipped, state)) => {
             tr.load_state(state)?;
-            *step
+            (*step, *skipped)
         }
-        None => 0,
+        None => (0, 0),
     };
     // OUT is created up front so that saves land in it; a fresh run refuses a foreign directory.
     if resume.is_none() {
@@ -237,6 +247,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             mo
         },
         adapter: None,
+        precision: tr.opts.precision,
     };
     let pb = super::progress((a.steps - start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
@@ -245,8 +256,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
         let lr = sched.at(s);
+        let scale = tr.loss_scale()?;
         let out = tr.step_on(&data, &batches, lr, (s * k) as u64)?;
         let loss = super::eval::scalar(&out, "loss")?;
+        if out.contains_key(GRADS_FINITE) && super::eval::scalar(&out, GRADS_FINITE)? == 0.0 {
+            skipped += 1;
+        }
         let tps = tokens_per_step as f64 / t0.elapsed().as_secs_f64();
         if !loss.is_finite() {
             anyhow::bail!("step {s}: the loss is {loss}; stopping (lower --lr or set --clip)");
@@ -262,7 +277,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             _ => None,
         };
         if let Some(w) = log.as_mut() {
-            writeln!(w, "{}", serde_json::to_string(&StepLog { step: s, loss, lr, tokens_per_s: tps, val_loss })?)?;
+            let skipped = scale.map(|_| skipped);
+            writeln!(
+                w,
+                "{}",
+                serde_json::to_string(&StepLog { step: s, loss, lr, tokens_per_s: tps, val_loss, loss_scale: scale, skipped })?
+            )?;
             w.flush()?;
         }
         if first.is_nan() {
@@ -273,13 +293,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             val_curve.push((done, v));
         }
         last = loss;
+        let scaling = match scale {
+            Some(sc) => format!("  scale {sc}  skipped {skipped}"),
+            None => String::new(),
+        };
         pb.set_message(match val_loss {
-            Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s"),
-            None => format!("loss {loss:.4}  {tps:.0} tok/s"),
+            Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s{scaling}"),
+            None => format!("loss {loss:.4}  {tps:.0} tok/s{scaling}"),
         });
         pb.inc(1);
         if (a.save_every > 0 && done % a.save_every == 0) || done == a.steps {
-            save(&a.out, &tr, &m, a, done)?;
+            save(&a.out, &tr, &m, a, done, skipped)?;
         }
     }
     pb.finish_and_clear();
@@ -298,8 +322,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let n = curve.len().min(10);
     let mean = |xs: &[(usize, f64)]| if xs.is_empty() { f64::NAN } else { xs.iter().map(|x| x.1).sum::<f64>() / xs.len() as f64 };
     let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (first, last) };
+    let scaling = match tr.loss_scale()? {
+        Some(sc) => format!("; loss scale {sc}, {skipped} steps skipped (non-finite gradients)"),
+        None => String::new(),
+    };
     println!(
-        "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps); {what} in {}",
+        "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps){scaling}; {what} in {}",
         a.steps,
         n.max(1),
         a.out.display()

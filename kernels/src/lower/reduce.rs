@@ -91,6 +91,19 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             launch!(lw, kb, &a.family, Space::Rows { rows: c, mapping: RowMapping::Thread }, note)
         }
         Op::FakeQuant { spec } => fake_quant(lw, cx, a, spec, &shape, note),
+        Op::AllFinite => {
+            // one row over every element: the largest "not finite" indicator, 0 or 1 (an element
+            // is finite when v - v == 0, false for infinities and NaN), then 1 - it
+            let x = ops[0];
+            let n = g.ty(x).numel();
+            let mut kb = lw.kb_rows(cx, 1, &[&a.dest]);
+            let (lp, j) = kb.open_loop(Expr::Int(n as i64), n);
+            let v = kb.value(x, &Pos::Lin(j))?;
+            let finite = Expr::bin(BinOp::Eq, Expr::bin(BinOp::Sub, v.clone(), v), f(0.0));
+            let bad = kb.close_reduce(lp, ReduceOp::Max, Ty::F32, Expr::select(finite, f(0.0), f(1.0)));
+            emit_out(&mut kb, a, Pos::Coords(vec![]), Expr::bin(BinOp::Sub, f(1.0), bad))?;
+            launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, note)
+        }
         Op::ScatterAdd { rows } => {
             // zero the table, then add every dy row into row ids[n] with atomics: fast, but the
             // order of the additions (and so the last bits) varies from run to run
