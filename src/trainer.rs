@@ -65,6 +65,20 @@ impl Trainer {
         cpu: &CpuOptions,
     ) -> anyhow::Result<Trainer> {
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
+        Self::with_graph(m, graph, opts, adapter, seed, engine, cpu)
+    }
+
+    /// As `with_engine`, on a step graph built by the caller from `opts` (tests graft nodes into
+    /// it, e.g. an injected overflow).
+    pub fn with_graph(
+        m: &Model,
+        graph: Graph,
+        opts: step::StepOptions,
+        adapter: Option<&Adapter>,
+        seed: u64,
+        engine: Engine,
+        cpu: &CpuOptions,
+    ) -> anyhow::Result<Trainer> {
         let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
         // the weights go to the executor once; no host copy is kept
         for (name, v) in m.bind::<f32>(&graph, adapter, seed)? {
