@@ -190,3 +190,51 @@ fn the_loss_scale_is_saved_and_restored_with_the_run() {
     assert_eq!(a["loss"], b["loss"]);
     assert_eq!(tr.state[LOSS_SCALE], resumed.state[LOSS_SCALE]);
 }
+
+fn activations_at_peak(p: &qatc_passes::plan::Plan) -> usize {
+    p.at_peak.iter().find(|(c, _)| *c == qatc_passes::plan::Category::Activations).map_or(0, |(_, b)| *b)
+}
+
+/// `qatc plan --precision bf16` on GPT-2 124M, B 8, T 1024, 4-bit + LoRA: the activations at the
+/// peak are at most 0.55x of fp32's (the bound; they are stored in 2 bytes instead of 4).
+#[test]
+fn bf16_plans_at_most_0_55x_of_the_f32_activations_on_124m() {
+    let cfg = Gpt2Config::preset("124M").unwrap();
+    let mut o = StepOptions::new(8, 1024);
+    o.model.full_finetune = false;
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 64, scheme: QuantScheme::Sym }));
+    o.model.lora = Some(LoraOptions::new(16));
+    let (_, _, f32_plan) = qatc::cli::plan::build(&cfg, &o).unwrap();
+    o.precision = Precision::Bf16;
+    let (_, _, bf16_plan) = qatc::cli::plan::build(&cfg, &o).unwrap();
+    let (a32, a16) = (activations_at_peak(&f32_plan), activations_at_peak(&bf16_plan));
+    eprintln!("124M B8 T1024 activations at the peak: fp32 {a32} B, bf16 {a16} B ({:.3}x)", a16 as f64 / a32 as f64);
+    assert!(a32 > 0 && (a16 as f64) <= 0.55 * a32 as f64, "bf16 {a16} vs fp32 {a32}");
+}
+
+/// The compiled CPU program of a bf16 step lays out its buffers in about the arena the plan
+/// says (the program is fused, so a little less): the executor holds what the plan says.
+#[test]
+fn the_cpu_executor_holds_what_the_bf16_plan_says() {
+    let m = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
+    let mut o = qlora(4, 128, Precision::Bf16);
+    o.clip = None;
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 }));
+    o.model.lora = Some(LoraOptions::new(16));
+    let (_, _, plan) = qatc::cli::plan::build(&m.cfg, &o).unwrap();
+    o.fuse = Some(Default::default());
+    let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
+    let mut prog = qatc_kernels::lower(&g).unwrap();
+    qatc_kernels::panels::feed_panels(&mut prog, 8 << 20);
+    let mut cp = qatc_runtime::CpuProgram::with_kir_eval(prog).unwrap();
+    let frozen =
+        g.inputs().into_iter().filter(|&i| g.input_kind(i) == Some(InputKind::Frozen)).filter_map(|i| g.node(i).name.clone()).collect();
+    cp.hoist(&frozen).unwrap();
+    let held = cp.layout_report().arena_bytes;
+    eprintln!("bf16 demo step: executor arena {held} B, planned arena {} B", plan.arena_bytes);
+    assert!(
+        held as f64 <= 1.05 * plan.arena_bytes as f64 && held as f64 >= 0.5 * plan.arena_bytes as f64,
+        "{held} vs {}",
+        plan.arena_bytes
+    );
+}
