@@ -15,8 +15,8 @@ use anyhow::Context;
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
-use qatc_runtime::{CpuOptions, IntTensor, Tensor, TrainStep, Value};
 use qatc_passes::precision::LOSS_SCALE;
+use qatc_runtime::{CpuOptions, IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
 use crate::data::TokenFile;

@@ -31,7 +31,7 @@ use qatc_ir::{BinaryOp, DType, Graph, InputKind, Op, QuantScheme, QuantSpec, Sha
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::{self, LossScaling, Precision, GRADS_FINITE};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::{Interpreter, Tensor, Value};
+use qatc_runtime::{CpuOptions, Interpreter, Tensor, Value};
 use serde_json::Value as Json;
 
 const LOSS_TOL: f64 = 2e-2;
@@ -108,9 +108,9 @@ fn run(model: &str, p: Precision, engine: Engine) -> Run {
         graft_poke(&mut g, gs["overflow_param"].as_str().unwrap());
         let (g, _) = precision::precision(g, p, &o.loss_scaling).unwrap();
         qatc_ir::verify(&g).unwrap();
-        Trainer::with_graph(&m, g, o.clone(), Some(&init), 0, engine).unwrap()
+        Trainer::with_graph(&m, g, o.clone(), Some(&init), 0, engine, &CpuOptions::default()).unwrap()
     } else {
-        Trainer::with_engine(&m, o.clone(), Some(&init), 0, engine).unwrap()
+        Trainer::with_engine(&m, o.clone(), Some(&init), 0, engine, &CpuOptions::default()).unwrap()
     };
     let steps = j["steps"].as_u64().unwrap() as usize;
     let overflow = gs["overflow_step"].as_u64().unwrap() as usize;
@@ -119,9 +119,9 @@ fn run(model: &str, p: Precision, engine: Engine) -> Run {
     let mut r = Run { losses: Vec::new(), scales: Vec::new(), skipped: Vec::new(), lora: HashMap::new() };
     for s in 0..steps {
         if inject {
-            tr.state.insert(POKE.into(), Value::scalar(if s == overflow { f64::INFINITY } else { 1.0 }));
+            tr.set_input(POKE, Value::scalar(if s == overflow { f64::INFINITY } else { 1.0 })).unwrap();
         }
-        let scale = tr.loss_scale();
+        let scale = tr.loss_scale().unwrap();
         let b = batches.map_or(s, |n| s % n);
         let out = tr.step_on(&data, &[b], lr, s as u64).unwrap();
         r.losses.push(f64::from(out["loss"].as_float().unwrap().data[0]));
@@ -130,7 +130,7 @@ fn run(model: &str, p: Precision, engine: Engine) -> Run {
             r.skipped.push(out[GRADS_FINITE].as_float().unwrap().data[0] == 0.0);
         }
     }
-    for (name, t) in tr.weights() {
+    for (name, t) in tr.weights().unwrap() {
         r.lora.insert(name, t.data.iter().map(|&v| f64::from(v)).collect());
     }
     r

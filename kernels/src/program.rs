@@ -143,6 +143,9 @@ pub struct GemmTypes {
 }
 
 impl GemmTypes {
+    /// f32 operands and destination, no bias.
+    pub const F32: GemmTypes = GemmTypes { a: DType::F32, b: DType::F32, c: DType::F32, bias: None };
+
     /// Every operand and the destination f32 (the plain SGEMM).
     pub fn is_f32(&self) -> bool {
         [self.a, self.b, self.c].iter().chain(self.bias.iter()).all(|&d| d == DType::F32)

@@ -450,7 +450,7 @@ fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
             alpha: 1.0,
             accumulate,
             bias: None,
-            types: qatc_kernels::GemmTypes { a: DType::F32, b: DType::F32, c: DType::F32, bias: None },
+            types: qatc_kernels::GemmTypes::F32,
             feed: None,
             note: format!("{c} = {a} @ {b}"),
         }))

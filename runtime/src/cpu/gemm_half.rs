@@ -19,8 +19,8 @@
 //! loaded OpenBLAS has no bf16 GEMM (Debian builds it without BFLOAT16), so there is no native
 //! bf16 path here even where the CPU has AVX512_BF16.
 
-use half::slice::HalfFloatSliceExt;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use qatc_ir::DType;
 use qatc_kernels::program::{Gemm, View};
 use rayon::prelude::*;
