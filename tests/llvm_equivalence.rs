@@ -342,6 +342,13 @@ fn qlora_step_in_bf16_and_fp16_b27_t29() {
             o.clip = Some(1.0);
             o.fuse = fuse.then(FuseOptions::default);
             compare(&format!("4-bit sym + LoRA, {p}, fuse {fuse}, B 27 T 29"), &odd(), &o);
+            if fuse {
+                // attention runs as the f32 flash kernels on widened copies, not as GEMMs
+                let (g, _) = step::train(&odd(), &o, |_, _| {}).expect("the step builds");
+                let prog = qatc_kernels::lower(&g).expect("it lowers");
+                let flash = prog.kernels.iter().filter(|k| matches!(k.body, qatc_kernels::kir::Body::Attention(_))).count();
+                assert!(flash >= 4, "{p}: {flash} attention kernels");
+            }
         }
     }
     let mut f = StepOptions::new(3, 29);
