@@ -15,6 +15,7 @@
 //!   --host-round-trip  copy the parameters and moments out and back in every step (the trainer
 //!                      before its state stayed in the executor), to measure what that cost
 //!   --full-finetune    train every weight (f32, no quantization, no LoRA) instead
+//!   --precision P      fp32 (default), bf16 or fp16 (`--precision` of `qatc train`)
 
 use std::time::Instant;
 
@@ -28,6 +29,7 @@ use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::DType;
 use qatc_passes::lora::LoraOptions;
+use qatc_passes::precision::Precision;
 use qatc_runtime::cpu::{CpuAttention, CpuOptions};
 
 /// The flags after the positional arguments.
@@ -36,10 +38,11 @@ struct Flags {
     profile: bool,
     round_trip: bool,
     full_finetune: bool,
+    precision: Precision,
 }
 
 fn flags(args: &[String]) -> anyhow::Result<Flags> {
-    let mut f = Flags { cpu: CpuOptions::default(), profile: false, round_trip: false, full_finetune: false };
+    let mut f = Flags { cpu: CpuOptions::default(), profile: false, round_trip: false, full_finetune: false, precision: Precision::Fp32 };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or_else(|| anyhow::anyhow!("{a} needs a value"));
@@ -53,6 +56,7 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
             "--vector-width" => f.cpu.vector_width = Some(value()?.parse()?),
             "--host-round-trip" => f.round_trip = true,
             "--full-finetune" => f.full_finetune = true,
+            "--precision" => f.precision = <Precision as clap::ValueEnum>::from_str(value()?, true).map_err(anyhow::Error::msg)?,
             other => anyhow::bail!("unknown flag {other}"),
         }
     }
@@ -100,6 +104,7 @@ fn main() -> anyhow::Result<()> {
     };
     // as `qatc train` builds it: fused by egg
     o.fuse = Some(qatc_passes::fusion::FuseOptions::default());
+    o.precision = f.precision;
     let t0 = Instant::now();
     let mut tr = Trainer::with_engine(&m, o, None, 0, engine, &f.cpu)?;
     let build_s = t0.elapsed().as_secs_f64();
@@ -125,10 +130,11 @@ fn main() -> anyhow::Result<()> {
     }
     let med = times[times.len() / 2];
     println!(
-        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
+        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"precision\": \"{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
         if engine == Engine::Compiled { "compiled" } else { "interpreter" },
         if f.round_trip { "-host-round-trip" } else { "" },
         if f.full_finetune { "-full-finetune" } else { "" },
+        f.precision,
         times[0],
         (b * t) as f64 / med
     );

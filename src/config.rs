@@ -134,19 +134,10 @@ pub struct StepConfig {
     pub interpreter: bool,
 }
 
-/// `--precision`: the storage type of the step's activations and weights.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    #[default]
-    Fp32,
-    /// bfloat16 storage, f32 master weights; not in this build yet.
-    Bf16,
-    /// float16 storage with loss scaling; not in this build yet.
-    Fp16,
-}
+/// `--precision` (its home is the precision pass).
+pub use qatc_passes::precision::Precision;
 
-/// Mixed precision (loss-scale settings join `mode` when fp16 lands).
+/// Mixed precision (fp16's loss scaling runs with GradScaler's default settings).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PrecisionConfig {
@@ -278,12 +269,6 @@ impl StepConfig {
         if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
             return Err(format!("--weight-decay must be >= 0, got {}", o.weight_decay));
         }
-        if self.precision.mode != Precision::Fp32 {
-            return Err(format!(
-                "--precision {}: mixed precision is not in this build yet; use --precision fp32",
-                serde_json::to_value(self.precision.mode).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
-            ));
-        }
         Ok(())
     }
 }
@@ -328,6 +313,7 @@ impl RunConfig {
         o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay };
         o.checkpoint = s.checkpoint;
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
+        o.precision = s.precision.mode;
         Ok(o)
     }
 

@@ -124,7 +124,7 @@ fn dequantized(g: &Graph) -> Vec<(qatc_ir::QuantSpec, String)> {
     for id in g.node_ids() {
         let ops = g.operands(id);
         match &g.node(id).op {
-            Op::Dequantize { spec } => out.extend(g.node(ops[0]).name.clone().map(|n| (*spec, n))),
+            Op::Dequantize { spec, .. } => out.extend(g.node(ops[0]).name.clone().map(|n| (*spec, n))),
             Op::Kernel { body, .. } => {
                 for (spec, inner) in dequantized(body) {
                     let slot = inner.strip_prefix("in").and_then(|i| i.parse::<usize>().ok());

@@ -5,6 +5,7 @@
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::{self, LoraOptions};
 use qatc_passes::optim::AdamW;
+use qatc_passes::precision::{self, LossScaling, Precision};
 use qatc_passes::quant::{self, QuantOptions};
 use qatc_passes::{autodiff, microbatch, optim, pipeline, Pass, PassError, PassReport};
 
@@ -23,12 +24,13 @@ pub enum Stage {
     Autodiff,
     Clip,
     Adamw,
+    Precision,
     Remat,
     Fuse,
 }
 
 impl Stage {
-    pub const ALL: [Stage; 11] = [
+    pub const ALL: [Stage; 12] = [
         Stage::Lower,
         Stage::FakeQuant,
         Stage::Lora,
@@ -38,6 +40,7 @@ impl Stage {
         Stage::Autodiff,
         Stage::Clip,
         Stage::Adamw,
+        Stage::Precision,
         Stage::Remat,
         Stage::Fuse,
     ];
@@ -63,6 +66,9 @@ impl Stage {
             Stage::Autodiff => ("autodiff", "reverse-mode gradients of the loss for the trainable weights"),
             Stage::Clip => ("clip", "global-norm gradient clipping (--clip X)"),
             Stage::Adamw => ("adamw", "the AdamW update with its moments and step count as state"),
+            Stage::Precision => {
+                ("precision", "bf16/fp16 activations, gradients and GEMM operands, f32 master weights; fp16 loss scaling (--precision)")
+            }
             Stage::Remat => ("remat", "checkpointing: forward values recomputed in the backward, NAME.recompute (--checkpoint)"),
             Stage::Fuse => ("fuse", "kernel fusion by equality saturation (egg): one Kernel node per fused group (--no-fuse)"),
         }
@@ -112,6 +118,10 @@ pub struct StepOptions {
     pub checkpoint: qatc_passes::remat::Checkpoint,
     /// Fuse the step into kernels, last (None skips it; the CLI fuses unless --no-fuse).
     pub fuse: Option<qatc_passes::fusion::FuseOptions>,
+    /// The storage type of activations, gradients and GEMM operands (`precision`).
+    pub precision: Precision,
+    /// fp16's dynamic loss scaling (GradScaler's defaults).
+    pub loss_scaling: LossScaling,
 }
 
 impl StepOptions {
@@ -126,6 +136,8 @@ impl StepOptions {
             model: ModelOptions { full_finetune: true, training: true, ..Default::default() },
             checkpoint: Default::default(),
             fuse: None,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::default(),
         }
     }
 }
@@ -182,6 +194,27 @@ pub fn model(
     pipeline::run(g, passes, after)
 }
 
+/// The model graph for evaluation (the loss, and the logits when asked): `model`, then the
+/// `precision` stage when `p` is not fp32.
+pub fn evaluation(
+    cfg: &Gpt2Config,
+    batch: usize,
+    seq: usize,
+    logits: bool,
+    mo: &ModelOptions,
+    p: Precision,
+    mut after: impl FnMut(&'static str, &Graph),
+) -> Result<(Graph, Vec<PassReport>), PassError> {
+    let (g, mut reports) = model(cfg, batch, seq, logits, mo, &mut after)?;
+    if p == Precision::Fp32 {
+        return Ok((g, reports));
+    }
+    let h = LossScaling::default();
+    let (g, more) = pipeline::run(g, vec![Pass::new(Stage::Precision.name(), move |g| precision::precision(g, p, &h))], after)?;
+    reports.extend(more);
+    Ok((g, reports))
+}
+
 /// The joint forward + backward + AdamW step from the model graph.
 pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(&'static str, &Graph)) -> Result<(Graph, Vec<PassReport>), PassError> {
     let k = opts.grad_accum;
@@ -194,6 +227,10 @@ pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(&'static str, 
     }
     let (h, keep) = (opts.adamw.clone(), opts.keep_grads);
     passes.push(Pass::new(Stage::Adamw.name(), move |g| optim::adamw(g, &h, keep)));
+    if opts.precision != Precision::Fp32 {
+        let (p, s) = (opts.precision, opts.loss_scaling.clone());
+        passes.push(Pass::new(Stage::Precision.name(), move |g| precision::precision(g, p, &s)));
+    }
     if opts.checkpoint != qatc_passes::remat::Checkpoint::None {
         let c = opts.checkpoint;
         passes.push(Pass::new(Stage::Remat.name(), move |g| qatc_passes::remat::remat(g, c, &Default::default())));

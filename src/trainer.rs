@@ -15,6 +15,7 @@ use anyhow::Context;
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
+use qatc_passes::precision::LOSS_SCALE;
 use qatc_runtime::{CpuOptions, IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
@@ -48,7 +49,8 @@ pub struct Trainer {
 
 impl Trainer {
     /// Compiles the step for the reference interpreter and binds the weights (LoRA from
-    /// `adapter`, else initialised from `seed`); Adam moments and the step count start at zero.
+    /// `adapter`, else initialised from `seed`); Adam moments and the step count start at zero,
+    /// fp16's loss scale at its initial value.
     pub fn new(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64) -> anyhow::Result<Trainer> {
         Self::with_engine(m, opts, adapter, seed, Engine::Interpreter, &CpuOptions::default())
     }
@@ -63,6 +65,20 @@ impl Trainer {
         cpu: &CpuOptions,
     ) -> anyhow::Result<Trainer> {
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
+        Self::with_graph(m, graph, opts, adapter, seed, engine, cpu)
+    }
+
+    /// As `with_engine`, on a step graph built by the caller from `opts` (tests graft nodes into
+    /// it, e.g. an injected overflow).
+    pub fn with_graph(
+        m: &Model,
+        graph: Graph,
+        opts: step::StepOptions,
+        adapter: Option<&Adapter>,
+        seed: u64,
+        engine: Engine,
+        cpu: &CpuOptions,
+    ) -> anyhow::Result<Trainer> {
         let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
         // the weights go to the executor once; no host copy is kept
         for (name, v) in m.bind::<f32>(&graph, adapter, seed)? {
@@ -73,8 +89,9 @@ impl Trainer {
             let name = graph.node(id).name.clone().unwrap_or_default();
             if graph.input_kind(id) == Some(InputKind::State) {
                 let ty = graph.ty(id);
-                let zeros = Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data: vec![0.0; ty.numel()] });
-                step.set_input(&name, &zeros).with_context(|| format!("binding {name}"))?;
+                let data = if name == LOSS_SCALE { opts.loss_scaling.initial_state().to_vec() } else { vec![0.0; ty.numel()] };
+                let init = Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data });
+                step.set_input(&name, &init).with_context(|| format!("binding {name}"))?;
             }
             inputs.insert(name);
         }
@@ -157,6 +174,17 @@ impl Trainer {
         let mut v: Vec<(String, f64, f64)> = p.by.iter().map(|(k, &(c, s))| (k.clone(), c as f64 / n, s / n)).collect();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         Some(v)
+    }
+
+    /// The loss scale the next step uses (fp16 with loss scaling), read back; else None.
+    pub fn loss_scale(&self) -> anyhow::Result<Option<f64>> {
+        if !self.inputs.contains(LOSS_SCALE) {
+            return Ok(None);
+        }
+        match self.step.read_input(LOSS_SCALE).context("reading the loss scale back")? {
+            Value::Float(t) => Ok(t.data.first().map(|&s| f64::from(s))),
+            Value::Int(_) => anyhow::bail!("internal: {LOSS_SCALE} holds integers"),
+        }
     }
 
     /// What runs the step, in words.

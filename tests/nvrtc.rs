@@ -122,3 +122,24 @@ fn a_compile_error_shows_the_log_and_the_source_path() {
     let err = nv.compile(&k, Arch::Sm80, &dir, &dir.join("broken.cu")).expect_err("does not compile").to_string();
     assert!(err.contains("broken.cu") && err.contains("undefined_thing"), "{err}");
 }
+
+/// `--precision bf16|fp16`: the step's kernels load f16/bf16 buffers widened to f32 and store
+/// them rounded to nearest even (`qatc_common.cuh`), and loss scaling's kernels (all_finite,
+/// select, loss_scale) compile too.
+#[test]
+fn every_kernel_of_the_bf16_and_fp16_steps_compiles() {
+    let Some(nv) = nvrtc() else { return };
+    let tiny = Gpt2Config { n_embd: 8, n_layer: 1, n_head: 2, n_positions: 8, vocab_size: 11, layer_norm_epsilon: 1e-5 };
+    for p in [qatc_passes::precision::Precision::Bf16, qatc_passes::precision::Precision::Fp16] {
+        let mut q = qlora(1, 4, 2);
+        q.model.quant.as_mut().expect("set above").spec.group = 4;
+        q.clip = Some(1.0);
+        q.precision = p;
+        q.fuse = Some(FuseOptions::default());
+        compile_all(&nv, &format!("tiny-qlora-{p}-fused"), &tiny, &q);
+    }
+    // unfused, full fine-tune: every op's kernel on its own, the embedding gradient's f32 sums
+    let mut f = StepOptions::new(1, 4);
+    f.precision = qatc_passes::precision::Precision::Bf16;
+    compile_all(&nv, "tiny-full-bf16", &tiny, &f);
+}

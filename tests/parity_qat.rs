@@ -61,7 +61,7 @@ fn eval_loss_under_every_scheme_matches_torch() {
     let want = fixture_json("tiny_qat/quant_eval.json");
     for c in want["configs"].as_array().unwrap() {
         let q = quant_args(c["bits"].as_u64().unwrap() as u8, c["group"].as_u64().unwrap() as usize, c["scheme"].as_str().unwrap());
-        let setup = EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None };
+        let setup = EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None, precision: Default::default() };
         let r = evaluate(&m, &tokens(), 2, 16, 3, &setup, false).unwrap();
         let w = c["loss"].as_f64().unwrap();
         assert!((r.loss - w).abs() <= 1e-4, "{}: loss {} vs torch {w}", c["name"], r.loss);
@@ -77,8 +77,8 @@ fn folded_storage_gives_bit_identical_results() {
     let m = model();
     for (bits, group, scheme) in [(4, 32, "sym"), (3, 16, "asym"), (4, 64, "nf4"), (4, 32, "q4_0"), (8, 0, "sym")] {
         let q = quant_args(bits, group, scheme);
-        let unfolded = EvalSetup { model: model_options(&q, None, true, true).unwrap(), adapter: None };
-        let folded = EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None };
+        let unfolded = EvalSetup { model: model_options(&q, None, true, true).unwrap(), adapter: None, precision: Default::default() };
+        let folded = EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None, precision: Default::default() };
         let a = evaluate(&m, &tokens(), 2, 16, 2, &unfolded, false).unwrap().loss;
         let b = evaluate(&m, &tokens(), 2, 16, 2, &folded, false).unwrap().loss;
         assert_eq!(a.to_bits(), b.to_bits(), "{scheme} b{bits} g{group}: folded {b} vs fake-quant {a}");
@@ -91,7 +91,7 @@ fn adapter_eval_matches_peft() {
     let ad = adapter::read(&common::fixture("tiny_qat/adapter_init")).unwrap();
     assert_eq!((ad.r, ad.alpha), (4, 8.0));
     assert_eq!(ad.tensors.len(), 16);
-    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&common::fixture("tiny_qat/adapter_init"))).unwrap();
+    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&common::fixture("tiny_qat/adapter_init")), Default::default()).unwrap();
     let r = evaluate(&m, &tokens(), 2, 16, 3, &setup, false).unwrap();
     let want = fixture_json("tiny_qat/qat_lora_3steps.json")["eval_loss_init"].as_f64().unwrap();
     assert!((r.loss - want).abs() <= 1e-5, "eval with adapter_init: {} vs PEFT {want}", r.loss);
@@ -207,7 +207,7 @@ fn the_adapter_qatc_writes_is_the_one_peft_loaded() {
     let peft = fixture_json("tiny_qat/qatc_adapter_peft_check.json");
     assert_eq!(peft["loaded"], true);
     assert_eq!(peft["warnings"].as_array().unwrap().len(), 0);
-    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&dir)).unwrap();
+    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&dir), Default::default()).unwrap();
     let ours = evaluate(&m, &tokens(), 2, 16, 3, &setup, false).unwrap().loss;
     let theirs = peft["eval_loss"].as_f64().unwrap();
     assert!((ours - theirs).abs() <= 1e-5, "qatc eval {ours} vs PEFT {theirs}");

@@ -220,7 +220,8 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
                 }
                 return Ok(logits.clone());
             }
-            Ok(TensorType::new(logits.dtype, Shape::scalar()))
+            // the loss is a reduction: f32 whatever the logits' type (mixed precision keeps it so)
+            Ok(TensorType::new(DType::F32, Shape::scalar()))
         }
         Op::FakeQuant { spec } => {
             let w = ins[0];
@@ -231,7 +232,10 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             spec.check(w.shape.0[0])?;
             Ok(w.clone())
         }
-        Op::Dequantize { spec } => {
+        Op::Dequantize { spec, to } => {
+            if !to.is_float() {
+                return Err(format!("dequantize to {to}: the result must be a float type"));
+            }
             let want = if spec.scheme.has_zero_point() { 3 } else { 2 };
             if ins.len() != want {
                 return Err(format!("dequantize ({}) takes {want} operands, got {}", spec.scheme.name(), ins.len()));
@@ -250,7 +254,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             if want == 3 && (ins[2].shape != sshape || ins[2].dtype != DType::F32) {
                 return Err(format!("zero points must be f32{sshape}, got {}", ins[2]));
             }
-            Ok(TensorType::new(DType::F32, vec![n_in, n_out]))
+            Ok(TensorType::new(*to, vec![n_in, n_out]))
         }
         Op::ActQuant { bits } => {
             float(ins[0], "x")?;
@@ -266,6 +270,27 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             }
             if ins[1].dtype != DType::I32 || ins[1].shape.rank() != 0 {
                 return Err(format!("dropout seed must be i32[], got {}", ins[1]));
+            }
+            Ok(ins[0].clone())
+        }
+        Op::AllFinite => {
+            float(ins[0], "operand")?;
+            Ok(TensorType::f32(Shape::scalar()))
+        }
+        Op::Select => {
+            float(ins[0], "cond")?;
+            same(ins[1], ins[2], "select's choices")?;
+            if ins[0].shape != ins[1].shape {
+                return Err(format!("select's condition {} and choices {} differ in shape", ins[0], ins[1]));
+            }
+            Ok(ins[1].clone())
+        }
+        Op::LossScale { interval, growth, backoff } => {
+            if *ins[0] != TensorType::f32([2]) || *ins[1] != TensorType::f32(Shape::scalar()) {
+                return Err(format!("loss_scale takes (state f32[2], finite f32[]), got ({}, {})", ins[0], ins[1]));
+            }
+            if *interval == 0 || !(growth.is_finite() && *growth > 0.0 && backoff.is_finite() && *backoff > 0.0) {
+                return Err(format!("loss_scale needs interval >= 1 and positive factors, got {interval}, {growth}, {backoff}"));
             }
             Ok(ins[0].clone())
         }

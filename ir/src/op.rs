@@ -168,9 +168,12 @@ pub enum Op {
         spec: QuantSpec,
     },
     /// (codes [in, out] i4/u8, scales [in/G, out] f32 (f16 for q4_0)[, zero_points [in/G, out] f32
-    /// for asym]) -> f32 [in, out]; equals FakeQuant of the original weight bit for bit.
+    /// for asym]) -> `to` [in, out]; with `to` f32 it equals FakeQuant of the original weight bit
+    /// for bit; with f16/bf16 (mixed precision: frozen weights dequantize straight to the compute
+    /// type) that value rounded once to `to`.
     Dequantize {
         spec: QuantSpec,
+        to: DType,
     },
     /// x [.., C] -> dynamic per-token (per row) symmetric fake-quant to `bits`: S = absmax/qmax.
     /// Straight-through inside the range (which the absmax scale always covers).
@@ -182,6 +185,22 @@ pub enum Op {
     Dropout {
         p: f64,
         stream: usize,
+    },
+
+    // ---- mixed precision (the `precision` pass; PyTorch GradScaler's semantics) ----
+    /// x (any float) -> f32 []: 1 when every element of x is finite, else 0.
+    AllFinite,
+    /// (cond, a, b), all of one shape, cond float -> a where cond != 0, else b (elementwise; a and
+    /// b of one type, which is the result's). Lazy as a choice: the value not chosen may be NaN.
+    Select,
+    /// (state f32[2] = [scale, good steps], finite f32 []) -> the next state, as
+    /// `torch._amp_update_scale_`: finite == 0 multiplies the scale by `backoff` and zeroes the
+    /// count; otherwise the count grows by one and, reaching `interval`, resets to 0 while the
+    /// scale is multiplied by `growth` (kept only if the product is finite).
+    LossScale {
+        interval: usize,
+        growth: f64,
+        backoff: f64,
     },
 
     // ---- fusion ----
@@ -442,6 +461,9 @@ impl Op {
             Op::Dequantize { .. } => "dequantize",
             Op::ActQuant { .. } => "act_quant",
             Op::Dropout { .. } => "dropout",
+            Op::AllFinite => "all_finite",
+            Op::Select => "select",
+            Op::LossScale { .. } => "loss_scale",
             Op::Kernel { .. } => "kernel",
             Op::AdamM { .. } => "adam_m",
             Op::AdamV { .. } => "adam_v",
@@ -456,8 +478,9 @@ impl Op {
             Op::Unary(_) | Op::Affine { .. } | Op::Cast { .. } => 1,
             Op::Broadcast { .. } | Op::SumTo { .. } | Op::Reshape { .. } => 1,
             Op::Transpose { .. } | Op::Slice { .. } | Op::Softmax { .. } => 1,
-            Op::FakeQuant { .. } | Op::ActQuant { .. } => 1,
-            Op::Dropout { .. } => 2,
+            Op::FakeQuant { .. } | Op::ActQuant { .. } | Op::AllFinite => 1,
+            Op::Dropout { .. } | Op::LossScale { .. } => 2,
+            Op::Select => 3,
             Op::Binary(_) | Op::MatMul { .. } | Op::Gather | Op::ScatterAdd { .. } => 2,
             Op::LayerNormGradGamma { .. } | Op::SoftmaxGrad { .. } | Op::CrossEntropy => 2,
             Op::AdamM { .. } | Op::AdamV { .. } => 2,
@@ -468,7 +491,10 @@ impl Op {
     }
 
     pub fn is_elementwise(&self) -> bool {
-        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::AdamM { .. } | Op::AdamV { .. })
+        matches!(
+            self,
+            Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. } | Op::Select | Op::AdamM { .. } | Op::AdamV { .. }
+        )
     }
 
     /// The attributes in print order. Leaves print their type after the colon, not here.
@@ -478,6 +504,10 @@ impl Op {
             Op::Input { kind, .. } => vec![("kind", Word(kind.name()))],
             Op::Const { value, .. } => vec![("value", Float(*value))],
             Op::Unary(_) | Op::Binary(_) | Op::Gather | Op::CrossEntropy | Op::CrossEntropyGrad => vec![],
+            Op::AllFinite | Op::Select => vec![],
+            Op::LossScale { interval, growth, backoff } => {
+                vec![("interval", Int(*interval)), ("growth", Float(*growth)), ("backoff", Float(*backoff))]
+            }
             Op::Affine { mul, add } => vec![("mul", Float(*mul)), ("add", Float(*add))],
             Op::Cast { to } => vec![("to", DType(*to))],
             Op::Broadcast { shape } | Op::SumTo { shape } | Op::Reshape { shape } => {
@@ -493,8 +523,14 @@ impl Op {
             }
             Op::Softmax { scale, causal } => vec![("scale", Float(*scale)), ("causal", Bool(*causal))],
             Op::SoftmaxGrad { scale } => vec![("scale", Float(*scale))],
-            Op::FakeQuant { spec } | Op::Dequantize { spec } => {
-                vec![("bits", Int(spec.bits as usize)), ("group", Int(spec.group)), ("scheme", Word(spec.scheme.name()))]
+            Op::FakeQuant { spec } => quant_attrs(spec),
+            // `to` is printed only when it is not f32 (the type after the colon says it too)
+            Op::Dequantize { spec, to } => {
+                let mut v = quant_attrs(spec);
+                if *to != crate::types::DType::F32 {
+                    v.push(("to", DType(*to)));
+                }
+                v
             }
             Op::ActQuant { bits } => vec![("bits", Int(*bits as usize))],
             Op::Dropout { p, stream } => vec![("p", Float(*p)), ("stream", Int(*stream))],
@@ -506,6 +542,10 @@ impl Op {
             }
         }
     }
+}
+
+fn quant_attrs(spec: &QuantSpec) -> Vec<(&'static str, Attr)> {
+    vec![("bits", Attr::Int(spec.bits as usize)), ("group", Attr::Int(spec.group)), ("scheme", Attr::Word(spec.scheme.name()))]
 }
 
 pub(crate) const UNARY_OPS: [UnaryOp; 9] = [

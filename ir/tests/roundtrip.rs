@@ -42,7 +42,7 @@ const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-const N_SLOTS: usize = 44;
+const N_SLOTS: usize = 47;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -96,6 +96,9 @@ fn op_slot(op: &Op) -> usize {
         Op::ActQuant { .. } => 41,
         Op::Dropout { .. } => 42,
         Op::Kernel { .. } => 43,
+        Op::AllFinite => 44,
+        Op::Select => 45,
+        Op::LossScale { .. } => 46,
     }
 }
 
@@ -586,7 +589,8 @@ impl<'a> Builder<'a> {
                 if scheme.has_zero_point() {
                     args.push(self.of_type(TensorType::new(DType::F32, [groups, n_out]))?);
                 }
-                self.op(Op::Dequantize { spec }, &args)
+                let to = self.ch.float_dtype();
+                self.op(Op::Dequantize { spec, to }, &args)
             }
             41 => {
                 let x = self.float_operand(1, 4)?;
@@ -599,6 +603,25 @@ impl<'a> Builder<'a> {
                 let p = self.ch.pick(&[0.0, -0.0, 0.1, 0.5, 1.0 / 3.0, 0.999_999, 5e-324]);
                 let stream = self.ch.pick(&[0, 1, 7, 123_456, usize::MAX]);
                 self.op(Op::Dropout { p, stream }, &[x, seed])
+            }
+            44 => {
+                let x = self.float_operand(0, 4)?;
+                self.op(Op::AllFinite, &[x])
+            }
+            45 => {
+                let a = self.float_operand(0, 4)?;
+                let t = self.ty(a);
+                let d = self.ch.float_dtype();
+                let cond = self.of_type(TensorType::new(d, t.shape.clone()))?;
+                let b = self.of_type(t)?;
+                self.op(Op::Select, &[cond, a, b])
+            }
+            46 => {
+                let state = self.of_type(TensorType::f32([2]))?;
+                let finite = self.of_type(TensorType::f32(Shape::scalar()))?;
+                let interval = self.ch.pick(&[1, 2, 2000, usize::MAX]);
+                let (growth, backoff) = (self.ch.pick(&[2.0, 1.5, 1e300]), self.ch.pick(&[0.5, 0.25, 1e-300]));
+                self.op(Op::LossScale { interval, growth, backoff }, &[state, finite])
             }
             _ => {
                 // a kernel whose body is gelu(in0) [* in1]: bodies nest a whole graph in the text

@@ -189,7 +189,7 @@ fn quantization_op_type_errors() {
     let s2 = f32_in(&mut g, "s2", &[2, 8]);
     let s4 = f32_in(&mut g, "s4", &[4, 8]);
     let h2 = g.input("h2", InputKind::Frozen, DType::F16, [2, 8]).expect("input");
-    let dq = |s| Op::Dequantize { spec: s };
+    let dq = |s| Op::Dequantize { spec: s, to: qatc_ir::DType::F32 };
     g.add(dq(spec(4, 32, QuantScheme::Sym)), &[codes4, s2]).expect("sym");
     g.add(dq(spec(8, 32, QuantScheme::Asym)), &[codes8, s2, s2]).expect("asym");
     g.add(dq(spec(4, 32, QuantScheme::Q4_0)), &[codes4, h2]).expect("q4_0");

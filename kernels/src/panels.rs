@@ -128,9 +128,9 @@ struct Found {
     users: Vec<(usize, bool)>,
 }
 
-/// Rows per panel: as many as fit in `max_bytes`, at least one.
-fn panel_rows(rows: usize, cols: usize, max_bytes: usize) -> usize {
-    (max_bytes / (4 * cols.max(1))).clamp(1, rows)
+/// Rows per panel: as many rows of `dtype` as fit in `max_bytes`, at least one.
+fn panel_rows(rows: usize, cols: usize, dtype: DType, max_bytes: usize) -> usize {
+    (max_bytes / dtype.bytes_for(cols.max(1))).clamp(1, rows)
 }
 
 /// Feeds every qualifying GEMM operand from a panel kernel instead of a materialized weight:
@@ -189,18 +189,37 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
             .map(|(j, form)| form.map(|f| (j, f)).ok_or(()))
             .collect::<Result<_, ()>>()
             .unwrap_or_default();
+        let dtype = prog.buffers[w].dtype;
+        // partial products over K accumulate in c: a f16/bf16 c would round between them, so
+        // those GEMMs take the whole weight as one panel (f32 accumulation stays whole)
+        let half_k = users.iter().any(|&(j, rows_are_k)| match &prog.steps[j] {
+            Step::Gemm(g) => rows_are_k && g.types.c != DType::F32,
+            Step::Launch { .. } => false,
+        });
+        let panel = if half_k { rows } else { panel_rows(rows, cols, dtype, max_panel_bytes) };
         if !users.is_empty() {
-            found.push(Found { step: si, kernel: *kernel, out, w, rows, cols, panel: panel_rows(rows, cols, max_panel_bytes), users });
+            found.push(Found { step: si, kernel: *kernel, out, w, rows, cols, panel, users });
         }
     }
-    let Some(scratch_elems) = found.iter().map(|f| f.panel * f.cols).max() else { return report };
-    // one scratch for every fed GEMM: only one panel is live at a time
-    let scratch = prog.buffers.len();
-    prog.buffers.push(Buffer { name: "dequant_panel".into(), dtype: DType::F32, shape: vec![scratch_elems], kind: BufKind::Temp });
-    report.scratch_bytes = prog.buffers[scratch].bytes();
+    // one scratch for every fed GEMM of a type: only one panel is live at a time
+    let mut scratches: HashMap<DType, (usize, usize)> = HashMap::new();
+    for f in &found {
+        let e = scratches.entry(prog.buffers[f.w].dtype).or_insert((0, 0));
+        e.1 = e.1.max(f.panel * f.cols);
+    }
+    let mut types: Vec<DType> = scratches.keys().copied().collect();
+    types.sort();
+    for d in types {
+        let Some(s) = scratches.get_mut(&d) else { continue };
+        let name = if d == DType::F32 { "dequant_panel".to_string() } else { format!("dequant_panel_{d}") };
+        s.0 = prog.buffers.len();
+        prog.buffers.push(Buffer { name, dtype: d, shape: vec![s.1], kind: BufKind::Temp });
+        report.scratch_bytes += prog.buffers[s.0].bytes();
+    }
     let mut panel_ids: HashMap<(usize, usize), usize> = HashMap::new();
     let mut drop_step = vec![false; prog.steps.len()];
     for Found { step: si, kernel, out, w, rows, cols, panel, users } in found {
+        let Some(&(scratch, scratch_elems)) = scratches.get(&prog.buffers[w].dtype) else { continue };
         let next = prog.kernels.len();
         let pid = *panel_ids.entry((kernel, panel)).or_insert(next);
         if pid == next {

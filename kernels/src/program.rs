@@ -130,10 +130,32 @@ impl View {
     }
 }
 
+/// The element types of a GEMM's operands, destination and bias (those of their buffers, which
+/// `lower` copies here so a library planner reads them off the GEMM). Whatever they are, products
+/// accumulate in f32: f16/bf16 operands widen exactly, and a f16/bf16 destination receives
+/// alpha * a @ b (+ c) (+ bias), formed in f32, rounded once to nearest even.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmTypes {
+    pub a: DType,
+    pub b: DType,
+    pub c: DType,
+    pub bias: Option<DType>,
+}
+
+impl GemmTypes {
+    /// f32 operands and destination, no bias.
+    pub const F32: GemmTypes = GemmTypes { a: DType::F32, b: DType::F32, c: DType::F32, bias: None };
+
+    /// Every operand and the destination f32 (the plain SGEMM).
+    pub fn is_f32(&self) -> bool {
+        [self.a, self.b, self.c].iter().chain(self.bias.iter()).all(|&d| d == DType::F32)
+    }
+}
+
 /// A matrix product by the vendor library: c = alpha * a @ b (+ c when `accumulate`), a read as
 /// [.., M, K] and b as [.., K, N] through their views' strides (a transposed operand is a view
 /// with swapped strides), with an optional bias row [N] added to every row of c (cuBLASLt's BIAS
-/// epilogue). Batch dims lead and are equal on all three.
+/// epilogue). Batch dims lead and are equal on all three. Accumulation is f32 (see [`GemmTypes`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gemm {
     pub a: View,
@@ -145,6 +167,8 @@ pub struct Gemm {
     pub alpha: f64,
     pub accumulate: bool,
     pub bias: Option<View>,
+    /// The element types of a, b, c and the bias.
+    pub types: GemmTypes,
     pub note: String,
     /// Operand b is computed a panel at a time rather than read whole (a CPU rewrite,
     /// `panels::feed_panels`); `lower` never sets it.
@@ -256,6 +280,12 @@ impl Program {
         o += "outputs:\n";
         for (name, v) in &self.outputs {
             o += &format!("  {name} = {}\n", view(v));
+        }
+        if !self.updates.is_empty() {
+            o += "updates:\n";
+            for (name, v) in &self.updates {
+                o += &format!("  {name} <- {}\n", view(v));
+            }
         }
         o
     }

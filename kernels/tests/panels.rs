@@ -54,7 +54,7 @@ fn a_dequantized_weight_becomes_panels_of_its_rows() {
 fn a_transposed_weight_is_fed_by_output_columns() {
     let spec = QuantSpec { bits: 4, group: 64, scheme: QuantScheme::Sym };
     let g = common::fused("gemm_epilogue", &[common::f32s(&[8, 128]), (DType::I4, vec![384, 128]), common::f32s(&[6, 128])], |b, i| {
-        let w = b.add(Op::Dequantize { spec }, &[i[1], i[2]]).unwrap();
+        let w = b.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[i[1], i[2]]).unwrap();
         b.add(Op::MatMul { ta: false, tb: true }, &[i[0], w]).unwrap()
     });
     let mut prog = lower(&g).unwrap();
@@ -79,7 +79,7 @@ fn weights_read_otherwise_stay_materialized() {
     let x = g.input("x", InputKind::Data, DType::F32, [8, 128]).unwrap();
     let codes = g.input("w.codes", InputKind::Frozen, DType::I4, [128, 384]).unwrap();
     let scales = g.input("w.scales", InputKind::Frozen, DType::F32, [2, 384]).unwrap();
-    let w = g.add(Op::Dequantize { spec }, &[codes, scales]).unwrap();
+    let w = g.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[codes, scales]).unwrap();
     let y = g.add(Op::MatMul { ta: false, tb: false }, &[x, w]).unwrap();
     g.set_output("y", y).unwrap();
     g.set_output("w", w).unwrap();

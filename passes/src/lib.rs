@@ -10,6 +10,7 @@
 //! - [`autodiff`]: reverse-mode gradients of `loss` for the trainable inputs (a rule table);
 //! - [`optim::clip`]: global-norm gradient clipping;
 //! - [`optim::adamw`]: the AdamW update, with moments and the step count as graph state;
+//! - [`precision::precision`]: bf16/fp16 storage with f32 masters, fp16 loss scaling;
 //! - [`fusion::fuse`]: kernel fusion by equality saturation (egg), last.
 
 pub mod autodiff;
@@ -21,6 +22,7 @@ pub mod microbatch;
 pub mod optim;
 pub mod pipeline;
 pub mod plan;
+pub mod precision;
 pub mod quant;
 mod rebuild;
 pub mod remat;

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use qatc_ir::{Graph, InputKind, Op, QuantSpec, Shape};
+use qatc_ir::{DType, Graph, InputKind, Op, QuantSpec, Shape};
 use serde::Serialize;
 
 use crate::error::{InPass, PassError};
@@ -127,7 +127,7 @@ pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         if let Some(zd) = spec.zero_dtype() {
             ops.push(g.input(zn, InputKind::Frozen, zd, Shape::new([groups, n_out])).in_pass(PASS)?);
         }
-        let dq = g.add_node(Op::Dequantize { spec }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
+        let dq = g.add_node(Op::Dequantize { spec, to: DType::F32 }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
         g.replace_all_uses(id, dq);
         r.count("weights", 1);
         r.count("bytes_before", g.ty(w).bytes() as i64);

@@ -37,7 +37,7 @@ fn build(steps: &[(u8, usize, usize)], extra_outputs: &[usize]) -> Graph {
             }
             7 => add(&mut g, Op::MatMul { ta: false, tb: b % 2 == 0 }, &[x, y]),
             8 => {
-                let w = add(&mut g, Op::Dequantize { spec }, &[codes, scales]);
+                let w = add(&mut g, Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[codes, scales]);
                 add(&mut g, Op::MatMul { ta: false, tb: false }, &[x, w])
             }
             9 => add(&mut g, Op::LayerNorm { eps: 1e-5 }, &[x, gamma, vec]),

@@ -85,7 +85,7 @@ fn quantized_linear(g: &mut Graph, k: usize, n: usize) -> (NodeId, NodeId) {
     let x = inp(g, "x", &[3, k]);
     let c = g.input("w.qcodes", InputKind::Frozen, DType::I4, [k, n]).unwrap();
     let s = g.input("w.qscales", InputKind::Frozen, DType::F32, [k / 4, n]).unwrap();
-    let w = op(g, Op::Dequantize { spec }, &[c, s]);
+    let w = op(g, Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[c, s]);
     (x, w)
 }
 

@@ -259,7 +259,10 @@ fn covering_test(op: &Op) -> &'static str {
         | Op::CrossEntropyGrad
         | Op::AdamM { .. }
         | Op::AdamV { .. }
-        | Op::AdamParam { .. } => "ops_without_a_rule_report_no_rule",
+        | Op::AdamParam { .. }
+        | Op::AllFinite
+        | Op::Select
+        | Op::LossScale { .. } => "ops_without_a_rule_report_no_rule",
     }
 }
 
@@ -827,7 +830,7 @@ fn ops_without_a_rule_report_no_rule() {
         // Trainable scales [3, 4] of a sym 4-bit weight [6, 4] in groups of 2.
         let codes = c.g.input("codes", InputKind::Data, DType::I4, [6, 4]).expect("input");
         let spec = qatc_ir::QuantSpec { bits: 4, group: 2, scheme: qatc_ir::QuantScheme::Sym };
-        c.op(Op::Dequantize { spec }, &[codes, x])
+        c.op(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[codes, x])
     });
     assert_no_rule("adam_m", |c, x| {
         let m = c.frozen("m", &[3, 4], ANY);
@@ -843,6 +846,18 @@ fn ops_without_a_rule_report_no_rule() {
         let lr = c.frozen("lr", &[], POSITIVE);
         let t = c.frozen("t", &[], POSITIVE);
         c.op(Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &[x, m, v, lr, t])
+    });
+    assert_no_rule("all_finite", |c, x| c.op(Op::AllFinite, &[x]));
+    assert_no_rule("select", |c, x| {
+        let cond = c.frozen("cond", &[3, 4], ANY);
+        let b = c.frozen("b", &[3, 4], ANY);
+        c.op(Op::Select, &[cond, x, b])
+    });
+    assert_no_rule("loss_scale", |c, x| {
+        let state = c.op(Op::Reshape { shape: Shape::new([12]) }, &[x]);
+        let state = c.op(Op::Slice { axis: 0, start: 0, end: 2 }, &[state]);
+        let finite = c.frozen("finite", &[], ANY);
+        c.op(Op::LossScale { interval: 2000, growth: 2.0, backoff: 0.5 }, &[state, finite])
     });
 }
 

@@ -4,7 +4,7 @@
 use qatc_ir::{DType, Op, TensorType};
 
 use crate::float::Float;
-use crate::ops::{elementwise as ew, embed, layout, matmul, norm, softmax};
+use crate::ops::{elementwise as ew, embed, layout, matmul, norm, scaling, softmax};
 use crate::quant;
 use crate::value::{IntTensor, Tensor, Value};
 
@@ -181,7 +181,7 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
             let w32: Vec<f32> = w.data.iter().map(|v| v.to_f64() as f32).collect();
             float(quant::fake_quant(&w32, n_in, n_out, *spec).into_iter().map(|v| T::from_f64(v as f64)).collect())
         }
-        Op::Dequantize { spec } => {
+        Op::Dequantize { spec, .. } => {
             let codes = int(args[0], "codes")?;
             let scales: Vec<f32> = fl(args[1], "scales")?.data.iter().map(|v| v.to_f64() as f32).collect();
             let zeros: Vec<f32> = match args.get(2) {
@@ -210,6 +210,12 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
                 .map(|(i, &v)| if quant::dropout_keep(seed, *stream, i, *p) { v * k } else { T::from_f64(0.0) })
                 .collect();
             float(data)
+        }
+        Op::AllFinite => float(vec![scaling::all_finite(&fl(args[0], "operand")?.data)]),
+        Op::Select => float(scaling::select(&fl(args[0], "cond")?.data, &fl(args[1], "a")?.data, &fl(args[2], "b")?.data)?),
+        Op::LossScale { interval, growth, backoff } => {
+            let next = scaling::loss_scale(&fl(args[0], "state")?.data, scalar(args[1], "finite")?, *interval, *growth, *backoff)?;
+            float(next.iter().map(|&v| T::from_f64(f64::from(v))).collect())
         }
         Op::Kernel { body, .. } => {
             // the reference semantics of a fused kernel is its body, run on the operands

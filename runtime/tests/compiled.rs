@@ -266,7 +266,7 @@ fn dequantized_i4_weights_feed_a_matmul() {
             let z: Vec<f64> = rng.ints(groups * n_out, 16).into_iter().map(f64::from).collect();
             inputs.insert("zeros".to_string(), Value::floats([groups, n_out], &z).unwrap());
         }
-        let w = g.add(Op::Dequantize { spec }, &ops).unwrap();
+        let w = g.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &ops).unwrap();
         let y = g.add(Op::MatMul { ta: false, tb: false }, &[x, w]).unwrap();
         g.set_output("w", w).unwrap();
         g.set_output("y", y).unwrap();
@@ -325,18 +325,54 @@ fn updates_feed_back_and_inputs_persist() {
     assert!(matches!(fresh.run(&HashMap::new()), Err(RuntimeError::MissingInput(_))));
 }
 
-/// A GEMM of a non-f32 operand is a typed error naming the GEMM, not a crash.
+/// f16 and bf16 matmuls (batched, transposed, with a bias epilogue) run on the CPU and agree with
+/// the interpreter within one ulp of their type (both sum in f32, in different orders, and round
+/// once); a GEMM whose buffers disagree with its types is a typed error naming the GEMM.
 #[test]
-fn an_f16_gemm_is_rejected_with_its_note() {
+fn f16_and_bf16_gemms_agree_with_the_interpreter() {
+    let mut rng = Rng::new(21);
+    for d in [DType::F16, DType::BF16] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut g = Graph::new("half");
+            let (m, k, n) = (37, 19, 23);
+            let a = input(&mut g, "a", d, &if ta { [2, k, m] } else { [2, m, k] });
+            let b = input(&mut g, "b", d, &if tb { [2, n, k] } else { [2, k, n] });
+            let bias = input(&mut g, "bias", d, &[n]);
+            let y = g.add(Op::MatMul { ta, tb }, &[a, b]).unwrap();
+            let bb = bcast(&mut g, bias, &[2, m, n]);
+            let y = g.add(Op::Binary(BinaryOp::Add), &[y, bb]).unwrap();
+            g.set_output("y", y).unwrap();
+            let ins = HashMap::from([
+                ("a".to_string(), floats(&mut rng, &if ta { [2, k, m] } else { [2, m, k] }, -1.0, 1.0)),
+                ("b".to_string(), floats(&mut rng, &if tb { [2, n, k] } else { [2, k, n] }, -1.0, 1.0)),
+                ("bias".to_string(), floats(&mut rng, &[n], -1.0, 1.0)),
+            ]);
+            let want = Interpreter::<f32>::new(&g).unwrap().run(&ins).unwrap();
+            let got = CpuProgram::with_kir_eval(lower(&g).unwrap()).unwrap().run(&ins).unwrap();
+            let (w, o) = (want["y"].as_float().unwrap(), got["y"].as_float().unwrap());
+            let ulp = if d == DType::F16 { 2f32.powi(-10) } else { 2f32.powi(-7) };
+            // the interpreter rounds the product, then the sum with the bias; the GEMM's epilogue
+            // rounds once: up to two of the type's ulps apart
+            for (x, y) in o.data.iter().zip(&w.data) {
+                assert!((x - y).abs() <= 2.0 * ulp * y.abs().max(1e-2), "{d} ta {ta} tb {tb}: {x} vs {y}");
+            }
+        }
+    }
     let mut g = Graph::new("half");
     let a = input(&mut g, "a", DType::F16, &[2, 3]);
     let b = input(&mut g, "b", DType::F16, &[3, 4]);
     let y = g.add(Op::MatMul { ta: false, tb: false }, &[a, b]).unwrap();
     g.set_output("y", y).unwrap();
-    match CpuProgram::with_kir_eval(lower(&g).unwrap()) {
-        Err(RuntimeError::Gemm { note, msg }) => assert!(msg.contains("f16") && !note.is_empty(), "{note}: {msg}"),
+    let mut prog = lower(&g).unwrap();
+    for s in &mut prog.steps {
+        if let qatc_kernels::Step::Gemm(gm) = s {
+            gm.types.a = DType::BF16;
+        }
+    }
+    match CpuProgram::with_kir_eval(prog) {
+        Err(RuntimeError::Gemm { note, msg }) => assert!(msg.contains("f16") && msg.contains("bf16") && !note.is_empty(), "{note}: {msg}"),
         Err(e) => panic!("{e}"),
-        Ok(_) => panic!("an f16 GEMM ran on the f32 GEMM"),
+        Ok(_) => panic!("a GEMM ran on buffers of other types than it says"),
     }
 }
 
@@ -414,6 +450,7 @@ fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
             alpha: 1.0,
             accumulate,
             bias: None,
+            types: qatc_kernels::GemmTypes::F32,
             feed: None,
             note: format!("{c} = {a} @ {b}"),
         }))

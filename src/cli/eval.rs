@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use qatc_passes::precision::Precision;
 use qatc_runtime::{IntTensor, Interpreter, Value};
 
 use super::options;
@@ -35,6 +36,9 @@ pub struct Args {
     /// qatc trained it).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// Storage type of activations (and GEMM operands): fp32, bf16 or fp16.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -49,18 +53,21 @@ pub struct EvalResult {
 pub struct EvalSetup {
     pub model: ModelOptions,
     pub adapter: Option<Adapter>,
+    /// The storage type the forward runs in (`--precision`).
+    pub precision: Precision,
 }
 
 impl EvalSetup {
     /// What `qatc eval` evaluates: with an adapter, the configuration saved beside it (the
-    /// quantization flags, when given, must agree with it); else the flags.
-    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>) -> anyhow::Result<EvalSetup> {
+    /// quantization flags, when given, must agree with it); else the flags. The precision is
+    /// this evaluation's choice, not the training run's.
+    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>, precision: Precision) -> anyhow::Result<EvalSetup> {
         match adapter {
             Some(dir) => {
                 let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
-                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad) })
+                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision })
             }
-            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None }),
+            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision }),
         }
     }
 }
@@ -95,7 +102,7 @@ fn run_eval(
     state: Option<&HashMap<String, Value<f32>>>,
     show: bool,
 ) -> anyhow::Result<EvalResult> {
-    let (g, _) = step::model(&m.cfg, b, t, false, &setup.model, |_, _| {})?;
+    let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
     let interp = Interpreter::<f32>::new(&g)?;
     let mut inputs = m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?;
     if let Some(st) = state {
@@ -157,7 +164,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref())?;
+    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);

@@ -77,9 +77,6 @@ pub struct StepArgs {
     /// Train every weight (without --lora, the default).
     #[arg(long)]
     pub full_finetune: bool,
-    /// Storage precision of the step.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
     /// Seed for LoRA's initialisation and dropout.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -93,6 +90,10 @@ pub struct StepArgs {
     /// Skip kernel fusion (the `fuse` stage): the step stays one op per node.
     #[arg(long)]
     pub no_fuse: bool,
+    /// Storage type of activations, gradients and GEMM operands: fp32, bf16 (f32 master weights),
+    /// or fp16 (f32 masters and dynamic loss scaling).
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
 }
 
 /// `--checkpoint` as given: a policy, or `auto`, whose size `--memory` gives.

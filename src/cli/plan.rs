@@ -69,7 +69,11 @@ fn describe_options(o: &StepOptions) -> (serde_json::Value, String) {
     if o.grad_accum > 1 {
         words.push(format!("grad-accum {}", o.grad_accum));
     }
+    if o.precision != qatc_passes::precision::Precision::Fp32 {
+        words.push(o.precision.name().to_string());
+    }
     let v = json!({
+        "precision": o.precision,
         "quant": q,
         "lora": l,
         "full_finetune": o.model.full_finetune,

@@ -20,6 +20,9 @@ pub const PROGRESS: &str = "checkpoint/resume.json";
 pub struct Progress {
     /// Steps completed.
     pub step: usize,
+    /// Steps skipped by fp16 loss scaling so far (a non-finite gradient; the update not applied).
+    #[serde(default)]
+    pub skipped: usize,
 }
 
 /// Which of `qatc train`'s options the command line gave, by clap id (the field's name).
@@ -109,11 +112,11 @@ pub fn reconcile(saved: RunConfig, now: &RunConfig, given: &Given, dir: &Path) -
 }
 
 /// The steps a saved run has done.
-pub fn read_progress(dir: &Path) -> anyhow::Result<usize> {
+pub fn read_progress(dir: &Path) -> anyhow::Result<Progress> {
     let p = dir.join(PROGRESS);
     let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
     let progress: Progress = serde_json::from_str(&text).with_context(|| format!("{}: not a qatc resume state", p.display()))?;
-    Ok(progress.step)
+    Ok(progress)
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ use crate::model::Model;
 use crate::runner::Device;
 use crate::schedule::{DataOrder, Schedule};
 pub use crate::trainer::{weights_safetensors, Trainer};
+use qatc_passes::precision::GRADS_FINITE;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -109,6 +110,12 @@ pub struct StepLog {
     pub tokens_per_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// With loss scaling (fp16): the scale this step used, and the steps skipped so far (a
+    /// non-finite gradient leaves the weights, moments and step count unchanged).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<usize>,
 }
 
 /// What marks a directory as a training output qatc may replace: `qatc.json`, or the
@@ -139,7 +146,7 @@ impl Args {
 
 /// The run's configuration, and the steps already done when it resumes: the command line's,
 /// or the saved run's (the options given checked against it).
-fn configure(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<(RunConfig, Option<usize>)> {
+fn configure(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<(RunConfig, Option<resume::Progress>)> {
     let Some(dir) = &a.resume else {
         let (Some(model), Some(data)) = (&a.model, &a.data) else {
             anyhow::bail!("MODEL and --data are needed (with --resume they come from the saved run)");
@@ -194,7 +201,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 
 /// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
 /// the resume state, so that the adapter and the checkpoint of one save are never apart.
-fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, faults: &Faults) -> anyhow::Result<()> {
+fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, skipped: usize, faults: &Faults) -> anyhow::Result<()> {
     let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
     match &tr.opts.model.lora {
         Some(l) => {
@@ -209,7 +216,7 @@ fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, fault
     }
     dir.write(config::FILE, cfg.to_json())?;
     dir.write(STATE, tr.save_state()?)?;
-    dir.write(PROGRESS, serde_json::to_string_pretty(&resume::Progress { step })? + "\n")?;
+    dir.write(PROGRESS, serde_json::to_string_pretty(&resume::Progress { step, skipped })? + "\n")?;
     dir.commit()?;
     Ok(())
 }
@@ -260,12 +267,12 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), train.seed, engine, &cpu)?;
     tr.set_profile(a.profile);
     eprintln!("qatc: the step runs {}", tr.describe());
-    let start = match (resume_at, &a.resume) {
+    let (start, mut skipped) = match (resume_at.as_ref(), &a.resume) {
         (Some(done), Some(dir)) => {
             tr.load_state(&dir.join(STATE))?;
-            done
+            (done.step, done.skipped)
         }
-        _ => 0,
+        _ => (0, 0),
     };
     let resuming = resume_at.is_some();
     let mut log = match &a.log_json {
@@ -290,6 +297,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             mo
         },
         adapter: None,
+        precision: tr.opts.precision,
     };
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
@@ -298,8 +306,12 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
         let lr = sched.at(s);
+        let scale = tr.loss_scale()?;
         let out = tr.step_on(&data, &batches, lr, (s * k) as u64)?;
         let loss = super::eval::scalar(&out, "loss")?;
+        if out.contains_key(GRADS_FINITE) && super::eval::scalar(&out, GRADS_FINITE)? == 0.0 {
+            skipped += 1;
+        }
         let tps = tokens_per_step as f64 / t0.elapsed().as_secs_f64();
         if !loss.is_finite() {
             anyhow::bail!("step {s}: the loss is {loss}; stopping (lower --lr or set --clip)");
@@ -315,7 +327,12 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             _ => None,
         };
         if let Some(w) = log.as_mut() {
-            writeln!(w, "{}", serde_json::to_string(&StepLog { step: s, loss, lr, tokens_per_s: tps, val_loss })?)?;
+            let skipped = scale.map(|_| skipped);
+            writeln!(
+                w,
+                "{}",
+                serde_json::to_string(&StepLog { step: s, loss, lr, tokens_per_s: tps, val_loss, loss_scale: scale, skipped })?
+            )?;
             w.flush()?;
         }
         if first.is_nan() {
@@ -326,13 +343,17 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             val_curve.push((done, v));
         }
         last = loss;
+        let scaling = match scale {
+            Some(sc) => format!("  scale {sc}  skipped {skipped}"),
+            None => String::new(),
+        };
         pb.set_message(match val_loss {
-            Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s"),
-            None => format!("loss {loss:.4}  {tps:.0} tok/s"),
+            Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s{scaling}"),
+            None => format!("loss {loss:.4}  {tps:.0} tok/s{scaling}"),
         });
         pb.inc(1);
         if (a.save_every > 0 && done % a.save_every == 0) || done == train.steps {
-            save(&a.out, &tr, &m, &cfg, done, faults)?;
+            save(&a.out, &tr, &m, &cfg, done, skipped, faults)?;
         }
     }
     pb.finish_and_clear();
@@ -351,8 +372,12 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let n = curve.len().min(10);
     let mean = |xs: &[(usize, f64)]| if xs.is_empty() { f64::NAN } else { xs.iter().map(|x| x.1).sum::<f64>() / xs.len() as f64 };
     let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (first, last) };
+    let scaling = match tr.loss_scale()? {
+        Some(sc) => format!("; loss scale {sc}, {skipped} steps skipped (non-finite gradients)"),
+        None => String::new(),
+    };
     println!(
-        "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps); {what} in {}",
+        "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps){scaling}; {what} in {}",
         train.steps,
         n.max(1),
         a.out.display()

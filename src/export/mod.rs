@@ -188,7 +188,7 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
             let weight_op = g.operands(mm)[1];
             let dims = g.ty(weight_op).shape.dims().to_vec();
             let spec = match g.node(weight_op).op {
-                Op::FakeQuant { spec } | Op::Dequantize { spec } => Some(spec),
+                Op::FakeQuant { spec } | Op::Dequantize { spec, .. } => Some(spec),
                 _ => None,
             };
             let (an, bn) = lora_names(&module);

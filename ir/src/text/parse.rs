@@ -155,6 +155,9 @@ impl Attrs {
         let scheme = QuantScheme::from_name(s).ok_or_else(|| format!("unknown quant scheme `{s}`"))?;
         Ok(QuantSpec { bits: self.bits()?, group: self.u("group")?, scheme })
     }
+    fn dtype(&self, d: &str) -> R<DType> {
+        DType::from_name(d).ok_or_else(|| format!("unknown dtype `{d}`"))
+    }
     fn dims(&self, k: &str) -> R<Vec<usize>> {
         let v = self.raw(k)?;
         Cur { s: v, pos: 0 }.dims()
@@ -176,10 +179,7 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         }
         "const" => Op::Const { value: a.f("value")?, dtype: ty.dtype, shape: ty.shape.clone() },
         "affine" => Op::Affine { mul: a.f("mul")?, add: a.f("add")? },
-        "cast" => {
-            let d = a.raw("to")?;
-            Op::Cast { to: DType::from_name(d).ok_or_else(|| format!("unknown dtype `{d}`"))? }
-        }
+        "cast" => Op::Cast { to: a.dtype(a.raw("to")?)? },
         "broadcast" => Op::Broadcast { shape: Shape(a.dims("shape")?) },
         "sum_to" => Op::SumTo { shape: Shape(a.dims("shape")?) },
         "reshape" => Op::Reshape { shape: Shape(a.dims("shape")?) },
@@ -197,9 +197,12 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "cross_entropy" => Op::CrossEntropy,
         "cross_entropy_grad" => Op::CrossEntropyGrad,
         "fake_quant" => Op::FakeQuant { spec: a.quant()? },
-        "dequantize" => Op::Dequantize { spec: a.quant()? },
+        "dequantize" => Op::Dequantize { spec: a.quant()?, to: a.0.get("to").map_or(Ok(DType::F32), |d| a.dtype(d))? },
         "act_quant" => Op::ActQuant { bits: a.bits()? },
         "dropout" => Op::Dropout { p: a.f("p")?, stream: a.u("stream")? },
+        "all_finite" => Op::AllFinite,
+        "select" => Op::Select,
+        "loss_scale" => Op::LossScale { interval: a.u("interval")?, growth: a.f("growth")?, backoff: a.f("backoff")? },
         // the body is parsed from the lines that follow and put in place by `parse`
         "kernel" => Op::Kernel { family: a.raw("family")?.to_string(), body: Box::new(Graph::new(a.raw("family")?)) },
         "adam_m" => Op::AdamM { beta1: a.f("beta1")? },

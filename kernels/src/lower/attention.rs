@@ -8,6 +8,12 @@
 //!   dk  = softmax_grad(P, dout v^T)^T q         lse, delta, then dk (and dv, into scratch)
 //! The forward's log-sum-exp is not a graph value, so a backward recomputes it (one pass over
 //! the keys); lse and delta are shared by the kernels of one layer through `Lowerer::attn_stats`.
+//!
+//! Over f16/bf16 operands (`--precision`) the same f32 kernels run on widened copies of the
+//! operands (an exact conversion, per node, so no f32 copy outlives its kernel) and their f32
+//! result is rounded once into the node's buffer: scores, probabilities and their gradients stay
+//! f32 inside, as FlashAttention's accumulators do, where the unfused graph rounds each of them
+//! to the compute type (the two agree to a few of its ulps; `tests/llvm_equivalence.rs`).
 
 use std::collections::HashMap;
 
@@ -58,7 +64,8 @@ fn dscores(g: &Graph, ds: NodeId, leaves: &HashMap<NodeId, View>) -> Option<(Nod
 pub fn matches(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Option<Match> {
     let Op::MatMul { ta, tb: false } = *inner(g, root, leaves)? else { return None };
     let shape = &g.ty(root).shape.0;
-    if shape.len() != 4 || g.ty(root).dtype != DType::F32 {
+    let dtype = g.ty(root).dtype;
+    if shape.len() != 4 || !dtype.is_float() {
         return None;
     }
     let (a, b) = two(g, root)?;
@@ -78,20 +85,27 @@ pub fn matches(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Optio
         Match::Dv { q, k, dout, .. } => vec![q, k, dout],
         Match::Dq { q, k, v, dout, .. } | Match::Dk { q, k, v, dout, .. } => vec![q, k, v, dout],
     };
-    operands.iter().all(|&n| g.ty(n).shape.0 == *shape && g.ty(n).dtype == DType::F32).then_some(m)
+    operands.iter().all(|&n| g.ty(n).shape.0 == *shape && g.ty(n).dtype == dtype).then_some(m)
 }
 
-/// A [B, NH, T, hs] view with hs contiguous (copied out when it is not).
-fn head_view(lw: &mut Lowerer, cx: &mut Ctx, n: NodeId, family: &str) -> Result<View, KernelError> {
+/// Node `n`'s value (in `from`) copied into `to`, converted to its type (widened exactly, or
+/// rounded to nearest even).
+fn copy(lw: &mut Lowerer, cx: &Ctx, n: NodeId, from: View, to: &View) -> Result<(), KernelError> {
+    let sub = Ctx { g: cx.g, leaves: HashMap::from([(n, from)]), names: cx.names.clone(), order: cx.order.clone() };
+    elementwise(lw, &sub, n, to, "copy")
+}
+
+/// A [B, NH, T, hs] view of `n` with hs contiguous, as the kernels read it: (the view that
+/// identifies the value, for `attn_stats`; the f32 view the kernels get, copied out when it is
+/// strided or of another type).
+fn head_view(lw: &mut Lowerer, cx: &mut Ctx, n: NodeId, family: &str) -> Result<(View, View), KernelError> {
     let v = operand_view(lw, cx, n, family)?;
-    if v.strides[3] == 1 {
-        return Ok(v);
+    if v.strides[3] == 1 && lw.prog.buffers[v.buf].dtype == DType::F32 {
+        return Ok((v.clone(), v));
     }
-    let g = cx.g;
-    let t = lw.temp(&format!("t{}", n.index()), g.ty(n).dtype, &g.ty(n).shape.0);
-    let sub = Ctx { g, leaves: HashMap::from([(n, v)]), names: cx.names.clone(), order: cx.order.clone() };
-    elementwise(lw, &sub, n, &t, "copy")?;
-    Ok(t)
+    let t = lw.temp(&format!("t{}", n.index()), DType::F32, &cx.g.ty(n).shape.0);
+    copy(lw, cx, n, v.clone(), &t)?;
+    Ok((v, t))
 }
 
 struct Launch<'a> {
@@ -172,9 +186,9 @@ fn launch<'v>(lw: &mut Lowerer, l: &Launch, ops: &Operands<'v>) -> Result<(), Ke
     Ok(())
 }
 
-/// The row log-sum-exp of scale q k^T, computed once per (q, k).
-fn lse(lw: &mut Lowerer, l: &Launch, q: &View, k: &View) -> Result<View, KernelError> {
-    let key = vec![q.clone(), k.clone()];
+/// The row log-sum-exp of scale q k^T, computed once per (q, k) (`key`: the views that hold
+/// their values).
+fn lse(lw: &mut Lowerer, l: &Launch, key: Vec<View>, q: &View, k: &View) -> Result<View, KernelError> {
     if let Some(v) = lw.attn_stats.get(&key) {
         return Ok(v.clone());
     }
@@ -186,8 +200,7 @@ fn lse(lw: &mut Lowerer, l: &Launch, q: &View, k: &View) -> Result<View, KernelE
     Ok(out)
 }
 
-fn delta(lw: &mut Lowerer, l: &Launch, qkvd: [&View; 4], lse: &View) -> Result<View, KernelError> {
-    let key: Vec<View> = qkvd.iter().map(|v| (*v).clone()).collect();
+fn delta(lw: &mut Lowerer, l: &Launch, key: Vec<View>, qkvd: [&View; 4], lse: &View) -> Result<View, KernelError> {
     if let Some(v) = lw.attn_stats.get(&key) {
         return Ok(v.clone());
     }
@@ -204,39 +217,54 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
     let shape = cx.g.ty(root).shape.0.clone();
     let dims = [shape[0], shape[1], shape[2], shape[3]];
     let note = lw.note(cx, root, None);
-    let mut views = |lw: &mut Lowerer, ns: &[NodeId]| ns.iter().map(|&n| head_view(lw, cx, n, family)).collect::<Result<Vec<_>, _>>();
+    // a f16/bf16 result is computed in f32 first, then rounded into `dest`
+    let out = if lw.prog.buffers[dest.buf].dtype == DType::F32 { dest.clone() } else { lw.temp("attn_out", DType::F32, &shape) };
+    let mut keys = Vec::new();
+    let mut views = |lw: &mut Lowerer, ns: &[NodeId]| -> Result<Vec<View>, KernelError> {
+        keys.clear();
+        let mut vs = Vec::new();
+        for &n in ns {
+            let (key, v) = head_view(lw, cx, n, family)?;
+            keys.push(key);
+            vs.push(v);
+        }
+        Ok(vs)
+    };
     match m {
         Match::Forward { q, k, v, scale } => {
             let vs = views(lw, &[q, k, v])?;
             let l = Launch { part: AttentionPart::Forward, dims, scale, family, note };
             let lse = lw.temp("attn_lse", DType::F32, &[dims[0], dims[1], dims[2]]);
-            let ops = Operands { v: Some(&vs[2]), out: [Some(("out", &dest)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
+            let ops = Operands { v: Some(&vs[2]), out: [Some(("out", &out)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
             launch(lw, &l, &ops)?;
             // the backward of this layer reads it instead of recomputing it
-            lw.attn_stats.insert(vec![vs[0].clone(), vs[1].clone()], lse);
+            lw.attn_stats.insert(keys[..2].to_vec(), lse);
         }
         Match::Dv { q, k, dout, scale } => {
             let vs = views(lw, &[q, k, dout])?;
             let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note };
-            let lse = lse(lw, &l, &vs[0], &vs[1])?;
-            let ops = Operands { dout: Some(&vs[2]), out: [Some(("dv", &dest)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
+            let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
+            let ops = Operands { dout: Some(&vs[2]), out: [Some(("dv", &out)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
             launch(lw, &l, &ops)?;
         }
         Match::Dq { q, k, v, dout, scale } | Match::Dk { q, k, v, dout, scale } => {
             let vs = views(lw, &[q, k, v, dout])?;
             let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note };
-            let lse = lse(lw, &l, &vs[0], &vs[1])?;
-            let delta = delta(lw, &l, [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
+            let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
+            let delta = delta(lw, &l, keys.clone(), [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
             let base = Operands { v: Some(&vs[2]), dout: Some(&vs[3]), delta: Some(&delta), ..Operands::new(&vs[0], &vs[1], &lse) };
             if let Match::Dq { .. } = m {
-                launch(lw, &l, &Operands { out: [Some(("dq", &dest)), None], ..base })?;
+                launch(lw, &l, &Operands { out: [Some(("dq", &out)), None], ..base })?;
             } else {
                 // one pass gives dk and dv; dv is not this node's value
                 let dv = lw.temp("attn_dv", DType::F32, &shape);
-                let ops = Operands { out: [Some(("dk", &dest)), Some(("dv", &dv))], ..base };
+                let ops = Operands { out: [Some(("dk", &out)), Some(("dv", &dv))], ..base };
                 launch(lw, &Launch { part: AttentionPart::BackwardKV, ..l }, &ops)?;
             }
         }
+    }
+    if out != dest {
+        copy(lw, cx, root, out, &dest)?;
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use qatc_ir::{DType, Graph, NodeId};
 
 use crate::error::KernelError;
 use crate::index::{self, Bounds};
-use crate::kir::{Body, Expr, Ix, Kernel, Loop, Param, ParamId, ReduceOp, RowMapping, Space, Stmt, Ty, VarId};
+use crate::kir::{Body, Expr, Ix, Kernel, Loop, Param, ParamId, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp, VarId};
 use crate::program::{BufId, Buffer, View};
 
 /// A position in a tensor: a linear index or one coordinate per dim.
@@ -287,6 +287,16 @@ pub fn index_ty_for(sizes: impl IntoIterator<Item = usize>) -> Ty {
         Ty::I32
     } else {
         Ty::I64
+    }
+}
+
+/// A value of a node of type `d` inside a kernel: rounded to f16 / bf16 and kept in f32 (what the
+/// interpreter holds for such a node), unchanged for the other types.
+pub fn round_to(d: DType, e: Expr) -> Expr {
+    match d {
+        DType::F16 => Expr::un(UnOp::RoundF16, e),
+        DType::BF16 => Expr::un(UnOp::RoundBf16, e),
+        DType::F32 | DType::I32 | DType::U8 | DType::I4 => e,
     }
 }
 

@@ -15,7 +15,7 @@ use super::inline::inlinable;
 use super::rows::{self, Anchor};
 use super::{elementwise, Ctx, Lowerer};
 use crate::error::KernelError;
-use crate::program::{Gemm, Materialized, Step, View};
+use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
 
 /// Lowers `Op::Kernel { family, body }` with its operands in `operands` into `dest`.
 pub fn lower_kernel_node(
@@ -182,7 +182,8 @@ fn gemm_bias(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Option<
     let Op::Broadcast { .. } = g.node(other).op else { return None };
     let src = g.operands(other)[0];
     let n = *g.ty(mm).shape.0.last()?;
-    let ok = g.ty(src).shape.0 == [n] && g.ty(src).dtype == qatc_ir::DType::F32 && g.ty(mm).dtype == qatc_ir::DType::F32;
+    // the bias adds in f32 before the one rounding of a f16/bf16 result (cuBLASLt's epilogue)
+    let ok = g.ty(src).shape.0 == [n] && g.ty(src).dtype.is_float() && g.ty(mm).dtype.is_float();
     ok.then_some((mm, src))
 }
 
@@ -280,7 +281,9 @@ fn gemm(lw: &mut Lowerer, cx: &mut Ctx, mm: NodeId, dest: View, bias: Option<Vie
     let (m, n, k) = (shape[r - 2], shape[r - 1], a.shape[r - 1]);
     let c = if dest.shape == *shape { dest } else { View { shape: shape.clone(), strides: crate::index::strides(shape), ..dest } };
     let note = lw.note(cx, mm, None);
-    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha: 1.0, accumulate: false, bias, note, feed: None });
+    let dtype = |v: &View| lw.prog.buffers[v.buf].dtype;
+    let types = GemmTypes { a: dtype(&a), b: dtype(&b), c: dtype(&c), bias: bias.as_ref().map(dtype) };
+    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha: 1.0, accumulate: false, bias, types, note, feed: None });
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 
 use qatc_ir::{BinaryOp, DType, NodeId, Op, QuantScheme, QuantSpec, UnaryOp};
 
-use super::builder::{compute_ty, pos_key, KernelBuilder, Pos};
+use super::builder::{compute_ty, pos_key, round_to, KernelBuilder, Pos};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Intrinsic, Ty, UnOp};
 
@@ -25,6 +25,8 @@ pub fn inlinable(op: &Op) -> bool {
             | Op::Gather
             | Op::Dequantize { .. }
             | Op::Dropout { .. }
+            | Op::Select
+            | Op::LossScale { .. }
             | Op::AdamM { .. }
             | Op::AdamV { .. }
             | Op::AdamParam { .. }
@@ -150,7 +152,7 @@ impl KernelBuilder<'_> {
                 let row = self.to_index(row);
                 self.value(table, &Pos::Coords(vec![row, last.clone()]))?
             }
-            Op::Dequantize { spec } => self.dequantize(*spec, &ops, pos, &shape)?,
+            Op::Dequantize { spec, .. } => self.dequantize(*spec, &ops, pos, &shape)?,
             Op::Dropout { p, stream } => {
                 let x = self.value(arg(0)?, pos)?;
                 let seed = self.value(arg(1)?, &Pos::Coords(vec![]))?;
@@ -169,6 +171,13 @@ impl KernelBuilder<'_> {
                 Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, f(*beta2), v), g2)
             }
             Op::AdamParam { beta1, beta2, eps, weight_decay } => self.adam_param(&ops, pos, [*beta1, *beta2, *eps, *weight_decay])?,
+            // a where cond != 0 (NaN included: `Ne` is unordered), else b
+            Op::Select => {
+                let c = self.value(arg(0)?, pos)?;
+                let (a, b) = (self.value(arg(1)?, pos)?, self.value(arg(2)?, pos)?);
+                Expr::select(Expr::bin(BinOp::Ne, c, f(0.0)), a, b)
+            }
+            Op::LossScale { interval, growth, backoff } => self.loss_scale(&ops, pos, *interval, *growth, *backoff)?,
             _ => {
                 return Err(KernelError::Internal(format!(
                     "{} must be computed by a kernel of its own before it is read",
@@ -176,12 +185,8 @@ impl KernelBuilder<'_> {
                 )))
             }
         };
-        let e = match ty.dtype {
-            // an f16/bf16 node's value is rounded to its type, as the interpreter does
-            DType::F16 if !self.src.leaves.contains_key(&node) => Expr::un(UnOp::RoundF16, e),
-            DType::BF16 if !self.src.leaves.contains_key(&node) => Expr::un(UnOp::RoundBf16, e),
-            _ => e,
-        };
+        // an f16/bf16 node's value is rounded to its type, as the interpreter does
+        let e = if self.src.leaves.contains_key(&node) { e } else { round_to(ty.dtype, e) };
         let e = self.bind(compute_ty(ty.dtype), e);
         match op {
             Op::AdamM { .. } => self.name(&e, "m_next"),
@@ -235,6 +240,28 @@ impl KernelBuilder<'_> {
             QuantScheme::Nf4 => Expr::bin(BinOp::Mul, Expr::Call(Intrinsic::Nf4Value, vec![code]), scale),
             QuantScheme::Q4_0 => Expr::bin(BinOp::Mul, Expr::bin(BinOp::Sub, c, f(8.0)), scale),
         })
+    }
+
+    /// `torch._amp_update_scale_` on [scale, good steps] (element `pos` of the new state), in f32
+    /// as the interpreter's `scaling::loss_scale`. A value is finite when `v - v == 0` (false for
+    /// infinities and NaN; kernels are compiled without fast-math, so this is not folded away).
+    fn loss_scale(&mut self, ops: &[NodeId], pos: &Pos, interval: usize, growth: f64, backoff: f64) -> Result<Expr, KernelError> {
+        let scale = self.value(ops[0], &Pos::Lin(Expr::Int(0)))?;
+        let good = self.value(ops[0], &Pos::Lin(Expr::Int(1)))?;
+        let finite = self.value(ops[1], &Pos::Coords(vec![]))?;
+        let next = self.bind(Ty::F32, Expr::bin(BinOp::Add, good, f(1.0)));
+        let grown = self.bind(Ty::F32, Expr::bin(BinOp::Mul, scale.clone(), f(growth)));
+        let grown_ok = Expr::bin(BinOp::Eq, Expr::bin(BinOp::Sub, grown.clone(), grown.clone()), f(0.0));
+        let skipped = self.bind(Ty::Bool, Expr::bin(BinOp::Eq, finite, f(0.0)));
+        let grows = self.bind(Ty::Bool, Expr::bin(BinOp::Eq, next.clone(), f(interval as f64)));
+        let new_scale = Expr::select(
+            skipped.clone(),
+            Expr::bin(BinOp::Mul, scale.clone(), f(backoff)),
+            Expr::select(grows.clone(), Expr::select(grown_ok, grown, scale.clone()), scale),
+        );
+        let new_good = Expr::select(skipped, f(0.0), Expr::select(grows, f(0.0), next));
+        let i = self.lin(pos, &[2]);
+        Ok(Expr::select(Expr::bin(BinOp::Eq, i, Expr::Int(0)), new_scale, new_good))
     }
 
     /// PyTorch's AdamW step, scalars formed in f64 as the interpreter does (`adam_param`).

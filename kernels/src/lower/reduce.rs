@@ -91,26 +91,51 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             launch!(lw, kb, &a.family, Space::Rows { rows: c, mapping: RowMapping::Thread }, note)
         }
         Op::FakeQuant { spec } => fake_quant(lw, cx, a, spec, &shape, note),
+        Op::AllFinite => {
+            // one row over every element: the largest "not finite" indicator, 0 or 1 (an element
+            // is finite when v - v == 0, false for infinities and NaN), then 1 - it
+            let x = ops[0];
+            let n = g.ty(x).numel();
+            let mut kb = lw.kb_rows(cx, 1, &[&a.dest]);
+            let (lp, j) = kb.open_loop(Expr::Int(n as i64), n);
+            let v = kb.value(x, &Pos::Lin(j))?;
+            let finite = Expr::bin(BinOp::Eq, Expr::bin(BinOp::Sub, v.clone(), v), f(0.0));
+            let bad = kb.close_reduce(lp, ReduceOp::Max, Ty::F32, Expr::select(finite, f(0.0), f(1.0)));
+            emit_out(&mut kb, a, Pos::Coords(vec![]), Expr::bin(BinOp::Sub, f(1.0), bad))?;
+            launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, note)
+        }
         Op::ScatterAdd { rows } => {
             // zero the table, then add every dy row into row ids[n] with atomics: fast, but the
-            // order of the additions (and so the last bits) varies from run to run
+            // order of the additions (and so the last bits) varies from run to run. A f16/bf16
+            // table sums in an f32 scratch, rounded once into it at the end.
             let (ids, dy) = (ops[0], ops[1]);
             let c = shape.last().copied().unwrap_or(1);
-            let mut kb = lw.kb_elements(cx, &shape, &[&a.dest]);
-            kb.store_view(&a.dest, &Pos::Lin(Expr::Ix(Ix::Elem)), f(0.0));
+            let half = node.ty.dtype != DType::F32;
+            let sums = if half { lw.temp("scatter_sums", DType::F32, &shape) } else { a.dest.clone() };
+            let mut kb = lw.kb_elements(cx, &shape, &[&sums]);
+            kb.store_view(&sums, &Pos::Lin(Expr::Ix(Ix::Elem)), f(0.0));
             launch!(lw, kb, "fill", Space::Elements { shape: shape.clone() }, format!("{note}: zero"))?;
             let dshape = g.ty(dy).shape.0.clone();
-            let mut kb = lw.kb_elements(cx, &dshape, &[&a.dest]);
+            let mut kb = lw.kb_elements(cx, &dshape, &[&sums]);
             let n_at = Pos::Lin(kb.bounds.div(Expr::Ix(Ix::Elem), c as i64));
             let id = kb.value(ids, &n_at)?;
             let row = kb.bind(Ty::I32, Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, id, Expr::Int(0)), Expr::Int(rows as i64 - 1)));
             let row = kb.to_index(row);
             let v = kb.value(dy, &Pos::Lin(Expr::Ix(Ix::Elem)))?;
-            let p = kb.param(a.dest.buf, true);
+            let p = kb.param(sums.buf, true);
             let col = kb.bounds.rem(Expr::Ix(Ix::Elem), c as i64);
-            let index = kb.bounds.add(Expr::Int(a.dest.offset as i64), kb.bounds.add(kb.bounds.mul(row, c as i64), col));
+            let index = kb.bounds.add(Expr::Int(sums.offset as i64), kb.bounds.add(kb.bounds.mul(row, c as i64), col));
             kb.push(Stmt::AtomicAdd { param: p, index, value: v });
-            launch!(lw, kb, &a.family, Space::Elements { shape: dshape }, note)
+            let family = if half { "scatter_add" } else { a.family.as_str() };
+            launch!(lw, kb, family, Space::Elements { shape: dshape }, note.clone())?;
+            if !half {
+                return Ok(());
+            }
+            let mut kb = lw.kb_elements(cx, &shape, &[&sums, &a.dest]);
+            let at = Pos::Lin(Expr::Ix(Ix::Elem));
+            let s = kb.load_view(&sums, &at);
+            emit_out(&mut kb, a, at, s)?;
+            launch!(lw, kb, &a.family, Space::Elements { shape }, format!("{note}: rounded to {}", node.ty.dtype))
         }
         other => Err(KernelError::Unsupported { node: g.describe(a.node), why: format!("no kernel lowering for {}", other.mnemonic()) }),
     }

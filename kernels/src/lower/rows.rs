@@ -43,6 +43,8 @@ fn div(a: Expr, b: Expr) -> Expr {
 pub fn emit_out(kb: &mut KernelBuilder, a: &Anchor, pos: Pos, y: Expr) -> Result<(), KernelError> {
     let v = match a.epilogue {
         Some(root) => {
+            // the epilogue reads the anchor's value as the interpreter holds it: rounded to its type
+            let y = super::builder::round_to(kb.src.g.ty(a.node).dtype, y);
             kb.subst.insert(pos_key(a.node, &pos), y);
             kb.value(root, &pos)?
         }

@@ -80,7 +80,7 @@ pub fn dequant_gemm() -> Graph {
     let spec = QuantSpec { bits: 4, group: 64, scheme: QuantScheme::Sym };
     let tys = [f32s(&[8, 128]), (DType::I4, vec![128, 384]), f32s(&[2, 384]), f32s(&[384])];
     fused("gemm_epilogue", &tys, |b, i| {
-        let w = b.add(Op::Dequantize { spec }, &[i[1], i[2]]).unwrap();
+        let w = b.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[i[1], i[2]]).unwrap();
         let y = b.add(Op::MatMul { ta: false, tb: false }, &[i[0], w]).unwrap();
         let bias = b.add(Op::Broadcast { shape: [8, 384].into() }, &[i[3]]).unwrap();
         b.add(Op::Binary(BinaryOp::Add), &[y, bias]).unwrap()

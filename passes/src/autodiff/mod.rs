@@ -16,6 +16,9 @@ use crate::pipeline::PassReport;
 
 const PASS: &str = "autodiff";
 
+/// The name of the backward's seed, d loss / d loss = 1 (loss scaling replaces it by the scale).
+pub const LOSS_GRAD: &str = "loss.grad";
+
 /// The output name of a trainable input's gradient.
 pub fn grad_name(param: &str) -> String {
     format!("grad:{param}")
@@ -47,7 +50,7 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
     // Gradient contributions per node, summed when the node is first visited in reverse order.
     let mut pending: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
     let seed = g.constant(1.0, g.ty(loss).dtype, Shape::scalar()).in_pass(PASS)?;
-    g.set_name(seed, "loss.grad");
+    g.set_name(seed, LOSS_GRAD);
     pending.insert(loss, vec![seed]);
     let mut grads: HashMap<NodeId, NodeId> = HashMap::new();
 

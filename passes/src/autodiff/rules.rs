@@ -217,6 +217,8 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         Op::Dequantize { .. } => Err(no_rule()),
         // fusion runs after autodiff: kernels are never differentiated
         Op::Kernel { .. } => Err(no_rule()),
+        // the precision pass runs after autodiff: loss-scaling ops are never differentiated
+        Op::AllFinite | Op::Select | Op::LossScale { .. } => Err(no_rule()),
         Op::ScatterAdd { .. }
         | Op::LayerNormGradX { .. }
         | Op::LayerNormGradGamma { .. }

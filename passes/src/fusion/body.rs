@@ -86,6 +86,7 @@ pub fn is_pointwise(kind: &str) -> bool {
             | "const"
             | "gather"
             | "dropout"
+            | "select"
             | "adam_m"
             | "adam_v"
             | "adam_param"

@@ -49,6 +49,10 @@ pub fn op_flops(op: &Op, ty: &TensorType, ins: &[&TensorType]) -> u64 {
         Op::FakeQuant { .. } | Op::ActQuant { .. } => 4 * n,
         Op::Dequantize { .. } => 2 * n,
         Op::Dropout { .. } => 2 * n,
+        // a finiteness test per element; a choice per element; a handful of scalar operations
+        Op::AllFinite => n_in(0),
+        Op::Select => n,
+        Op::LossScale { .. } => 4,
         // a fused kernel does what its body does: intermediates stay on chip, FLOPs do not vanish
         Op::Kernel { body, .. } => graph_flops(body),
         Op::AdamM { .. } => 3 * n,

@@ -2,18 +2,16 @@
 //! and the `gemm` crate otherwise: c = alpha * a @ b (+ c), plus an
 //! optional bias row, each operand read in place through its view's row and column strides (a
 //! transposed operand costs nothing). Batch dims lead and are equal on a, b and c; each batch
-//! element is one call.
+//! element is one call. f16/bf16 operands or destinations go through f32 tiles (`gemm_half.rs`).
 //!
 //! Every view is checked against its buffer once, when the program is planned
-//! (`exec::check_gemm`, and [`check_f32`]), so the unchecked pointer arithmetic of [`run`] stays
-//! inside the allocations.
+//! (`exec::check_gemm`: views, shapes, and buffers of the types the GEMM says), so the unchecked
+//! pointer arithmetic of [`run`] stays inside the allocations.
 
 use gemm::Parallelism;
-use qatc_ir::DType;
-use qatc_kernels::program::{Buffer, Gemm, View};
+use qatc_kernels::program::{Gemm, View};
 
 use super::blas::Blas;
-use crate::error::RuntimeError;
 
 /// Below this many multiply-adds a GEMM runs on the calling thread: splitting costs more.
 const PAR_MIN_FLOPS: usize = 1 << 16;
@@ -22,23 +20,8 @@ const PAR_MIN_FLOPS: usize = 1 << 16;
 /// its thread start-up is not repaid.
 const BLAS_MIN_FLOPS: usize = 1 << 20;
 
-/// The CPU's own check of a GEMM step, beyond `exec::check_gemm`'s: every operand f32.
-pub fn check_f32(g: &Gemm, bufs: &[Buffer]) -> Result<(), RuntimeError> {
-    for (v, what) in [(Some(&g.a), "a"), (Some(&g.b), "b"), (Some(&g.c), "c"), (g.bias.as_ref(), "bias")] {
-        if let Some(b) = v.and_then(|v| bufs.get(v.buf)) {
-            if b.dtype != DType::F32 {
-                return Err(RuntimeError::Gemm {
-                    note: g.note.clone(),
-                    msg: format!("{what} ({}) is {}: the CPU GEMM is f32 only", b.name, b.dtype),
-                });
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Element offsets of batch element `i` (row-major over the batch dims) in each view.
-fn batch_offsets(g: &Gemm, i: usize) -> [usize; 3] {
+pub(super) fn batch_offsets(g: &Gemm, i: usize) -> [usize; 3] {
     let r = g.c.shape.len();
     let mut rest = i;
     let mut off = [g.a.offset, g.b.offset, g.c.offset];
@@ -52,72 +35,74 @@ fn batch_offsets(g: &Gemm, i: usize) -> [usize; 3] {
     off
 }
 
-/// Runs one GEMM step, the large ones by `blas` when given. `ptr(buf)` is the base address of a
-/// buffer.
+/// An f32 matrix in memory: base address, row stride, column stride (elements).
+pub(super) type MatF32 = (*const f32, usize, usize);
+
+/// c = alpha a @ b (+ c when `accumulate`) on f32 matrices [m, k] @ [k, n] -> [m, n], by `blas`
+/// when given and the GEMM is large, else by the gemm crate.
 ///
 /// # Safety
-/// `g` must have passed `exec::check_gemm` and [`check_f32`] against the buffers `ptr` points
-/// to, which must be live and not accessed by anything else during the call.
+/// The three matrices must be live and in bounds for their strides, c's elements distinct and
+/// aliasing neither a nor b, and nothing else may access c meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn sgemm(
+    blas: Option<&Blas>,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    accumulate: bool,
+    a: MatF32,
+    b: MatF32,
+    c: (*mut f32, usize, usize),
+) {
+    if k == 0 {
+        // an empty sum: zeros, or c unchanged when accumulating
+        if !accumulate {
+            for (ii, jj) in (0..m).flat_map(|ii| (0..n).map(move |jj| (ii, jj))) {
+                // SAFETY: (ii, jj) is inside c, which the caller guarantees.
+                unsafe { *c.0.add(ii * c.1 + jj * c.2) = 0.0 };
+            }
+        }
+        return;
+    }
+    // SAFETY: the caller's contract, which is both libraries' (beta 0 never reads c).
+    unsafe {
+        if m * n * k >= BLAS_MIN_FLOPS && blas.is_some_and(|bl| bl.sgemm(m, n, k, alpha, accumulate, a, b, c)) {
+            return;
+        }
+        let par = if m * n * k >= PAR_MIN_FLOPS { Parallelism::Rayon(0) } else { Parallelism::None };
+        let s = |x: usize| x as isize;
+        // gemm computes dst = alpha dst + beta (lhs @ rhs), reading dst only if asked
+        #[rustfmt::skip]
+        gemm::gemm(m, n, k, c.0, s(c.2), s(c.1), accumulate, a.0, s(a.2), s(a.1), b.0, s(b.2), s(b.1), 1.0f32, alpha, false, false, false, par);
+    }
+}
+
+/// Runs one GEMM step, the large ones by `blas` when given: f32 in place (below), f16/bf16
+/// through f32 tiles (`gemm_half`). `ptr(buf)` is the base address of a buffer.
+///
+/// # Safety
+/// `g` must have passed `exec::check_gemm` against the buffers `ptr` points to, which must be
+/// live and not accessed by anything else during the call.
 pub unsafe fn run(g: &Gemm, blas: Option<&Blas>, ptr: impl Fn(usize) -> *mut u8) {
+    if !g.types.is_f32() {
+        // SAFETY: the caller's contract, passed on.
+        return unsafe { super::gemm_half::run(g, blas, ptr) };
+    }
     let r = g.c.shape.len();
     let (m, n, k) = (g.m, g.n, g.k);
     let s = |v: &View, d: usize| v.strides[d] as isize;
     let (a, b, c) = (ptr(g.a.buf).cast::<f32>(), ptr(g.b.buf).cast::<f32>(), ptr(g.c.buf).cast::<f32>());
-    let par = if m * n * k >= PAR_MIN_FLOPS { Parallelism::Rayon(0) } else { Parallelism::None };
+    let st = |v: &View| (v.strides[r - 2], v.strides[r - 1]);
     for i in 0..g.batch() {
         let [oa, ob, oc] = batch_offsets(g, i);
-        // SAFETY: `exec::check_gemm` proved every element of every view (all batch elements included) lies
-        // inside its f32 buffer, and that c's elements are distinct and in a buffer of their own,
-        // so the writes alias neither each other nor the operands; the caller guarantees the
-        // buffers are live and otherwise untouched.
+        // SAFETY: `exec::check_gemm` proved every element of every view (all batch elements
+        // included) lies inside its f32 buffer, and that c's elements are distinct and in a buffer
+        // of their own, so the writes alias neither each other nor the operands; the caller
+        // guarantees the buffers are live and otherwise untouched.
         unsafe {
             let cp = c.add(oc);
-            if k == 0 {
-                // an empty sum: zeros, or c unchanged when accumulating
-                if !g.accumulate {
-                    for (ii, jj) in (0..m).flat_map(|ii| (0..n).map(move |jj| (ii, jj))) {
-                        *cp.offset(ii as isize * s(&g.c, r - 2) + jj as isize * s(&g.c, r - 1)) = 0.0;
-                    }
-                }
-            } else if m * n * k >= BLAS_MIN_FLOPS
-                && blas.is_some_and(|bl| {
-                    bl.sgemm(
-                        m,
-                        n,
-                        k,
-                        g.alpha as f32,
-                        g.accumulate,
-                        (a.add(oa), g.a.strides[r - 2], g.a.strides[r - 1]),
-                        (b.add(ob), g.b.strides[r - 2], g.b.strides[r - 1]),
-                        (cp, g.c.strides[r - 2], g.c.strides[r - 1]),
-                    )
-                })
-            {
-                // OpenBLAS did it
-            } else {
-                // gemm computes dst = alpha dst + beta (lhs @ rhs), reading dst only if asked
-                gemm::gemm(
-                    m,
-                    n,
-                    k,
-                    cp,
-                    s(&g.c, r - 1),
-                    s(&g.c, r - 2),
-                    g.accumulate,
-                    a.add(oa),
-                    s(&g.a, r - 1),
-                    s(&g.a, r - 2),
-                    b.add(ob),
-                    s(&g.b, r - 1),
-                    s(&g.b, r - 2),
-                    1.0f32,
-                    g.alpha as f32,
-                    false,
-                    false,
-                    false,
-                    par,
-                );
-            }
+            let (sa, sb, sc) = (st(&g.a), st(&g.b), st(&g.c));
+            sgemm(blas, (m, n, k), g.alpha as f32, g.accumulate, (a.add(oa), sa.0, sa.1), (b.add(ob), sb.0, sb.1), (cp, sc.0, sc.1));
             if let Some(bias) = &g.bias {
                 let bp = ptr(bias.buf).cast::<f32>().add(bias.offset);
                 for ii in 0..m {

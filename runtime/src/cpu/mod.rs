@@ -6,7 +6,8 @@
 //! Program { buffers, kernels, steps: [Launch | Gemm], outputs, updates }
 //!    buffers  -> the ExecPlan's layout: three zeroed allocations, 64-byte aligned (memory.rs)
 //!    Launch   -> 0..iterations(kernel) split over rayon's pool, each range run by a Launcher
-//!    Gemm     -> OpenBLAS or the gemm crate on the views' strides (gemm.rs, blas.rs); fed a
+//!    Gemm     -> OpenBLAS or the gemm crate on the views' strides (gemm.rs, blas.rs); f16/bf16
+//!                ones through f32 tiles (gemm_half.rs); fed a
 //!                dequantized panel at a time when `qatc_kernels::panels` rewrote it
 //!    updates  -> copied over their inputs after the last step
 //! ```
@@ -20,6 +21,7 @@ mod attention;
 mod attn_gemm;
 pub mod blas;
 mod gemm;
+mod gemm_half;
 mod kir_eval;
 #[cfg(feature = "llvm")]
 mod llvm;

@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use qatc_ir::InputKind;
-use qatc_kernels::program::{BufId, Program, Step, View};
+use qatc_kernels::program::{BufId, Program, View};
 
 use super::blas::{self, Blas};
-use super::gemm;
 use super::kir_eval::KirEval;
 use super::memory::{Memory, ALIGN};
 use super::options::CpuOptions;
@@ -64,11 +63,6 @@ impl CpuProgram {
         cpu: &CpuOptions,
     ) -> Result<CpuProgram, RuntimeError> {
         let plan = ExecPlan::new(&prog, exec)?;
-        for step in &prog.steps {
-            if let Step::Gemm(g) = step {
-                gemm::check_f32(g, &prog.buffers)?;
-            }
-        }
         let mem = Memory::new(&plan.layout)?;
         let steps = cpu_steps(&prog, &mem, rayon::current_num_threads().max(1));
         let nb = prog.buffers.len();

@@ -140,7 +140,7 @@ unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: 
 ///
 /// # Safety
 /// `step` must come from [`cpu_steps`] over `mem`, for a program that passed `ExecPlan::new`
-/// (with its layout behind `mem`) and `gemm::check_f32`; nothing else may access `mem`'s buffers
+/// (with its layout behind `mem`); nothing else may access `mem`'s buffers
 /// during the call.
 pub unsafe fn run_step(step: &CpuStep, launcher: &dyn Launcher, blas: Option<&Blas>, mem: &Memory) -> Result<(), RuntimeError> {
     match step {
@@ -164,7 +164,7 @@ pub unsafe fn run_step(step: &CpuStep, launcher: &dyn Launcher, blas: Option<&Bl
             Ok(())
         }
         CpuStep::Gemm(g) => {
-            // SAFETY: the GEMM passed `exec::check_gemm` and `check_f32` against these buffers;
+            // SAFETY: the GEMM passed `exec::check_gemm` against these buffers;
             // all of them are live at this step, so the layout gives them disjoint bytes (c
             // aliases no operand), and the caller keeps them from any other access.
             unsafe { gemm::run(g, blas, |b| mem.ptr(b)) };

@@ -4,6 +4,7 @@
 //! change only by being set, or by an update's write-back after the step). The executors'
 //! unchecked pointer arithmetic relies on them.
 
+use qatc_ir::DType;
 use qatc_kernels::kir::Kernel;
 use qatc_kernels::program::{BufId, BufKind, Buffer, Gemm, Program, View};
 
@@ -96,10 +97,19 @@ fn distinct_elements(v: &View) -> bool {
 /// matching shapes, a destination that overlaps neither itself nor an operand's buffer and is no
 /// graph input. Which dtypes a device's GEMM takes is the device's check.
 pub fn check_gemm(g: &Gemm, bufs: &[Buffer]) -> Result<(), RuntimeError> {
-    let buf = |v: &View, what: &str| viewed(bufs, v, what).map_err(|e| gemm_err(g, e.to_string()));
-    buf(&g.a, "a")?;
-    buf(&g.b, "b")?;
-    let c = buf(&g.c, "c")?;
+    // each view inside its buffer, of a float type, the one the GEMM says (a library planner reads
+    // the types off the GEMM: they must be the buffers')
+    let buf = |v: &View, want: Option<DType>, what: &str| {
+        let b = viewed(bufs, v, what).map_err(|e| gemm_err(g, e.to_string()))?;
+        if !b.dtype.is_float() || Some(b.dtype) != want {
+            let want = want.map_or("no".to_string(), |d| d.to_string());
+            return Err(gemm_err(g, format!("{what} ({}) is {}, the GEMM says {want} (f32, f16 or bf16)", b.name, b.dtype)));
+        }
+        Ok(b)
+    };
+    buf(&g.a, Some(g.types.a), "a")?;
+    buf(&g.b, Some(g.types.b), "b")?;
+    let c = buf(&g.c, Some(g.types.c), "c")?;
     if is_input(c) {
         return Err(gemm_err(g, format!("writes the graph input {}", c.name)));
     }
@@ -119,7 +129,7 @@ pub fn check_gemm(g: &Gemm, bufs: &[Buffer]) -> Result<(), RuntimeError> {
         return Err(gemm_err(g, "the destination overlaps itself or an operand".into()));
     }
     if let Some(bias) = &g.bias {
-        buf(bias, "bias")?;
+        buf(bias, g.types.bias, "bias")?;
         if bias.shape != [g.n] || bias.buf == g.c.buf {
             return Err(gemm_err(g, format!("bias of shape {:?} for {} columns", bias.shape, g.n)));
         }

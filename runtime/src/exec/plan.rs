@@ -188,6 +188,7 @@ mod tests {
             alpha: 1.0,
             accumulate: false,
             bias: None,
+            types: qatc_kernels::program::GemmTypes::F32,
             note: "p.next = x @ w".into(),
             feed: None,
         };

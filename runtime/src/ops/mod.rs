@@ -8,6 +8,7 @@ pub mod embed;
 pub mod layout;
 pub mod matmul;
 pub mod norm;
+pub mod scaling;
 pub mod softmax;
 
 /// Below this many output elements a kernel runs on the calling thread: spawning costs more.

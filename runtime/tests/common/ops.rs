@@ -53,7 +53,7 @@ pub fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
             vec![fin(rng, &[6, 13], -4.0, 4.0), In::I(vec![6], rng.ints(6, 13)), In::f(&[], &[0.75])]
         }
         Op::FakeQuant { .. } => vec![fin(rng, &[64, 3], -1.0, 1.0)],
-        Op::Dequantize { spec } => {
+        Op::Dequantize { spec, .. } => {
             let groups = 64 / spec.group_for(64);
             let mut ins = vec![
                 In::ID(spec.code_dtype(), vec![64, 3], rng.ints(64 * 3, 16)),
@@ -65,6 +65,16 @@ pub fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
             ins
         }
         Op::Dropout { .. } => vec![x(rng), In::i(&[], &[1234])],
+        // one infinite element among finite ones: the flag must be 0
+        Op::AllFinite => {
+            let mut v = f32s(rng, 105, -3.0, 3.0);
+            v[57] = f64::INFINITY;
+            vec![In::F(vec![3, 5, 7], v)]
+        }
+        // a condition of zeros and nonzeros (negative ones too)
+        Op::Select => vec![In::F(vec![3, 5, 7], rng.ints(105, 3).into_iter().map(|c| f64::from(c) - 1.0).collect()), x(rng), x(rng)],
+        // the step that completes an interval: the scale doubles and the count resets
+        Op::LossScale { .. } => vec![In::f(&[2], &[65536.0, 1999.0]), In::f(&[], &[1.0])],
         // a kernel's body gelu(in0) * in1 is evaluated by the interpreter itself
         Op::Kernel { .. } => vec![x(rng), x(rng)],
         Op::AdamM { .. } => vec![x(rng), x(rng)],
@@ -101,7 +111,7 @@ pub fn all_ops() -> Vec<Op> {
     for scheme in QuantScheme::ALL {
         let group = if scheme == QuantScheme::Q4_0 { 32 } else { 16 };
         ops.push(Op::FakeQuant { spec: QuantSpec { bits: 4, group, scheme } });
-        ops.push(Op::Dequantize { spec: QuantSpec { bits: 4, group, scheme } });
+        ops.push(Op::Dequantize { spec: QuantSpec { bits: 4, group, scheme }, to: DType::F32 });
     }
     ops.push(Op::FakeQuant { spec: QuantSpec { bits: 8, group: 0, scheme: QuantScheme::Sym } });
     ops.extend([
@@ -131,6 +141,11 @@ pub fn all_ops() -> Vec<Op> {
         Op::AdamM { beta1: 0.9 },
         Op::AdamV { beta2: 0.999 },
         Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 },
+        Op::Dequantize { spec: QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Sym }, to: DType::BF16 },
+        Op::Dequantize { spec: QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 }, to: DType::F16 },
+        Op::AllFinite,
+        Op::Select,
+        Op::LossScale { interval: 2000, growth: 2.0, backoff: 0.5 },
     ]);
     ops
 }

@@ -35,6 +35,7 @@ pub const POINTWISE: &[&str] = &[
     "concat",
     "gather",
     "dropout",
+    "select",
     "adam_m",
     "adam_v",
     "adam_param",
