@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use qatc_passes::lora::LoraOptions;
+use qatc_passes::quant::is_learned_name;
 use qatc_runtime::Tensor;
 use serde_json::json;
 use thiserror::Error;
@@ -21,6 +22,11 @@ pub enum AdapterError {
 
 const KEY_PREFIX: &str = "base_model.model.transformer.";
 
+/// The file beside a PEFT adapter that holds learned quantization scales and zero points
+/// (`--scales learned`), by qatc input name (`h.0.attn.c_attn.weight.scales`), f32: the values
+/// training ended with, which the fake-quant rounds to fp16 where it uses them.
+pub const QUANT_FILE: &str = "quant_scales.safetensors";
+
 /// An adapter: its settings and tensors by qatc name.
 #[derive(Clone, Debug)]
 pub struct Adapter {
@@ -30,6 +36,8 @@ pub struct Adapter {
     pub rslora: bool,
     pub target_modules: Vec<String>,
     pub tensors: BTreeMap<String, Tensor<f32>>,
+    /// Learned quantization scales and zero points (`QUANT_FILE`), empty when there are none.
+    pub quant: BTreeMap<String, Tensor<f32>>,
 }
 
 impl Adapter {
@@ -69,21 +77,44 @@ pub fn read(dir: &Path) -> Result<Adapter, AdapterError> {
         _ => vec!["c_attn".into()],
     };
     let st_path = dir.join("adapter_model.safetensors");
-    let bytes = std::fs::read(&st_path).map_err(|source| AdapterError::Io { path: st_path.clone(), source })?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(&st_path, format!("not a safetensors file: {e}")))?;
     let mut tensors = BTreeMap::new();
-    for (key, v) in st.tensors() {
+    for (key, t) in read_tensors(&st_path)? {
         let name =
             qatc_name(&key).ok_or_else(|| bad(&st_path, format!("unexpected key {key:?} (want base_model.model....lora_A.weight)")))?;
+        tensors.insert(name, t);
+    }
+    let quant_path = dir.join(QUANT_FILE);
+    let mut quant = BTreeMap::new();
+    if quant_path.exists() {
+        for (name, t) in read_tensors(&quant_path)? {
+            if !is_learned_name(&name) {
+                return Err(bad(&quant_path, format!("unexpected tensor {name:?} (want WEIGHT.scales or WEIGHT.zeros)")));
+            }
+            if t.data.iter().any(|v| !v.is_finite()) {
+                return Err(bad(&quant_path, format!("{name:?} holds a non-finite value")));
+            }
+            quant.insert(name, t);
+        }
+    }
+    Ok(Adapter { r, alpha, dropout, rslora, target_modules, tensors, quant })
+}
+
+/// Every tensor of a safetensors file as f32 (from F32, F16 or BF16), by key.
+fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor<f32>)>, AdapterError> {
+    let bad = |why: String| AdapterError::Invalid { path: path.to_path_buf(), why };
+    let bytes = std::fs::read(path).map_err(|source| AdapterError::Io { path: path.to_path_buf(), source })?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let mut out = Vec::new();
+    for (key, v) in st.tensors() {
         let data: Vec<f32> = match v.dtype() {
             safetensors::Dtype::F32 => v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             safetensors::Dtype::F16 => v.data().chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             safetensors::Dtype::BF16 => v.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            d => return Err(bad(&st_path, format!("tensor {key:?} has unsupported dtype {d:?}"))),
+            d => return Err(bad(format!("tensor {key:?} has unsupported dtype {d:?}"))),
         };
-        tensors.insert(name, Tensor { shape: v.shape().to_vec(), data });
+        out.push((key, Tensor { shape: v.shape().to_vec(), data }));
     }
-    Ok(Adapter { r, alpha, dropout, rslora, target_modules, tensors })
+    Ok(out)
 }
 
 /// adapter_config.json and adapter_model.safetensors, as PEFT writes them for GPT-2.

@@ -100,7 +100,8 @@ pub enum Scales {
     /// From each group's range (absmax, or min and max), recomputed from the weight.
     #[default]
     Minmax,
-    /// Learned with the weights (LSQ); not in this build yet.
+    /// Per-group scales (and asym's zero points) trained with the weights (LSQ), initialized by
+    /// the min-max rule and saved beside the adapter.
     Learned,
 }
 
@@ -180,6 +181,10 @@ pub struct TrainConfig {
     pub seed: u64,
     /// The adapter LoRA started from (absolute path), instead of a fresh initialisation.
     pub init_adapter: Option<String>,
+    /// The peak learning rate of learned quantization scales (`--scale-lr`; only with
+    /// `--scales learned`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_lr: Option<f64>,
 }
 
 impl QuantConfig {
@@ -190,6 +195,7 @@ impl QuantConfig {
             targets: self.targets.clone(),
             per_module: self.modules.clone(),
             act_bits: self.act_bits,
+            learned_scales: self.scales == Scales::Learned,
         }
     }
 
@@ -201,9 +207,6 @@ impl QuantConfig {
             if !(2..=8).contains(&a) {
                 return Err(format!("--act-bits must be 2..8, got {a}"));
             }
-        }
-        if self.scales == Scales::Learned {
-            return Err("--scales learned: learned quantization scales are not in this build yet; use --scales minmax".into());
         }
         Ok(())
     }
@@ -281,6 +284,11 @@ impl TrainConfig {
         if !(self.lr > 0.0 && self.lr.is_finite() && (0.0..=self.lr).contains(&self.min_lr)) {
             return Err("--lr must be a positive number and --min-lr within [0, lr]".into());
         }
+        if let Some(l) = self.scale_lr {
+            if !(l > 0.0 && l.is_finite()) {
+                return Err(format!("--scale-lr must be a positive number, got {l}"));
+            }
+        }
         Ok(())
     }
 
@@ -310,7 +318,10 @@ impl RunConfig {
         o.model = self.model.options(true);
         o.grad_accum = s.grad_accum;
         o.clip = s.optim.clip;
-        o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay };
+        // learned scales train at their own rate, a multiple of --lr so that the schedule moves both
+        let scale_lr_mul = self.train.as_ref().and_then(|t| Some(t.scale_lr? / t.lr)).unwrap_or(1.0);
+        o.adamw =
+            AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay, scale_lr_mul };
         o.checkpoint = s.checkpoint;
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
         o.precision = s.precision.mode;

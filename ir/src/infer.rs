@@ -2,7 +2,7 @@
 //! on every insertion and the verifier calls it again on every node, so a pass cannot leave a node
 //! whose recorded type disagrees with what its op computes.
 
-use crate::op::Op;
+use crate::op::{Op, QuantParam, QuantSpec};
 use crate::types::{DType, Shape, TensorType};
 
 /// Why an op rejects its operands, without the node context (the caller adds it).
@@ -256,6 +256,18 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             }
             Ok(TensorType::new(*to, vec![n_in, n_out]))
         }
+        Op::FakeQuantLearned { spec } => learned_operands(spec, ins, "fake_quant_learned", 0),
+        Op::FakeQuantLearnedGrad { spec, wrt } => {
+            let ty = learned_operands(spec, ins, "fake_quant_learned_grad", 1)?;
+            if *wrt == QuantParam::Zero && !spec.scheme.has_zero_point() {
+                return Err(format!("fake_quant_learned_grad wrt zero: scheme {} has no zero points", spec.scheme.name()));
+            }
+            let dy = ins[ins.len() - 1];
+            if dy != &ty {
+                return Err(format!("dy must be {ty}, got {dy}"));
+            }
+            Ok(ty)
+        }
         Op::ActQuant { bits } => {
             float(ins[0], "x")?;
             if !(2..=8).contains(bits) || ins[0].shape.rank() == 0 {
@@ -321,4 +333,27 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             Ok(p.clone())
         }
     }
+}
+
+/// FakeQuantLearned's operands (w [in, out] f32, scales [in/G, out] f32, zero points for asym),
+/// followed by `extra` more (the gradient op's dy): the type of w.
+fn learned_operands(spec: &QuantSpec, ins: &[&TensorType], what: &str, extra: usize) -> Result<TensorType, String> {
+    let want = if spec.scheme.has_zero_point() { 3 } else { 2 } + extra;
+    if ins.len() != want {
+        return Err(format!("{what} ({}) takes {want} operands, got {}", spec.scheme.name(), ins.len()));
+    }
+    let w = ins[0];
+    if w.dtype != DType::F32 || w.shape.rank() != 2 {
+        return Err(format!("{what} expects a weight f32[in, out], got {w}"));
+    }
+    let (n_in, n_out) = (w.shape.0[0], w.shape.0[1]);
+    spec.check(n_in)?;
+    let sshape = Shape::new([n_in / spec.group_for(n_in), n_out]);
+    if ins[1].shape != sshape || ins[1].dtype != DType::F32 {
+        return Err(format!("scales must be f32{sshape}, got {}", ins[1]));
+    }
+    if spec.scheme.has_zero_point() && (ins[2].shape != sshape || ins[2].dtype != DType::F32) {
+        return Err(format!("zero points must be f32{sshape}, got {}", ins[2]));
+    }
+    Ok(w.clone())
 }

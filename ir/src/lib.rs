@@ -16,7 +16,7 @@ pub mod verify;
 
 pub use error::IrError;
 pub use graph::{Graph, Node, NodeId, Output};
-pub use op::{Attr, BinaryOp, InputKind, Op, QuantScheme, QuantSpec, UnaryOp, NF4};
+pub use op::{Attr, BinaryOp, InputKind, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp, NF4};
 pub use text::{parse, print};
 pub use types::{DType, Shape, TensorType};
 pub use verify::verify;

@@ -175,6 +175,24 @@ pub enum Op {
         spec: QuantSpec,
         to: DType,
     },
+    /// (w [in, out], scales [in/G, out] f32[, zero points [in/G, out] f32 for asym]) -> f32 [in, out]:
+    /// w rounded to the grid of GIVEN scales, which training learns (LSQ, Esser et al. 2020). Each
+    /// scale is used as its fp16 value s (as deployment formats store it); x = w / s, and the grid
+    /// point is x rounded and clamped to the scheme's range (`QuantSpec::lsq_range`; nf4: the
+    /// nearest code), times s. A group whose s is 0 is 0. Equals Dequantize of
+    /// `quant::quantize_learned` bit for bit.
+    FakeQuantLearned {
+        spec: QuantSpec,
+    },
+    /// (w, scales[, zero points], dy) -> [in, out]: one element's part of FakeQuantLearned's
+    /// gradient with respect to `wrt` (LSQ's rule, x = w / s): weight, dy where x lies in the
+    /// range (else 0: the clipped straight-through estimator); scale, dy (q - x) inside and dy q
+    /// outside, q the grid point in units of s; zero point, -s dy outside (else 0). The autodiff
+    /// rule sums the scale and zero-point parts over each group and applies LSQ's gradient scale.
+    FakeQuantLearnedGrad {
+        spec: QuantSpec,
+        wrt: QuantParam,
+    },
     /// x [.., C] -> dynamic per-token (per row) symmetric fake-quant to `bits`: S = absmax/qmax.
     /// Straight-through inside the range (which the absmax scale always covers).
     ActQuant {
@@ -251,6 +269,28 @@ pub const NF4: [f32; 16] = [
     0.722_956_836_223_602_3,
     1.0,
 ];
+
+/// Which operand of FakeQuantLearned a FakeQuantLearnedGrad differentiates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantParam {
+    Weight,
+    Scale,
+    Zero,
+}
+
+impl QuantParam {
+    pub const ALL: [QuantParam; 3] = [QuantParam::Weight, QuantParam::Scale, QuantParam::Zero];
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantParam::Weight => "weight",
+            QuantParam::Scale => "scale",
+            QuantParam::Zero => "zero",
+        }
+    }
+    pub fn from_name(s: &str) -> Option<QuantParam> {
+        QuantParam::ALL.into_iter().find(|q| q.name() == s)
+    }
+}
 
 /// How weights are quantized (see `FakeQuant`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -376,6 +416,34 @@ impl QuantSpec {
     pub fn asym_levels(bits: u8) -> u32 {
         (1u32 << bits) - 1
     }
+    /// LSQ's Q_P: the grid's largest positive point in units of the scale (nf4's codes span
+    /// [-1, 1], so 1; asym's codes q - z reach 2^b - 1 when z = 0).
+    pub fn lsq_qp(&self) -> f64 {
+        match self.scheme {
+            QuantScheme::Sym => Self::sym_qmax(self.bits) as f64,
+            QuantScheme::Asym => Self::asym_levels(self.bits) as f64,
+            QuantScheme::Nf4 => 1.0,
+            QuantScheme::Q4_0 => 7.0,
+        }
+    }
+    /// LSQ's gradient scale 1 / sqrt(n Q_P) for a weight with `n_in` input features, n the
+    /// elements that share a scale (the group).
+    pub fn lsq_grad_scale(&self, n_in: usize) -> f64 {
+        1.0 / ((self.group_for(n_in) as f64) * self.lsq_qp()).sqrt()
+    }
+    /// The grid's range in units of the scale for zero point `z` (already rounded; 0 unless
+    /// asym): q = clamp(round(x), lo, hi) for the integer grids, the nearest code for nf4.
+    pub fn lsq_range(&self, z: f64) -> (f64, f64) {
+        match self.scheme {
+            QuantScheme::Sym => {
+                let q = Self::sym_qmax(self.bits) as f64;
+                (-q, q)
+            }
+            QuantScheme::Asym => (-z, Self::asym_levels(self.bits) as f64 - z),
+            QuantScheme::Nf4 => (-1.0, 1.0),
+            QuantScheme::Q4_0 => (-8.0, 7.0),
+        }
+    }
     /// Checks the combination for a weight with `n_in` input features.
     pub fn check(&self, n_in: usize) -> Result<(), String> {
         if !(2..=8).contains(&self.bits) {
@@ -459,6 +527,8 @@ impl Op {
             Op::CrossEntropyGrad => "cross_entropy_grad",
             Op::FakeQuant { .. } => "fake_quant",
             Op::Dequantize { .. } => "dequantize",
+            Op::FakeQuantLearned { .. } => "fake_quant_learned",
+            Op::FakeQuantLearnedGrad { .. } => "fake_quant_learned_grad",
             Op::ActQuant { .. } => "act_quant",
             Op::Dropout { .. } => "dropout",
             Op::AllFinite => "all_finite",
@@ -487,6 +557,7 @@ impl Op {
             Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::CrossEntropyGrad => 3,
             Op::AdamParam { .. } => 5,
             Op::Concat { .. } | Op::Dequantize { .. } | Op::Kernel { .. } => return None,
+            Op::FakeQuantLearned { .. } | Op::FakeQuantLearnedGrad { .. } => return None,
         })
     }
 
@@ -530,6 +601,12 @@ impl Op {
                 if *to != crate::types::DType::F32 {
                     v.push(("to", DType(*to)));
                 }
+                v
+            }
+            Op::FakeQuantLearned { spec } => quant_attrs(spec),
+            Op::FakeQuantLearnedGrad { spec, wrt } => {
+                let mut v = quant_attrs(spec);
+                v.push(("wrt", Word(wrt.name())));
                 v
             }
             Op::ActQuant { bits } => vec![("bits", Int(*bits as usize))],

@@ -17,11 +17,16 @@ pub struct AdamW {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    /// The learning rate of learned quantization scales (`W.scales`) as a multiple of `lr`, so
+    /// that a schedule moves both: a step size wants much smaller steps than LoRA's A and B. A
+    /// parameter group of its own, as PyTorch's `param_groups`; learned scales and zero points
+    /// (which train at `lr`) never decay.
+    pub scale_lr_mul: f64,
 }
 
 impl Default for AdamW {
     fn default() -> AdamW {
-        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, scale_lr_mul: 1.0 }
     }
 }
 
@@ -110,14 +115,26 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
     let t = g.add_named(Op::Affine { mul: 1.0, add: 1.0 }, &[step], "step.next").in_pass(PASS)?;
     g.set_update("step", t).in_pass(PASS)?;
     let mut elems = 0i64;
+    let mut scale_lr = None;
     for (name, p, gr) in &gs {
         let ty = g.ty(*p).clone();
+        let learned = crate::quant::is_learned_name(name);
+        let lr = match (name.ends_with(".scales") && learned, scale_lr) {
+            (false, _) => lr,
+            (true, Some(l)) => l,
+            (true, None) => {
+                let l = g.add_named(Op::Affine { mul: h.scale_lr_mul, add: 0.0 }, &[lr], "lr.scales").in_pass(PASS)?;
+                scale_lr = Some(l);
+                l
+            }
+        };
+        let weight_decay = if learned { 0.0 } else { h.weight_decay };
         let (mn, vn) = moment_names(name);
         let m = g.input(&mn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
         let v = g.input(&vn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
         let m1 = g.add_named(Op::AdamM { beta1: h.beta1 }, &[m, *gr], mn.clone()).in_pass(PASS)?;
         let v1 = g.add_named(Op::AdamV { beta2: h.beta2 }, &[v, *gr], vn.clone()).in_pass(PASS)?;
-        let op = Op::AdamParam { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay: h.weight_decay };
+        let op = Op::AdamParam { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay };
         let p1 = g.add_named(op, &[*p, m1, v1, lr, t], format!("{name}.next")).in_pass(PASS)?;
         g.set_update(name.clone(), p1).in_pass(PASS)?;
         g.set_update(mn, m1).in_pass(PASS)?;

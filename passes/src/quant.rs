@@ -2,13 +2,20 @@
 //!
 //! - [`fake_quant`] wraps each targeted weight in a FakeQuant node (STE gradient) and, with
 //!   `act_bits`, the linear's input in an ActQuant node.
+//!   With `learned_scales` the node is a FakeQuantLearned whose per-group scales (and asym's zero
+//!   points) are new `Trainable` inputs `W.scales`, `W.zeros` (LSQ), initialized by the runtime
+//!   from the weight's min-max quantization (`quant::init_learned`).
 //! - [`fold`] replaces a FakeQuant of a FROZEN weight, a constant, by a Dequantize of packed codes
 //!   and scales (new inputs `W.qcodes`, `W.qscales`, `W.qzeros`): the weight is then stored at
-//!   4 bits and the result is bit-identical (see `qatc_runtime::quant`).
+//!   4 bits and the result is bit-identical (see `qatc_runtime::quant`). A FakeQuantLearned whose
+//!   weight and scales are all frozen (evaluation, export) folds the same way, into
+//!   `W.lsq.qcodes`, `W.lsq.qscales`, `W.lsq.qzeros`: codes of the learned grid (the runtime
+//!   computes them from the bound scales, `quant::quantize_learned`). While the scales train, the
+//!   weight stays as it is: its codes change whenever a scale does.
 
 use std::collections::BTreeMap;
 
-use qatc_ir::{DType, Graph, InputKind, Op, QuantSpec, Shape};
+use qatc_ir::{DType, Graph, InputKind, NodeId, Op, QuantSpec, Shape};
 use serde::Serialize;
 
 use crate::error::{InPass, PassError};
@@ -26,6 +33,8 @@ pub struct QuantOptions {
     /// full precision.
     pub per_module: BTreeMap<String, Option<QuantSpec>>,
     pub act_bits: Option<u8>,
+    /// Learn the per-group scales (and zero points) with LSQ instead of the min-max rule.
+    pub learned_scales: bool,
 }
 
 impl QuantOptions {
@@ -35,7 +44,7 @@ impl QuantOptions {
 
     /// `spec` on the four GPT-2 linears, no bit map, no activation quantization.
     pub fn all_linears(spec: QuantSpec) -> QuantOptions {
-        QuantOptions { spec, targets: Self::default_targets(), per_module: BTreeMap::new(), act_bits: None }
+        QuantOptions { spec, targets: Self::default_targets(), per_module: BTreeMap::new(), act_bits: None, learned_scales: false }
     }
     fn spec_for(&self, module: &str) -> Option<QuantSpec> {
         match self.per_module.get(module) {
@@ -48,6 +57,38 @@ impl QuantOptions {
 /// The input names of a folded weight's storage.
 pub fn storage_names(weight: &str) -> (String, String, String) {
     (format!("{weight}.qcodes"), format!("{weight}.qscales"), format!("{weight}.qzeros"))
+}
+
+/// The input names of a weight's learned scales and zero points.
+pub fn learned_names(weight: &str) -> (String, String) {
+    (format!("{weight}.scales"), format!("{weight}.zeros"))
+}
+
+/// Whether an input name is a learned scale or zero point (an optimizer group of its own).
+pub fn is_learned_name(name: &str) -> bool {
+    name.ends_with(".scales") || name.ends_with(".zeros")
+}
+
+/// The input names of a folded learned weight's storage (codes of the learned grid).
+pub fn learned_storage_names(weight: &str) -> (String, String, String) {
+    storage_names(&format!("{weight}.lsq"))
+}
+
+/// The fake-quant node of weight `w` (named `weight`, [in, out]): FakeQuant, or FakeQuantLearned
+/// with new trainable scales (and zero points).
+fn quantize(g: &mut Graph, w: NodeId, weight: &str, spec: QuantSpec, learned: bool, name: String) -> Result<NodeId, PassError> {
+    const PASS: &str = "fake_quant";
+    if !learned {
+        return g.add_named(Op::FakeQuant { spec }, &[w], name).in_pass(PASS);
+    }
+    let dims = g.ty(w).shape.dims().to_vec();
+    let shape = Shape::new([dims[0] / spec.group_for(dims[0]), dims[1]]);
+    let (sn, zn) = learned_names(weight);
+    let mut ops = vec![w, g.input(sn, InputKind::Trainable, DType::F32, shape.clone()).in_pass(PASS)?];
+    if spec.scheme.has_zero_point() {
+        ops.push(g.input(zn, InputKind::Trainable, DType::F32, shape).in_pass(PASS)?);
+    }
+    g.add_named(Op::FakeQuantLearned { spec }, &ops, name).in_pass(PASS)
 }
 
 pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport), PassError> {
@@ -64,7 +105,8 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
     for lin in linears::find(&g) {
         let Some(spec) = o.spec_for(&lin.module) else { continue };
         spec.check(lin.n_in).map_err(|m| PassError::Invalid { pass: PASS, msg: format!("{}: {m}", lin.module) })?;
-        let fq = g.add_named(Op::FakeQuant { spec }, &[lin.weight], format!("{}.weight.fq", lin.module)).in_pass(PASS)?;
+        let weight = g.node(lin.weight).name.clone().unwrap_or_else(|| format!("{}.weight", lin.module));
+        let fq = quantize(&mut g, lin.weight, &weight, spec, o.learned_scales, format!("{}.weight.fq", lin.module))?;
         g.replace_all_uses(lin.weight, fq);
         r.count("weights", 1);
         r.count("elements", (lin.n_in * lin.n_out) as i64);
@@ -85,7 +127,7 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
         let dims = g.ty(wte).shape.dims().to_vec();
         o.spec.check(dims[1]).map_err(|m| PassError::Invalid { pass: PASS, msg: format!("wte: {m}") })?;
         let t = g.add(Op::Transpose { perm: vec![1, 0] }, &[wte]).in_pass(PASS)?; // [C, V]
-        let fq = g.add_named(Op::FakeQuant { spec: o.spec }, &[t], "wte.weight.fq").in_pass(PASS)?;
+        let fq = quantize(&mut g, t, "wte.weight", o.spec, o.learned_scales, "wte.weight.fq".into())?;
         let back = g.add(Op::Transpose { perm: vec![1, 0] }, &[fq]).in_pass(PASS)?; // [V, C]
         for u in g.users(wte) {
             if u == t {
@@ -106,21 +148,27 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
     Ok((g, r))
 }
 
-/// Folds FakeQuant(frozen weight) into Dequantize(codes, scales[, zero points]).
+/// Folds FakeQuant(frozen weight), and FakeQuantLearned(frozen weight, frozen scales[, frozen zero
+/// points]), into Dequantize(codes, scales[, zero points]).
 pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
     const PASS: &str = "fold";
     let mut r = PassReport::new(PASS);
     for id in g.node_ids() {
-        let Op::FakeQuant { spec } = g.node(id).op else { continue };
-        let w = g.operands(id)[0];
-        if g.input_kind(w) != Some(InputKind::Frozen) {
+        let (spec, learned) = match g.node(id).op {
+            Op::FakeQuant { spec } => (spec, false),
+            Op::FakeQuantLearned { spec } => (spec, true),
+            _ => continue,
+        };
+        let operands = g.operands(id);
+        if operands.iter().any(|&o| g.input_kind(o) != Some(InputKind::Frozen)) {
             continue;
         }
+        let w = operands[0];
         let name = g.node(w).name.clone().unwrap_or_default();
         let dims = g.ty(w).shape.dims().to_vec();
         let (n_in, n_out) = (dims[0], dims[1]);
         let groups = n_in / spec.group_for(n_in);
-        let (cn, sn, zn) = storage_names(&name);
+        let (cn, sn, zn) = if learned { learned_storage_names(&name) } else { storage_names(&name) };
         let codes = g.input(cn, InputKind::Frozen, spec.code_dtype(), [n_in, n_out]).in_pass(PASS)?;
         let scales = g.input(sn, InputKind::Frozen, spec.scale_dtype(), [groups, n_out]).in_pass(PASS)?;
         let mut ops = vec![codes, scales];
@@ -129,8 +177,8 @@ pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         }
         let dq = g.add_node(Op::Dequantize { spec, to: DType::F32 }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
         g.replace_all_uses(id, dq);
-        r.count("weights", 1);
-        r.count("bytes_before", g.ty(w).bytes() as i64);
+        r.count(if learned { "learned_weights" } else { "weights" }, 1);
+        r.count("bytes_before", operands.iter().map(|&o| g.ty(o).bytes()).sum::<usize>() as i64);
         let after = g.ty(codes).bytes() + ops[1..].iter().map(|&o| g.ty(o).bytes()).sum::<usize>();
         r.count("bytes_after", after as i64);
     }

@@ -250,9 +250,11 @@ fn covering_test(op: &Op) -> &'static str {
         Op::Dropout { .. } => "dropout_applies_the_same_mask_backward",
         Op::FakeQuant { .. } => "fake_quant_is_straight_through",
         Op::ActQuant { .. } => "act_quant_is_straight_through",
+        Op::FakeQuantLearned { .. } => "gradcheck_lsq.rs (LSQ against its straight-through surrogate)",
         Op::Dequantize { .. }
         | Op::Kernel { .. }
         | Op::ScatterAdd { .. }
+        | Op::FakeQuantLearnedGrad { .. }
         | Op::LayerNormGradX { .. }
         | Op::LayerNormGradGamma { .. }
         | Op::SoftmaxGrad { .. }
@@ -831,6 +833,13 @@ fn ops_without_a_rule_report_no_rule() {
         let codes = c.g.input("codes", InputKind::Data, DType::I4, [6, 4]).expect("input");
         let spec = qatc_ir::QuantSpec { bits: 4, group: 2, scheme: qatc_ir::QuantScheme::Sym };
         c.op(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[codes, x])
+    });
+    assert_no_rule("fake_quant_learned_grad", |c, x| {
+        // x [3, 4] as the gradient of a sym 4-bit weight [3, 4] in one group per column
+        let w = c.frozen("w", &[3, 4], ANY);
+        let s = c.frozen("s", &[1, 4], POSITIVE);
+        let spec = qatc_ir::QuantSpec { bits: 4, group: 0, scheme: qatc_ir::QuantScheme::Sym };
+        c.op(Op::FakeQuantLearnedGrad { spec, wrt: qatc_ir::QuantParam::Scale }, &[w, s, x])
     });
     assert_no_rule("adam_m", |c, x| {
         let m = c.frozen("m", &[3, 4], ANY);

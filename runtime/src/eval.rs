@@ -50,6 +50,15 @@ pub(crate) fn to_code(x: f64, d: DType) -> i32 {
     }
 }
 
+/// FakeQuantLearned's operands: the weight, the scales and the zero points (empty without).
+#[allow(clippy::type_complexity)]
+fn learned_args<'a, T>(args: &[&'a Value<T>], zero_points: bool) -> Result<(&'a Tensor<T>, &'a [T], &'a [T]), String> {
+    let w = fl(args[0], "weight")?;
+    let s = &fl(args[1], "scales")?.data;
+    let z: &[T] = if zero_points { &fl(args[2], "zero points")?.data } else { &[] };
+    Ok((w, s, z))
+}
+
 /// Rounds a value to its node's dtype. F32 is the compute precision itself (f32 in f32 mode, and
 /// deliberately not rounded in f64 mode, which is the high-precision oracle).
 pub(crate) fn round_to_dtype<T: Float>(v: &mut Value<T>, d: DType) {
@@ -192,6 +201,15 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
             let bytes: Vec<u8> = codes.data.iter().map(|&c| c.clamp(0, 255) as u8).collect();
             let w = quant::dequantize_parts(*spec, n_in, n_out, &bytes, &scales, &zeros);
             float(w.into_iter().map(|v| T::from_f64(v as f64)).collect())
+        }
+        Op::FakeQuantLearned { spec } => {
+            let (w, s, z) = learned_args(args, spec.scheme.has_zero_point())?;
+            float(quant::fake_quant_learned(*spec, w.shape[0], w.shape[1], &w.data, s, z))
+        }
+        Op::FakeQuantLearnedGrad { spec, wrt } => {
+            let (w, s, z) = learned_args(args, spec.scheme.has_zero_point())?;
+            let dy = fl(args[args.len() - 1], "dy")?;
+            float(quant::fake_quant_learned_grad(*spec, *wrt, w.shape[0], w.shape[1], &w.data, s, z, &dy.data))
         }
         Op::ActQuant { bits } => {
             let x = fl(args[0], "x")?;

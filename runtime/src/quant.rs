@@ -14,12 +14,18 @@ use qatc_ir::{QuantScheme, QuantSpec};
 
 pub use qatc_ir::NF4;
 
-/// The nearest NF4 code to x (a value already divided by the group's absmax), the first one on
-/// ties.
-pub fn nf4_nearest(x: f32) -> u8 {
+use crate::float::Float;
+
+mod learned;
+pub use learned::{fake_quant_learned, fake_quant_learned_grad, init_learned, point, quantize_learned, zero_point, Point};
+
+/// The nearest NF4 code to x (a value already divided by the group's scale), the first one on
+/// ties; codes saturate at -1 and 1.
+pub fn nf4_nearest<T: Float>(x: T) -> u8 {
+    let code = |k: usize| T::from_f64(NF4[k] as f64);
     let mut best = 0usize;
-    for (k, c) in NF4.iter().enumerate() {
-        if (x - c).abs() < (x - NF4[best]).abs() {
+    for k in 1..NF4.len() {
+        if (x - code(k)).abs() < (x - code(best)).abs() {
             best = k;
         }
     }

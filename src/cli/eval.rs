@@ -10,7 +10,7 @@ use qatc_runtime::{IntTensor, Interpreter, Value};
 use super::options;
 use crate::adapter::Adapter;
 use crate::data::TokenFile;
-use crate::model::Model;
+use crate::model::{Model, Trained};
 use crate::step::{self, ModelOptions};
 
 #[derive(clap::Args, Debug)]
@@ -78,7 +78,7 @@ pub fn evaluate(m: &Model, data: &TokenFile, b: usize, t: usize, n: usize, setup
 }
 
 /// Evaluates with weights taken from a training run's state where it has them (validation
-/// during training: the graph keeps trainable weights unfolded, as the step sees them).
+/// during training: LoRA, learned scales, a full fine-tune's weights).
 pub fn evaluate_with(
     m: &Model,
     data: &TokenFile,
@@ -104,16 +104,10 @@ fn run_eval(
 ) -> anyhow::Result<EvalResult> {
     let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
     let interp = Interpreter::<f32>::new(&g)?;
-    let mut inputs = m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?;
-    if let Some(st) = state {
-        for id in g.inputs() {
-            if let Some(name) = &g.node(id).name {
-                if let (true, Some(v)) = (g.input_kind(id).is_some_and(|k| k.is_param()), st.get(name)) {
-                    inputs.insert(name.clone(), v.clone());
-                }
-            }
-        }
-    }
+    let mut inputs = match state {
+        Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
+        None => m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?,
+    };
     let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
     if !show {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());

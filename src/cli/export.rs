@@ -55,10 +55,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             "model.safetensors"
         }
         Format::Gguf => {
-            let adapted_q4 = merged.linears.iter().any(|l| l.adapted && llama::linear_type(l) == gguf::GgmlType::Q4_0);
-            if adapted_q4 && !merged.qat_merged {
+            // blocks of trained codes (Q4_0, or Q8_0 with learned scales) from W + s(BA)^T
+            let requantized = merged.linears.iter().find(|l| {
+                let ty = llama::linear_type(l);
+                l.adapted && (ty == gguf::GgmlType::Q4_0 || (ty == gguf::GgmlType::Q8_0 && l.learned.is_some()))
+            });
+            if let (Some(l), false) = (requantized, merged.qat_merged) {
                 eprintln!(
-                    "note: --qat base trained FQ(W) + s(BA)^T; the GGUF requantizes W + s(BA)^T to Q4_0, which is not exactly what was trained (train with --qat merged for an exact Q4_0 export)"
+                    "note: --qat base trained FQ(W) + s(BA)^T; the GGUF requantizes W + s(BA)^T to {}, which is not exactly what was trained (train with --qat merged for an exact export)",
+                    llama::linear_type(l).name()
                 );
             }
             let f = llama::to_gguf(&merged, &model_name(&a.model))?;

@@ -86,6 +86,9 @@ impl QuantArgs {
             if self.qat == Some(Qat::Merged) {
                 bail!("--qat merged needs --bits and --lora");
             }
+            if self.scales == Some(Scales::Learned) {
+                bail!("--scales learned needs --bits (or --bits-map)");
+            }
             return Ok(None);
         }
         let targets = match (&self.quant_targets, &map, self.bits) {
@@ -190,6 +193,22 @@ pub fn parse_lora(s: &str) -> anyhow::Result<LoraOptions> {
     Ok(o)
 }
 
+/// An adapter's learned scales go with a configuration of learned scales (`--scales learned`,
+/// or the adapter's `qatc.json`), and only with it.
+pub fn check_learned(quant: Option<&QuantConfig>, a: &Adapter) -> anyhow::Result<()> {
+    let learned = quant.is_some_and(|q| q.scales == Scales::Learned);
+    match (learned, a.quant.is_empty()) {
+        (false, false) => bail!(
+            "the adapter holds learned quantization scales ({}): pass --scales learned (and the quantization it was trained with)",
+            crate::adapter::QUANT_FILE
+        ),
+        (true, true) => {
+            bail!("--scales learned: the adapter has no learned scales ({}); it was trained with --scales minmax", crate::adapter::QUANT_FILE)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The model section for these flags (`model` the checkpoint's path).
 pub fn model_config(q: &QuantArgs, lora: Option<&LoraOptions>, full_finetune: bool, model: &Path) -> anyhow::Result<ModelConfig> {
     let c =
@@ -200,12 +219,14 @@ pub fn model_config(q: &QuantArgs, lora: Option<&LoraOptions>, full_finetune: bo
 
 /// An adapter directory and the configuration it was trained with: its `qatc.json` when it has
 /// one (the flags given must agree with it), else one made from the flags (`model` the base
-/// checkpoint; no step or train section).
+/// checkpoint; no step or train section). Learned scales in the adapter need a configuration
+/// with learned scales (`check_learned`).
 pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path) -> anyhow::Result<(RunConfig, Adapter)> {
     let ad = crate::adapter::read(dir)?;
     let lora = ad.options();
     let Some(saved) = RunConfig::read_if_any(dir)? else {
         let model = model_config(q, Some(&lora), false, model)?;
+        check_learned(model.quant.as_ref(), &ad)?;
         return Ok((RunConfig { version: crate::config::VERSION, model, step: None, train: None }, ad));
     };
     let file = dir.join(crate::config::FILE);
@@ -220,6 +241,7 @@ pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path) -> anyhow::Result
             spelled(&saved.model.lora)
         );
     }
+    check_learned(saved.model.quant.as_ref(), &ad)?;
     Ok((saved, ad))
 }
 

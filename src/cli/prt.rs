@@ -97,7 +97,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             let spec = QuantSpec { bits, group: a.group, scheme: sch };
             let per_module = BTreeMap::from([(module.clone(), Some(spec))]);
             let mut setup = EvalSetup::default();
-            setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None });
+            setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None, learned_scales: false });
             let loss = evaluate(&m, &data, a.batch, a.seq, n, &setup, false).with_context(|| module.clone())?.loss;
             tried.push((bits, loss));
             pb.set_message(format!("{module} {bits}-bit loss {loss:.4}"));

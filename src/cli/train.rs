@@ -15,13 +15,14 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
+use qatc_passes::quant::is_learned_name;
 use qatc_runtime::{CpuOptions, Value};
 
 use super::eval::{evaluate_with, EvalSetup};
 use super::resume::{self, Given, PROGRESS, STATE};
 use super::{Placement, StepArgs};
 use crate::artifacts::{self, write_atomic, Faults, OutDir};
-use crate::config::{self, RunConfig, TrainConfig};
+use crate::config::{self, RunConfig, Scales, TrainConfig};
 use crate::data::TokenFile;
 use crate::model::Model;
 use crate::runner::Device;
@@ -46,6 +47,10 @@ pub struct Args {
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
+    /// Peak learning rate of learned quantization scales (`--scales learned`); it follows the
+    /// same warmup and schedule as --lr. Zero points train at --lr.
+    #[arg(long, default_value_t = 1e-4)]
+    pub scale_lr: f64,
     /// Linear warmup steps.
     #[arg(long, default_value_t = 0)]
     pub warmup: usize,
@@ -137,6 +142,7 @@ impl Args {
             shuffle: self.shuffle,
             seed: self.step.seed,
             init_adapter: self.init_adapter.as_deref().map(config::absolute),
+            scale_lr: c.model.quant.as_ref().is_some_and(|q| q.scales == Scales::Learned).then_some(self.scale_lr),
         };
         train.check().map_err(anyhow::Error::msg)?;
         c.train = Some(train);
@@ -203,16 +209,21 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 /// the resume state, so that the adapter and the checkpoint of one save are never apart.
 fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, skipped: usize, faults: &Faults) -> anyhow::Result<()> {
     let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
+    // learned quantization scales go beside the adapter (or weights), in a file of their own
+    let (learned, weights): (Vec<_>, Vec<_>) = tr.weights()?.into_iter().partition(|(n, _)| is_learned_name(n));
     match &tr.opts.model.lora {
         Some(l) => {
-            let (peft_config, st) = crate::adapter::to_files(l, &tr.weights()?, &cfg.model.path)?;
+            let (peft_config, st) = crate::adapter::to_files(l, &weights, &cfg.model.path)?;
             dir.write("adapter_config.json", peft_config)?;
             dir.write("adapter_model.safetensors", st)?;
         }
         None => {
-            dir.write("model.safetensors", weights_safetensors(&tr.weights()?)?)?;
+            dir.write("model.safetensors", weights_safetensors(&weights)?)?;
             dir.write("config.json", serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n")?;
         }
+    }
+    if !learned.is_empty() {
+        dir.write(crate::adapter::QUANT_FILE, weights_safetensors(&learned)?)?;
     }
     dir.write(config::FILE, cfg.to_json())?;
     dir.write(STATE, tr.save_state()?)?;

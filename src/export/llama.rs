@@ -6,8 +6,12 @@
 //! - Q4_0 when trained with `--scheme q4_0` (group 32): the codes and f16 scales are
 //!   `quant::quantize(W + s (BA)^T)`, qatc's own Q4_0, which is llama.cpp's bit for bit; under
 //!   `--qat merged` they are exactly what training rounded to.
-//! - Q8_0 when trained at 8 bits (any scheme): llama.cpp's Q8_0 of the trained weights. Q8_0 is
-//!   not qatc's 8-bit grid (its scale is fp16, its block 32), so this is a close copy, not exact.
+//! - Q4_0 (up to 4 bits) or Q8_0 (5 to 8 bits) when trained with learned scales (`--scales
+//!   learned`, sym, groups a multiple of 32): a learned scale is an fp16 value and sym's grid
+//!   points (-qmax..qmax) are Q4_0's / Q8_0's, so each block holds the trained codes and scale;
+//!   exact under `--qat merged` or when not adapted (checked on export).
+//! - Q8_0 when trained at 8 bits with min-max scales (any scheme): llama.cpp's Q8_0 of the trained
+//!   weights. Q8_0 is not qatc's 8-bit grid (its scale is fp16, its block 32): a close copy.
 //! - F16 for every other linear (other bit widths have no GGUF type with qatc's grid).
 //! - F32 for embeddings, LayerNorms and biases. No `output.weight`: the head is tied to
 //!   token_embd, which llama.cpp's gpt2 loader falls back to.
@@ -97,9 +101,56 @@ pub fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 pub fn linear_type(l: &LinearExport) -> GgmlType {
     match l.spec {
         Some(s) if s.scheme == QuantScheme::Q4_0 => GgmlType::Q4_0,
+        Some(s) if learned_blocks(l) => {
+            if s.bits <= 4 {
+                GgmlType::Q4_0
+            } else {
+                GgmlType::Q8_0
+            }
+        }
         Some(s) if s.bits == 8 => GgmlType::Q8_0,
         _ => GgmlType::F16,
     }
+}
+
+/// Learned sym scales over groups that are whole GGUF blocks: the trained grid is a Q4_0 / Q8_0 one.
+fn learned_blocks(l: &LinearExport) -> bool {
+    l.learned.is_some() && l.spec.is_some_and(|s| s.scheme == QuantScheme::Sym && s.group_for(l.n_in).is_multiple_of(32))
+}
+
+/// A learned weight's GGUF blocks: per output row j and block k of 32 inputs, the fp16 scale of
+/// the group the block lies in and the grid points of its elements (-qmax..qmax, q4_0: -8..7),
+/// stored as Q4_0 (point + 8) or Q8_0 (int8).
+fn learned_tensor(l: &LinearExport, ty: GgmlType, qat_merged: bool) -> Result<Vec<u8>, ExportError> {
+    let (Some(spec), Some(pre), Some((scales, zeros))) = (l.spec, l.pre_quant.as_ref(), l.learned.as_ref()) else {
+        return Err(ExportError::Internal(format!("{}: learned scales without their weight", l.module)));
+    };
+    let (n_in, n_out) = (l.n_in, l.n_out);
+    let q = quant::quantize_learned(pre, n_in, n_out, spec, scales, zeros);
+    if l.on_grid(qat_merged) && quant::dequantize(&q) != l.trained {
+        return Err(ExportError::Internal(format!("{}: the learned codes do not reproduce the trained weight", l.module)));
+    }
+    let offset = match spec.scheme {
+        QuantScheme::Sym => ((1i32 << (spec.bits - 1)) - 1) as i32,
+        _ => 8,
+    };
+    let gsz = spec.group_for(n_in);
+    let mut out = Vec::with_capacity(n_in / 32 * n_out * ty.block().1);
+    for j in 0..n_out {
+        for k in 0..n_in / 32 {
+            // the scale already is an f16 value held in f32: the conversion is exact
+            let d = f16::from_f32(q.scales[(32 * k / gsz) * n_out + j]);
+            let point = |r: usize| q.codes[(32 * k + r) * n_out + j] as i32 - offset;
+            if ty == GgmlType::Q4_0 {
+                let codes: [u8; 32] = std::array::from_fn(|r| (point(r) + 8) as u8);
+                out.extend(gguf::q4_0_block(d, &codes));
+            } else {
+                out.extend(d.to_le_bytes());
+                out.extend((0..32).map(|r| point(r) as i8 as u8));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// One linear's GGUF tensor: ne = [in, out], rows are output channels.
@@ -114,6 +165,7 @@ fn linear_tensor(l: &LinearExport, name: String, qat_merged: bool) -> Result<Ten
         )));
     }
     let data = match ty {
+        GgmlType::Q4_0 | GgmlType::Q8_0 if l.learned.is_some() => learned_tensor(l, ty, qat_merged)?,
         GgmlType::Q4_0 => {
             let (Some(spec), Some(pre)) = (l.spec, l.pre_quant.as_ref()) else {
                 return Err(ExportError::Internal(format!("{}: Q4_0 without its pre-quantization weight", l.module)));

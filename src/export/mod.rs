@@ -12,7 +12,9 @@
 //! | not adapted       | FQ(W) (or W)            | FQ(W) (or W)           | W                         |
 //!
 //! s (BA)^T is computed by the interpreter with the ops of the LoRA pass (`lora::merge`), so
-//! under `--qat merged` `pre_quant` is bit for bit the tensor the trained FakeQuant rounded.
+//! under `--qat merged` `pre_quant` is bit for bit the tensor the trained FakeQuant rounded. With
+//! learned scales (`--scales learned`) FakeQuant is FakeQuantLearned, and the adapter's scales
+//! travel with the weight (`learned`), so GGUF blocks can hold the trained codes.
 
 pub mod gguf;
 pub mod hf;
@@ -23,6 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use qatc_ir::{NodeId, Op, QuantScheme, QuantSpec};
 use qatc_passes::lora::lora_names;
+use qatc_passes::quant::learned_names;
 use qatc_runtime::{Interpreter, Tensor, Value};
 
 use crate::adapter::Adapter;
@@ -82,9 +85,12 @@ pub struct LinearExport {
     pub adapted: bool,
     /// The weight the trained forward computed with (see the module table).
     pub trained: Vec<f32>,
-    /// W + s (BA)^T before quantization; kept only for Q4_0 weights, whose export re-runs the
-    /// trained quantizer on it (exact under `--qat merged` or when not adapted).
+    /// W + s (BA)^T before quantization; kept only for Q4_0 weights and learned scales, whose
+    /// export re-runs the trained quantizer on it (exact under `--qat merged` or when not adapted).
     pub pre_quant: Option<Vec<f32>>,
+    /// The learned scales and zero points ([in/G, out]; zero points empty unless asym) the weight
+    /// was trained with (`--scales learned`).
+    pub learned: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl LinearExport {
@@ -142,6 +148,19 @@ fn check_options(mo: &ModelOptions) -> Result<(), ExportError> {
     Ok(())
 }
 
+/// A linear's learned scales and zero points from the adapter's `adapter::QUANT_FILE`.
+fn learned_of(adapter: &Adapter, module: &str, spec: QuantSpec, n_in: usize, n_out: usize) -> Result<(Vec<f32>, Vec<f32>), ExportError> {
+    let (sn, zn) = learned_names(&format!("{module}.weight"));
+    let want = [n_in / spec.group_for(n_in), n_out];
+    let get = |name: &str| match adapter.quant.get(name) {
+        Some(t) if t.shape == want => Ok(t.data.clone()),
+        Some(t) => Err(ExportError::Unsupported(format!("the adapter's {name:?} is {:?}, the model needs {want:?}", t.shape))),
+        None => Err(ExportError::Unsupported(format!("the adapter has no learned scales {name:?} ({})", crate::adapter::QUANT_FILE))),
+    };
+    let zeros = if spec.scheme.has_zero_point() { get(&zn)? } else { Vec::new() };
+    Ok((get(&sn)?, zeros))
+}
+
 /// What to read from the graph for one linear.
 struct Plan {
     module: String,
@@ -162,6 +181,7 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
     mo.training = false;
     mo.full_finetune = false;
     let qat_merged = mo.lora.as_ref().is_some_and(|l| l.merged);
+    let learned_scales = mo.quant.as_ref().is_some_and(|q| q.learned_scales);
     let scaling = mo.lora.as_ref().map_or(1.0, |l| l.scaling());
     // B = T = 1: the weights do not depend on the batch, and only they are computed
     let (mut g, _) = step::model(&m.cfg, 1, 1, false, &mo, |_, _| {})?;
@@ -188,7 +208,7 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
             let weight_op = g.operands(mm)[1];
             let dims = g.ty(weight_op).shape.dims().to_vec();
             let spec = match g.node(weight_op).op {
-                Op::FakeQuant { spec } | Op::Dequantize { spec, .. } => Some(spec),
+                Op::FakeQuant { spec } | Op::Dequantize { spec, .. } | Op::FakeQuantLearned { spec } => Some(spec),
                 _ => None,
             };
             let (an, bn) = lora_names(&module);
@@ -196,7 +216,7 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
             let extra = match (adapted, qat_merged) {
                 (false, _) => None,
                 (true, true) => match g.node(weight_op).op {
-                    Op::FakeQuant { .. } => Some(g.operands(weight_op)[0]),
+                    Op::FakeQuant { .. } | Op::FakeQuantLearned { .. } => Some(g.operands(weight_op)[0]),
                     _ => return Err(internal(format!("{module}: --qat merged without a FakeQuant on the merged weight"))),
                 },
                 (true, false) => {
@@ -223,7 +243,11 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
         });
         let w_op = vals.next().ok_or_else(|| internal(format!("{}: no value", p.module)))??;
         let extra = vals.next().transpose()?;
-        let is_q4_0 = p.spec.is_some_and(|s| s.scheme == QuantScheme::Q4_0);
+        let learned = match p.spec {
+            Some(spec) if learned_scales => Some(learned_of(adapter, &p.module, spec, p.n_in, p.n_out)?),
+            _ => None,
+        };
+        let is_q4_0 = p.spec.is_some_and(|s| s.scheme == QuantScheme::Q4_0) || learned.is_some();
         let weight = |m: &Model| m.weight::<f32>(&format!("{}.weight", p.module)).map(|t| t.data);
         let (trained, pre_quant) = match (p.adapted, qat_merged, extra) {
             (true, true, Some(w_eff)) => (w_op, is_q4_0.then_some(w_eff)),
@@ -235,7 +259,16 @@ pub fn merge(m: &Model, mo: &ModelOptions, adapter: &Adapter) -> Result<Merged, 
             (false, _, None) => (w_op, if is_q4_0 { Some(weight(m)?) } else { None }),
             _ => return Err(internal(format!("{}: inconsistent merge plan", p.module))),
         };
-        linears.push(LinearExport { module: p.module, n_in: p.n_in, n_out: p.n_out, spec: p.spec, adapted: p.adapted, trained, pre_quant });
+        linears.push(LinearExport {
+            module: p.module,
+            n_in: p.n_in,
+            n_out: p.n_out,
+            spec: p.spec,
+            adapted: p.adapted,
+            trained,
+            pre_quant,
+            learned,
+        });
     }
     let lin_names: std::collections::HashSet<String> = linears.iter().map(|l| format!("{}.weight", l.module)).collect();
     let mut others = BTreeMap::new();

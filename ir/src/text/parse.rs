@@ -2,7 +2,7 @@ use std::collections::HashMap;
 
 use crate::error::IrError;
 use crate::graph::{Graph, NodeId};
-use crate::op::{BinaryOp, InputKind, Op, QuantScheme, QuantSpec, UnaryOp, BINARY_OPS, UNARY_OPS};
+use crate::op::{BinaryOp, InputKind, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp, BINARY_OPS, UNARY_OPS};
 use crate::types::{DType, Shape, TensorType};
 
 /// A cursor over one line. Errors are plain strings; `parse` adds the line number.
@@ -198,6 +198,12 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "cross_entropy_grad" => Op::CrossEntropyGrad,
         "fake_quant" => Op::FakeQuant { spec: a.quant()? },
         "dequantize" => Op::Dequantize { spec: a.quant()?, to: a.0.get("to").map_or(Ok(DType::F32), |d| a.dtype(d))? },
+        "fake_quant_learned" => Op::FakeQuantLearned { spec: a.quant()? },
+        "fake_quant_learned_grad" => {
+            let w = a.raw("wrt")?;
+            let wrt = QuantParam::from_name(w).ok_or_else(|| format!("unknown wrt `{w}` (weight, scale, zero)"))?;
+            Op::FakeQuantLearnedGrad { spec: a.quant()?, wrt }
+        }
         "act_quant" => Op::ActQuant { bits: a.bits()? },
         "dropout" => Op::Dropout { p: a.f("p")?, stream: a.u("stream")? },
         "all_finite" => Op::AllFinite,

@@ -2,7 +2,7 @@
 //! become index arithmetic, nodes in memory become loads. This is what makes a chain of ops one
 //! pass over memory. Each op follows its doc in `qatc_ir::op` and the interpreter's kernel.
 
-use qatc_ir::{BinaryOp, DType, NodeId, Op, QuantScheme, QuantSpec, UnaryOp};
+use qatc_ir::{BinaryOp, DType, NodeId, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp};
 
 use super::builder::{compute_ty, pos_key, round_to, KernelBuilder, Pos};
 use crate::error::KernelError;
@@ -24,6 +24,8 @@ pub fn inlinable(op: &Op) -> bool {
             | Op::Concat { .. }
             | Op::Gather
             | Op::Dequantize { .. }
+            | Op::FakeQuantLearned { .. }
+            | Op::FakeQuantLearnedGrad { .. }
             | Op::Dropout { .. }
             | Op::Select
             | Op::LossScale { .. }
@@ -153,6 +155,8 @@ impl KernelBuilder<'_> {
                 self.value(table, &Pos::Coords(vec![row, last.clone()]))?
             }
             Op::Dequantize { spec, .. } => self.dequantize(*spec, &ops, pos, &shape)?,
+            Op::FakeQuantLearned { spec } => self.learned(*spec, None, &ops, pos, &shape)?,
+            Op::FakeQuantLearnedGrad { spec, wrt } => self.learned(*spec, Some(*wrt), &ops, pos, &shape)?,
             Op::Dropout { p, stream } => {
                 let x = self.value(arg(0)?, pos)?;
                 let seed = self.value(arg(1)?, &Pos::Coords(vec![]))?;
@@ -262,6 +266,59 @@ impl KernelBuilder<'_> {
         let new_good = Expr::select(skipped, f(0.0), Expr::select(grows, f(0.0), next));
         let i = self.lin(pos, &[2]);
         Ok(Expr::select(Expr::bin(BinOp::Eq, i, Expr::Int(0)), new_scale, new_good))
+    }
+
+    /// `quant::point` for element (i, j) of w [in, out] (group i / G): the learned fake-quant's
+    /// value, or with `wrt` that part of its gradient (operands w, scales[, zeros], dy).
+    fn learned(
+        &mut self,
+        spec: QuantSpec,
+        wrt: Option<QuantParam>,
+        ops: &[NodeId],
+        pos: &Pos,
+        shape: &[usize],
+    ) -> Result<Expr, KernelError> {
+        let cs = self.coords(pos, shape);
+        let group = Pos::Coords(vec![self.bounds.div(cs[0].clone(), spec.group_for(shape[0]) as i64), cs[1].clone()]);
+        let w = self.value(ops[0], pos)?;
+        let scale = self.value(ops[1], &group)?;
+        let s = self.bind(Ty::F32, Expr::Call(Intrinsic::F16Round, vec![scale]));
+        let (lo, hi) = if spec.scheme.has_zero_point() {
+            let zp = *ops.get(2).ok_or_else(|| KernelError::Internal("asym learned fake-quant without zero points".into()))?;
+            let z = self.value(zp, &group)?;
+            let top = ((1u32 << spec.bits) - 1) as f64;
+            let z = self.bind(Ty::F32, Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, Expr::un(UnOp::RoundEven, z), f(0.0)), f(top)));
+            (Expr::un(UnOp::Neg, z.clone()), Expr::bin(BinOp::Sub, f(top), z))
+        } else {
+            let (lo, hi) = spec.lsq_range(0.0);
+            (f(lo), f(hi))
+        };
+        let (lo, hi) = (self.bind(Ty::F32, lo), self.bind(Ty::F32, hi));
+        let zero_scale = self.bind(Ty::Bool, Expr::bin(BinOp::Eq, s.clone(), f(0.0)));
+        let x = self.bind(Ty::F32, Expr::bin(BinOp::Div, w, s.clone()));
+        let q = match spec.scheme {
+            QuantScheme::Nf4 => Expr::Call(Intrinsic::Nf4Value, vec![Expr::Call(Intrinsic::Nf4Nearest, vec![x.clone()])]),
+            _ => Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, Expr::un(UnOp::RoundEven, x.clone()), lo.clone()), hi.clone()),
+        };
+        // a zero scale: q = 0 and nothing inside (x is not a number there)
+        let q = self.bind(Ty::F32, Expr::select(zero_scale.clone(), f(0.0), q));
+        let in_range = Expr::bin(BinOp::And, Expr::bin(BinOp::Le, lo, x.clone()), Expr::bin(BinOp::Le, x.clone(), hi));
+        let inside = || Expr::bin(BinOp::And, Expr::un(UnOp::Not, zero_scale.clone()), in_range.clone());
+        let dy = match wrt {
+            Some(_) => {
+                Some(self.value(*ops.last().ok_or_else(|| KernelError::Internal("learned fake-quant gradient without dy".into()))?, pos)?)
+            }
+            None => None,
+        };
+        Ok(match (wrt, dy) {
+            (None, _) => Expr::bin(BinOp::Mul, q, s),
+            (Some(QuantParam::Weight), Some(dy)) => Expr::select(inside(), dy, f(0.0)),
+            (Some(QuantParam::Scale), Some(dy)) => {
+                Expr::bin(BinOp::Mul, dy, Expr::select(inside(), Expr::bin(BinOp::Sub, q.clone(), x), q))
+            }
+            (Some(QuantParam::Zero), Some(dy)) => Expr::select(inside(), f(0.0), Expr::un(UnOp::Neg, Expr::bin(BinOp::Mul, s, dy))),
+            (Some(_), None) => return Err(KernelError::Internal("learned fake-quant gradient without dy".into())),
+        })
     }
 
     /// PyTorch's AdamW step, scalars formed in f64 as the interpreter does (`adam_param`).

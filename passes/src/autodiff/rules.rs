@@ -3,7 +3,7 @@
 //! gradient contribution for each operand that `wants` one. It never builds a gradient nobody
 //! wants: that is how a frozen weight gets no weight-gradient matmul.
 
-use qatc_ir::{BinaryOp as B, Graph, IrError, NodeId, Op, UnaryOp as U};
+use qatc_ir::{BinaryOp as B, Graph, IrError, NodeId, Op, QuantParam, Shape, UnaryOp as U};
 
 use crate::error::PassError;
 
@@ -203,6 +203,23 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
 
         // straight-through estimator: rounding passes the gradient through unchanged
         Op::FakeQuant { .. } => c.each(|_, _| Ok(dy)),
+        // LSQ: the weight's part elementwise; the scale's and zero point's parts summed over each
+        // group of G rows ([in, out] -> [in/G, G, out] -> [in/G, 1, out]) and scaled by 1/sqrt(G Q_P)
+        Op::FakeQuantLearned { spec } => c.each(|c, i| {
+            let wrt = [QuantParam::Weight, QuantParam::Scale, QuantParam::Zero][i];
+            let mut args = x.clone();
+            args.push(dy);
+            let part = c.op(Op::FakeQuantLearnedGrad { spec: *spec, wrt }, &args)?;
+            if wrt == QuantParam::Weight {
+                return Ok(part);
+            }
+            let dims = c.g.ty(x[0]).shape.dims().to_vec();
+            let (n_in, n_out, gsz) = (dims[0], dims[1], spec.group_for(dims[0]));
+            let grouped = c.op(Op::Reshape { shape: Shape::new([n_in / gsz, gsz, n_out]) }, &[part])?;
+            let sums = c.op(Op::SumTo { shape: Shape::new([n_in / gsz, 1, n_out]) }, &[grouped])?;
+            let sums = c.op(Op::Reshape { shape: Shape::new([n_in / gsz, n_out]) }, &[sums])?;
+            c.affine(sums, spec.lsq_grad_scale(n_in), 0.0)
+        }),
         // per-token absmax scaling never clips, so the whole range is "inside": straight through
         Op::ActQuant { .. } => c.each(|_, _| Ok(dy)),
         // the same deterministic mask on the way back: d dropout(x) = dropout(dy) (seed gets none)
@@ -220,6 +237,7 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         // the precision pass runs after autodiff: loss-scaling ops are never differentiated
         Op::AllFinite | Op::Select | Op::LossScale { .. } => Err(no_rule()),
         Op::ScatterAdd { .. }
+        | Op::FakeQuantLearnedGrad { .. }
         | Op::LayerNormGradX { .. }
         | Op::LayerNormGradGamma { .. }
         | Op::SoftmaxGrad { .. }

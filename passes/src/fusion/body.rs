@@ -56,7 +56,8 @@ pub fn prim_family(kind: &str) -> &'static str {
     }
 }
 
-/// Ops whose every output element depends on a fixed set of input elements (no reductions).
+/// Ops whose every output element depends on a fixed set of input elements (no reductions; a
+/// learned fake-quant reads its element and its group's scale).
 pub fn is_pointwise(kind: &str) -> bool {
     matches!(
         kind,
@@ -87,6 +88,8 @@ pub fn is_pointwise(kind: &str) -> bool {
             | "gather"
             | "dropout"
             | "select"
+            | "fake_quant_learned"
+            | "fake_quant_learned_grad"
             | "adam_m"
             | "adam_v"
             | "adam_param"

@@ -66,6 +66,8 @@ pub const KINDS: &[&str] = &[
     "cross_entropy_grad",
     "fake_quant",
     "dequantize",
+    "fake_quant_learned",
+    "fake_quant_learned_grad",
     "act_quant",
     "dropout",
     "all_finite",

@@ -48,6 +48,9 @@ pub fn op_flops(op: &Op, ty: &TensorType, ins: &[&TensorType]) -> u64 {
         Op::CrossEntropyGrad => 4 * n,
         Op::FakeQuant { .. } | Op::ActQuant { .. } => 4 * n,
         Op::Dequantize { .. } => 2 * n,
+        // divide, round, clamp (two compares), multiply; the gradient parts a few more
+        Op::FakeQuantLearned { .. } => 5 * n,
+        Op::FakeQuantLearnedGrad { .. } => 7 * n,
         Op::Dropout { .. } => 2 * n,
         // a finiteness test per element; a choice per element; a handful of scalar operations
         Op::AllFinite => n_in(0),

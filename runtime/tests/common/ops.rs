@@ -1,6 +1,6 @@
 //! The op catalogue the tests share: every op of the IR with random operands for it.
 
-use qatc_ir::{BinaryOp, DType, Op, QuantScheme, QuantSpec, Shape, UnaryOp};
+use qatc_ir::{BinaryOp, DType, Op, QuantParam, QuantScheme, QuantSpec, Shape, UnaryOp};
 
 use super::{try_run_op, In, Rng};
 
@@ -64,6 +64,24 @@ pub fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
             }
             ins
         }
+        Op::FakeQuantLearned { spec } | Op::FakeQuantLearnedGrad { spec, .. } => {
+            // scales 0.6 to 1.1 times about the min-max ones of U(-1, 1) weights: some clip
+            let groups = 64 / spec.group_for(64);
+            let unit = match spec.scheme {
+                QuantScheme::Asym => 2.0 / spec.lsq_qp(),
+                QuantScheme::Q4_0 => 1.0 / 8.0,
+                _ => 1.0 / spec.lsq_qp(),
+            };
+            let mut ins = vec![fin(rng, &[64, 3], -1.0, 1.0), fin(rng, &[groups, 3], 0.6 * unit, 1.1 * unit)];
+            if spec.scheme.has_zero_point() {
+                let mid = spec.lsq_qp() / 2.0;
+                ins.push(fin(rng, &[groups, 3], mid - 2.0, mid + 2.0));
+            }
+            if let Op::FakeQuantLearnedGrad { .. } = op {
+                ins.push(fin(rng, &[64, 3], -1.0, 1.0));
+            }
+            ins
+        }
         Op::Dropout { .. } => vec![x(rng), In::i(&[], &[1234])],
         // one infinite element among finite ones: the flag must be 0
         Op::AllFinite => {
@@ -114,6 +132,18 @@ pub fn all_ops() -> Vec<Op> {
         ops.push(Op::Dequantize { spec: QuantSpec { bits: 4, group, scheme }, to: DType::F32 });
     }
     ops.push(Op::FakeQuant { spec: QuantSpec { bits: 8, group: 0, scheme: QuantScheme::Sym } });
+    for spec in [
+        QuantSpec { bits: 3, group: 16, scheme: QuantScheme::Sym },
+        QuantSpec { bits: 2, group: 0, scheme: QuantScheme::Sym },
+        QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Asym },
+        QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Nf4 },
+        QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 },
+    ] {
+        ops.push(Op::FakeQuantLearned { spec });
+        for wrt in QuantParam::ALL.into_iter().filter(|&w| w != QuantParam::Zero || spec.scheme.has_zero_point()) {
+            ops.push(Op::FakeQuantLearnedGrad { spec, wrt });
+        }
+    }
     ops.extend([
         Op::Affine { mul: 1.5, add: -0.25 },
         Op::Cast { to: DType::F16 },

@@ -36,6 +36,8 @@ pub const POINTWISE: &[&str] = &[
     "gather",
     "dropout",
     "select",
+    "fake_quant_learned",
+    "fake_quant_learned_grad",
     "adam_m",
     "adam_v",
     "adam_param",
