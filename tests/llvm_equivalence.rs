@@ -42,6 +42,12 @@ fn inputs(g: &Graph, cfg: &Gpt2Config, b: usize, t: usize) -> HashMap<String, Va
     write_synthetic(&path, cfg, DType::F32, false, 11).expect("a synthetic checkpoint");
     let m = Model::open(&path).expect("it opens");
     let mut v = m.bind::<f32>(g, None, 3).expect("weights bind");
+    for (name, val) in v.iter_mut() {
+        if let (true, Value::Float(t)) = (name.ends_with(".scales"), val) {
+            // learned scales below and above their min-max start: some weights clip
+            t.data.iter_mut().enumerate().for_each(|(i, s)| *s *= 0.7 + 0.07 * (i % 6) as f32);
+        }
+    }
     for id in g.inputs() {
         let name = g.node(id).name.clone().unwrap_or_default();
         let ty = g.ty(id);
@@ -269,6 +275,35 @@ fn qlora_step_t3_every_scheme() {
             compare(&format!("{scheme:?} + LoRA, fuse {fuse}, B 2 T 3"), &cfg, &o);
         }
     }
+}
+
+#[test]
+fn learned_scales_step_every_scheme_base_and_merged() {
+    for scheme in QuantScheme::ALL {
+        let (cfg, group) = if scheme == QuantScheme::Q4_0 { (Gpt2Config { n_embd: 32, n_head: 4, ..odd() }, 32) } else { (odd(), 8) };
+        for merged in [false, true] {
+            let mut o = qlora(2, 3, group, scheme);
+            if let Some(q) = o.model.quant.as_mut() {
+                q.learned_scales = true;
+                q.spec.bits = if scheme == QuantScheme::Sym { 3 } else { 4 };
+            }
+            if let Some(l) = o.model.lora.as_mut() {
+                l.merged = merged;
+                l.dropout = 0.0;
+            }
+            o.adamw.scale_lr_mul = 0.1;
+            o.fuse = Some(FuseOptions::default());
+            let seen = compare(&format!("{scheme:?} learned scales, merged {merged}, fused, B 2 T 3"), &cfg, &o);
+            assert!(seen.len() > 3, "{seen:?}");
+        }
+    }
+    let mut o = qlora(27, 29, 8, QuantScheme::Sym);
+    if let Some(q) = o.model.quant.as_mut() {
+        q.learned_scales = true;
+    }
+    isolate("4-bit sym learned scales + LoRA, unfused, B 27 T 29", &odd(), &o);
+    o.fuse = Some(FuseOptions::default());
+    isolate("4-bit sym learned scales + LoRA, fused, B 27 T 29", &odd(), &o);
 }
 
 /// Kernel by kernel, in isolation: before each launch, the kernel-IR evaluator's program gets

@@ -57,6 +57,21 @@ fn curve(log: &Path) -> BTreeMap<u64, u64> {
 
 #[test]
 fn kill_9_and_resume_equals_an_uninterrupted_run() {
+    kill_and_resume(&[], &["adapter_model.safetensors", "checkpoint/state.safetensors"]);
+}
+
+#[test]
+fn kill_9_and_resume_with_learned_scales_equals_an_uninterrupted_run() {
+    // the scales, their Adam moments and the scale learning rate's group resume exactly too
+    kill_and_resume(
+        &["--scales", "learned", "--scale-lr", "1e-3"],
+        &["adapter_model.safetensors", "quant_scales.safetensors", "checkpoint/state.safetensors"],
+    );
+}
+
+/// Runs `args` + `extra` once uninterrupted and once killed with SIGKILL after a checkpoint and
+/// resumed; the loss curves and `files` in OUT must be the same bit for bit.
+fn kill_and_resume(extra: &[&str], files: &[&str]) {
     let m = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
     let d = common::root().join("examples/shakespeare_val.bin");
     let (m, d) = (m.to_str().unwrap(), d.to_str().unwrap());
@@ -65,11 +80,16 @@ fn kill_9_and_resume_equals_an_uninterrupted_run() {
     let (out_a, log_a, out_b, log_b) = (p("a"), p("a.jsonl"), p("b"), p("b.jsonl"));
     let bin = env!("CARGO_BIN_EXE_qatc");
 
-    let st = Command::new(bin).args(args(m, d, &out_a, &log_a)).output().unwrap();
+    let run = |out, log| {
+        let mut a = args(m, d, out, log);
+        a.extend(extra);
+        a
+    };
+    let st = Command::new(bin).args(run(&out_a, &log_a)).output().unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
 
     // the same run, killed once a checkpoint exists and a few steps are logged
-    let mut child = Command::new(bin).args(args(m, d, &out_b, &log_b)).spawn().unwrap();
+    let mut child = Command::new(bin).args(run(&out_b, &log_b)).spawn().unwrap();
     let t0 = Instant::now();
     loop {
         let lines = std::fs::read_to_string(&log_b).map(|s| s.lines().count()).unwrap_or(0);
@@ -84,13 +104,13 @@ fn kill_9_and_resume_equals_an_uninterrupted_run() {
     assert!(killed_at < 10, "the run finished before it could be killed");
     assert!(Path::new(&out_b).join("checkpoint/resume.json").exists());
 
-    let mut resumed = args(m, d, &out_b, &log_b);
+    let mut resumed = run(&out_b, &log_b);
     resumed.extend(["--resume", &out_b]);
     let st = Command::new(bin).args(&resumed).output().unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
 
     assert_eq!(curve(Path::new(&log_a)), curve(Path::new(&log_b)), "loss curves differ (killed after {killed_at} steps)");
-    for f in ["adapter_model.safetensors", "checkpoint/state.safetensors"] {
+    for f in files {
         let a = std::fs::read(Path::new(&out_a).join(f)).unwrap();
         let b = std::fs::read(Path::new(&out_b).join(f)).unwrap();
         assert!(a == b, "{f} differs");
