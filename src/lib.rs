@@ -4,6 +4,7 @@
 
 pub mod adapter;
 pub mod artifacts;
+pub mod bitalloc;
 pub mod cli;
 pub mod config;
 pub mod data;

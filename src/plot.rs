@@ -1,12 +1,13 @@
 //! A loss curve as SVG: train loss per step (a line) and validation loss (dots), with axes and
-//! labels, readable at a glance without any plotting library.
+//! labels and optional labelled reference levels (full precision, post-training quantization),
+//! readable at a glance without any plotting library.
 
 use std::fmt::Write;
 
-/// (step, loss) series; `val` may be empty.
-pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)]) -> String {
+/// (step, loss) series; `val` may be empty; `levels` are (label, loss) drawn as dashed lines.
+pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)], levels: &[(String, f64)]) -> String {
     let (w, h, l, r, t, b) = (720.0, 380.0, 60.0, 20.0, 56.0, 44.0);
-    let all = train.iter().chain(val).map(|p| p.1).filter(|v| v.is_finite());
+    let all = train.iter().chain(val).map(|p| p.1).chain(levels.iter().map(|x| x.1)).filter(|v| v.is_finite());
     let (mut lo, mut hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, c), v| (a.min(v), c.max(v)));
     if !lo.is_finite() {
         (lo, hi) = (0.0, 1.0);
@@ -47,6 +48,11 @@ pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)]) -> St
         })
         .collect();
     let _ = writeln!(o, r##"<polyline points="{}" fill="none" stroke="#1f77b4" stroke-width="2"/>"##, avg.join(" "));
+    for (label, v) in levels.iter().filter(|x| x.1.is_finite()) {
+        let _ = writeln!(o, r##"<path d="M{l} {0:.1} H{1}" stroke="#555" stroke-dasharray="6 4"/>"##, y(*v), w - r);
+        let _ =
+            writeln!(o, r##"<text x="{}" y="{:.1}" text-anchor="end" fill="#555">{} {v:.3}</text>"##, w - r - 4.0, y(*v) - 5.0, xml(label));
+    }
     for &(s, v) in val.iter().filter(|p| p.1.is_finite()) {
         let _ = writeln!(o, r##"<circle cx="{:.1}" cy="{:.1}" r="4" fill="#d62728"/>"##, x(s), y(v));
     }
@@ -67,8 +73,10 @@ fn xml(s: &str) -> String {
 mod tests {
     #[test]
     fn draws_both_series() {
-        let s = super::loss_svg("a < b", &[(0, 5.0), (1, 4.5), (2, 4.0)], &[(2, 4.2)]);
+        let s = super::loss_svg("a < b", &[(0, 5.0), (1, 4.5), (2, 4.0)], &[(2, 4.2)], &[("full precision".into(), 3.5)]);
         assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
         assert!(s.contains("polyline") && s.contains("<circle") && s.contains("a &lt; b"));
+        // the level is inside the drawn range, labelled
+        assert!(s.contains("stroke-dasharray") && s.contains("full precision 3.500"));
     }
 }

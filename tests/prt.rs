@@ -66,3 +66,39 @@ fn prt_writes_a_bit_map_that_eval_and_compile_use() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown scheme `fp4`"));
 }
+
+#[test]
+fn prt_with_a_budget_writes_a_whole_model_map_measured_within_it() {
+    let m = common::fixture("tiny/f32_prefix/model.safetensors");
+    let d = common::fixture("tiny/tokens.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let map = dir.path().join("bits.json");
+    let (m, d, map_s) = (m.to_str().unwrap(), d.to_str().unwrap(), map.to_str().unwrap());
+    let base = ["--batch", "2", "--seq", "16", "--batches", "3"];
+    for budget in ["0.0002", "0.002"] {
+        let mut a = vec!["prt", m, "--data", d, "--group", "16", "--budget", budget, "--bits-map", map_s, "--json"];
+        a.extend(base);
+        let out = qatc(&a);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let rep: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let b: f64 = budget.parse().unwrap();
+        let measured = rep["measured_penalty"].as_f64().unwrap();
+        assert!(measured <= b, "budget {b}: the map's measured penalty {measured}");
+        assert!(rep["predicted_penalty"].as_f64().unwrap() <= b + 1e-12);
+        // every module was measured from 8 bits down, so the allocation had whole curves to choose from
+        for r in rep["modules"].as_array().unwrap() {
+            assert_eq!(r["tried"][0][0].as_u64(), Some(8), "{r}");
+        }
+        // the map, evaluated on the same batches, is what prt measured
+        let mut e = vec!["eval", m, "--data", d, "--json", "--bits-map", map_s];
+        e.extend(base);
+        let ev = qatc(&e);
+        assert!(ev.status.success(), "{}", String::from_utf8_lossy(&ev.stderr));
+        let loss = serde_json::from_slice::<serde_json::Value>(&ev.stdout).unwrap()["loss"].as_f64().unwrap();
+        let fp = rep["full_precision_loss"].as_f64().unwrap();
+        assert!((loss - fp - measured).abs() < 1e-9, "eval {loss} - {fp} vs measured {measured}");
+        assert!(rep["average_bits"].as_f64().unwrap() < 16.0, "budget {b}: something is quantized");
+    }
+    let bad = qatc(&["prt", m, "--data", d, "--budget", "-1", "--bits-map", map_s]);
+    assert_eq!(bad.status.code(), Some(2));
+}

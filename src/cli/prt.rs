@@ -2,6 +2,12 @@
 //! alone (the rest of the model at full precision) at increasing bit widths and keep the lowest
 //! whose eval loss stays within `--threshold` (relative) of full precision. Writes a bit map that
 //! `--bits-map` accepts in compile, eval and train.
+//!
+//! With `--budget NATS` the map is for the whole model instead: each module is measured at every
+//! width from 8 bits down until its penalty alone exceeds the budget, `bitalloc::allocate` picks
+//! the widths that spend the fewest bits while the penalties sum to the budget, and the map is
+//! measured with every module quantized at once; when that exceeds the budget (penalties do not
+//! add exactly) the allocation is redone on a tighter budget.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -14,6 +20,7 @@ use qatc_passes::quant::QuantOptions;
 use super::eval::{evaluate, EvalSetup};
 use super::options::{BitMap, DEFAULT_GROUP};
 use crate::artifacts::write_atomic;
+use crate::bitalloc;
 use crate::data::TokenFile;
 
 #[derive(clap::Args, Debug)]
@@ -46,6 +53,10 @@ pub struct Args {
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Whole-model budget in nats: the map whose modules, quantized together, raise the loss by
+    /// at most this much with the fewest bits (instead of --threshold per module).
+    #[arg(long)]
+    pub budget: Option<f64>,
 }
 
 #[derive(serde::Serialize, Debug)]
@@ -86,30 +97,77 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if modules.is_empty() {
         anyhow::bail!("no module matches --targets {}", targets.join(","));
     }
+    if a.budget.is_some_and(|b| !(b >= 0.0 && b.is_finite())) {
+        anyhow::bail!("--budget must be a number of nats >= 0");
+    }
     let base = evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup::default(), false)?.loss;
     let limit = base * (1.0 + a.threshold);
+    // the loss with `map` (module -> spec) quantized, the rest at full precision
+    let eval_map = |map: BTreeMap<String, Option<QuantSpec>>| -> anyhow::Result<f64> {
+        let spec = QuantSpec { bits: 8, group: a.group, scheme: sch };
+        let mut setup = EvalSetup::default();
+        setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false });
+        Ok(evaluate(&m, &data, a.batch, a.seq, n, &setup, false)?.loss)
+    };
+    let spec_of = |bits: u8| QuantSpec { bits, group: a.group, scheme: sch };
     let pb = super::progress(modules.len() as u64, "prt {bar:30} {pos}/{len} modules  {msg}  eta {eta}");
     let mut results = Vec::new();
     for module in &modules {
         let mut tried = Vec::new();
         let mut found = None;
-        for &bits in &widths {
-            let spec = QuantSpec { bits, group: a.group, scheme: sch };
-            let per_module = BTreeMap::from([(module.clone(), Some(spec))]);
-            let mut setup = EvalSetup::default();
-            setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None, learned_scales: false });
-            let loss = evaluate(&m, &data, a.batch, a.seq, n, &setup, false).with_context(|| module.clone())?.loss;
+        // a budget needs each module's whole curve, from the top until it alone is over budget
+        let order: Vec<u8> = if a.budget.is_some() { widths.iter().rev().copied().collect() } else { widths.clone() };
+        for bits in order {
+            let loss = eval_map(BTreeMap::from([(module.clone(), Some(spec_of(bits)))])).with_context(|| module.clone())?;
             tried.push((bits, loss));
             pb.set_message(format!("{module} {bits}-bit loss {loss:.4}"));
-            if loss <= limit {
-                found = Some((bits, loss));
-                break;
+            match a.budget {
+                Some(b) if loss - base > b => break,
+                Some(_) => {}
+                None if loss <= limit => {
+                    found = Some((bits, loss));
+                    break;
+                }
+                None => {}
             }
         }
         pb.inc(1);
         results.push(ModuleResult { module: module.clone(), bits: found.map(|f| f.0), loss: found.map(|f| f.1).unwrap_or(base), tried });
     }
     pb.finish_and_clear();
+    let mut budgeted = None;
+    if let Some(budget) = a.budget {
+        let curves: Vec<bitalloc::Curve> = results
+            .iter()
+            .map(|r| {
+                let info = m.ckpt.info(&format!("{}.weight", r.module));
+                let elems = info.map_or(0, |i| i.shape.iter().product());
+                let full_bits = info.map_or(16, |i| 8 * i.dtype.bytes_for(1) as u32);
+                bitalloc::Curve { elems, full_bits, tried: r.tried.iter().map(|&(b, l)| (b, l - base)).collect() }
+            })
+            .collect();
+        // penalties do not add exactly: tighten until the whole map is measured within budget
+        let mut target = budget;
+        let mut best: Option<(Vec<Option<u8>>, f64, f64)> = None;
+        for _ in 0..6 {
+            let (bits, predicted) = bitalloc::allocate(&curves, target);
+            let map = results.iter().zip(&bits).map(|(r, b)| (r.module.clone(), b.map(spec_of))).collect();
+            let measured = eval_map(map)? - base;
+            let fits = measured <= budget;
+            best = Some((bits, predicted, measured));
+            if fits || target <= 0.0 {
+                break;
+            }
+            target *= 0.9 * budget / measured.max(1e-12);
+        }
+        if let Some((bits, predicted, measured)) = best {
+            for (r, b) in results.iter_mut().zip(&bits) {
+                r.bits = *b;
+                r.loss = b.and_then(|b| r.tried.iter().find(|t| t.0 == b).map(|t| t.1)).unwrap_or(base);
+            }
+            budgeted = Some((budget, predicted, measured));
+        }
+    }
 
     let map = BitMap {
         version: 1,
@@ -139,14 +197,24 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     let avg_bits = bit_elems as f64 / elems.max(1) as f64;
     if a.json {
-        let j = serde_json::json!({
+        let mut j = serde_json::json!({
             "full_precision_loss": base, "threshold": a.threshold, "modules": results,
             "average_bits": avg_bits, "stored_bytes": stored, "quantized_bytes": quant_bytes,
             "bits_map": a.bits_map.display().to_string(),
         });
+        if let Some((budget, predicted, measured)) = budgeted {
+            j["budget"] = serde_json::json!(budget);
+            j["predicted_penalty"] = serde_json::json!(predicted);
+            j["measured_penalty"] = serde_json::json!(measured);
+        }
         println!("{}", serde_json::to_string(&j)?);
     } else {
-        println!("full precision loss {base:.5}; limit {limit:.5} (+{:.1}%)", a.threshold * 100.0);
+        match budgeted {
+            Some((budget, predicted, measured)) => println!(
+                "full precision loss {base:.5}; budget {budget} nats: the map's penalty {measured:.5} measured (sum of the modules alone {predicted:.5})"
+            ),
+            None => println!("full precision loss {base:.5}; limit {limit:.5} (+{:.1}%)", a.threshold * 100.0),
+        }
         println!("{:<22} {:>5} {:>10}", "module", "bits", "loss");
         for r in &results {
             let b = r.bits.map(|b| b.to_string()).unwrap_or_else(|| "full".into());

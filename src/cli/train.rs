@@ -85,6 +85,9 @@ pub struct Args {
     /// Draw the loss curve (train and validation) as SVG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// A labelled reference level in the plot, e.g. "full precision=4.95" (repeatable).
+    #[arg(long, value_name = "LABEL=LOSS")]
+    pub plot_line: Vec<String>,
     /// Continue the run whose OUT this is, from its last saved step, with its options (those
     /// given must agree with them).
     #[arg(long)]
@@ -175,6 +178,21 @@ fn configure(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<(RunCon
     Ok((cfg, Some(resume::read_progress(dir)?)))
 }
 
+/// `--plot-line LABEL=LOSS` values.
+fn plot_levels(a: &Args) -> anyhow::Result<Vec<(String, f64)>> {
+    a.plot_line
+        .iter()
+        .map(|s| {
+            let (label, v) = s.rsplit_once('=').with_context(|| format!("--plot-line {s:?}: want LABEL=LOSS"))?;
+            let v: f64 = v.trim().parse().with_context(|| format!("--plot-line {s:?}: {v:?} is not a number"))?;
+            if !v.is_finite() {
+                anyhow::bail!("--plot-line {s:?}: the level must be finite");
+            }
+            Ok((label.trim().to_string(), v))
+        })
+        .collect()
+}
+
 /// Refuses, before any work, an output that would destroy an input or that cannot be written.
 fn check_outputs(a: &Args, cfg: &RunConfig, train: &TrainConfig) -> anyhow::Result<()> {
     // every input must survive the run: none may lie in OUT, which each save replaces whole
@@ -243,6 +261,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     if a.eval_every > 0 && a.val.is_none() {
         anyhow::bail!("--eval-every needs --val FILE");
     }
+    let levels = plot_levels(a)?;
     let (cfg, resume_at) = configure(a, given, faults)?;
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");
@@ -376,7 +395,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     }
     if let Some(p) = &a.plot {
         let title = format!("qatc train: {}", model_path.display());
-        write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve).as_bytes()).with_context(|| format!("{}", p.display()))?;
+        write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve, &levels).as_bytes())
+            .with_context(|| format!("{}", p.display()))?;
     }
     let what = if tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
     // one batch's loss is noisy: the means of the first and last (up to) ten steps of this run

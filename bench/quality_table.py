@@ -1,0 +1,58 @@
+"""The table of bench/quality.sh: reads its rows.jsonl, prints markdown (stdout).
+
+recovered = 1 - (qat - lora_fp) / (ptq - fp), each peer with its own fp, ptq and LoRA baseline.
+"""
+import json
+import sys
+
+SPECS = [("b4_sym", "4-bit sym g64"), ("b3_sym", "3-bit sym g64"), ("b2_sym", "2-bit sym g64"), ("nf4", "nf4 g64")]
+
+
+def main(path):
+    rows = {}
+    for line in open(path):
+        line = line.strip()
+        if line:
+            r = json.loads(line)
+            rows[r["row"]] = r
+    fp = rows.get("fp", {}).get("loss")
+    lora_fp = rows.get("lora_fp", {}).get("loss")
+    peer_lora_fp = next((r["lora_fp"] for r in rows.values() if "lora_fp" in r), None)
+    out = []
+    out.append(f"full precision {fmt(fp)}; LoRA on the unquantized model {fmt(lora_fp)} (qatc)"
+               + (f", {fmt(peer_lora_fp)} (PyTorch + PEFT)" if peer_lora_fp is not None else ""))
+    out.append("")
+    out.append("| weights | scales | QAT | post-training | QAT + LoRA | penalty left | recovered |")
+    out.append("|---|---|---|---|---|---|---|")
+    for key, title in SPECS:
+        ptq = rows.get(f"{key}_ptq", {}).get("loss")
+        for scales in ("minmax", "learned"):
+            for mode in ("base", "merged"):
+                r = rows.get(f"{key}_{scales}_{mode}")
+                if r is None:
+                    continue
+                out.append(f"| {title} | {scales} | {mode} | {fmt(ptq)} | {fmt(r['loss'])} | {left(r['loss'], lora_fp)} "
+                           f"| {recovered(r['loss'], lora_fp, ptq, fp)} |")
+        p = rows.get(f"peer_{key}")
+        if p is not None:
+            out.append(f"| {title} | minmax | PyTorch + PEFT (base) | {fmt(p['ptq'])} | {fmt(p['qat_lora'])} "
+                       f"| {left(p['qat_lora'], peer_lora_fp)} | {recovered(p['qat_lora'], peer_lora_fp, p['ptq'], p['fp'])} |")
+    print("\n".join(out))
+
+
+def fmt(v):
+    return "-" if v is None else f"{v:.4f}"
+
+
+def left(qat, lora_fp):
+    return "-" if None in (qat, lora_fp) else f"{qat - lora_fp:+.4f}"
+
+
+def recovered(qat, lora_fp, ptq, fp):
+    if None in (qat, lora_fp, ptq, fp) or ptq == fp:
+        return "-"
+    return f"{1.0 - (qat - lora_fp) / (ptq - fp):.3f}"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
