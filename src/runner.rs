@@ -92,7 +92,7 @@ fn describe_compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels
         String::new()
     } else {
         format!(
-            ", {} 4-bit weights dequantized into GEMM panels ({} of dequantized copies never made)",
+            ", {} quantized weights computed into GEMM panels ({} of dequantized copies never made)",
             panels.lines.len(),
             human(panels.bytes_saved)
         )
