@@ -62,7 +62,7 @@ fn train(q: &QuantArgs, dir: &Path) -> Adapter {
     for s in 0..3 {
         tr.step(&tokens(), s, 1e-2).unwrap();
     }
-    let (scales, lora): (Vec<_>, Vec<_>) = tr.weights().into_iter().partition(|(n, _)| is_learned_name(n));
+    let (scales, lora): (Vec<_>, Vec<_>) = tr.weights().unwrap().into_iter().partition(|(n, _)| is_learned_name(n));
     assert_eq!(scales.len(), 8, "one learned scale tensor per linear");
     let (cfg, st) = adapter::to_files(&init.options(), &lora, "tiny").unwrap();
     std::fs::write(dir.join("adapter_config.json"), cfg).unwrap();

@@ -21,7 +21,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use qatc_ir::infer::broadcasts_to;
 use qatc_ir::{
-    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape, TensorType, UnaryOp,
+    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantParam, QuantScheme, QuantSpec, Shape, TensorType,
+    UnaryOp,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -42,7 +43,7 @@ const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-const N_SLOTS: usize = 47;
+const N_SLOTS: usize = 49;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -99,6 +100,8 @@ fn op_slot(op: &Op) -> usize {
         Op::AllFinite => 44,
         Op::Select => 45,
         Op::LossScale { .. } => 46,
+        Op::FakeQuantLearned { .. } => 47,
+        Op::FakeQuantLearnedGrad { .. } => 48,
     }
 }
 
@@ -622,6 +625,27 @@ impl<'a> Builder<'a> {
                 let interval = self.ch.pick(&[1, 2, 2000, usize::MAX]);
                 let (growth, backoff) = (self.ch.pick(&[2.0, 1.5, 1e300]), self.ch.pick(&[0.5, 0.25, 1e-300]));
                 self.op(Op::LossScale { interval, growth, backoff }, &[state, finite])
+            }
+            47 | 48 => {
+                // (w f32 [in, out], scales f32 [in/G, out][, zeros][, dy]): learned scales
+                let scheme = self.ch.pick(&QuantScheme::ALL);
+                let n_in = if scheme == QuantScheme::Q4_0 { 32 * self.ch.range(1, 2) } else { self.ch.dim() };
+                let n_out = self.ch.dim();
+                let spec = self.quant_spec(scheme, n_in);
+                let groups = n_in / spec.group_for(n_in);
+                let w = self.of_type(TensorType::new(DType::F32, [n_in, n_out]))?;
+                let mut args = vec![w, self.of_type(TensorType::new(DType::F32, [groups, n_out]))?];
+                if scheme.has_zero_point() {
+                    args.push(self.of_type(TensorType::new(DType::F32, [groups, n_out]))?);
+                }
+                if slot == 47 {
+                    return self.op(Op::FakeQuantLearned { spec }, &args);
+                }
+                args.push(self.of_type(TensorType::new(DType::F32, [n_in, n_out]))?);
+                let wrts: Vec<QuantParam> =
+                    QuantParam::ALL.into_iter().filter(|&q| q != QuantParam::Zero || scheme.has_zero_point()).collect();
+                let wrt = self.ch.pick(&wrts);
+                self.op(Op::FakeQuantLearnedGrad { spec, wrt }, &args)
             }
             _ => {
                 // a kernel whose body is gelu(in0) [* in1]: bodies nest a whole graph in the text
