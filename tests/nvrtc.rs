@@ -95,6 +95,19 @@ fn every_kernel_of_the_tiny_step_compiles() {
     compile_all(&nv, "tiny-qlora", &tiny, &q);
     q.fuse = Some(FuseOptions::default());
     compile_all(&nv, "tiny-qlora-fused", &tiny, &q);
+    // learned scales: the learned fake-quant and its gradient parts (asym: zero points; nf4)
+    for (scheme, merged, fuse) in [(QuantScheme::Asym, true, true), (QuantScheme::Nf4, false, false)] {
+        let mut l = qlora(1, 4, 2);
+        if let Some(qo) = l.model.quant.as_mut() {
+            qo.spec = QuantSpec { bits: if scheme == QuantScheme::Nf4 { 4 } else { 3 }, group: 4, scheme };
+            qo.learned_scales = true;
+        }
+        if let Some(lo) = l.model.lora.as_mut() {
+            lo.merged = merged;
+        }
+        l.fuse = fuse.then(FuseOptions::default);
+        compile_all(&nv, &format!("tiny-lsq-{}", scheme.name()), &tiny, &l);
+    }
 }
 
 #[test]
