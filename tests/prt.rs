@@ -102,3 +102,35 @@ fn prt_with_a_budget_writes_a_whole_model_map_measured_within_it() {
     let bad = qatc(&["prt", m, "--data", d, "--budget", "-1", "--bits-map", map_s]);
     assert_eq!(bad.status.code(), Some(2));
 }
+
+#[test]
+fn prt_measurements_are_reused_across_budgets() {
+    let m = common::fixture("tiny/f32_prefix/model.safetensors");
+    let d = common::fixture("tiny/tokens.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let (map, meas) = (dir.path().join("bits.json"), dir.path().join("m.json"));
+    let (m, d, map_s, meas_s) = (m.to_str().unwrap(), d.to_str().unwrap(), map.to_str().unwrap(), meas.to_str().unwrap());
+    let run = |budget: &str, group: &str| {
+        let a = ["prt", m, "--data", d, "--batch", "2", "--seq", "16", "--batches", "3", "--group", group, "--budget", budget];
+        let mut a = a.to_vec();
+        a.extend(["--bits-map", map_s, "--measurements", meas_s, "--json"]);
+        qatc(&a)
+    };
+    let first = run("0.002", "16");
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let kept: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&meas).unwrap()).unwrap();
+    assert_eq!(kept["modules"].as_object().unwrap().len(), 8);
+    // a smaller budget from the same measurements: the same curves, a map within the new budget
+    let second = run("0.0005", "16");
+    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    let (a, b): (serde_json::Value, serde_json::Value) =
+        (serde_json::from_slice(&first.stdout).unwrap(), serde_json::from_slice(&second.stdout).unwrap());
+    for (x, y) in a["modules"].as_array().unwrap().iter().zip(b["modules"].as_array().unwrap()) {
+        assert_eq!(x["tried"], y["tried"], "the measurements were reused");
+    }
+    assert!(b["measured_penalty"].as_f64().unwrap() <= 0.0005);
+    // measurements of other settings are refused, not silently used
+    let other = run("0.002", "32");
+    assert_eq!(other.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("other settings"), "{}", String::from_utf8_lossy(&other.stderr));
+}

@@ -57,6 +57,20 @@ pub struct Args {
     /// at most this much with the fewest bits (instead of --threshold per module).
     #[arg(long)]
     pub budget: Option<f64>,
+    /// With --budget: keep each module's measurements in FILE and reuse them when it exists (for
+    /// the same model, data, batches and quantization), so several budgets cost one measurement.
+    /// Measure with the largest budget first: a module's curve stops where it exceeds the budget.
+    #[arg(long)]
+    pub measurements: Option<PathBuf>,
+}
+
+/// What `--measurements` keeps: every module's (bits, loss) curve, and what they were measured on.
+#[derive(serde::Serialize, serde::Deserialize, Debug, Default)]
+struct Measurements {
+    version: u32,
+    settings: String,
+    full_precision_loss: f64,
+    modules: BTreeMap<String, Vec<(u8, f64)>>,
 }
 
 #[derive(serde::Serialize, Debug)]
@@ -100,7 +114,34 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if a.budget.is_some_and(|b| !(b >= 0.0 && b.is_finite())) {
         anyhow::bail!("--budget must be a number of nats >= 0");
     }
-    let base = evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup::default(), false)?.loss;
+    if a.measurements.is_some() && a.budget.is_none() {
+        anyhow::bail!("--measurements goes with --budget");
+    }
+    let settings = format!(
+        "model={} data={} batch={} seq={} batches={n} group={} scheme={}",
+        a.model.display(),
+        a.data.display(),
+        a.batch,
+        a.seq,
+        a.group,
+        a.scheme
+    );
+    let mut cache = match &a.measurements {
+        Some(p) if p.exists() => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?;
+            let c: Measurements = serde_json::from_str(&text).with_context(|| format!("{}: not qatc prt measurements", p.display()))?;
+            if c.version != 1 || c.settings != settings {
+                anyhow::bail!("{}: measured with other settings ({}); now {settings}", p.display(), c.settings);
+            }
+            c
+        }
+        _ => Measurements { version: 1, settings, ..Default::default() },
+    };
+    let base = match cache.full_precision_loss {
+        l if l != 0.0 => l,
+        _ => evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup::default(), false)?.loss,
+    };
+    cache.full_precision_loss = base;
     let limit = base * (1.0 + a.threshold);
     // the loss with `map` (module -> spec) quantized, the rest at full precision
     let eval_map = |map: BTreeMap<String, Option<QuantSpec>>| -> anyhow::Result<f64> {
@@ -113,6 +154,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let pb = super::progress(modules.len() as u64, "prt {bar:30} {pos}/{len} modules  {msg}  eta {eta}");
     let mut results = Vec::new();
     for module in &modules {
+        if let Some(tried) = cache.modules.get(module) {
+            pb.inc(1);
+            results.push(ModuleResult { module: module.clone(), bits: None, loss: base, tried: tried.clone() });
+            continue;
+        }
         let mut tried = Vec::new();
         let mut found = None;
         // a budget needs each module's whole curve, from the top until it alone is over budget
@@ -132,9 +178,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             }
         }
         pb.inc(1);
+        cache.modules.insert(module.clone(), tried.clone());
         results.push(ModuleResult { module: module.clone(), bits: found.map(|f| f.0), loss: found.map(|f| f.1).unwrap_or(base), tried });
     }
     pb.finish_and_clear();
+    if let Some(p) = &a.measurements {
+        write_atomic(p, (serde_json::to_string_pretty(&cache)? + "\n").as_bytes()).with_context(|| format!("{}", p.display()))?;
+    }
     let mut budgeted = None;
     if let Some(budget) = a.budget {
         let curves: Vec<bitalloc::Curve> = results
