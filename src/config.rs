@@ -105,6 +105,18 @@ pub enum Scales {
     Learned,
 }
 
+/// How fresh learned scales start (`--scale-init`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ScaleInit {
+    /// The min-max scale, rounded to fp16 away from zero: nothing clips (`quant::init_learned`).
+    #[default]
+    Minmax,
+    /// The fraction of the min-max scale with the least squared error per group
+    /// (`quant::init_learned_searched`).
+    Search,
+}
+
 /// LoRA as PEFT configures it (`adapter_config.json` says the same in PEFT's words).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -185,6 +197,9 @@ pub struct TrainConfig {
     /// `--scales learned`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale_lr: Option<f64>,
+    /// How the learned scales started (`--scale-init`; only with `--scales learned`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_init: Option<ScaleInit>,
 }
 
 impl QuantConfig {
@@ -323,6 +338,7 @@ impl RunConfig {
         o.adamw =
             AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay, scale_lr_mul };
         o.checkpoint = s.checkpoint;
+        o.scale_init = self.train.as_ref().and_then(|t| t.scale_init).unwrap_or_default();
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
         o.precision = s.precision.mode;
         Ok(o)

@@ -8,6 +8,7 @@ use qatc_ir::{Graph, Op, QuantSpec};
 use qatc_passes::quant::{is_learned_name, learned_names, learned_storage_names, storage_names};
 use qatc_runtime::{quant, Float, IntTensor, Tensor, Value};
 
+use crate::config::ScaleInit;
 use crate::adapter::{self, Adapter};
 
 use crate::frontend::checkpoint::Checkpoint;
@@ -68,7 +69,7 @@ impl Model {
     pub fn bind<T: Float>(&self, g: &Graph, adapter: Option<&Adapter>, seed: u64) -> Result<HashMap<String, Value<T>>, BindError> {
         match adapter {
             Some(a) => self.bind_trained(g, &Trained::Adapter(a)),
-            None => self.bind_trained(g, &Trained::Fresh { seed }),
+            None => self.bind_trained(g, &Trained::Fresh { seed, scale_init: ScaleInit::Minmax }),
         }
     }
 
@@ -93,7 +94,7 @@ impl Model {
                 None if self.ckpt.info(Self::tensor_name(name)).is_some() => self.weight::<f32>(name)?,
                 None if name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight") => match trained {
                     Trained::Adapter(_) => return Err(BindError::Adapter(format!("the adapter has no tensor {name:?}"))),
-                    Trained::Fresh { seed } => adapter::init_tensor(name, want, *seed),
+                    Trained::Fresh { seed, .. } => adapter::init_tensor(name, want, *seed),
                     Trained::State(_) => return Err(BindError::Adapter(format!("the training state has no tensor {name:?}"))),
                 },
                 // not trained yet (an adapter trained with min-max scales starts them here)
@@ -179,7 +180,10 @@ impl Model {
             t = Tensor { shape: vec![t.shape[1], t.shape[0]], data: crate::export::llama::transpose(&t.data, t.shape[0], t.shape[1]) };
         }
         let (n_in, n_out) = (t.shape[0], t.shape[1]);
-        let (s, z) = quant::init_learned(&t.data, n_in, n_out, spec);
+        let (s, z) = match trained {
+            Trained::Fresh { scale_init: ScaleInit::Search, .. } => quant::init_learned_searched(&t.data, n_in, n_out, spec),
+            _ => quant::init_learned(&t.data, n_in, n_out, spec),
+        };
         let shape = vec![n_in / spec.group_for(n_in), n_out];
         Ok(Tensor { shape, data: if zeros { z } else { s } })
     }
@@ -188,8 +192,9 @@ impl Model {
 /// Where the values of trained tensors (LoRA's A and B, learned scales and zero points) come
 /// from when a graph is bound.
 pub enum Trained<'a> {
-    /// Fresh: LoRA as PEFT initialises it (from the seed), scales by the min-max rule.
-    Fresh { seed: u64 },
+    /// Fresh: LoRA as PEFT initialises it (from the seed), scales by `scale_init` (an adapter or
+    /// a state without scales starts them by the min-max rule).
+    Fresh { seed: u64, scale_init: ScaleInit },
     /// A saved adapter, with its learned scales when it has them.
     Adapter(&'a Adapter),
     /// A training run's persistent state (validation while training).

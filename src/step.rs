@@ -122,6 +122,8 @@ pub struct StepOptions {
     pub precision: Precision,
     /// fp16's dynamic loss scaling (GradScaler's defaults).
     pub loss_scaling: LossScaling,
+    /// How fresh learned scales start (`--scales learned` without an adapter that has them).
+    pub scale_init: crate::config::ScaleInit,
 }
 
 impl StepOptions {
@@ -138,6 +140,7 @@ impl StepOptions {
             fuse: None,
             precision: Precision::Fp32,
             loss_scaling: LossScaling::default(),
+            scale_init: Default::default(),
         }
     }
 }

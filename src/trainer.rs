@@ -20,7 +20,7 @@ use qatc_runtime::{CpuOptions, IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
 use crate::data::TokenFile;
-use crate::model::Model;
+use crate::model::{Model, Trained};
 use crate::runner::{Engine, Runner};
 use crate::step;
 
@@ -81,7 +81,11 @@ impl Trainer {
     ) -> anyhow::Result<Trainer> {
         let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
         // the weights go to the executor once; no host copy is kept
-        for (name, v) in m.bind::<f32>(&graph, adapter, seed)? {
+        let trained = match adapter {
+            Some(a) => Trained::Adapter(a),
+            None => Trained::Fresh { seed, scale_init: opts.scale_init },
+        };
+        for (name, v) in m.bind_trained::<f32>(&graph, &trained)? {
             step.set_input(&name, &v).with_context(|| format!("binding {name}"))?;
         }
         let mut inputs = HashSet::new();

@@ -191,3 +191,38 @@ fn accumulated_steps_with_lora_dropout_run_compiled_and_interpreted() {
         assert!((a - b).abs() < 1e-4 * b.abs(), "compiled {a} vs interpreter {b}");
     }
 }
+
+#[test]
+fn learned_scales_train_save_and_evaluate_from_either_start() {
+    // 2-bit learned scales on the tiny fixture: from min-max scales and from searched ones; the
+    // scales are saved beside the adapter, move while training, and `qatc eval` reads them back
+    // to the loss the run's own validation saw
+    let m = common::fixture("tiny/f32_prefix/model.safetensors");
+    let d = common::fixture("tiny/tokens.bin");
+    let (m, d) = (m.to_str().unwrap(), d.to_str().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let q = ["--bits", "2", "--group", "16", "--scales", "learned"];
+    let mut starts = Vec::new();
+    for init in ["minmax", "search"] {
+        let out = dir.path().join(init);
+        let log = dir.path().join(format!("{init}.jsonl"));
+        let mut a = vec!["train", m, "--data", d, "--batch", "2", "--seq", "16", "--steps", "4", "--lora", "r=4", "--lr", "1e-2"];
+        a.extend(q);
+        a.extend(["--scale-lr", "1e-3", "--scale-init", init, "--val", d, "--val-batches", "2"]);
+        a.extend(["--out", out.to_str().unwrap(), "--log-json", log.to_str().unwrap()]);
+        run(&a);
+        let ad = qatc::adapter::read(&out).unwrap();
+        assert_eq!(ad.quant.len(), 8, "{init}: one scale tensor per linear in quant_scales.safetensors");
+        assert_eq!(ad.tensors.len(), 16, "{init}: the PEFT file holds LoRA's tensors only");
+        let val = std::fs::read_to_string(&log).unwrap().lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64()).last();
+        let mut e = vec!["eval", m, "--data", d, "--batch", "2", "--seq", "16", "--batches", "2", "--json", "--adapter", out.to_str().unwrap()];
+        e.extend(q);
+        let ev: serde_json::Value = serde_json::from_str(&run(&e)).unwrap();
+        let got = ev["loss"].as_f64().unwrap();
+        assert!((got - val.unwrap()).abs() < 1e-5, "{init}: eval {got} vs the run's validation {val:?}");
+        let s = &ad.quant["h.0.mlp.c_fc.weight.scales"].data;
+        starts.push(s.iter().map(|v| v.abs() as f64).sum::<f64>() / s.len() as f64);
+    }
+    // searched 2-bit scales start (and after 4 steps still are) well below the min-max ones
+    assert!(starts[1] < 0.9 * starts[0], "mean |scale|: min-max start {} vs searched start {}", starts[0], starts[1]);
+}

@@ -17,7 +17,9 @@ pub use qatc_ir::NF4;
 use crate::float::Float;
 
 mod learned;
-pub use learned::{fake_quant_learned, fake_quant_learned_grad, init_learned, point, quantize_learned, zero_point, Point};
+pub use learned::{
+    fake_quant_learned, fake_quant_learned_grad, init_learned, init_learned_searched, point, quantize_learned, zero_point, Point,
+};
 
 /// The nearest NF4 code to x (a value already divided by the group's scale), the first one on
 /// ties; codes saturate at -1 and 1.

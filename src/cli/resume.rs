@@ -53,7 +53,7 @@ impl Given {
 
 /// The options that set each field of the configuration (by dotted path). A field not listed
 /// (AdamW's betas and eps) no option sets: it is always the saved run's.
-const FIELD_OPTIONS: [(&str, &[&str]); 31] = [
+const FIELD_OPTIONS: [(&str, &[&str]); 32] = [
     ("model.path", &["model"]),
     ("model.quant.bits", &["bits"]),
     ("model.quant.group", &["group"]),
@@ -85,6 +85,7 @@ const FIELD_OPTIONS: [(&str, &[&str]); 31] = [
     ("train.seed", &["seed"]),
     ("train.init_adapter", &["init_adapter"]),
     ("train.scale_lr", &["scale_lr"]),
+    ("train.scale_init", &["scale_init"]),
 ];
 
 /// The options that set `field` or anything inside it.

@@ -22,8 +22,9 @@ use super::eval::{evaluate_with, EvalSetup};
 use super::resume::{self, Given, PROGRESS, STATE};
 use super::{Placement, StepArgs};
 use crate::artifacts::{self, write_atomic, Faults, OutDir};
-use crate::config::{self, RunConfig, Scales, TrainConfig};
+use crate::config::{self, RunConfig, ScaleInit, Scales, TrainConfig};
 use crate::data::TokenFile;
+
 use crate::model::Model;
 use crate::runner::Device;
 use crate::schedule::{DataOrder, Schedule};
@@ -51,6 +52,10 @@ pub struct Args {
     /// same warmup and schedule as --lr. Zero points train at --lr.
     #[arg(long, default_value_t = 1e-4)]
     pub scale_lr: f64,
+    /// How learned scales start: minmax (each group's range), or search (the fraction of it with
+    /// the least squared quantization error).
+    #[arg(long, value_enum, default_value_t = ScaleInit::Minmax)]
+    pub scale_init: ScaleInit,
     /// Linear warmup steps.
     #[arg(long, default_value_t = 0)]
     pub warmup: usize,
@@ -135,6 +140,7 @@ impl Args {
     /// (`StepArgs::config`) and this run's, for the checkpoint `model` and the data `data`.
     pub fn config(&self, model: &Path, data: &Path) -> anyhow::Result<RunConfig> {
         let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter })?;
+        let learned = c.model.quant.as_ref().is_some_and(|q| q.scales == Scales::Learned);
         let train = TrainConfig {
             data: config::absolute(data),
             steps: self.steps,
@@ -145,7 +151,8 @@ impl Args {
             shuffle: self.shuffle,
             seed: self.step.seed,
             init_adapter: self.init_adapter.as_deref().map(config::absolute),
-            scale_lr: c.model.quant.as_ref().is_some_and(|q| q.scales == Scales::Learned).then_some(self.scale_lr),
+            scale_lr: learned.then_some(self.scale_lr),
+            scale_init: learned.then_some(self.scale_init),
         };
         train.check().map_err(anyhow::Error::msg)?;
         c.train = Some(train);
