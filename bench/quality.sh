@@ -29,6 +29,7 @@ val=$shared/data/shakespeare/shakespeare_val.bin
 steps=${STEPS:-200}
 val_batches=${VAL_BATCHES:-60}
 scale_lr=${SCALE_LR:-1e-4}
+scale_init=${SCALE_INIT:-minmax}
 out=${OUT:-out/quality}
 rows=$out/rows.jsonl
 mkdir -p "$out"
@@ -83,7 +84,7 @@ qat() {
   for a in "$@"; do
     case $skip$a in
       1*) q+=("$a"); skip=0 ;;
-      0--bits | 0--group | 0--scheme | 0--qat | 0--scales) q+=("$a"); skip=1 ;;
+      0--bits | 0--group | 0--scheme | 0--qat | 0--scales | 0--bits-map) q+=("$a"); skip=1 ;;
       *) ;;
     esac
   done
@@ -103,9 +104,28 @@ for spec in "b4_sym:--bits 4 --group 64 --scheme sym" "b3_sym:--bits 3 --group 6
   ptq "${name}_ptq" "${flags[@]}"
   for scales in minmax learned; do
     for mode in base merged; do
-      qat "${name}_${scales}_${mode}" "${flags[@]}" --scales "$scales" --qat "$mode" --scale-lr "$scale_lr"
+      qat "${name}_${scales}_${mode}" "${flags[@]}" --scales "$scales" --qat "$mode" --scale-lr "$scale_lr" --scale-init "$scale_init"
     done
   done
+done
+
+# The precision range test: whole-model bit maps (sym g64, 2..8 bits or full precision per module)
+# within each budget, searched on the first 8 batches of the TRAIN split, then measured on the
+# validation batches above, and the quality after QAT + LoRA (learned scales) with that map.
+prt_search=(--data "$train" --batch 8 --seq 128 --batches 8 --group 64 --scheme sym)
+for budget in 0.05 0.02 0.01 0.005; do # largest first: its measurements serve the smaller ones
+  name=prt_$budget
+  if wanted "$name"; then
+    t0=$SECONDS
+    "$qatc" prt "$model" "${prt_search[@]}" --budget "$budget" --measurements "$out/prt_measurements.json" \
+      --bits-map "$out/$name.json" --json >"$out/$name.report.json"
+    bits=$(sed -n 's/.*"average_bits":\([0-9.eE+-]*\).*/\1/p' "$out/$name.report.json")
+    search=$(sed -n 's/.*"measured_penalty":\([0-9.eE+-]*\).*/\1/p' "$out/$name.report.json")
+    l=$("$qatc" eval "$model" "${eval_args[@]}" --bits-map "$out/$name.json" | loss)
+    record "$name" "loss=$l" "average_bits=$bits" "search_penalty=$search" "seconds=$((SECONDS - t0))"
+  fi
+  [ -f "$out/$name.json" ] && qat "${name}_learned_base" --bits-map "$out/$name.json" --scales learned --qat base \
+    --scale-lr "$scale_lr" --scale-init "$scale_init"
 done
 
 py=$(bash $shared/tools/peer-env.sh 2>/dev/null | tail -1) || py=

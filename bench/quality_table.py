@@ -37,6 +37,15 @@ def main(path):
         if p is not None:
             out.append(f"| {title} | minmax | PyTorch + PEFT (base) | {fmt(p['ptq'])} | {fmt(p['qat_lora'])} "
                        f"| {left(p['qat_lora'], peer_lora_fp)} | {recovered(p['qat_lora'], peer_lora_fp, p['ptq'], p['fp'])} |")
+    prts = sorted((float(k[4:]), r) for k, r in rows.items() if k.startswith("prt_") and "average_bits" in r)
+    if prts:
+        out.append("")
+        out.append("| budget (nats) | average bits | penalty on the search batches | validation loss | penalty | after QAT + LoRA (learned, base) | penalty |")
+        out.append("|---|---|---|---|---|---|---|")
+        for b, r in prts:
+            q = rows.get(f"prt_{b:g}_learned_base", {}).get("loss")
+            out.append(f"| {b:g} | {r['average_bits']:.2f} | {r['search_penalty']:+.4f} | {fmt(r['loss'])} | {left(r['loss'], fp)} "
+                       f"| {fmt(q)} | {left(q, fp)} |")
     print("\n".join(out))
 
 
