@@ -214,8 +214,13 @@ fn learned_scales_train_save_and_evaluate_from_either_start() {
         let ad = qatc::adapter::read(&out).unwrap();
         assert_eq!(ad.quant.len(), 8, "{init}: one scale tensor per linear in quant_scales.safetensors");
         assert_eq!(ad.tensors.len(), 16, "{init}: the PEFT file holds LoRA's tensors only");
-        let val = std::fs::read_to_string(&log).unwrap().lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64()).last();
-        let mut e = vec!["eval", m, "--data", d, "--batch", "2", "--seq", "16", "--batches", "2", "--json", "--adapter", out.to_str().unwrap()];
+        let val = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64())
+            .last();
+        let mut e =
+            vec!["eval", m, "--data", d, "--batch", "2", "--seq", "16", "--batches", "2", "--json", "--adapter", out.to_str().unwrap()];
         e.extend(q);
         let ev: serde_json::Value = serde_json::from_str(&run(&e)).unwrap();
         let got = ev["loss"].as_f64().unwrap();

@@ -332,7 +332,9 @@ mod tests {
     #[test]
     fn searched_scales_never_quantize_worse_than_min_max_and_shrink_at_two_bits() {
         let w = weight();
-        for sp in [spec(2, 16, QuantScheme::Sym), spec(3, 16, QuantScheme::Sym), spec(4, 16, QuantScheme::Nf4), spec(4, 16, QuantScheme::Asym)] {
+        for sp in
+            [spec(2, 16, QuantScheme::Sym), spec(3, 16, QuantScheme::Sym), spec(4, 16, QuantScheme::Nf4), spec(4, 16, QuantScheme::Asym)]
+        {
             let (s0, z0) = init_learned(&w, 32, 3, sp);
             let (s1, z1) = init_learned_searched(&w, 32, 3, sp);
             assert_eq!(z0, z1, "{sp:?}: the zero points stay");
