@@ -335,8 +335,7 @@ impl RunConfig {
         o.clip = s.optim.clip;
         // learned scales train at their own rate, a multiple of --lr so that the schedule moves both
         let scale_lr_mul = self.train.as_ref().and_then(|t| Some(t.scale_lr? / t.lr)).unwrap_or(1.0);
-        o.adamw =
-            AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay, scale_lr_mul };
+        o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay, scale_lr_mul };
         o.checkpoint = s.checkpoint;
         o.scale_init = self.train.as_ref().and_then(|t| t.scale_init).unwrap_or_default();
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);

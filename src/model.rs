@@ -8,8 +8,8 @@ use qatc_ir::{Graph, Op, QuantSpec};
 use qatc_passes::quant::{is_learned_name, learned_names, learned_storage_names, storage_names};
 use qatc_runtime::{quant, Float, IntTensor, Tensor, Value};
 
-use crate::config::ScaleInit;
 use crate::adapter::{self, Adapter};
+use crate::config::ScaleInit;
 
 use crate::frontend::checkpoint::Checkpoint;
 use crate::frontend::config::{ConfigSource, Gpt2Config};

@@ -17,8 +17,9 @@ use std::process::Command;
 
 use qatc::adapter::{self, Adapter};
 use qatc::cli::eval::{evaluate, EvalSetup};
-use qatc::cli::options::{model_options, QuantArgs, Scales};
+use qatc::cli::options::{model_options, QuantArgs};
 use qatc::cli::train::{weights_safetensors, Trainer};
+use qatc::config::{Qat, Scales};
 use qatc::data::TokenFile;
 use qatc::export::gguf::{self, GgmlType};
 use qatc::export::{hf, llama};
@@ -40,15 +41,21 @@ fn tokens() -> TokenFile {
 }
 
 fn learned(bits: u8, group: usize, qat: &str) -> QuantArgs {
-    QuantArgs { bits: Some(bits), group, scheme: "sym".into(), qat: qat.into(), scales: Scales::Learned, ..Default::default() }
+    let qat = <Qat as clap::ValueEnum>::from_str(qat, false).unwrap();
+    QuantArgs {
+        bits: Some(bits),
+        group: Some(group),
+        scheme: Some(QuantScheme::Sym),
+        qat: Some(qat),
+        scales: Some(Scales::Learned),
+        ..Default::default()
+    }
 }
 
 fn flags(q: &QuantArgs) -> Vec<String> {
-    let b = q.bits.unwrap().to_string();
-    ["--bits", &b, "--group", &q.group.to_string(), "--scheme", &q.scheme, "--qat", &q.qat, "--scales", "learned"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    let (b, g) = (q.bits.unwrap().to_string(), q.group.unwrap().to_string());
+    let qat = if q.qat == Some(Qat::Merged) { "merged" } else { "base" };
+    ["--bits", &b, "--group", &g, "--scheme", "sym", "--qat", qat, "--scales", "learned"].iter().map(|s| s.to_string()).collect()
 }
 
 /// Trains LoRA and the scales for 3 steps (lr 1e-2, scales at a tenth of it) and writes the
@@ -177,7 +184,7 @@ fn safetensors_after_base_2bit_learned_scales_has_the_trained_loss() {
     // the learned scales matter: the same adapter on min-max scales is another model
     let mut minmax = ad.clone();
     minmax.quant.clear();
-    let q_mm = QuantArgs { scales: Scales::Minmax, ..q.clone() };
+    let q_mm = QuantArgs { scales: Some(Scales::Minmax), ..q.clone() };
     let other = trained_loss(&q_mm, &minmax);
     assert!((other - want).abs() > 1e-4, "learned {want} vs min-max {other}");
 }

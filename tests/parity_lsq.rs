@@ -8,11 +8,13 @@
 mod common;
 
 use qatc::adapter;
-use qatc::cli::options::{model_options, QuantArgs, Scales};
+use qatc::cli::options::{model_options, QuantArgs};
 use qatc::cli::train::Trainer;
+use qatc::config::{Qat, Scales};
 use qatc::data::TokenFile;
 use qatc::model::Model;
 use qatc::step::StepOptions;
+use qatc_ir::QuantScheme;
 use qatc_runtime::Tensor;
 
 fn check(cfg: &str, bits: u8, group: usize, scheme: &str, qat: &str) {
@@ -26,7 +28,14 @@ fn check(cfg: &str, bits: u8, group: usize, scheme: &str, qat: &str) {
     }
     let zeros = if scheme == "asym" { 8 } else { 0 };
     assert_eq!(ad.quant.len(), 8 + zeros, "{cfg}: the fixture's scales");
-    let q = QuantArgs { bits: Some(bits), group, scheme: scheme.into(), qat: qat.into(), scales: Scales::Learned, ..Default::default() };
+    let q = QuantArgs {
+        bits: Some(bits),
+        group: Some(group),
+        scheme: QuantScheme::from_name(scheme),
+        qat: Some(<Qat as clap::ValueEnum>::from_str(qat, false).unwrap()),
+        scales: Some(Scales::Learned),
+        ..Default::default()
+    };
     let mut o = StepOptions::new(2, 16);
     o.keep_grads = true;
     o.model = model_options(&q, Some(ad.options()), false, true).unwrap();

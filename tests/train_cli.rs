@@ -219,9 +219,12 @@ fn learned_scales_train_save_and_evaluate_from_either_start() {
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64())
             .last();
-        let mut e =
-            vec!["eval", m, "--data", d, "--batch", "2", "--seq", "16", "--batches", "2", "--json", "--adapter", out.to_str().unwrap()];
-        e.extend(q);
+        // the run's configuration records the learned scales and how they trained, so eval needs
+        // no quantization flag
+        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("qatc.json")).unwrap()).unwrap();
+        assert_eq!(cfg["model"]["quant"]["scales"], "learned", "{init}");
+        assert_eq!((cfg["train"]["scale_lr"].as_f64(), cfg["train"]["scale_init"].as_str()), (Some(1e-3), Some(init)));
+        let e = ["eval", m, "--data", d, "--batch", "2", "--seq", "16", "--batches", "2", "--json", "--adapter", out.to_str().unwrap()];
         let ev: serde_json::Value = serde_json::from_str(&run(&e)).unwrap();
         let got = ev["loss"].as_f64().unwrap();
         assert!((got - val.unwrap()).abs() < 1e-5, "{init}: eval {got} vs the run's validation {val:?}");

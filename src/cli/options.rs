@@ -203,7 +203,10 @@ pub fn check_learned(quant: Option<&QuantConfig>, a: &Adapter) -> anyhow::Result
             crate::adapter::QUANT_FILE
         ),
         (true, true) => {
-            bail!("--scales learned: the adapter has no learned scales ({}); it was trained with --scales minmax", crate::adapter::QUANT_FILE)
+            bail!(
+                "--scales learned: the adapter has no learned scales ({}); it was trained with --scales minmax",
+                crate::adapter::QUANT_FILE
+            )
         }
         _ => Ok(()),
     }
