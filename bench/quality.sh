@@ -29,7 +29,6 @@ val=$shared/data/shakespeare/shakespeare_val.bin
 steps=${STEPS:-200}
 val_batches=${VAL_BATCHES:-60}
 scale_lr=${SCALE_LR:-1e-4}
-scale_init=${SCALE_INIT:-minmax}
 out=${OUT:-out/quality}
 rows=$out/rows.jsonl
 mkdir -p "$out"
@@ -102,17 +101,25 @@ for spec in "b4_sym:--bits 4 --group 64 --scheme sym" "b3_sym:--bits 3 --group 6
   name=${spec%%:*}
   read -ra flags <<<"${spec#*:}"
   ptq "${name}_ptq" "${flags[@]}"
-  for scales in minmax learned; do
+  # post-training at the scales the searched start begins from, no training
+  ptq "${name}_ptq_search" "${flags[@]}" --scales learned --scale-init search
+  for variant in minmax learned search; do
+    case $variant in
+      minmax) v=(--scales minmax) ;;
+      learned) v=(--scales learned --scale-lr "$scale_lr") ;;
+      search) v=(--scales learned --scale-lr "$scale_lr" --scale-init search) ;;
+    esac
     for mode in base merged; do
-      qat "${name}_${scales}_${mode}" "${flags[@]}" --scales "$scales" --qat "$mode" --scale-lr "$scale_lr" --scale-init "$scale_init"
+      qat "${name}_${variant}_${mode}" "${flags[@]}" "${v[@]}" --qat "$mode"
     done
   done
 done
 
 # The precision range test: whole-model bit maps (sym g64, 2..8 bits or full precision per module)
-# within each budget, searched on the first 8 batches of the TRAIN split, then measured on the
-# validation batches above, and the quality after QAT + LoRA (learned scales) with that map.
-prt_search=(--data "$train" --batch 8 --seq 128 --batches 8 --group 64 --scheme sym)
+# within each budget, searched on the first 4 batches of the TRAIN split, then measured on the
+# validation batches above, and the quality after QAT + LoRA (learned scales, searched start) with
+# that map.
+prt_search=(--data "$train" --batch 8 --seq 128 --batches 4 --group 64 --scheme sym)
 for budget in 0.05 0.02 0.01 0.005; do # largest first: its measurements serve the smaller ones
   name=prt_$budget
   if wanted "$name"; then
@@ -124,8 +131,8 @@ for budget in 0.05 0.02 0.01 0.005; do # largest first: its measurements serve t
     l=$("$qatc" eval "$model" "${eval_args[@]}" --bits-map "$out/$name.json" | loss)
     record "$name" "loss=$l" "average_bits=$bits" "search_penalty=$search" "seconds=$((SECONDS - t0))"
   fi
-  [ -f "$out/$name.json" ] && qat "${name}_learned_base" --bits-map "$out/$name.json" --scales learned --qat base \
-    --scale-lr "$scale_lr" --scale-init "$scale_init"
+  [ -f "$out/$name.json" ] && qat "${name}_search_base" --bits-map "$out/$name.json" --scales learned --qat base \
+    --scale-lr "$scale_lr" --scale-init search
 done
 
 py=$(bash $shared/tools/peer-env.sh 2>/dev/null | tail -1) || py=

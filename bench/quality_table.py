@@ -1,6 +1,10 @@
 """The table of bench/quality.sh: reads its rows.jsonl, prints markdown (stdout).
 
-recovered = 1 - (qat - lora_fp) / (ptq - fp), each peer with its own fp, ptq and LoRA baseline.
+recovered = 1 - (qat - lora_fp) / (ptq - fp), each peer with its own fp, ptq and LoRA baseline; ptq is
+min-max post-training quantization. Learned scales start at the min-max grid ("learned") or at each
+group's least-squared-error fraction of it ("learned, searched start"); the post-training loss at the
+searched scales alone (no training) is its own row, so that what the search gives and what
+training gives are told apart.
 """
 import json
 import sys
@@ -26,12 +30,17 @@ def main(path):
     out.append("|---|---|---|---|---|---|---|")
     for key, title in SPECS:
         ptq = rows.get(f"{key}_ptq", {}).get("loss")
-        for scales in ("minmax", "learned"):
+        s = rows.get(f"{key}_ptq_search")
+        if s is not None:
+            out.append(f"| {title} | searched, not trained | post-training only | {fmt(ptq)} | {fmt(s['loss'])} (no training) "
+                       f"| {left(s['loss'], fp)} vs fp | {recovered(s['loss'], fp, ptq, fp)} |")
+        for scales in ("minmax", "learned", "search"):
             for mode in ("base", "merged"):
                 r = rows.get(f"{key}_{scales}_{mode}")
                 if r is None:
                     continue
-                out.append(f"| {title} | {scales} | {mode} | {fmt(ptq)} | {fmt(r['loss'])} | {left(r['loss'], lora_fp)} "
+                label = "learned, searched start" if scales == "search" else scales
+                out.append(f"| {title} | {label} | {mode} | {fmt(ptq)} | {fmt(r['loss'])} | {left(r['loss'], lora_fp)} "
                            f"| {recovered(r['loss'], lora_fp, ptq, fp)} |")
         p = rows.get(f"peer_{key}")
         if p is not None:
@@ -40,10 +49,10 @@ def main(path):
     prts = sorted((float(k[4:]), r) for k, r in rows.items() if k.startswith("prt_") and "average_bits" in r)
     if prts:
         out.append("")
-        out.append("| budget (nats) | average bits | penalty on the search batches | validation loss | penalty | after QAT + LoRA (learned, base) | penalty |")
+        out.append("| budget (nats) | average bits | penalty on the search batches | validation loss | penalty | after QAT + LoRA (learned, searched start, base) | penalty |")
         out.append("|---|---|---|---|---|---|---|")
         for b, r in prts:
-            q = rows.get(f"prt_{b:g}_learned_base", {}).get("loss")
+            q = rows.get(f"prt_{b:g}_search_base", {}).get("loss")
             out.append(f"| {b:g} | {r['average_bits']:.2f} | {r['search_penalty']:+.4f} | {fmt(r['loss'])} | {left(r['loss'], fp)} "
                        f"| {fmt(q)} | {left(q, fp)} |")
     print("\n".join(out))

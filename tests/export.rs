@@ -74,11 +74,8 @@ fn train(q: &QuantArgs, dir: &Path) -> Adapter {
 
 /// The eval loss of the trained model: fake-quantized base + adapter, as `qatc eval --adapter`.
 fn trained_loss(q: &QuantArgs, ad: &Adapter) -> f64 {
-    let setup = EvalSetup {
-        model: model_options(q, Some(ad.options()), false, false).unwrap(),
-        adapter: Some(ad.clone()),
-        precision: Default::default(),
-    };
+    let setup =
+        EvalSetup { model: model_options(q, Some(ad.options()), false, false).unwrap(), adapter: Some(ad.clone()), ..Default::default() };
     evaluate(&model(), &tokens(), 2, 16, 3, &setup, false).unwrap().loss
 }
 

@@ -79,7 +79,8 @@ fn train(q: &QuantArgs, dir: &Path) -> Adapter {
 }
 
 fn trained_loss(q: &QuantArgs, ad: &Adapter) -> f64 {
-    let setup = EvalSetup { model: model_options(q, Some(ad.options()), false, false).unwrap(), adapter: Some(ad.clone()) };
+    let setup =
+        EvalSetup { model: model_options(q, Some(ad.options()), false, false).unwrap(), adapter: Some(ad.clone()), ..Default::default() };
     evaluate(&model(), &tokens(), 2, 16, 3, &setup, false).unwrap().loss
 }
 

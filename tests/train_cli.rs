@@ -234,3 +234,48 @@ fn learned_scales_train_save_and_evaluate_from_either_start() {
     // searched 2-bit scales start (and after 4 steps still are) well below the min-max ones
     assert!(starts[1] < 0.9 * starts[0], "mean |scale|: min-max start {} vs searched start {}", starts[0], starts[1]);
 }
+
+#[test]
+fn eval_measures_post_training_quantization_at_the_starting_scales() {
+    // `eval --scales learned --scale-init X` without an adapter: the model at the scales a run
+    // would start from; min-max is the post-training grid (up to the fp16 rounding of the
+    // scales), the searched start another, closer grid
+    let m = common::fixture("tiny/f32_prefix/model.safetensors");
+    let d = common::fixture("tiny/tokens.bin");
+    let (m, d) = (m.to_str().unwrap(), d.to_str().unwrap());
+    let loss = |extra: &[&str]| -> f64 {
+        let mut e = vec!["eval", m, "--data", d, "--batch", "2", "--seq", "16", "--batches", "2", "--json", "--bits", "2", "--group", "16"];
+        e.extend(extra);
+        serde_json::from_str::<serde_json::Value>(&run(&e)).unwrap()["loss"].as_f64().unwrap()
+    };
+    let ptq = loss(&[]);
+    let minmax = loss(&["--scales", "learned", "--scale-init", "minmax"]);
+    let search = loss(&["--scales", "learned", "--scale-init", "search"]);
+    assert!((minmax - ptq).abs() < 1e-2 * ptq.abs(), "min-max start {minmax} vs post-training {ptq}");
+    assert!((search - minmax).abs() > 1e-4, "the searched start {search} is the min-max grid {minmax}");
+    // without learned scales there is nothing to start
+    let out = Command::new(env!("CARGO_BIN_EXE_qatc"))
+        .args([
+            "eval",
+            m,
+            "--data",
+            d,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--batches",
+            "1",
+            "--bits",
+            "2",
+            "--group",
+            "16",
+            "--scale-init",
+            "search",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--scale-init needs --scales learned"), "{err}");
+}

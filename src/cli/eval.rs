@@ -9,6 +9,7 @@ use qatc_runtime::{IntTensor, Interpreter, Value};
 
 use super::options;
 use crate::adapter::Adapter;
+use crate::config::ScaleInit;
 use crate::data::TokenFile;
 use crate::model::{Model, Trained};
 use crate::step::{self, ModelOptions};
@@ -39,6 +40,11 @@ pub struct Args {
     /// Storage type of activations (and GEMM operands): fp32, bf16 or fp16.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
+    /// With --scales learned and no adapter: the scales a training run would start from (minmax:
+    /// the post-training grid; search: each group's least-squared-error fraction of it), so that
+    /// post-training quantization at searched scales is measured by itself.
+    #[arg(long, value_enum)]
+    pub scale_init: Option<ScaleInit>,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -55,6 +61,8 @@ pub struct EvalSetup {
     pub adapter: Option<Adapter>,
     /// The storage type the forward runs in (`--precision`).
     pub precision: Precision,
+    /// How learned scales start when no adapter has them.
+    pub scale_init: ScaleInit,
 }
 
 impl EvalSetup {
@@ -65,9 +73,9 @@ impl EvalSetup {
         match adapter {
             Some(dir) => {
                 let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
-                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision })
+                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision, ..Default::default() })
             }
-            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision }),
+            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision, ..Default::default() }),
         }
     }
 }
@@ -106,7 +114,10 @@ fn run_eval(
     let interp = Interpreter::<f32>::new(&g)?;
     let mut inputs = match state {
         Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
-        None => m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?,
+        None => match &setup.adapter {
+            Some(a) => m.bind_trained::<f32>(&g, &Trained::Adapter(a))?,
+            None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
+        },
     };
     let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
     if !show {
@@ -158,7 +169,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
+    let mut setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
+    if let Some(init) = a.scale_init {
+        if a.adapter.is_some() || setup.model.quant.as_ref().is_none_or(|q| !q.learned_scales) {
+            anyhow::bail!("--scale-init needs --scales learned and no --adapter (an adapter brings its own scales)");
+        }
+        setup.scale_init = init;
+    }
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);

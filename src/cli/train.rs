@@ -335,6 +335,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         },
         adapter: None,
         precision: tr.opts.precision,
+        ..Default::default()
     };
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
