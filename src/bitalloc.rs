@@ -9,6 +9,10 @@
 //! Penalties of modules quantized together add up only roughly, so the caller measures the map it
 //! gets and tightens the budget when the sum was optimistic.
 
+/// One width a module may take: its bits (None: full precision), the bits per element it costs,
+/// and its loss penalty in nats.
+type Choice = (Option<u8>, u32, f64);
+
 /// One module's measurements.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Curve {
@@ -22,8 +26,8 @@ pub struct Curve {
 
 impl Curve {
     /// The options: every width tried, and full precision (no penalty).
-    fn options(&self) -> Vec<(Option<u8>, u32, f64)> {
-        let mut v: Vec<(Option<u8>, u32, f64)> = self.tried.iter().map(|&(b, p)| (Some(b), u32::from(b), p.max(0.0))).collect();
+    fn options(&self) -> Vec<Choice> {
+        let mut v: Vec<Choice> = self.tried.iter().map(|&(b, p)| (Some(b), u32::from(b), p.max(0.0))).collect();
         v.push((None, self.full_bits, 0.0));
         v
     }
@@ -31,11 +35,11 @@ impl Curve {
 
 /// The width per module (None: full precision) and the summed penalty.
 pub fn allocate(curves: &[Curve], budget: f64) -> (Vec<Option<u8>>, f64) {
-    let pick = |lambda: f64| -> Vec<(Option<u8>, u32, f64)> {
+    let pick = |lambda: f64| -> Vec<Choice> {
         curves
             .iter()
             .map(|c| {
-                let cost = |o: &(Option<u8>, u32, f64)| c.elems as f64 * f64::from(o.1) + lambda * o.2;
+                let cost = |o: &Choice| c.elems as f64 * f64::from(o.1) + lambda * o.2;
                 c.options().into_iter().min_by(|a, b| cost(a).total_cmp(&cost(b)).then(a.2.total_cmp(&b.2))).unwrap_or((
                     None,
                     c.full_bits,
@@ -44,7 +48,7 @@ pub fn allocate(curves: &[Curve], budget: f64) -> (Vec<Option<u8>>, f64) {
             })
             .collect()
     };
-    let total = |v: &[(Option<u8>, u32, f64)]| v.iter().map(|o| o.2).sum::<f64>();
+    let total = |v: &[Choice]| v.iter().map(|o| o.2).sum::<f64>();
     // lambda large enough that every module stays at its least penalty, then bisect (log scale)
     let (mut lo, mut hi) = (0.0f64, 1.0f64);
     while total(&pick(hi)) > budget && hi < 1e30 {
@@ -71,7 +75,7 @@ pub fn allocate(curves: &[Curve], budget: f64) -> (Vec<Option<u8>>, f64) {
     // greedy: spend the rest of the budget on the cheapest bits saved per nat
     loop {
         let used = total(&best);
-        let mut step: Option<(usize, (Option<u8>, u32, f64), f64)> = None;
+        let mut step: Option<(usize, Choice, f64)> = None;
         for (i, c) in curves.iter().enumerate() {
             for o in c.options() {
                 let (saved, extra) = (f64::from(best[i].1) - f64::from(o.1), o.2 - best[i].2);

@@ -217,8 +217,8 @@ fn learned_scales_train_save_and_evaluate_from_either_start() {
         let val = std::fs::read_to_string(&log)
             .unwrap()
             .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64())
-            .last();
+            .rev()
+            .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64());
         // the run's configuration records the learned scales and how they trained, so eval needs
         // no quantization flag
         let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("qatc.json")).unwrap()).unwrap();

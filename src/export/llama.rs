@@ -17,7 +17,7 @@
 //!   token_embd, which llama.cpp's gpt2 loader falls back to.
 
 use half::f16;
-use qatc_ir::QuantScheme;
+use qatc_ir::{QuantScheme, QuantSpec};
 use qatc_runtime::{quant, Tensor};
 
 use super::gguf::{self, GgmlType, Gguf, TensorData, Value, ValueType};
@@ -131,7 +131,7 @@ fn learned_tensor(l: &LinearExport, ty: GgmlType, qat_merged: bool) -> Result<Ve
         return Err(ExportError::Internal(format!("{}: the learned codes do not reproduce the trained weight", l.module)));
     }
     let offset = match spec.scheme {
-        QuantScheme::Sym => ((1i32 << (spec.bits - 1)) - 1) as i32,
+        QuantScheme::Sym => QuantSpec::sym_qmax(spec.bits) as i32,
         _ => 8,
     };
     let gsz = spec.group_for(n_in);
