@@ -18,7 +18,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 qatc=${QATC:-target/release/qatc}
-shared=../shared
+# the shared data and tools sit beside the main checkout (../shared), two levels up from a worktree
+shared=${SHARED:-../shared}
+[ -d "$shared" ] || shared=../../shared
 model=$shared/models/gpt2-shakespeare-small/model.safetensors
 train=$shared/data/shakespeare/shakespeare_train.bin
 val=$shared/data/shakespeare/shakespeare_val.bin
@@ -135,7 +137,7 @@ for budget in 0.05 0.02 0.01 0.005; do # largest first: its measurements serve t
     --scale-lr "$scale_lr" --scale-init search
 done
 
-py=$(bash $shared/tools/peer-env.sh 2>/dev/null | tail -1) || py=
+py=$(bash "$shared/tools/peer-env.sh" 2>/dev/null | tail -1) || py=
 if [ -n "$py" ] && [ -x "$py" ]; then
   echo "== PyTorch + PEFT, the same recipe"
   for spec in "b4_sym:--bits 4 --scheme sym" "b3_sym:--bits 3 --scheme sym" "b2_sym:--bits 2 --scheme sym" "nf4:--bits 4 --scheme nf4"; do
