@@ -65,6 +65,9 @@ pub fn rule(op: &Op) -> Rule {
         Op::Dequantize { .. } => Rule::Produce,
         // the quantization grid of a master weight is found in f32 (the GEMM reads its C copy)
         Op::FakeQuant { .. } => Rule::Master,
+        // learned scales are f32 masters too: the grid and each part of its gradient (dy read in
+        // f32) are found in f32, as the scales' AdamW update needs them
+        Op::FakeQuantLearned { .. } | Op::FakeQuantLearnedGrad { .. } => Rule::Master,
 
         // AdamW runs in f32 on the master weights and moments
         Op::AdamM { .. } | Op::AdamV { .. } | Op::AdamParam { .. } => Rule::Master,
