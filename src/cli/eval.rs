@@ -75,7 +75,9 @@ impl EvalSetup {
                 let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
                 Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision, ..Default::default() })
             }
-            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision, ..Default::default() }),
+            None => {
+                Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision, ..Default::default() })
+            }
         }
     }
 }
