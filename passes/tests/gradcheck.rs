@@ -836,7 +836,7 @@ fn ops_without_a_rule_report_no_rule() {
     });
     assert_no_rule("fake_quant_learned_grad", |c, x| {
         // x [3, 4] as the gradient of a sym 4-bit weight [3, 4] in one group per column
-        let w = c.frozen("w", &[3, 4], ANY);
+        let w = c.frozen("wq", &[3, 4], ANY);
         let s = c.frozen("s", &[1, 4], POSITIVE);
         let spec = qatc_ir::QuantSpec { bits: 4, group: 0, scheme: qatc_ir::QuantScheme::Sym };
         c.op(Op::FakeQuantLearnedGrad { spec, wrt: qatc_ir::QuantParam::Scale }, &[w, s, x])
