@@ -18,7 +18,7 @@ use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Ix, Kernel, ReduceOp
 /// Threads per block of elementwise and thread-per-row kernels.
 pub const BLOCK: u32 = 256;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct LaunchDims {
     pub grid: [u32; 3],
     pub block: u32,
