@@ -154,14 +154,25 @@ impl Strided {
 pub enum BlasStep {
     /// scratch = the window's elements, contiguous in row-major order (an operand no call can
     /// read in place, or a destination's old values).
-    Pack { from: Strided, scratch: usize },
+    Pack {
+        from: Strided,
+        scratch: usize,
+    },
     /// The window's elements = scratch (a destination no call can write in place).
-    Unpack { scratch: usize, to: Strided },
+    Unpack {
+        scratch: usize,
+        to: Strided,
+    },
     Call(BlasCall),
     /// `c[.., i, j] += bias[j]` over the whole destination (a bias the epilogue cannot add).
-    AddBias { c: Strided, bias: Strided },
+    AddBias {
+        c: Strided,
+        bias: Strided,
+    },
     /// `c = 0` (a GEMM with k = 0 that does not accumulate).
-    Zero { c: Strided },
+    Zero {
+        c: Strided,
+    },
 }
 
 /// How one [`Gemm`](crate::program::Gemm) runs as library calls and data moves.

@@ -51,7 +51,14 @@ fn at(b: &Bounds, w: &Strided) -> Expr {
 fn kernel(family: &str, note: String, shape: &[usize], params: Vec<Param>, stmts: Vec<Stmt>) -> Kernel {
     let n: usize = shape.iter().product();
     let index_ty = index_ty_for(params.iter().map(|p| p.numel()).chain([n]));
-    Kernel { family: family.into(), params, index_ty, body: Body::Loops { space: Space::Elements { shape: shape.to_vec() }, stmts }, note, names: BTreeMap::new() }
+    Kernel {
+        family: family.into(),
+        params,
+        index_ty,
+        body: Body::Loops { space: Space::Elements { shape: shape.to_vec() }, stmts },
+        note,
+        names: BTreeMap::new(),
+    }
 }
 
 fn bounds(shape: &[usize]) -> Bounds {
@@ -71,17 +78,25 @@ pub fn move_kernels(plan: &BlasPlan) -> Vec<MoveKernel> {
                     let b = bounds(&from.shape);
                     let load = Expr::load(0, at(&b, from));
                     let params = vec![param("from", from, span(from), false), param("packed", from, scratch_len(*scratch), true)];
-                    let k = kernel("blas_pack", format!("pack {:?} strides {:?}", from.shape, from.strides), &from.shape, params, vec![
-                        Stmt::Store { param: 1, index: Expr::Ix(Ix::Elem), value: load },
-                    ]);
+                    let k = kernel(
+                        "blas_pack",
+                        format!("pack {:?} strides {:?}", from.shape, from.strides),
+                        &from.shape,
+                        params,
+                        vec![Stmt::Store { param: 1, index: Expr::Ix(Ix::Elem), value: load }],
+                    );
                     (k, vec![from.mem, Mem::Scratch(*scratch)])
                 }
                 BlasStep::Unpack { scratch, to } => {
                     let b = bounds(&to.shape);
                     let params = vec![param("packed", to, scratch_len(*scratch), false), param("to", to, span(to), true)];
-                    let k = kernel("blas_unpack", format!("unpack into {:?} strides {:?}", to.shape, to.strides), &to.shape, params, vec![
-                        Stmt::Store { param: 1, index: at(&b, to), value: Expr::load(0, Expr::Ix(Ix::Elem)) },
-                    ]);
+                    let k = kernel(
+                        "blas_unpack",
+                        format!("unpack into {:?} strides {:?}", to.shape, to.strides),
+                        &to.shape,
+                        params,
+                        vec![Stmt::Store { param: 1, index: at(&b, to), value: Expr::load(0, Expr::Ix(Ix::Elem)) }],
+                    );
                     (k, vec![Mem::Scratch(*scratch), to.mem])
                 }
                 BlasStep::AddBias { c, bias } => {
@@ -91,17 +106,25 @@ pub fn move_kernels(plan: &BlasPlan) -> Vec<MoveKernel> {
                     let bias_at = index::linearize(&b, bias.offset, &[j], &bias.strides);
                     let sum = Expr::bin(BinOp::Add, Expr::load(0, at(&b, c)), Expr::load(1, bias_at));
                     let params = vec![param("c", c, span(c), true), param("bias", bias, span(bias), false)];
-                    let k = kernel("blas_bias", format!("c {:?} += bias", c.shape), &c.shape, params, vec![Stmt::Store { param: 0, index: at(&b, c), value: sum }]);
+                    let k = kernel(
+                        "blas_bias",
+                        format!("c {:?} += bias", c.shape),
+                        &c.shape,
+                        params,
+                        vec![Stmt::Store { param: 0, index: at(&b, c), value: sum }],
+                    );
                     (k, vec![c.mem, bias.mem])
                 }
                 BlasStep::Zero { c } => {
                     let b = bounds(&c.shape);
                     let params = vec![param("c", c, span(c), true)];
-                    let k = kernel("blas_zero", format!("c {:?} = 0", c.shape), &c.shape, params, vec![Stmt::Store {
-                        param: 0,
-                        index: at(&b, c),
-                        value: Expr::f32(0.0),
-                    }]);
+                    let k = kernel(
+                        "blas_zero",
+                        format!("c {:?} = 0", c.shape),
+                        &c.shape,
+                        params,
+                        vec![Stmt::Store { param: 0, index: at(&b, c), value: Expr::f32(0.0) }],
+                    );
                     (k, vec![c.mem])
                 }
             };

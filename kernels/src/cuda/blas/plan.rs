@@ -61,8 +61,7 @@ enum Orient {
     Direct,
 }
 
-struct Planner<'a> {
-    g: &'a Gemm,
+struct Planner {
     steps: Vec<BlasStep>,
     scratch: Vec<(ElemType, usize)>,
     notes: Vec<String>,
@@ -83,7 +82,7 @@ fn mat_strides(s: &Strided) -> (usize, usize) {
     (s.strides[r - 2], s.strides[r - 1])
 }
 
-impl Planner<'_> {
+impl Planner {
     fn new_scratch(&mut self, ty: ElemType, elems: usize) -> usize {
         self.scratch.push((ty, elems));
         self.scratch.len() - 1
@@ -144,7 +143,7 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
         _ => Compute::F32Acc16,
     };
     let bias_ty = g.bias.as_ref().map(|b| ty(b, "bias")).transpose()?;
-    let mut pl = Planner { g, steps: Vec::new(), scratch: Vec::new(), notes: Vec::new() };
+    let mut pl = Planner { steps: Vec::new(), scratch: Vec::new(), notes: Vec::new() };
     let c_view = strided(&g.c, tc);
     let bias = g.bias.as_ref().zip(bias_ty).map(|(b, t)| strided(b, t));
     if m == 0 || n == 0 {
@@ -158,7 +157,7 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
         if let Some(b) = bias {
             pl.steps.push(BlasStep::AddBias { c: c_view, bias: b });
         }
-        pl.notes.push("k = 0: no call".into());
+        pl.notes.push("k = 0".into());
         return Ok(BlasPlan { steps: pl.steps, scratch: pl.scratch, compute, notes: pl.notes });
     }
 
@@ -235,7 +234,9 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
     let (xa, xb) = if tr { (&b, &a) } else { (&a, &b) };
     let (sxa, sxb) = if tr { (bstride[1], bstride[0]) } else { (bstride[0], bstride[1]) };
     let epilogue = match (&bias, orient) {
-        (Some(v), Orient::Transposed) if v.strides.first().is_none_or(|&s| s == 1 || n == 1) => Some(Vector { mem: v.mem, offset: v.offset, ty: v.ty }),
+        (Some(v), Orient::Transposed) if v.strides.first().is_none_or(|&s| s == 1 || n == 1) => {
+            Some(Vector { mem: v.mem, offset: v.offset, ty: v.ty })
+        }
         _ => None,
     };
     for l in 0..loops {
