@@ -332,3 +332,28 @@ fn grids_past_cudas_limits_are_errors_and_i32_indices_keep_headroom() {
     assert_eq!(index_ty_for([i32::MAX as usize - I32_HEADROOM]), Ty::I32);
     assert_eq!(index_ty_for([i32::MAX as usize - 100]), Ty::I64);
 }
+
+/// Q4_0's first-of-largest-magnitude fold declared a local `x`, which hid a param named `x` (the
+/// full fine-tune's fake-quant of a weight named by its role): found by tests/cuda_matrix.rs.
+#[test]
+fn a_local_never_hides_a_param() {
+    let stmts = vec![
+        Stmt::Reduce {
+            var: 0,
+            op: ReduceOp::FirstAbsMax,
+            ty: Ty::F32,
+            lp: lp(0, Expr::Int(8), 8),
+            body: vec![],
+            value: Expr::load(0, Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, Expr::Ix(Ix::Row), Expr::Int(8)), Expr::Ix(Ix::Loop(0)))),
+        },
+        Stmt::Store { param: 1, index: Expr::Ix(Ix::Row), value: Expr::Var(0) },
+    ];
+    let k = kernel(
+        vec![param("x", DType::F32, 32, false), param("out", DType::F32, 4, true)],
+        Space::Rows { rows: 4, mapping: RowMapping::Thread },
+        stmts,
+    );
+    let k = emit(&k).expect("emits");
+    assert!(k.source.contains("const float x1 = x[") && k.source.contains("acc0 = x1;"), "{}", k.source);
+    compiles("writer-shadowing", &[k]);
+}

@@ -304,6 +304,12 @@ impl<'k> LoopNestWriter<'k> {
         LoopNestWriter { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false }
     }
 
+    /// `base`, or `base1`, `base2`, ...: the first that names no param or variable.
+    fn fresh(&self, base: &str) -> String {
+        let taken = |n: &str| self.k.params.iter().any(|p| p.name == n) || self.vars.values().any(|v| v == n);
+        (0..).map(|i| if i == 0 { base.to_string() } else { format!("{base}{i}") }).find(|n| !taken(n)).unwrap_or_else(|| base.into())
+    }
+
     fn var(&self, v: VarId) -> String {
         self.vars.get(&v).cloned().unwrap_or_else(|| format!("v{v}"))
     }
@@ -458,8 +464,10 @@ impl<'k> LoopNestWriter<'k> {
                     ReduceOp::Sum => w.line(format!("{acc} += {v};")),
                     ReduceOp::Max => w.line(format!("{acc} = {fmax}({acc}, {v});")),
                     ReduceOp::FirstAbsMax => {
-                        w.line(format!("const {t} x = {v};"));
-                        w.line(format!("if ({fabs}(x) > {fabs}({acc})) {acc} = x;  // the first of largest magnitude"));
+                        // a local name no param or variable of the kernel has (a param may be `x`)
+                        let x = self.fresh("x");
+                        w.line(format!("const {t} {x} = {v};"));
+                        w.line(format!("if ({fabs}({x}) > {fabs}({acc})) {acc} = {x};  // the first of largest magnitude"));
                     }
                 }
                 self.parallel = was;
