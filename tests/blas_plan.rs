@@ -236,9 +236,12 @@ fn gemm(a: View, b: View, c: View, alpha: f64, accumulate: bool, bias: Option<Vi
     Gemm { a, b, c, m, n, k, alpha, accumulate, bias, note: "hand-made".into(), feed: None }
 }
 
+/// What a case's plan must look like.
+type ShapeCheck = fn(&BlasPlan) -> bool;
+
 #[test]
 fn every_fallback_computes_the_product() {
-    let cases: Vec<(&str, Gemm, fn(&BlasPlan) -> bool)> = vec![
+    let cases: Vec<(&str, Gemm, ShapeCheck)> = vec![
         // plain row-major with a bias: one call, the bias as the epilogue
         (
             "row-major + bias",

@@ -12,6 +12,7 @@
 //! - a top-level loop of a Block-mapped row reading what another thread of the block stored;
 //! - grids past CUDA's limits were clamped (work silently dropped), and an I32 index of the last
 //!   block could overflow.
+//!
 //! Where NVRTC is present each generated kernel is also compiled to a CUBIN.
 
 mod common;

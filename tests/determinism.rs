@@ -44,13 +44,13 @@ fn bits(out: &HashMap<String, Value<f32>>) -> Vec<(String, Vec<u32>)> {
 
 /// The programs a step runs on: LLVM-compiled kernels where built, and the kernel-IR evaluator.
 fn programs(prog: &Program) -> Vec<(&'static str, CpuProgram)> {
-    let mut v = Vec::new();
+    #[allow(unused_mut)] // pushed to only with LLVM
+    let mut v = vec![("KIR evaluator", CpuProgram::with_kir_eval(prog.clone()).expect("a program"))];
     #[cfg(feature = "llvm")]
     {
         let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).expect("LLVM compiles the kernels");
         v.push(("LLVM", CpuProgram::new(prog.clone(), Box::new(jit)).expect("a program")));
     }
-    v.push(("KIR evaluator", CpuProgram::with_kir_eval(prog.clone()).expect("a program")));
     v
 }
 

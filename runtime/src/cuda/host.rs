@@ -7,11 +7,12 @@
 
 use qatc_ir::DType;
 use qatc_kernels::cuda::blas::host::{self as blas_host, HostMemory};
-use qatc_kernels::cuda::blas::{BlasCall, BlasPlan, BlasStep, Compute, ElemType, Mem};
+use qatc_kernels::cuda::blas::{BlasCall, Compute, ElemType, Mem};
 use qatc_kernels::cuda::emit::launch_dims;
 use qatc_kernels::cuda::LaunchDims;
 use qatc_kernels::kir::{self, Kernel};
 use qatc_kernels::nvrtc::Arch;
+use rayon::prelude::*;
 
 use super::host_mem::DeviceMemory;
 use super::{DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, PinnedId, Result};
@@ -65,9 +66,10 @@ fn param_align(d: DType) -> u64 {
     }
 }
 
-/// The device memory seen through one GEMM call's base pointers.
+/// The device memory seen, read only, through one GEMM call's base pointers (shared by the
+/// threads computing its outputs).
 struct CallMemory<'a> {
-    mem: &'a mut DeviceMemory,
+    mem: &'a DeviceMemory,
     bases: Vec<(Mem, DevPtr)>,
 }
 
@@ -81,10 +83,29 @@ impl HostMemory for CallMemory<'_> {
     fn load(&self, m: Mem, i: usize, ty: ElemType) -> std::result::Result<f32, String> {
         self.mem.load(self.base(m)?, i, ty).map_err(|e| e.to_string())
     }
-    fn store(&mut self, m: Mem, i: usize, ty: ElemType, v: f32) -> std::result::Result<(), String> {
-        let base = self.base(m)?;
-        self.mem.store(base, i, ty, v).map_err(|e| e.to_string())
+    fn store(&mut self, m: Mem, _: usize, _: ElemType, _: f32) -> std::result::Result<(), String> {
+        Err(format!("{m:?}: the call's outputs are written after it is computed"))
     }
+}
+
+/// A launch's host addresses, shared by the threads running its iterations.
+struct HostArgs(Vec<*mut u8>);
+
+// SAFETY: the addresses point into `HostGpu`'s device memory, which `run_launch` borrows mutably
+// for the whole launch; the threads only pass them to the evaluator, which touches disjoint
+// elements per iteration range (the `Launcher` contract).
+unsafe impl Sync for HostArgs {}
+
+impl HostArgs {
+    fn ptrs(&self) -> &[*mut u8] {
+        &self.0
+    }
+}
+
+/// Iterations per parallel chunk: a multiple of 64 (two iterations never store into one byte of
+/// packed codes), about four chunks per thread.
+fn chunk(n: usize) -> usize {
+    n.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(64).max(64)
 }
 
 impl HostGpu {
@@ -195,8 +216,13 @@ impl HostGpu {
         let n = kir::iterations(&l.kernel);
         // SAFETY: one pointer per param, each into a live allocation with at least the param's
         // bytes left (checked above), aligned for its type (device allocations are 256-aligned
-        // and offsets were checked), and no other thread touches device memory during the call.
-        unsafe { l.eval.launch(0, &ptrs, 0, n) }.map_err(|e| bad(e.to_string()))?;
+        // and offsets were checked), and nothing else touches device memory while it runs.
+        let (args, step, eval) = (HostArgs(ptrs), chunk(n), &l.eval);
+        (0..n.div_ceil(step))
+            .into_par_iter()
+            // SAFETY: as above; the chunks are disjoint iteration ranges of one launch.
+            .try_for_each(|c| unsafe { eval.launch(0, args.ptrs(), c * step, ((c + 1) * step).min(n)) })
+            .map_err(|e| bad(e.to_string()))?;
         self.launches += 1;
         Ok(())
     }
@@ -206,10 +232,20 @@ impl HostGpu {
         if let (Some(v), Some(p)) = (&call.bias, ptrs.bias) {
             bases.push((v.mem, p));
         }
-        let plan = BlasPlan { steps: vec![BlasStep::Call(call.clone())], scratch: Vec::new(), compute, notes: Vec::new() };
-        let mut mem = CallMemory { mem: &mut self.mem, bases };
-        blas_host::execute(&plan, &mut mem)
-            .map_err(|e| GpuError::Blas { call: "cublasLtMatmul (emulated)".into(), status: e.to_string() })?;
+        let err = |e: String| GpuError::Blas { call: "cublasGemmStridedBatchedEx / cublasLtMatmul (emulated)".into(), status: e };
+        // the outputs computed in parallel from memory as it was, then written
+        let outputs = call.batch * call.n;
+        let step = outputs.div_ceil(4 * rayon::current_num_threads()).max(1);
+        let mem = CallMemory { mem: &self.mem, bases };
+        let parts: Vec<Vec<(usize, f32)>> = (0..outputs.div_ceil(step))
+            .into_par_iter()
+            .map(|c| blas_host::call_outputs(call, compute, &mem, c * step..((c + 1) * step).min(outputs)))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(err)?;
+        let base = mem.base(call.c.mem).map_err(err)?;
+        for (at, v) in parts.into_iter().flatten() {
+            self.mem.store(base, at, call.c.ty, v)?;
+        }
         self.gemms += 1;
         Ok(())
     }

@@ -64,8 +64,8 @@ impl Strided {
         let mut coord = vec![0; self.shape.len()];
         for d in dims {
             let s = self.strides[d];
-            if s > 0 {
-                coord[d] = (rest / s).min(self.shape[d] - 1);
+            if let Some(q) = rest.checked_div(s) {
+                coord[d] = q.min(self.shape[d] - 1);
                 rest -= coord[d] * s;
             }
         }
@@ -102,6 +102,27 @@ fn dot(
     Ok(d as f32)
 }
 
+/// Outputs `qs` of a call, numbered batch-major then column by column (output q is column
+/// `q % n` of batch `q / n`), computed from `mem` as it is, nothing written: (index in the
+/// destination's memory, value) for every row of those columns. Disjoint ranges may be computed
+/// at the same time.
+pub fn call_outputs<M: HostMemory + ?Sized>(
+    c: &BlasCall,
+    compute: Compute,
+    mem: &M,
+    qs: std::ops::Range<usize>,
+) -> Result<Vec<(usize, f32)>, String> {
+    let mut out = Vec::with_capacity(qs.len() * c.m);
+    for q in qs {
+        let (b, j) = (q / c.n.max(1), q % c.n.max(1));
+        for i in 0..c.m {
+            let mut read = |m: Mem, at: usize, ty: ElemType| mem.load(m, at, ty);
+            out.push((stored(&c.c, b, i, j), dot(c, compute, (b, i, j), &mut read)?));
+        }
+    }
+    Ok(out)
+}
+
 /// Runs every step of `plan` on `mem`.
 pub fn execute(plan: &BlasPlan, mem: &mut dyn HostMemory) -> Result<(), KernelError> {
     let err = |e: String| KernelError::Internal(format!("BLAS plan on the host: {e}"));
@@ -122,15 +143,7 @@ pub fn execute(plan: &BlasPlan, mem: &mut dyn HostMemory) -> Result<(), KernelEr
             }
             BlasStep::Call(c) => {
                 // every output from the operands as they were before the call
-                let mut out = Vec::with_capacity(c.batch * c.m * c.n);
-                for b in 0..c.batch {
-                    for j in 0..c.n {
-                        for i in 0..c.m {
-                            let mut read = |m: Mem, at: usize, ty: ElemType| mem.load(m, at, ty);
-                            out.push((stored(&c.c, b, i, j), dot(c, plan.compute, (b, i, j), &mut read).map_err(err)?));
-                        }
-                    }
-                }
+                let out = call_outputs(c, plan.compute, &*mem, 0..c.batch * c.n).map_err(err)?;
                 for (at, v) in out {
                     mem.store(c.c.mem, at, c.c.ty, v).map_err(err)?;
                 }
