@@ -90,7 +90,7 @@ fn same_bits_twice(what: &str, o: StepOptions) {
     let tr = Trainer::new(&m, o, None, 3).expect("a trainer");
     let prog = qatc_kernels::lower(&tr.graph).expect("lowers");
     assert_eq!(float_atomics(&prog), Vec::<String>::new(), "{what}: no kernel adds floats atomically");
-    let mut state = tr.state.clone();
+    let mut state = tr.state().expect("the state");
     let (ids, targets) = data.batch(0, b, t).expect("a batch");
     state.insert("ids".into(), Value::ints([b, t], ids).expect("ids"));
     state.insert("targets".into(), Value::ints([b, t], targets).expect("targets"));

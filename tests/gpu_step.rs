@@ -122,7 +122,7 @@ impl<'a> Plain<'a> {
 
     fn set_inputs(&mut self, inputs: &HashMap<String, Value<f32>>) {
         for (b, &p) in self.prog.buffers.iter().zip(&self.ptrs) {
-            if let BufKind::Input(name) = &b.kind {
+            if let BufKind::Input(name, _) = &b.kind {
                 if let Some(v) = inputs.get(name) {
                     self.gpu.upload(p, &to_bytes(b, v)).expect("uploads");
                 }
@@ -157,7 +157,8 @@ impl<'a> Plain<'a> {
             self.step(i);
         }
         self.gpu.synchronize().expect("synchronizes");
-        self.prog.outputs.iter().map(|(name, v)| (name.clone(), self.read(v.buf, v))).collect()
+        // the outputs, and the updates under the names of the inputs they are the new values of
+        self.prog.outputs.iter().chain(&self.prog.updates).map(|(name, v)| (name.clone(), self.read(v.buf, v))).collect()
     }
 
     fn bytes(&mut self, b: usize) -> Vec<u8> {
@@ -246,7 +247,7 @@ fn the_tiny_step_on_the_emulated_gpu_matches_the_cpu() {
         let what = format!("HostGpu, 4-bit + LoRA {qlora}, fused {fuse}");
         let o = options(qlora, fuse, 2, 16);
         let (prog, tr, data) = setup(TINY.0, TINY.1, o.clone());
-        let inp = inputs(&tr.state, &data, &o, 0);
+        let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
         let want = CpuProgram::with_kir_eval(prog.clone()).expect("a program").run(&inp).expect("runs");
         let mut gpu = HostGpu::new(1 << 30);
         let got = Plain::new(&mut gpu, &prog, &HashMap::new()).run(&inp);
@@ -304,8 +305,9 @@ fn ten_steps_on_the_gpu_track_the_cpu() {
         let (prog, tr, data) = setup(model, tokens, o.clone());
         let bins = cubins(&gpu, &nv, &prog);
         let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a program");
-        let updates: Vec<String> = tr.graph.outputs().iter().filter(|o| o.update).map(|o| o.name.clone()).collect();
-        let mut state = tr.state.clone();
+        let updates: Vec<String> = prog.updates.iter().map(|(name, _)| name.clone()).collect();
+        assert!(!updates.is_empty(), "{what}: the step updates its inputs");
+        let mut state = tr.state().expect("the state");
         let mut plain = Plain::new(&mut gpu, &prog, &bins);
         for s in 0..10 {
             let inp = inputs(&state, &data, &o, s);
@@ -335,7 +337,7 @@ fn every_kernel_of_the_demo_step_matches_the_evaluator() {
     o.fuse = Some(FuseOptions::default());
     let (prog, tr, data) = setup(SHAKESPEARE.0, SHAKESPEARE.1, o.clone());
     let bins = cubins(&gpu, &nv, &prog);
-    let inp = inputs(&tr.state, &data, &o, 0);
+    let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
     let mut host = HostGpu::new(64 << 30);
     let mut reference = Plain::new(&mut host, &prog, &HashMap::new());
     reference.set_inputs(&inp);

@@ -38,7 +38,9 @@ impl Buffer {
 
     /// The bytes a device allocation of it needs: `bytes`, except that packed 4-bit buffers are
     /// rounded up to whole 32-bit words, because a 4-bit store updates the word around its byte
-    /// atomically (`qatc::store_i4`); such a buffer must also start [`DEVICE_ALIGN`]-aligned.
+    /// atomically (`qatc::store_i4`); such a buffer must also start 4-byte aligned. (The
+    /// executor's layout, `runtime/src/exec/layout.rs`, rounds every buffer up to its alignment,
+    /// which covers this.)
     pub fn device_bytes(&self) -> usize {
         match self.dtype {
             DType::I4 => self.bytes().next_multiple_of(4),

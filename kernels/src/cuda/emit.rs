@@ -85,15 +85,17 @@ fn row_block(len: usize) -> u32 {
     (len.div_ceil(4)).next_power_of_two().clamp(32, 1024) as u32
 }
 
+/// The longest loop a Block-mapped row shares among its threads: its top-level loops (the
+/// loops nested in them run sequentially in each thread).
 fn max_loop(stmts: &[Stmt]) -> usize {
-    let mut m = 0;
-    for s in stmts {
-        match s {
-            Stmt::Reduce { lp, body, .. } | Stmt::ForEach { lp, body } => m = m.max(lp.max).max(max_loop(body)),
-            _ => {}
-        }
-    }
-    m
+    stmts
+        .iter()
+        .map(|s| match s {
+            Stmt::Reduce { lp, .. } | Stmt::ForEach { lp, .. } => lp.max,
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// The grid and block of a kernel. Every grid has at least one block (CUDA launches none with

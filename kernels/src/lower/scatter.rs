@@ -9,7 +9,8 @@
 //! count[id(n)] += 1            (integer atomics: the same total in any order)
 //! sorted[less(n) + rank(n)] = n, start[id(n)] = less(n) where rank(n) == 0
 //!     less(n) = #{m : id(m) < id(n)},  rank(n) = #{m < n : id(m) == id(n)}
-//! table[r, c] = sum over k < count[r] of dy[sorted[start[r] + k], c]     in k order
+//! table = 0                                      fill
+//! table[r, c] = sum over k < count[r] of dy[sorted[start[r] + k], c]     in k order, rows hit
 //! ```
 //!
 //! `sorted` lists the tokens by (id, position): a stable counting sort whose positions come from
@@ -80,21 +81,28 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, rows: usize, note: String) 
     let space = Space::Rows { rows: n, mapping: RowMapping::Thread };
     launch!(lw, kb, "embedding_sort", space, format!("{note}: tokens sorted by (id, position)"))?;
 
-    // table[r, col] = sum of dy[sorted[start[r] + k], col] over k < count[r], in order
-    let total_rows = rows * c;
-    let mut kb = lw.kb_rows(cx, total_rows, &[&a.dest, &sorted]);
-    let r = kb.bounds.div(Expr::Ix(Ix::Row), c as i64);
-    let col = kb.bounds.rem(Expr::Ix(Ix::Row), c as i64);
-    let len = kb.load_view(&count, &Pos::Lin(r.clone()));
-    let len = kb.to_index(len);
+    // every row of the table zero (through the epilogue, if any), then the rows tokens hit:
+    // table[r, col] = sum of dy[sorted[start[r] + k], col] over k < count[r], in order, a row per
+    // program (on a GPU a block, its threads over the columns, each summing its column's tokens
+    // in order); a row no token hits costs one load
+    let mut kb = lw.kb_elements(cx, &[rows, c], &[&a.dest]);
+    emit_out(&mut kb, a, Pos::Lin(Expr::Ix(Ix::Elem)), Expr::f32(0.0))?;
+    launch!(lw, kb, "fill", Space::Elements { shape: vec![rows, c] }, format!("{note}: zero"))?;
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest, &sorted]);
+    let len = kb.load_view(&count, &Pos::Lin(Expr::Ix(Ix::Row)));
+    let len = kb.bind(kb.index_ty, kb.to_index(len));
+    let hit = Expr::select(Expr::bin(BinOp::Lt, Expr::Int(0), len.clone()), Expr::Int(c as i64), Expr::Int(0));
+    let (cols, col) = kb.open_loop(hit, c);
     let (lp, k) = kb.open_loop(len, n);
-    let s = kb.load_view(&start, &Pos::Lin(r));
+    let s = kb.load_view(&start, &Pos::Lin(Expr::Ix(Ix::Row)));
     let s = kb.to_index(s);
     let token = kb.load_view(&sorted, &Pos::Lin(kb.bounds.add(s, k)));
     let token = kb.to_index(token);
-    let at = kb.bounds.add(kb.bounds.mul(token, c as i64), col);
+    let at = kb.bounds.add(kb.bounds.mul(token, c as i64), col.clone());
     let v = kb.value(dy, &Pos::Lin(at))?;
     let total = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, v);
-    emit_out(&mut kb, a, Pos::Lin(Expr::Ix(Ix::Row)), total)?;
-    launch!(lw, kb, &a.family, Space::Rows { rows: total_rows, mapping: RowMapping::Thread }, note)
+    let out = Pos::Lin(kb.bounds.add(kb.bounds.mul(Expr::Ix(Ix::Row), c as i64), col));
+    emit_out(&mut kb, a, out, total)?;
+    kb.close_foreach(cols);
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
 }
