@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what bench/gpu.sh runs on the GPU machine, which has no Rust and no network, and stages
-# it in .gpu/ (kept out of git by .git/info/exclude; carried there with `carry: [".gpu"]`):
+# it in .gpu/ (ignored by .gitignore; carried there with `carry: [".gpu"]`):
 #   .gpu/bundle.tar.gz  bin/qatc (release, without LLVM, stripped) and tests/* (the test
 #                       executables that use a GPU, without LLVM, stripped), compressed
 #   .gpu/manifest       the directory the tests were built in: they find their fixtures through
@@ -8,8 +8,6 @@
 # Usage: make gpu-bundle   (or bash bench/gpu-bundle.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exclude=$(git rev-parse --git-path info/exclude)
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 rm -rf .gpu && mkdir -p .gpu/stage/bin .gpu/stage/tests
 
 # without LLVM: the GPU machine has no libLLVM, and the CPU side of the checks is the evaluator
