@@ -4,10 +4,13 @@
 //! cudarc loads libcuda, libcublas and libcublasLt at run time and panics when one is missing,
 //! so [`CudaDriver::open`] first asks `is_culib_present` of each and returns
 //! [`GpuError::Unavailable`] instead; nothing here calls into cudarc before that. The handles are
-//! raw pointers: a `CudaDriver` stays on the thread that opened it (it is neither Send nor Sync),
-//! where its context is current.
+//! raw pointers owned by the driver alone. A `CudaDriver` may move to another thread (it is Send,
+//! so an executor on it can be a `TrainStep`), not be shared (it is not Sync): every call first
+//! makes its context current on the calling thread when that thread is not the last one it ran on.
 
+use std::cell::Cell;
 use std::ffi::{c_void, CString};
+use std::thread::{self, ThreadId};
 
 use cudarc::driver::result::{self as cu, DriverError};
 use cudarc::driver::sys;
@@ -58,6 +61,9 @@ struct Graph {
 pub struct CudaDriver {
     device: GpuDevice,
     dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    /// The thread the context was last made current on.
+    thread: Cell<ThreadId>,
     stream: sys::CUstream,
     modules: Vec<Module>,
     pinned: Vec<Option<(*mut u8, usize)>>,
@@ -95,13 +101,36 @@ impl CudaDriver {
         unsafe { cu::ctx::set_current(ctx) }.map_err(|e| drv("cuCtxSetCurrent", e))?;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| drv("cuStreamCreate", e))?;
         let device = GpuDevice { name, arch, total_memory: total, multiprocessors: sms.max(0) as usize };
-        let mut d =
-            CudaDriver { device, dev, stream, modules: Vec::new(), pinned: Vec::new(), graphs: Vec::new(), blas: None, capturing: false };
+        let mut d = CudaDriver {
+            device,
+            dev,
+            ctx,
+            thread: Cell::new(thread::current().id()),
+            stream,
+            modules: Vec::new(),
+            pinned: Vec::new(),
+            graphs: Vec::new(),
+            blas: None,
+            capturing: false,
+        };
         d.blas = Some(Blas::new(d.stream)?);
         Ok(d)
     }
 
+    /// Makes the context current on this thread, when the driver has moved here since its last
+    /// call (a context is current per thread).
+    fn bind(&self) -> Result<()> {
+        let here = thread::current().id();
+        if self.thread.get() != here {
+            // SAFETY: the primary context retained in `open`, alive until Drop.
+            unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| drv("cuCtxSetCurrent", e))?;
+            self.thread.set(here);
+        }
+        Ok(())
+    }
+
     fn sync(&self) -> Result<()> {
+        self.bind()?;
         // SAFETY: the stream is ours and alive.
         unsafe { cu::stream::synchronize(self.stream) }.map_err(|e| drv("cuStreamSynchronize", e))
     }
@@ -130,20 +159,24 @@ impl GpuApi for CudaDriver {
     }
 
     fn memory(&self) -> Result<(usize, usize)> {
+        self.bind()?;
         cu::mem_get_info().map_err(|e| drv("cuMemGetInfo", e))
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
+        self.bind()?;
         // SAFETY: a plain allocation in the current context; uninitialized, as documented.
         unsafe { cu::malloc_sync(bytes.max(1)) }.map_err(|e| drv(&format!("cuMemAlloc({bytes} bytes)"), e))
     }
 
     fn free(&mut self, ptr: DevPtr) -> Result<()> {
+        self.bind()?;
         // SAFETY: the caller frees what `alloc` gave it, once; the driver checks the pointer.
         unsafe { cu::free_sync(ptr) }.map_err(|e| drv("cuMemFree", e))
     }
 
     fn alloc_pinned(&mut self, bytes: usize) -> Result<PinnedId> {
+        self.bind()?;
         // SAFETY: page-locked host memory of `bytes`, zeroed before use and freed in free_pinned
         // or Drop.
         let p = unsafe { cu::malloc_host(bytes.max(1), 0) }.map_err(|e| drv(&format!("cuMemHostAlloc({bytes} bytes)"), e))?.cast::<u8>();
@@ -164,6 +197,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn free_pinned(&mut self, id: PinnedId) -> Result<()> {
+        self.bind()?;
         self.sync()?;
         let (p, _) =
             self.pinned.get_mut(id.0).and_then(Option::take).ok_or_else(|| GpuError::Invalid(format!("no pinned buffer {}", id.0)))?;
@@ -172,6 +206,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn upload(&mut self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        self.bind()?;
         self.not_capturing("a copy from pageable host memory")?;
         // SAFETY: `src` is a live slice; the stream is synchronized before returning, so it is
         // no longer read once the borrow ends.
@@ -180,6 +215,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn download(&mut self, dst: &mut [u8], src: DevPtr) -> Result<()> {
+        self.bind()?;
         self.not_capturing("a copy to pageable host memory")?;
         // SAFETY: `dst` is a live slice, written only until the synchronization below.
         unsafe { cu::memcpy_dtoh_async(dst, src, self.stream) }.map_err(|e| drv(&format!("cuMemcpyDtoHAsync({} bytes)", dst.len()), e))?;
@@ -187,6 +223,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn upload_pinned(&mut self, dst: DevPtr, src: PinnedId, offset: usize, len: usize) -> Result<()> {
+        self.bind()?;
         let p = self.pinned_ptr(src, offset, len)?;
         // SAFETY: the range is inside a pinned buffer that lives until free_pinned, which
         // synchronizes first; `pinned` synchronizes before handing the bytes out.
@@ -196,6 +233,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn download_pinned(&mut self, dst: PinnedId, offset: usize, src: DevPtr, len: usize) -> Result<()> {
+        self.bind()?;
         let p = self.pinned_ptr(dst, offset, len)?;
         // SAFETY: as upload_pinned.
         let d = unsafe { std::slice::from_raw_parts_mut(p, len) };
@@ -204,16 +242,19 @@ impl GpuApi for CudaDriver {
     }
 
     fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
+        self.bind()?;
         // SAFETY: device addresses; the driver checks them.
         unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.stream) }.map_err(|e| drv("cuMemcpyDtoDAsync", e))
     }
 
     fn memset(&mut self, dst: DevPtr, value: u8, bytes: usize) -> Result<()> {
+        self.bind()?;
         // SAFETY: as copy.
         unsafe { cu::memset_d8_async(dst, value, bytes, self.stream) }.map_err(|e| drv("cuMemsetD8Async", e))
     }
 
     fn load(&mut self, image: &KernelImage) -> Result<FuncId> {
+        self.bind()?;
         if !image.cubin.starts_with(b"\x7fELF") {
             return Err(GpuError::Invalid(format!("{}: its image is not a CUBIN", image.name)));
         }
@@ -229,6 +270,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn launch(&mut self, f: FuncId, dims: &LaunchDims, args: &[DevPtr]) -> Result<()> {
+        self.bind()?;
         let func = self.modules.get(f.0).map(|m| m.func).ok_or_else(|| GpuError::Invalid(format!("no function {}", f.0)))?;
         let mut values: Vec<DevPtr> = args.to_vec();
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| (v as *mut DevPtr).cast::<c_void>()).collect();
@@ -240,11 +282,13 @@ impl GpuApi for CudaDriver {
     }
 
     fn gemm(&mut self, call: &BlasCall, compute: Compute, ptrs: GemmPtrs) -> Result<()> {
+        self.bind()?;
         let blas = self.blas.as_mut().ok_or_else(|| GpuError::Unavailable("cuBLAS was not opened".into()))?;
         blas.gemm(call, compute, ptrs)
     }
 
     fn begin_capture(&mut self) -> Result<()> {
+        self.bind()?;
         self.not_capturing("beginning a capture")?;
         // SAFETY: our stream, not capturing.
         unsafe { cu::stream::begin_capture(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
@@ -254,6 +298,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn end_capture(&mut self) -> Result<GraphId> {
+        self.bind()?;
         if !self.capturing {
             return Err(GpuError::Invalid("end of a capture that never began".into()));
         }
@@ -267,6 +312,7 @@ impl GpuApi for CudaDriver {
     }
 
     fn replay(&mut self, g: GraphId) -> Result<()> {
+        self.bind()?;
         let exec = self.graphs.get(g.0).map(|x| x.exec).ok_or_else(|| GpuError::Invalid(format!("no graph {}", g.0)))?;
         // SAFETY: an instantiated graph of this context, on our stream.
         unsafe { cu::graph::launch(exec, self.stream) }.map_err(|e| drv("cuGraphLaunch", e))
@@ -278,8 +324,16 @@ impl GpuApi for CudaDriver {
     }
 }
 
+// SAFETY: the handles (context, stream, modules, graphs, pinned memory, BLAS handles) are owned by
+// this value alone and used only through `&mut self` or `&self` calls, one at a time (it is not
+// Sync); each call makes the context current on its thread first (`bind`), which is all the
+// driver API and cuBLAS need to be used from another thread. A capture begins and ends within
+// one executor call, on one thread (the capture mode is thread-local).
+unsafe impl Send for CudaDriver {}
+
 impl Drop for CudaDriver {
     fn drop(&mut self) {
+        let _ = self.bind();
         // Errors here cannot be returned; a sticky error was already reported by the call that
         // caused it. Everything is released in reverse order of creation.
         let _ = self.sync();

@@ -46,6 +46,13 @@ pub struct HostGpu {
     /// Kernel launches and GEMM calls run so far (replays included).
     pub launches: usize,
     pub gemms: usize,
+    /// Bytes copied host to device and device to host so far (pageable and pinned; replays
+    /// included): what an executor's resident state saves shows here.
+    pub bytes_in: usize,
+    pub bytes_out: usize,
+    /// Device allocations made so far, and graphs captured.
+    pub allocations: usize,
+    pub captures: usize,
 }
 
 /// The bytes a param's allocation must have from its pointer on.
@@ -120,6 +127,10 @@ impl HostGpu {
             graphs: Vec::new(),
             launches: 0,
             gemms: 0,
+            bytes_in: 0,
+            bytes_out: 0,
+            allocations: 0,
+            captures: 0,
         }
     }
 
@@ -165,6 +176,7 @@ impl HostGpu {
                 let data = self.pinned_buf(*src)?.get(*offset..offset + len).map(<[u8]>::to_vec);
                 let data = data.ok_or_else(|| GpuError::Invalid(format!("{len} bytes at {offset} of pinned buffer {}", src.0)))?;
                 self.mem.bytes_mut(*dst, *len)?.copy_from_slice(&data);
+                self.bytes_in += len;
                 Ok(())
             }
             Work::Download { dst, offset, src, len } => {
@@ -174,6 +186,7 @@ impl HostGpu {
                     .get_mut(*offset..offset + len)
                     .ok_or_else(|| GpuError::Invalid(format!("{len} bytes at {offset} of pinned buffer {}", dst.0)))?;
                 slot.copy_from_slice(&data);
+                self.bytes_out += len;
                 Ok(())
             }
         }
@@ -261,6 +274,7 @@ impl GpuApi for HostGpu {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
+        self.allocations += 1;
         self.mem.alloc(bytes)
     }
 
@@ -286,12 +300,14 @@ impl GpuApi for HostGpu {
     fn upload(&mut self, dst: DevPtr, src: &[u8]) -> Result<()> {
         self.not_capturing("a copy from pageable host memory")?;
         self.mem.bytes_mut(dst, src.len())?.copy_from_slice(src);
+        self.bytes_in += src.len();
         Ok(())
     }
 
     fn download(&mut self, dst: &mut [u8], src: DevPtr) -> Result<()> {
         self.not_capturing("a copy to pageable host memory")?;
         dst.copy_from_slice(self.mem.bytes(src, dst.len())?);
+        self.bytes_out += dst.len();
         Ok(())
     }
 
@@ -337,6 +353,7 @@ impl GpuApi for HostGpu {
     fn end_capture(&mut self) -> Result<GraphId> {
         let rec = self.capture.take().ok_or_else(|| GpuError::Invalid("end of a capture that never began".into()))?;
         self.graphs.push(rec);
+        self.captures += 1;
         Ok(GraphId(self.graphs.len() - 1))
     }
 

@@ -17,23 +17,29 @@
 //! a capture is open nothing runs: launches, GEMMs, device copies and pinned copies are recorded
 //! for [`GpuApi::replay`]; copies of ordinary host slices are refused, as CUDA refuses them.
 //!
-//! The executor itself (arena, resident state, a whole step captured as a graph) is built on
-//! this trait elsewhere; [`run_plan`] runs one GEMM's [`BlasPlan`] through it.
+//! [`CudaProgram`] is the executor built on it (`program.rs`: the shared `ExecPlan`'s layout in
+//! three allocations, resident state, data through pinned staging, the step captured once as a
+//! graph; `build.rs`: kernels to CUBINs and loaded, GEMMs planned); [`run_plan`] runs one GEMM's
+//! [`BlasPlan`] through the trait.
 
+mod build;
 mod driver;
 mod driver_blas;
 mod error;
 mod host;
 mod host_mem;
+mod program;
 
 use qatc_kernels::cuda::blas::{BlasCall, BlasPlan, BlasStep, Compute, Mem};
 use qatc_kernels::cuda::LaunchDims;
 use qatc_kernels::kir::Kernel;
 use qatc_kernels::nvrtc::Arch;
 
-pub use driver::CudaDriver;
+pub use build::KernelBuild;
+pub use driver::{probe_libraries, CudaDriver};
 pub use error::GpuError;
 pub use host::HostGpu;
+pub use program::{CudaOptions, CudaProgram, DeviceBytes};
 
 /// A device address (`CUdeviceptr`).
 pub type DevPtr = u64;
