@@ -391,3 +391,37 @@ fn ten_steps_of_the_cuda_executor_track_the_cpu() {
         assert!(worst.state.0 <= 1e-4, "{what}: {} off by {:e}", worst.state.1, worst.state.0);
     }
 }
+
+/// `qatc train --device cuda` where CUDA cannot run: one line saying why, exit code 2, nothing
+/// written; `--device auto` says it falls back to the CPU and trains; the GPU-only settings are
+/// refused on the CPU. (Where a GPU is usable, bench/gpu.sh runs `--device cuda` itself.)
+#[test]
+fn the_device_flag_without_a_gpu() {
+    if qatc::runner::cuda_ready().is_ok() {
+        eprintln!("SKIPPED: CUDA is usable here; this test is for machines without it");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("qatc-cuda-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let train = |device: &str, extra: &[&str], out: &str| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_qatc"));
+        c.args(["train", &common::root().join(TINY.0).display().to_string(), "--data", &common::root().join(TINY.1).display().to_string()]);
+        c.args(["--batch", "2", "--seq", "16", "--steps", "1", "--lora", "r=4", "--device", device, "--out"]);
+        c.arg(dir.join(out)).args(extra);
+        c.output().expect("qatc runs")
+    };
+    let r = train("cuda", &[], "cuda");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.starts_with("error: --device cuda: "), "{err}");
+    assert!(!dir.join("cuda").exists(), "nothing written");
+    let r = train("auto", &[], "auto");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{err}");
+    assert!(err.lines().next().is_some_and(|l| l.starts_with("qatc: ") && l.contains("running on the CPU")), "{err}");
+    let r = train("cpu", &["--tf32"], "tf32");
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--tf32"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
