@@ -12,64 +12,8 @@ the peak device memory PyTorch allocated.
 """
 import argparse, json, math
 
-import torch, torch.nn as nn
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.pytorch_utils import Conv1D
 
-
-class FakeQuantSTE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, bits, group):
-        qmax = 2 ** (bits - 1) - 1
-        shape = w.shape
-        g = w.reshape(-1, group)
-        scale = g.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / qmax
-        q = torch.clamp(torch.round(g / scale), -qmax - 1, qmax)
-        return (q * scale).reshape(shape)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None, None
-
-
-class QLoraConv1D(nn.Module):
-    def __init__(self, base: Conv1D, bits, group, r, alpha, precompute=False):
-        super().__init__()
-        self.base = base
-        self.wq = None
-        if precompute:
-            with torch.no_grad():
-                self.wq = FakeQuantSTE.apply(base.weight.t().contiguous(), bits, group).t().contiguous()
-        for p in base.parameters():
-            p.requires_grad_(False)
-        nin, nout = base.weight.shape  # Conv1D stores [in, out]
-        self.bits, self.group, self.scaling = bits, group, alpha / r
-        self.lora_A = nn.Parameter(torch.empty(r, nin))
-        self.lora_B = nn.Parameter(torch.zeros(nout, r))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-
-    def forward(self, x):
-        wq = self.wq if self.wq is not None else FakeQuantSTE.apply(self.base.weight.t().contiguous(), self.bits, self.group).t()
-        y = torch.addmm(self.base.bias, x.reshape(-1, x.shape[-1]), wq).reshape(*x.shape[:-1], -1)
-        return y + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
-
-
-def build(args, device):
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=args.vocab, n_positions=max(1024, args.seq))
-    cfg._attn_implementation = args.attn
-    m = GPT2LMHeadModel(cfg)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    for blk in m.transformer.h:
-        for parent, name in [(blk.attn, "c_attn"), (blk.attn, "c_proj"), (blk.mlp, "c_fc"), (blk.mlp, "c_proj")]:
-            setattr(parent, name, QLoraConv1D(getattr(parent, name), args.bits, args.group, args.r, 2 * args.r, args.precompute_quant))
-    m.train()
-    m.config.use_cache = False
-    return m.to(device)
-
-
-def main():
+def parse(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12); ap.add_argument("--embd", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12); ap.add_argument("--vocab", type=int, default=50257)
@@ -81,7 +25,65 @@ def main():
     ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     ap.add_argument("--compile", action="store_true", help="torch.compile (compile time and warm-up excluded)")
     ap.add_argument("--precompute-quant", action="store_true", help="fake-quantize the frozen weights once")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(args):
+    # torch is imported here, after the arguments: `--help` and bad arguments need no torch (the
+    # dry run of bench/gpu.sh checks them on a machine without one)
+    import torch, torch.nn as nn
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    class FakeQuantSTE(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w, bits, group):
+            qmax = 2 ** (bits - 1) - 1
+            shape = w.shape
+            g = w.reshape(-1, group)
+            scale = g.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / qmax
+            q = torch.clamp(torch.round(g / scale), -qmax - 1, qmax)
+            return (q * scale).reshape(shape)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None
+
+    class QLoraConv1D(nn.Module):
+        def __init__(self, base: Conv1D, bits, group, r, alpha, precompute=False):
+            super().__init__()
+            self.base = base
+            self.wq = None
+            if precompute:
+                with torch.no_grad():
+                    self.wq = FakeQuantSTE.apply(base.weight.t().contiguous(), bits, group).t().contiguous()
+            for p in base.parameters():
+                p.requires_grad_(False)
+            nin, nout = base.weight.shape  # Conv1D stores [in, out]
+            self.bits, self.group, self.scaling = bits, group, alpha / r
+            self.lora_A = nn.Parameter(torch.empty(r, nin))
+            self.lora_B = nn.Parameter(torch.zeros(nout, r))
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+        def forward(self, x):
+            wq = self.wq if self.wq is not None else FakeQuantSTE.apply(self.base.weight.t().contiguous(), self.bits, self.group).t()
+            y = torch.addmm(self.base.bias, x.reshape(-1, x.shape[-1]), wq).reshape(*x.shape[:-1], -1)
+            return y + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+
+    def build(args, device):
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=args.vocab, n_positions=max(1024, args.seq))
+        cfg._attn_implementation = args.attn
+        m = GPT2LMHeadModel(cfg)
+        for p in m.parameters():
+            p.requires_grad_(False)
+        for blk in m.transformer.h:
+            for parent, name in [(blk.attn, "c_attn"), (blk.attn, "c_proj"), (blk.mlp, "c_fc"), (blk.mlp, "c_proj")]:
+                setattr(parent, name, QLoraConv1D(getattr(parent, name), args.bits, args.group, args.r, 2 * args.r, args.precompute_quant))
+        m.train()
+        m.config.use_cache = False
+        return m.to(device)
+
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
     dev = torch.device("cuda")
@@ -119,6 +121,10 @@ def main():
                       "trainable": sum(p.numel() for p in params), "loss": float(loss),
                       "step_s_median": med, "step_s_min": times[0], "tokens_per_s": args.batch * args.seq / med,
                       "peak_allocated_bytes": torch.cuda.max_memory_allocated()}))
+
+
+def main():
+    run(parse())
 
 
 if __name__ == "__main__":
