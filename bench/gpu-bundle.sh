@@ -23,7 +23,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])'
 }
 {
-  cargo test --release --no-default-features --no-run --message-format=json -p qatc --test gpu_step --test nvrtc --test cuda_writer
+  cargo test --release --no-default-features --no-run --message-format=json -p qatc --test gpu_step --test cuda_exec
   cargo test --release --no-default-features --no-run --message-format=json -p qatc-runtime --test gpu_api
 } | exes | while read -r name exe; do cp "$exe" ".gpu/stage/tests/$name"; done
 

@@ -394,7 +394,7 @@ fn ten_steps_of_the_cuda_executor_track_the_cpu() {
 
 /// `qatc train --device cuda` where CUDA cannot run: one line saying why, exit code 2, nothing
 /// written; `--device auto` says it falls back to the CPU and trains; the GPU-only settings are
-/// refused on the CPU. (Where a GPU is usable, bench/gpu.sh runs `--device cuda` itself.)
+/// refused on the CPU; `qatc eval --device cuda` fails as train does. (Where a GPU is usable, bench/gpu.sh runs `--device cuda` itself.)
 #[test]
 fn the_device_flag_without_a_gpu() {
     if qatc::runner::cuda_ready().is_ok() {
@@ -423,5 +423,14 @@ fn the_device_flag_without_a_gpu() {
     let r = train("cpu", &["--tf32"], "tf32");
     assert_eq!(r.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&r.stderr).contains("--tf32"));
+    // eval on the GPU: the same error where there is none
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_qatc"))
+        .args(["eval", &common::root().join(TINY.0).display().to_string(), "--data", &common::root().join(TINY.1).display().to_string()])
+        .args(["--batch", "2", "--seq", "16", "--batches", "1", "--device", "cuda"])
+        .output()
+        .expect("qatc runs");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.starts_with("error: --device cuda: ") && err.trim().lines().count() == 1, "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

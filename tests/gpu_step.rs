@@ -9,8 +9,9 @@
 //!   the demo step (`examples/demo.sh`'s configuration) launched alone on the GPU's copy of the
 //!   evaluator's inputs and compared with the kernel-IR evaluator. `bench/gpu.sh` runs these.
 //!
-//! This is not the CUDA executor (an arena, resident state, a captured step: the `cudaexec`
-//! work); it checks that what the executor will be built from fits together on a real GPU.
+//! This is not the CUDA executor (`CudaProgram`: an arena, resident state, a captured step;
+//! tests/cuda_exec.rs); it checks the parts it is built from with nothing of its own between
+//! them, so that a failure on a real GPU can be told apart from one of the executor.
 
 mod common;
 

@@ -308,6 +308,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         },
         adapter: None,
         precision: tr.opts.precision,
+        // validation runs where the step runs
+        cuda: matches!(engine, crate::runner::Engine::Cuda(_)),
     };
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
