@@ -38,8 +38,8 @@ pub enum Engine {
 pub struct CudaSettings {
     /// fp32 GEMMs on TF32 tensor cores instead of strict IEEE fp32.
     pub tf32: bool,
-    /// Submit every launch on every step instead of replaying the step as one CUDA graph (slower;
-    /// an asynchronous error then names its kernel).
+    /// Submit every launch on every step, each waited for, instead of replaying the step as one
+    /// CUDA graph (slower; an asynchronous error then names its kernel).
     pub no_graph: bool,
 }
 
@@ -151,7 +151,7 @@ pub fn describe_cuda(p: &CudaProgram<CudaDriver>) -> String {
     let l = p.layout();
     let o = p.options();
     format!(
-        "on CUDA: {} ({}, {} SMs, {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}",
+        "on CUDA: {} ({}, {} SMs, {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use",
         d.name,
         d.arch,
         d.multiprocessors,
@@ -167,7 +167,8 @@ pub fn describe_cuda(p: &CudaProgram<CudaDriver>) -> String {
         human(b.persistent),
         human(b.data),
         human(b.scratch),
-        human(b.pinned)
+        human(b.pinned),
+        human(b.device_used)
     )
 }
 

@@ -104,8 +104,9 @@ pub struct Args {
     /// of strict IEEE fp32.
     #[arg(long)]
     pub tf32: bool,
-    /// On the GPU: submit every launch on every step instead of replaying the step as one CUDA
-    /// graph (slower; a kernel's asynchronous error is then reported with its name).
+    /// On the GPU: submit every launch on every step, each waited for, instead of replaying the
+    /// step as one CUDA graph (slower; a kernel's asynchronous error is then reported with its
+    /// name).
     #[arg(long)]
     pub no_cuda_graph: bool,
 }

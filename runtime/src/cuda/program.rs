@@ -38,8 +38,9 @@ use crate::value::Value;
 pub struct CudaOptions {
     /// fp32 GEMMs strict IEEE (comparable with the CPU) or on TF32 tensor cores.
     pub blas: BlasMode,
-    /// Capture the step once as a CUDA graph and replay it (else every launch is submitted on
-    /// every run, which localizes a failing kernel).
+    /// Capture the step once as a CUDA graph and replay it; else every launch and GEMM is
+    /// submitted on every run and waited for, so that an asynchronous error (an illegal address)
+    /// names the kernel or GEMM that caused it (slower: for finding faults).
     pub graph: bool,
     /// Run the steps that read only frozen inputs once, not every run.
     pub hoist_frozen: bool,
@@ -68,6 +69,9 @@ pub struct DeviceBytes {
     pub scratch: usize,
     /// Page-locked host memory: the data staging and the outputs' read-back.
     pub pinned: usize,
+    /// What the device reported in use once the program was built (its allocations, the BLAS
+    /// workspace, the context, the modules; and any other process's).
+    pub device_used: usize,
 }
 
 impl DeviceBytes {
@@ -165,12 +169,14 @@ impl<A: GpuApi> CudaProgram<A> {
         }
         let staging = api.alloc_pinned(l.data_bytes).map_err(device_err("pinned staging for the data inputs"))?;
         let readback = api.alloc_pinned(out_bytes).map_err(device_err("pinned memory for the outputs"))?;
+        let (free, total) = api.memory().map_err(device_err("asking the device for its free memory"))?;
         let bytes = DeviceBytes {
             arena: sizes[0].max(DEVICE_ALIGN),
             persistent: sizes[1].max(DEVICE_ALIGN),
             data: sizes[2].max(DEVICE_ALIGN),
             scratch: sizes[3].max(DEVICE_ALIGN),
             pinned: l.data_bytes + out_bytes,
+            device_used: total.saturating_sub(free),
         };
         let nb = prog.buffers.len();
         let mut frozen = vec![false; nb];
@@ -293,8 +299,19 @@ impl<A: GpuApi> CudaProgram<A> {
         }
     }
 
-    /// Submits step `i` (run now, or recorded while capturing).
+    /// Submits step `i` (run now, or recorded while capturing); without the graph, waits for it.
     fn submit_step(&self, api: &mut A, i: usize) -> Result<(), RuntimeError> {
+        self.submit_one(api, i)?;
+        if self.options.graph {
+            return Ok(());
+        }
+        api.synchronize().map_err(|e| match &self.steps[i] {
+            DeviceStep::Launch { label, .. } => RuntimeError::Kernel { kernel: label.clone(), msg: e.to_string() },
+            DeviceStep::Gemm(g) => RuntimeError::Gemm { note: g.note.clone(), msg: e.to_string() },
+        })
+    }
+
+    fn submit_one(&self, api: &mut A, i: usize) -> Result<(), RuntimeError> {
         match &self.steps[i] {
             DeviceStep::Launch { func, dims, args, label } => {
                 api.launch(*func, dims, args).map_err(|e| RuntimeError::Kernel { kernel: label.clone(), msg: e.to_string() })
