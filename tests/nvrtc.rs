@@ -253,10 +253,10 @@ fn every_kernel_of_the_bf16_and_fp16_steps_compiles() {
         q.clip = Some(1.0);
         q.precision = p;
         q.fuse = Some(FuseOptions::default());
-        compile_all(&nv, &format!("tiny-qlora-{p}-fused"), &tiny, &q);
+        compile_all(&nv, &format!("tiny-qlora-{p}-fused"), &tiny, &q, &[Arch::SM90]);
     }
     // unfused, full fine-tune: every op's kernel on its own, the embedding gradient's f32 sums
     let mut f = StepOptions::new(1, 4);
     f.precision = qatc_passes::precision::Precision::Bf16;
-    compile_all(&nv, "tiny-full-bf16", &tiny, &f);
+    compile_all(&nv, "tiny-full-bf16", &tiny, &f, &[Arch::SM90]);
 }

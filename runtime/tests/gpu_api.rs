@@ -157,10 +157,11 @@ fn a_launch_checks_what_a_gpu_would_not() {
 #[test]
 fn plans_with_every_fallback_run_on_the_emulated_gpu() {
     let view = |buf, offset, shape: &[usize], strides: &[usize]| View { buf, offset, shape: shape.to_vec(), strides: strides.to_vec() };
-    let gemm = |a: View, b: View, c: View, accumulate, bias| {
+    let gemm = |a: View, b: View, c: View, accumulate, bias: Option<View>| {
         let r = c.shape.len();
         let (m, n, k) = (c.shape[r - 2], c.shape[r - 1], a.shape[r - 1]);
-        Gemm { a, b, c, m, n, k, alpha: 0.5, accumulate, bias, note: "test".into(), feed: None }
+        let types = qatc_kernels::program::GemmTypes { bias: bias.as_ref().map(|_| DType::F32), ..qatc_kernels::program::GemmTypes::F32 };
+        Gemm { a, b, c, m, n, k, alpha: 0.5, accumulate, bias, types, note: "test".into(), feed: None }
     };
     let cases = [
         gemm(view(0, 0, &[3, 5], &[5, 1]), view(1, 0, &[5, 4], &[4, 1]), view(2, 0, &[3, 4], &[4, 1]), true, Some(view(3, 1, &[4], &[1]))),
