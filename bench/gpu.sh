@@ -148,8 +148,9 @@ if [ -z "${QATC_NVRTC_LIB:-}" ]; then
   done
 fi
 export RUST_BACKTRACE=1
-kcache=$work/kcache
+# one kernel cache for the call: qatc compile's (--kernel-cache) is qatc train's default one
 export XDG_CACHE_HOME=$work/xdg-cache
+kcache=$XDG_CACHE_HOME/qatc
 
 # runs a test executable's tests (names as substrings); one result line, and its notable lines
 run_test() {
