@@ -78,6 +78,7 @@ fn trained_loss(q: &QuantArgs, ad: &Adapter) -> f64 {
         model: model_options(q, Some(ad.options()), false, false).unwrap(),
         adapter: Some(ad.clone()),
         precision: Default::default(),
+        cuda: false,
     };
     evaluate(&model(), &tokens(), 2, 16, 3, &setup, false).unwrap().loss
 }

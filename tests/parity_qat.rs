@@ -61,7 +61,8 @@ fn eval_loss_under_every_scheme_matches_torch() {
     let want = fixture_json("tiny_qat/quant_eval.json");
     for c in want["configs"].as_array().unwrap() {
         let q = quant_args(c["bits"].as_u64().unwrap() as u8, c["group"].as_u64().unwrap() as usize, c["scheme"].as_str().unwrap());
-        let setup = EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None, precision: Default::default() };
+        let setup =
+            EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None, precision: Default::default(), cuda: false };
         let r = evaluate(&m, &tokens(), 2, 16, 3, &setup, false).unwrap();
         let w = c["loss"].as_f64().unwrap();
         assert!((r.loss - w).abs() <= 1e-4, "{}: loss {} vs torch {w}", c["name"], r.loss);
@@ -77,8 +78,10 @@ fn folded_storage_gives_bit_identical_results() {
     let m = model();
     for (bits, group, scheme) in [(4, 32, "sym"), (3, 16, "asym"), (4, 64, "nf4"), (4, 32, "q4_0"), (8, 0, "sym")] {
         let q = quant_args(bits, group, scheme);
-        let unfolded = EvalSetup { model: model_options(&q, None, true, true).unwrap(), adapter: None, precision: Default::default() };
-        let folded = EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None, precision: Default::default() };
+        let unfolded =
+            EvalSetup { model: model_options(&q, None, true, true).unwrap(), adapter: None, precision: Default::default(), cuda: false };
+        let folded =
+            EvalSetup { model: model_options(&q, None, false, false).unwrap(), adapter: None, precision: Default::default(), cuda: false };
         let a = evaluate(&m, &tokens(), 2, 16, 2, &unfolded, false).unwrap().loss;
         let b = evaluate(&m, &tokens(), 2, 16, 2, &folded, false).unwrap().loss;
         assert_eq!(a.to_bits(), b.to_bits(), "{scheme} b{bits} g{group}: folded {b} vs fake-quant {a}");

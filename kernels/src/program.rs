@@ -35,7 +35,23 @@ impl Buffer {
     pub fn bytes(&self) -> usize {
         self.dtype.bytes_for(self.numel())
     }
+
+    /// The bytes a device allocation of it needs: `bytes`, except that packed 4-bit buffers are
+    /// rounded up to whole 32-bit words, because a 4-bit store updates the word around its byte
+    /// atomically (`qatc::store_i4`); such a buffer must also start 4-byte aligned. (The
+    /// executor's layout, `runtime/src/exec/layout.rs`, rounds every buffer up to its alignment,
+    /// which covers this.)
+    pub fn device_bytes(&self) -> usize {
+        match self.dtype {
+            DType::I4 => self.bytes().next_multiple_of(4),
+            _ => self.bytes(),
+        }
+    }
 }
+
+/// The alignment every device buffer starts at: enough for any element type's loads, and for
+/// `store_i4`'s word-wide updates (cudaMalloc gives 256).
+pub const DEVICE_ALIGN: usize = 256;
 
 /// A strided window on a buffer: element (c0, .., cr) is element `offset + sum c_d * strides[d]`
 /// of the buffer. Stride 0 repeats (a broadcast dim).

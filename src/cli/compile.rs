@@ -25,6 +25,8 @@ pub struct Args {
     /// the CPU runtime JIT-compiles it.
     #[arg(long)]
     pub emit_llvm: bool,
+    #[command(flatten)]
+    pub cuda: super::cubin::CubinArgs,
 }
 
 /// The file that marks a directory as `qatc compile`'s (so that it may be replaced).
@@ -75,6 +77,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
     let (program, kernels) = qatc_kernels::cuda_kernels(&train).context("code generation")?;
     artifacts.push("kernels/");
+    // machine code for the GPU (--device cuda, or a GPU found): CUBINs and their resource report
+    let build = super::cubin::build(&a.cuda, &kernels)?;
+    if build.is_some() {
+        artifacts.push("kernels/report.json");
+    }
     let manifest = Manifest {
         qatc_version: env!("CARGO_PKG_VERSION"),
         model: a.model.display().to_string(),
@@ -103,6 +110,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     out.write("memory_plan.json", &plan_json)?;
     out.write("memory.svg", &plan_svg)?;
     qatc_kernels::write_cuda(&out.path().join("kernels"), &kernels)?;
+    if let Some((cubins, report)) = &build {
+        super::cubin::write(&out.path().join("kernels"), cubins, report)?;
+    }
     if a.emit_llvm {
         emit_llvm(&out.path().join("kernels"), &program)?;
     }
@@ -124,6 +134,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         print_fusion(f);
     }
     println!("  kernels {} distinct CUDA kernels; {}", kernels.len(), program.to_string().lines().next().unwrap_or_default());
+    if let Some((_, r)) = &build {
+        println!("  cubins  {}", r.summary());
+        for line in r.table().lines() {
+            println!("    {line}");
+        }
+    }
     println!("  wrote {}/{{{}}}", dir.display(), artifacts.join(", "));
     Ok(())
 }

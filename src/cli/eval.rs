@@ -1,16 +1,19 @@
 //! `qatc eval MODEL --data FILE`: mean loss and perplexity over the first N batches of a token
-//! file, on the reference interpreter.
+//! file, on the reference interpreter, or on the GPU (`--device cuda`, or `auto` where one is
+//! usable: the forward graph through the CUDA executor, the weights uploaded once).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use anyhow::Context;
 use qatc_passes::precision::Precision;
-use qatc_runtime::{IntTensor, Interpreter, Value};
+use qatc_runtime::{IntTensor, Interpreter, RuntimeError, Value};
 
 use super::options;
 use crate::adapter::Adapter;
 use crate::data::TokenFile;
 use crate::model::Model;
+use crate::runner::{CudaSettings, Device};
 use crate::step::{self, ModelOptions};
 
 #[derive(clap::Args, Debug)]
@@ -39,6 +42,10 @@ pub struct Args {
     /// Storage type of activations (and GEMM operands): fp32, bf16 or fp16.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
+    /// Where the model runs: auto (a CUDA GPU when qatc can use one, else the CPU's reference
+    /// interpreter), cpu, cuda.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -48,13 +55,25 @@ pub struct EvalResult {
     pub tokens: usize,
 }
 
-/// What to evaluate: the model options (quantization, LoRA) and the adapter's tensors.
+/// What to evaluate: the model options (quantization, LoRA) and the adapter's tensors; where.
 #[derive(Default)]
 pub struct EvalSetup {
     pub model: ModelOptions,
     pub adapter: Option<Adapter>,
     /// The storage type the forward runs in (`--precision`).
     pub precision: Precision,
+    /// On the GPU (the CUDA executor) rather than the CPU's reference interpreter.
+    pub cuda: bool,
+}
+
+/// Whether `--device` puts an evaluation on the GPU: `auto` where CUDA is usable (silently: the
+/// CPU is what eval always ran on), `cuda` or an error saying why not.
+pub fn on_cuda(device: Device) -> anyhow::Result<bool> {
+    match device {
+        Device::Cpu => Ok(false),
+        Device::Auto => Ok(crate::runner::cuda_ready().is_ok()),
+        Device::Cuda => crate::runner::cuda_ready().map(|()| true).map_err(|why| anyhow::anyhow!("--device cuda: {why}")),
+    }
 }
 
 impl EvalSetup {
@@ -65,9 +84,9 @@ impl EvalSetup {
         match adapter {
             Some(dir) => {
                 let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
-                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision })
+                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision, cuda: false })
             }
-            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision }),
+            None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision, cuda: false }),
         }
     }
 }
@@ -103,7 +122,6 @@ fn run_eval(
     show: bool,
 ) -> anyhow::Result<EvalResult> {
     let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
-    let interp = Interpreter::<f32>::new(&g)?;
     let mut inputs = m.bind::<f32>(&g, setup.adapter.as_ref(), 0)?;
     if let Some(st) = state {
         for id in g.inputs() {
@@ -114,6 +132,23 @@ fn run_eval(
             }
         }
     }
+    // on the GPU the weights go to the device once; per batch only the ids and targets
+    let mut gpu = match setup.cuda {
+        true => {
+            let prog = qatc_kernels::lower(&g).context("lowering the model to kernels")?;
+            let mut p = crate::runner::cuda_program(prog, CudaSettings::default())?;
+            for (name, v) in &inputs {
+                match p.set_input(name, v) {
+                    // an input no step reads (lowering dropped its use) is not in the program
+                    Err(RuntimeError::UnknownInput(_)) => {}
+                    r => r.with_context(|| format!("binding {name}"))?,
+                }
+            }
+            Some(p)
+        }
+        false => None,
+    };
+    let interp = if gpu.is_none() { Some(Interpreter::<f32>::new(&g)?) } else { None };
     let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
     if !show {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -121,10 +156,23 @@ fn run_eval(
     let mut sum = 0.0f64;
     for s in 0..n {
         let (ids, tgt) = data.batch(s, b, t)?;
-        inputs.insert("ids".into(), Value::Int(IntTensor { shape: vec![b, t], data: ids }));
-        inputs.insert("targets".into(), Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
-        let out = interp.run(&inputs)?;
-        sum += scalar(&out, "loss")?;
+        let ids = Value::Int(IntTensor { shape: vec![b, t], data: ids });
+        let tgt = Value::Int(IntTensor { shape: vec![b, t], data: tgt });
+        let loss = match (gpu.as_mut(), &interp) {
+            (Some(p), _) => {
+                p.set_input("ids", &ids)?;
+                p.set_input("targets", &tgt)?;
+                p.execute()?;
+                HashMap::from([("loss".to_string(), p.output("loss")?)])
+            }
+            (None, Some(interp)) => {
+                inputs.insert("ids".into(), ids);
+                inputs.insert("targets".into(), tgt);
+                interp.run(&inputs)?
+            }
+            (None, None) => anyhow::bail!("internal: no evaluator"),
+        };
+        sum += scalar(&loss, "loss")?;
         pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
         pb.inc(1);
     }
@@ -164,7 +212,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
+    let mut setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
+    setup.cuda = on_cuda(a.device)?;
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);

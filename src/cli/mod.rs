@@ -2,6 +2,7 @@
 //! one line and exits with code 2.
 
 pub mod compile;
+pub mod cubin;
 pub mod dump;
 pub mod eval;
 pub mod export;

@@ -46,6 +46,10 @@ pub struct Args {
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Where the evaluations run: auto (a CUDA GPU when qatc can use one, else the CPU's
+    /// reference interpreter), cpu, cuda.
+    #[arg(long, value_enum, default_value_t = crate::runner::Device::Auto)]
+    pub device: crate::runner::Device,
 }
 
 #[derive(serde::Serialize, Debug)]
@@ -86,7 +90,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if modules.is_empty() {
         anyhow::bail!("no module matches --targets {}", targets.join(","));
     }
-    let base = evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup::default(), false)?.loss;
+    let cuda = super::eval::on_cuda(a.device)?;
+    let base = evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup { cuda, ..EvalSetup::default() }, false)?.loss;
     let limit = base * (1.0 + a.threshold);
     let pb = super::progress(modules.len() as u64, "prt {bar:30} {pos}/{len} modules  {msg}  eta {eta}");
     let mut results = Vec::new();
@@ -96,7 +101,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         for &bits in &widths {
             let spec = QuantSpec { bits, group: a.group, scheme: sch };
             let per_module = BTreeMap::from([(module.clone(), Some(spec))]);
-            let mut setup = EvalSetup::default();
+            let mut setup = EvalSetup { cuda, ..EvalSetup::default() };
             setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None });
             let loss = evaluate(&m, &data, a.batch, a.seq, n, &setup, false).with_context(|| module.clone())?.loss;
             tried.push((bits, loss));

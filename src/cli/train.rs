@@ -1,5 +1,6 @@
-//! `qatc train`: runs the compiled training step (LLVM-compiled kernels on the CPU; the reference
-//! interpreter with `--interpreter` or without LLVM).
+//! `qatc train`: runs the compiled training step (on a CUDA GPU with `--device cuda`, or `auto`
+//! where one is usable; else LLVM-compiled kernels on the CPU; the reference interpreter with
+//! `--interpreter` or without LLVM).
 //!
 //! Data order is llm.c's by default: optimizer step s consumes micro-batches s*K .. s*K+K-1
 //! (wrapping at the end of the data); `--shuffle --seed N` permutes the batches every epoch. The
@@ -99,6 +100,15 @@ pub struct Args {
     /// keeps whole dequantized weights instead (4 bytes per parameter).
     #[arg(long, default_value_t = 8192)]
     pub panel_kib: usize,
+    /// On the GPU: fp32 GEMMs on TF32 tensor cores (10-bit mantissa products, fp32 sums) instead
+    /// of strict IEEE fp32.
+    #[arg(long)]
+    pub tf32: bool,
+    /// On the GPU: submit every launch on every step, each waited for, instead of replaying the
+    /// step as one CUDA graph (slower; a kernel's asynchronous error is then reported with its
+    /// name).
+    #[arg(long)]
+    pub no_cuda_graph: bool,
 }
 
 /// One logged step.
@@ -241,7 +251,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
     let sched = train.lr_schedule();
     let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
-    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter)?;
+    let cuda = crate::runner::CudaSettings { tf32: a.tf32, no_graph: a.no_cuda_graph };
+    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter, cuda)?;
     if let Some(n) = notice {
         eprintln!("qatc: {n}");
     }
@@ -298,6 +309,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         },
         adapter: None,
         precision: tr.opts.precision,
+        // validation runs where the step runs
+        cuda: matches!(engine, crate::runner::Engine::Cuda(_)),
     };
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
@@ -360,7 +373,9 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     if a.profile {
         match tr.profile() {
             Some(rows) => eprint!("{}", crate::runner::profile_table(&rows, 40)),
-            None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first step is not timed)"),
+            None => eprintln!(
+                "qatc: --profile: nothing timed (the interpreter and the GPU do not time their parts; the first step is not timed)"
+            ),
         }
     }
     if let Some(p) = &a.plot {

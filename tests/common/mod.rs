@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: fixture paths and a safetensors reader.
 #![allow(dead_code)]
 
+pub mod nvrtc;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 

@@ -2,6 +2,7 @@
 //! `include/*.cuh`.
 
 pub mod attention;
+pub mod blas;
 pub mod emit;
 pub mod writer;
 

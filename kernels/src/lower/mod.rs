@@ -37,6 +37,7 @@ pub mod inline;
 pub(crate) mod inplace;
 mod reduce;
 mod rows;
+mod scatter;
 mod tidy;
 
 /// The context of one lowering: the graph being read (the step, or a fused node's body), the nodes
