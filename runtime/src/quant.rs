@@ -10,7 +10,7 @@
 //! (packed codes + Dequantize) equals the unfolded one (FakeQuant) bit for bit by construction.
 
 use half::f16;
-use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_ir::{qmap, DynMap, QuantScheme, QuantSpec};
 
 pub use qatc_ir::NF4;
 
@@ -281,4 +281,28 @@ mod tests {
         assert!((kept as f64 / 1e5 - 0.75).abs() < 0.01, "{kept}");
         assert_eq!(dropout_keep(7, 3, 11, 0.25), dropout_keep(7, 3, 11, 0.25));
     }
+}
+
+/// Blockwise dynamic dequantization (`Op::BlockDequant`): map[code] * absmax of the code's block,
+/// in f32.
+pub fn block_dequant(map: DynMap, codes: &[u8], absmax: &[f32]) -> Vec<f32> {
+    let table = map.values();
+    codes.iter().enumerate().map(|(i, &c)| table[c as usize] * absmax[i / qmap::BLOCK]).collect()
+}
+
+/// Each block's absolute maximum (`Op::BlockAbsMax`); NaN propagates, as `max` does elsewhere.
+pub fn block_absmax(x: &[f32]) -> Vec<f32> {
+    x.chunks(qmap::BLOCK).map(|b| b.iter().fold(0f32, |m, v| if m.is_nan() || v.is_nan() { f32::NAN } else { m.max(v.abs()) })).collect()
+}
+
+/// Blockwise dynamic quantization (`Op::BlockQuant`): the code nearest to x / absmax of its
+/// block; a block whose absmax is 0 (all zeros) gets the code of 0.
+pub fn block_quant(map: DynMap, x: &[f32], absmax: &[f32]) -> Vec<u8> {
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let a = absmax[i / qmap::BLOCK];
+            map.nearest(if a > 0.0 { v / a } else { 0.0 })
+        })
+        .collect()
 }
