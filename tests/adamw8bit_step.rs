@@ -1,0 +1,163 @@
+//! 8-bit AdamW in the training step (`--optim adamw8bit`): the memory plan holds a quarter of
+//! the optimizer's bytes (exactly: a byte per element and an f32 per block of 2048 for tensors
+//! of at least 4096 elements, f32 moments below), the fused step equals the unfused one bit for
+//! bit, the codes survive a save and a resume, and the command line runs it where it can and
+//! refuses it, in one line, where it cannot.
+
+mod common;
+
+use std::process::Command;
+
+use qatc::cli::train::Trainer;
+use qatc::data::TokenFile;
+use qatc::model::Model;
+use qatc::step::{self, StepOptions};
+use qatc_ir::{qmap, DType, InputKind};
+use qatc_passes::optim::{self, Moments};
+use qatc_passes::plan::{self, Category};
+use qatc_runtime::Value;
+
+fn tiny() -> Model {
+    Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap()
+}
+
+fn options(moments: Moments, fuse: bool) -> StepOptions {
+    let mut o = StepOptions::new(2, 16);
+    o.adamw.moments = moments;
+    o.adamw.weight_decay = 0.01;
+    o.fuse = fuse.then(qatc_passes::fusion::FuseOptions::default);
+    o
+}
+
+fn optimizer_bytes(m: &Model, moments: Moments) -> (usize, qatc_ir::Graph) {
+    let (g, _) = step::train(&m.cfg, &options(moments, false), |_, _| {}).unwrap();
+    let p = plan::plan(&g, &Default::default()).unwrap();
+    let bytes = p.persistent.iter().filter(|(c, _)| *c == Category::Optimizer).map(|(_, b)| *b).sum();
+    (bytes, g)
+}
+
+#[test]
+fn the_plan_holds_a_quarter_of_the_optimizer_bytes() {
+    let m = tiny();
+    let (f32_bytes, g) = optimizer_bytes(&m, Moments::F32);
+    let (bytes8, _) = optimizer_bytes(&m, Moments::Blockwise8);
+    // what each trainable tensor's moments take: 2 x 4 bytes per element in f32; in 8 bits, a
+    // code per element and an f32 absmax per block, when the tensor is large enough
+    let (mut want32, mut want8, mut quantized) = (4usize, 4usize, 0);
+    for id in g.inputs().into_iter().filter(|&id| g.input_kind(id) == Some(InputKind::Trainable)) {
+        let n = g.ty(id).numel();
+        want32 += 8 * n;
+        if optim::is_blockwise(Moments::Blockwise8, n) {
+            want8 += 2 * (n + 4 * qmap::blocks(n));
+            quantized += n;
+        } else {
+            want8 += 8 * n;
+        }
+    }
+    assert_eq!(f32_bytes, want32, "32-bit moments and the step count");
+    assert_eq!(bytes8, want8, "8-bit moments and the step count");
+    let ratio = bytes8 as f64 / f32_bytes as f64;
+    // the tiny model's small tensors (biases, LayerNorms: f32 moments) are a larger share than a
+    // real model's; the quantized tensors alone take a quarter plus their absmax
+    assert!(ratio < 0.30, "8-bit / 32-bit optimizer bytes = {ratio}");
+    assert!(quantized * 10 > 9 * (want32 - 4) / 8, "most elements are quantized");
+}
+
+fn run(m: &Model, o: StepOptions, steps: usize) -> Trainer {
+    let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+    let mut tr = Trainer::new(m, o, None, 0).unwrap();
+    for s in 0..steps {
+        let out = tr.step(&data, s, 1e-3).unwrap();
+        assert!(out.contains_key("loss"));
+    }
+    tr
+}
+
+fn bits(v: &Value<f32>) -> Vec<u32> {
+    match v {
+        Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
+        Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
+    }
+}
+
+#[test]
+fn fused_equals_unfused_and_the_codes_survive_a_resume() {
+    let m = tiny();
+    let unfused = run(&m, options(Moments::Blockwise8, false), 3);
+    let fused = run(&m, options(Moments::Blockwise8, true), 3);
+    assert!(qatc_ir::print(&fused.graph).contains("kernel["), "the step is fused");
+    let (a, b) = (unfused.state().unwrap(), fused.state().unwrap());
+    let mut codes = 0;
+    for (name, v) in &a {
+        assert_eq!(bits(v), bits(&b[name]), "{name}");
+        if name.starts_with("adam.m8:") {
+            codes += 1;
+            let Value::Int(t) = v else { panic!("{name} is not codes") };
+            assert!(t.data.iter().any(|&c| c != 127 && c != 0), "{name}: the moments moved");
+        }
+    }
+    assert!(codes > 5, "{codes} tensors have 8-bit moments");
+    // a save and a resume restore the codes exactly, and the next step is the same
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.safetensors");
+    std::fs::write(&path, unfused.save_state().unwrap()).unwrap();
+    let mut resumed = Trainer::new(&m, options(Moments::Blockwise8, false), None, 0).unwrap();
+    resumed.load_state(&path).unwrap();
+    let r = resumed.state().unwrap();
+    for (name, v) in &a {
+        if resumed.graph.find_input(name).is_some_and(|id| resumed.graph.input_kind(id) != Some(InputKind::Frozen)) {
+            assert_eq!(bits(v), bits(&r[name]), "{name} after a resume");
+        }
+    }
+    let codes_dtype =
+        resumed.graph.find_input(&optim::blockwise_moment_names("h.0.mlp.c_fc.weight")[0]).map(|id| resumed.graph.ty(id).dtype);
+    assert_eq!(codes_dtype, Some(DType::U8));
+}
+
+fn qatc(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).output().unwrap()
+}
+
+#[test]
+fn the_command_line_runs_it_on_the_interpreter_and_refuses_it_compiled() {
+    let model = common::fixture("tiny/f32_prefix/model.safetensors");
+    let data = common::fixture("tiny/tokens.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let (model, data, out_s) = (model.to_str().unwrap(), data.to_str().unwrap(), out.to_str().unwrap());
+    let base = [
+        "train",
+        model,
+        "--data",
+        data,
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--full-finetune",
+        "--optim",
+        "adamw8bit",
+        "--out",
+        out_s,
+    ];
+    let r = qatc(&[&base[..], &["--device", "cpu"]].concat());
+    let err = String::from_utf8_lossy(&r.stderr);
+    if cfg!(feature = "llvm") {
+        assert_eq!(r.status.code(), Some(2), "{err}");
+        assert!(err.contains("--optim adamw8bit") && err.contains("--interpreter"), "{err}");
+        assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1, "{err}");
+        assert!(!out.exists(), "nothing written");
+    }
+    let r = qatc(&[&base[..], &["--interpreter"]].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let cfg = std::fs::read_to_string(out.join("qatc.json")).unwrap();
+    assert!(cfg.contains("\"kind\": \"adamw8bit\""), "{cfg}");
+    let r = qatc(&["compile", model, "--batch", "2", "--seq", "16", "--optim", "adamw8bit", "-o", dir.path().join("c").to_str().unwrap()]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--optim adamw8bit"));
+    // the plan accounts it
+    let r = qatc(&["plan", model, "--batch", "2", "--seq", "16", "--optim", "adamw8bit"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+}
