@@ -152,7 +152,7 @@ pub enum Optimizer {
     #[default]
     Adamw,
     /// AdamW with 8-bit blockwise-quantized moments (bitsandbytes' AdamW8bit): a quarter of the
-    /// optimizer's memory. Runs on the reference interpreter (--interpreter) in this build.
+    /// optimizer's memory.
     Adamw8bit,
 }
 

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use qatc_ir::{qmap, DType, DynMap, Graph, InputKind, Shape};
 use qatc_passes::autodiff::grad_name;
 use qatc_passes::optim::{self, blockwise_moment_names, moment_names, AdamW, Moments};
-use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
+use qatc_runtime::{CpuProgram, IntTensor, Interpreter, Tensor, Value};
 
 const TOL: f64 = 1e-6;
 
@@ -46,8 +46,16 @@ fn as_f64(v: &Value<f32>) -> Vec<f64> {
     }
 }
 
-#[test]
-fn five_steps_match_the_numpy_reference() {
+/// The reference's hyperparameters, tensors and the optimizer-only graph: each trainable tensor's
+/// gradient is an input (`gin:NAME`), then the AdamW pass with 8-bit moments.
+struct Case {
+    fx: HashMap<String, common::T>,
+    shapes: Vec<(String, Vec<usize>)>,
+    lrs: Vec<f64>,
+    g: Graph,
+}
+
+fn case() -> Case {
     let meta = meta();
     let fx = common::read_safetensors("adamw8bit/steps.safetensors");
     let h = AdamW {
@@ -63,7 +71,6 @@ fn five_steps_match_the_numpy_reference() {
         .iter()
         .map(|(n, s)| (n.clone(), s.as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect()))
         .collect();
-    // a graph whose gradients are inputs, then the optimizer pass
     let mut g = Graph::new("adamw8bit");
     for (name, shape) in &shapes {
         g.input(name, InputKind::Trainable, DType::F32, Shape::new(shape.clone())).unwrap();
@@ -73,7 +80,13 @@ fn five_steps_match_the_numpy_reference() {
     let (g, report) = optim::adamw(g, &h, false).unwrap();
     qatc_ir::verify(&g).unwrap();
     assert!(format!("{report:?}").contains("blockwise_8bit"), "{report:?}");
-    let interp = Interpreter::<f32>::new(&g).unwrap();
+    let lrs = meta["lrs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    Case { fx, shapes, lrs, g }
+}
+
+/// Runs the 5 steps with `step` (inputs -> updates) from zero moments; returns the final inputs.
+fn five_steps(c: &Case, mut step: impl FnMut(&HashMap<String, Value<f32>>) -> HashMap<String, Value<f32>>) -> HashMap<String, Value<f32>> {
+    let g = &c.g;
     let mut inputs: HashMap<String, Value<f32>> = HashMap::new();
     for id in g.inputs() {
         let name = g.node(id).name.clone().unwrap();
@@ -88,36 +101,46 @@ fn five_steps_match_the_numpy_reference() {
             inputs.insert(name, zero);
         }
     }
-    for (name, shape) in &shapes {
-        inputs.insert(name.clone(), floats(shape, &fx[&format!("init:{name}")].data));
+    for (name, shape) in &c.shapes {
+        inputs.insert(name.clone(), floats(shape, &c.fx[&format!("init:{name}")].data));
     }
-    let lrs: Vec<f64> = meta["lrs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
-    for (step, lr) in lrs.iter().enumerate() {
+    for (i, lr) in c.lrs.iter().enumerate() {
         inputs.insert("lr".into(), Value::Float(Tensor { shape: vec![], data: vec![*lr as f32] }));
-        for (name, shape) in &shapes {
-            inputs.insert(format!("gin:{name}"), floats(shape, &fx[&format!("grad{step}:{name}")].data));
+        for (name, shape) in &c.shapes {
+            inputs.insert(format!("gin:{name}"), floats(shape, &c.fx[&format!("grad{i}:{name}")].data));
         }
-        let out = interp.run_split(&inputs).unwrap();
-        inputs.extend(out.updates);
+        let updates = step(&inputs);
+        let names: Vec<String> = g.outputs().iter().filter(|o| o.update).map(|o| o.name.clone()).collect();
+        for n in names {
+            let v = updates.get(&n).unwrap_or_else(|| panic!("no update {n}")).clone();
+            inputs.insert(n, v);
+        }
     }
+    inputs
+}
+
+/// The final state against the reference: parameters and dequantized moments within 1e-6,
+/// codes and absmax equal.
+fn check(c: &Case, inputs: &HashMap<String, Value<f32>>, what: &str) {
+    let fx = &c.fx;
     let max_diff = |a: &[f64], b: &[f64]| a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
-    for (name, shape) in &shapes {
+    for (name, shape) in &c.shapes {
         let n: usize = shape.iter().product();
         let p = as_f64(&inputs[name]);
         let d = max_diff(&p, &fx[&format!("final:{name}")].data);
-        assert!(d <= TOL, "{name}: parameters differ by {d}");
+        assert!(d <= TOL, "{what}: {name}: parameters differ by {d}");
         let (m, v) = if optim::is_blockwise(Moments::Blockwise8, n) {
             let [mc, ma, vc, va] = blockwise_moment_names(name);
             for (state, fixture) in [(&mc, "codes.m"), (&vc, "codes.v")] {
                 let want: Vec<f64> = fx[&format!("{fixture}:{name}")].ints.iter().map(|&c| f64::from(c)).collect();
                 let got = as_f64(&inputs[state]);
                 let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-                assert_eq!(wrong, 0, "{name}: {wrong} of {n} {fixture} codes differ");
+                assert_eq!(wrong, 0, "{what}: {name}: {wrong} of {n} {fixture} codes differ");
             }
             for (state, fixture) in [(&ma, "absmax.m"), (&va, "absmax.v")] {
                 let want = &fx[&format!("{fixture}:{name}")].data;
                 assert_eq!(want.len(), qmap::blocks(n));
-                assert_eq!(as_f64(&inputs[state]), *want, "{name}: {fixture}");
+                assert_eq!(as_f64(&inputs[state]), *want, "{what}: {name}: {fixture}");
             }
             let deq = |codes: &str, absmax: &str, map: DynMap| {
                 let c: Vec<u8> = as_f64(&inputs[codes]).iter().map(|&c| c as u8).collect();
@@ -131,9 +154,18 @@ fn five_steps_match_the_numpy_reference() {
         };
         for (got, fixture) in [(m, "m"), (v, "v")] {
             let d = max_diff(&got, &fx[&format!("{fixture}:{name}")].data);
-            assert!(d <= TOL, "{name}: moment {fixture} differs by {d}");
+            assert!(d <= TOL, "{what}: {name}: moment {fixture} differs by {d}");
         }
     }
+}
+
+#[test]
+fn five_steps_match_the_numpy_reference() {
+    let c = case();
+    let g = &c.g;
+    let interp = Interpreter::<f32>::new(g).unwrap();
+    let out = five_steps(&c, |inputs| interp.run_split(inputs).unwrap().updates);
+    check(&c, &out, "interpreter");
     // the moments that went 8-bit really are: the big tensors' state is u8, the small one's f32
     for id in g.inputs() {
         let name = g.node(id).name.clone().unwrap();
@@ -142,4 +174,27 @@ fn five_steps_match_the_numpy_reference() {
         }
     }
     assert!(g.find_input("adam.m:c.bias").is_some() && g.find_input("adam.m8:a.weight").is_some());
+}
+
+/// The same 5 steps as kernels (lowered unfused and fused), run by the kernel-IR evaluator and
+/// by LLVM: the same codes, absmax, moments and parameters as the reference.
+#[test]
+fn five_compiled_steps_match_the_numpy_reference() {
+    let c = case();
+    let (fused, _) = qatc_passes::fusion::fuse(c.g.clone(), &Default::default()).unwrap();
+    for (label, g) in [("unfused", &c.g), ("fused", &fused)] {
+        let prog = qatc_kernels::lower(g).unwrap_or_else(|e| panic!("{label}: lower: {e}"));
+        let families: Vec<&str> = prog.kernels.iter().map(|k| k.family.as_str()).collect();
+        assert!(families.iter().any(|f| f.contains("block_absmax")), "{label}: {families:?}");
+        let mut runners = vec![("KIR evaluator", CpuProgram::with_kir_eval(prog.clone()).unwrap())];
+        #[cfg(feature = "llvm")]
+        {
+            let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap();
+            runners.push(("LLVM", CpuProgram::new(prog.clone(), Box::new(jit)).unwrap()));
+        }
+        for (runner, mut cp) in runners {
+            let out = five_steps(&c, |inputs| cp.run(inputs).unwrap_or_else(|e| panic!("{label}, {runner}: {e}")));
+            check(&c, &out, &format!("{label}, {runner}"));
+        }
+    }
 }

@@ -290,9 +290,10 @@ pub fn block_dequant(map: DynMap, codes: &[u8], absmax: &[f32]) -> Vec<f32> {
     codes.iter().enumerate().map(|(i, &c)| table[c as usize] * absmax[i / qmap::BLOCK]).collect()
 }
 
-/// Each block's absolute maximum (`Op::BlockAbsMax`); NaN propagates, as `max` does elsewhere.
+/// Each block's absolute maximum (`Op::BlockAbsMax`), ignoring NaN as the kernels' max
+/// reduction does (`fmaxf`).
 pub fn block_absmax(x: &[f32]) -> Vec<f32> {
-    x.chunks(qmap::BLOCK).map(|b| b.iter().fold(0f32, |m, v| if m.is_nan() || v.is_nan() { f32::NAN } else { m.max(v.abs()) })).collect()
+    x.chunks(qmap::BLOCK).map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs()))).collect()
 }
 
 /// Blockwise dynamic quantization (`Op::BlockQuant`): the code nearest to x / absmax of its

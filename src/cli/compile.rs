@@ -52,9 +52,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let m = super::open_model(&a.model)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options(&a.model)?;
-    if opts.adamw.moments == qatc_passes::optim::Moments::Blockwise8 {
-        anyhow::bail!("--optim adamw8bit: the kernels do not have the 8-bit AdamW update yet (qatc train --interpreter runs it)");
-    }
     let mut fwd_text = String::new();
     let mut unfused: Option<qatc_ir::Graph> = None;
     let (train, reports) = step::train(&m.cfg, &opts, |stage, g| {
