@@ -129,7 +129,7 @@ fn check(c: &Case, inputs: &HashMap<String, Value<f32>>, what: &str) {
         let p = as_f64(&inputs[name]);
         let d = max_diff(&p, &fx[&format!("final:{name}")].data);
         assert!(d <= TOL, "{what}: {name}: parameters differ by {d}");
-        let (m, v) = if optim::is_blockwise(Moments::Blockwise8, n) {
+        let (m, v) = if optim::is_blockwise(&c.g, c.g.find_input(name).unwrap(), Moments::Blockwise8) {
             let [mc, ma, vc, va] = blockwise_moment_names(name);
             for (state, fixture) in [(&mc, "codes.m"), (&vc, "codes.v")] {
                 let want: Vec<f64> = fx[&format!("{fixture}:{name}")].ints.iter().map(|&c| f64::from(c)).collect();

@@ -8,7 +8,7 @@
 //! block (`qatc_ir::qmap`): the step dequantizes it, updates it and the weight in f32 exactly as
 //! the 32-bit step does, and requantizes it with the block's new absmax. Smaller tensors (biases,
 //! LayerNorm gains) keep f32 moments, as bitsandbytes' `min_8bit_size` does: their bytes are
-//! negligible and their updates the most sensitive.
+//! negligible and their updates the most sensitive; so do embedding tables (`is_blockwise`).
 
 use qatc_ir::{qmap, BinaryOp, DType, DynMap, Graph, InputKind, NodeId, Op, Shape, UnaryOp};
 use serde::Serialize;
@@ -57,9 +57,14 @@ pub fn blockwise_moment_names(param: &str) -> [String; 4] {
     [format!("adam.m8:{param}"), format!("adam.m8.absmax:{param}"), format!("adam.v8:{param}"), format!("adam.v8.absmax:{param}")]
 }
 
-/// Whether `moments` stores a tensor of `numel` elements as 8-bit blocks.
-pub fn is_blockwise(moments: Moments, numel: usize) -> bool {
-    moments == Moments::Blockwise8 && numel >= MIN_8BIT_ELEMS
+/// Whether `moments` stores the moments of trainable input `p` as 8-bit blocks: tensors of at
+/// least `MIN_8BIT_ELEMS` elements, except embedding tables (read by a gather). An embedding's
+/// rows see gradients as rarely as their tokens occur, so one block mixes second moments many
+/// orders of magnitude apart and a rare row's rounds to 0 while its first moment does not: a step
+/// of lr * m / eps. bitsandbytes keeps them in 32 bits for this reason (`StableEmbedding`).
+pub fn is_blockwise(g: &Graph, p: NodeId, moments: Moments) -> bool {
+    let embedding = g.users(p).into_iter().any(|u| matches!(g.node(u).op, Op::Gather) && g.operands(u).first() == Some(&p));
+    moments == Moments::Blockwise8 && g.ty(p).numel() >= MIN_8BIT_ELEMS && !embedding
 }
 
 /// The trainable inputs with their gradient outputs, in name order.
@@ -147,7 +152,7 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
     for (name, p, gr) in &gs {
         let ty = g.ty(*p).clone();
         let (mn, vn) = moment_names(name);
-        let eight = is_blockwise(h.moments, ty.numel());
+        let eight = is_blockwise(&g, *p, h.moments);
         let (m, v) = if eight {
             let [mc, ma, vc, va] = blockwise_moment_names(name);
             let nb = Shape::new([qmap::blocks(ty.numel())]);
