@@ -74,7 +74,7 @@ fn case() -> Case {
     let mut g = Graph::new("adamw8bit");
     for (name, shape) in &shapes {
         g.input(name, InputKind::Trainable, DType::F32, Shape::new(shape.clone())).unwrap();
-        let gi = g.input(&format!("gin:{name}"), InputKind::Data, DType::F32, Shape::new(shape.clone())).unwrap();
+        let gi = g.input(format!("gin:{name}"), InputKind::Data, DType::F32, Shape::new(shape.clone())).unwrap();
         g.set_output(grad_name(name), gi).unwrap();
     }
     let (g, report) = optim::adamw(g, &h, false).unwrap();
