@@ -205,6 +205,31 @@ pub fn dropout_keep(seed: i32, stream: usize, i: usize, p: f64) -> bool {
     u >= p
 }
 
+/// Blockwise dynamic dequantization (`Op::BlockDequant`): map[code] * absmax of the code's block,
+/// in f32.
+pub fn block_dequant(map: DynMap, codes: &[u8], absmax: &[f32]) -> Vec<f32> {
+    let table = map.values();
+    codes.iter().enumerate().map(|(i, &c)| table[c as usize] * absmax[i / qmap::BLOCK]).collect()
+}
+
+/// Each block's absolute maximum (`Op::BlockAbsMax`), ignoring NaN as the kernels' max
+/// reduction does (`fmaxf`).
+pub fn block_absmax(x: &[f32]) -> Vec<f32> {
+    x.chunks(qmap::BLOCK).map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs()))).collect()
+}
+
+/// Blockwise dynamic quantization (`Op::BlockQuant`): the code nearest to x / absmax of its
+/// block; a block whose absmax is 0 (all zeros) gets the code of 0.
+pub fn block_quant(map: DynMap, x: &[f32], absmax: &[f32]) -> Vec<u8> {
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let a = absmax[i / qmap::BLOCK];
+            map.nearest(if a > 0.0 { v / a } else { 0.0 })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -281,29 +306,4 @@ mod tests {
         assert!((kept as f64 / 1e5 - 0.75).abs() < 0.01, "{kept}");
         assert_eq!(dropout_keep(7, 3, 11, 0.25), dropout_keep(7, 3, 11, 0.25));
     }
-}
-
-/// Blockwise dynamic dequantization (`Op::BlockDequant`): map[code] * absmax of the code's block,
-/// in f32.
-pub fn block_dequant(map: DynMap, codes: &[u8], absmax: &[f32]) -> Vec<f32> {
-    let table = map.values();
-    codes.iter().enumerate().map(|(i, &c)| table[c as usize] * absmax[i / qmap::BLOCK]).collect()
-}
-
-/// Each block's absolute maximum (`Op::BlockAbsMax`), ignoring NaN as the kernels' max
-/// reduction does (`fmaxf`).
-pub fn block_absmax(x: &[f32]) -> Vec<f32> {
-    x.chunks(qmap::BLOCK).map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs()))).collect()
-}
-
-/// Blockwise dynamic quantization (`Op::BlockQuant`): the code nearest to x / absmax of its
-/// block; a block whose absmax is 0 (all zeros) gets the code of 0.
-pub fn block_quant(map: DynMap, x: &[f32], absmax: &[f32]) -> Vec<u8> {
-    x.iter()
-        .enumerate()
-        .map(|(i, &v)| {
-            let a = absmax[i / qmap::BLOCK];
-            map.nearest(if a > 0.0 { v / a } else { 0.0 })
-        })
-        .collect()
 }
