@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use qatc_ir::{QuantScheme, QuantSpec};
 use qatc_passes::lora::LoraOptions;
-use qatc_passes::optim::AdamW;
+use qatc_passes::optim::{AdamW, Moments};
 use qatc_passes::quant::QuantOptions;
 use qatc_passes::remat::Checkpoint;
 use serde::{Deserialize, Serialize};
@@ -144,12 +144,26 @@ pub struct PrecisionConfig {
     pub mode: Precision,
 }
 
-/// `--optim` (one kind for now).
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// `--optim`: the optimizer, and how it keeps its state.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
+    /// AdamW (PyTorch's), moments in f32.
     #[default]
     Adamw,
+    /// AdamW with 8-bit blockwise-quantized moments (bitsandbytes' AdamW8bit): a quarter of the
+    /// optimizer's memory.
+    Adamw8bit,
+}
+
+impl Optimizer {
+    /// How the AdamW pass stores the moments.
+    pub fn moments(self) -> Moments {
+        match self {
+            Optimizer::Adamw => Moments::F32,
+            Optimizer::Adamw8bit => Moments::Blockwise8,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -310,7 +324,13 @@ impl RunConfig {
         o.model = self.model.options(true);
         o.grad_accum = s.grad_accum;
         o.clip = s.optim.clip;
-        o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay };
+        o.adamw = AdamW {
+            beta1: s.optim.beta1,
+            beta2: s.optim.beta2,
+            eps: s.optim.eps,
+            weight_decay: s.optim.weight_decay,
+            moments: s.optim.kind.moments(),
+        };
         o.checkpoint = s.checkpoint;
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
         o.precision = s.precision.mode;

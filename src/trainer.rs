@@ -89,8 +89,15 @@ impl Trainer {
             let name = graph.node(id).name.clone().unwrap_or_default();
             if graph.input_kind(id) == Some(InputKind::State) {
                 let ty = graph.ty(id);
-                let data = if name == LOSS_SCALE { opts.loss_scaling.initial_state().to_vec() } else { vec![0.0; ty.numel()] };
-                let init = Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data });
+                let shape = ty.shape.dims().to_vec();
+                // moments start at 0 (f32 zeros, or 8-bit codes 0 with absmax 0); the loss scale at its initial state
+                let init = if !ty.dtype.is_float() {
+                    Value::Int(IntTensor { shape, data: vec![0; ty.numel()] })
+                } else if name == LOSS_SCALE {
+                    Value::Float(Tensor { shape, data: opts.loss_scaling.initial_state().to_vec() })
+                } else {
+                    Value::Float(Tensor { shape, data: vec![0.0; ty.numel()] })
+                };
                 step.set_input(&name, &init).with_context(|| format!("binding {name}"))?;
             }
             inputs.insert(name);
@@ -205,11 +212,12 @@ impl Trainer {
         Ok(v)
     }
 
+    /// The values as f32 tensors: 8-bit moment codes (0..=255) are exact in f32.
     fn tensors(v: Vec<(String, Value<f32>)>) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
         v.into_iter()
             .map(|(n, v)| match v {
                 Value::Float(t) => Ok((n, t)),
-                Value::Int(_) => anyhow::bail!("internal: {n} holds integers"),
+                Value::Int(t) => Ok((n, Tensor { shape: t.shape, data: t.data.into_iter().map(|c| c as f32).collect() })),
             })
             .collect()
     }
@@ -249,8 +257,17 @@ impl Trainer {
             if v.shape() != want.as_slice() || v.dtype() != safetensors::Dtype::F32 {
                 anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {want:?}", path.display(), v.dtype(), v.shape());
             }
-            let data = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            self.step.set_input(&name, &Value::Float(Tensor { shape: want, data })).with_context(|| format!("restoring {name}"))?;
+            let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let value = if self.graph.ty(id).dtype.is_float() {
+                Value::Float(Tensor { shape: want, data })
+            } else {
+                // 8-bit moment codes, saved as f32 by `save_state`
+                if let Some(c) = data.iter().find(|c| !(c.fract() == 0.0 && (0.0..=255.0).contains(*c))) {
+                    anyhow::bail!("{}: {name:?} holds {c}, not an 8-bit code", path.display());
+                }
+                Value::Int(IntTensor { shape: want, data: data.into_iter().map(|c| c as i32).collect() })
+            };
+            self.step.set_input(&name, &value).with_context(|| format!("restoring {name}"))?;
         }
         Ok(())
     }

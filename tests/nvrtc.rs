@@ -56,6 +56,13 @@ fn every_kernel_of_the_tiny_step_compiles() {
     compile_all(&nv, "tiny-qlora", &tiny(), &q, &Arch::ALL);
     q.fuse = Some(FuseOptions::default());
     compile_all(&nv, "tiny-qlora-fused", &tiny(), &q, &Arch::ALL);
+    // 8-bit AdamW: the MLP's weights (64 x 256) are large enough for 8-bit moments
+    let wide = Gpt2Config { n_embd: 64, ..tiny() };
+    let mut o8 = StepOptions::new(1, 4);
+    o8.adamw.moments = qatc_passes::optim::Moments::Blockwise8;
+    compile_all(&nv, "tiny-adamw8bit", &wide, &o8, &Arch::ALL);
+    o8.fuse = Some(FuseOptions::default());
+    compile_all(&nv, "tiny-adamw8bit-fused", &wide, &o8, &Arch::ALL);
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //!
 //! - [`types`]: element types, shapes.
 //! - [`op`]: the closed op set.
+//! - [`qmap`]: the 8-bit blockwise dynamic quantization maps (8-bit AdamW's moments).
 //! - [`graph`]: the graph (on petgraph, kept private) and its builder.
 //! - [`infer`] / [`verify`]: type inference and the verifier.
 //! - [`text`]: the printer and the parser of the text format.
@@ -10,6 +11,7 @@ pub mod error;
 pub mod graph;
 pub mod infer;
 pub mod op;
+pub mod qmap;
 pub mod text;
 pub mod types;
 pub mod verify;
@@ -17,6 +19,7 @@ pub mod verify;
 pub use error::IrError;
 pub use graph::{Graph, Node, NodeId, Output};
 pub use op::{Attr, BinaryOp, InputKind, Op, QuantScheme, QuantSpec, UnaryOp, NF4};
+pub use qmap::DynMap;
 pub use text::{parse, print};
 pub use types::{DType, Shape, TensorType};
 pub use verify::verify;

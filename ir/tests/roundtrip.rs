@@ -21,7 +21,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use qatc_ir::infer::broadcasts_to;
 use qatc_ir::{
-    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape, TensorType, UnaryOp,
+    parse, print, qmap, verify, BinaryOp, DType, DynMap, Graph, InputKind, IrError, NodeId, Op, QuantScheme, QuantSpec, Shape, TensorType,
+    UnaryOp,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -42,7 +43,7 @@ const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-const N_SLOTS: usize = 47;
+const N_SLOTS: usize = 50;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -99,6 +100,9 @@ fn op_slot(op: &Op) -> usize {
         Op::AllFinite => 44,
         Op::Select => 45,
         Op::LossScale { .. } => 46,
+        Op::BlockDequant { .. } => 47,
+        Op::BlockAbsMax => 48,
+        Op::BlockQuant { .. } => 49,
     }
 }
 
@@ -622,6 +626,22 @@ impl<'a> Builder<'a> {
                 let interval = self.ch.pick(&[1, 2, 2000, usize::MAX]);
                 let (growth, backoff) = (self.ch.pick(&[2.0, 1.5, 1e300]), self.ch.pick(&[0.5, 0.25, 1e-300]));
                 self.op(Op::LossScale { interval, growth, backoff }, &[state, finite])
+            }
+            47 | 49 => {
+                // a blockwise-quantized tensor: codes (u8) or values (f32) and one absmax per block
+                let dims = self.ch.dims(1, 3);
+                let n: usize = dims.iter().product();
+                let map = self.ch.pick(&DynMap::ALL);
+                let dtype = if slot == 47 { DType::U8 } else { DType::F32 };
+                let x = self.of_type(TensorType::new(dtype, dims))?;
+                let absmax = self.of_type(TensorType::new(DType::F32, [qmap::blocks(n)]))?;
+                let op = if slot == 47 { Op::BlockDequant { map } } else { Op::BlockQuant { map } };
+                self.op(op, &[x, absmax])
+            }
+            48 => {
+                let ty = TensorType::new(DType::F32, self.ch.dims(0, 3));
+                let x = self.of_type(ty)?;
+                self.op(Op::BlockAbsMax, &[x])
             }
             _ => {
                 // a kernel whose body is gelu(in0) [* in1]: bodies nest a whole graph in the text

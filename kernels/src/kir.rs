@@ -28,7 +28,7 @@
 //!   are sorted into a fixed order instead (`lower/scatter.rs`).
 //! - No FMA contraction is required or forbidden: NVRTC contracts by default (`--fmad=true`).
 
-use qatc_ir::DType;
+use qatc_ir::{DType, DynMap};
 
 /// The type of a scalar expression.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -143,6 +143,11 @@ pub enum Intrinsic {
     Nf4Nearest,
     /// (x f32) -> f32: x rounded to f16 and back (Q4_0 stores its scale as f16).
     F16Round,
+    /// (code i32) -> f32: the dynamic map's value of an 8-bit code (`qatc_ir::qmap`).
+    DynValue(DynMap),
+    /// (y f32) -> i32: `DynMap::nearest`, the code of the map value nearest to y (the lower on a
+    /// tie; 0 for NaN): a binary search of the sorted map, then the closer neighbour.
+    DynNearest(DynMap),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -512,8 +517,8 @@ impl TypeEnv {
             Expr::Cast(t, _) => *t,
             Expr::Call(i, _) => match i {
                 Intrinsic::DropoutKeep { .. } => Ty::Bool,
-                Intrinsic::Nf4Nearest => Ty::I32,
-                Intrinsic::Nf4Value | Intrinsic::F16Round => Ty::F32,
+                Intrinsic::Nf4Nearest | Intrinsic::DynNearest(_) => Ty::I32,
+                Intrinsic::Nf4Value | Intrinsic::F16Round | Intrinsic::DynValue(_) => Ty::F32,
             },
         }
     }

@@ -10,7 +10,7 @@
 //! (packed codes + Dequantize) equals the unfolded one (FakeQuant) bit for bit by construction.
 
 use half::f16;
-use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_ir::{qmap, DynMap, QuantScheme, QuantSpec};
 
 pub use qatc_ir::NF4;
 
@@ -203,6 +203,31 @@ pub fn dropout_keep(seed: i32, stream: usize, i: usize, p: f64) -> bool {
     z ^= z >> 31;
     let u = (z >> 40) as f64 / (1u64 << 24) as f64;
     u >= p
+}
+
+/// Blockwise dynamic dequantization (`Op::BlockDequant`): map[code] * absmax of the code's block,
+/// in f32.
+pub fn block_dequant(map: DynMap, codes: &[u8], absmax: &[f32]) -> Vec<f32> {
+    let table = map.values();
+    codes.iter().enumerate().map(|(i, &c)| table[c as usize] * absmax[i / qmap::BLOCK]).collect()
+}
+
+/// Each block's absolute maximum (`Op::BlockAbsMax`), ignoring NaN as the kernels' max
+/// reduction does (`fmaxf`).
+pub fn block_absmax(x: &[f32]) -> Vec<f32> {
+    x.chunks(qmap::BLOCK).map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs()))).collect()
+}
+
+/// Blockwise dynamic quantization (`Op::BlockQuant`): the code nearest to x / absmax of its
+/// block; a block whose absmax is 0 (all zeros) gets the code of 0.
+pub fn block_quant(map: DynMap, x: &[f32], absmax: &[f32]) -> Vec<u8> {
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let a = absmax[i / qmap::BLOCK];
+            map.nearest(if a > 0.0 { v / a } else { 0.0 })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -67,6 +67,10 @@ pub struct StepArgs {
     /// Clip the global gradient norm to X.
     #[arg(long)]
     pub clip: Option<f64>,
+    /// The optimizer: adamw (f32 moments) or adamw8bit (8-bit blockwise moments, a quarter of
+    /// the optimizer's memory).
+    #[arg(long, value_enum, default_value_t = Optimizer::Adamw)]
+    pub optim: Optimizer,
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
@@ -139,7 +143,7 @@ impl StepArgs {
             grad_accum: self.grad_accum,
             precision: PrecisionConfig { mode: self.precision },
             optim: OptimConfig {
-                kind: Optimizer::Adamw,
+                kind: self.optim,
                 beta1: defaults.beta1,
                 beta2: defaults.beta2,
                 eps: defaults.eps,

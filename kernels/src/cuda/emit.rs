@@ -198,7 +198,14 @@ fn headers_needed(k: &Kernel) -> BTreeSet<&'static str> {
                 Expr::Un(UnOp::Gelu, _) | Expr::Bin(BinOp::GeluGrad, ..) => {
                     h.insert("qatc_math.cuh");
                 }
-                Expr::Call(Intrinsic::DropoutKeep { .. } | Intrinsic::Nf4Value | Intrinsic::Nf4Nearest, _) => {
+                Expr::Call(
+                    Intrinsic::DropoutKeep { .. }
+                    | Intrinsic::Nf4Value
+                    | Intrinsic::Nf4Nearest
+                    | Intrinsic::DynValue(_)
+                    | Intrinsic::DynNearest(_),
+                    _,
+                ) => {
                     h.insert("qatc_quant.cuh");
                 }
                 _ => {}
@@ -573,6 +580,8 @@ impl<'k> LoopNestWriter<'k> {
                     Intrinsic::Nf4Value => format!("qatc::nf4_value({})", a.join(", ")),
                     Intrinsic::Nf4Nearest => format!("qatc::nf4_nearest({})", a.join(", ")),
                     Intrinsic::F16Round => format!("qatc::round_f16({})", a.join(", ")),
+                    Intrinsic::DynValue(m) => format!("qatc::dyn_value(qatc::{}, {})", dyn_table(*m), a.join(", ")),
+                    Intrinsic::DynNearest(m) => format!("qatc::dyn_nearest(qatc::{}, {})", dyn_table(*m), a.join(", ")),
                 };
                 (s, TOP)
             }
@@ -651,4 +660,12 @@ pub fn float_lit(v: f64, t: Ty) -> String {
         s.push('f');
     }
     s
+}
+
+/// The name of a dynamic map's table in `qatc_quant.cuh`.
+pub fn dyn_table(m: qatc_ir::DynMap) -> &'static str {
+    match m {
+        qatc_ir::DynMap::Signed => "DYN_SIGNED",
+        qatc_ir::DynMap::Unsigned => "DYN_UNSIGNED",
+    }
 }

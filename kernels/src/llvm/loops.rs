@@ -549,6 +549,14 @@ impl<'ctx> Scope<'ctx> {
                 let x = self.typed(f, arg(0)?, Ty::F32)?.into_float_value();
                 (math::round_f16(f, x)?.into(), Ty::F32)
             }
+            Intrinsic::DynValue(map) => {
+                let c = self.typed(f, arg(0)?, Ty::I32)?.into_int_value();
+                (math::dyn_value(f, map, c)?.into(), Ty::F32)
+            }
+            Intrinsic::DynNearest(map) => {
+                let y = self.typed(f, arg(0)?, Ty::F32)?.into_float_value();
+                (math::dyn_nearest(f, map, y)?.into(), Ty::I32)
+            }
         })
     }
 }

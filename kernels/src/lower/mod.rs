@@ -151,6 +151,8 @@ fn role_names(op: &Op) -> &'static [&'static str] {
         Op::AdamM { .. } => &["m", "g"],
         Op::AdamV { .. } => &["v", "g"],
         Op::AdamParam { .. } => &["p", "m", "v", "lr", "step"],
+        Op::BlockDequant { .. } => &["codes", "absmax"],
+        Op::BlockQuant { .. } => &["x", "absmax"],
         Op::Binary(_) => &["a", "b"],
         _ => &["x"],
     }

@@ -226,6 +226,9 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         | Op::CrossEntropyGrad
         | Op::AdamM { .. }
         | Op::AdamV { .. }
-        | Op::AdamParam { .. } => Err(no_rule()),
+        | Op::AdamParam { .. }
+        | Op::BlockDequant { .. }
+        | Op::BlockAbsMax
+        | Op::BlockQuant { .. } => Err(no_rule()),
     }
 }

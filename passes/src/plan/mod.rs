@@ -25,7 +25,7 @@ pub mod units;
 
 use std::collections::HashMap;
 
-use qatc_ir::{Graph, IrError, NodeId, Op};
+use qatc_ir::{Graph, IrError, NodeId};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -283,7 +283,7 @@ fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, schedu
             Phase::Forward
         } else if is_recompute_name(d.names[i].as_deref()) {
             Phase::Recompute
-        } else if d.write_back[i].is_some() || matches!(g.node(d.ids[i]).op, Op::AdamM { .. } | Op::AdamV { .. } | Op::AdamParam { .. }) {
+        } else if d.write_back[i].is_some() || g.node(d.ids[i]).op.is_optimizer() {
             Phase::Optimizer
         } else {
             Phase::Backward
