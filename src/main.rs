@@ -65,7 +65,8 @@ fn main() {
     };
     if let Err(e) = r {
         // One line: the chain of causes joined, newlines folded.
-        let msg = format!("{e:#}").replace('\n', " ");
+        let mut msg = format!("{e:#}").replace('\n', " ");
+        msg.push_str(cli::hint(&e).unwrap_or_default());
         eprintln!("error: {msg}");
         std::process::exit(2);
     }

@@ -80,6 +80,7 @@ impl Trainer {
         cpu: &CpuOptions,
     ) -> anyhow::Result<Trainer> {
         let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
+        opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         for (name, v) in m.bind::<f32>(&graph, adapter, seed)? {
             step.set_input(&name, &v).with_context(|| format!("binding {name}"))?;

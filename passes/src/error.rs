@@ -1,4 +1,4 @@
-use qatc_ir::IrError;
+use qatc_ir::{Expired, IrError};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -8,6 +8,9 @@ pub enum PassError {
     Ir { pass: &'static str, source: IrError },
     #[error("pass {pass}: {msg}")]
     Invalid { pass: &'static str, msg: String },
+    /// The compile budget ran out (`qatc_ir::Deadline`).
+    #[error(transparent)]
+    Expired(#[from] Expired),
     #[error("autodiff: no gradient rule for {op} (node {node}); it cannot lie between a trainable input and the loss")]
     NoRule { op: &'static str, node: String },
 }

@@ -73,7 +73,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, unfused.as_ref().unwrap_or(&train), memory)?;
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
+    opts.deadline.check("code generation")?;
     let (program, kernels) = qatc_kernels::cuda_kernels(&train).context("code generation")?;
+    opts.deadline.check("code generation")?;
     artifacts.push("kernels/");
     let manifest = Manifest {
         qatc_version: env!("CARGO_PKG_VERSION"),

@@ -42,6 +42,29 @@ pub fn check_seq(m: &Model, batch: usize, seq: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--compile-timeout SECONDS` as a deadline starting now.
+pub fn compile_budget(seconds: f64) -> anyhow::Result<qatc_ir::Deadline> {
+    if !(seconds > 0.0 && seconds.is_finite() && seconds <= 1e9) {
+        anyhow::bail!("--compile-timeout must be a number of seconds above 0, got {seconds}");
+    }
+    Ok(qatc_ir::Deadline::within(std::time::Duration::from_secs_f64(seconds)))
+}
+
+/// What the user can do about an error, when there is something to say beyond its message.
+pub fn hint(e: &anyhow::Error) -> Option<&'static str> {
+    use qatc_passes::{fusion::FusionError, plan::PlanError, PassError};
+    // the budget's error is carried transparently: look for each wrapper that can hold it
+    let expired = |c: &(dyn std::error::Error + 'static)| {
+        c.downcast_ref::<qatc_ir::Expired>().is_some()
+            || matches!(c.downcast_ref::<PassError>(), Some(PassError::Expired(_)))
+            || matches!(c.downcast_ref::<PlanError>(), Some(PlanError::Expired(_)))
+            || matches!(c.downcast_ref::<FusionError>(), Some(FusionError::Expired(_)))
+    };
+    e.chain()
+        .any(expired)
+        .then_some(" (--compile-timeout SECONDS gives more time; --no-fuse, or a smaller --grad-accum, --batch or --seq compile faster)")
+}
+
 /// A progress bar on stderr; hidden when stderr is not a terminal.
 pub fn progress(len: u64, template: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(len);
@@ -94,6 +117,9 @@ pub struct StepArgs {
     /// or fp16 (f32 masters and dynamic loss scaling).
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
+    /// Give up building the step after this many seconds, with a message naming the stage.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    pub compile_timeout: f64,
 }
 
 /// `--checkpoint` as given: a policy, or `auto`, whose size `--memory` gives.
@@ -156,7 +182,15 @@ impl StepArgs {
 
     /// The step's options for these flags (through `config`).
     pub fn options(&self, model: &Path) -> anyhow::Result<crate::step::StepOptions> {
-        self.config(model, Placement::default())?.step_options().map_err(anyhow::Error::msg)
+        let mut o = self.config(model, Placement::default())?.step_options().map_err(anyhow::Error::msg)?;
+        o.deadline = self.compile_budget()?;
+        Ok(o)
+    }
+
+    /// `--compile-timeout` as a deadline starting now (not part of the run's configuration: a
+    /// limit on this invocation, not a fact of the run).
+    pub fn compile_budget(&self) -> anyhow::Result<qatc_ir::Deadline> {
+        compile_budget(self.compile_timeout)
     }
 
     /// The checkpoint policy: `--checkpoint`, else `auto` when `--memory` is given, else none.

@@ -93,7 +93,7 @@ pub fn build(cfg: &Gpt2Config, opts: &StepOptions) -> anyhow::Result<(Graph, Vec
     let mut o = opts.clone();
     o.fuse = None;
     let (g, reports) = step::train(cfg, &o, |_, _| {})?;
-    let p = plan::plan(&g, &Default::default()).context("memory plan")?;
+    let p = plan::plan(&g, &plan::PlanOptions { deadline: opts.deadline, ..Default::default() }).context("memory plan")?;
     Ok((g, reports, p))
 }
 
@@ -141,7 +141,7 @@ pub fn artifacts(
     g: &Graph,
     memory: Option<usize>,
 ) -> anyhow::Result<(String, String)> {
-    let p = plan::plan(g, &Default::default()).context("memory plan")?;
+    let p = plan::plan(g, &plan::PlanOptions { deadline: opts.deadline, ..Default::default() }).context("memory plan")?;
     let (ctx, title) = context(name, cfg, opts, reports, memory, &p);
     Ok((json::to_json(&p, ctx)?, svg::render(&p, &title, memory)))
 }

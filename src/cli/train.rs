@@ -247,7 +247,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     }
     let m = super::open_model(&model_path)?;
     super::check_seq(&m, step.batch, step.seq)?;
-    let opts = cfg.step_options().map_err(anyhow::Error::msg)?;
+    let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
+    opts.deadline = a.step.compile_budget()?;
     let data = TokenFile::load(&data_path)?;
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;
