@@ -148,7 +148,7 @@ impl StepOptions {
 
 /// The bare forward graph (the `lower` stage alone).
 pub fn forward(cfg: &Gpt2Config, batch: usize, seq: usize, logits: bool) -> Result<Graph, PassError> {
-    lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), source })
+    lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), error: source })
 }
 
 /// Marks weights trainable: everything for a full fine-tune; otherwise only what the LoRA pass
@@ -180,7 +180,7 @@ pub fn model(
     mut after: impl FnMut(&'static str, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
     let g = forward(cfg, batch, seq, logits)?;
-    qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), source })?;
+    qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), error: source })?;
     after(Stage::Lower.name(), &g);
     let mut passes = Vec::new();
     if let Some(q) = mo.quant.clone() {

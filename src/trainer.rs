@@ -236,8 +236,9 @@ impl Trainer {
         weights_safetensors(&self.persistent()?)
     }
 
-    /// Restores what `save_state` wrote; every persistent input must be there with its shape.
-    pub fn load_state(&mut self, path: &Path) -> anyhow::Result<()> {
+    /// Restores what `save_state` wrote; every persistent input must be there with its shape, and
+    /// finite unless `allow_nonfinite`.
+    pub fn load_state(&mut self, path: &Path, allow_nonfinite: bool) -> anyhow::Result<()> {
         let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
         let st = safetensors::SafeTensors::deserialize(&bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
         for id in self.graph.inputs() {
@@ -250,7 +251,10 @@ impl Trainer {
             if v.shape() != want.as_slice() || v.dtype() != safetensors::Dtype::F32 {
                 anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {want:?}", path.display(), v.dtype(), v.shape());
             }
-            let data = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            if !allow_nonfinite {
+                crate::finite::check(path, &name, &want, &data)?;
+            }
             self.step.set_input(&name, &Value::Float(Tensor { shape: want, data })).with_context(|| format!("restoring {name}"))?;
         }
         Ok(())

@@ -75,7 +75,7 @@ pub fn run_within(
         let name = p.name;
         let (ng, report) = (p.run)(g)?;
         deadline.check(&format!("pass {name}"))?;
-        verify(&ng).map_err(|source| PassError::Ir { pass: name, source })?;
+        verify(&ng).map_err(|source| PassError::Ir { pass: name, error: source })?;
         after(name, &ng);
         reports.push(report);
         g = ng;

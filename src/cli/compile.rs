@@ -47,7 +47,7 @@ fn emit_llvm(_: &std::path::Path, _: &qatc_kernels::Program) -> anyhow::Result<(
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     crate::artifacts::check_target(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("-o {}", a.out.display()))?;
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.step.read)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options(&a.model)?;
     let mut fwd_text = String::new();

@@ -39,6 +39,8 @@ pub struct Args {
     /// Storage type of activations (and GEMM operands): fp32, bf16 or fp16.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
+    #[command(flatten)]
+    pub read: super::ReadArgs,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -60,11 +62,12 @@ pub struct EvalSetup {
 impl EvalSetup {
     /// What `qatc eval` evaluates: with an adapter, the configuration saved beside it (the
     /// quantization flags, when given, must agree with it); else the flags. The precision is
-    /// this evaluation's choice, not the training run's.
-    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>, precision: Precision) -> anyhow::Result<EvalSetup> {
+    /// this evaluation's choice, not the training run's. Adapter tensors must be finite unless
+    /// `allow_nonfinite`.
+    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>, precision: Precision, allow_nonfinite: bool) -> anyhow::Result<EvalSetup> {
         match adapter {
             Some(dir) => {
-                let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
+                let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""), allow_nonfinite)?;
                 Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision })
             }
             None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision }),
@@ -124,11 +127,24 @@ fn run_eval(
         inputs.insert("ids".into(), Value::Int(IntTensor { shape: vec![b, t], data: ids }));
         inputs.insert("targets".into(), Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
         let out = interp.run(&inputs)?;
-        sum += scalar(&out, "loss")?;
+        let loss = scalar(&out, "loss")?;
+        if !loss.is_finite() {
+            // never a NaN result: say where it appeared and what can cause it
+            let lora =
+                setup.model.lora.as_ref().map(|l| format!(", or the adapter's scaling alpha/r = {}", l.scaling())).unwrap_or_default();
+            anyhow::bail!(
+                "{}: batch {s} gives a loss of {loss}: the model overflows on it (finite but huge weights{lora}, or non-finite ones let in by --allow-nonfinite); no result",
+                data.path().display()
+            );
+        }
+        sum += loss;
         pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
         pb.inc(1);
     }
     pb.finish_and_clear();
+    if n == 0 {
+        anyhow::bail!("internal: evaluating 0 batches");
+    }
     let loss = sum / n as f64;
     Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
 }
@@ -142,7 +158,7 @@ pub fn scalar(out: &HashMap<String, Value<f32>>, name: &str) -> anyhow::Result<f
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
@@ -164,12 +180,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
+    let setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision, a.read.allow_nonfinite)?;
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
+        // a perplexity past f64 (a mean loss over 709) is null, as JSON has no infinity
         println!("{}", serde_json::to_string(&r)?);
-    } else {
+    } else if r.ppl.is_finite() {
         println!("loss {:.6}  ppl {:.3}  ({} batches x B {} x T {} = {} tokens)", r.loss, r.ppl, n, a.batch, a.seq, r.tokens);
+    } else {
+        println!("loss {:.6}  ppl over 1.8e308 ({} batches x B {} x T {} = {} tokens)", r.loss, n, a.batch, a.seq, r.tokens);
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! one line and exits with code 2.
 
 pub mod compile;
+pub mod diverge;
 pub mod dump;
 pub mod eval;
 pub mod export;
@@ -21,9 +22,22 @@ use crate::config::{self, OptimConfig, Optimizer, Precision, PrecisionConfig, Ru
 use crate::model::Model;
 use crate::runner::Device;
 
-/// Opens a model and says so once when its config had to be inferred.
-pub fn open_model(path: &Path) -> anyhow::Result<Model> {
+/// How inputs are read (every command that reads a checkpoint, adapter or resume state).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ReadArgs {
+    /// Read checkpoints, adapters and resume states that hold NaN or infinity (refused by default:
+    /// they make every result NaN).
+    #[arg(long)]
+    pub allow_nonfinite: bool,
+}
+
+/// Opens a model, refuses non-finite weights (unless allowed), and says once when its config had
+/// to be inferred.
+pub fn open_model(path: &Path, read: &ReadArgs) -> anyhow::Result<Model> {
     let m = Model::open(path)?;
+    if !read.allow_nonfinite {
+        m.ckpt.check_finite()?;
+    }
     if let Some(n) = &m.notice {
         eprintln!("note: {n}");
     }
@@ -120,6 +134,8 @@ pub struct StepArgs {
     /// Give up building the step after this many seconds, with a message naming the stage.
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
     pub compile_timeout: f64,
+    #[command(flatten)]
+    pub read: ReadArgs,
 }
 
 /// `--checkpoint` as given: a policy, or `auto`, whose size `--memory` gives.

@@ -187,6 +187,7 @@ pub fn parse_lora(s: &str) -> anyhow::Result<LoraOptions> {
     if r == 0 {
         bail!("--lora r must be at least 1");
     }
+    o.check().map_err(|e| anyhow::anyhow!("--lora {s}: {e}"))?;
     Ok(o)
 }
 
@@ -201,8 +202,9 @@ pub fn model_config(q: &QuantArgs, lora: Option<&LoraOptions>, full_finetune: bo
 /// An adapter directory and the configuration it was trained with: its `qatc.json` when it has
 /// one (the flags given must agree with it), else one made from the flags (`model` the base
 /// checkpoint; no step or train section).
-pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path) -> anyhow::Result<(RunConfig, Adapter)> {
-    let ad = crate::adapter::read(dir)?;
+/// Its tensors must be finite unless `allow_nonfinite`.
+pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path, allow_nonfinite: bool) -> anyhow::Result<(RunConfig, Adapter)> {
+    let ad = crate::adapter::read_with(dir, allow_nonfinite)?;
     let lora = ad.options();
     let Some(saved) = RunConfig::read_if_any(dir)? else {
         let model = model_config(q, Some(&lora), false, model)?;

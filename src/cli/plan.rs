@@ -38,7 +38,7 @@ pub struct Args {
 fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> {
     let path = std::path::Path::new(model);
     if path.exists() {
-        let m = super::open_model(path)?;
+        let m = super::open_model(path, &step.read)?;
         super::check_seq(&m, step.batch, step.seq)?;
         return Ok((m.cfg.clone(), model.to_string()));
     }

@@ -46,6 +46,8 @@ pub struct Args {
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub read: super::ReadArgs,
 }
 
 #[derive(serde::Serialize, Debug)]
@@ -57,12 +59,15 @@ struct ModuleResult {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
-    if a.threshold.is_nan() || a.threshold < 0.0 {
-        anyhow::bail!("--threshold must be >= 0");
+    if !(a.threshold >= 0.0 && a.threshold.is_finite()) {
+        anyhow::bail!("--threshold must be a number >= 0, got {}", a.threshold);
+    }
+    if a.batches == 0 {
+        anyhow::bail!("--batches must be at least 1");
     }
     let n = a.batches.min(data.num_batches(a.batch, a.seq));
     if n == 0 {

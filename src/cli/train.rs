@@ -245,7 +245,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     if let Some(n) = notice {
         eprintln!("qatc: {n}");
     }
-    let m = super::open_model(&model_path)?;
+    let m = super::open_model(&model_path, &a.step.read)?;
     super::check_seq(&m, step.batch, step.seq)?;
     let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
     opts.deadline = a.step.compile_budget()?;
@@ -261,7 +261,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         }
         None => None,
     };
-    let init = train.init_adapter.as_deref().map(|p| crate::adapter::read(Path::new(p))).transpose()?;
+    let init = train.init_adapter.as_deref().map(|p| crate::adapter::read_with(Path::new(p), a.step.read.allow_nonfinite)).transpose()?;
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
@@ -270,7 +270,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     eprintln!("qatc: the step runs {}", tr.describe());
     let (start, mut skipped) = match (resume_at.as_ref(), &a.resume) {
         (Some(done), Some(dir)) => {
-            tr.load_state(&dir.join(STATE))?;
+            tr.load_state(&dir.join(STATE), a.step.read.allow_nonfinite)?;
             (done.step, done.skipped)
         }
         _ => (0, 0),
@@ -303,6 +303,22 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
+    // what a divergence message says: the last finite loss, the last save
+    let (mut last_finite, mut saved) = (None, resume_at.map(|_| start));
+    let known = |step, symptom, last_finite, saved, out: &_, tr: &Trainer, lr| {
+        super::diverge::message(&super::diverge::Known {
+            step,
+            symptom,
+            last_finite,
+            lr,
+            outputs: out,
+            state: &tr.state,
+            lora: tr.opts.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
+            allowed_nonfinite: a.step.read.allow_nonfinite,
+            saved,
+            out: &a.out,
+        })
+    };
     for s in start..train.steps {
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
@@ -315,8 +331,9 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         }
         let tps = tokens_per_step as f64 / t0.elapsed().as_secs_f64();
         if !loss.is_finite() {
-            anyhow::bail!("step {s}: the loss is {loss}; stopping (lower --lr or set --clip)");
+            anyhow::bail!(known(s, super::diverge::Symptom::Loss(loss), last_finite, saved, &out, &tr, lr));
         }
+        last_finite = Some((s, loss));
         let done = s + 1;
         let val_loss = match &val {
             Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == train.steps => {
@@ -354,7 +371,12 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         });
         pb.inc(1);
         if (a.save_every > 0 && done % a.save_every == 0) || done == train.steps {
+            // a save never writes non-finite weights over the last good one
+            if let Some((tensor, i, v)) = super::diverge::nonfinite_state(&tr) {
+                anyhow::bail!(known(s, super::diverge::Symptom::State(tensor, i, v), last_finite, saved, &out, &tr, lr));
+            }
             save(&a.out, &tr, &m, &cfg, done, skipped, faults)?;
+            saved = Some(done);
         }
     }
     pb.finish_and_clear();

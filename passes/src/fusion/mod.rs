@@ -81,7 +81,7 @@ pub enum FusionError {
 impl From<FusionError> for PassError {
     fn from(e: FusionError) -> PassError {
         match e {
-            FusionError::Ir(source) => PassError::Ir { pass: PASS, source },
+            FusionError::Ir(source) => PassError::Ir { pass: PASS, error: source },
             FusionError::Expired(x) => PassError::Expired(x),
             e => PassError::Invalid { pass: PASS, msg: e.to_string() },
         }

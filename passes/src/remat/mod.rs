@@ -116,7 +116,7 @@ fn keep_segments(d: &Dense, ch: &chain::Chains, seg: usize) -> Vec<bool> {
 }
 
 fn candidate(g: &Graph, d: &Dense, keep: &[bool], policy: String, po: &PlanOptions) -> Result<Candidate, PassError> {
-    let (graph, rw) = apply::rewrite(g, d, keep).map_err(|source| PassError::Ir { pass: PASS, source })?;
+    let (graph, rw) = apply::rewrite(g, d, keep).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
     let peak = peak(&graph, po)?;
     Ok(Candidate { policy, graph, rw, peak })
 }
@@ -159,7 +159,7 @@ fn solve_budget(
         let Some(sol) = model.solve(target) else { break };
         let keep = model.keep_vector(d, &sol.keep);
         let masks = sol.keep.clone();
-        let (graph, rw) = apply::rewrite(g, d, &keep).map_err(|source| PassError::Ir { pass: PASS, source })?;
+        let (graph, rw) = apply::rewrite(g, d, &keep).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
         // the estimate (schedule and lifetimes, no offsets) bounds the real peak from below;
         // offsets are assigned only for plans that may fit
         let est = plan::estimate(&graph, po).map_err(plan_err)?;
@@ -281,7 +281,7 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
                 report.notes.push(format!("sqrt: {} blocks in segments of {seg}", ch.layers));
             }
             let (graph, rw) =
-                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: PASS, source })?;
+                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
             Candidate { policy: policy.describe(), graph, rw, peak: 0 }
         }
         Checkpoint::Budget(m) => match cheapest_fit(&g, &d, m, None, po, &mut report.notes)? {
