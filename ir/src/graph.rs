@@ -98,6 +98,13 @@ impl Graph {
             },
             msg,
         })?;
+        if ty.checked_bytes().is_none() {
+            let node = match &name {
+                Some(n) => format!("{n:?} ({})", op.mnemonic()),
+                None => format!("new {}", op.mnemonic()),
+            };
+            return Err(IrError::Type { node, msg: format!("{ty} is more than 2^60 bytes: no memory holds it") });
+        }
         if let Op::Input { .. } = op {
             let Some(n) = &name else {
                 return Err(IrError::Type { node: "new input".into(), msg: "inputs must be named".into() });

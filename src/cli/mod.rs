@@ -49,11 +49,21 @@ pub fn check_seq(m: &Model, batch: usize, seq: usize) -> anyhow::Result<()> {
     if batch == 0 || seq == 0 {
         anyhow::bail!("--batch and --seq must be at least 1");
     }
+    check_tokens(batch, seq)?;
     if seq > m.cfg.n_positions {
         return Err(crate::frontend::LoadError::SeqTooLong { seq, n_positions: m.cfg.n_positions })
             .with_context(|| format!("{}", m.ckpt.path().display()));
     }
     Ok(())
+}
+
+/// B x T tokens per micro-batch must be a count a machine can index (the IR refuses any tensor
+/// past 2^60 bytes anyway; this says it in the flags' terms).
+pub fn check_tokens(batch: usize, seq: usize) -> anyhow::Result<()> {
+    match batch.checked_mul(seq) {
+        Some(n) if n <= 1 << 40 => Ok(()),
+        _ => anyhow::bail!("--batch {batch} x --seq {seq} tokens per micro-batch is more than 2^40: no step that size fits any memory"),
+    }
 }
 
 /// `--compile-timeout SECONDS` as a deadline starting now.

@@ -48,6 +48,7 @@ fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> 
     if step.batch == 0 || step.seq == 0 {
         anyhow::bail!("--batch and --seq must be at least 1");
     }
+    super::check_tokens(step.batch, step.seq)?;
     if step.seq > cfg.n_positions {
         anyhow::bail!("--seq {} exceeds GPT-2's context of {} positions", step.seq, cfg.n_positions);
     }

@@ -114,8 +114,9 @@ pub fn reconcile(saved: RunConfig, now: &RunConfig, given: &Given, dir: &Path) -
 /// The steps a saved run has done.
 pub fn read_progress(dir: &Path) -> anyhow::Result<Progress> {
     let p = dir.join(PROGRESS);
-    let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
-    let progress: Progress = serde_json::from_str(&text).with_context(|| format!("{}: not a qatc resume state", p.display()))?;
+    let bytes = std::fs::read(&p).with_context(|| format!("{}: no resume state", p.display()))?;
+    let text = crate::input::text(&bytes).map_err(|why| anyhow::anyhow!("{}: not a qatc resume state: {why}", p.display()))?;
+    let progress: Progress = serde_json::from_str(text).with_context(|| format!("{}: not a qatc resume state", p.display()))?;
     Ok(progress)
 }
 

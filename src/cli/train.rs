@@ -236,6 +236,15 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");
     };
+    if let (Some(done), Some(dir)) = (resume_at.as_ref().map(|p| p.step), &a.resume) {
+        if done > train.steps {
+            anyhow::bail!(
+                "{}: step {done} is beyond --steps {}: not a state this run could have saved",
+                dir.join(PROGRESS).display(),
+                train.steps
+            );
+        }
+    }
     check_outputs(a, &cfg, &train)?;
     // what a killed save left beside OUT goes first
     artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
@@ -270,7 +279,20 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     eprintln!("qatc: the step runs {}", tr.describe());
     let (start, mut skipped) = match (resume_at.as_ref(), &a.resume) {
         (Some(done), Some(dir)) => {
-            tr.load_state(&dir.join(STATE), a.step.read.allow_nonfinite)?;
+            let state = dir.join(STATE);
+            tr.load_state(&state, a.step.read.allow_nonfinite)?;
+            // the optimizer's step count is saved with the tensors: both files must be one save's
+            // (a step fp16 loss scaling skipped does not count)
+            let count = tr.state.get("step").and_then(|v| v.as_float()).and_then(|t| t.data.first().copied());
+            if count.is_none() || done.skipped > done.step || count != Some((done.step - done.skipped) as f32) {
+                anyhow::bail!(
+                    "{}: AdamW's step count is {}, but {PROGRESS} says {} steps were done ({} skipped): the two files are not from one save",
+                    state.display(),
+                    count.map_or("missing".into(), |c| c.to_string()),
+                    done.step,
+                    done.skipped
+                );
+            }
             (done.step, done.skipped)
         }
         _ => (0, 0),

@@ -41,6 +41,8 @@ pub enum PlanError {
     Internal(String),
     #[error(transparent)]
     Expired(#[from] Expired),
+    #[error("memory plan: {0}")]
+    TooLarge(String),
 }
 
 /// Knobs of the planner.
@@ -197,6 +199,7 @@ impl Plan {
 pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
     opts.deadline.check("memory plan")?;
     let d = Dense::new(g)?;
+    d.check_total()?;
     let align = opts.align.max(1);
     // candidate orders; the one with the least live at its peak wins
     let greedy = schedule::greedy(&d, align, Priority::NetBytes)?;
@@ -227,6 +230,7 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
 pub fn estimate(g: &Graph, opts: &PlanOptions) -> Result<usize, PlanError> {
     opts.deadline.check("memory plan (estimate)")?;
     let d = Dense::new(g)?;
+    d.check_total()?;
     let align = opts.align.max(1);
     let mut lv = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::NetBytes)?, align);
     let df = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::Recent)?, align);
