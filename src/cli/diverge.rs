@@ -54,9 +54,15 @@ fn num(x: f64) -> String {
 const LARGE_SCALING: f64 = 64.0;
 
 /// The first non-finite element of the trainer's persistent state (weights, moments, step), if
-/// any: (tensor, index, value).
-pub fn nonfinite_state(tr: &crate::trainer::Trainer) -> Option<(String, usize, f32)> {
-    tr.persistent().into_iter().find_map(|(name, t)| t.data.iter().position(|v| !v.is_finite()).map(|i| (name, i, t.data[i])))
+/// any: (tensor, index, value). Reads the state back from the executor.
+pub fn nonfinite_state(tr: &crate::trainer::Trainer) -> anyhow::Result<Option<(String, usize, f32)>> {
+    Ok(tr.persistent()?.into_iter().find_map(|(name, t)| t.data.iter().position(|v| !v.is_finite()).map(|i| (name, i, t.data[i]))))
+}
+
+/// The trainer's persistent state by name (for the message: `loss_scale` lives there), read back
+/// once the run has already failed; empty if even that fails.
+pub fn state_for_message(tr: &crate::trainer::Trainer) -> HashMap<String, Value<f32>> {
+    tr.persistent().map(|v| v.into_iter().map(|(n, t)| (n, Value::Float(t))).collect()).unwrap_or_default()
 }
 
 /// The one line the run stops with.

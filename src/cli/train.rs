@@ -283,7 +283,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             tr.load_state(&state, a.step.read.allow_nonfinite)?;
             // the optimizer's step count is saved with the tensors: both files must be one save's
             // (a step fp16 loss scaling skipped does not count)
-            let count = tr.state.get("step").and_then(|v| v.as_float()).and_then(|t| t.data.first().copied());
+            let count = tr.persistent()?.into_iter().find(|(n, _)| n == "step").and_then(|(_, t)| t.data.first().copied());
             if count.is_none() || done.skipped > done.step || count != Some((done.step - done.skipped) as f32) {
                 anyhow::bail!(
                     "{}: AdamW's step count is {}, but {PROGRESS} says {} steps were done ({} skipped): the two files are not from one save",
@@ -334,7 +334,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             last_finite,
             lr,
             outputs: out,
-            state: &tr.state,
+            state: &super::diverge::state_for_message(tr),
             lora: tr.opts.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
             allowed_nonfinite: a.step.read.allow_nonfinite,
             saved,
@@ -394,7 +394,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         pb.inc(1);
         if (a.save_every > 0 && done % a.save_every == 0) || done == train.steps {
             // a save never writes non-finite weights over the last good one
-            if let Some((tensor, i, v)) = super::diverge::nonfinite_state(&tr) {
+            if let Some((tensor, i, v)) = super::diverge::nonfinite_state(&tr)? {
                 anyhow::bail!(known(s, super::diverge::Symptom::State(tensor, i, v), last_finite, saved, &out, &tr, lr));
             }
             save(&a.out, &tr, &m, &cfg, done, skipped, faults)?;
