@@ -102,7 +102,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             let spec = QuantSpec { bits, group: a.group, scheme: sch };
             let per_module = BTreeMap::from([(module.clone(), Some(spec))]);
             let mut setup = EvalSetup::default();
-            setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None });
+            setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None, per_module_source: None });
             let loss = evaluate(&m, &data, a.batch, a.seq, n, &setup, false).with_context(|| module.clone())?.loss;
             tried.push((bits, loss));
             pb.set_message(format!("{module} {bits}-bit loss {loss:.4}"));
@@ -117,7 +117,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     pb.finish_and_clear();
 
     let map = BitMap {
-        version: 1,
+        version: super::options::BIT_MAP_VERSION,
         modules: results.iter().map(|r| (r.module.clone(), r.bits.map(|bits| QuantSpec { bits, group: a.group, scheme: sch }))).collect(),
     };
     write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes())

@@ -58,6 +58,16 @@ pub fn human(b: usize) -> String {
 pub fn flag(b: usize) -> String {
     let gib = 1024.0 * 1024.0 * 1024.0;
     let mib = 1024.0 * 1024.0;
+    // exact where that is short (what the user wrote reads back as written), rounded up otherwise
+    if b > 0 && b % (1 << 30) == 0 {
+        return format!("{}GiB", b >> 30);
+    }
+    if b > 0 && b % (1 << 20) == 0 {
+        return format!("{}MiB", b >> 20);
+    }
+    if b < 1 << 20 {
+        return format!("{b}B");
+    }
     if b as f64 >= gib {
         format!("{:.2}GiB", (b as f64 / gib * 100.0).ceil() / 100.0)
     } else {
