@@ -240,25 +240,37 @@ impl Trainer {
     /// finite unless `allow_nonfinite`.
     pub fn load_state(&mut self, path: &Path, allow_nonfinite: bool) -> anyhow::Result<()> {
         let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
-        for id in self.graph.inputs() {
-            if !matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)) {
-                continue;
-            }
-            let name = self.graph.node(id).name.clone().unwrap_or_default();
-            let want = self.graph.ty(id).shape.dims().to_vec();
-            let v = st.tensor(&name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
-            if v.shape() != want.as_slice() || v.dtype() != safetensors::Dtype::F32 {
-                anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {want:?}", path.display(), v.dtype(), v.shape());
-            }
-            let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            if !allow_nonfinite {
-                crate::finite::check(path, &name, &want, &data)?;
-            }
-            self.step.set_input(&name, &Value::Float(Tensor { shape: want, data })).with_context(|| format!("restoring {name}"))?;
+        let want: Vec<(String, Vec<usize>)> = self
+            .graph
+            .inputs()
+            .into_iter()
+            .filter(|&id| matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)))
+            .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).shape.dims().to_vec()))
+            .collect();
+        for (name, t) in read_state(path, &bytes, &want, allow_nonfinite)? {
+            self.step.set_input(&name, &Value::Float(t)).with_context(|| format!("restoring {name}"))?;
         }
         Ok(())
     }
+}
+
+/// Reads a resume state (`bytes`, the file at `path`): every tensor `want` names, f32 with its
+/// shape, and finite unless `allow_nonfinite`; other tensors in the file are ignored.
+pub fn read_state(path: &Path, bytes: &[u8], want: &[(String, Vec<usize>)], allow_nonfinite: bool) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
+    let mut out = Vec::with_capacity(want.len());
+    for (name, shape) in want {
+        let v = st.tensor(name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
+        if v.shape() != shape.as_slice() || v.dtype() != safetensors::Dtype::F32 {
+            anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {shape:?}", path.display(), v.dtype(), v.shape());
+        }
+        let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        if !allow_nonfinite {
+            crate::finite::check(path, name, shape, &data)?;
+        }
+        out.push((name.clone(), Tensor { shape: shape.clone(), data }));
+    }
+    Ok(out)
 }
 
 /// Serializes weights as a Hugging Face safetensors file (F32, names without prefix).
