@@ -256,7 +256,12 @@ impl Trainer {
 
 /// Reads a resume state (`bytes`, the file at `path`): every tensor `want` names, f32 with its
 /// shape, and finite unless `allow_nonfinite`; other tensors in the file are ignored.
-pub fn read_state(path: &Path, bytes: &[u8], want: &[(String, Vec<usize>)], allow_nonfinite: bool) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
+pub fn read_state(
+    path: &Path,
+    bytes: &[u8],
+    want: &[(String, Vec<usize>)],
+    allow_nonfinite: bool,
+) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
     let st = safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
     let mut out = Vec::with_capacity(want.len());
     for (name, shape) in want {

@@ -68,7 +68,9 @@ impl EvalSetup {
         match adapter {
             Some(dir) => {
                 let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""), allow_nonfinite)?;
-                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision })
+                let mut model = cfg.model.options(false);
+                options::name_bit_map(&mut model, quant);
+                Ok(EvalSetup { model, adapter: Some(ad), precision })
             }
             None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision }),
         }

@@ -42,7 +42,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     crate::artifacts::check_target(&a.out, &[MARKER], &inputs).with_context(|| format!("--out {}", a.out.display()))?;
     let m = super::open_model(&a.model, &a.read)?;
     let (cfg, adapter) = options::adapter_config(&a.quant, &a.adapter, &a.model, a.read.allow_nonfinite)?;
-    let mo = cfg.model.options(false);
+    let mut mo = cfg.model.options(false);
+    options::name_bit_map(&mut mo, &a.quant);
     let merged = export::merge(&m, &mo, &adapter).with_context(|| format!("export of {} + {}", a.model.display(), a.adapter.display()))?;
     let out = OutDir::create(&a.out, &[MARKER], &inputs).with_context(|| format!("{}", a.out.display()))?;
     let mut tensors = serde_json::Map::new();

@@ -209,6 +209,7 @@ impl StepArgs {
     /// The step's options for these flags (through `config`).
     pub fn options(&self, model: &Path) -> anyhow::Result<crate::step::StepOptions> {
         let mut o = self.config(model, Placement::default())?.step_options().map_err(anyhow::Error::msg)?;
+        options::name_bit_map(&mut o.model, &self.quant);
         o.deadline = self.compile_budget()?;
         Ok(o)
     }

@@ -299,7 +299,17 @@ pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path, allow_nonfinite: 
 
 /// The model options for these flags (what `model_config` says, as the passes take it).
 pub fn model_options(q: &QuantArgs, lora: Option<LoraOptions>, full_finetune: bool, training: bool) -> anyhow::Result<ModelOptions> {
-    Ok(model_config(q, lora.as_ref(), full_finetune && lora.is_none(), Path::new(""))?.options(training))
+    let mut mo = model_config(q, lora.as_ref(), full_finetune && lora.is_none(), Path::new(""))?.options(training);
+    name_bit_map(&mut mo, q);
+    Ok(mo)
+}
+
+/// Tells the quantization pass which file `--bits-map` read, so that its errors about an entry
+/// (a layer the model lacks, a group that does not divide the weight) name the file.
+pub fn name_bit_map(mo: &mut ModelOptions, q: &QuantArgs) {
+    if let (Some(quant), Some(p)) = (mo.quant.as_mut(), &q.bits_map) {
+        quant.per_module_source = Some(p.display().to_string());
+    }
 }
 
 #[cfg(test)]

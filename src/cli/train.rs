@@ -258,6 +258,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     super::check_seq(&m, step.batch, step.seq)?;
     let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
     opts.deadline = a.step.compile_budget()?;
+    super::options::name_bit_map(&mut opts.model, &a.step.quant);
     let data = TokenFile::load(&data_path)?;
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;

@@ -91,10 +91,10 @@ pub fn cases(base: &Base) -> Vec<Case> {
         compile("options/group-not-dividing", &["--bits", "4", "--group", "48"], &["48"]),
         compile("options/group-overflow", &["--bits", "4", "--group", &max], &["18446744073709551615"]),
         compile("options/scheme-unknown", &["--bits", "4", "--scheme", "fp4"], &["fp4"]),
-        compile("options/scheme-without-bits", &["--scheme", "nf4"], &["--scheme", "--bits"])
-            .waits("the runs helper's optional --scheme/--group (issue 15)"),
-        compile("options/group-without-bits", &["--group", "32"], &["--group", "--bits"])
-            .waits("the runs helper's optional --scheme/--group (issue 15)"),
+        compile("options/scheme-without-bits", &["--scheme", "nf4"], &["--scheme", "--bits"]),
+        compile("options/group-without-bits", &["--group", "32"], &["--group", "--bits"]),
+        compile("options/quant-targets-without-bits", &["--quant-targets", "c_fc"], &["--quant-targets", "--bits"]),
+        compile("options/scales-without-bits", &["--scales", "minmax"], &["--scales", "--bits"]),
         compile("options/q4_0-group-64", &["--bits", "4", "--scheme", "q4_0", "--group", "64"], &["q4_0", "group 32"]),
         compile("options/nf4-3-bits", &["--bits", "3", "--group", "32", "--scheme", "nf4"], &["nf4 needs 4 bits"]),
         compile("options/act-bits-without-bits", &["--act-bits", "8"], &["--act-bits needs --bits"]),
@@ -149,7 +149,7 @@ pub fn cases(base: &Base) -> Vec<Case> {
             &["export", m, "--adapter", &s(&base.adapter()), "--out", "o", "--format", "onnx"],
             &["onnx"],
         ),
-        Case::refused("options/dump-stage-unknown", &["dump", m, "--after", "everything"], &["unknown stage `everything`"]),
+        Case::refused("options/dump-stage-unknown", &["dump", m, "--after", "everything"], &["everything", "--after"]),
         Case::refused("options/command-unknown", &["optimize", m], &["optimize"]),
         Case::refused("options/no-command", &[], &["qatc needs a command"]),
         Case::refused("options/model-missing-argument", &["compile"], &["<MODEL>"]),

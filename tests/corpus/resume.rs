@@ -105,8 +105,8 @@ pub fn cases(base: &Base) -> Vec<Case> {
     let mut other = args.clone();
     let lr = other.iter().position(|a| *a == "--steps").unwrap();
     other[lr + 1] = "3";
-    v.push(Case::refused("resume/other-options", &other, &["r/checkpoint/resume.json", "other options"]).files(files.clone()));
-    v.push(Case::refused("resume/not-a-run", &args, &["r/checkpoint/resume.json"]).dir("r"));
+    v.push(Case::refused("resume/other-options", &other, &["--resume r", "train.steps 2", "--steps"]).files(files.clone()));
+    v.push(Case::refused("resume/not-a-run", &args, &["r/qatc.json", "No such file"]).dir("r"));
     // control: resuming the finished run changes nothing and succeeds
     v.push(Case::accepted("resume/control-finished", &args, &["r/checkpoint/state.safetensors"]).files(files.clone()));
     v
