@@ -107,10 +107,11 @@ pub fn read_bit_map(path: &Path) -> anyhow::Result<BTreeMap<String, Option<Quant
                     .and_then(|g| usize::try_from(g).ok())
                     .ok_or_else(|| bad(format!("`group` must be a whole number, got {}", crate::input::excerpt(group))))?;
                 let s = field("scheme")?;
-                let scheme = s
-                    .as_str()
-                    .and_then(QuantScheme::from_name)
-                    .ok_or_else(|| bad(format!("`scheme` must be one of sym, asym, nf4, q4_0, got {}", crate::input::excerpt(s))))?;
+                let schemes = QuantScheme::ALL.map(QuantScheme::name).join(", ");
+                let scheme = match s.as_str() {
+                    Some(name) => QuantScheme::from_name(name).ok_or_else(|| bad(format!("unknown scheme `{name}` (one of {schemes})")))?,
+                    None => return Err(bad(format!("`scheme` must be one of {schemes}, got {}", crate::input::excerpt(s)))),
+                };
                 let spec = QuantSpec { bits: bits as u8, group, scheme };
                 // bits and scheme together (the group against the weight: in the pass)
                 spec.check(if group == 0 { 64 } else { group }).map_err(bad)?;

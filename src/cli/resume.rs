@@ -23,6 +23,10 @@ pub struct Progress {
     /// Steps skipped by fp16 loss scaling so far (a non-finite gradient; the update not applied).
     #[serde(default)]
     pub skipped: usize,
+    /// How many tokens the training data held: the run's position in it (micro-batch
+    /// step x K, wrapping) continues the run only in the same data. Absent in older saves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_tokens: Option<usize>,
 }
 
 /// Which of `qatc train`'s options the command line gave, by clap id (the field's name).

@@ -144,7 +144,7 @@ impl Args {
     }
 }
 
-/// The run's configuration, and the steps already done when it resumes: the command line's,
+/// The run's configuration, and where the saved run stands when it resumes: the command line's,
 /// or the saved run's (the options given checked against it).
 fn configure(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<(RunConfig, Option<resume::Progress>)> {
     let Some(dir) = &a.resume else {
@@ -201,7 +201,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 
 /// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
 /// the resume state, so that the adapter and the checkpoint of one save are never apart.
-fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, skipped: usize, faults: &Faults) -> anyhow::Result<()> {
+fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, progress: &resume::Progress, faults: &Faults) -> anyhow::Result<()> {
     let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
     match &tr.opts.model.lora {
         Some(l) => {
@@ -216,7 +216,7 @@ fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, skipp
     }
     dir.write(config::FILE, cfg.to_json())?;
     dir.write(STATE, tr.save_state()?)?;
-    dir.write(PROGRESS, serde_json::to_string_pretty(&resume::Progress { step, skipped })? + "\n")?;
+    dir.write(PROGRESS, serde_json::to_string_pretty(progress)? + "\n")?;
     dir.commit()?;
     Ok(())
 }
@@ -232,7 +232,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     if a.eval_every > 0 && a.val.is_none() {
         anyhow::bail!("--eval-every needs --val FILE");
     }
-    let (cfg, resume_at) = configure(a, given, faults)?;
+    let (cfg, progress) = configure(a, given, faults)?;
+    let resume_at = progress.as_ref().map(|p| p.step);
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");
     };
@@ -260,6 +261,16 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     opts.deadline = a.step.compile_budget()?;
     super::options::name_bit_map(&mut opts.model, &a.step.quant);
     let data = TokenFile::load(&data_path)?;
+    if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &progress {
+        if *n != data.len() {
+            anyhow::bail!(
+                "{}: holds {} tokens, but the run saved at step {step} was trained on data of {n}: the data changed, so its position in it (micro-batch {}) would not continue the run; resume on the data it was trained on",
+                data_path.display(),
+                data.len(),
+                step * opts.grad_accum
+            );
+        }
+    }
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;
     let val = match &a.val {
@@ -398,7 +409,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             if let Some((tensor, i, v)) = super::diverge::nonfinite_state(&tr)? {
                 anyhow::bail!(known(s, super::diverge::Symptom::State(tensor, i, v), last_finite, saved, &out, &tr, lr));
             }
-            save(&a.out, &tr, &m, &cfg, done, skipped, faults)?;
+            save(&a.out, &tr, &m, &cfg, &resume::Progress { step: done, skipped, data_tokens: Some(data.len()) }, faults)?;
             saved = Some(done);
         }
     }

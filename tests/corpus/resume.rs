@@ -69,6 +69,13 @@ pub fn cases(base: &Base) -> Vec<Case> {
             Some(progress(|p| p["step"] = 7.into())),
             &["r/checkpoint/resume.json", "step 7", "--steps 2"],
         ),
+        with(
+            "resume/data-changed",
+            PROGRESS,
+            Some(progress(|p| p["data_tokens"] = 399.into())),
+            &["tokens.bin", "holds 400 tokens", "trained on data of 399"],
+        ),
+        with("resume/data-tokens-string", PROGRESS, Some(progress(|p| p["data_tokens"] = "400".into())), &["r/checkpoint/resume.json"]),
         with("resume/step-negative", PROGRESS, Some(progress(|p| p["step"] = (-1).into())), &["r/checkpoint/resume.json"]),
         with("resume/step-string", PROGRESS, Some(progress(|p| p["step"] = "1".into())), &["r/checkpoint/resume.json"]),
         with(
