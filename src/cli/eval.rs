@@ -64,7 +64,12 @@ impl EvalSetup {
     /// quantization flags, when given, must agree with it); else the flags. The precision is
     /// this evaluation's choice, not the training run's. Adapter tensors must be finite unless
     /// `allow_nonfinite`.
-    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>, precision: Precision, allow_nonfinite: bool) -> anyhow::Result<EvalSetup> {
+    pub fn new(
+        quant: &options::QuantArgs,
+        adapter: Option<&std::path::Path>,
+        precision: Precision,
+        allow_nonfinite: bool,
+    ) -> anyhow::Result<EvalSetup> {
         match adapter {
             Some(dir) => {
                 let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""), allow_nonfinite)?;

@@ -232,8 +232,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     if a.eval_every > 0 && a.val.is_none() {
         anyhow::bail!("--eval-every needs --val FILE");
     }
-    let (cfg, progress) = configure(a, given, faults)?;
-    let resume_at = progress.as_ref().map(|p| p.step);
+    let (cfg, resume_at) = configure(a, given, faults)?;
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");
     };
@@ -261,7 +260,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     opts.deadline = a.step.compile_budget()?;
     super::options::name_bit_map(&mut opts.model, &a.step.quant);
     let data = TokenFile::load(&data_path)?;
-    if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &progress {
+    if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &resume_at {
         if *n != data.len() {
             anyhow::bail!(
                 "{}: holds {} tokens, but the run saved at step {step} was trained on data of {n}: the data changed, so its position in it (micro-batch {}) would not continue the run; resume on the data it was trained on",
@@ -338,7 +337,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
     // what a divergence message says: the last finite loss, the last save
-    let (mut last_finite, mut saved) = (None, resume_at.map(|_| start));
+    let (mut last_finite, mut saved) = (None, resume_at.as_ref().map(|_| start));
     let known = |step, symptom, last_finite, saved, out: &_, tr: &Trainer, lr| {
         super::diverge::message(&super::diverge::Known {
             step,
