@@ -24,6 +24,9 @@ fn run_files(base: &Base) -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// An edit of a safetensors file's header and data.
+type Edit<'a> = &'a dyn Fn(&mut serde_json::Map<String, Value>, &mut Vec<u8>);
+
 const PROGRESS: &str = "r/checkpoint/resume.json";
 const STATE: &str = "r/checkpoint/state.safetensors";
 
@@ -45,7 +48,7 @@ pub fn cases(base: &Base) -> Vec<Case> {
         f(&mut p);
         p.to_string().into_bytes()
     };
-    let state = |f: &dyn Fn(&mut serde_json::Map<String, Value>, &mut Vec<u8>)| {
+    let state = |f: Edit| {
         let (mut h, mut d) = split(&get(STATE));
         f(&mut h, &mut d);
         join(&h, &d)

@@ -59,10 +59,10 @@ pub fn flag(b: usize) -> String {
     let gib = 1024.0 * 1024.0 * 1024.0;
     let mib = 1024.0 * 1024.0;
     // exact where that is short (what the user wrote reads back as written), rounded up otherwise
-    if b > 0 && b % (1 << 30) == 0 {
+    if b > 0 && b.is_multiple_of(1 << 30) {
         return format!("{}GiB", b >> 30);
     }
-    if b > 0 && b % (1 << 20) == 0 {
+    if b > 0 && b.is_multiple_of(1 << 20) {
         return format!("{}MiB", b >> 20);
     }
     if b < 1 << 20 {
