@@ -36,8 +36,9 @@ pub const VERSION: u32 = 1;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    // `error`, not `source`: the message already says it, and a source would print it twice
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: {why}")]
     Invalid { path: PathBuf, why: String },
 }
@@ -204,6 +205,8 @@ impl QuantConfig {
             targets: self.targets.clone(),
             per_module: self.modules.clone(),
             act_bits: self.act_bits,
+            // the bit map's file, when there is one, is named by the command line (`cli::options`)
+            per_module_source: None,
         }
     }
 
@@ -362,8 +365,10 @@ impl RunConfig {
     /// Reads `DIR/qatc.json`.
     pub fn read(dir: &Path) -> Result<RunConfig, ConfigError> {
         let path = dir.join(FILE);
-        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io { path: path.clone(), source })?;
-        RunConfig::from_json(&text, &path)
+        let bytes = std::fs::read(&path).map_err(|error| ConfigError::Io { path: path.clone(), error })?;
+        let text = crate::input::text(&bytes)
+            .map_err(|why| ConfigError::Invalid { path: path.clone(), why: format!("not a qatc configuration: {why}") })?;
+        RunConfig::from_json(text, &path)
     }
 
     /// `DIR/qatc.json` if the directory has one.

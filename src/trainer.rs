@@ -80,6 +80,7 @@ impl Trainer {
         cpu: &CpuOptions,
     ) -> anyhow::Result<Trainer> {
         let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
+        opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         for (name, v) in m.bind::<f32>(&graph, adapter, seed)? {
             step.set_input(&name, &v).with_context(|| format!("binding {name}"))?;
@@ -243,34 +244,61 @@ impl Trainer {
         weights_safetensors(&self.persistent()?)
     }
 
-    /// Restores what `save_state` wrote; every persistent input must be there with its shape.
-    pub fn load_state(&mut self, path: &Path) -> anyhow::Result<()> {
+    /// Restores what `save_state` wrote; every persistent input must be there with its shape, and
+    /// finite unless `allow_nonfinite`.
+    pub fn load_state(&mut self, path: &Path, allow_nonfinite: bool) -> anyhow::Result<()> {
         let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
-        for id in self.graph.inputs() {
-            if !matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)) {
-                continue;
-            }
-            let name = self.graph.node(id).name.clone().unwrap_or_default();
-            let want = self.graph.ty(id).shape.dims().to_vec();
-            let v = st.tensor(&name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
-            if v.shape() != want.as_slice() || v.dtype() != safetensors::Dtype::F32 {
-                anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {want:?}", path.display(), v.dtype(), v.shape());
-            }
-            let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            let value = if self.graph.ty(id).dtype.is_float() {
-                Value::Float(Tensor { shape: want, data })
+        let want: Vec<(String, Vec<usize>)> = self
+            .graph
+            .inputs()
+            .into_iter()
+            .filter(|&id| matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)))
+            .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).shape.dims().to_vec()))
+            .collect();
+        let floats: HashMap<String, bool> = self
+            .graph
+            .inputs()
+            .into_iter()
+            .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).dtype.is_float()))
+            .collect();
+        for (name, t) in read_state(path, &bytes, &want, allow_nonfinite)? {
+            let value = if floats.get(&name).copied().unwrap_or(true) {
+                Value::Float(t)
             } else {
                 // 8-bit moment codes, saved as f32 by `save_state`
-                if let Some(c) = data.iter().find(|c| !(c.fract() == 0.0 && (0.0..=255.0).contains(*c))) {
+                if let Some(c) = t.data.iter().find(|c| !(c.fract() == 0.0 && (0.0..=255.0).contains(*c))) {
                     anyhow::bail!("{}: {name:?} holds {c}, not an 8-bit code", path.display());
                 }
-                Value::Int(IntTensor { shape: want, data: data.into_iter().map(|c| c as i32).collect() })
+                Value::Int(IntTensor { shape: t.shape, data: t.data.into_iter().map(|c| c as i32).collect() })
             };
             self.step.set_input(&name, &value).with_context(|| format!("restoring {name}"))?;
         }
         Ok(())
     }
+}
+
+/// Reads a resume state (`bytes`, the file at `path`): every tensor `want` names, f32 with its
+/// shape, and finite unless `allow_nonfinite`; other tensors in the file are ignored.
+pub fn read_state(
+    path: &Path,
+    bytes: &[u8],
+    want: &[(String, Vec<usize>)],
+    allow_nonfinite: bool,
+) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
+    let mut out = Vec::with_capacity(want.len());
+    for (name, shape) in want {
+        let v = st.tensor(name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
+        if v.shape() != shape.as_slice() || v.dtype() != safetensors::Dtype::F32 {
+            anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {shape:?}", path.display(), v.dtype(), v.shape());
+        }
+        let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        if !allow_nonfinite {
+            crate::finite::check(path, name, shape, &data)?;
+        }
+        out.push((name.clone(), Tensor { shape: shape.clone(), data }));
+    }
+    Ok(out)
 }
 
 /// Serializes weights as a Hugging Face safetensors file (F32, names without prefix).

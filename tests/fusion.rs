@@ -167,3 +167,19 @@ fn remat_then_fusion_is_unchanged() {
     let text = qatc_ir::print(&f);
     assert!(recomputed(&f) > 0 || text.contains(".recompute\""), "the fused step still recomputes");
 }
+
+/// Gradient accumulation fuses too: K micro-batches' steps are fused (the loss gradient's seed,
+/// scaled by 1/K, is a body of constants alone and stays unfused instead of failing the whole
+/// extraction), with the same results as the unfused step.
+#[test]
+fn accumulated_qlora_step_is_fused_and_unchanged() {
+    let mut o = StepOptions::new(2, 16);
+    qlora(&mut o);
+    o.grad_accum = 3;
+    compare(o.clone(), 1, None);
+    o.fuse = Some(FuseOptions::default());
+    let (_, reports) = qatc::step::train(&model().cfg, &o, |_, _| {}).unwrap();
+    let report = reports.iter().find_map(|r| r.fusion.as_deref()).expect("a fusion report");
+    assert_eq!(report.extraction.fallback, None, "the accumulated step was left unfused");
+    assert!(report.kernels_after * 2 < report.kernels_before, "{} -> {} kernels", report.kernels_before, report.kernels_after);
+}

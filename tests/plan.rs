@@ -164,6 +164,25 @@ fn gradients_and_updates_are_bit_identical_under_every_policy() {
     }
 }
 
+/// Gradient accumulation: each micro-batch's weight gradient is folded into the running sum as
+/// it is made, so the planned arena does not grow with K (it did: every micro-batch's
+/// contribution was held until the first micro-batch's, made last, could be added).
+#[test]
+fn accumulated_gradients_do_not_pile_up_in_the_arena() {
+    let m = tiny();
+    let arena = |k: usize| {
+        let mut o = StepOptions::new(2, 16);
+        quant_lora(&mut o, 4);
+        o.grad_accum = k;
+        let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
+        let p = plan::plan(&g, &Default::default()).unwrap();
+        p.verify().unwrap();
+        p.arena_bytes
+    };
+    let (two, eight) = (arena(2), arena(8));
+    assert_eq!(two, eight, "arena with 2 micro-batches {two} B, with 8 {eight} B");
+}
+
 /// sqrt on the 2-layer fixture is blocks (segments of round(sqrt 2) = 1); on 4 layers its
 /// segments hold 2 blocks. Random weights, every policy, gradients compared bit for bit.
 #[test]

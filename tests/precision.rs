@@ -191,7 +191,7 @@ fn the_loss_scale_is_saved_and_restored_with_the_run() {
     let path = dir.path().join("state.safetensors");
     std::fs::write(&path, tr.save_state().unwrap()).unwrap();
     let (mut resumed, _) = fp16_trainer(2);
-    resumed.load_state(&path).unwrap();
+    resumed.load_state(&path, false).unwrap();
     assert_eq!(scale_state(&resumed), scale_state(&tr));
     assert_eq!(scale_state(&tr), [131072.0, 1.0]);
     // and both continue identically

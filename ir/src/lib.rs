@@ -6,7 +6,9 @@
 //! - [`graph`]: the graph (on petgraph, kept private) and its builder.
 //! - [`infer`] / [`verify`]: type inference and the verifier.
 //! - [`text`]: the printer and the parser of the text format.
+//! - [`deadline`]: the compile budget every long stage is handed.
 
+pub mod deadline;
 pub mod error;
 pub mod graph;
 pub mod infer;
@@ -16,6 +18,7 @@ pub mod text;
 pub mod types;
 pub mod verify;
 
+pub use deadline::{Deadline, Expired};
 pub use error::IrError;
 pub use graph::{Graph, Node, NodeId, Output};
 pub use op::{Attr, BinaryOp, InputKind, Op, QuantScheme, QuantSpec, UnaryOp, NF4};

@@ -43,7 +43,7 @@ pub fn write_cuda(dir: &Path, kernels: &[CudaKernel]) -> Result<Vec<std::path::P
     let mut paths = Vec::new();
     for k in kernels {
         let p = dir.join(format!("{}.cu", k.name));
-        std::fs::write(&p, &k.source).map_err(|source| KernelError::Io { path: p.clone(), source })?;
+        std::fs::write(&p, &k.source).map_err(|source| KernelError::Io { path: p.clone(), error: source })?;
         paths.push(p);
     }
     Ok(paths)

@@ -26,6 +26,9 @@ pub struct QuantOptions {
     /// full precision.
     pub per_module: BTreeMap<String, Option<QuantSpec>>,
     pub act_bits: Option<u8>,
+    /// Where `per_module` came from (a bit map's path), for messages about its entries.
+    #[serde(skip)]
+    pub per_module_source: Option<String>,
 }
 
 impl QuantOptions {
@@ -35,7 +38,7 @@ impl QuantOptions {
 
     /// `spec` on the four GPT-2 linears, no bit map, no activation quantization.
     pub fn all_linears(spec: QuantSpec) -> QuantOptions {
-        QuantOptions { spec, targets: Self::default_targets(), per_module: BTreeMap::new(), act_bits: None }
+        QuantOptions { spec, targets: Self::default_targets(), per_module: BTreeMap::new(), act_bits: None, per_module_source: None }
     }
     fn spec_for(&self, module: &str) -> Option<QuantSpec> {
         match self.per_module.get(module) {
@@ -61,9 +64,31 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
             });
         }
     }
-    for lin in linears::find(&g) {
+    let lins = linears::find(&g);
+    // every per-module entry must name a linear of this model, and fit it
+    let entry = |module: &str, why: String| PassError::Invalid {
+        pass: PASS,
+        msg: match &o.per_module_source {
+            Some(src) => format!("{src}: entry {module:?}: {why}"),
+            None => format!("{module}: {why}"),
+        },
+    };
+    for module in o.per_module.keys() {
+        if !lins.iter().any(|l| &l.module == module) {
+            let layers = lins.iter().filter_map(|l| l.module.split('.').nth(1)?.parse::<usize>().ok()).max();
+            let have = layers.map_or("none".to_string(), |n| format!("h.0 to h.{n}, each with {}", linears::MODULES.join(", ")));
+            return Err(entry(module, format!("no such linear in this model (it has {have})")));
+        }
+    }
+    for lin in lins {
         let Some(spec) = o.spec_for(&lin.module) else { continue };
-        spec.check(lin.n_in).map_err(|m| PassError::Invalid { pass: PASS, msg: format!("{}: {m}", lin.module) })?;
+        spec.check(lin.n_in).map_err(|m| {
+            if o.per_module.contains_key(&lin.module) {
+                entry(&lin.module, m)
+            } else {
+                PassError::Invalid { pass: PASS, msg: format!("{}: {m}", lin.module) }
+            }
+        })?;
         let fq = g.add_named(Op::FakeQuant { spec }, &[lin.weight], format!("{}.weight.fq", lin.module)).in_pass(PASS)?;
         g.replace_all_uses(lin.weight, fq);
         r.count("weights", 1);

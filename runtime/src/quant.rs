@@ -59,7 +59,8 @@ fn levels(bits: u8) -> f32 {
     QuantSpec::asym_levels(bits) as f32
 }
 
-/// Quantizes w [n_in, n_out]. The spec must have been checked (`QuantSpec::check`).
+/// Quantizes w [n_in, n_out]. The spec must have been checked (`QuantSpec::check`). A group
+/// holding a NaN or an infinity gets a NaN scale: all its values dequantize to NaN.
 pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quantized {
     let gsz = spec.group_for(n_in);
     let groups = n_in / gsz;
@@ -78,6 +79,12 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
                 *c = w[(g * gsz + r) * n_out + j];
             }
             let si = g * n_out + j;
+            if col.iter().any(|v| !v.is_finite()) {
+                // no grid holds a NaN or an infinity: the group's scale is NaN, so every value of
+                // the group dequantizes to NaN instead of to a finite number that hides it
+                q.scales[si] = f32::NAN;
+                continue;
+            }
             let mut put = |r: usize, code: u8| q.codes[(g * gsz + r) * n_out + j] = code;
             match spec.scheme {
                 QuantScheme::Sym => {
@@ -291,6 +298,23 @@ mod tests {
         assert_eq!(out[1], -1.0);
         assert_eq!(out[2], 0.0);
         assert_eq!(out[3], NF4[12]); // 0.4407 is nearer to 0.5 than 0.5626
+    }
+
+    #[test]
+    fn a_non_finite_value_makes_its_group_nan_never_finite() {
+        for s in QuantScheme::ALL {
+            let sp = spec(4, 32, s);
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                // two columns, two groups of 32: only column 1's first group holds the bad value
+                let mut w: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).sin()).collect();
+                w[5 * 2 + 1] = bad;
+                let out = fake_quant(&w, 64, 2, sp);
+                for (i, v) in out.iter().enumerate() {
+                    let (row, col) = (i / 2, i % 2);
+                    assert_eq!(v.is_nan(), col == 1 && row < 32, "{s:?} {bad}: element [{row}, {col}] = {v}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -49,7 +49,7 @@ fn emit_llvm(_: &std::path::Path, _: &qatc_kernels::Program) -> anyhow::Result<(
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     crate::artifacts::check_target(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("-o {}", a.out.display()))?;
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.step.read)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options(&a.model)?;
     let mut fwd_text = String::new();
@@ -75,7 +75,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, unfused.as_ref().unwrap_or(&train), memory)?;
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
+    opts.deadline.check("code generation")?;
     let (program, kernels) = qatc_kernels::cuda_kernels(&train).context("code generation")?;
+    opts.deadline.check("code generation")?;
     artifacts.push("kernels/");
     // machine code for the GPU (--device cuda, or a GPU found): CUBINs and their resource report
     let build = super::cubin::build(&a.cuda, &kernels)?;

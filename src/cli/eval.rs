@@ -46,6 +46,8 @@ pub struct Args {
     /// interpreter), cpu, cuda.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
+    #[command(flatten)]
+    pub read: super::ReadArgs,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -79,12 +81,20 @@ pub fn on_cuda(device: Device) -> anyhow::Result<bool> {
 impl EvalSetup {
     /// What `qatc eval` evaluates: with an adapter, the configuration saved beside it (the
     /// quantization flags, when given, must agree with it); else the flags. The precision is
-    /// this evaluation's choice, not the training run's.
-    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>, precision: Precision) -> anyhow::Result<EvalSetup> {
+    /// this evaluation's choice, not the training run's. Adapter tensors must be finite unless
+    /// `allow_nonfinite`.
+    pub fn new(
+        quant: &options::QuantArgs,
+        adapter: Option<&std::path::Path>,
+        precision: Precision,
+        allow_nonfinite: bool,
+    ) -> anyhow::Result<EvalSetup> {
         match adapter {
             Some(dir) => {
-                let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
-                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision, cuda: false })
+                let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""), allow_nonfinite)?;
+                let mut model = cfg.model.options(false);
+                options::name_bit_map(&mut model, quant);
+                Ok(EvalSetup { model, adapter: Some(ad), precision, cuda: false })
             }
             None => Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision, cuda: false }),
         }
@@ -158,7 +168,7 @@ fn run_eval(
         let (ids, tgt) = data.batch(s, b, t)?;
         let ids = Value::Int(IntTensor { shape: vec![b, t], data: ids });
         let tgt = Value::Int(IntTensor { shape: vec![b, t], data: tgt });
-        let loss = match (gpu.as_mut(), &interp) {
+        let out = match (gpu.as_mut(), &interp) {
             (Some(p), _) => {
                 p.set_input("ids", &ids)?;
                 p.set_input("targets", &tgt)?;
@@ -172,11 +182,24 @@ fn run_eval(
             }
             (None, None) => anyhow::bail!("internal: no evaluator"),
         };
-        sum += scalar(&loss, "loss")?;
+        let loss = scalar(&out, "loss")?;
+        if !loss.is_finite() {
+            // never a NaN result: say where it appeared and what can cause it
+            let lora =
+                setup.model.lora.as_ref().map(|l| format!(", or the adapter's scaling alpha/r = {}", l.scaling())).unwrap_or_default();
+            anyhow::bail!(
+                "{}: batch {s} gives a loss of {loss}: the model overflows on it (finite but huge weights{lora}, or non-finite ones let in by --allow-nonfinite); no result",
+                data.path().display()
+            );
+        }
+        sum += loss;
         pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
         pb.inc(1);
     }
     pb.finish_and_clear();
+    if n == 0 {
+        anyhow::bail!("internal: evaluating 0 batches");
+    }
     let loss = sum / n as f64;
     Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
 }
@@ -190,7 +213,7 @@ pub fn scalar(out: &HashMap<String, Value<f32>>, name: &str) -> anyhow::Result<f
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
@@ -212,13 +235,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let mut setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
+    let mut setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision, a.read.allow_nonfinite)?;
     setup.cuda = on_cuda(a.device)?;
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
+        // a perplexity past f64 (a mean loss over 709) is null, as JSON has no infinity
         println!("{}", serde_json::to_string(&r)?);
-    } else {
+    } else if r.ppl.is_finite() {
         println!("loss {:.6}  ppl {:.3}  ({} batches x B {} x T {} = {} tokens)", r.loss, r.ppl, n, a.batch, a.seq, r.tokens);
+    } else {
+        println!("loss {:.6}  ppl over 1.8e308 ({} batches x B {} x T {} = {} tokens)", r.loss, n, a.batch, a.seq, r.tokens);
     }
     Ok(())
 }

@@ -38,7 +38,7 @@ pub struct Args {
 fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> {
     let path = std::path::Path::new(model);
     if path.exists() {
-        let m = super::open_model(path)?;
+        let m = super::open_model(path, &step.read)?;
         super::check_seq(&m, step.batch, step.seq)?;
         return Ok((m.cfg.clone(), model.to_string()));
     }
@@ -48,6 +48,7 @@ fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> 
     if step.batch == 0 || step.seq == 0 {
         anyhow::bail!("--batch and --seq must be at least 1");
     }
+    super::check_tokens(step.batch, step.seq)?;
     if step.seq > cfg.n_positions {
         anyhow::bail!("--seq {} exceeds GPT-2's context of {} positions", step.seq, cfg.n_positions);
     }
@@ -93,7 +94,7 @@ pub fn build(cfg: &Gpt2Config, opts: &StepOptions) -> anyhow::Result<(Graph, Vec
     let mut o = opts.clone();
     o.fuse = None;
     let (g, reports) = step::train(cfg, &o, |_, _| {})?;
-    let p = plan::plan(&g, &Default::default()).context("memory plan")?;
+    let p = plan::plan(&g, &plan::PlanOptions { deadline: opts.deadline, ..Default::default() }).context("memory plan")?;
     Ok((g, reports, p))
 }
 
@@ -141,7 +142,7 @@ pub fn artifacts(
     g: &Graph,
     memory: Option<usize>,
 ) -> anyhow::Result<(String, String)> {
-    let p = plan::plan(g, &Default::default()).context("memory plan")?;
+    let p = plan::plan(g, &plan::PlanOptions { deadline: opts.deadline, ..Default::default() }).context("memory plan")?;
     let (ctx, title) = context(name, cfg, opts, reports, memory, &p);
     Ok((json::to_json(&p, ctx)?, svg::render(&p, &title, memory)))
 }

@@ -50,6 +50,8 @@ pub struct Args {
     /// reference interpreter), cpu, cuda.
     #[arg(long, value_enum, default_value_t = crate::runner::Device::Auto)]
     pub device: crate::runner::Device,
+    #[command(flatten)]
+    pub read: super::ReadArgs,
 }
 
 #[derive(serde::Serialize, Debug)]
@@ -61,12 +63,15 @@ struct ModuleResult {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
-    if a.threshold.is_nan() || a.threshold < 0.0 {
-        anyhow::bail!("--threshold must be >= 0");
+    if !(a.threshold >= 0.0 && a.threshold.is_finite()) {
+        anyhow::bail!("--threshold must be a number >= 0, got {}", a.threshold);
+    }
+    if a.batches == 0 {
+        anyhow::bail!("--batches must be at least 1");
     }
     let n = a.batches.min(data.num_batches(a.batch, a.seq));
     if n == 0 {
@@ -102,7 +107,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             let spec = QuantSpec { bits, group: a.group, scheme: sch };
             let per_module = BTreeMap::from([(module.clone(), Some(spec))]);
             let mut setup = EvalSetup { cuda, ..EvalSetup::default() };
-            setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None });
+            setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module, act_bits: None, per_module_source: None });
             let loss = evaluate(&m, &data, a.batch, a.seq, n, &setup, false).with_context(|| module.clone())?.loss;
             tried.push((bits, loss));
             pb.set_message(format!("{module} {bits}-bit loss {loss:.4}"));
@@ -117,7 +122,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     pb.finish_and_clear();
 
     let map = BitMap {
-        version: 1,
+        version: super::options::BIT_MAP_VERSION,
         modules: results.iter().map(|r| (r.module.clone(), r.bits.map(|bits| QuantSpec { bits, group: a.group, scheme: sch }))).collect(),
     };
     write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes())

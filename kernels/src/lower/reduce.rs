@@ -133,11 +133,17 @@ fn fake_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, spec: QuantSpec, shape: &[
     let mul = |x: Expr, y: Expr| Expr::bin(BinOp::Mul, x, y);
     let is_zero = |x: Expr| Expr::bin(BinOp::Eq, x, f(0.0));
     let abs = |v: Expr| Expr::un(UnOp::Abs, v);
+    // as `quant::quantize`: a group holding a NaN or an infinity (v - v is NaN only for those)
+    // comes out NaN, never as finite values that hide it
+    let nonfinite =
+        fold(&mut kb, ReduceOp::Max, &|v| Expr::select(Expr::bin(BinOp::Ne, Expr::bin(BinOp::Sub, v.clone(), v), f(0.0)), f(1.0), f(0.0)))?;
+    let nonfinite = kb.bind(Ty::F32, nonfinite);
     let out = |kb: &mut KernelBuilder, val: &dyn Fn(&mut KernelBuilder, Expr) -> Expr| -> Result<(), KernelError> {
         let (lp, r) = kb.open_loop(Expr::Int(gsz as i64), gsz);
         let p = elem(kb, &r);
         let v = kb.value(w, &p)?;
         let y = val(kb, v);
+        let y = Expr::select(Expr::bin(BinOp::Ne, nonfinite.clone(), f(0.0)), f(f64::NAN), y);
         emit_out(kb, a, p, y)?;
         kb.close_foreach(lp);
         Ok(())

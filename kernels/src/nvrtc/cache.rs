@@ -81,7 +81,7 @@ impl KernelCache {
 
 /// Writes `bytes` to a temporary file beside `path`, then renames it over `path`.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), KernelError> {
-    let io = |source| KernelError::Io { path: path.to_path_buf(), source };
+    let io = |source| KernelError::Io { path: path.to_path_buf(), error: source };
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io)?;
     let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;

@@ -189,11 +189,11 @@ impl Nvrtc {
 /// Writes the helper headers into `dir` beside the sources (NVRTC gets them in memory; on disk
 /// they make `OUT/kernels/` a directory nvcc can compile as is).
 pub fn write_headers(dir: &Path) -> Result<(), KernelError> {
-    let io = |source| KernelError::Io { path: dir.to_path_buf(), source };
+    let io = |source| KernelError::Io { path: dir.to_path_buf(), error: source };
     std::fs::create_dir_all(dir).map_err(io)?;
     for (name, text) in HEADERS {
         let p = dir.join(name);
-        std::fs::write(&p, text).map_err(|source| KernelError::Io { path: p.clone(), source })?;
+        std::fs::write(&p, text).map_err(|source| KernelError::Io { path: p.clone(), error: source })?;
     }
     Ok(())
 }

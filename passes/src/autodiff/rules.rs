@@ -39,7 +39,7 @@ impl Ctx<'_> {
         (0..self.x.len())
             .map(|i| if self.wants[i] { f(self, i).map(Some) } else { Ok(None) })
             .collect::<Result<Grads, IrError>>()
-            .map_err(|source| PassError::Ir { pass: "autodiff", source })
+            .map_err(|source| PassError::Ir { pass: "autodiff", error: source })
     }
 }
 

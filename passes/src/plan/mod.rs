@@ -25,7 +25,7 @@ pub mod units;
 
 use std::collections::HashMap;
 
-use qatc_ir::{Graph, IrError, NodeId};
+use qatc_ir::{Deadline, Expired, Graph, IrError, NodeId};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -39,6 +39,10 @@ pub enum PlanError {
     Ir(IrError),
     #[error("memory plan: internal error: {0}")]
     Internal(String),
+    #[error(transparent)]
+    Expired(#[from] Expired),
+    #[error("memory plan: {0}")]
+    TooLarge(String),
 }
 
 /// Knobs of the planner.
@@ -46,11 +50,14 @@ pub enum PlanError {
 pub struct PlanOptions {
     /// Every buffer's offset and size are multiples of this (bytes).
     pub align: usize,
+    /// The compile budget, checked between the planner's phases (and by `remat` between the
+    /// candidate plans it tries).
+    pub deadline: Deadline,
 }
 
 impl Default for PlanOptions {
     fn default() -> PlanOptions {
-        PlanOptions { align: 64 }
+        PlanOptions { align: 64, deadline: Deadline::unlimited() }
     }
 }
 
@@ -190,12 +197,15 @@ impl Plan {
 
 /// Plans `g`: schedule, lifetimes, offsets, categories.
 pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
+    opts.deadline.check("memory plan")?;
     let d = Dense::new(g)?;
+    d.check_total()?;
     let align = opts.align.max(1);
     // candidate orders; the one with the least live at its peak wins
     let greedy = schedule::greedy(&d, align, Priority::NetBytes)?;
     schedule::check(&d, &greedy)?;
     let mut best = (liveness::analyze(&d, &greedy, align), greedy, "greedy");
+    opts.deadline.check("memory plan (schedule)")?;
     let recent = schedule::greedy(&d, align, Priority::Recent)?;
     schedule::check(&d, &recent)?;
     let lv = liveness::analyze(&d, &recent, align);
@@ -210,6 +220,7 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
         }
     }
     let (lv, order, scheduler) = best;
+    opts.deadline.check("memory plan (offsets)")?;
     build(g, &d, lv, order, scheduler)
 }
 
@@ -217,7 +228,9 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
 /// lower bound of the memory-aware schedule (the planned arena is within a fraction of a percent
 /// of it on transformer steps; `plan` gives the real figure). Used inside search loops.
 pub fn estimate(g: &Graph, opts: &PlanOptions) -> Result<usize, PlanError> {
+    opts.deadline.check("memory plan (estimate)")?;
     let d = Dense::new(g)?;
+    d.check_total()?;
     let align = opts.align.max(1);
     let mut lv = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::NetBytes)?, align);
     let df = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::Recent)?, align);

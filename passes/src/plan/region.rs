@@ -283,6 +283,20 @@ impl Dense {
     /// the loss's gradient: the values the `remat` pass recomputes (`NAME.recompute`, and fused
     /// kernels made of them), made when the backward reaches them, not during the forward. The
     /// gradient's seed is autodiff's constant `loss.grad`. A write-back is never lazy.
+    /// Every byte count the planner adds up (offsets, live bytes, the arena) stays below 2^62
+    /// when the step's values together do: a step past that is refused here, instead of its
+    /// sums wrapping around into a small, wrong plan.
+    pub fn check_total(&self) -> Result<(), PlanError> {
+        const MAX_TOTAL: usize = 1 << 62;
+        match self.bytes.iter().try_fold(0usize, |a, &b| a.checked_add(b)) {
+            Some(t) if t <= MAX_TOTAL => Ok(()),
+            _ => Err(PlanError::TooLarge(format!(
+                "the step's values add up to more than 2^62 bytes ({} values); no memory holds that",
+                self.bytes.len()
+            ))),
+        }
+    }
+
     pub fn lazy(&self) -> Vec<bool> {
         let n = self.len();
         let mut source_only = vec![false; n];
