@@ -310,7 +310,10 @@ impl RunConfig {
         o.model = self.model.options(true);
         o.grad_accum = s.grad_accum;
         o.clip = s.optim.clip;
-        o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay };
+        let optim = match s.optim.kind {
+            Optimizer::Adamw => qatc_passes::optim::Optim::AdamW,
+        };
+        o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay, optim };
         o.checkpoint = s.checkpoint;
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
         o.precision = s.precision.mode;

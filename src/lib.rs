@@ -10,6 +10,7 @@ pub mod data;
 pub mod export;
 pub mod frontend;
 pub mod manifest;
+pub mod memory;
 pub mod model;
 pub mod plot;
 pub mod runner;

@@ -7,7 +7,6 @@ mod common;
 use std::collections::HashMap;
 use std::process::Command;
 
-use qatc::cli::plan::arena_layout;
 use qatc::cli::train::Trainer;
 use qatc::data::TokenFile;
 use qatc::frontend::config::Gpt2Config;
@@ -18,7 +17,23 @@ use qatc_passes::lora::LoraOptions;
 use qatc_passes::plan;
 use qatc_passes::quant::QuantOptions;
 use qatc_passes::remat::Checkpoint;
-use qatc_runtime::{ArenaInterpreter, IntTensor, Interpreter, Value};
+use qatc_runtime::{ArenaInterpreter, ArenaLayout, IntTensor, Interpreter, Slot, Value};
+
+/// The graph-level plan (the `remat` pass's model) as the arena interpreter takes it.
+fn arena_layout(p: &plan::Plan) -> ArenaLayout {
+    let slots: HashMap<_, _> = p
+        .location
+        .iter()
+        .map(|(id, loc)| {
+            let slot = match loc {
+                plan::Location::Arena { offset } => Slot::Arena(*offset),
+                plan::Location::Input { name } => Slot::Input(name.clone()),
+            };
+            (*id, slot)
+        })
+        .collect();
+    ArenaLayout { order: p.order(), slots, arena_bytes: p.arena_bytes }
+}
 
 fn tiny() -> Model {
     Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap()

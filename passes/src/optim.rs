@@ -10,18 +10,48 @@ use crate::autodiff::grad_name;
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
 
-/// AdamW's hyperparameters (PyTorch's defaults but for the learning rate, which is an input).
+/// How AdamW keeps its moments (`--optim`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum Optim {
+    /// f32 moments: PyTorch's AdamW.
+    #[default]
+    #[cfg_attr(feature = "clap", value(name = "adamw"))]
+    AdamW,
+    /// 8-bit moments, blockwise dynamic quantization (bitsandbytes' AdamW8bit, blocks of
+    /// [`BLOCK_8BIT`]): a quarter of the bytes; updated in f32 and requantized every step.
+    #[cfg_attr(feature = "clap", value(name = "adamw8bit"))]
+    #[serde(rename = "adamw8bit")]
+    AdamW8bit,
+}
+
+impl Optim {
+    pub fn name(self) -> &'static str {
+        match self {
+            Optim::AdamW => "adamw",
+            Optim::AdamW8bit => "adamw8bit",
+        }
+    }
+}
+
+/// Elements per block of an 8-bit moment (one absmax per block), bitsandbytes' optimizer block.
+pub const BLOCK_8BIT: usize = 2048;
+
+/// AdamW's hyperparameters (PyTorch's defaults but for the learning rate, which is an input)
+/// and how its moments are stored.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AdamW {
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    pub optim: Optim,
 }
 
 impl Default for AdamW {
     fn default() -> AdamW {
-        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, optim: Optim::AdamW }
     }
 }
 

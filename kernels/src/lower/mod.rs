@@ -13,12 +13,16 @@
 
 use std::collections::HashMap;
 
-use qatc_ir::{DType, Graph, NodeId, Op};
+use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role, Roles};
 
 use crate::error::KernelError;
 use crate::kir::{Kernel, Space, Ty};
 use crate::program::{BufId, BufKind, Buffer, Gemm, Program, Step, View};
 use builder::{index_ty_for, KernelBuilder, Source};
+
+/// The name of the scratch buffer a chunked cross-entropy computes one chunk's logits in
+/// (`xent.rs`): the plan's picture marks the steps it lives over.
+pub const CE_CHUNK_SCRATCH: &str = "ce_chunk_logits";
 
 /// Finishes a kernel builder and adds its kernel and launch to the program.
 macro_rules! launch {
@@ -49,7 +53,6 @@ pub struct Ctx<'g> {
     pub order: Vec<BufId>,
 }
 
-#[derive(Default)]
 pub struct Lowerer {
     pub prog: Program,
     /// A kernel's identity (`Kernel::identity`) -> its index in `prog.kernels`: one kernel,
@@ -61,16 +64,32 @@ pub struct Lowerer {
     /// Cross-entropy row statistics (max, sum of exp(x - max)) by the logits view they were
     /// computed from: the loss and its gradient share one pass over the [N, V] logits.
     pub ce_stats: HashMap<View, (View, View)>,
+    /// The phase of the node being lowered: the scratch buffers its steps use are its temporaries.
+    pub phase: Phase,
+}
+
+impl Default for Lowerer {
+    fn default() -> Lowerer {
+        Lowerer {
+            prog: Program::default(),
+            ids: HashMap::new(),
+            attn_stats: HashMap::new(),
+            ce_stats: HashMap::new(),
+            phase: Phase::Forward,
+        }
+    }
 }
 
 impl Lowerer {
-    pub fn buffer(&mut self, name: String, dtype: DType, shape: &[usize], kind: BufKind) -> View {
-        self.prog.buffers.push(Buffer { name, dtype, shape: shape.to_vec(), kind });
+    pub fn buffer(&mut self, name: String, dtype: DType, shape: &[usize], kind: BufKind, role: Role) -> View {
+        self.prog.buffers.push(Buffer { name, dtype, shape: shape.to_vec(), kind, role });
         View::contiguous(self.prog.buffers.len() - 1, shape)
     }
 
+    /// Scratch for the node being lowered: a temporary of its phase.
     pub fn temp(&mut self, name: &str, dtype: DType, shape: &[usize]) -> View {
-        self.buffer(name.to_string(), dtype, shape, BufKind::Temp)
+        let role = Role::temporary(self.phase);
+        self.buffer(name.to_string(), dtype, shape, BufKind::Temp, role)
     }
 
     fn index_ty(&self, cx: &Ctx, touched: &[&View], iterations: usize) -> Ty {
@@ -163,14 +182,17 @@ fn buffer_name(g: &Graph, id: NodeId) -> String {
 pub fn lower(g: &Graph) -> Result<Program, KernelError> {
     let mut lw = Lowerer::default();
     let mut values: HashMap<NodeId, View> = HashMap::new();
+    let node_roles = Roles::of(g);
     for id in g.topo_order()? {
         let n = g.node(id);
+        let role = node_roles.role(g, id);
+        lw.phase = role.phase;
         let ops = g.operands(id);
         let shape = n.ty.shape.0.clone();
         let view_of = |i: usize| ops.get(i).and_then(|o| values.get(o));
         let as_view = match &n.op {
             Op::Input { kind, .. } => {
-                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id), *kind));
+                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id), *kind), role);
                 values.insert(id, v);
                 continue;
             }
@@ -191,13 +213,13 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
         let first_step = lw.prog.steps.len();
         let dest = match &over {
             Some(v) => v.clone(),
-            None => lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value),
+            None => lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value, role),
         };
         match &n.op {
             Op::Kernel { family, body } => {
                 let mut operand_views = Vec::new();
                 for &o in &ops {
-                    operand_views.push(materialize(&mut lw, g, o, &mut values)?);
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
                 }
                 fused::lower_kernel_node(&mut lw, g, id, family, body, &operand_views, dest.clone())?;
             }
@@ -207,7 +229,7 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
                 for (i, &o) in ops.iter().enumerate() {
                     let needs_view = matches!(n.op, Op::MatMul { .. }) || !matches!(g.node(o).op, Op::Const { .. });
                     if needs_view {
-                        let v = materialize(&mut lw, g, o, &mut values)?;
+                        let v = materialize(&mut lw, g, o, &mut values, &node_roles)?;
                         cx.names.entry(v.buf).or_insert_with(|| roles.get(i).copied().unwrap_or("x").to_string());
                         cx.order.push(v.buf);
                         cx.leaves.insert(o, v);
@@ -223,7 +245,8 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
         values.insert(id, dest);
     }
     for o in g.outputs() {
-        let v = materialize(&mut lw, g, o.node, &mut values)?;
+        lw.phase = node_roles.phase(g, o.node);
+        let v = materialize(&mut lw, g, o.node, &mut values, &node_roles)?;
         if !o.update {
             lw.prog.buffers[v.buf].kind = match &lw.prog.buffers[v.buf].kind {
                 BufKind::Temp => BufKind::Value,
@@ -240,7 +263,7 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
 }
 
 /// The view a node's value lives in, materializing constants (a fill kernel) on first need.
-fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeId, View>) -> Result<View, KernelError> {
+fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeId, View>, roles: &Roles) -> Result<View, KernelError> {
     if let Some(v) = values.get(&id) {
         return Ok(v.clone());
     }
@@ -248,7 +271,7 @@ fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<Nod
     if !matches!(n.op, Op::Const { .. }) {
         return Err(KernelError::Internal(format!("{} is read before it is computed", g.describe(id))));
     }
-    let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &n.ty.shape.0, BufKind::Value);
+    let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &n.ty.shape.0, BufKind::Value, roles.role(g, id));
     let mut cx = Ctx { g, leaves: HashMap::new(), names: HashMap::new(), order: Vec::new() };
     fused::lower_root(lw, &mut cx, id, dest.clone(), "fill")?;
     values.insert(id, dest.clone());

@@ -25,12 +25,12 @@ pub mod units;
 
 use std::collections::HashMap;
 
-use qatc_ir::{Graph, IrError, NodeId, Op};
+use qatc_ir::{Graph, IrError, NodeId};
 use serde::Serialize;
 use thiserror::Error;
 
 pub use breakdown::Category;
-use region::{is_recompute_name, Dense};
+use region::Dense;
 use schedule::Priority;
 
 #[derive(Debug, Error)]
@@ -63,15 +63,7 @@ pub enum Region {
     Persistent,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    Forward,
-    Backward,
-    /// A forward value recomputed in the backward (`remat`).
-    Recompute,
-    Optimizer,
-}
+pub use qatc_ir::Phase;
 
 /// One storage buffer.
 #[derive(Clone, Debug, Serialize)]
@@ -210,7 +202,7 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
         }
     }
     let (lv, order, scheduler) = best;
-    build(g, &d, lv, order, scheduler)
+    build(&d, lv, order, scheduler)
 }
 
 /// A quick estimate of the step's peak without assigning offsets: the inputs' storage plus the
@@ -233,7 +225,7 @@ pub fn persistent_bytes(g: &Graph) -> usize {
     g.inputs().into_iter().map(|i| cost::value_bytes(g.ty(i))).sum()
 }
 
-fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, scheduler: &'static str) -> Result<Plan, PlanError> {
+fn build(d: &Dense, lv: liveness::Liveness, order: Vec<usize>, scheduler: &'static str) -> Result<Plan, PlanError> {
     let prof = breakdown::profile(d, &lv);
     // arena offsets
     let arena_ids: Vec<usize> = (0..lv.bufs.len()).filter(|&b| lv.bufs[b].persistent.is_none()).collect();
@@ -279,15 +271,7 @@ fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, schedu
     let mut recomputed_nodes = 0;
     let mut backward_starts = None;
     for (s, &i) in order.iter().enumerate() {
-        let phase = if d.forward[i] {
-            Phase::Forward
-        } else if is_recompute_name(d.names[i].as_deref()) {
-            Phase::Recompute
-        } else if d.write_back[i].is_some() || matches!(g.node(d.ids[i]).op, Op::AdamM { .. } | Op::AdamV { .. } | Op::AdamParam { .. }) {
-            Phase::Optimizer
-        } else {
-            Phase::Backward
-        };
+        let phase = d.phase[i];
         if phase == Phase::Recompute {
             recompute_flops += d.flops[i];
             recomputed_nodes += 1;

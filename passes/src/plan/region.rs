@@ -11,13 +11,7 @@ use qatc_ir::{Graph, InputKind, NodeId, Op};
 use super::cost::{node_flops, value_bytes};
 use super::PlanError;
 
-/// Suffix of the name of a node the `remat` pass cloned into the backward region.
-pub const RECOMPUTE_SUFFIX: &str = ".recompute";
-
-/// Whether a node name marks a recomputed value.
-pub fn is_recompute_name(name: Option<&str>) -> bool {
-    name.is_some_and(|n| n == "recompute" || n.ends_with(RECOMPUTE_SUFFIX))
-}
+pub use qatc_ir::role::{is_recompute_name, RECOMPUTE_SUFFIX};
 
 /// The needed nodes of a graph, densely numbered (index order = structural topological order).
 pub(crate) struct Dense {
@@ -34,6 +28,9 @@ pub(crate) struct Dense {
     pub mnemonic: Vec<&'static str>,
     /// Ancestor-or-self of the `loss` output (everything, when there is no loss).
     pub forward: Vec<bool>,
+    /// Each value's category and phase (`qatc_ir::role`).
+    pub category: Vec<qatc_ir::Category>,
+    pub phase: Vec<qatc_ir::Phase>,
     /// A non-update output: read by the caller after the step, so it lives to the end.
     pub output: Vec<bool>,
     /// `Some(input)`: this node's value is written into that input's storage in place.
@@ -93,6 +90,8 @@ impl Dense {
             names: Vec::with_capacity(n),
             mnemonic: Vec::with_capacity(n),
             forward: vec![false; n],
+            category: Vec::with_capacity(n),
+            phase: Vec::with_capacity(n),
             output: vec![false; n],
             write_back: vec![None; n],
             copy_back: vec![false; n],
@@ -129,18 +128,14 @@ impl Dense {
             u.sort_unstable();
             u.dedup();
         }
-        // forward region: the loss's ancestors
-        match g.output("loss").and_then(|l| d.index.get(&l).copied()) {
-            Some(l) => {
-                d.has_loss = true;
-                let mut stack = vec![l];
-                while let Some(v) = stack.pop() {
-                    if !std::mem::replace(&mut d.forward[v], true) {
-                        stack.extend(d.operands[v].iter().copied());
-                    }
-                }
-            }
-            None => d.forward.iter_mut().for_each(|f| *f = true),
+        // forward region, categories and phases: `qatc_ir::role`'s rule
+        let roles = qatc_ir::Roles::of(g);
+        d.has_loss = roles.has_loss();
+        for i in 0..n {
+            let role = roles.role(g, d.ids[i]);
+            d.forward[i] = roles.is_forward(d.ids[i]);
+            d.category.push(role.category);
+            d.phase.push(role.phase);
         }
         for o in g.outputs().iter().filter(|o| !o.update) {
             if let Some(&i) = d.index.get(&o.node) {

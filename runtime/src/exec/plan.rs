@@ -20,12 +20,51 @@ pub struct ExecOptions {
     pub layout: BufferLayout,
     /// Run the steps that read only frozen inputs once, not every step (`hoist.rs`).
     pub hoist_frozen: bool,
+    /// The per-step data inputs get a region of their own (else they are persistent inputs too:
+    /// one allocation for every input).
+    pub data_region: bool,
 }
 
 impl ExecOptions {
     /// Buffers aligned to `align`, sharing memory by lifetime, nothing hoisted.
     pub fn new(align: usize) -> ExecOptions {
-        ExecOptions { align, layout: BufferLayout::Shared, hoist_frozen: false }
+        ExecOptions { align, layout: BufferLayout::Shared, hoist_frozen: false, data_region: true }
+    }
+}
+
+/// The devices qatc lays programs out for, with their executors' parameters: the one place
+/// that says how a device's executor allocates, so that `qatc plan` shows exactly that.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// `crate::cpu`: three allocations (arena, persistent inputs, data inputs) at a cache line's
+    /// alignment; the steps that read only frozen weights (the GEMM panels' dequantization
+    /// aside) run once and keep their results.
+    Cpu,
+    /// The CUDA executor: one arena and one allocation for every input, at cudaMalloc's 256-byte
+    /// alignment; nothing hoisted, so a dequantized weight lives only around its GEMMs (a 4-bit
+    /// weight costs its codes, never a whole f32 copy for the run).
+    Cuda,
+}
+
+/// cudaMalloc's alignment, which every CUDA buffer keeps (any element type's loads, and
+/// word-wide 4-bit stores).
+pub const CUDA_ALIGN: usize = 256;
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+
+    /// How this device's executor lays a program out.
+    pub fn exec_options(self) -> ExecOptions {
+        match self {
+            Device::Cpu => ExecOptions { hoist_frozen: true, ..ExecOptions::new(crate::cpu::ALIGN) },
+            Device::Cuda => ExecOptions { data_region: false, ..ExecOptions::new(CUDA_ALIGN) },
+        }
     }
 }
 
@@ -108,7 +147,7 @@ impl ExecPlan {
             }
         }
         let lifetimes = lifetimes(&prog.buffers, &steps, &whole);
-        let layout = lay_out(&prog.buffers, &lifetimes, steps.len(), options.align);
+        let layout = lay_out(&prog.buffers, &lifetimes, steps.len(), options.align, options.data_region);
         let mut read = vec![false; nb];
         for b in steps.iter().flat_map(|a| &a.reads).chain(prog.outputs.iter().map(|(_, v)| &v.buf)) {
             read[*b] = true;
@@ -177,7 +216,7 @@ mod tests {
 
     /// p (trainable), m (state), p.next = x @ w (x data, w frozen), then the updates given.
     fn program(updates: Vec<(String, View)>) -> Program {
-        let buf = |name: &str, shape: &[usize], kind: BufKind| Buffer { name: name.into(), dtype: DType::F32, shape: shape.to_vec(), kind };
+        let buf = |name: &str, shape: &[usize], kind: BufKind| Buffer::new(name, DType::F32, shape, kind);
         let gemm = qatc_kernels::program::Gemm {
             a: View::contiguous(3, &[2, 2]),
             b: View::contiguous(4, &[2, 3]),

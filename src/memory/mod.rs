@@ -1,0 +1,74 @@
+//! The memory plan a user reads (`qatc plan`, `qatc compile`'s `memory_plan.json` and
+//! `memory.svg`, `qatc train`'s memory line, `qatc plan --fit`): the executed program's. The
+//! step graph (fused, checkpointed) is lowered to the program the device runs, rewritten as that
+//! device's executor rewrites it (GEMM panels on the CPU), and laid out by the executor core's
+//! own layout function with the device's parameters (`qatc_runtime::exec::Device`). The buffers
+//! listed are the buffers the executor allocates, at the same offsets.
+//!
+//! - [`json`]: the plan as JSON (schema `qatc.memory_plan`, version 2, `docs/memory_plan.md`);
+//! - [`svg`]: its timeline as a picture;
+//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size.
+//!
+//! The graph-level planner (`qatc_passes::plan`) stays the `remat` pass's model for its search
+//! over checkpoint policies; nothing a user sees comes from it.
+
+pub mod fit;
+pub mod json;
+pub mod svg;
+
+use anyhow::Context;
+use qatc_ir::{Graph, Phase, Roles};
+use qatc_kernels::Program;
+use qatc_passes::plan::cost::node_flops;
+use qatc_runtime::exec::{Device, ExecPlan, MemoryPlan};
+use qatc_runtime::CpuOptions;
+
+/// A step as a device's executor would run it, and what it holds.
+pub struct Executed {
+    pub device: Device,
+    /// The lowered program after the device's rewrites.
+    pub program: Program,
+    pub exec: ExecPlan,
+    pub plan: MemoryPlan,
+    /// FLOPs of the whole step (every node of the graph, a fused kernel its body's), and of the
+    /// values recomputed in the backward (`remat`).
+    pub total_flops: u64,
+    pub recompute_flops: u64,
+    pub recomputed_nodes: usize,
+}
+
+/// Lowers `g` for `device` and lays it out as that device's executor does. `cpu` are the CPU
+/// executor's settings (its panel size changes the program).
+pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {
+    let mut program = qatc_kernels::lower(g).context("lowering the step to kernels")?;
+    if device == Device::Cpu {
+        qatc_runtime::cpu::prepare(&mut program, cpu);
+    }
+    let exec = ExecPlan::new(&program, device.exec_options()).context("planning the program's execution")?;
+    let plan = MemoryPlan::new(&program, &exec);
+    let roles = Roles::of(g);
+    let (mut total_flops, mut recompute_flops, mut recomputed_nodes) = (0u64, 0u64, 0usize);
+    for n in g.node_ids() {
+        let f = node_flops(g, n);
+        total_flops += f;
+        if roles.phase(g, n) == Phase::Recompute {
+            recompute_flops += f;
+            recomputed_nodes += 1;
+        }
+    }
+    Ok(Executed { device, program, exec, plan, total_flops, recompute_flops, recomputed_nodes })
+}
+
+/// What each cross-entropy over the vocabulary computes its logits in: rows, vocabulary, rows
+/// per chunk and the chunk scratch (`Program::cross_entropy`).
+pub fn chunking(p: &Program) -> Vec<serde_json::Value> {
+    p.cross_entropy
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "rows": c.rows, "vocab": c.vocab, "chunk_rows": c.chunk_rows, "chunks": c.chunks(),
+                "scratch_bytes": c.scratch_bytes(),
+            })
+        })
+        .collect()
+}
