@@ -68,8 +68,7 @@ impl Runner {
             Engine::Interpreter => Ok(Runner { step: Box::new(InterpretedStep::new(g)?), description: "the reference interpreter".into() }),
             #[cfg(feature = "llvm")]
             Engine::Compiled => {
-                use anyhow::Context;
-                let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
+                let prog = crate::memory::lower_step(g, None)?;
                 let (p, panels) = qatc_runtime::CpuProgram::compile(prog, cpu)?;
                 let description = describe_compiled(&p, &panels);
                 Ok(Runner { step: Box::new(p), description })

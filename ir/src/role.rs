@@ -13,8 +13,9 @@
 //!   (Adam moments, the step count), `data` -> data (token ids, targets, the learning rate);
 //! - a value named `grad:NAME` -> gradients;
 //! - a forward value (an ancestor of the `loss` output, or everything when there is none) that a
-//!   value outside the forward reads -> activations (what is saved for the backward; a value the
-//!   `remat` pass recomputes is made in the backward and is a temporary);
+//!   value outside the forward reads, directly or through views -> activations (what is saved
+//!   for the backward; a value the `remat` pass recomputes is made in the backward and is a
+//!   temporary);
 //! - anything else -> temporaries.
 //!
 //! Phases: a value named `NAME.recompute` (the `remat` pass's clones) is recomputed; AdamW's ops,
@@ -148,6 +149,21 @@ impl Role {
     }
 }
 
+/// The name autodiff gives its seed, the constant 1 that the loss's gradient starts from: the
+/// backward is what depends on it.
+pub const GRADIENT_SEED: &str = "loss.grad";
+
+/// Whether `n` is autodiff's seed (the constant named [`GRADIENT_SEED`]) or a fused kernel that
+/// computes it (fusion inlines the seed into the kernel that starts the backward).
+pub fn holds_gradient_seed(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    match &node.op {
+        Op::Const { .. } => node.name.as_deref() == Some(GRADIENT_SEED),
+        Op::Kernel { body, .. } => body.node_ids().into_iter().any(|b| holds_gradient_seed(body, b)),
+        _ => false,
+    }
+}
+
 /// Suffix of the name of a node the `remat` pass cloned into the backward region.
 pub const RECOMPUTE_SUFFIX: &str = ".recompute";
 
@@ -220,10 +236,31 @@ impl Roles {
         if g.node(n).name.as_deref().is_some_and(|s| s.starts_with("grad:")) {
             return Category::Gradients;
         }
-        if self.has_loss && self.is_forward(n) && g.users(n).into_iter().any(|u| !self.is_forward(u)) {
+        if self.has_loss && self.is_forward(n) && self.read_outside_forward(g, n) {
             return Category::Activations;
         }
         Category::Temporaries
+    }
+
+    /// Whether a value outside the forward reads `n`, directly or through views of it (a
+    /// reshape, transpose, slice or broadcast reads the same bytes: a packed kernel's results
+    /// are read through slices).
+    fn read_outside_forward(&self, g: &Graph, n: NodeId) -> bool {
+        let mut stack = vec![n];
+        let mut seen = HashSet::new();
+        while let Some(v) = stack.pop() {
+            for u in g.users(v) {
+                let view = matches!(g.node(u).op, Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Broadcast { .. });
+                if view && self.is_forward(u) {
+                    if seen.insert(u) {
+                        stack.push(u);
+                    }
+                } else if !self.is_forward(u) {
+                    return true;
+                }
+            }
+        }
+        false
     }
 
     /// `n`'s category and phase.

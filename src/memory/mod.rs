@@ -18,7 +18,7 @@ pub mod svg;
 
 use anyhow::Context;
 use qatc_ir::{Graph, Phase, Roles};
-use qatc_kernels::Program;
+use qatc_kernels::{LowerOptions, Program};
 use qatc_passes::plan::cost::node_flops;
 use qatc_runtime::exec::{Device, ExecPlan, MemoryPlan};
 use qatc_runtime::CpuOptions;
@@ -37,10 +37,21 @@ pub struct Executed {
     pub recomputed_nodes: usize,
 }
 
+/// The program a step graph runs as, on any device: lowered in the order of the graph-level
+/// planner's memory-aware schedule (`qatc_passes::plan`), so that a value runs when the schedule
+/// says (a recomputed one just before the backward step that reads it, a weight gradient's GEMM
+/// as soon as it can) and the executor holds what that schedule holds; `ce_chunk_rows` overrides
+/// the chunked cross-entropy's rows per chunk.
+pub fn lower_step(g: &Graph, ce_chunk_rows: Option<usize>) -> anyhow::Result<Program> {
+    let schedule = qatc_passes::plan::schedule(g).context("scheduling the step")?;
+    let options = LowerOptions { ce_chunk_rows, order: Some(schedule) };
+    qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
+}
+
 /// Lowers `g` for `device` and lays it out as that device's executor does. `cpu` are the CPU
 /// executor's settings (its panel size changes the program).
 pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {
-    let mut program = qatc_kernels::lower(g).context("lowering the step to kernels")?;
+    let mut program = lower_step(g, None)?;
     if device == Device::Cpu {
         qatc_runtime::cpu::prepare(&mut program, cpu);
     }

@@ -42,6 +42,7 @@ pub(crate) mod inplace;
 mod reduce;
 mod rows;
 mod tidy;
+pub mod xent;
 
 /// The context of one lowering: the graph being read (the step, or a fused node's body), the nodes
 /// of it already in memory, and names for the buffers as kernel parameters.
@@ -66,6 +67,24 @@ pub struct Lowerer {
     pub ce_stats: HashMap<View, (View, View)>,
     /// The phase of the node being lowered: the scratch buffers its steps use are its temporaries.
     pub phase: Phase,
+    /// Fused nodes whose packed results were lowered into buffers of their own (`xent.rs`,
+    /// `adamw.rs`): (start, length, where) per part along the pack's axis 0. Their slices are
+    /// views of those buffers; the pack itself is never allocated.
+    pub packs: HashMap<NodeId, Vec<(usize, usize, View)>>,
+    pub options: LowerOptions,
+}
+
+/// Choices the lowering leaves to its caller (the planner).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Rows per chunk of a chunked cross-entropy (`xent.rs`); None: the fusion rule's choice.
+    pub ce_chunk_rows: Option<usize>,
+    /// The order to lower the nodes in, which is the order the program runs them: a
+    /// memory-aware schedule (`qatc_passes::plan`'s, which runs a recomputed value just before
+    /// the backward step that reads it, not as soon as its operands exist). Nodes it leaves out
+    /// are lowered before it (inputs, constants, views) in the graph's topological order.
+    /// None: the topological order.
+    pub order: Option<Vec<NodeId>>,
 }
 
 impl Default for Lowerer {
@@ -76,6 +95,8 @@ impl Default for Lowerer {
             attn_stats: HashMap::new(),
             ce_stats: HashMap::new(),
             phase: Phase::Forward,
+            packs: HashMap::new(),
+            options: LowerOptions::default(),
         }
     }
 }
@@ -180,15 +201,63 @@ fn buffer_name(g: &Graph, id: NodeId) -> String {
 
 /// Lowers a whole graph (a verified one: types are trusted).
 pub fn lower(g: &Graph) -> Result<Program, KernelError> {
-    let mut lw = Lowerer::default();
+    lower_with(g, &LowerOptions::default())
+}
+
+/// `order` completed to every node of `g`, checked to be topological: the inputs and constants
+/// it leaves out first, then `order`, then any other node it leaves out, each in topological
+/// order.
+fn lowering_order(g: &Graph, order: Option<&[NodeId]>) -> Result<Vec<NodeId>, KernelError> {
+    let topo = g.topo_order()?;
+    let Some(order) = order else { return Ok(topo) };
+    let listed: std::collections::HashSet<NodeId> = order.iter().copied().collect();
+    let leaf = |n: &NodeId| matches!(g.node(*n).op, Op::Input { .. } | Op::Const { .. });
+    let mut out: Vec<NodeId> = topo.iter().copied().filter(|n| !listed.contains(n) && leaf(n)).collect();
+    out.extend_from_slice(order);
+    out.extend(topo.iter().copied().filter(|n| !listed.contains(n) && !leaf(n)));
+    let mut seen = std::collections::HashSet::with_capacity(out.len());
+    for &n in &out {
+        if !g.contains(n) || !g.operands(n).iter().all(|o| seen.contains(o)) || !seen.insert(n) {
+            return Err(KernelError::Internal(format!("the lowering order is not a topological order of the graph at {}", g.describe(n))));
+        }
+    }
+    Ok(out)
+}
+
+/// Whether every reader of the pack `id` takes one whole part of it (a slice along axis 0), so
+/// the pack itself need not exist.
+fn read_by_parts(g: &Graph, id: NodeId, parts: &[(NodeId, usize, usize)]) -> bool {
+    !g.outputs().iter().any(|o| o.node == id)
+        && g.users(id).into_iter().all(|u| match g.node(u).op {
+            Op::Slice { axis: 0, start, end } => g.operands(u) == [id] && parts.iter().any(|&(_, s, l)| s == start && s + l == end),
+            _ => false,
+        })
+}
+
+/// The part of a pack lowered part by part that `start..end` along its axis 0 is, as a flat view.
+fn pack_part(lw: &Lowerer, pack: NodeId, start: usize, end: usize) -> Option<View> {
+    let parts = lw.packs.get(&pack)?;
+    let (_, len, v) = parts.iter().find(|(s, l, _)| *s == start && s + l == end)?;
+    v.reshape(&[*len])
+}
+
+/// [`lower`] with the planner's choices.
+pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelError> {
+    let mut lw = Lowerer { options: options.clone(), ..Lowerer::default() };
     let mut values: HashMap<NodeId, View> = HashMap::new();
     let node_roles = Roles::of(g);
-    for id in g.topo_order()? {
+    for id in lowering_order(g, options.order.as_deref())? {
         let n = g.node(id);
         let role = node_roles.role(g, id);
         lw.phase = role.phase;
         let ops = g.operands(id);
         let shape = n.ty.shape.0.clone();
+        if let Op::Slice { axis: 0, start, end } = &n.op {
+            if let Some(v) = ops.first().and_then(|&p| pack_part(&lw, p, *start, *end)) {
+                values.insert(id, v);
+                continue;
+            }
+        }
         let view_of = |i: usize| ops.get(i).and_then(|o| values.get(o));
         let as_view = match &n.op {
             Op::Input { kind, .. } => {
@@ -207,6 +276,56 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
         if let Some(v) = as_view {
             values.insert(id, v);
             continue;
+        }
+        // fused nodes whose results get buffers of their own: the chunked cross-entropy
+        if let Op::Kernel { family, body } = &n.op {
+            if family.starts_with("cross_entropy.linear") {
+                let mut operand_views = Vec::new();
+                for &o in &ops {
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
+                }
+                let chunk_rows = lw.options.ce_chunk_rows;
+                match xent::lower(&mut lw, g, id, family, body, &operand_views, chunk_rows)? {
+                    Some(xent::Lowered::Value(v)) => {
+                        values.insert(id, v);
+                        continue;
+                    }
+                    Some(xent::Lowered::Parts(parts)) => {
+                        lw.packs.insert(id, parts);
+                        continue;
+                    }
+                    None => {}
+                }
+            }
+        }
+        // a packed kernel whose parts are computed one by one: a buffer per part
+        if let Op::Kernel { family, body } = &n.op {
+            if let Some(parts) = fused::separate_parts(body, ops.len()).filter(|p| read_by_parts(g, id, p)) {
+                let mut operand_views = Vec::new();
+                for &o in &ops {
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
+                }
+                let mut dests = Vec::new();
+                let mut placed = Vec::new();
+                for &(part, start, len) in &parts {
+                    let inner = match body.node(part).op {
+                        Op::Reshape { .. } => body.operands(part)[0],
+                        _ => part,
+                    };
+                    // the role of what reads this part: the pack's slice
+                    let reader = g.users(id).into_iter().find(|&u| matches!(g.node(u).op, Op::Slice { start: s, .. } if s == start));
+                    let part_role = reader.map_or(role, |u| node_roles.role(g, u));
+                    let name = body.node(inner).name.clone().unwrap_or_else(|| format!("{}.part{}", buffer_name(g, id), dests.len()));
+                    let t = body.ty(inner);
+                    let buf = lw.buffer(name, t.dtype, &t.shape.0, BufKind::Value, part_role);
+                    let flat = buf.reshape(&[len]).ok_or_else(|| KernelError::Internal("a part's buffer is not contiguous".into()))?;
+                    dests.push(flat.clone());
+                    placed.push((start, len, flat));
+                }
+                fused::lower_kernel_parts(&mut lw, g, id, family, body, &operand_views, &parts, &dests)?;
+                lw.packs.insert(id, placed);
+                continue;
+            }
         }
         // the cross-entropy gradient over its logits, when they die here (inplace.rs)
         let over = inplace::over_logits(&lw, g, id, ops.first().and_then(|o| values.get(o)));

@@ -205,6 +205,12 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
     build(&d, lv, order, scheduler)
 }
 
+/// The memory-aware schedule alone (what [`plan`] orders the nodes by): the order to run the
+/// step in. The lowering takes it as the program's step order (`qatc_kernels::LowerOptions`).
+pub fn schedule(g: &Graph) -> Result<Vec<NodeId>, PlanError> {
+    Ok(plan(g, &PlanOptions::default())?.order())
+}
+
 /// A quick estimate of the step's peak without assigning offsets: the inputs' storage plus the
 /// lower bound of the memory-aware schedule (the planned arena is within a fraction of a percent
 /// of it on transformer steps; `plan` gives the real figure). Used inside search loops.

@@ -28,6 +28,8 @@ pub(crate) struct Dense {
     pub mnemonic: Vec<&'static str>,
     /// Ancestor-or-self of the `loss` output (everything, when there is no loss).
     pub forward: Vec<bool>,
+    /// Autodiff's seed, or a fused kernel computing it (`qatc_ir::role::holds_gradient_seed`).
+    pub seed: Vec<bool>,
     /// Each value's category and phase (`qatc_ir::role`).
     pub category: Vec<qatc_ir::Category>,
     pub phase: Vec<qatc_ir::Phase>,
@@ -90,6 +92,7 @@ impl Dense {
             names: Vec::with_capacity(n),
             mnemonic: Vec::with_capacity(n),
             forward: vec![false; n],
+            seed: Vec::with_capacity(n),
             category: Vec::with_capacity(n),
             phase: Vec::with_capacity(n),
             output: vec![false; n],
@@ -123,6 +126,7 @@ impl Dense {
             d.input_kind.push(g.input_kind(id));
             d.names.push(node.name.clone());
             d.mnemonic.push(node.op.mnemonic());
+            d.seed.push(qatc_ir::role::holds_gradient_seed(g, id));
         }
         for u in &mut d.users {
             u.sort_unstable();
@@ -255,21 +259,17 @@ impl Dense {
         false
     }
 
-    /// The nodes that depend on the loss's gradient (autodiff's seed, the constant `loss.grad`),
-    /// and whether there is such a seed.
+    /// The nodes that depend on the loss's gradient (autodiff's seed, the constant `loss.grad`,
+    /// or the fused kernels computing it), and whether there is such a seed.
     pub fn gradient_stream(&self) -> (bool, Vec<bool>) {
         let n = self.len();
-        let seed = (0..n).find(|&i| self.names[i].as_deref() == Some("loss.grad") && self.mnemonic[i] == "const");
-        let mut from_seed = vec![false; n];
-        if let Some(s) = seed {
-            from_seed[s] = true;
-        }
+        let mut from_seed = self.seed.clone();
         for i in 0..n {
             if !self.is_input(i) && self.operands[i].iter().any(|&o| from_seed[o]) {
                 from_seed[i] = true;
             }
         }
-        (seed.is_some(), from_seed)
+        (self.seed.iter().any(|&s| s), from_seed)
     }
 
     /// Nodes scheduled just before their first user instead of on their own: values computed
@@ -277,7 +277,7 @@ impl Dense {
     /// made where they are needed, not at the start), and backward values that do not depend on
     /// the loss's gradient: the values the `remat` pass recomputes (`NAME.recompute`, and fused
     /// kernels made of them), made when the backward reaches them, not during the forward. The
-    /// gradient's seed is autodiff's constant `loss.grad`. A write-back is never lazy.
+    /// gradient's seed is autodiff's constant `loss.grad` (or the fused kernel holding it). A write-back is never lazy.
     pub fn lazy(&self) -> Vec<bool> {
         let n = self.len();
         let mut source_only = vec![false; n];
