@@ -130,4 +130,3 @@ fn chunked_steps_equal_the_unchunked_step() {
         eprintln!("{what}: kernel-IR evaluator against LLVM, worst {worst:.1e}");
     }
 }
-

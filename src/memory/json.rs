@@ -56,7 +56,8 @@ pub fn summary(e: &Executed) -> Value {
 
 /// The whole document. `context` (model, batch, options, policy, device, ...) is written as given.
 pub fn to_json(e: &Executed, context: Value) -> Result<String, serde_json::Error> {
-    let head = [("schema", json!(SCHEMA)), ("version", json!(VERSION)), ("context", context), ("summary", summary(e)), ("totals", totals(e))];
+    let head =
+        [("schema", json!(SCHEMA)), ("version", json!(VERSION)), ("context", context), ("summary", summary(e)), ("totals", totals(e))];
     let mut out = String::from("{\n");
     for (k, v) in head {
         let pretty = serde_json::to_string_pretty(&v)?.replace('\n', "\n  ");

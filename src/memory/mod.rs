@@ -44,7 +44,7 @@ pub struct Executed {
 /// the chunked cross-entropy's rows per chunk.
 pub fn lower_step(g: &Graph, ce_chunk_rows: Option<usize>) -> anyhow::Result<Program> {
     let schedule = qatc_passes::plan::schedule(g).context("scheduling the step")?;
-    let options = LowerOptions { ce_chunk_rows, order: Some(schedule) };
+    let options = LowerOptions { ce_chunk_rows, order: Some(schedule), ..Default::default() };
     qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
 }
 

@@ -149,7 +149,8 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
         p.steps.len(),
         p.buffers.len()
     );
-    let _ = writeln!(o, r##"<text class="subtitle" x="{MARGIN}" y="48" fill="#444">{}</text>"##, escape(&elide(&sub, fits(text_width, 12.0))));
+    let _ =
+        writeln!(o, r##"<text class="subtitle" x="{MARGIN}" y="48" fill="#444">{}</text>"##, escape(&elide(&sub, fits(text_width, 12.0))));
     let live_peak = p.input_bytes() + p.lower_bound;
     let peak_what = p.steps.get(p.peak_step).map(|s| s.what.as_str()).unwrap_or("");
     let peak_line = format!("peak {} at step {} ({peak_what})", human(live_peak), p.peak_step);
@@ -170,7 +171,11 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
         ),
         None => "cross-entropy: not chunked".to_string(),
     };
-    let _ = writeln!(o, r##"<text class="chunk-label" x="{MARGIN}" y="90" fill="#555">{}</text>"##, escape(&elide(&ce_line, fits(text_width, 12.0))));
+    let _ = writeln!(
+        o,
+        r##"<text class="chunk-label" x="{MARGIN}" y="90" fill="#555">{}</text>"##,
+        escape(&elide(&ce_line, fits(text_width, 12.0)))
+    );
     // y grid and ticks
     let step = byte_step(ymax);
     let mut t = 0.0;
@@ -248,7 +253,8 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
     let _ = writeln!(o, r##"<circle cx="{xp:.1}" cy="{:.1}" r="4" fill="#d62728"/>"##, y(live_peak as f64));
     if let Some(b) = p.backward_starts {
         let xb = x(b as f64);
-        let _ = writeln!(o, r##"<line class="backward" x1="{xb:.1}" y1="{Y0}" x2="{xb:.1}" y2="{Y1}" stroke="#555" stroke-dasharray="2,3"/>"##);
+        let _ =
+            writeln!(o, r##"<line class="backward" x1="{xb:.1}" y1="{Y0}" x2="{xb:.1}" y2="{Y1}" stroke="#555" stroke-dasharray="2,3"/>"##);
         let _ = writeln!(o, r##"<text x="{:.1}" y="{:.1}" fill="#555" font-size="11">backward</text>"##, xb + 3.0, Y1 - 6.0);
     }
     if let Some(l) = limit {
@@ -269,7 +275,8 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
     let ly = Y0 + 24.0 + 7.0 * 22.0 + 6.0;
     let more = [format!("fragmentation {}", human(p.fragmentation())), format!("recompute {}", flops(e.recompute_flops))];
     for (i, m) in more.iter().enumerate() {
-        let _ = writeln!(o, r##"<text x="{lx}" y="{:.1}" fill="#444">{}</text>"##, ly + 20.0 * i as f64, escape(&elide(m, legend_chars + 3)));
+        let _ =
+            writeln!(o, r##"<text x="{lx}" y="{:.1}" fill="#444">{}</text>"##, ly + 20.0 * i as f64, escape(&elide(m, legend_chars + 3)));
     }
     o.push_str("</svg>\n");
     o

@@ -13,7 +13,7 @@ use qatc_ir::{Graph, NodeId, Op};
 
 use super::inline::inlinable;
 use super::rows::{self, Anchor};
-use super::{elementwise, Ctx, Lowerer};
+use super::{elementwise, Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
 
@@ -63,13 +63,11 @@ pub fn lower_kernel_node(
 /// (its root a concat along axis 0 with a GEMM or a row op under it): (part node, start, length)
 /// along the pack. None when the body is computed in one pass (an elementwise concat) or is not
 /// a pack.
-pub fn separate_parts(body: &Graph, operands: usize) -> Option<Vec<(NodeId, usize, usize)>> {
+pub fn separate_parts(body: &Graph, operands: usize) -> Option<Vec<PackPart>> {
     let root = body.output("out")?;
     let Op::Concat { axis: 0 } = body.node(root).op else { return None };
-    let leaves: HashMap<NodeId, View> = (0..operands)
-        .filter_map(|i| body.find_input(&format!("in{i}")))
-        .map(|n| (n, View::contiguous(0, &body.ty(n).shape.0)))
-        .collect();
+    let leaves: HashMap<NodeId, View> =
+        (0..operands).filter_map(|i| body.find_input(&format!("in{i}"))).map(|n| (n, View::contiguous(0, &body.ty(n).shape.0))).collect();
     if anchors_under(body, root, &leaves).is_empty() {
         return None;
     }
@@ -90,12 +88,13 @@ pub fn lower_kernel_parts(
     lw: &mut Lowerer,
     g: &Graph,
     id: NodeId,
-    family: &str,
-    body: &Graph,
     operands: &[View],
-    parts: &[(NodeId, usize, usize)],
+    parts: &[PackPart],
     dests: &[View],
 ) -> Result<(), KernelError> {
+    let Op::Kernel { family, body } = &g.node(id).op else {
+        return Err(KernelError::Internal(format!("node {id:?} is not a fused kernel")));
+    };
     let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
     for (i, v) in operands.iter().enumerate() {
         let name = format!("in{i}");
@@ -245,7 +244,8 @@ pub fn lower_root(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, dest: View, fami
     // a sum of GEMMs (a weight's product plus its LoRA branch) accumulates into one buffer: the
     // destination itself when the root reads it position by position, so no product is held apart
     if let Some((sum, terms)) = gemm_sum(g, root, &cx.leaves) {
-        let into_dest = sum == root || (dest.is_contiguous() && reaches_only_elementwise(g, root, sum, &cx.leaves, &mut HashMap::new()) == Some(true));
+        let into_dest =
+            sum == root || (dest.is_contiguous() && reaches_only_elementwise(g, root, sum, &cx.leaves, &mut HashMap::new()) == Some(true));
         let shape = g.ty(sum).shape.0.clone();
         let target = if into_dest {
             View { shape: shape.clone(), strides: crate::index::strides(&shape), ..dest.clone() }

@@ -33,6 +33,7 @@ macro_rules! launch {
     }};
 }
 
+mod adamw;
 mod attention;
 pub mod builder;
 mod fused;
@@ -70,9 +71,14 @@ pub struct Lowerer {
     /// Fused nodes whose packed results were lowered into buffers of their own (`xent.rs`,
     /// `adamw.rs`): (start, length, where) per part along the pack's axis 0. Their slices are
     /// views of those buffers; the pack itself is never allocated.
-    pub packs: HashMap<NodeId, Vec<(usize, usize, View)>>,
+    pub packs: HashMap<NodeId, Vec<Placed>>,
     pub options: LowerOptions,
 }
+
+/// A part of a pack as lowered: (start, length, the view that holds it).
+pub type Placed = (usize, usize, View);
+/// A part of a fused body's packed result: (the part's value node, start, length).
+pub type PackPart = (NodeId, usize, usize);
 
 /// Choices the lowering leaves to its caller (the planner).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -85,6 +91,9 @@ pub struct LowerOptions {
     /// are lowered before it (inputs, constants, views) in the graph's topological order.
     /// None: the topological order.
     pub order: Option<Vec<NodeId>>,
+    /// Lower a multi-tensor AdamW into its packed buffer, copied over the inputs after the step,
+    /// instead of in place (`adamw.rs`): only to compare the two.
+    pub adamw_packed: bool,
 }
 
 impl Default for Lowerer {
@@ -298,8 +307,23 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
                 }
             }
         }
-        // a packed kernel whose parts are computed one by one: a buffer per part
+        // AdamW written over its inputs, tensor by tensor
         if let Op::Kernel { family, body } = &n.op {
+            if family.starts_with("adamw") && !lw.options.adamw_packed {
+                let mut operand_views = Vec::new();
+                for &o in &ops {
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
+                }
+                let done: std::collections::HashSet<NodeId> = values.keys().chain(lw.packs.keys()).copied().collect();
+                let lowered = |u: NodeId| done.contains(&u);
+                if let Some(placed) = adamw::lower(&mut lw, g, id, family, body, &operand_views, &lowered)? {
+                    lw.packs.insert(id, placed);
+                    continue;
+                }
+            }
+        }
+        // a packed kernel whose parts are computed one by one: a buffer per part
+        if let Op::Kernel { body, .. } = &n.op {
             if let Some(parts) = fused::separate_parts(body, ops.len()).filter(|p| read_by_parts(g, id, p)) {
                 let mut operand_views = Vec::new();
                 for &o in &ops {
@@ -322,7 +346,7 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
                     dests.push(flat.clone());
                     placed.push((start, len, flat));
                 }
-                fused::lower_kernel_parts(&mut lw, g, id, family, body, &operand_views, &parts, &dests)?;
+                fused::lower_kernel_parts(&mut lw, g, id, &operand_views, &parts, &dests)?;
                 lw.packs.insert(id, placed);
                 continue;
             }

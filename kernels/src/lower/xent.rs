@@ -143,7 +143,8 @@ pub fn lower(
         cx.leaves.insert(inp, v.clone());
     }
     let Some(head) = find(body, &cx.leaves) else { return Ok(None) };
-    let root = body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
+    let root =
+        body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
     // the node's value: the loss itself, or a pack of the loss and the gradient products
     let parts: Vec<(NodeId, usize, usize)> = match &body.node(root).op {
         _ if root == head.loss => vec![(head.loss, 0, 1)],
@@ -176,8 +177,9 @@ pub fn lower(
     // buffers: the chunk scratch, the row losses, each chunk's first row, and the results
     let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), DType::F32, &[r, v], BufKind::Temp, Role::temporary(phase));
     let losses = lw.buffer("ce_rows".into(), DType::F32, &[n], BufKind::Temp, Role::temporary(Phase::Forward));
-    let bases: Vec<View> =
-        (0..chunks).map(|c| lw.buffer(format!("ce_chunk{c}_row"), DType::I32, &[1], BufKind::Temp, Role::temporary(Phase::Forward))).collect();
+    let bases: Vec<View> = (0..chunks)
+        .map(|c| lw.buffer(format!("ce_chunk{c}_row"), DType::I32, &[1], BufKind::Temp, Role::temporary(Phase::Forward)))
+        .collect();
     // one parameter name for every chunk's first row, so the row kernel is one kernel
     for b in &bases {
         cx.names.insert(b.buf, "first_row".into());
@@ -188,7 +190,11 @@ pub fn lower(
     let mut results: HashMap<NodeId, View> = HashMap::from([(head.loss, loss_buf.clone())]);
     for &(p, acc) in &head.products {
         let ty = body.ty(p).clone();
-        let pname = body.node(p).name.clone().unwrap_or_else(|| format!("{}.{}", g.node(id).name.as_deref().unwrap_or("xent"), if acc { "dW" } else { "dh" }));
+        let pname = body
+            .node(p)
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{}.{}", g.node(id).name.as_deref().unwrap_or("xent"), if acc { "dW" } else { "dh" }));
         let category = if acc { qatc_ir::Category::Gradients } else { qatc_ir::Category::Temporaries };
         let buf = lw.buffer(pname, ty.dtype, &ty.shape.0, BufKind::Value, Role { category, phase: Phase::Backward });
         results.insert(p, buf);
@@ -202,7 +208,13 @@ pub fn lower(
         for (c, b) in bases.iter().enumerate() {
             kb.store_view(b, &Pos::Lin(Expr::Int(0)), Expr::Int((c * r) as i64));
         }
-        launch!(lw, kb, "cross_entropy.chunk_rows", Space::Elements { shape: vec![1] }, format!("the first row of each of {chunks} chunks"))?;
+        launch!(
+            lw,
+            kb,
+            "cross_entropy.chunk_rows",
+            Space::Elements { shape: vec![1] },
+            format!("the first row of each of {chunks} chunks")
+        )?;
     }
     let (hv, wv) = (cx.leaves[&head.h].clone(), cx.leaves[&head.w].clone());
     let swap = |x: &View| x.transpose(&[1, 0]);
@@ -340,7 +352,8 @@ fn row_kernel(
         }
         _ => "cross_entropy.chunk_loss",
     };
-    let (kernel, args) = kb.finish(family, Space::Rows { rows: rc, mapping: RowMapping::Block }, format!("loss (and gradient) of {rc} rows of logits"))?;
+    let (kernel, args) =
+        kb.finish(family, Space::Rows { rows: rc, mapping: RowMapping::Block }, format!("loss (and gradient) of {rc} rows of logits"))?;
     // the gradient overwrites the logits it is computed from: each row read before it is written
     if let Some(pi) = args.iter().position(|&a| a == scratch.buf) {
         if kernel.params[pi].write && !super::inplace::in_place_ok(&kernel, pi) {

@@ -18,7 +18,7 @@ use super::steps::{cpu_steps, label, run_step, CpuStep};
 use super::Launcher;
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{Device, ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
+use crate::exec::{ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
 use crate::value::Value;
 
 /// A lowered program ready to run on the CPU: its buffers allocated once (aligned, zeroed, laid
@@ -106,7 +106,7 @@ impl CpuProgram {
             super::CpuAttention::Gemm => Box::new(super::GemmAttention::new(jit, &prog.kernels)),
             super::CpuAttention::Kernels => Box::new(jit),
         };
-        Ok((CpuProgram::with_options(prog, launcher, Device::Cpu.exec_options(), cpu)?, panels))
+        Ok((CpuProgram::with_options(prog, launcher, crate::exec::Device::Cpu.exec_options(), cpu)?, panels))
     }
 
     pub fn program(&self) -> &Program {

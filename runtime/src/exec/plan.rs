@@ -130,6 +130,24 @@ impl ExecPlan {
         }
         let write_backs = write_backs(prog)?;
         let access: Vec<Access> = prog.steps.iter().map(|s| access::of_step(prog, s)).collect();
+        // an input updated in place holds its new value from the step that writes it: nothing
+        // after that step may read it (it would see the new value where the graph reads the old)
+        let mut written_at: Vec<Option<usize>> = vec![None; prog.buffers.len()];
+        for (i, a) in access.iter().enumerate() {
+            for &b in &a.reads {
+                if let Some(w) = written_at.get(b).copied().flatten().filter(|&w| w < i && !a.writes.contains(&b)) {
+                    return Err(RuntimeError::Buffer {
+                        name: prog.buffers[b].name.clone(),
+                        msg: format!("updated in place by step {w}, then read by step {i}"),
+                    });
+                }
+            }
+            for &b in &a.writes {
+                if matches!(prog.buffers[b].kind, BufKind::Input(..)) {
+                    written_at[b] = Some(i);
+                }
+            }
+        }
         let nb = prog.buffers.len();
         let frozen: Vec<bool> =
             prog.buffers.iter().map(|b| options.hoist_frozen && matches!(b.kind, BufKind::Input(_, InputKind::Frozen))).collect();
