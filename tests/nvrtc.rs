@@ -39,8 +39,8 @@ fn qlora(b: usize, t: usize, r: usize) -> StepOptions {
 }
 
 /// Lowers the step, writes its kernels, compiles each for both architectures; returns
-/// (distinct kernels, launches).
-fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, usize) {
+/// (distinct kernels, launches, chunked cross-entropies).
+fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, usize, usize) {
     let (g, _) = step::train(cfg, o, |_, _| {}).expect("the step builds");
     let (prog, kernels) = qatc_kernels::cuda_kernels(&g).expect("the step lowers");
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/nvrtc-kernels").join(name);
@@ -79,7 +79,7 @@ fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions) -> (us
         prog.gemms().count(),
         dir.display()
     );
-    (kernels.len(), prog.launches())
+    (kernels.len(), prog.launches(), prog.cross_entropy.len())
 }
 
 #[test]
@@ -88,8 +88,14 @@ fn every_kernel_of_the_tiny_step_compiles() {
     let tiny = Gpt2Config { n_embd: 8, n_layer: 1, n_head: 2, n_positions: 8, vocab_size: 11, layer_norm_epsilon: 1e-5 };
     let mut o = StepOptions::new(1, 4);
     o.clip = Some(1.0);
-    let (n, _) = compile_all(&nv, "tiny-full", &tiny, &o);
+    let (n, _, _) = compile_all(&nv, "tiny-full", &tiny, &o);
     assert!(n > 10);
+    // fused, 32 rows of logits against a width of 8: the chunked linear + cross-entropy, with
+    // the head's gradient accumulated chunk by chunk
+    let mut f = StepOptions::new(4, 8);
+    f.fuse = Some(FuseOptions::default());
+    let (_, _, chunked) = compile_all(&nv, "tiny-full-fused", &tiny, &f);
+    assert_eq!(chunked, 1, "the fused full fine-tune chunks its cross-entropy");
     let mut q = qlora(1, 4, 2);
     q.model.quant.as_mut().expect("set above").spec.group = 4;
     compile_all(&nv, "tiny-qlora", &tiny, &q);
@@ -101,12 +107,13 @@ fn every_kernel_of_the_tiny_step_compiles() {
 fn every_kernel_of_the_gpt2_124m_step_compiles() {
     let Some(nv) = nvrtc() else { return };
     let cfg = Gpt2Config::preset("124M").expect("a preset");
-    let (n, launches) = compile_all(&nv, "gpt2-124m", &cfg, &qlora(1, 64, 16));
+    let (n, launches, _) = compile_all(&nv, "gpt2-124m", &cfg, &qlora(1, 64, 16));
     assert!(launches > n, "layers share kernels");
     // and as egg fusion leaves it: fused kernels, flash attention forward and backward
     let mut o = qlora(1, 64, 16);
     o.fuse = Some(FuseOptions::default());
-    compile_all(&nv, "gpt2-124m-fused", &cfg, &o);
+    let (_, _, chunked) = compile_all(&nv, "gpt2-124m-fused", &cfg, &o);
+    assert_eq!(chunked, 1, "the fused step chunks its cross-entropy (the logits never whole)");
 }
 
 #[test]
