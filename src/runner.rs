@@ -68,8 +68,7 @@ impl Runner {
             Engine::Interpreter => Ok(Runner { step: Box::new(InterpretedStep::new(g)?), description: "the reference interpreter".into() }),
             #[cfg(feature = "llvm")]
             Engine::Compiled => {
-                let prog = crate::memory::lower_step(g, None)?;
-                let (p, panels) = qatc_runtime::CpuProgram::compile(prog, cpu)?;
+                let (p, panels) = crate::memory::compile_cpu(g, cpu)?;
                 let description = describe_compiled(&p, &panels);
                 Ok(Runner { step: Box::new(p), description })
             }

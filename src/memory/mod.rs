@@ -48,6 +48,14 @@ pub fn lower_step(g: &Graph, ce_chunk_rows: Option<usize>) -> anyhow::Result<Pro
     qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
 }
 
+/// The CPU executor of step graph `g`, as `qatc train` runs it: the program [`execute_plan`]
+/// plans for the CPU, compiled (the executor applies the same rewrites and the same layout).
+#[cfg(feature = "llvm")]
+pub fn compile_cpu(g: &Graph, cpu: &CpuOptions) -> anyhow::Result<(qatc_runtime::CpuProgram, qatc_kernels::panels::PanelReport)> {
+    let prog = lower_step(g, None)?;
+    Ok(qatc_runtime::CpuProgram::compile(prog, cpu)?)
+}
+
 /// Lowers `g` for `device` and lays it out as that device's executor does. `cpu` are the CPU
 /// executor's settings (its panel size changes the program).
 pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {
