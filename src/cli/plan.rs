@@ -42,9 +42,13 @@ pub struct Args {
     #[arg(long)]
     pub svg: Option<PathBuf>,
     /// Search batch sizes and checkpoint policies for the fastest configurations that fit
-    /// --memory (needs --memory; --batch is the largest batch tried).
+    /// --memory (needs --memory; --batch is ignored, batches 1, 2, 4, ... up to --max-batch
+    /// are tried).
     #[arg(long)]
     pub fit: bool,
+    /// The largest batch --fit tries.
+    #[arg(long, default_value_t = 256)]
+    pub max_batch: usize,
 }
 
 /// The model's config and how to call it, from a path or a size name.
@@ -233,7 +237,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let device = plan_device(a.device);
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
     if a.fit {
-        return memory::fit::run(a, &cfg, &name, &opts, memory, device, &cpu);
+        return fit(a, &cfg, &name, &opts, memory, device, &cpu);
     }
     let (reports, e) = build(&cfg, &opts, device, &cpu)?;
     if let Some(m) = memory {
@@ -261,6 +265,44 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         if let Some(path) = &a.svg {
             println!("  wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// `--fit`: the search (`crate::memory::fit`), as a table or JSON; `--svg` draws the fastest
+/// configuration's plan.
+fn fit(
+    a: &Args,
+    cfg: &Gpt2Config,
+    name: &str,
+    opts: &StepOptions,
+    memory: Option<usize>,
+    device: Device,
+    cpu: &CpuOptions,
+) -> anyhow::Result<()> {
+    let Some(memory) = memory else { anyhow::bail!("--fit needs --memory (a size such as 24GiB, or a GPU's name such as h100)") };
+    if a.max_batch == 0 {
+        anyhow::bail!("--max-batch must be at least 1");
+    }
+    let f = memory::fit::search(cfg, opts, memory, a.max_batch, device, cpu)?;
+    let (_, words) = describe_options(opts);
+    let title = format!("{name} ({} layers, C {}), T {}, {words}", cfg.n_layer, cfg.n_embd, opts.seq);
+    if let (Some(path), Some((o, e))) = (&a.svg, &f.best) {
+        // the choice first: a long title is shortened in its middle
+        let (_, title) = context(name, cfg, o, &[], Some(memory), e);
+        let choice = format!("--fit's choice: B {} T {}, checkpoint {}; {title}", o.batch, o.seq, o.checkpoint.describe());
+        crate::artifacts::write_atomic(path, svg::render(e, &choice, Some(memory)).as_bytes())
+            .with_context(|| format!("{}", path.display()))?;
+    }
+    if a.json {
+        let (options, _) = describe_options(opts);
+        let ctx = json!({ "qatc_version": env!("CARGO_PKG_VERSION"), "model": name, "config": cfg, "seq": opts.seq, "device": device.name(), "options": options });
+        println!("{}", memory::fit::to_json(&f, ctx, memory)?);
+    } else {
+        print!("{}", memory::fit::table(&f, &title, memory, device));
+        if let (Some(path), Some(_)) = (&a.svg, &f.best) {
+            println!("  wrote {} (the first row's plan)", path.display());
         }
     }
     Ok(())
