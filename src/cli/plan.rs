@@ -182,15 +182,7 @@ pub fn table(e: &Executed, title: &str, memory: Option<usize>) -> String {
         e.recomputed_nodes
     );
     for c in &e.program.cross_entropy {
-        o += &format!(
-            "  cross-entropy over {} x {} logits in {} chunks of {} rows (one {} chunk, never the whole {})\n",
-            c.rows,
-            c.vocab,
-            c.chunks(),
-            c.chunk_rows,
-            human(c.scratch_bytes()),
-            human(4 * c.rows * c.vocab)
-        );
+        o += &format!("  {}\n", memory::chunking_line(c));
     }
     o += &format!("\n  {:<22} {:>12} {:>7}\n", "at the peak", "bytes", "share");
     let mut row = |label: &str, b: usize| {

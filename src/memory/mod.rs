@@ -78,6 +78,25 @@ pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Resu
     Ok(Executed { device, program, exec, plan, total_flops, recompute_flops, recomputed_nodes })
 }
 
+/// One line on a chunked cross-entropy, for the table and the picture.
+pub fn chunking_line(c: &qatc_kernels::program::CeChunking) -> String {
+    let whole = qatc_passes::plan::units::human(4 * c.rows * c.vocab);
+    let scratch = qatc_passes::plan::units::human(c.scratch_bytes());
+    if c.chunks() == 1 {
+        return format!(
+            "cross-entropy over {} x {} logits in one chunk of {} rows: the whole {whole} at once",
+            c.rows, c.vocab, c.chunk_rows
+        );
+    }
+    format!(
+        "cross-entropy over {} x {} logits in {} chunks of {} rows: one {scratch} chunk, never the whole {whole}",
+        c.rows,
+        c.vocab,
+        c.chunks(),
+        c.chunk_rows
+    )
+}
+
 /// What each cross-entropy over the vocabulary computes its logits in: rows, vocabulary, rows
 /// per chunk and the chunk scratch (`Program::cross_entropy`).
 pub fn chunking(p: &Program) -> Vec<serde_json::Value> {

@@ -159,16 +159,8 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
         r##"<text class="peak-label" x="{MARGIN}" y="70" fill="#d62728" font-weight="bold">{}</text>"##,
         escape(&elide(&peak_line, fits(text_width, 12.0)))
     );
-    let ce = super::chunking(&e.program);
-    let ce_line = match ce.first() {
-        Some(c) => format!(
-            "cross-entropy over {} rows x {} vocab in {} chunks of {} rows: logits never whole, one {} chunk",
-            c["rows"],
-            c["vocab"],
-            c["chunks"],
-            c["chunk_rows"],
-            human(c["scratch_bytes"].as_u64().unwrap_or(0) as usize)
-        ),
+    let ce_line = match e.program.cross_entropy.first() {
+        Some(c) => super::chunking_line(c),
         None => "cross-entropy: not chunked".to_string(),
     };
     let _ = writeln!(
