@@ -224,20 +224,23 @@ pub fn lower(
         let chunk = scratch.slice(0, 0, rc);
         let h_rows = hv.slice(0, r0, r1);
         let k = hv.shape[1];
-        lw.push_gemm(typed(lw, Gemm {
-            a: h_rows.clone(),
-            b: swap(&wv),
-            c: chunk.clone(),
-            m: rc,
-            n: v,
-            k,
-            alpha: 1.0,
-            accumulate: false,
-            bias: None,
-            note: format!("logits of rows {r0}..{r1} (chunk {c} of {chunks})"),
-            feed: None,
-            types: GemmTypes::F32,
-        }));
+        lw.push_gemm(typed(
+            lw,
+            Gemm {
+                a: h_rows.clone(),
+                b: swap(&wv),
+                c: chunk.clone(),
+                m: rc,
+                n: v,
+                k,
+                alpha: 1.0,
+                accumulate: false,
+                bias: None,
+                note: format!("logits of rows {r0}..{r1} (chunk {c} of {chunks})"),
+                feed: None,
+                types: GemmTypes::F32,
+            },
+        ));
         row_kernel(lw, &cx, &head, &scratch, &losses, base, rc, n, v)?;
         for &(p, acc) in &head.products {
             let dest = &results[&p];
