@@ -27,10 +27,10 @@ const GIB: usize = 1 << 30;
 fn options(b: usize, t: usize, scheme: &str, group: usize, lora: bool) -> anyhow::Result<StepOptions> {
     let mut o = StepOptions::new(b, t);
     o.model = if lora {
-        let q = QuantArgs { bits: Some(4), group, scheme: scheme.into(), qat: "base".into(), ..Default::default() };
+        let q = QuantArgs { bits: Some(4), group: Some(group), scheme: qatc_ir::QuantScheme::from_name(scheme), ..Default::default() };
         model_options(&q, Some(LoraOptions::new(16)), false, true)?
     } else {
-        model_options(&QuantArgs { qat: "base".into(), ..Default::default() }, None, true, true)?
+        model_options(&QuantArgs::default(), None, true, true)?
     };
     o.fuse = Some(FuseOptions::default());
     Ok(o)

@@ -15,7 +15,7 @@ use qatc_passes::lora::LoraOptions;
 use qatc_passes::remat::Checkpoint;
 
 fn quant_lora(o: &mut StepOptions, scheme: &str, group: usize) {
-    let q = QuantArgs { bits: Some(4), group, scheme: scheme.into(), qat: "base".into(), ..Default::default() };
+    let q = QuantArgs { bits: Some(4), group: Some(group), scheme: qatc_ir::QuantScheme::from_name(scheme), ..Default::default() };
     o.model = model_options(&q, Some(LoraOptions::new(16)), false, true).unwrap();
 }
 
