@@ -7,72 +7,67 @@
 
 mod common;
 
-use qatc::cli::options::{model_options, QuantArgs};
-use qatc::model::Model;
-use qatc::step::{self, StepOptions};
-use qatc_passes::fusion::FuseOptions;
-use qatc_passes::lora::LoraOptions;
-use qatc_passes::remat::Checkpoint;
-
-fn quant_lora(o: &mut StepOptions, scheme: &str, group: usize) {
-    let q = QuantArgs { bits: Some(4), group: Some(group), scheme: qatc_ir::QuantScheme::from_name(scheme), ..Default::default() };
-    o.model = model_options(&q, Some(LoraOptions::new(16)), false, true).unwrap();
-}
-
-/// Every policy, with a budget halfway between blocks' and none's peaks (in the `remat` pass's
-/// own model, the graph-level planner's over the unfused step, which its budgets are in).
+/// The comparison needs the compiled CPU executor (LLVM).
 #[cfg(feature = "llvm")]
-fn policies(m: &Model, o: &StepOptions) -> Vec<Checkpoint> {
-    let peak = |c: Checkpoint| {
-        let mut o = o.clone();
-        o.checkpoint = c;
-        o.fuse = None;
-        let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
-        qatc_passes::plan::plan(&g, &Default::default()).unwrap().peak_bytes()
-    };
-    let (none, blocks) = (peak(Checkpoint::None), peak(Checkpoint::Blocks));
-    let mid = blocks.min(none) + none.abs_diff(blocks) / 2;
-    vec![Checkpoint::None, Checkpoint::Blocks, Checkpoint::Sqrt, Checkpoint::Budget(mid), Checkpoint::Auto(mid)]
-}
+mod compiled {
+    use qatc::cli::options::{model_options, QuantArgs};
+    use qatc::model::Model;
+    use qatc::step::{self, StepOptions};
+    use qatc_passes::fusion::FuseOptions;
+    use qatc_passes::lora::LoraOptions;
+    use qatc_passes::remat::Checkpoint;
 
-#[cfg(feature = "llvm")]
-fn plan_equals_executor(what: &str, m: &Model, o: &StepOptions) {
-    use qatc::memory::{compile_cpu, execute_plan};
-    use qatc_runtime::exec::Device;
-    use qatc_runtime::CpuOptions;
-    let cpu = CpuOptions::default();
-    for c in policies(m, o) {
-        let mut o = o.clone();
-        o.checkpoint = c;
-        let label = format!("{what}, --checkpoint {}", c.describe());
-        let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
-        let planned = execute_plan(&g, Device::Cpu, &cpu).unwrap();
-        let (exec, _) = compile_cpu(&g, &cpu).unwrap();
-        assert_eq!(planned.plan.peak_bytes(), exec.held_bytes(), "{label}: the plan's peak is what the executor holds");
-        assert_eq!(planned.program.buffers.len(), exec.program().buffers.len(), "{label}: the same buffers");
-        for (b, pb) in planned.plan.buffers.iter().enumerate() {
-            let (region, offset) = exec.address_of(b).unwrap();
-            assert_eq!((pb.region, pb.offset), (region, offset), "{label}: buffer {} where the plan puts it", pb.name);
-            assert_eq!(pb.name, exec.program().buffers[b].name, "{label}: buffer {b}");
+    fn quant_lora(o: &mut StepOptions, scheme: &str, group: usize) {
+        let q = QuantArgs { bits: Some(4), group: Some(group), scheme: qatc_ir::QuantScheme::from_name(scheme), ..Default::default() };
+        o.model = model_options(&q, Some(LoraOptions::new(16)), false, true).unwrap();
+    }
+
+    /// Every policy, with a budget halfway between blocks' and none's peaks (in the `remat` pass's
+    /// own model, the graph-level planner's over the unfused step, which its budgets are in).
+    fn policies(m: &Model, o: &StepOptions) -> Vec<Checkpoint> {
+        let peak = |c: Checkpoint| {
+            let mut o = o.clone();
+            o.checkpoint = c;
+            o.fuse = None;
+            let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
+            qatc_passes::plan::plan(&g, &Default::default()).unwrap().peak_bytes()
+        };
+        let (none, blocks) = (peak(Checkpoint::None), peak(Checkpoint::Blocks));
+        let mid = blocks.min(none) + none.abs_diff(blocks) / 2;
+        vec![Checkpoint::None, Checkpoint::Blocks, Checkpoint::Sqrt, Checkpoint::Budget(mid), Checkpoint::Auto(mid)]
+    }
+
+    fn plan_equals_executor(what: &str, m: &Model, o: &StepOptions) {
+        use qatc::memory::{compile_cpu, execute_plan};
+        use qatc_runtime::exec::Device;
+        use qatc_runtime::CpuOptions;
+        let cpu = CpuOptions::default();
+        for c in policies(m, o) {
+            let mut o = o.clone();
+            o.checkpoint = c;
+            let label = format!("{what}, --checkpoint {}", c.describe());
+            let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
+            let planned = execute_plan(&g, Device::Cpu, &cpu).unwrap();
+            let (exec, _) = compile_cpu(&g, &cpu).unwrap();
+            assert_eq!(planned.plan.peak_bytes(), exec.held_bytes(), "{label}: the plan's peak is what the executor holds");
+            assert_eq!(planned.program.buffers.len(), exec.program().buffers.len(), "{label}: the same buffers");
+            for (b, pb) in planned.plan.buffers.iter().enumerate() {
+                let (region, offset) = exec.address_of(b).unwrap();
+                assert_eq!((pb.region, pb.offset), (region, offset), "{label}: buffer {} where the plan puts it", pb.name);
+                assert_eq!(pb.name, exec.program().buffers[b].name, "{label}: buffer {b}");
+            }
+            eprintln!("{label}: planned peak = held = {} B, {} buffers", exec.held_bytes(), planned.plan.buffers.len());
         }
-        eprintln!("{label}: planned peak = held = {} B, {} buffers", exec.held_bytes(), planned.plan.buffers.len());
     }
-}
 
-#[test]
-fn the_plan_is_what_the_cpu_executor_holds() {
-    #[cfg(not(feature = "llvm"))]
-    {
-        eprintln!("skipped: this build has no LLVM, so no compiled CPU executor to compare the plan with");
-    }
-    #[cfg(feature = "llvm")]
-    {
-        let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
+    #[test]
+    fn the_plan_is_what_the_cpu_executor_holds() {
+        let demo = Model::open(&super::common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
         let mut o = StepOptions::new(4, 128);
         quant_lora(&mut o, "q4_0", 32);
         o.fuse = Some(FuseOptions::default());
         plan_equals_executor("demo", &demo, &o);
-        let tiny = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+        let tiny = Model::open(&super::common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
         let mut full = StepOptions::new(4, 32);
         full.fuse = Some(FuseOptions::default());
         plan_equals_executor("tiny, full fine-tune", &tiny, &full);
@@ -80,6 +75,12 @@ fn the_plan_is_what_the_cpu_executor_holds() {
         quant_lora(&mut q, "sym", 16);
         plan_equals_executor("tiny, 4-bit + LoRA", &tiny, &q);
     }
+}
+
+#[cfg(not(feature = "llvm"))]
+#[test]
+fn the_plan_is_what_the_cpu_executor_holds() {
+    eprintln!("skipped: this build has no LLVM, so no compiled CPU executor to compare the plan with");
 }
 
 /// `qatc train` says the plan's peak and what the executor holds: the same bytes.
