@@ -281,7 +281,7 @@ mod tests {
     #[test]
     fn elision_keeps_both_ends() {
         assert_eq!(elide("abcdef", 10), "abcdef");
-        assert_eq!(elide("/very/long/path/to/model.safetensors", 20), "/very/lon...tensors");
+        assert_eq!(elide("/very/long/path/to/model.safetensors", 20), "/very/lon...etensors");
         assert_eq!(elide("/very/long/path/to/model.safetensors", 20).chars().count(), 20);
     }
 }
