@@ -158,6 +158,22 @@ pub enum Optimizer {
 }
 
 impl Optimizer {
+    /// The optimizer whose moments are stored so.
+    pub fn of(m: Moments) -> Optimizer {
+        match m {
+            Moments::F32 => Optimizer::Adamw,
+            Moments::Blockwise8 => Optimizer::Adamw8bit,
+        }
+    }
+
+    /// Its `--optim` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Optimizer::Adamw => "adamw",
+            Optimizer::Adamw8bit => "adamw8bit",
+        }
+    }
+
     /// How the AdamW pass stores the moments.
     pub fn moments(self) -> Moments {
         match self {

@@ -12,6 +12,7 @@ pub mod finite;
 pub mod frontend;
 pub mod input;
 pub mod manifest;
+pub mod memory;
 pub mod model;
 pub mod plot;
 pub mod runner;

@@ -107,8 +107,7 @@ impl Runner {
             }
             #[cfg(feature = "llvm")]
             Engine::Compiled => {
-                let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
-                let (p, panels) = qatc_runtime::CpuProgram::compile(prog, cpu)?;
+                let (p, panels) = crate::memory::compile_cpu(g, cpu)?;
                 let description = describe_compiled(&p, &panels);
                 Ok(Runner { step: Box::new(p), description })
             }
@@ -190,20 +189,20 @@ fn describe_compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels
         Some(b) => format!("large ones by OpenBLAS ({b})"),
         None => "by the gemm crate".into(),
     };
-    // buffers never live at the same step share the arena: what it holds against what one
-    // allocation per buffer would take, and the least any layout could
-    let l = p.layout();
+    // what the plan says (the executed plan is this program's layout) against what the executor
+    // allocated
+    let plan = qatc_runtime::exec::MemoryPlan::new(prog, p.plan());
     format!(
-        "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, buffers: {} (arena {} for {} of buffers, at least {} live at once; inputs {}){fed}",
+        "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads{fed}; memory: planned peak {} (arena {}, at least {} live at once; inputs {}), held {}",
         prog.kernels.len(),
         prog.launches(),
         prog.gemms().count(),
         rayon::current_num_threads(),
-        human(l.total_bytes()),
-        human(l.arena_bytes),
-        human(l.placed_bytes),
-        human(l.lower_bound),
-        human(l.input_bytes())
+        human(plan.peak_bytes()),
+        human(plan.arena_bytes),
+        human(plan.lower_bound),
+        human(plan.input_bytes()),
+        human(p.held_bytes())
     )
 }
 

@@ -96,7 +96,8 @@ fn clipped_qlora_step_is_unchanged_by_fusion() {
 /// The memory plan runs on the fused step: what a kernel computes inside takes no arena bytes, so
 /// the 4-bit + LoRA step's arena shrinks. (A full fine-tune's grows: the multi-tensor AdamW kernel
 /// writes every new parameter and moment into one packed buffer, which the planner keeps and
-/// copies back instead of writing the updates in place; see `fusion::rules::adamw`.)
+/// copies back: this graph-level planner does not see the lowering write it in place,
+/// `tests/inplace_adamw.rs`.)
 #[test]
 fn the_memory_plan_runs_on_the_fused_step() {
     use qatc_passes::plan::{plan, PlanOptions};

@@ -28,8 +28,8 @@ fn qlora(b: usize, t: usize, r: usize) -> StepOptions {
 }
 
 /// Lowers the step and builds every kernel for each architecture; returns (distinct kernels,
-/// launches).
-fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions, archs: &[Arch]) -> (usize, usize) {
+/// launches, chunked cross-entropies).
+fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions, archs: &[Arch]) -> (usize, usize, usize) {
     let (g, _) = step::train(cfg, o, |_, _| {}).expect("the step builds");
     let (prog, kernels) = qatc_kernels::cuda_kernels(&g).expect("the step lowers");
     for &arch in archs {
@@ -37,7 +37,7 @@ fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions, archs:
         eprintln!("{name}: {}", report.summary());
     }
     eprintln!("{name}: {} launches, {} GEMMs", prog.launches(), prog.gemms().count());
-    (kernels.len(), prog.launches())
+    (kernels.len(), prog.launches(), prog.cross_entropy.len())
 }
 
 fn tiny() -> Gpt2Config {
@@ -49,8 +49,14 @@ fn every_kernel_of_the_tiny_step_compiles() {
     let Some(nv) = nvrtc() else { return };
     let mut o = StepOptions::new(1, 4);
     o.clip = Some(1.0);
-    let (n, _) = compile_all(&nv, "tiny-full", &tiny(), &o, &Arch::ALL);
+    let (n, _, _) = compile_all(&nv, "tiny-full", &tiny(), &o, &Arch::ALL);
     assert!(n > 10);
+    // fused, 32 rows of logits against a width of 8: the chunked linear + cross-entropy, with
+    // the head's gradient accumulated chunk by chunk
+    let mut f = StepOptions::new(4, 8);
+    f.fuse = Some(FuseOptions::default());
+    let (_, _, chunked) = compile_all(&nv, "tiny-full-fused", &tiny(), &f, &Arch::ALL);
+    assert_eq!(chunked, 1, "the fused full fine-tune chunks its cross-entropy");
     let mut q = qlora(1, 4, 2);
     q.model.quant.as_mut().expect("set above").spec.group = 4;
     compile_all(&nv, "tiny-qlora", &tiny(), &q, &Arch::ALL);
@@ -69,12 +75,13 @@ fn every_kernel_of_the_tiny_step_compiles() {
 fn every_kernel_of_the_gpt2_124m_step_compiles() {
     let Some(nv) = nvrtc() else { return };
     let cfg = Gpt2Config::preset("124M").expect("a preset");
-    let (n, launches) = compile_all(&nv, "gpt2-124m", &cfg, &qlora(1, 64, 16), &[Arch::SM90]);
+    let (n, launches, _) = compile_all(&nv, "gpt2-124m", &cfg, &qlora(1, 64, 16), &[Arch::SM90]);
     assert!(launches > n, "layers share kernels");
     // and as egg fusion leaves it: fused kernels, flash attention forward and backward
     let mut o = qlora(1, 64, 16);
     o.fuse = Some(FuseOptions::default());
-    compile_all(&nv, "gpt2-124m-fused", &cfg, &o, &[Arch::SM90]);
+    let (_, _, chunked) = compile_all(&nv, "gpt2-124m-fused", &cfg, &o, &[Arch::SM90]);
+    assert_eq!(chunked, 1, "the fused step chunks its cross-entropy (the logits never whole)");
 }
 
 fn kernel(name: &str, source: &str) -> CudaKernel {

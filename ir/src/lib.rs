@@ -7,6 +7,7 @@
 //! - [`infer`] / [`verify`]: type inference and the verifier.
 //! - [`text`]: the printer and the parser of the text format.
 //! - [`deadline`]: the compile budget every long stage is handed.
+//! - [`role`]: what a value is for memory accounting (category, phase): the one rule.
 
 pub mod deadline;
 pub mod error;
@@ -14,6 +15,7 @@ pub mod graph;
 pub mod infer;
 pub mod op;
 pub mod qmap;
+pub mod role;
 pub mod text;
 pub mod types;
 pub mod verify;
@@ -23,6 +25,7 @@ pub use error::IrError;
 pub use graph::{Graph, Node, NodeId, Output};
 pub use op::{Attr, BinaryOp, InputKind, Op, QuantScheme, QuantSpec, UnaryOp, NF4};
 pub use qmap::DynMap;
+pub use role::{Category, Phase, Role, Roles};
 pub use text::{parse, print};
 pub use types::{DType, Shape, TensorType};
 pub use verify::verify;

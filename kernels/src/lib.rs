@@ -25,7 +25,7 @@ use std::path::Path;
 
 pub use cuda::CudaKernel;
 pub use error::KernelError;
-pub use lower::lower;
+pub use lower::{lower, lower_with, LowerOptions};
 pub use program::{Gemm, GemmTypes, Program, Step, View};
 
 /// Lowers a graph and writes every distinct kernel as CUDA C: the program and its kernels, in

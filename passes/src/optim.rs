@@ -17,7 +17,11 @@ use crate::autodiff::grad_name;
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
 
-/// AdamW's hyperparameters (PyTorch's defaults but for the learning rate, which is an input).
+/// Elements per block of an 8-bit moment (one absmax per block), bitsandbytes' optimizer block.
+pub const BLOCK_8BIT: usize = 2048;
+
+/// AdamW's hyperparameters (PyTorch's defaults but for the learning rate, which is an input)
+/// and how its moments are stored.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AdamW {
     pub beta1: f64,

@@ -27,6 +27,9 @@ pub struct Args {
     pub emit_llvm: bool,
     #[command(flatten)]
     pub cuda: super::cubin::CubinArgs,
+    /// The CPU executor's dequantized weight panels, in KiB (as `qatc train --panel-kib`).
+    #[arg(long, default_value_t = qatc_runtime::CpuOptions::default().panel_bytes / 1024)]
+    pub panel_kib: usize,
 }
 
 /// The file that marks a directory as `qatc compile`'s (so that it may be replaced).
@@ -69,10 +72,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if fusion.is_some() {
         artifacts.extend(["fused.qir", "fusion.json"]);
     }
-    // the memory plan of the step before fusion (see cli::plan::build for why)
+    // the memory plan: the program the device's executor runs, as it lays it out
     let memory = a.step.memory;
-    let (plan_json, plan_svg) =
-        super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, unfused.as_ref().unwrap_or(&train), memory)?;
+    let cpu = qatc_runtime::CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..Default::default() };
+    let executed = crate::memory::execute_plan(&train, super::plan::plan_device(a.cuda.device), &cpu)?;
+    let (plan_json, plan_svg) = super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, &executed, memory)?;
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
     opts.deadline.check("code generation")?;

@@ -14,6 +14,8 @@ use crate::runner::Device;
 pub struct CubinArgs {
     /// `cuda`: also compile every kernel to machine code for the GPU (or --arch) and report
     /// registers, spills and shared memory; `auto`: so when a GPU is here; `cpu`: sources only.
+    /// `memory_plan.json` and `memory.svg` are the plan of this device's executor (`auto`: the
+    /// one `qatc train` would run on).
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
     /// The GPU architecture to compile for (sm_80, sm_90, ...): needed without a GPU, else the

@@ -136,7 +136,7 @@ pub struct StepArgs {
     /// or auto with --memory).
     #[arg(long, value_parser = parse_checkpoint)]
     pub checkpoint: Option<CheckpointArg>,
-    /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB).
+    /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB, or a GPU's name: h100, a100, l4, ...).
     #[arg(long, value_parser = parse_memory)]
     pub memory: Option<usize>,
     /// Skip kernel fusion (the `fuse` stage): the step stays one op per node.
@@ -168,7 +168,7 @@ fn parse_checkpoint(s: &str) -> Result<CheckpointArg, String> {
 }
 
 fn parse_memory(s: &str) -> Result<usize, String> {
-    qatc_passes::plan::units::parse_size(s)
+    qatc_passes::plan::units::parse_memory(s)
 }
 
 /// Where the step runs (train's `--device` and `--interpreter`; the defaults elsewhere).

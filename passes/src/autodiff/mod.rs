@@ -17,7 +17,7 @@ use crate::pipeline::PassReport;
 const PASS: &str = "autodiff";
 
 /// The name of the backward's seed, d loss / d loss = 1 (loss scaling replaces it by the scale).
-pub const LOSS_GRAD: &str = "loss.grad";
+pub const LOSS_GRAD: &str = qatc_ir::role::GRADIENT_SEED;
 
 /// The output name of a trainable input's gradient.
 pub fn grad_name(param: &str) -> String {

@@ -30,7 +30,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 pub use breakdown::Category;
-use region::{is_recompute_name, Dense};
+use region::Dense;
 use schedule::Priority;
 
 #[derive(Debug, Error)]
@@ -70,15 +70,7 @@ pub enum Region {
     Persistent,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    Forward,
-    Backward,
-    /// A forward value recomputed in the backward (`remat`).
-    Recompute,
-    Optimizer,
-}
+pub use qatc_ir::Phase;
 
 /// One storage buffer.
 #[derive(Clone, Debug, Serialize)]
@@ -221,7 +213,13 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
     }
     let (lv, order, scheduler) = best;
     opts.deadline.check("memory plan (offsets)")?;
-    build(g, &d, lv, order, scheduler)
+    build(&d, lv, order, scheduler)
+}
+
+/// The memory-aware schedule alone (what [`plan`] orders the nodes by): the order to run the
+/// step in. The lowering takes it as the program's step order (`qatc_kernels::LowerOptions`).
+pub fn schedule(g: &Graph) -> Result<Vec<NodeId>, PlanError> {
+    Ok(plan(g, &PlanOptions::default())?.order())
 }
 
 /// A quick estimate of the step's peak without assigning offsets: the inputs' storage plus the
@@ -246,7 +244,7 @@ pub fn persistent_bytes(g: &Graph) -> usize {
     g.inputs().into_iter().map(|i| cost::value_bytes(g.ty(i))).sum()
 }
 
-fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, scheduler: &'static str) -> Result<Plan, PlanError> {
+fn build(d: &Dense, lv: liveness::Liveness, order: Vec<usize>, scheduler: &'static str) -> Result<Plan, PlanError> {
     let prof = breakdown::profile(d, &lv);
     // arena offsets
     let arena_ids: Vec<usize> = (0..lv.bufs.len()).filter(|&b| lv.bufs[b].persistent.is_none()).collect();
@@ -292,15 +290,7 @@ fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, schedu
     let mut recomputed_nodes = 0;
     let mut backward_starts = None;
     for (s, &i) in order.iter().enumerate() {
-        let phase = if d.forward[i] {
-            Phase::Forward
-        } else if is_recompute_name(d.names[i].as_deref()) {
-            Phase::Recompute
-        } else if d.write_back[i].is_some() || g.node(d.ids[i]).op.is_optimizer() {
-            Phase::Optimizer
-        } else {
-            Phase::Backward
-        };
+        let phase = d.phase[i];
         if phase == Phase::Recompute {
             recompute_flops += d.flops[i];
             recomputed_nodes += 1;

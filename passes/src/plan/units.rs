@@ -38,6 +38,33 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     Ok(b.round() as usize)
 }
 
+/// GPUs by name and their memory as their makers state it (GB: 10^9 bytes), for `--memory h100`.
+pub const DEVICE_MEMORY: [(&str, usize); 9] = [
+    ("h100", 80_000_000_000),
+    ("h200", 141_000_000_000),
+    ("a100", 80_000_000_000),
+    ("a100-40gb", 40_000_000_000),
+    ("l4", 24_000_000_000),
+    ("a10", 24_000_000_000),
+    ("rtx4090", 24_000_000_000),
+    ("rtx3090", 24_000_000_000),
+    ("t4", 16_000_000_000),
+];
+
+/// A memory size (`--memory`): a GPU's name from [`DEVICE_MEMORY`] (any case), or a size as
+/// [`parse_size`] reads it.
+pub fn parse_memory(s: &str) -> Result<usize, String> {
+    let t = s.trim().to_ascii_lowercase();
+    if let Some((_, b)) = DEVICE_MEMORY.iter().find(|(n, _)| *n == t) {
+        return Ok(*b);
+    }
+    if t.starts_with(|c: char| c.is_ascii_alphabetic()) {
+        let names: Vec<&str> = DEVICE_MEMORY.iter().map(|(n, _)| *n).collect();
+        return Err(format!("unknown device `{s}`: give a size such as 24GiB, or one of {}", names.join(", ")));
+    }
+    parse_size(s)
+}
+
 /// `1.50 GiB`, `12.00 MiB`, `512 B`.
 pub fn human(b: usize) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -107,5 +134,8 @@ mod tests {
         assert!(parse_size("nanGiB").unwrap_err().contains("512MiB"));
         assert!(parse_size("infGiB").unwrap_err().contains("512MiB"));
         assert_eq!(parse_size(&flag(3_000_000_000)).map(|b| b >= 3_000_000_000), Ok(true));
+        assert_eq!(parse_memory("H100"), Ok(80_000_000_000));
+        assert_eq!(parse_memory("24GiB"), Ok(24 << 30));
+        assert!(parse_memory("h900").unwrap_err().contains("h100"));
     }
 }
