@@ -105,7 +105,7 @@ fn fused_equals_unfused_and_the_codes_survive_a_resume() {
     let path = dir.path().join("state.safetensors");
     std::fs::write(&path, unfused.save_state().unwrap()).unwrap();
     let mut resumed = Trainer::new(&m, options(Moments::Blockwise8, false), None, 0).unwrap();
-    resumed.load_state(&path).unwrap();
+    resumed.load_state(&path, false).unwrap();
     let r = resumed.state().unwrap();
     for (name, v) in &a {
         if resumed.graph.find_input(name).is_some_and(|id| resumed.graph.input_kind(id) != Some(InputKind::Frozen)) {

@@ -214,11 +214,7 @@ fn every_gemm_of_the_124m_steps_is_planned_right() {
 
 /// A program of hand-made GEMMs over buffers of `sizes` elements.
 fn program_of(sizes: &[usize], gemms: Vec<Gemm>) -> qatc_kernels::Program {
-    let buffers = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| Buffer { name: format!("b{i}"), dtype: DType::F32, shape: vec![n], kind: BufKind::Temp })
-        .collect();
+    let buffers = sizes.iter().enumerate().map(|(i, &n)| Buffer::new(format!("b{i}"), DType::F32, &[n], BufKind::Temp)).collect();
     qatc_kernels::Program {
         buffers,
         steps: gemms.into_iter().map(|g| qatc_kernels::Step::Gemm(Box::new(g))).collect(),

@@ -134,12 +134,12 @@ fn float_atomics_are_refused() {
 
 #[test]
 fn packed_4bit_buffers_are_padded_to_whole_words() {
-    let buf = |n: usize| Buffer { name: "codes".into(), dtype: DType::I4, shape: vec![n], kind: BufKind::Temp };
+    let buf = |n: usize| Buffer::new("codes", DType::I4, &[n], BufKind::Temp);
     // 5 codes are 3 bytes; store_i4 updates the word at bytes 0..4 of them
     for (n, bytes, device) in [(5, 3, 4), (8, 4, 4), (9, 5, 8), (1, 1, 4), (0, 0, 0)] {
         assert_eq!((buf(n).bytes(), buf(n).device_bytes()), (bytes, device), "{n} codes");
     }
-    let f = Buffer { name: "x".into(), dtype: DType::F16, shape: vec![3], kind: BufKind::Temp };
+    let f = Buffer::new("x", DType::F16, &[3], BufKind::Temp);
     assert_eq!(f.device_bytes(), 6, "only packed codes are padded");
     assert_eq!(qatc_kernels::program::DEVICE_ALIGN % 4, 0);
 }

@@ -181,7 +181,7 @@ fn five_steps_match_the_numpy_reference() {
 #[test]
 fn five_compiled_steps_match_the_numpy_reference() {
     let c = case();
-    let (fused, _) = qatc_passes::fusion::fuse(c.g.clone(), &Default::default()).unwrap();
+    let (fused, _) = qatc_passes::fusion::fuse(c.g.clone(), &Default::default(), &qatc_ir::Deadline::unlimited()).unwrap();
     for (label, g) in [("unfused", &c.g), ("fused", &fused)] {
         let prog = qatc_kernels::lower(g).unwrap_or_else(|e| panic!("{label}: lower: {e}"));
         let families: Vec<&str> = prog.kernels.iter().map(|k| k.family.as_str()).collect();

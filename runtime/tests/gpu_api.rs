@@ -144,7 +144,7 @@ fn a_launch_checks_what_a_gpu_would_not() {
     let exact = g.alloc(3).expect("room");
     let err = g.launch(fc, &launch_dims(&codes), &[exact]).expect_err("unpadded");
     assert!(err.to_string().contains("needs 4 bytes"), "{err}");
-    let buf = Buffer { name: "q".into(), dtype: DType::I4, shape: vec![5], kind: BufKind::Temp };
+    let buf = Buffer::new("q", DType::I4, &[5], BufKind::Temp);
     let padded = g.alloc(buf.device_bytes()).expect("room");
     g.launch(fc, &launch_dims(&codes), &[padded]).expect("padded as Buffer::device_bytes says");
     let mut out = [0u8; 3];
@@ -181,8 +181,7 @@ fn plans_with_every_fallback_run_on_the_emulated_gpu() {
             None,
         ),
     ];
-    let buffers: Vec<Buffer> =
-        (0..4).map(|i| Buffer { name: format!("b{i}"), dtype: DType::F32, shape: vec![200], kind: BufKind::Temp }).collect();
+    let buffers: Vec<Buffer> = (0..4).map(|i| Buffer::new(format!("b{i}"), DType::F32, &[200], BufKind::Temp)).collect();
     for (case, g) in cases.iter().enumerate() {
         let plan = blas::plan(g, &buffers, BlasMode::Strict).expect("plans");
         let mut gpu = HostGpu::new(1 << 20);
