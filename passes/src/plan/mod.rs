@@ -6,7 +6,9 @@
 //! - [`liveness`]: storage sharing (views, write-backs, in place), lifetimes, the lower bound;
 //! - offsets: `qatc_arena::place`, the placer the executors lay their memory out with too;
 //! - [`cost`]: bytes and FLOPs per op; [`breakdown`]: categories;
-//! - [`json`] / [`svg`]: the plan as a versioned JSON document and as a picture.
+//!
+//! What users see (`qatc plan`'s JSON and SVG) is the executed program's layout (`src/memory`),
+//! not this graph-level plan, which schedules the step and drives the `remat` pass's search.
 //!
 //! Inputs of the step (weights, trainable parameters, optimizer state, data) are not arena
 //! values: each has its own storage for the whole step (the persistent region). An update
@@ -16,11 +18,9 @@
 
 pub mod breakdown;
 pub mod cost;
-pub mod json;
 mod liveness;
 pub mod region;
 mod schedule;
-pub mod svg;
 pub mod units;
 
 use std::collections::HashMap;
