@@ -11,7 +11,7 @@ VAL   := examples/shakespeare_val.bin
 TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
-.PHONY: all deps llvm openblas nvrtc build demo test lint bench clean
+.PHONY: all deps llvm openblas nvrtc build demo test lint bench gpu-bundle clean
 
 all: build
 
@@ -66,6 +66,11 @@ test: deps nvrtc lint
 
 bench: build
 	bash bench/run.sh
+
+# What bench/gpu.sh runs on a GPU machine (no Rust there): qatc and the GPU test executables,
+# built without LLVM, stripped, staged in .gpu/ (README: "On a GPU machine").
+gpu-bundle:
+	bash bench/gpu-bundle.sh
 
 clean:
 	$(CARGO) clean

@@ -16,6 +16,8 @@
 //!                      before its state stayed in the executor), to measure what that cost
 //!   --full-finetune    train every weight (f32, no quantization, no LoRA) instead
 //!   --precision P      fp32 (default), bf16 or fp16 (`--precision` of `qatc train`)
+//!   --unchunked-xent   the logits materialized whole (the chunked linear + cross-entropy's
+//!                      fusion rules off), to compare the chunked step against the step before it
 
 use std::time::Instant;
 
@@ -39,10 +41,18 @@ struct Flags {
     round_trip: bool,
     full_finetune: bool,
     precision: Precision,
+    unchunked_xent: bool,
 }
 
 fn flags(args: &[String]) -> anyhow::Result<Flags> {
-    let mut f = Flags { cpu: CpuOptions::default(), profile: false, round_trip: false, full_finetune: false, precision: Precision::Fp32 };
+    let mut f = Flags {
+        cpu: CpuOptions::default(),
+        profile: false,
+        round_trip: false,
+        full_finetune: false,
+        precision: Precision::Fp32,
+        unchunked_xent: false,
+    };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or_else(|| anyhow::anyhow!("{a} needs a value"));
@@ -57,6 +67,7 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
             "--host-round-trip" => f.round_trip = true,
             "--full-finetune" => f.full_finetune = true,
             "--precision" => f.precision = <Precision as clap::ValueEnum>::from_str(value()?, true).map_err(anyhow::Error::msg)?,
+            "--unchunked-xent" => f.unchunked_xent = true,
             other => anyhow::bail!("unknown flag {other}"),
         }
     }
@@ -103,7 +114,11 @@ fn main() -> anyhow::Result<()> {
         model_options(&q, Some(LoraOptions::new(16)), false, true)?
     };
     // as `qatc train` builds it: fused by egg
-    o.fuse = Some(qatc_passes::fusion::FuseOptions::default());
+    let mut fuse = qatc_passes::fusion::FuseOptions::default();
+    if f.unchunked_xent {
+        fuse.disabled = vec!["xent-linear".into(), "xent-linear-fwd".into()];
+    }
+    o.fuse = Some(fuse);
     o.precision = f.precision;
     let t0 = Instant::now();
     let mut tr = Trainer::with_engine(&m, o, None, 0, engine, &f.cpu)?;
@@ -132,7 +147,11 @@ fn main() -> anyhow::Result<()> {
     println!(
         "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"precision\": \"{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
         if engine == Engine::Compiled { "compiled" } else { "interpreter" },
-        if f.round_trip { "-host-round-trip" } else { "" },
+        match (f.round_trip, f.unchunked_xent) {
+            (true, _) => "-host-round-trip",
+            (false, true) => "-unchunked-xent",
+            (false, false) => "",
+        },
         if f.full_finetune { "-full-finetune" } else { "" },
         f.precision,
         times[0],

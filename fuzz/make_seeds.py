@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Writes the safetensors seed corpus: tiny GPT-2 checkpoints in the layouts qatc accepts.
+"""Writes the seed corpora: tiny GPT-2 checkpoints in the layouts qatc accepts (safetensors_load),
+PEFT adapters for them (adapter_read), resume states of the tiny LoRA step (resume_state) and bit
+maps (bit_map_read).
 
 Small on purpose (a few KB): libFuzzer mutates faster and caps new inputs near the seeds' size.
 Values are arbitrary but deterministic. Run from fuzz/: python3 make_seeds.py
@@ -42,8 +44,8 @@ def encode(dtype, vals):
     raise ValueError(dtype)
 
 
-def write(name, tensors, prefix=""):
-    """tensors: list of (key, dtype, shape)."""
+def st_bytes(tensors, prefix=""):
+    """A safetensors file of (key, dtype, shape) with deterministic values."""
     header, data = {"__metadata__": {"format": "pt"}}, b""
     for k, (key, dtype, shape) in enumerate(sorted(tensors)):
         n = numel(shape)
@@ -53,8 +55,12 @@ def write(name, tensors, prefix=""):
         data += b
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def write(name, tensors, prefix=""):
     with open(os.path.join(OUT, name), "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + data)
+        f.write(st_bytes(tensors, prefix))
 
 
 os.makedirs(OUT, exist_ok=True)
@@ -69,3 +75,52 @@ write("gpt2_f16_prefix_buffers.safetensors",
 write("gpt2_bf16_lm_head.safetensors", [(k, "BF16", s) for k, s in base] + [("lm_head.weight", "BF16", [V, C])])
 # Not a GPT-2, but a valid file: one U8 buffer and one tensor.
 write("two_tensors.safetensors", [("x", "F32", [2, 3]), ("h.3.attn.bias", "U8", [1, 1, 2, 2])])
+
+
+def put(target, name, data):
+    d = os.path.join(os.path.dirname(OUT), target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+# adapter_read: u16 length of adapter_config.json, the config, then adapter_model.safetensors
+def adapter(r, targets, alpha=16, extra=None):
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
+           "target_modules": targets, "fan_in_fan_out": True, "bias": "none", "use_rslora": False}
+    cfg.update(extra or {})
+    c = json.dumps(cfg).encode()
+    dims = {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, 4 * C), "mlp.c_proj": (4 * C, C)}
+    ts = []
+    for m, (i, o) in dims.items():
+        if any(m == t or m.endswith("." + t) for t in targets):
+            for l in range(L):
+                key = f"base_model.model.transformer.h.{l}.{m}"
+                ts += [(key + ".lora_A.weight", "F32", [r, i]), (key + ".lora_B.weight", "F32", [o, r])]
+    return struct.pack("<H", len(c)) + c + st_bytes(ts)
+
+
+put("adapter_read", "c_attn_r2.bin", adapter(2, ["c_attn"]))
+put("adapter_read", "all_r4_rslora.bin", adapter(4, ["c_attn", "c_proj", "c_fc"], extra={"use_rslora": True}))
+put("adapter_read", "mlp_r1_patterns.bin", adapter(1, ["mlp.c_fc", "mlp.c_proj"], alpha=2, extra={"rank_pattern": {}, "alpha_pattern": {}}))
+
+# resume_state: the tiny LoRA step's persistent inputs (fuzz_targets/resume_state.rs)
+state = [("step", "F32", [])]
+for l in range(2):
+    for t, shape in [("lora_A", [2, 8]), ("lora_B", [24, 2])]:
+        n = f"h.{l}.attn.c_attn.{t}.weight"
+        state += [(n, "F32", shape), ("adam.m:" + n, "F32", shape), ("adam.v:" + n, "F32", shape)]
+put("resume_state", "tiny_lora.safetensors", st_bytes(state))
+put("resume_state", "tiny_lora_extra.safetensors", st_bytes(state + [("lr", "F32", [])]))
+put("resume_state", "tiny_lora_f16.safetensors", st_bytes([(k, "F16", s) for k, _, s in state]))
+
+# bit_map_read: what qatc prt writes
+def bit_map(modules):
+    return (json.dumps({"version": 1, "modules": modules}, indent=2) + "\n").encode()
+
+
+put("bit_map_read", "prt.json", bit_map({"h.0.attn.c_attn": {"bits": 4, "group": 8, "scheme": "sym"},
+                                         "h.0.attn.c_proj": None, "h.0.mlp.c_fc": {"bits": 3, "group": 0, "scheme": "asym"},
+                                         "h.0.mlp.c_proj": {"bits": 4, "group": 32, "scheme": "q4_0"}}))
+put("bit_map_read", "nf4.json", bit_map({"h.0.mlp.c_proj": {"bits": 4, "group": 16, "scheme": "nf4"}}))
+put("bit_map_read", "empty.json", bit_map({}))

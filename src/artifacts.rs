@@ -239,7 +239,7 @@ impl<'f> OutDir<'f> {
     pub fn create_with(target: &Path, markers: &[&str], inputs: &[&Path], faults: &'f Faults) -> io::Result<OutDir<'f>> {
         check_target(target, markers, inputs)?;
         let (parent, name) = split(target)?;
-        fs::create_dir_all(&parent)?;
+        fs::create_dir_all(&parent).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", parent.display())))?;
         clean_leftovers(target, faults)?;
         faults.step(|| format!("create the staging directory of {}", target.display()))?;
         let staging = tempfile::Builder::new().prefix(&format!("{}stage-", temp_prefix(&name))).tempdir_in(&parent)?.keep();
@@ -324,6 +324,13 @@ pub fn check_target(target: &Path, markers: &[&str], inputs: &[&Path]) -> io::Re
                 target.display()
             ));
         }
+    }
+    // a path through a file can never be made: say so before any work, not at the first save
+    if let Some(f) = target.ancestors().skip(1).find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir()) {
+        return Err(io::Error::new(
+            io::ErrorKind::NotADirectory,
+            format!("{} is a file, so {} cannot be made; choose another output", f.display(), target.display()),
+        ));
     }
     if target.exists() {
         let ours = markers.iter().any(|m| target.join(m).exists()) || fs::read_dir(target).map(|mut d| d.next().is_none()).unwrap_or(false);

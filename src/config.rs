@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use qatc_ir::{QuantScheme, QuantSpec};
 use qatc_passes::lora::LoraOptions;
-use qatc_passes::optim::AdamW;
+use qatc_passes::optim::{AdamW, Moments};
 use qatc_passes::quant::QuantOptions;
 use qatc_passes::remat::Checkpoint;
 use serde::{Deserialize, Serialize};
@@ -36,8 +36,9 @@ pub const VERSION: u32 = 1;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    // `error`, not `source`: the message already says it, and a source would print it twice
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: {why}")]
     Invalid { path: PathBuf, why: String },
 }
@@ -157,12 +158,42 @@ pub struct PrecisionConfig {
     pub mode: Precision,
 }
 
-/// `--optim` (one kind for now).
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// `--optim`: the optimizer, and how it keeps its state.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
+    /// AdamW (PyTorch's), moments in f32.
     #[default]
     Adamw,
+    /// AdamW with 8-bit blockwise-quantized moments (bitsandbytes' AdamW8bit): a quarter of the
+    /// optimizer's memory.
+    Adamw8bit,
+}
+
+impl Optimizer {
+    /// The optimizer whose moments are stored so.
+    pub fn of(m: Moments) -> Optimizer {
+        match m {
+            Moments::F32 => Optimizer::Adamw,
+            Moments::Blockwise8 => Optimizer::Adamw8bit,
+        }
+    }
+
+    /// Its `--optim` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Optimizer::Adamw => "adamw",
+            Optimizer::Adamw8bit => "adamw8bit",
+        }
+    }
+
+    /// How the AdamW pass stores the moments.
+    pub fn moments(self) -> Moments {
+        match self {
+            Optimizer::Adamw => Moments::F32,
+            Optimizer::Adamw8bit => Moments::Blockwise8,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -211,6 +242,8 @@ impl QuantConfig {
             per_module: self.modules.clone(),
             act_bits: self.act_bits,
             learned_scales: self.scales == Scales::Learned,
+            // the bit map's file, when there is one, is named by the command line (`cli::options`)
+            per_module_source: None,
         }
     }
 
@@ -335,7 +368,14 @@ impl RunConfig {
         o.clip = s.optim.clip;
         // learned scales train at their own rate, a multiple of --lr so that the schedule moves both
         let scale_lr_mul = self.train.as_ref().and_then(|t| Some(t.scale_lr? / t.lr)).unwrap_or(1.0);
-        o.adamw = AdamW { beta1: s.optim.beta1, beta2: s.optim.beta2, eps: s.optim.eps, weight_decay: s.optim.weight_decay, scale_lr_mul };
+        o.adamw = AdamW {
+            beta1: s.optim.beta1,
+            beta2: s.optim.beta2,
+            eps: s.optim.eps,
+            weight_decay: s.optim.weight_decay,
+            scale_lr_mul,
+            moments: s.optim.kind.moments(),
+        };
         o.checkpoint = s.checkpoint;
         o.scale_init = self.train.as_ref().and_then(|t| t.scale_init).unwrap_or_default();
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
@@ -368,8 +408,10 @@ impl RunConfig {
     /// Reads `DIR/qatc.json`.
     pub fn read(dir: &Path) -> Result<RunConfig, ConfigError> {
         let path = dir.join(FILE);
-        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io { path: path.clone(), source })?;
-        RunConfig::from_json(&text, &path)
+        let bytes = std::fs::read(&path).map_err(|error| ConfigError::Io { path: path.clone(), error })?;
+        let text = crate::input::text(&bytes)
+            .map_err(|why| ConfigError::Invalid { path: path.clone(), why: format!("not a qatc configuration: {why}") })?;
+        RunConfig::from_json(text, &path)
     }
 
     /// `DIR/qatc.json` if the directory has one.

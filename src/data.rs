@@ -15,8 +15,8 @@ pub const HEADER_BYTES: usize = 1024;
 
 #[derive(Debug, Error)]
 pub enum DataError {
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{}: empty file (an llm.c token file starts with a 1024-byte header)", path.display())]
     Empty { path: PathBuf },
     #[error("{}: {len} bytes, shorter than the 1024-byte llm.c token-file header", path.display())]
@@ -31,6 +31,12 @@ pub enum DataError {
     TooShort { path: PathBuf, have: usize, need: u128, b: usize, t: usize },
     #[error("{}: batch {s} is out of range: the file holds {n} batches of {b} x {t} tokens", path.display())]
     BatchOutOfRange { path: PathBuf, s: usize, n: usize, b: usize, t: usize },
+    /// No magic and no text: `magic` is what its first 4 bytes say (none in a shorter file).
+    #[error("{}: neither an llm.c token file ({}) nor UTF-8 text ({why})", path.display(), match magic {
+        Some(m) => format!("magic {m}, expected {MAGIC}"),
+        None => "shorter than its 1024-byte header".into(),
+    })]
+    Neither { path: PathBuf, magic: Option<i32>, why: String },
     #[error("{}: tokenizer: {why}", path.display())]
     Tokenizer { path: PathBuf, why: String },
     #[error("{}: token {token} at position {pos} is not below the vocabulary size {vocab}", path.display())]
@@ -56,27 +62,31 @@ impl TokenFile {
         TokenFile { path: path.to_path_buf(), tokens }
     }
 
-    /// An llm.c token file, or a UTF-8 text file tokenized with GPT-2's BPE. Text is a non-empty
-    /// file that is valid UTF-8 without NUL bytes (a binary header never is); everything else
-    /// is read as an llm.c file, so its errors (empty, wrong magic, short) are the precise ones.
+    /// An llm.c token file (it starts with the magic), or a UTF-8 text file tokenized with
+    /// GPT-2's BPE. A file that is neither (no magic, and invalid UTF-8 or a NUL byte) is refused
+    /// saying both; a file with the magic gets the token file's precise errors.
     pub fn load(path: &Path) -> Result<TokenFile, DataError> {
-        let io = |e| DataError::Io { path: path.into(), source: e };
+        let io = |e| DataError::Io { path: path.into(), error: e };
         if !std::fs::metadata(path).map_err(io)?.is_file() {
             return TokenFile::open(path);
         }
         let bytes = std::fs::read(path).map_err(io)?;
-        let magic = bytes.len() >= 4 && i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) == MAGIC;
-        match std::str::from_utf8(&bytes) {
-            Ok(text) if !magic && !text.is_empty() && !text.contains('\0') => {
+        let magic = (bytes.len() >= 4).then(|| i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]));
+        if bytes.is_empty() || magic == Some(MAGIC) {
+            return TokenFile::open(path);
+        }
+        match crate::input::text(&bytes) {
+            Ok(text) => {
                 let tokens = crate::tokenize::encode(text).map_err(|why| DataError::Tokenizer { path: path.into(), why })?;
                 Ok(TokenFile { path: path.to_path_buf(), tokens })
             }
-            _ => TokenFile::open(path),
+            // binary without the magic: say both what it is not, not just "wrong magic"
+            Err(why) => Err(DataError::Neither { path: path.into(), magic: magic.filter(|_| bytes.len() >= HEADER_BYTES), why }),
         }
     }
 
     pub fn open(path: &Path) -> Result<TokenFile, DataError> {
-        let io = |e| DataError::Io { path: path.into(), source: e };
+        let io = |e| DataError::Io { path: path.into(), error: e };
         // Checked before opening: opening a FIFO for reading would block until a writer came.
         if !std::fs::metadata(path).map_err(io)?.is_file() {
             return Err(io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file")));
@@ -169,7 +179,7 @@ impl TokenFile {
 
     /// Writes a token file atomically.
     pub fn write(path: &Path, tokens: &[u16]) -> Result<(), DataError> {
-        let io = |e| DataError::Io { path: path.into(), source: e };
+        let io = |e| DataError::Io { path: path.into(), error: e };
         let count =
             i32::try_from(tokens.len()).map_err(|_| io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "over 2^31 tokens")))?;
         let mut header = [0u8; HEADER_BYTES];

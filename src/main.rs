@@ -31,8 +31,12 @@ enum Cmd {
 /// Clap's error as one line (as every other error), exit code 2; help and version as clap prints them.
 fn usage_error(e: clap::Error) -> ! {
     use clap::error::ErrorKind;
-    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
         e.exit()
+    }
+    if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        eprintln!("error: qatc needs a command: compile, eval, dump, train, prt, plan or export (qatc --help says what each does)");
+        std::process::exit(2);
     }
     let text = e.render().to_string();
     let parts: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("For more information")).collect();
@@ -65,7 +69,8 @@ fn main() {
     };
     if let Err(e) = r {
         // One line: the chain of causes joined, newlines folded.
-        let msg = format!("{e:#}").replace('\n', " ");
+        let mut msg = format!("{e:#}").replace('\n', " ");
+        msg.push_str(cli::hint(&e).unwrap_or_default());
         eprintln!("error: {msg}");
         std::process::exit(2);
     }

@@ -1,9 +1,14 @@
-//! What executes a step: the compiled program on the CPU (kernels JIT-compiled by LLVM, GEMMs by
-//! OpenBLAS or the gemm crate, rayon's threads) or the reference interpreter (the numerical
-//! oracle, and the fallback of a build without LLVM). `--device` picks one; the choice is said in
-//! one line. Either is a `TrainStep`: the step's state stays on it between steps.
+//! What executes a step: the compiled program on a CUDA GPU (`qatc_runtime::cuda::CudaProgram`:
+//! kernels built by NVRTC for the device, GEMMs by cuBLAS(Lt), the step one CUDA graph), on the
+//! CPU (kernels JIT-compiled by LLVM, GEMMs by OpenBLAS or the gemm crate, rayon's threads) or
+//! the reference interpreter (the numerical oracle, and the fallback of a build without LLVM).
+//! `--device` picks one; the choice is said in one line. Each is a `TrainStep`: the step's state
+//! stays on it between steps.
 
+use anyhow::Context;
 use qatc_ir::Graph;
+use qatc_kernels::cuda::blas::BlasMode;
+use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, KernelBuild};
 use qatc_runtime::{CpuOptions, InterpretedStep, TrainStep};
 
 /// `--device`.
@@ -17,18 +22,43 @@ pub enum Device {
     Cuda,
 }
 
-/// How a step runs on the CPU.
+/// How a step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Engine {
-    /// Lowered to kernels and GEMMs, the kernels JIT-compiled by LLVM.
+    /// Lowered to kernels and GEMMs, the kernels JIT-compiled by LLVM, on the CPU.
     Compiled,
     /// The reference interpreter, node by node.
     Interpreter,
+    /// Lowered to kernels and GEMMs, on CUDA device 0.
+    Cuda(CudaSettings),
+}
+
+/// How the step runs on the GPU (`qatc train --tf32`, `--no-cuda-graph`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaSettings {
+    /// fp32 GEMMs on TF32 tensor cores instead of strict IEEE fp32.
+    pub tf32: bool,
+    /// Submit every launch on every step, each waited for, instead of replaying the step as one
+    /// CUDA graph (slower; an asynchronous error then names its kernel).
+    pub no_graph: bool,
+}
+
+/// Why the CUDA executor cannot run here, or Ok: a GPU the driver reports, the CUDA libraries
+/// (driver, cuBLAS, cuBLASLt) and NVRTC.
+pub fn cuda_ready() -> Result<(), String> {
+    qatc_kernels::device::probe_cuda()?;
+    qatc_runtime::cuda::probe_libraries().map_err(|e| e.to_string())?;
+    qatc_kernels::nvrtc::Nvrtc::open().map_err(|e| format!("a GPU is here but NVRTC is not ({e})"))?;
+    Ok(())
 }
 
 /// Resolves `--device` (and `--interpreter`) to an engine, with a notice for the user when the
-/// choice is not the obvious one. `--device cuda` fails here: this build has no CUDA runtime yet.
-pub fn resolve(device: Device, interpreter: bool) -> anyhow::Result<(Engine, Option<String>)> {
+/// choice is not the obvious one (`auto` without a usable GPU: the CPU). `--device cuda` where
+/// CUDA cannot run is an error that says why.
+pub fn resolve(device: Device, interpreter: bool, cuda: CudaSettings) -> anyhow::Result<(Engine, Option<String>)> {
+    if interpreter && device == Device::Cuda {
+        anyhow::bail!("--interpreter runs on the CPU; it excludes --device cuda");
+    }
     let cpu = |why: Option<String>| -> (Engine, Option<String>) {
         if interpreter {
             return (Engine::Interpreter, why.map(|w| format!("{w}: running on the CPU (reference interpreter)")));
@@ -40,19 +70,22 @@ pub fn resolve(device: Device, interpreter: bool) -> anyhow::Result<(Engine, Opt
             (Engine::Interpreter, Some(format!("{w}this qatc was built without LLVM: running on the reference interpreter")))
         }
     };
-    match device {
-        Device::Cpu => Ok(cpu(None)),
-        Device::Auto => Ok(match qatc_kernels::device::probe_cuda() {
-            Ok(p) => cpu(Some(format!("{} CUDA device(s) found, but this qatc has no CUDA runtime yet", p.devices))),
+    let (engine, notice) = match device {
+        Device::Cpu => cpu(None),
+        Device::Auto if interpreter => cpu(None),
+        Device::Auto => match cuda_ready() {
+            Ok(()) => (Engine::Cuda(cuda), None),
             Err(why) => cpu(Some(why)),
-        }),
-        Device::Cuda => match qatc_kernels::device::probe_cuda() {
-            Ok(_) => anyhow::bail!(
-                "--device cuda: this qatc has no CUDA runtime yet (kernels compile through NVRTC, but nothing runs them); use --device cpu"
-            ),
+        },
+        Device::Cuda => match cuda_ready() {
+            Ok(()) => (Engine::Cuda(cuda), None),
             Err(why) => anyhow::bail!("--device cuda: {why}"),
         },
+    };
+    if cuda != CudaSettings::default() && !matches!(engine, Engine::Cuda(_)) {
+        anyhow::bail!("--tf32 and --no-cuda-graph are for the GPU; the step runs on the CPU here");
     }
+    Ok((engine, notice))
 }
 
 /// A step graph ready to run, and what runs it in words.
@@ -66,11 +99,15 @@ impl Runner {
     pub fn new(g: &Graph, engine: Engine, cpu: &CpuOptions) -> anyhow::Result<Runner> {
         match engine {
             Engine::Interpreter => Ok(Runner { step: Box::new(InterpretedStep::new(g)?), description: "the reference interpreter".into() }),
+            Engine::Cuda(settings) => {
+                let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
+                let p = cuda_program(prog, settings)?;
+                let description = describe_cuda(&p);
+                Ok(Runner { step: Box::new(p), description })
+            }
             #[cfg(feature = "llvm")]
             Engine::Compiled => {
-                use anyhow::Context;
-                let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
-                let (p, panels) = qatc_runtime::CpuProgram::compile(prog, cpu)?;
+                let (p, panels) = crate::memory::compile_cpu(g, cpu)?;
                 let description = describe_compiled(&p, &panels);
                 Ok(Runner { step: Box::new(p), description })
             }
@@ -81,6 +118,57 @@ impl Runner {
             }
         }
     }
+}
+
+/// A lowered program on CUDA device 0: its kernels built by NVRTC for the device through the
+/// kernel cache (`qatc compile --device cuda`'s), their sources written beside it so that a
+/// compile error names a file.
+pub fn cuda_program(prog: qatc_kernels::Program, settings: CudaSettings) -> anyhow::Result<CudaProgram<CudaDriver>> {
+    let driver = CudaDriver::open(0).context("--device cuda")?;
+    let nv = qatc_kernels::nvrtc::Nvrtc::open().context("--device cuda compiles kernels with NVRTC")?;
+    let dir = crate::cli::cubin::default_cache_dir();
+    let cache = dir.as_ref().map(qatc_kernels::nvrtc::KernelCache::new);
+    let sources = dir.map(|d| d.join("sources"));
+    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let build = KernelBuild { nvrtc: &nv, cache: cache.as_ref(), jobs, source_dir: sources.as_deref() };
+    let options =
+        CudaOptions { blas: if settings.tf32 { BlasMode::Tf32 } else { BlasMode::Strict }, graph: !settings.no_graph, hoist_frozen: true };
+    Ok(CudaProgram::new(prog, driver, options, Some(&build))?)
+}
+
+/// One line: the GPU, what the step is there, and what it holds on the device against the
+/// executor's plan (`ExecPlan`'s layout, which `qatc plan` prints too).
+pub fn describe_cuda(p: &CudaProgram<CudaDriver>) -> String {
+    let human = qatc_passes::plan::units::human;
+    let d = p.device();
+    let (launches, calls) = p.per_step();
+    let built = match p.build_report() {
+        Some(r) => format!("{} from the NVRTC cache, {} compiled in {:.1} s", r.cached, r.compiled, r.wall_s),
+        None => "no machine code built".into(),
+    };
+    let b = p.bytes();
+    let l = p.layout();
+    let o = p.options();
+    format!(
+        "on CUDA: {} ({}, {} SMs, {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use",
+        d.name,
+        d.arch,
+        d.multiprocessors,
+        human(d.total_memory),
+        p.distinct_kernels(),
+        if o.graph { " replayed as one CUDA graph" } else { "" },
+        p.plan().hoisted_steps(),
+        if o.blas == BlasMode::Tf32 { "TF32" } else { "strict fp32" },
+        human(b.device_total()),
+        human(b.arena),
+        human(l.placed_bytes),
+        human(l.lower_bound),
+        human(b.persistent),
+        human(b.data),
+        human(b.scratch),
+        human(b.pinned),
+        human(b.device_used)
+    )
 }
 
 /// One line: what the compiled step is and the memory it holds.
@@ -101,20 +189,20 @@ fn describe_compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels
         Some(b) => format!("large ones by OpenBLAS ({b})"),
         None => "by the gemm crate".into(),
     };
-    // buffers never live at the same step share the arena: what it holds against what one
-    // allocation per buffer would take, and the least any layout could
-    let l = p.layout();
+    // what the plan says (the executed plan is this program's layout) against what the executor
+    // allocated
+    let plan = qatc_runtime::exec::MemoryPlan::new(prog, p.plan());
     format!(
-        "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads, buffers: {} (arena {} for {} of buffers, at least {} live at once; inputs {}){fed}",
+        "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads{fed}; memory: planned peak {} (arena {}, at least {} live at once; inputs {}), held {}",
         prog.kernels.len(),
         prog.launches(),
         prog.gemms().count(),
         rayon::current_num_threads(),
-        human(l.total_bytes()),
-        human(l.arena_bytes),
-        human(l.placed_bytes),
-        human(l.lower_bound),
-        human(l.input_bytes())
+        human(plan.peak_bytes()),
+        human(plan.arena_bytes),
+        human(plan.lower_bound),
+        human(plan.input_bytes()),
+        human(p.held_bytes())
     )
 }
 

@@ -2,7 +2,7 @@
 //! (`qatc dump --after NAME`), the graph verified after each one. `model` runs lower ..= fold,
 //! `train_from` the rest; a stage whose option is off does not run.
 
-use qatc_ir::{Graph, InputKind};
+use qatc_ir::{Deadline, Graph, InputKind};
 use qatc_passes::lora::{self, LoraOptions};
 use qatc_passes::optim::AdamW;
 use qatc_passes::precision::{self, LossScaling, Precision};
@@ -124,6 +124,9 @@ pub struct StepOptions {
     pub loss_scaling: LossScaling,
     /// How fresh learned scales start (`--scales learned` without an adapter that has them).
     pub scale_init: crate::config::ScaleInit,
+    /// The compile budget (`--compile-timeout`): every pass, and the long loops inside remat,
+    /// the planner and fusion, stop with an error once it is spent.
+    pub deadline: Deadline,
 }
 
 impl StepOptions {
@@ -141,13 +144,14 @@ impl StepOptions {
             precision: Precision::Fp32,
             loss_scaling: LossScaling::default(),
             scale_init: Default::default(),
+            deadline: Deadline::unlimited(),
         }
     }
 }
 
 /// The bare forward graph (the `lower` stage alone).
 pub fn forward(cfg: &Gpt2Config, batch: usize, seq: usize, logits: bool) -> Result<Graph, PassError> {
-    lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), source })
+    lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), error: source })
 }
 
 /// Marks weights trainable: everything for a full fine-tune; otherwise only what the LoRA pass
@@ -179,7 +183,7 @@ pub fn model(
     mut after: impl FnMut(&'static str, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
     let g = forward(cfg, batch, seq, logits)?;
-    qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), source })?;
+    qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: Stage::Lower.name(), error: source })?;
     after(Stage::Lower.name(), &g);
     let mut passes = Vec::new();
     if let Some(q) = mo.quant.clone() {
@@ -236,12 +240,14 @@ pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(&'static str, 
     }
     if opts.checkpoint != qatc_passes::remat::Checkpoint::None {
         let c = opts.checkpoint;
-        passes.push(Pass::new(Stage::Remat.name(), move |g| qatc_passes::remat::remat(g, c, &Default::default())));
+        let po = qatc_passes::plan::PlanOptions { deadline: opts.deadline, ..Default::default() };
+        passes.push(Pass::new(Stage::Remat.name(), move |g| qatc_passes::remat::remat(g, c, &po)));
     }
     if let Some(f) = opts.fuse.clone() {
-        passes.push(Pass::new(Stage::Fuse.name(), move |g| qatc_passes::fusion::fuse(g, &f)));
+        let d = opts.deadline;
+        passes.push(Pass::new(Stage::Fuse.name(), move |g| qatc_passes::fusion::fuse(g, &f, &d)));
     }
-    pipeline::run(g, passes, after)
+    pipeline::run_within(g, passes, &opts.deadline, after)
 }
 
 /// The whole pipeline for a training step.

@@ -80,6 +80,7 @@ impl Trainer {
         cpu: &CpuOptions,
     ) -> anyhow::Result<Trainer> {
         let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
+        opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         let trained = match adapter {
             Some(a) => Trained::Adapter(a),
@@ -93,8 +94,15 @@ impl Trainer {
             let name = graph.node(id).name.clone().unwrap_or_default();
             if graph.input_kind(id) == Some(InputKind::State) {
                 let ty = graph.ty(id);
-                let data = if name == LOSS_SCALE { opts.loss_scaling.initial_state().to_vec() } else { vec![0.0; ty.numel()] };
-                let init = Value::Float(Tensor { shape: ty.shape.dims().to_vec(), data });
+                let shape = ty.shape.dims().to_vec();
+                // moments start at 0 (f32 zeros, or 8-bit codes 0 with absmax 0); the loss scale at its initial state
+                let init = if !ty.dtype.is_float() {
+                    Value::Int(IntTensor { shape, data: vec![0; ty.numel()] })
+                } else if name == LOSS_SCALE {
+                    Value::Float(Tensor { shape, data: opts.loss_scaling.initial_state().to_vec() })
+                } else {
+                    Value::Float(Tensor { shape, data: vec![0.0; ty.numel()] })
+                };
                 step.set_input(&name, &init).with_context(|| format!("binding {name}"))?;
             }
             inputs.insert(name);
@@ -209,11 +217,12 @@ impl Trainer {
         Ok(v)
     }
 
+    /// The values as f32 tensors: 8-bit moment codes (0..=255) are exact in f32.
     fn tensors(v: Vec<(String, Value<f32>)>) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
         v.into_iter()
             .map(|(n, v)| match v {
                 Value::Float(t) => Ok((n, t)),
-                Value::Int(_) => anyhow::bail!("internal: {n} holds integers"),
+                Value::Int(t) => Ok((n, Tensor { shape: t.shape, data: t.data.into_iter().map(|c| c as f32).collect() })),
             })
             .collect()
     }
@@ -239,25 +248,61 @@ impl Trainer {
         weights_safetensors(&self.persistent()?)
     }
 
-    /// Restores what `save_state` wrote; every persistent input must be there with its shape.
-    pub fn load_state(&mut self, path: &Path) -> anyhow::Result<()> {
+    /// Restores what `save_state` wrote; every persistent input must be there with its shape, and
+    /// finite unless `allow_nonfinite`.
+    pub fn load_state(&mut self, path: &Path, allow_nonfinite: bool) -> anyhow::Result<()> {
         let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
-        for id in self.graph.inputs() {
-            if !matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)) {
-                continue;
-            }
-            let name = self.graph.node(id).name.clone().unwrap_or_default();
-            let want = self.graph.ty(id).shape.dims().to_vec();
-            let v = st.tensor(&name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
-            if v.shape() != want.as_slice() || v.dtype() != safetensors::Dtype::F32 {
-                anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {want:?}", path.display(), v.dtype(), v.shape());
-            }
-            let data = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            self.step.set_input(&name, &Value::Float(Tensor { shape: want, data })).with_context(|| format!("restoring {name}"))?;
+        let want: Vec<(String, Vec<usize>)> = self
+            .graph
+            .inputs()
+            .into_iter()
+            .filter(|&id| matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)))
+            .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).shape.dims().to_vec()))
+            .collect();
+        let floats: HashMap<String, bool> = self
+            .graph
+            .inputs()
+            .into_iter()
+            .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).dtype.is_float()))
+            .collect();
+        for (name, t) in read_state(path, &bytes, &want, allow_nonfinite)? {
+            let value = if floats.get(&name).copied().unwrap_or(true) {
+                Value::Float(t)
+            } else {
+                // 8-bit moment codes, saved as f32 by `save_state`
+                if let Some(c) = t.data.iter().find(|c| !(c.fract() == 0.0 && (0.0..=255.0).contains(*c))) {
+                    anyhow::bail!("{}: {name:?} holds {c}, not an 8-bit code", path.display());
+                }
+                Value::Int(IntTensor { shape: t.shape, data: t.data.into_iter().map(|c| c as i32).collect() })
+            };
+            self.step.set_input(&name, &value).with_context(|| format!("restoring {name}"))?;
         }
         Ok(())
     }
+}
+
+/// Reads a resume state (`bytes`, the file at `path`): every tensor `want` names, f32 with its
+/// shape, and finite unless `allow_nonfinite`; other tensors in the file are ignored.
+pub fn read_state(
+    path: &Path,
+    bytes: &[u8],
+    want: &[(String, Vec<usize>)],
+    allow_nonfinite: bool,
+) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
+    let mut out = Vec::with_capacity(want.len());
+    for (name, shape) in want {
+        let v = st.tensor(name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
+        if v.shape() != shape.as_slice() || v.dtype() != safetensors::Dtype::F32 {
+            anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {shape:?}", path.display(), v.dtype(), v.shape());
+        }
+        let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        if !allow_nonfinite {
+            crate::finite::check(path, name, shape, &data)?;
+        }
+        out.push((name.clone(), Tensor { shape: shape.clone(), data }));
+    }
+    Ok(out)
 }
 
 /// Serializes weights as a Hugging Face safetensors file (F32, names without prefix).

@@ -75,3 +75,15 @@ fn merged_qat_needs_lora_and_bits() {
     assert!(compile_fails(&["--bits", "4", "--qat", "merged"]).contains("needs --bits and --lora"));
     assert!(compile_fails(&["--bits", "4", "--qat", "merged", "--lora", "r=4,dropout=0.1"]).contains("dropout must be 0"));
 }
+
+/// A compile that outlives `--compile-timeout` ends with one line naming the stage it was in and
+/// what to do, and writes nothing; a budget that is no number of seconds is refused.
+#[test]
+fn compile_budget_names_the_stage_it_ran_out_in() {
+    let e = compile_fails(&["--bits", "4", "--group", "32", "--lora", "r=4", "--grad-accum", "3", "--compile-timeout", "0.000001"]);
+    assert!(e.contains("compile budget of 0.000001 s ran out in "), "{e}");
+    assert!(e.contains("--compile-timeout"), "{e}");
+    for bad in ["0", "-1", "nan", "inf"] {
+        assert!(compile_fails(&[&format!("--compile-timeout={bad}")]).contains("--compile-timeout must be"), "{bad}");
+    }
+}

@@ -96,7 +96,8 @@ fn clipped_qlora_step_is_unchanged_by_fusion() {
 /// The memory plan runs on the fused step: what a kernel computes inside takes no arena bytes, so
 /// the 4-bit + LoRA step's arena shrinks. (A full fine-tune's grows: the multi-tensor AdamW kernel
 /// writes every new parameter and moment into one packed buffer, which the planner keeps and
-/// copies back instead of writing the updates in place; see `fusion::rules::adamw`.)
+/// copies back: this graph-level planner does not see the lowering write it in place,
+/// `tests/inplace_adamw.rs`.)
 #[test]
 fn the_memory_plan_runs_on_the_fused_step() {
     use qatc_passes::plan::{plan, PlanOptions};
@@ -166,4 +167,20 @@ fn remat_then_fusion_is_unchanged() {
     };
     let text = qatc_ir::print(&f);
     assert!(recomputed(&f) > 0 || text.contains(".recompute\""), "the fused step still recomputes");
+}
+
+/// Gradient accumulation fuses too: K micro-batches' steps are fused (the loss gradient's seed,
+/// scaled by 1/K, is a body of constants alone and stays unfused instead of failing the whole
+/// extraction), with the same results as the unfused step.
+#[test]
+fn accumulated_qlora_step_is_fused_and_unchanged() {
+    let mut o = StepOptions::new(2, 16);
+    qlora(&mut o);
+    o.grad_accum = 3;
+    compare(o.clone(), 1, None);
+    o.fuse = Some(FuseOptions::default());
+    let (_, reports) = qatc::step::train(&model().cfg, &o, |_, _| {}).unwrap();
+    let report = reports.iter().find_map(|r| r.fusion.as_deref()).expect("a fusion report");
+    assert_eq!(report.extraction.fallback, None, "the accumulated step was left unfused");
+    assert!(report.kernels_after * 2 < report.kernels_before, "{} -> {} kernels", report.kernels_before, report.kernels_after);
 }

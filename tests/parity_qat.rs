@@ -91,7 +91,8 @@ fn adapter_eval_matches_peft() {
     let ad = adapter::read(&common::fixture("tiny_qat/adapter_init")).unwrap();
     assert_eq!((ad.r, ad.alpha), (4, 8.0));
     assert_eq!(ad.tensors.len(), 16);
-    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&common::fixture("tiny_qat/adapter_init")), Default::default()).unwrap();
+    let setup =
+        EvalSetup::new(&quant_args(4, 32, "sym"), Some(&common::fixture("tiny_qat/adapter_init")), Default::default(), false).unwrap();
     let r = evaluate(&m, &tokens(), 2, 16, 3, &setup, false).unwrap();
     let want = fixture_json("tiny_qat/qat_lora_3steps.json")["eval_loss_init"].as_f64().unwrap();
     assert!((r.loss - want).abs() <= 1e-5, "eval with adapter_init: {} vs PEFT {want}", r.loss);
@@ -207,7 +208,7 @@ fn the_adapter_qatc_writes_is_the_one_peft_loaded() {
     let peft = fixture_json("tiny_qat/qatc_adapter_peft_check.json");
     assert_eq!(peft["loaded"], true);
     assert_eq!(peft["warnings"].as_array().unwrap().len(), 0);
-    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&dir), Default::default()).unwrap();
+    let setup = EvalSetup::new(&quant_args(4, 32, "sym"), Some(&dir), Default::default(), false).unwrap();
     let ours = evaluate(&m, &tokens(), 2, 16, 3, &setup, false).unwrap().loss;
     let theirs = peft["eval_loss"].as_f64().unwrap();
     assert!((ours - theirs).abs() <= 1e-5, "qatc eval {ours} vs PEFT {theirs}");

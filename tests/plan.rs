@@ -7,7 +7,6 @@ mod common;
 use std::collections::HashMap;
 use std::process::Command;
 
-use qatc::cli::plan::arena_layout;
 use qatc::cli::train::Trainer;
 use qatc::data::TokenFile;
 use qatc::frontend::config::Gpt2Config;
@@ -18,7 +17,23 @@ use qatc_passes::lora::LoraOptions;
 use qatc_passes::plan;
 use qatc_passes::quant::QuantOptions;
 use qatc_passes::remat::Checkpoint;
-use qatc_runtime::{ArenaInterpreter, IntTensor, Interpreter, Value};
+use qatc_runtime::{ArenaInterpreter, ArenaLayout, IntTensor, Interpreter, Slot, Value};
+
+/// The graph-level plan (the `remat` pass's model) as the arena interpreter takes it.
+fn arena_layout(p: &plan::Plan) -> ArenaLayout {
+    let slots: HashMap<_, _> = p
+        .location
+        .iter()
+        .map(|(id, loc)| {
+            let slot = match loc {
+                plan::Location::Arena { offset } => Slot::Arena(*offset),
+                plan::Location::Input { name } => Slot::Input(name.clone()),
+            };
+            (*id, slot)
+        })
+        .collect();
+    ArenaLayout { order: p.order(), slots, arena_bytes: p.arena_bytes }
+}
 
 fn tiny() -> Model {
     Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap()
@@ -164,6 +179,25 @@ fn gradients_and_updates_are_bit_identical_under_every_policy() {
     }
 }
 
+/// Gradient accumulation: each micro-batch's weight gradient is folded into the running sum as
+/// it is made, so the planned arena does not grow with K (it did: every micro-batch's
+/// contribution was held until the first micro-batch's, made last, could be added).
+#[test]
+fn accumulated_gradients_do_not_pile_up_in_the_arena() {
+    let m = tiny();
+    let arena = |k: usize| {
+        let mut o = StepOptions::new(2, 16);
+        quant_lora(&mut o, 4);
+        o.grad_accum = k;
+        let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
+        let p = plan::plan(&g, &Default::default()).unwrap();
+        p.verify().unwrap();
+        p.arena_bytes
+    };
+    let (two, eight) = (arena(2), arena(8));
+    assert_eq!(two, eight, "arena with 2 micro-batches {two} B, with 8 {eight} B");
+}
+
 /// sqrt on the 2-layer fixture is blocks (segments of round(sqrt 2) = 1); on 4 layers its
 /// segments hold 2 blocks. Random weights, every policy, gradients compared bit for bit.
 #[test]
@@ -246,11 +280,12 @@ fn plan_json_of_the_tiny_model() {
     let text = String::from_utf8(r.stdout).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["schema"], "qatc.memory_plan");
-    assert_eq!(v["version"], 1);
+    assert_eq!(v["version"], 2);
     let s = &v["summary"];
     assert!(s["arena_bytes"].as_u64() >= s["lower_bound_bytes"].as_u64());
     assert!(s["recomputed_nodes"].as_u64().unwrap() > 0);
-    assert_eq!(s["peak_bytes"].as_u64().unwrap(), s["persistent_bytes"].as_u64().unwrap() + s["arena_bytes"].as_u64().unwrap());
+    let regions: u64 = ["persistent_bytes", "arena_bytes", "data_bytes"].iter().map(|k| s[k].as_u64().unwrap()).sum();
+    assert_eq!(s["peak_bytes"].as_u64().unwrap(), regions);
     insta::assert_snapshot!("plan_json_tiny_blocks", text);
 }
 
@@ -395,4 +430,55 @@ fn auto_picks_the_fastest_plan_that_fits() {
     let tight = run("1.5GiB");
     assert!(tight["summary"]["recompute_flops"].as_u64().unwrap() > 0);
     assert!(tight["summary"]["peak_bytes"].as_u64().unwrap() <= 1610612736);
+}
+
+/// `--fit`: the configurations that fit, fastest first, each one's peak what `qatc plan` says of
+/// it alone; `--svg` draws the first; a memory nothing fits in says what the smallest plan holds.
+#[test]
+fn fit_lists_what_fits_and_says_why_nothing_does() {
+    let demo = "examples/gpt2-shakespeare-small/model.safetensors";
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("fit.svg");
+    let base = ["plan", demo, "--seq", "128", "--bits", "4", "--scheme", "q4_0", "--group", "32", "--lora", "r=16"];
+    let fit = |extra: &[&str]| -> serde_json::Value {
+        let r = qatc(&[&base[..], &["--fit", "--json", "--max-batch", "8"], extra].concat());
+        assert!(r.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&r.stderr));
+        serde_json::from_str(&String::from_utf8(r.stdout).unwrap()).unwrap()
+    };
+    let v = fit(&["--memory", "64MiB", "--svg", svg.to_str().unwrap()]);
+    assert_eq!((v["schema"].as_str(), v["version"].as_u64()), (Some("qatc.fit"), Some(1)));
+    let fits = v["fits"].as_array().unwrap();
+    assert!(!fits.is_empty() && v["cannot_fit"].is_null(), "{v}");
+    let rel: Vec<f64> = fits.iter().map(|c| c["relative_throughput"].as_f64().unwrap()).collect();
+    assert!(rel[0] == 1.0 && rel.windows(2).all(|w| w[0] >= w[1]), "fastest first: {rel:?}");
+    for c in fits {
+        assert!(c["peak_bytes"].as_u64().unwrap() <= 64 << 20, "{c}");
+    }
+    // the first row planned alone: the same peak
+    let first = &fits[0];
+    let (b, policy) = (first["batch"].to_string(), first["checkpoint"].as_str().unwrap().to_string());
+    let mut alone = vec!["--batch", &b, "--checkpoint", &policy, "--json"];
+    if policy == "auto" {
+        alone.extend(["--memory", "64MiB"]);
+    }
+    let r = qatc(&[&base[..], &alone].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let plan: serde_json::Value = serde_json::from_str(&String::from_utf8(r.stdout).unwrap()).unwrap();
+    assert_eq!(plan["summary"]["peak_bytes"], first["peak_bytes"]);
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.contains("--fit") && picture.contains(&format!("B {b} ")), "the picture shows the chosen configuration");
+    // nothing fits: the smallest plan's bytes, by category, add up to its peak
+    let v = fit(&["--memory", "30MiB"]);
+    assert!(v["fits"].as_array().unwrap().is_empty());
+    let why = &v["cannot_fit"];
+    assert!(why["message"].as_str().unwrap().contains("smallest plan (batch 1"), "{why}");
+    let by: u64 = why["at_peak"].as_object().unwrap().values().map(|x| x.as_u64().unwrap()).sum();
+    let peak = why["smallest"]["peak_bytes"].as_u64().unwrap();
+    assert!(by <= peak && peak > 30 << 20, "{by} by category, peak {peak}");
+    // a GPU's name, a size without weights; the table
+    let r = qatc(&["plan", "124M", "--seq", "256", "--bits", "4", "--lora", "r=16", "--memory", "l4", "--fit", "--max-batch", "2"]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && out.contains("fits in 22.35 GiB") && out.contains("relative"), "{out}");
+    let e = fails(&["plan", "124M", "--fit"]);
+    assert!(e.contains("--fit needs --memory"), "{e}");
 }

@@ -32,5 +32,5 @@ fn text_files_load_as_tokens_and_match_the_llm_c_file() {
     // and a binary that is neither format is one clear error
     std::fs::write(&p, [0xffu8, 0xfe, 0x00, 0x01]).unwrap();
     let e = qatc::data::TokenFile::load(&p).unwrap_err().to_string();
-    assert!(e.contains("shorter than the 1024-byte"), "binary input is read as an llm.c file: {e}");
+    assert!(e.contains("neither an llm.c token file (shorter than its 1024-byte header) nor UTF-8 text (invalid UTF-8 at byte 0)"), "{e}");
 }

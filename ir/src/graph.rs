@@ -2,7 +2,7 @@
 //! petgraph's StableGraph stores it (indices survive removals, so passes can delete nodes while
 //! holding ids), but no petgraph type crosses this module's public API.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::{EdgeRef, NodeIndexable};
@@ -98,6 +98,13 @@ impl Graph {
             },
             msg,
         })?;
+        if ty.checked_bytes().is_none() {
+            let node = match &name {
+                Some(n) => format!("{n:?} ({})", op.mnemonic()),
+                None => format!("new {}", op.mnemonic()),
+            };
+            return Err(IrError::Type { node, msg: format!("{ty} is more than 2^60 bytes: no memory holds it") });
+        }
         if let Op::Input { .. } = op {
             let Some(n) = &name else {
                 return Err(IrError::Type { node: "new input".into(), msg: "inputs must be named".into() });
@@ -269,32 +276,32 @@ impl Graph {
     /// right), then nodes no output reaches, in insertion order. It depends only on the graph's
     /// structure and output order, never on how indices were allocated.
     pub fn topo_order(&self) -> Result<Vec<NodeId>, IrError> {
-        let mut state: HashMap<NodeId, u8> = HashMap::with_capacity(self.len()); // 1 open, 2 done
+        let mut state = vec![0u8; self.g.node_bound()]; // 1 open, 2 done
         let mut order = Vec::with_capacity(self.len());
         let roots: Vec<NodeId> = self.outputs.iter().map(|o| o.node).chain(self.node_ids()).collect();
         for root in roots {
-            if state.contains_key(&root) {
+            if state[root.index()] != 0 {
                 continue;
             }
             // Iterative DFS: (node, next operand to visit).
             let mut stack = vec![(root, 0usize, self.operands(root))];
-            state.insert(root, 1);
+            state[root.index()] = 1;
             while let Some((n, i, ops)) = stack.last_mut() {
                 if *i < ops.len() {
                     let o = ops[*i];
                     *i += 1;
-                    match state.get(&o) {
-                        None => {
-                            state.insert(o, 1);
+                    match state[o.index()] {
+                        0 => {
+                            state[o.index()] = 1;
                             let oo = self.operands(o);
                             stack.push((o, 0, oo));
                         }
-                        Some(1) => return Err(IrError::Cycle(self.describe(o))),
+                        1 => return Err(IrError::Cycle(self.describe(o))),
                         _ => {}
                     }
                 } else {
                     let n = *n;
-                    state.insert(n, 2);
+                    state[n.index()] = 2;
                     order.push(n);
                     stack.pop();
                 }

@@ -320,6 +320,20 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             crate::verify::verify(body).map_err(|e| format!("kernel body: {e}"))?;
             Ok(body.ty(out).clone())
         }
+        Op::BlockDequant { .. } => {
+            blocks_of(ins[0], ins[1], DType::U8)?;
+            Ok(TensorType::new(DType::F32, ins[0].shape.clone()))
+        }
+        Op::BlockAbsMax => {
+            if ins[0].dtype != DType::F32 {
+                return Err(format!("block_absmax takes f32, got {}", ins[0]));
+            }
+            Ok(TensorType::new(DType::F32, Shape::new([crate::qmap::blocks(ins[0].numel())])))
+        }
+        Op::BlockQuant { .. } => {
+            blocks_of(ins[0], ins[1], DType::F32)?;
+            Ok(TensorType::new(DType::U8, ins[0].shape.clone()))
+        }
         Op::AdamParam { .. } => {
             let p = ins[0];
             float(p, "param")?;
@@ -356,4 +370,16 @@ fn learned_operands(spec: &QuantSpec, ins: &[&TensorType], what: &str, extra: us
         return Err(format!("zero points must be f32{sshape}, got {}", ins[2]));
     }
     Ok(w.clone())
+}
+
+/// Checks a blockwise-quantized pair: `x` of dtype `dtype`, `absmax` f32 with one value per block.
+fn blocks_of(x: &TensorType, absmax: &TensorType, dtype: DType) -> Result<(), String> {
+    let nb = crate::qmap::blocks(x.numel());
+    if x.dtype != dtype {
+        return Err(format!("the blockwise tensor must be {dtype}, got {x}"));
+    }
+    if absmax.dtype != DType::F32 || absmax.shape.dims() != [nb] {
+        return Err(format!("absmax must be f32[{nb}] for {x}, got {absmax}"));
+    }
+    Ok(())
 }

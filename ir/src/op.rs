@@ -4,6 +4,7 @@
 //!
 //! Shapes below use llm.c's vocabulary: B batch, T sequence, C channels, NH heads, V vocab.
 
+use crate::qmap::DynMap;
 use crate::types::{DType, Shape};
 
 /// What an `Input` leaf is, which decides who provides its value and whether it changes.
@@ -245,6 +246,20 @@ pub enum Op {
         beta2: f64,
         eps: f64,
         weight_decay: f64,
+    },
+
+    // ---- 8-bit optimizer state: blockwise dynamic quantization (`crate::qmap`) ----
+    /// (codes u8, absmax f32 [blocks]) -> f32 of the codes' shape: map[code] * absmax[element / BLOCK]
+    BlockDequant {
+        map: DynMap,
+    },
+    /// (x f32) -> f32 [blocks]: max |x| over each block of BLOCK elements (row-major; the last
+    /// block may be partial)
+    BlockAbsMax,
+    /// (x f32, absmax f32 [blocks]) -> u8 of x's shape: the code of the map value nearest to
+    /// x / absmax[element / BLOCK] (the lower on a tie; the code of 0 where absmax is 0)
+    BlockQuant {
+        map: DynMap,
     },
 }
 
@@ -538,6 +553,9 @@ impl Op {
             Op::AdamM { .. } => "adam_m",
             Op::AdamV { .. } => "adam_v",
             Op::AdamParam { .. } => "adam_param",
+            Op::BlockDequant { .. } => "block_dequant",
+            Op::BlockAbsMax => "block_absmax",
+            Op::BlockQuant { .. } => "block_quant",
         }
     }
 
@@ -554,11 +572,21 @@ impl Op {
             Op::Binary(_) | Op::MatMul { .. } | Op::Gather | Op::ScatterAdd { .. } => 2,
             Op::LayerNormGradGamma { .. } | Op::SoftmaxGrad { .. } | Op::CrossEntropy => 2,
             Op::AdamM { .. } | Op::AdamV { .. } => 2,
+            Op::BlockAbsMax => 1,
+            Op::BlockDequant { .. } | Op::BlockQuant { .. } => 2,
             Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::CrossEntropyGrad => 3,
             Op::AdamParam { .. } => 5,
             Op::Concat { .. } | Op::Dequantize { .. } | Op::Kernel { .. } => return None,
             Op::FakeQuantLearned { .. } | Op::FakeQuantLearnedGrad { .. } => return None,
         })
+    }
+
+    /// The optimizer's ops (AdamW and its 8-bit moments' quantization).
+    pub fn is_optimizer(&self) -> bool {
+        matches!(
+            self,
+            Op::AdamM { .. } | Op::AdamV { .. } | Op::AdamParam { .. } | Op::BlockDequant { .. } | Op::BlockAbsMax | Op::BlockQuant { .. }
+        )
     }
 
     pub fn is_elementwise(&self) -> bool {
@@ -574,7 +602,8 @@ impl Op {
         match self {
             Op::Input { kind, .. } => vec![("kind", Word(kind.name()))],
             Op::Const { value, .. } => vec![("value", Float(*value))],
-            Op::Unary(_) | Op::Binary(_) | Op::Gather | Op::CrossEntropy | Op::CrossEntropyGrad => vec![],
+            Op::Unary(_) | Op::Binary(_) | Op::Gather | Op::CrossEntropy | Op::CrossEntropyGrad | Op::BlockAbsMax => vec![],
+            Op::BlockDequant { map } | Op::BlockQuant { map } => vec![("map", Word(map.name()))],
             Op::AllFinite | Op::Select => vec![],
             Op::LossScale { interval, growth, backoff } => {
                 vec![("interval", Int(*interval)), ("growth", Float(*growth)), ("backoff", Float(*backoff))]

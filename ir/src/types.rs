@@ -139,7 +139,21 @@ impl TensorType {
     pub fn bytes(&self) -> usize {
         self.dtype.bytes_for(self.numel())
     }
+    /// The bytes of a value of this type, if they fit in [`MAX_VALUE_BYTES`]: a shape whose
+    /// element count or byte size overflows is no tensor any machine can hold.
+    pub fn checked_bytes(&self) -> Option<usize> {
+        let n = self.shape.0.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        let b = match self.dtype {
+            DType::I4 => n.div_ceil(2),
+            d => n.checked_mul(d.bytes_for(1))?,
+        };
+        (b <= MAX_VALUE_BYTES).then_some(b)
+    }
 }
+
+/// The most bytes one value may have: 2^60 (an exabyte), far above any device, and low enough
+/// that a step's sums of value sizes cannot overflow a 64-bit size.
+pub const MAX_VALUE_BYTES: usize = 1 << 60;
 
 impl fmt::Display for TensorType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -21,8 +21,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use qatc_ir::infer::broadcasts_to;
 use qatc_ir::{
-    parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, QuantParam, QuantScheme, QuantSpec, Shape, TensorType,
-    UnaryOp,
+    parse, print, qmap, verify, BinaryOp, DType, DynMap, Graph, InputKind, IrError, NodeId, Op, QuantParam, QuantScheme, QuantSpec, Shape,
+    TensorType, UnaryOp,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-const N_SLOTS: usize = 49;
+const N_SLOTS: usize = 52;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -100,8 +100,11 @@ fn op_slot(op: &Op) -> usize {
         Op::AllFinite => 44,
         Op::Select => 45,
         Op::LossScale { .. } => 46,
-        Op::FakeQuantLearned { .. } => 47,
-        Op::FakeQuantLearnedGrad { .. } => 48,
+        Op::BlockDequant { .. } => 47,
+        Op::BlockAbsMax => 48,
+        Op::BlockQuant { .. } => 49,
+        Op::FakeQuantLearned { .. } => 50,
+        Op::FakeQuantLearnedGrad { .. } => 51,
     }
 }
 
@@ -626,7 +629,23 @@ impl<'a> Builder<'a> {
                 let (growth, backoff) = (self.ch.pick(&[2.0, 1.5, 1e300]), self.ch.pick(&[0.5, 0.25, 1e-300]));
                 self.op(Op::LossScale { interval, growth, backoff }, &[state, finite])
             }
-            47 | 48 => {
+            47 | 49 => {
+                // a blockwise-quantized tensor: codes (u8) or values (f32) and one absmax per block
+                let dims = self.ch.dims(1, 3);
+                let n: usize = dims.iter().product();
+                let map = self.ch.pick(&DynMap::ALL);
+                let dtype = if slot == 47 { DType::U8 } else { DType::F32 };
+                let x = self.of_type(TensorType::new(dtype, dims))?;
+                let absmax = self.of_type(TensorType::new(DType::F32, [qmap::blocks(n)]))?;
+                let op = if slot == 47 { Op::BlockDequant { map } } else { Op::BlockQuant { map } };
+                self.op(op, &[x, absmax])
+            }
+            48 => {
+                let ty = TensorType::new(DType::F32, self.ch.dims(0, 3));
+                let x = self.of_type(ty)?;
+                self.op(Op::BlockAbsMax, &[x])
+            }
+            50 | 51 => {
                 // (w f32 [in, out], scales f32 [in/G, out][, zeros][, dy]): learned scales
                 let scheme = self.ch.pick(&QuantScheme::ALL);
                 let n_in = if scheme == QuantScheme::Q4_0 { 32 * self.ch.range(1, 2) } else { self.ch.dim() };
@@ -638,7 +657,7 @@ impl<'a> Builder<'a> {
                 if scheme.has_zero_point() {
                     args.push(self.of_type(TensorType::new(DType::F32, [groups, n_out]))?);
                 }
-                if slot == 47 {
+                if slot == 50 {
                     return self.op(Op::FakeQuantLearned { spec }, &args);
                 }
                 args.push(self.of_type(TensorType::new(DType::F32, [n_in, n_out]))?);

@@ -24,6 +24,6 @@ pub enum KernelError {
     /// verifier message names the instruction).
     #[error("LLVM, kernel {kernel}: {message}")]
     Llvm { kernel: String, message: String },
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
 }

@@ -20,13 +20,18 @@
 //!   non-negative and `Div`/`Rem` truncate.
 //! - `Select` is lazy: only the chosen operand is evaluated (the other may load out of bounds).
 //! - `Reduce` folds in any association order the backend likes, except `FirstAbsMax`, which needs
-//!   the sequential order and therefore only appears in `RowMapping::Thread` kernels.
+//!   the sequential order and therefore only appears in `RowMapping::Thread` kernels. A `Sum` may
+//!   be integer (I32/I64: counts), any op may be float; the order a backend picks must be fixed
+//!   by the kernel and its sizes alone, so a kernel gives the same bits on every run.
+//! - Nothing is nondeterministic: `AtomicAdd` exists for integer params only (integer addition
+//!   associates, so the total is the same in any order); float sums over data-dependent sets
+//!   are sorted into a fixed order instead (`lower/scatter.rs`).
 //! - No FMA contraction is required or forbidden: NVRTC contracts by default (`--fmad=true`).
 
-use qatc_ir::DType;
+use qatc_ir::{DType, DynMap};
 
 /// The type of a scalar expression.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Ty {
     F32,
     F64,
@@ -138,6 +143,11 @@ pub enum Intrinsic {
     Nf4Nearest,
     /// (x f32) -> f32: x rounded to f16 and back (Q4_0 stores its scale as f16).
     F16Round,
+    /// (code i32) -> f32: the dynamic map's value of an 8-bit code (`qatc_ir::qmap`).
+    DynValue(DynMap),
+    /// (y f32) -> i32: `DynMap::nearest`, the code of the map value nearest to y (the lower on a
+    /// tie; 0 for NaN): a binary search of the sorted map, then the closer neighbour.
+    DynNearest(DynMap),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -249,7 +259,9 @@ pub enum Stmt {
     Let { var: VarId, ty: Ty, value: Expr },
     /// param[index] = value (rounded to the param's dtype).
     Store { param: ParamId, index: Expr, value: Expr },
-    /// param[index] += value, atomically (the one non-deterministic statement; ScatterAdd).
+    /// param[index] += value, atomically, into an I32 param: counts whose total does not depend
+    /// on the order the iterations arrive in (scatter_add's tokens per id). In a Block-mapped
+    /// row outside a shared loop, one thread of the block adds (as one thread stores).
     AtomicAdd { param: ParamId, index: Expr, value: Expr },
     /// var = fold(op, value for every position of the loop); `body` binds what `value` uses.
     Reduce { var: VarId, op: ReduceOp, ty: Ty, lp: Loop, body: Vec<Stmt>, value: Expr },
@@ -505,8 +517,8 @@ impl TypeEnv {
             Expr::Cast(t, _) => *t,
             Expr::Call(i, _) => match i {
                 Intrinsic::DropoutKeep { .. } => Ty::Bool,
-                Intrinsic::Nf4Nearest => Ty::I32,
-                Intrinsic::Nf4Value | Intrinsic::F16Round => Ty::F32,
+                Intrinsic::Nf4Nearest | Intrinsic::DynNearest(_) => Ty::I32,
+                Intrinsic::Nf4Value | Intrinsic::F16Round | Intrinsic::DynValue(_) => Ty::F32,
             },
         }
     }
@@ -515,7 +527,7 @@ impl TypeEnv {
 /// How many independent programs a kernel runs: elements of an `Elements` space, rows of a
 /// `Rows` space, and for attention one per (b, h, row) where the row is a query row (forward,
 /// statistics, dq) or a key row (dk, dv). CPU backends split `0..iterations` across threads;
-/// disjoint ranges write disjoint memory, except `AtomicAdd`, which is atomic.
+/// disjoint ranges write disjoint memory, except `AtomicAdd`, which is atomic (and integer).
 pub fn iterations(k: &Kernel) -> usize {
     match &k.body {
         Body::Loops { space: Space::Elements { shape }, .. } => shape.iter().product(),

@@ -25,7 +25,7 @@ use std::path::Path;
 
 pub use cuda::CudaKernel;
 pub use error::KernelError;
-pub use lower::lower;
+pub use lower::{lower, lower_with, LowerOptions};
 pub use program::{Gemm, GemmTypes, Program, Step, View};
 
 /// Lowers a graph and writes every distinct kernel as CUDA C: the program and its kernels, in
@@ -43,7 +43,7 @@ pub fn write_cuda(dir: &Path, kernels: &[CudaKernel]) -> Result<Vec<std::path::P
     let mut paths = Vec::new();
     for k in kernels {
         let p = dir.join(format!("{}.cu", k.name));
-        std::fs::write(&p, &k.source).map_err(|source| KernelError::Io { path: p.clone(), source })?;
+        std::fs::write(&p, &k.source).map_err(|source| KernelError::Io { path: p.clone(), error: source })?;
         paths.push(p);
     }
     Ok(paths)

@@ -213,7 +213,7 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
         let Some(s) = scratches.get_mut(&d) else { continue };
         let name = if d == DType::F32 { "dequant_panel".to_string() } else { format!("dequant_panel_{d}") };
         s.0 = prog.buffers.len();
-        prog.buffers.push(Buffer { name, dtype: d, shape: vec![s.1], kind: BufKind::Temp });
+        prog.buffers.push(Buffer::new(&name, d, &[s.1], BufKind::Temp));
         report.scratch_bytes += prog.buffers[s.0].bytes();
     }
     let mut panel_ids: HashMap<(usize, usize), usize> = HashMap::new();

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use qatc_ir::{DType, InputKind};
+use qatc_ir::{DType, InputKind, Role};
 
 use crate::kir::Kernel;
 
@@ -26,16 +26,46 @@ pub struct Buffer {
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub kind: BufKind,
+    /// What it holds, for memory accounting: the role (`qatc_ir::role`) of the graph node whose
+    /// value it is, given at lowering time; a scratch buffer is a temporary of its step's phase.
+    /// The executed memory plan (`qatc plan`) counts the buffers by it.
+    pub role: Role,
 }
 
 impl Buffer {
+    /// A buffer of this kind, with the role it implies alone: an input's by its kind, any other a
+    /// forward temporary (the lowering gives node values their node's role).
+    pub fn new(name: impl Into<String>, dtype: DType, shape: &[usize], kind: BufKind) -> Buffer {
+        let role = match &kind {
+            BufKind::Input(_, k) => Role::input(*k),
+            BufKind::Value | BufKind::Temp => Role::temporary(qatc_ir::Phase::Forward),
+        };
+        Buffer { name: name.into(), dtype, shape: shape.to_vec(), kind, role }
+    }
+
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
     pub fn bytes(&self) -> usize {
         self.dtype.bytes_for(self.numel())
     }
+
+    /// The bytes a device allocation of it needs: `bytes`, except that packed 4-bit buffers are
+    /// rounded up to whole 32-bit words, because a 4-bit store updates the word around its byte
+    /// atomically (`qatc::store_i4`); such a buffer must also start 4-byte aligned. (The
+    /// executor's layout, `runtime/src/exec/layout.rs`, rounds every buffer up to its alignment,
+    /// which covers this.)
+    pub fn device_bytes(&self) -> usize {
+        match self.dtype {
+            DType::I4 => self.bytes().next_multiple_of(4),
+            _ => self.bytes(),
+        }
+    }
 }
+
+/// The alignment every device buffer starts at: enough for any element type's loads, and for
+/// `store_i4`'s word-wide updates (cudaMalloc gives 256).
+pub const DEVICE_ALIGN: usize = 256;
 
 /// A strided window on a buffer: element (c0, .., cr) is element `offset + sum c_d * strides[d]`
 /// of the buffer. Stride 0 repeats (a broadcast dim).
@@ -205,6 +235,28 @@ pub struct Materialized {
     pub bytes_written: usize,
 }
 
+/// A cross-entropy over the vocabulary whose logits are computed chunk by chunk of rows
+/// (`lower/xent.rs`): they never exist whole, only one chunk's [chunk_rows, vocab] scratch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CeChunking {
+    /// Rows of the logits (B x T) and the vocabulary.
+    pub rows: usize,
+    pub vocab: usize,
+    pub chunk_rows: usize,
+    /// The gradient is computed too (training), not only the loss (evaluation).
+    pub with_grad: bool,
+}
+
+impl CeChunking {
+    pub fn chunks(&self) -> usize {
+        self.rows.div_ceil(self.chunk_rows.max(1))
+    }
+    /// The f32 [chunk_rows, vocab] scratch the logits of one chunk live in.
+    pub fn scratch_bytes(&self) -> usize {
+        4 * self.chunk_rows * self.vocab
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Program {
     pub buffers: Vec<Buffer>,
@@ -219,6 +271,8 @@ pub struct Program {
     pub materialized: Vec<Materialized>,
     /// Fused nodes that could not run as one kernel and were split, with why.
     pub splits: Vec<String>,
+    /// The cross-entropies lowered chunk by chunk, as the planner chose them.
+    pub cross_entropy: Vec<CeChunking>,
 }
 
 impl Program {

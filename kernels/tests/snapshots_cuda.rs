@@ -49,6 +49,17 @@ fn adamw_is_one_kernel() {
     insta::assert_snapshot!(cuda_of(&common::adamw()));
 }
 
+/// The 8-bit moment's kernels: the dequantization and the update (one elementwise kernel each,
+/// unfused), one program per block for the absmax (its last block partial), the requantization.
+#[test]
+fn adamw8bit_moment_kernels() {
+    let g = common::adamw8bit_moment();
+    let (prog, kernels) = cuda_kernels(&g).unwrap();
+    assert_eq!(prog.steps.len(), 4, "{prog}");
+    assert!(kernels.iter().any(|k| k.source.contains("qatc::dyn_nearest(qatc::DYN_SIGNED")));
+    insta::assert_snapshot!(cuda_of(&g));
+}
+
 #[test]
 fn dequant_prologue_and_bias_epilogue() {
     let (prog, _) = cuda_kernels(&common::dequant_gemm()).unwrap();

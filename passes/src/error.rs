@@ -1,13 +1,16 @@
-use qatc_ir::IrError;
+use qatc_ir::{Expired, IrError};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum PassError {
     /// A pass built an ill-typed node, or the verifier rejected its output.
-    #[error("pass {pass}: {source}")]
-    Ir { pass: &'static str, source: IrError },
+    #[error("pass {pass}: {error}")]
+    Ir { pass: &'static str, error: IrError },
     #[error("pass {pass}: {msg}")]
     Invalid { pass: &'static str, msg: String },
+    /// The compile budget ran out (`qatc_ir::Deadline`).
+    #[error(transparent)]
+    Expired(#[from] Expired),
     #[error("autodiff: no gradient rule for {op} (node {node}); it cannot lie between a trainable input and the loss")]
     NoRule { op: &'static str, node: String },
 }
@@ -19,6 +22,6 @@ pub(crate) trait InPass<T> {
 
 impl<T> InPass<T> for Result<T, IrError> {
     fn in_pass(self, pass: &'static str) -> Result<T, PassError> {
-        self.map_err(|source| PassError::Ir { pass, source })
+        self.map_err(|source| PassError::Ir { pass, error: source })
     }
 }

@@ -39,6 +39,30 @@ impl LoraOptions {
             merged: false,
         }
     }
+    /// Whether the options make sense: r at least 1, alpha a positive finite number (a NaN or an
+    /// infinite alpha makes every LoRA output NaN), dropout in [0, 1) and none with `merged`,
+    /// and targets that name GPT-2 linears.
+    pub fn check(&self) -> Result<(), String> {
+        if self.r == 0 {
+            return Err("LoRA rank r must be at least 1".into());
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(format!("LoRA alpha must be a positive number, got {}", self.alpha));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!("LoRA dropout must be in [0, 1), got {}", self.dropout));
+        }
+        if self.merged && self.dropout > 0.0 {
+            return Err("--qat merged folds the adapter into the weight, so LoRA dropout must be 0".into());
+        }
+        for t in &self.targets {
+            if !linears::is_known_target(t) {
+                return Err(format!("unknown LoRA target `{t}`; GPT-2's linears are {}", linears::described()));
+            }
+        }
+        Ok(())
+    }
+
     pub fn scaling(&self) -> f64 {
         if self.rslora {
             self.alpha / (self.r as f64).sqrt()
@@ -58,20 +82,7 @@ pub const DROPOUT_SEED: &str = "dropout.seed";
 pub fn lora(mut g: Graph, o: &LoraOptions) -> Result<(Graph, PassReport), PassError> {
     let mut rep = PassReport::new(PASS);
     let bad = |msg: String| PassError::Invalid { pass: PASS, msg };
-    if o.r == 0 {
-        return Err(bad("LoRA rank r must be at least 1".into()));
-    }
-    if !(0.0..1.0).contains(&o.dropout) {
-        return Err(bad(format!("LoRA dropout must be in [0, 1), got {}", o.dropout)));
-    }
-    if o.merged && o.dropout > 0.0 {
-        return Err(bad("--qat merged folds the adapter into the weight, so LoRA dropout must be 0".into()));
-    }
-    for t in &o.targets {
-        if !linears::is_known_target(t) {
-            return Err(bad(format!("unknown LoRA target `{t}`; GPT-2's linears are {}", linears::described())));
-        }
-    }
+    o.check().map_err(bad)?;
     let lins: Vec<_> = linears::find(&g).into_iter().filter(|l| o.targets.iter().any(|t| matches(&l.module, t))).collect();
     let seed =
         if o.dropout > 0.0 { Some(g.input(DROPOUT_SEED, InputKind::Data, DType::I32, Shape::scalar()).in_pass(PASS)?) } else { None };

@@ -14,6 +14,12 @@ use crate::rebuild::copy_nodes;
 
 const PASS: &str = "microbatch";
 
+/// The most nodes unrolling may make. A step graph takes about 1.3 KB per node once
+/// differentiated (2.2 nodes per unrolled one), so this is a few gigabytes: the embedded model
+/// unrolls about 6,600 micro-batches within it. More is refused rather than left to exhaust
+/// memory.
+pub const MAX_NODES: usize = 1 << 21;
+
 /// The name of data input `name` in micro-batch `k` (`ids` -> `ids.0`, `ids.1`, ...).
 pub fn micro_name(name: &str, k: usize) -> String {
     format!("{name}.{k}")
@@ -28,6 +34,15 @@ pub fn microbatch(g: Graph, k: usize) -> Result<(Graph, PassReport), PassError> 
         return Ok((g, report));
     }
     let loss = g.output("loss").ok_or(PassError::Invalid { pass: PASS, msg: "the graph has no `loss` output".into() })?;
+    if k.saturating_mul(g.len()) > MAX_NODES {
+        return Err(PassError::Invalid {
+            pass: PASS,
+            msg: format!(
+                "{k} micro-batches of {} nodes each would make a graph of more than {MAX_NODES} nodes; accumulate fewer (--grad-accum) over larger micro-batches (--batch)",
+                g.len()
+            ),
+        });
+    }
     let order = g.topo_order().in_pass(PASS)?;
     let mut out = Graph::new(g.name.clone());
     let mut shared = HashMap::new();

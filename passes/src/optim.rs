@@ -2,15 +2,26 @@
 //! Adam's moments (`adam.m:NAME`, `adam.v:NAME`) and the step count (`step`) are `State` inputs
 //! whose new values are `update` outputs; the learning rate (`lr`) is a `Data` input so a
 //! schedule can change it every step without recompiling.
+//!
+//! With `Moments::Blockwise8` (`--optim adamw8bit`; bitsandbytes' 8-bit Adam) each moment of a
+//! tensor of at least `MIN_8BIT_ELEMS` elements is stored as u8 codes plus one f32 absmax per
+//! block (`qatc_ir::qmap`): the step dequantizes it, updates it and the weight in f32 exactly as
+//! the 32-bit step does, and requantizes it with the block's new absmax. Smaller tensors (biases,
+//! LayerNorm gains) keep f32 moments, as bitsandbytes' `min_8bit_size` does: their bytes are
+//! negligible and their updates the most sensitive; so do embedding tables (`is_blockwise`).
 
-use qatc_ir::{BinaryOp, DType, Graph, InputKind, NodeId, Op, Shape, UnaryOp};
+use qatc_ir::{qmap, BinaryOp, DType, DynMap, Graph, InputKind, NodeId, Op, Shape, UnaryOp};
 use serde::Serialize;
 
 use crate::autodiff::grad_name;
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
 
-/// AdamW's hyperparameters (PyTorch's defaults but for the learning rate, which is an input).
+/// Elements per block of an 8-bit moment (one absmax per block), bitsandbytes' optimizer block.
+pub const BLOCK_8BIT: usize = 2048;
+
+/// AdamW's hyperparameters (PyTorch's defaults but for the learning rate, which is an input)
+/// and how its moments are stored.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AdamW {
     pub beta1: f64,
@@ -22,16 +33,47 @@ pub struct AdamW {
     /// parameter group of its own, as PyTorch's `param_groups`; learned scales and zero points
     /// (which train at `lr`) never decay.
     pub scale_lr_mul: f64,
+    /// How the moments are stored between steps.
+    pub moments: Moments,
 }
 
 impl Default for AdamW {
     fn default() -> AdamW {
-        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, scale_lr_mul: 1.0 }
+        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, scale_lr_mul: 1.0, moments: Moments::F32 }
     }
 }
 
+/// The storage of Adam's moments between steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum Moments {
+    #[default]
+    F32,
+    /// 8-bit blockwise dynamic quantization for tensors of at least `MIN_8BIT_ELEMS` elements.
+    Blockwise8,
+}
+
+/// The smallest tensor whose moments `Moments::Blockwise8` quantizes (bitsandbytes' default
+/// `min_8bit_size`).
+pub const MIN_8BIT_ELEMS: usize = 4096;
+
 pub fn moment_names(param: &str) -> (String, String) {
     (format!("adam.m:{param}"), format!("adam.v:{param}"))
+}
+
+/// The state of a tensor's 8-bit moments: (first moment's codes, its absmax, second moment's
+/// codes, its absmax).
+pub fn blockwise_moment_names(param: &str) -> [String; 4] {
+    [format!("adam.m8:{param}"), format!("adam.m8.absmax:{param}"), format!("adam.v8:{param}"), format!("adam.v8.absmax:{param}")]
+}
+
+/// Whether `moments` stores the moments of trainable input `p` as 8-bit blocks: tensors of at
+/// least `MIN_8BIT_ELEMS` elements, except embedding tables (read by a gather). An embedding's
+/// rows see gradients as rarely as their tokens occur, so one block mixes second moments many
+/// orders of magnitude apart and a rare row's rounds to 0 while its first moment does not: a step
+/// of lr * m / eps. bitsandbytes keeps them in 32 bits for this reason (`StableEmbedding`).
+pub fn is_blockwise(g: &Graph, p: NodeId, moments: Moments) -> bool {
+    let embedding = g.users(p).into_iter().any(|u| matches!(g.node(u).op, Op::Gather) && g.operands(u).first() == Some(&p));
+    moments == Moments::Blockwise8 && g.ty(p).numel() >= MIN_8BIT_ELEMS && !embedding
 }
 
 /// The trainable inputs with their gradient outputs, in name order.
@@ -116,6 +158,7 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
     g.set_update("step", t).in_pass(PASS)?;
     let mut elems = 0i64;
     let mut scale_lr = None;
+    let mut blockwise = 0i64;
     for (name, p, gr) in &gs {
         let ty = g.ty(*p).clone();
         let learned = crate::quant::is_learned_name(name);
@@ -130,15 +173,41 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
         };
         let weight_decay = if learned { 0.0 } else { h.weight_decay };
         let (mn, vn) = moment_names(name);
-        let m = g.input(&mn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
-        let v = g.input(&vn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
+        let eight = is_blockwise(&g, *p, h.moments);
+        let (m, v) = if eight {
+            let [mc, ma, vc, va] = blockwise_moment_names(name);
+            let nb = Shape::new([qmap::blocks(ty.numel())]);
+            let mc = g.input(&mc, InputKind::State, DType::U8, ty.shape.clone()).in_pass(PASS)?;
+            let ma = g.input(&ma, InputKind::State, DType::F32, nb.clone()).in_pass(PASS)?;
+            let vc = g.input(&vc, InputKind::State, DType::U8, ty.shape.clone()).in_pass(PASS)?;
+            let va = g.input(&va, InputKind::State, DType::F32, nb).in_pass(PASS)?;
+            let m = g.add(Op::BlockDequant { map: DynMap::Signed }, &[mc, ma]).in_pass(PASS)?;
+            let v = g.add(Op::BlockDequant { map: DynMap::Unsigned }, &[vc, va]).in_pass(PASS)?;
+            blockwise += 1;
+            (m, v)
+        } else {
+            let m = g.input(&mn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
+            let v = g.input(&vn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
+            (m, v)
+        };
         let m1 = g.add_named(Op::AdamM { beta1: h.beta1 }, &[m, *gr], mn.clone()).in_pass(PASS)?;
         let v1 = g.add_named(Op::AdamV { beta2: h.beta2 }, &[v, *gr], vn.clone()).in_pass(PASS)?;
         let op = Op::AdamParam { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay };
         let p1 = g.add_named(op, &[*p, m1, v1, lr, t], format!("{name}.next")).in_pass(PASS)?;
         g.set_update(name.clone(), p1).in_pass(PASS)?;
-        g.set_update(mn, m1).in_pass(PASS)?;
-        g.set_update(vn, v1).in_pass(PASS)?;
+        if eight {
+            // requantized with each block's new absmax (the update above used the f32 values)
+            let [mc, ma, vc, va] = blockwise_moment_names(name);
+            for (x, map, codes, absmax) in [(m1, DynMap::Signed, mc, ma), (v1, DynMap::Unsigned, vc, va)] {
+                let a = g.add_named(Op::BlockAbsMax, &[x], absmax.clone()).in_pass(PASS)?;
+                let c = g.add_named(Op::BlockQuant { map }, &[x, a], codes.clone()).in_pass(PASS)?;
+                g.set_update(codes, c).in_pass(PASS)?;
+                g.set_update(absmax, a).in_pass(PASS)?;
+            }
+        } else {
+            g.set_update(mn, m1).in_pass(PASS)?;
+            g.set_update(vn, v1).in_pass(PASS)?;
+        }
         elems += ty.numel() as i64;
     }
     if !keep_grads {
@@ -154,5 +223,6 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
     }
     report.set("params", gs.len() as i64);
     report.set("elements", elems);
+    report.set("blockwise_8bit", blockwise);
     Ok((g, report))
 }

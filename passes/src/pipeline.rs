@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use qatc_ir::{verify, Graph};
+use qatc_ir::{verify, Deadline, Graph};
 use serde::Serialize;
 
 use crate::error::PassError;
@@ -58,16 +58,24 @@ impl<'a> Pass<'a> {
 
 /// Runs `passes` in order on `g`, verifying after each. `after` sees the graph after every pass
 /// (for `qatc dump --after` and snapshots).
-pub fn run(
+pub fn run(g: Graph, passes: Vec<Pass<'_>>, after: impl FnMut(&'static str, &Graph)) -> Result<(Graph, Vec<PassReport>), PassError> {
+    run_within(g, passes, &Deadline::unlimited(), after)
+}
+
+/// [`run`], stopping with [`PassError::Expired`] after the pass during which `deadline` passed
+/// (passes that can run long also check it inside, and stop sooner).
+pub fn run_within(
     mut g: Graph,
     passes: Vec<Pass<'_>>,
+    deadline: &Deadline,
     mut after: impl FnMut(&'static str, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
     let mut reports = Vec::new();
     for p in passes {
         let name = p.name;
         let (ng, report) = (p.run)(g)?;
-        verify(&ng).map_err(|source| PassError::Ir { pass: name, source })?;
+        deadline.check(&format!("pass {name}"))?;
+        verify(&ng).map_err(|source| PassError::Ir { pass: name, error: source })?;
         after(name, &ng);
         reports.push(report);
         g = ng;

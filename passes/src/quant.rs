@@ -35,6 +35,9 @@ pub struct QuantOptions {
     pub act_bits: Option<u8>,
     /// Learn the per-group scales (and zero points) with LSQ instead of the min-max rule.
     pub learned_scales: bool,
+    /// Where `per_module` came from (a bit map's path), for messages about its entries.
+    #[serde(skip)]
+    pub per_module_source: Option<String>,
 }
 
 impl QuantOptions {
@@ -44,7 +47,14 @@ impl QuantOptions {
 
     /// `spec` on the four GPT-2 linears, no bit map, no activation quantization.
     pub fn all_linears(spec: QuantSpec) -> QuantOptions {
-        QuantOptions { spec, targets: Self::default_targets(), per_module: BTreeMap::new(), act_bits: None, learned_scales: false }
+        QuantOptions {
+            spec,
+            targets: Self::default_targets(),
+            per_module: BTreeMap::new(),
+            act_bits: None,
+            learned_scales: false,
+            per_module_source: None,
+        }
     }
     fn spec_for(&self, module: &str) -> Option<QuantSpec> {
         match self.per_module.get(module) {
@@ -102,9 +112,31 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
             });
         }
     }
-    for lin in linears::find(&g) {
+    let lins = linears::find(&g);
+    // every per-module entry must name a linear of this model, and fit it
+    let entry = |module: &str, why: String| PassError::Invalid {
+        pass: PASS,
+        msg: match &o.per_module_source {
+            Some(src) => format!("{src}: entry {module:?}: {why}"),
+            None => format!("{module}: {why}"),
+        },
+    };
+    for module in o.per_module.keys() {
+        if !lins.iter().any(|l| &l.module == module) {
+            let layers = lins.iter().filter_map(|l| l.module.split('.').nth(1)?.parse::<usize>().ok()).max();
+            let have = layers.map_or("none".to_string(), |n| format!("h.0 to h.{n}, each with {}", linears::MODULES.join(", ")));
+            return Err(entry(module, format!("no such linear in this model (it has {have})")));
+        }
+    }
+    for lin in lins {
         let Some(spec) = o.spec_for(&lin.module) else { continue };
-        spec.check(lin.n_in).map_err(|m| PassError::Invalid { pass: PASS, msg: format!("{}: {m}", lin.module) })?;
+        spec.check(lin.n_in).map_err(|m| {
+            if o.per_module.contains_key(&lin.module) {
+                entry(&lin.module, m)
+            } else {
+                PassError::Invalid { pass: PASS, msg: format!("{}: {m}", lin.module) }
+            }
+        })?;
         let weight = g.node(lin.weight).name.clone().unwrap_or_else(|| format!("{}.weight", lin.module));
         let fq = quantize(&mut g, lin.weight, &weight, spec, o.learned_scales, format!("{}.weight.fq", lin.module))?;
         g.replace_all_uses(lin.weight, fq);

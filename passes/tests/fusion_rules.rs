@@ -413,3 +413,20 @@ fn the_runner_reports_why_it_stopped() {
     let (_, r) = fuse_with(&g, &none);
     assert!(r.saturation.stop_reason.starts_with("time_limit"), "{}", r.saturation.stop_reason);
 }
+
+/// Fusion within a spent compile budget stops with the budget's error, naming the stage.
+#[test]
+fn fusion_stops_when_the_compile_budget_is_spent() {
+    let mut g = Graph::new("chain");
+    let x = inp(&mut g, "x", &[4, 8]);
+    let e = op(&mut g, Op::Unary(UnaryOp::Exp), &[x]);
+    let y = op(&mut g, Op::Unary(UnaryOp::Tanh), &[e]);
+    g.set_output("y", y).unwrap();
+    let spent = qatc_ir::Deadline::within(std::time::Duration::ZERO);
+    match qatc_passes::fusion::fuse_graph_within(&g, &FuseOptions::default(), &spent) {
+        Err(qatc_passes::fusion::FusionError::Expired(e)) => assert!(e.stage.starts_with("fuse"), "{e}"),
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("fused past the deadline"),
+    }
+    assert!(qatc_passes::fusion::fuse_graph_within(&g, &FuseOptions::default(), &qatc_ir::Deadline::unlimited()).is_ok());
+}

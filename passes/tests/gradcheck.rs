@@ -264,7 +264,10 @@ fn covering_test(op: &Op) -> &'static str {
         | Op::AdamParam { .. }
         | Op::AllFinite
         | Op::Select
-        | Op::LossScale { .. } => "ops_without_a_rule_report_no_rule",
+        | Op::LossScale { .. }
+        | Op::BlockDequant { .. }
+        | Op::BlockAbsMax => "ops_without_a_rule_report_no_rule",
+        Op::BlockQuant { .. } => "none: its u8 result is never on a path to a float loss",
     }
 }
 
@@ -867,6 +870,13 @@ fn ops_without_a_rule_report_no_rule() {
         let state = c.op(Op::Slice { axis: 0, start: 0, end: 2 }, &[state]);
         let finite = c.frozen("finite", &[], ANY);
         c.op(Op::LossScale { interval: 2000, growth: 2.0, backoff: 0.5 }, &[state, finite])
+    });
+    // 8-bit moments' quantization: optimizer ops, never differentiated
+    assert_no_rule("block_absmax", |c, x| c.op(Op::BlockAbsMax, &[x]));
+    assert_no_rule("block_dequant", |c, x| {
+        let codes = c.g.input("codes", InputKind::Data, DType::U8, [3, 4]).expect("input");
+        let a = c.op(Op::SumTo { shape: [1].into() }, &[x]);
+        c.op(Op::BlockDequant { map: qatc_ir::DynMap::Signed }, &[codes, a])
     });
 }
 

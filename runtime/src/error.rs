@@ -42,4 +42,8 @@ pub enum RuntimeError {
     /// names the kernel).
     #[error("compiling the program: {0}")]
     Compile(String),
+    /// The GPU failed or refused (`what` the executor was doing; `msg` CUDA's error name and
+    /// string, or the emulation's finding).
+    #[error("{what}: {msg}")]
+    Device { what: String, msg: String },
 }

@@ -22,6 +22,18 @@ fn int<'a, T>(v: &'a Value<T>, what: &str) -> Result<&'a IntTensor, String> {
     }
 }
 
+/// A float tensor's values as f32 (the blockwise quantization runs in f32 whatever `T`).
+fn f32s<T: Float>(t: &Tensor<T>) -> Vec<f32> {
+    t.data.iter().map(|v| v.to_f64() as f32).collect()
+}
+
+fn blockwise_len(n: usize, blocks: usize) -> Result<(), String> {
+    if blocks != qatc_ir::qmap::blocks(n) {
+        return Err(format!("{blocks} absmax values for {n} elements (blocks of {})", qatc_ir::qmap::BLOCK));
+    }
+    Ok(())
+}
+
 fn scalar<T: Float>(v: &Value<T>, what: &str) -> Result<f64, String> {
     match v {
         Value::Float(t) if t.data.len() == 1 => Ok(t.data[0].to_f64()),
@@ -210,6 +222,24 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
             let (w, s, z) = learned_args(args, spec.scheme.has_zero_point())?;
             let dy = fl(args[args.len() - 1], "dy")?;
             float(quant::fake_quant_learned_grad(*spec, *wrt, w.shape[0], w.shape[1], &w.data, s, z, &dy.data))
+        }
+        Op::BlockDequant { map } => {
+            let codes: Vec<u8> = int(args[0], "codes")?.data.iter().map(|&c| c.clamp(0, 255) as u8).collect();
+            let absmax = f32s(fl(args[1], "absmax")?);
+            blockwise_len(codes.len(), absmax.len())?;
+            float(quant::block_dequant(*map, &codes, &absmax).into_iter().map(|v| T::from_f64(v as f64)).collect())
+        }
+        Op::BlockAbsMax => {
+            let x = f32s(fl(args[0], "x")?);
+            let a = quant::block_absmax(&x);
+            Value::Float(Tensor { shape: vec![a.len()], data: a.into_iter().map(|v| T::from_f64(v as f64)).collect() })
+        }
+        Op::BlockQuant { map } => {
+            let x = fl(args[0], "x")?;
+            let absmax = f32s(fl(args[1], "absmax")?);
+            blockwise_len(x.data.len(), absmax.len())?;
+            let codes = quant::block_quant(*map, &f32s(x), &absmax);
+            Value::Int(IntTensor { shape: x.shape.clone(), data: codes.into_iter().map(i32::from).collect() })
         }
         Op::ActQuant { bits } => {
             let x = fl(args[0], "x")?;

@@ -42,6 +42,7 @@
 
 mod arena;
 pub mod cpu;
+pub mod cuda;
 mod error;
 mod eval;
 pub mod exec;

@@ -10,7 +10,7 @@
 //! (packed codes + Dequantize) equals the unfolded one (FakeQuant) bit for bit by construction.
 
 use half::f16;
-use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_ir::{qmap, DynMap, QuantScheme, QuantSpec};
 
 pub use qatc_ir::NF4;
 
@@ -67,7 +67,8 @@ fn levels(bits: u8) -> f32 {
     QuantSpec::asym_levels(bits) as f32
 }
 
-/// Quantizes w [n_in, n_out]. The spec must have been checked (`QuantSpec::check`).
+/// Quantizes w [n_in, n_out]. The spec must have been checked (`QuantSpec::check`). A group
+/// holding a NaN or an infinity gets a NaN scale: all its values dequantize to NaN.
 pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quantized {
     let gsz = spec.group_for(n_in);
     let groups = n_in / gsz;
@@ -86,6 +87,12 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
                 *c = w[(g * gsz + r) * n_out + j];
             }
             let si = g * n_out + j;
+            if col.iter().any(|v| !v.is_finite()) {
+                // no grid holds a NaN or an infinity: the group's scale is NaN, so every value of
+                // the group dequantizes to NaN instead of to a finite number that hides it
+                q.scales[si] = f32::NAN;
+                continue;
+            }
             let mut put = |r: usize, code: u8| q.codes[(g * gsz + r) * n_out + j] = code;
             match spec.scheme {
                 QuantScheme::Sym => {
@@ -213,6 +220,31 @@ pub fn dropout_keep(seed: i32, stream: usize, i: usize, p: f64) -> bool {
     u >= p
 }
 
+/// Blockwise dynamic dequantization (`Op::BlockDequant`): map[code] * absmax of the code's block,
+/// in f32.
+pub fn block_dequant(map: DynMap, codes: &[u8], absmax: &[f32]) -> Vec<f32> {
+    let table = map.values();
+    codes.iter().enumerate().map(|(i, &c)| table[c as usize] * absmax[i / qmap::BLOCK]).collect()
+}
+
+/// Each block's absolute maximum (`Op::BlockAbsMax`), ignoring NaN as the kernels' max
+/// reduction does (`fmaxf`).
+pub fn block_absmax(x: &[f32]) -> Vec<f32> {
+    x.chunks(qmap::BLOCK).map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs()))).collect()
+}
+
+/// Blockwise dynamic quantization (`Op::BlockQuant`): the code nearest to x / absmax of its
+/// block; a block whose absmax is 0 (all zeros) gets the code of 0.
+pub fn block_quant(map: DynMap, x: &[f32], absmax: &[f32]) -> Vec<u8> {
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let a = absmax[i / qmap::BLOCK];
+            map.nearest(if a > 0.0 { v / a } else { 0.0 })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,6 +306,23 @@ mod tests {
         assert_eq!(out[1], -1.0);
         assert_eq!(out[2], 0.0);
         assert_eq!(out[3], NF4[12]); // 0.4407 is nearer to 0.5 than 0.5626
+    }
+
+    #[test]
+    fn a_non_finite_value_makes_its_group_nan_never_finite() {
+        for s in QuantScheme::ALL {
+            let sp = spec(4, 32, s);
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                // two columns, two groups of 32: only column 1's first group holds the bad value
+                let mut w: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).sin()).collect();
+                w[5 * 2 + 1] = bad;
+                let out = fake_quant(&w, 64, 2, sp);
+                for (i, v) in out.iter().enumerate() {
+                    let (row, col) = (i / 2, i % 2);
+                    assert_eq!(v.is_nan(), col == 1 && row < 32, "{s:?} {bad}: element [{row}, {col}] = {v}");
+                }
+            }
+        }
     }
 
     #[test]

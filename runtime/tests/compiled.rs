@@ -437,7 +437,7 @@ fn runs_as_bits(cp: &mut CpuProgram, runs: &[HashMap<String, Value<f32>>]) -> Ve
 #[test]
 fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
     use qatc_kernels::program::{BufKind, Buffer, Gemm, Program, Step, View};
-    let buf = |name: &str, kind: BufKind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![4, 4], kind };
+    let buf = |name: &str, kind: BufKind| Buffer::new(name, DType::F32, &[4, 4], kind);
     let mm = |a: usize, b: usize, c: usize, accumulate: bool| {
         let v = |i| View::contiguous(i, &[4, 4]);
         Step::Gemm(Box::new(Gemm {

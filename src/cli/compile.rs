@@ -25,6 +25,11 @@ pub struct Args {
     /// the CPU runtime JIT-compiles it.
     #[arg(long)]
     pub emit_llvm: bool,
+    #[command(flatten)]
+    pub cuda: super::cubin::CubinArgs,
+    /// The CPU executor's dequantized weight panels, in KiB (as `qatc train --panel-kib`).
+    #[arg(long, default_value_t = qatc_runtime::CpuOptions::default().panel_bytes / 1024)]
+    pub panel_kib: usize,
 }
 
 /// The file that marks a directory as `qatc compile`'s (so that it may be replaced).
@@ -47,7 +52,7 @@ fn emit_llvm(_: &std::path::Path, _: &qatc_kernels::Program) -> anyhow::Result<(
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     crate::artifacts::check_target(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("-o {}", a.out.display()))?;
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.step.read)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options(&a.model)?;
     let mut fwd_text = String::new();
@@ -67,14 +72,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if fusion.is_some() {
         artifacts.extend(["fused.qir", "fusion.json"]);
     }
-    // the memory plan of the step before fusion (see cli::plan::build for why)
+    // the memory plan: the program the device's executor runs, as it lays it out
     let memory = a.step.memory;
-    let (plan_json, plan_svg) =
-        super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, unfused.as_ref().unwrap_or(&train), memory)?;
+    let cpu = qatc_runtime::CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..Default::default() };
+    let executed = crate::memory::execute_plan(&train, super::plan::plan_device(a.cuda.device), &cpu)?;
+    let (plan_json, plan_svg) = super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, &executed, memory)?;
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
+    opts.deadline.check("code generation")?;
     let (program, kernels) = qatc_kernels::cuda_kernels(&train).context("code generation")?;
+    opts.deadline.check("code generation")?;
     artifacts.push("kernels/");
+    // machine code for the GPU (--device cuda, or a GPU found): CUBINs and their resource report
+    let build = super::cubin::build(&a.cuda, &kernels)?;
+    if build.is_some() {
+        artifacts.push("kernels/report.json");
+    }
     let manifest = Manifest {
         qatc_version: env!("CARGO_PKG_VERSION"),
         model: a.model.display().to_string(),
@@ -103,6 +116,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     out.write("memory_plan.json", &plan_json)?;
     out.write("memory.svg", &plan_svg)?;
     qatc_kernels::write_cuda(&out.path().join("kernels"), &kernels)?;
+    if let Some((cubins, report)) = &build {
+        super::cubin::write(&out.path().join("kernels"), cubins, report)?;
+    }
     if a.emit_llvm {
         emit_llvm(&out.path().join("kernels"), &program)?;
     }
@@ -124,6 +140,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         print_fusion(f);
     }
     println!("  kernels {} distinct CUDA kernels; {}", kernels.len(), program.to_string().lines().next().unwrap_or_default());
+    if let Some((_, r)) = &build {
+        println!("  cubins  {}", r.summary());
+        for line in r.table().lines() {
+            println!("    {line}");
+        }
+    }
     println!("  wrote {}/{{{}}}", dir.display(), artifacts.join(", "));
     Ok(())
 }

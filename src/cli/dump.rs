@@ -27,7 +27,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.step.read)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
     let opts = a.step.options(&a.model)?;
     let mut found: Option<Graph> = None;

@@ -1,17 +1,20 @@
 //! `qatc eval MODEL --data FILE`: mean loss and perplexity over the first N batches of a token
-//! file, on the reference interpreter.
+//! file, on the reference interpreter, or on the GPU (`--device cuda`, or `auto` where one is
+//! usable: the forward graph through the CUDA executor, the weights uploaded once).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use anyhow::Context;
 use qatc_passes::precision::Precision;
-use qatc_runtime::{IntTensor, Interpreter, Value};
+use qatc_runtime::{IntTensor, Interpreter, RuntimeError, Value};
 
 use super::options;
 use crate::adapter::Adapter;
 use crate::config::ScaleInit;
 use crate::data::TokenFile;
 use crate::model::{Model, Trained};
+use crate::runner::{CudaSettings, Device};
 use crate::step::{self, ModelOptions};
 
 #[derive(clap::Args, Debug)]
@@ -45,6 +48,12 @@ pub struct Args {
     /// post-training quantization at searched scales is measured by itself.
     #[arg(long, value_enum)]
     pub scale_init: Option<ScaleInit>,
+    /// Where the model runs: auto (a CUDA GPU when qatc can use one, else the CPU's reference
+    /// interpreter), cpu, cuda.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    #[command(flatten)]
+    pub read: super::ReadArgs,
 }
 
 #[derive(serde::Serialize, Debug, Clone, Copy)]
@@ -54,7 +63,7 @@ pub struct EvalResult {
     pub tokens: usize,
 }
 
-/// What to evaluate: the model options (quantization, LoRA) and the adapter's tensors.
+/// What to evaluate: the model options (quantization, LoRA) and the adapter's tensors; where.
 #[derive(Default)]
 pub struct EvalSetup {
     pub model: ModelOptions,
@@ -63,17 +72,37 @@ pub struct EvalSetup {
     pub precision: Precision,
     /// How learned scales start when no adapter has them.
     pub scale_init: ScaleInit,
+    /// On the GPU (the CUDA executor) rather than the CPU's reference interpreter.
+    pub cuda: bool,
+}
+
+/// Whether `--device` puts an evaluation on the GPU: `auto` where CUDA is usable (silently: the
+/// CPU is what eval always ran on), `cuda` or an error saying why not.
+pub fn on_cuda(device: Device) -> anyhow::Result<bool> {
+    match device {
+        Device::Cpu => Ok(false),
+        Device::Auto => Ok(crate::runner::cuda_ready().is_ok()),
+        Device::Cuda => crate::runner::cuda_ready().map(|()| true).map_err(|why| anyhow::anyhow!("--device cuda: {why}")),
+    }
 }
 
 impl EvalSetup {
     /// What `qatc eval` evaluates: with an adapter, the configuration saved beside it (the
     /// quantization flags, when given, must agree with it); else the flags. The precision is
-    /// this evaluation's choice, not the training run's.
-    pub fn new(quant: &options::QuantArgs, adapter: Option<&std::path::Path>, precision: Precision) -> anyhow::Result<EvalSetup> {
+    /// this evaluation's choice, not the training run's. Adapter tensors must be finite unless
+    /// `allow_nonfinite`.
+    pub fn new(
+        quant: &options::QuantArgs,
+        adapter: Option<&std::path::Path>,
+        precision: Precision,
+        allow_nonfinite: bool,
+    ) -> anyhow::Result<EvalSetup> {
         match adapter {
             Some(dir) => {
-                let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""))?;
-                Ok(EvalSetup { model: cfg.model.options(false), adapter: Some(ad), precision, ..Default::default() })
+                let (cfg, ad) = options::adapter_config(quant, dir, std::path::Path::new(""), allow_nonfinite)?;
+                let mut model = cfg.model.options(false);
+                options::name_bit_map(&mut model, quant);
+                Ok(EvalSetup { model, adapter: Some(ad), precision, ..Default::default() })
             }
             None => {
                 Ok(EvalSetup { model: options::model_options(quant, None, false, false)?, adapter: None, precision, ..Default::default() })
@@ -113,7 +142,6 @@ fn run_eval(
     show: bool,
 ) -> anyhow::Result<EvalResult> {
     let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
-    let interp = Interpreter::<f32>::new(&g)?;
     let mut inputs = match state {
         Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
         None => match &setup.adapter {
@@ -121,6 +149,23 @@ fn run_eval(
             None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
         },
     };
+    // on the GPU the weights go to the device once; per batch only the ids and targets
+    let mut gpu = match setup.cuda {
+        true => {
+            let prog = qatc_kernels::lower(&g).context("lowering the model to kernels")?;
+            let mut p = crate::runner::cuda_program(prog, CudaSettings::default())?;
+            for (name, v) in &inputs {
+                match p.set_input(name, v) {
+                    // an input no step reads (lowering dropped its use) is not in the program
+                    Err(RuntimeError::UnknownInput(_)) => {}
+                    r => r.with_context(|| format!("binding {name}"))?,
+                }
+            }
+            Some(p)
+        }
+        false => None,
+    };
+    let interp = if gpu.is_none() { Some(Interpreter::<f32>::new(&g)?) } else { None };
     let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
     if !show {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -128,14 +173,40 @@ fn run_eval(
     let mut sum = 0.0f64;
     for s in 0..n {
         let (ids, tgt) = data.batch(s, b, t)?;
-        inputs.insert("ids".into(), Value::Int(IntTensor { shape: vec![b, t], data: ids }));
-        inputs.insert("targets".into(), Value::Int(IntTensor { shape: vec![b, t], data: tgt }));
-        let out = interp.run(&inputs)?;
-        sum += scalar(&out, "loss")?;
+        let ids = Value::Int(IntTensor { shape: vec![b, t], data: ids });
+        let tgt = Value::Int(IntTensor { shape: vec![b, t], data: tgt });
+        let out = match (gpu.as_mut(), &interp) {
+            (Some(p), _) => {
+                p.set_input("ids", &ids)?;
+                p.set_input("targets", &tgt)?;
+                p.execute()?;
+                HashMap::from([("loss".to_string(), p.output("loss")?)])
+            }
+            (None, Some(interp)) => {
+                inputs.insert("ids".into(), ids);
+                inputs.insert("targets".into(), tgt);
+                interp.run(&inputs)?
+            }
+            (None, None) => anyhow::bail!("internal: no evaluator"),
+        };
+        let loss = scalar(&out, "loss")?;
+        if !loss.is_finite() {
+            // never a NaN result: say where it appeared and what can cause it
+            let lora =
+                setup.model.lora.as_ref().map(|l| format!(", or the adapter's scaling alpha/r = {}", l.scaling())).unwrap_or_default();
+            anyhow::bail!(
+                "{}: batch {s} gives a loss of {loss}: the model overflows on it (finite but huge weights{lora}, or non-finite ones let in by --allow-nonfinite); no result",
+                data.path().display()
+            );
+        }
+        sum += loss;
         pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
         pb.inc(1);
     }
     pb.finish_and_clear();
+    if n == 0 {
+        anyhow::bail!("internal: evaluating 0 batches");
+    }
     let loss = sum / n as f64;
     Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
 }
@@ -149,7 +220,7 @@ pub fn scalar(out: &HashMap<String, Value<f32>>, name: &str) -> anyhow::Result<f
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
@@ -171,18 +242,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => avail,
     };
-    let mut setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision)?;
+    let mut setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision, a.read.allow_nonfinite)?;
     if let Some(init) = a.scale_init {
         if a.adapter.is_some() || setup.model.quant.as_ref().is_none_or(|q| !q.learned_scales) {
             anyhow::bail!("--scale-init needs --scales learned and no --adapter (an adapter brings its own scales)");
         }
         setup.scale_init = init;
     }
+    setup.cuda = on_cuda(a.device)?;
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
+        // a perplexity past f64 (a mean loss over 709) is null, as JSON has no infinity
         println!("{}", serde_json::to_string(&r)?);
-    } else {
+    } else if r.ppl.is_finite() {
         println!("loss {:.6}  ppl {:.3}  ({} batches x B {} x T {} = {} tokens)", r.loss, r.ppl, n, a.batch, a.seq, r.tokens);
+    } else {
+        println!("loss {:.6}  ppl over 1.8e308 ({} batches x B {} x T {} = {} tokens)", r.loss, n, a.batch, a.seq, r.tokens);
     }
     Ok(())
 }

@@ -29,6 +29,8 @@ pub struct Args {
     // quantization (read from the adapter's qatc.json when it has one)
     #[command(flatten)]
     pub quant: options::QuantArgs,
+    #[command(flatten)]
+    pub read: super::ReadArgs,
 }
 
 /// The marker `OutDir` looks for before replacing an existing output directory.
@@ -38,9 +40,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let format = a.format;
     let inputs: [&std::path::Path; 2] = [&a.model, &a.adapter];
     crate::artifacts::check_target(&a.out, &[MARKER], &inputs).with_context(|| format!("--out {}", a.out.display()))?;
-    let m = super::open_model(&a.model)?;
-    let (cfg, adapter) = options::adapter_config(&a.quant, &a.adapter, &a.model)?;
-    let mo = cfg.model.options(false);
+    let m = super::open_model(&a.model, &a.read)?;
+    let (cfg, adapter) = options::adapter_config(&a.quant, &a.adapter, &a.model, a.read.allow_nonfinite)?;
+    let mut mo = cfg.model.options(false);
+    options::name_bit_map(&mut mo, &a.quant);
     let merged = export::merge(&m, &mo, &adapter).with_context(|| format!("export of {} + {}", a.model.display(), a.adapter.display()))?;
     let out = OutDir::create(&a.out, &[MARKER], &inputs).with_context(|| format!("{}", a.out.display()))?;
     let mut tensors = serde_json::Map::new();

@@ -2,6 +2,8 @@
 //! one line and exits with code 2.
 
 pub mod compile;
+pub mod cubin;
+pub mod diverge;
 pub mod dump;
 pub mod eval;
 pub mod export;
@@ -21,9 +23,22 @@ use crate::config::{self, OptimConfig, Optimizer, Precision, PrecisionConfig, Ru
 use crate::model::Model;
 use crate::runner::Device;
 
-/// Opens a model and says so once when its config had to be inferred.
-pub fn open_model(path: &Path) -> anyhow::Result<Model> {
+/// How inputs are read (every command that reads a checkpoint, adapter or resume state).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ReadArgs {
+    /// Read checkpoints, adapters and resume states that hold NaN or infinity (refused by default:
+    /// they make every result NaN).
+    #[arg(long)]
+    pub allow_nonfinite: bool,
+}
+
+/// Opens a model, refuses non-finite weights (unless allowed), and says once when its config had
+/// to be inferred.
+pub fn open_model(path: &Path, read: &ReadArgs) -> anyhow::Result<Model> {
     let m = Model::open(path)?;
+    if !read.allow_nonfinite {
+        m.ckpt.check_finite()?;
+    }
     if let Some(n) = &m.notice {
         eprintln!("note: {n}");
     }
@@ -35,11 +50,44 @@ pub fn check_seq(m: &Model, batch: usize, seq: usize) -> anyhow::Result<()> {
     if batch == 0 || seq == 0 {
         anyhow::bail!("--batch and --seq must be at least 1");
     }
+    check_tokens(batch, seq)?;
     if seq > m.cfg.n_positions {
         return Err(crate::frontend::LoadError::SeqTooLong { seq, n_positions: m.cfg.n_positions })
             .with_context(|| format!("{}", m.ckpt.path().display()));
     }
     Ok(())
+}
+
+/// B x T tokens per micro-batch must be a count a machine can index (the IR refuses any tensor
+/// past 2^60 bytes anyway; this says it in the flags' terms).
+pub fn check_tokens(batch: usize, seq: usize) -> anyhow::Result<()> {
+    match batch.checked_mul(seq) {
+        Some(n) if n <= 1 << 40 => Ok(()),
+        _ => anyhow::bail!("--batch {batch} x --seq {seq} tokens per micro-batch is more than 2^40: no step that size fits any memory"),
+    }
+}
+
+/// `--compile-timeout SECONDS` as a deadline starting now.
+pub fn compile_budget(seconds: f64) -> anyhow::Result<qatc_ir::Deadline> {
+    if !(seconds > 0.0 && seconds.is_finite() && seconds <= 1e9) {
+        anyhow::bail!("--compile-timeout must be a number of seconds above 0, got {seconds}");
+    }
+    Ok(qatc_ir::Deadline::within(std::time::Duration::from_secs_f64(seconds)))
+}
+
+/// What the user can do about an error, when there is something to say beyond its message.
+pub fn hint(e: &anyhow::Error) -> Option<&'static str> {
+    use qatc_passes::{fusion::FusionError, plan::PlanError, PassError};
+    // the budget's error is carried transparently: look for each wrapper that can hold it
+    let expired = |c: &(dyn std::error::Error + 'static)| {
+        c.downcast_ref::<qatc_ir::Expired>().is_some()
+            || matches!(c.downcast_ref::<PassError>(), Some(PassError::Expired(_)))
+            || matches!(c.downcast_ref::<PlanError>(), Some(PlanError::Expired(_)))
+            || matches!(c.downcast_ref::<FusionError>(), Some(FusionError::Expired(_)))
+    };
+    e.chain()
+        .any(expired)
+        .then_some(" (--compile-timeout SECONDS gives more time; --no-fuse, or a smaller --grad-accum, --batch or --seq compile faster)")
 }
 
 /// A progress bar on stderr; hidden when stderr is not a terminal.
@@ -66,6 +114,10 @@ pub struct StepArgs {
     /// Clip the global gradient norm to X.
     #[arg(long)]
     pub clip: Option<f64>,
+    /// The optimizer: adamw (f32 moments) or adamw8bit (8-bit blockwise moments, a quarter of
+    /// the optimizer's memory).
+    #[arg(long, value_enum, default_value_t = Optimizer::Adamw)]
+    pub optim: Optimizer,
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
@@ -84,7 +136,7 @@ pub struct StepArgs {
     /// or auto with --memory).
     #[arg(long, value_parser = parse_checkpoint)]
     pub checkpoint: Option<CheckpointArg>,
-    /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB).
+    /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB, or a GPU's name: h100, a100, l4, ...).
     #[arg(long, value_parser = parse_memory)]
     pub memory: Option<usize>,
     /// Skip kernel fusion (the `fuse` stage): the step stays one op per node.
@@ -94,6 +146,11 @@ pub struct StepArgs {
     /// or fp16 (f32 masters and dynamic loss scaling).
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
+    /// Give up building the step after this many seconds, with a message naming the stage.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    pub compile_timeout: f64,
+    #[command(flatten)]
+    pub read: ReadArgs,
 }
 
 /// `--checkpoint` as given: a policy, or `auto`, whose size `--memory` gives.
@@ -111,7 +168,7 @@ fn parse_checkpoint(s: &str) -> Result<CheckpointArg, String> {
 }
 
 fn parse_memory(s: &str) -> Result<usize, String> {
-    qatc_passes::plan::units::parse_size(s)
+    qatc_passes::plan::units::parse_memory(s)
 }
 
 /// Where the step runs (train's `--device` and `--interpreter`; the defaults elsewhere).
@@ -138,7 +195,7 @@ impl StepArgs {
             grad_accum: self.grad_accum,
             precision: PrecisionConfig { mode: self.precision },
             optim: OptimConfig {
-                kind: Optimizer::Adamw,
+                kind: self.optim,
                 beta1: defaults.beta1,
                 beta2: defaults.beta2,
                 eps: defaults.eps,
@@ -156,7 +213,16 @@ impl StepArgs {
 
     /// The step's options for these flags (through `config`).
     pub fn options(&self, model: &Path) -> anyhow::Result<crate::step::StepOptions> {
-        self.config(model, Placement::default())?.step_options().map_err(anyhow::Error::msg)
+        let mut o = self.config(model, Placement::default())?.step_options().map_err(anyhow::Error::msg)?;
+        options::name_bit_map(&mut o.model, &self.quant);
+        o.deadline = self.compile_budget()?;
+        Ok(o)
+    }
+
+    /// `--compile-timeout` as a deadline starting now (not part of the run's configuration: a
+    /// limit on this invocation, not a fact of the run).
+    pub fn compile_budget(&self) -> anyhow::Result<qatc_ir::Deadline> {
+        compile_budget(self.compile_timeout)
     }
 
     /// The checkpoint policy: `--checkpoint`, else `auto` when `--memory` is given, else none.

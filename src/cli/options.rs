@@ -58,10 +58,72 @@ pub struct BitMap {
     pub modules: BTreeMap<String, Option<QuantSpec>>,
 }
 
+/// Reads a bit map, checking it entry by entry: every error names the file and, where one is at
+/// fault, the entry. Whether each entry's layer exists and its group divides the weight is
+/// checked against the model by the `fake_quant` pass (which names the file too).
 pub fn read_bit_map(path: &Path) -> anyhow::Result<BTreeMap<String, Option<QuantSpec>>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
-    let bm: BitMap = serde_json::from_str(&text).with_context(|| format!("{}: not a qatc bit map", path.display()))?;
-    Ok(bm.modules)
+    use serde_json::Value;
+    let p = path.display();
+    let bytes = std::fs::read(path).with_context(|| format!("{p}"))?;
+    let text = crate::input::text(&bytes).map_err(|why| anyhow::anyhow!("{p}: not a qatc bit map: {why}"))?;
+    let v: Value = serde_json::from_str(text).with_context(|| format!("{p}: not a qatc bit map"))?;
+    let Some(top) = v.as_object() else { bail!("{p}: not a qatc bit map: not a JSON object") };
+    if let Some(k) = top.keys().find(|k| !["version", "modules"].contains(&k.as_str())) {
+        bail!("{p}: unknown field `{k}` (a bit map has `version` and `modules`)");
+    }
+    match top.get("version") {
+        Some(x) if x.as_u64() == Some(BIT_MAP_VERSION as u64) => {}
+        Some(x) => bail!("{p}: version {} is not one this qatc reads (version {BIT_MAP_VERSION})", crate::input::excerpt(x)),
+        None => bail!("{p}: missing field `version`"),
+    }
+    let Some(modules) = top.get("modules").and_then(Value::as_object) else {
+        bail!("{p}: field `modules` must be an object of module names (missing or not an object)")
+    };
+    let mut out = BTreeMap::new();
+    for (m, b) in modules {
+        let bad = |why: String| anyhow::anyhow!("{p}: entry {m:?}: {why}");
+        let known = m
+            .strip_prefix("h.")
+            .and_then(|r| r.split_once('.'))
+            .is_some_and(|(l, module)| l.parse::<usize>().is_ok() && qatc_passes::linears::MODULES.contains(&module));
+        if !known {
+            return Err(bad(format!("not a module name (h.LAYER.MODULE, MODULE one of {})", qatc_passes::linears::MODULES.join(", "))));
+        }
+        let spec = match b {
+            Value::Null => None,
+            Value::Object(e) => {
+                if let Some(k) = e.keys().find(|k| !["bits", "group", "scheme"].contains(&k.as_str())) {
+                    return Err(bad(format!("unknown field `{k}` (an entry has bits, group and scheme, or is null)")));
+                }
+                let field = |k: &str| e.get(k).ok_or_else(|| bad(format!("missing field `{k}`")));
+                let bits = field("bits")?;
+                let bits = bits
+                    .as_u64()
+                    .filter(|b| (2..=8).contains(b))
+                    .ok_or_else(|| bad(format!("`bits` must be an integer from 2 to 8, got {}", crate::input::excerpt(bits))))?;
+                let group = field("group")?;
+                let group = group
+                    .as_u64()
+                    .and_then(|g| usize::try_from(g).ok())
+                    .ok_or_else(|| bad(format!("`group` must be a whole number, got {}", crate::input::excerpt(group))))?;
+                let s = field("scheme")?;
+                let schemes = QuantScheme::ALL.map(QuantScheme::name).join(", ");
+                let scheme = match s.as_str() {
+                    Some(name) => QuantScheme::from_name(name).ok_or_else(|| bad(format!("unknown scheme `{name}` (one of {schemes})")))?,
+                    None => return Err(bad(format!("`scheme` must be one of {schemes}, got {}", crate::input::excerpt(s)))),
+                };
+                let spec = QuantSpec { bits: bits as u8, group, scheme };
+                // bits and scheme together (the group against the weight: in the pass)
+                spec.check(if group == 0 { 64 } else { group }).map_err(bad)?;
+                Some(spec)
+            }
+            other => {
+                return Err(bad(format!("must be null or an object with bits, group and scheme, got {}", crate::input::excerpt(other))))
+            }
+        };
+        out.insert(m.clone(), spec);
+    }
+    Ok(out)
 }
 
 /// A value as the configuration spells it (`sym`, `merged`, `["c_attn"]`; `none` for null).
@@ -74,14 +136,25 @@ fn spelled<T: Serialize + std::fmt::Debug>(v: &T) -> String {
     }
 }
 
+/// The bit map format this qatc writes and reads.
+pub const BIT_MAP_VERSION: u32 = 1;
+
 impl QuantArgs {
     /// The quantization these flags ask for, defaults filled in; None without --bits or
     /// --bits-map.
     pub fn config(&self) -> anyhow::Result<Option<QuantConfig>> {
         let map = self.bits_map.as_deref().map(read_bit_map).transpose()?;
         if self.bits.is_none() && map.is_none() {
-            if self.act_bits.is_some() {
-                bail!("--act-bits needs --bits (or --bits-map)");
+            // a quantization setting without a quantization would be silently ignored
+            let given = [
+                self.scheme.map(|_| "--scheme"),
+                self.group.map(|_| "--group"),
+                self.quant_targets.as_ref().map(|_| "--quant-targets"),
+                self.act_bits.map(|_| "--act-bits"),
+                self.scales.map(|_| "--scales"),
+            ];
+            if let Some(flag) = given.into_iter().flatten().next() {
+                bail!("{flag} needs --bits (or --bits-map): without either nothing is quantized");
             }
             if self.qat == Some(Qat::Merged) {
                 bail!("--qat merged needs --bits and --lora");
@@ -190,6 +263,7 @@ pub fn parse_lora(s: &str) -> anyhow::Result<LoraOptions> {
     if r == 0 {
         bail!("--lora r must be at least 1");
     }
+    o.check().map_err(|e| anyhow::anyhow!("--lora {s}: {e}"))?;
     Ok(o)
 }
 
@@ -223,9 +297,9 @@ pub fn model_config(q: &QuantArgs, lora: Option<&LoraOptions>, full_finetune: bo
 /// An adapter directory and the configuration it was trained with: its `qatc.json` when it has
 /// one (the flags given must agree with it), else one made from the flags (`model` the base
 /// checkpoint; no step or train section). Learned scales in the adapter need a configuration
-/// with learned scales (`check_learned`).
-pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path) -> anyhow::Result<(RunConfig, Adapter)> {
-    let ad = crate::adapter::read(dir)?;
+/// with learned scales (`check_learned`). Its tensors must be finite unless `allow_nonfinite`.
+pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path, allow_nonfinite: bool) -> anyhow::Result<(RunConfig, Adapter)> {
+    let ad = crate::adapter::read_with(dir, allow_nonfinite)?;
     let lora = ad.options();
     let Some(saved) = RunConfig::read_if_any(dir)? else {
         let model = model_config(q, Some(&lora), false, model)?;
@@ -250,7 +324,17 @@ pub fn adapter_config(q: &QuantArgs, dir: &Path, model: &Path) -> anyhow::Result
 
 /// The model options for these flags (what `model_config` says, as the passes take it).
 pub fn model_options(q: &QuantArgs, lora: Option<LoraOptions>, full_finetune: bool, training: bool) -> anyhow::Result<ModelOptions> {
-    Ok(model_config(q, lora.as_ref(), full_finetune && lora.is_none(), Path::new(""))?.options(training))
+    let mut mo = model_config(q, lora.as_ref(), full_finetune && lora.is_none(), Path::new(""))?.options(training);
+    name_bit_map(&mut mo, q);
+    Ok(mo)
+}
+
+/// Tells the quantization pass which file `--bits-map` read, so that its errors about an entry
+/// (a layer the model lacks, a group that does not divide the weight) name the file.
+pub fn name_bit_map(mo: &mut ModelOptions, q: &QuantArgs) {
+    if let (Some(quant), Some(p)) = (mo.quant.as_mut(), &q.bits_map) {
+        quant.per_module_source = Some(p.display().to_string());
+    }
 }
 
 #[cfg(test)]

@@ -1,23 +1,25 @@
 //! `qatc plan MODEL --batch B --seq T [--bits 4 --lora r=16 ...] [--checkpoint ...] [--memory SIZE]`:
-//! the training step's memory plan. A table by default: where the memory goes at the peak, by
-//! the categories of the usual tables, and whether it fits `--memory`. `--json` prints the plan
-//! (schema `qatc.memory_plan` v1, `docs/memory_plan.md`); `--svg FILE` draws its timeline.
-//! MODEL is a checkpoint, or a size (124M, 355M, 774M, 1.5B; or gpt2, gpt2-medium, ...) whose
-//! shapes are all a plan needs.
+//! will the training step fit, and where does its memory go. The plan is the executed program's
+//! (`crate::memory`): the fused step lowered for `--device`, laid out as that device's executor
+//! lays it out; the buffers it lists are the ones the executor allocates. A table by default,
+//! `--json` for the document (schema `qatc.memory_plan` v2, `docs/memory_plan.md`), `--svg FILE`
+//! for its timeline; `--fit` searches batch sizes and checkpoint policies for the fastest
+//! configurations that fit `--memory` (`crate::memory::fit`). MODEL is a checkpoint, or a size
+//! (124M, 355M, 774M, 1.5B; or gpt2, gpt2-medium, ...) whose shapes are all a plan needs.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use qatc_ir::Graph;
+use qatc_ir::Category;
 use qatc_passes::plan::units::{flag, flops, human};
-use qatc_passes::plan::{self, json, svg, Category, Location, Plan};
 use qatc_passes::PassReport;
-use qatc_runtime::{ArenaLayout, Slot};
+use qatc_runtime::exec::Device;
+use qatc_runtime::CpuOptions;
 use serde_json::json;
 
 use super::StepArgs;
 use crate::frontend::config::Gpt2Config;
+use crate::memory::{self, json as plan_json, svg, Executed};
 use crate::step::{self, StepOptions};
 
 #[derive(clap::Args, Debug)]
@@ -26,19 +28,34 @@ pub struct Args {
     pub model: String,
     #[command(flatten)]
     pub step: StepArgs,
-    /// Print the plan as JSON (schema qatc.memory_plan, version 1) instead of the table.
+    /// The device whose executor the plan is for: auto (the one `qatc train` would run on), cpu,
+    /// cuda. A plan needs no GPU.
+    #[arg(long, value_enum, default_value_t = crate::runner::Device::Auto)]
+    pub device: crate::runner::Device,
+    /// The CPU executor's dequantized weight panels, in KiB (as `qatc train --panel-kib`).
+    #[arg(long, default_value_t = CpuOptions::default().panel_bytes / 1024)]
+    pub panel_kib: usize,
+    /// Print the plan as JSON (schema qatc.memory_plan, version 2) instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Write the memory timeline as an SVG picture.
+    /// Write the memory timeline as an SVG picture (with --fit: the chosen configuration's).
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Search batch sizes and checkpoint policies for the fastest configurations that fit
+    /// --memory (needs --memory; --batch is ignored, batches 1, 2, 4, ... up to --max-batch
+    /// are tried).
+    #[arg(long)]
+    pub fit: bool,
+    /// The largest batch --fit tries.
+    #[arg(long, default_value_t = 256)]
+    pub max_batch: usize,
 }
 
 /// The model's config and how to call it, from a path or a size name.
-fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> {
+pub fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> {
     let path = std::path::Path::new(model);
     if path.exists() {
-        let m = super::open_model(path)?;
+        let m = super::open_model(path, &step.read)?;
         super::check_seq(&m, step.batch, step.seq)?;
         return Ok((m.cfg.clone(), model.to_string()));
     }
@@ -48,6 +65,7 @@ fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> 
     if step.batch == 0 || step.seq == 0 {
         anyhow::bail!("--batch and --seq must be at least 1");
     }
+    super::check_tokens(step.batch, step.seq)?;
     if step.seq > cfg.n_positions {
         anyhow::bail!("--seq {} exceeds GPT-2's context of {} positions", step.seq, cfg.n_positions);
     }
@@ -55,7 +73,7 @@ fn config(model: &str, step: &StepArgs) -> anyhow::Result<(Gpt2Config, String)> 
 }
 
 /// What the step was built with, for the JSON's `context` and the picture's title.
-fn describe_options(o: &StepOptions) -> (serde_json::Value, String) {
+pub fn describe_options(o: &StepOptions) -> (serde_json::Value, String) {
     let q = o.model.quant.as_ref().map(|q| json!({ "bits": q.spec.bits, "group": q.spec.group, "scheme": q.spec.scheme }));
     let l = o.model.lora.as_ref().map(|l| json!({ "r": l.r, "alpha": l.alpha, "targets": l.targets }));
     let mut words = Vec::new();
@@ -72,6 +90,7 @@ fn describe_options(o: &StepOptions) -> (serde_json::Value, String) {
     if o.precision != qatc_passes::precision::Precision::Fp32 {
         words.push(o.precision.name().to_string());
     }
+    words.push(crate::config::Optimizer::of(o.adamw.moments).name().to_string());
     let v = json!({
         "precision": o.precision,
         "quant": q,
@@ -79,22 +98,10 @@ fn describe_options(o: &StepOptions) -> (serde_json::Value, String) {
         "full_finetune": o.model.full_finetune,
         "grad_accum": o.grad_accum,
         "clip": o.clip,
-        "fused": false,
+        "optim": crate::config::Optimizer::of(o.adamw.moments).name(),
+        "fused": o.fuse.is_some(),
     });
     (v, words.join(" + "))
-}
-
-/// Builds the step up to `remat` and plans it. Fusion is skipped: the plan is the unfused
-/// step's (every intermediate counted; what the interpreter runs). Planning fused graphs works
-/// (a kernel's intermediates take no arena bytes), but fusion, being equality saturation,
-/// currently merges recomputed values back into their originals, which would undo the
-/// checkpoint policy; see docs/memory_plan.md.
-pub fn build(cfg: &Gpt2Config, opts: &StepOptions) -> anyhow::Result<(Graph, Vec<PassReport>, Plan)> {
-    let mut o = opts.clone();
-    o.fuse = None;
-    let (g, reports) = step::train(cfg, &o, |_, _| {})?;
-    let p = plan::plan(&g, &Default::default()).context("memory plan")?;
-    Ok((g, reports, p))
 }
 
 /// The `context` object of the JSON and the picture's title.
@@ -104,7 +111,7 @@ pub fn context(
     opts: &StepOptions,
     reports: &[PassReport],
     memory: Option<usize>,
-    p: &Plan,
+    e: &Executed,
 ) -> (serde_json::Value, String) {
     let (options, words) = describe_options(opts);
     let remat = reports.iter().find(|r| r.pass == "remat");
@@ -114,11 +121,12 @@ pub fn context(
         "config": cfg,
         "batch": opts.batch,
         "seq": opts.seq,
+        "device": e.device.name(),
         "options": options,
         "checkpoint": opts.checkpoint.describe(),
         "remat": remat.map(|r| json!({ "counters": r.counters, "notes": r.notes })),
         "memory_limit": memory,
-        "fits": memory.map(|m| p.peak_bytes() <= m),
+        "fits": memory.map(|m| e.plan.peak_bytes() <= m),
     });
     let title = format!(
         "{name} ({} layers, C {}), B {} T {}, {}, checkpoint {}",
@@ -132,64 +140,61 @@ pub fn context(
     (ctx, title)
 }
 
+/// The step built as `opts` says and planned for `device`.
+pub fn build(cfg: &Gpt2Config, opts: &StepOptions, device: Device, cpu: &CpuOptions) -> anyhow::Result<(Vec<PassReport>, Executed)> {
+    let (g, reports) = step::train(cfg, opts, |_, _| {})?;
+    let e = memory::execute_plan(&g, device, cpu)?;
+    Ok((reports, e))
+}
+
 /// `memory_plan.json` and `memory.svg` for a built step (`qatc compile` writes them).
 pub fn artifacts(
     name: &str,
     cfg: &Gpt2Config,
     opts: &StepOptions,
     reports: &[PassReport],
-    g: &Graph,
+    e: &Executed,
     memory: Option<usize>,
 ) -> anyhow::Result<(String, String)> {
-    let p = plan::plan(g, &Default::default()).context("memory plan")?;
-    let (ctx, title) = context(name, cfg, opts, reports, memory, &p);
-    Ok((json::to_json(&p, ctx)?, svg::render(&p, &title, memory)))
-}
-
-/// The plan as the arena executor takes it.
-pub fn arena_layout(p: &Plan) -> ArenaLayout {
-    let slots: HashMap<_, _> = p
-        .location
-        .iter()
-        .map(|(id, loc)| {
-            let slot = match loc {
-                Location::Arena { offset } => Slot::Arena(*offset),
-                Location::Input { name } => Slot::Input(name.clone()),
-            };
-            (*id, slot)
-        })
-        .collect();
-    ArenaLayout { order: p.order(), slots, arena_bytes: p.arena_bytes }
+    let (ctx, title) = context(name, cfg, opts, reports, memory, e);
+    Ok((plan_json::to_json(e, ctx)?, svg::render(e, &title, memory)))
 }
 
 /// The human table.
-pub fn table(p: &Plan, title: &str, memory: Option<usize>) -> String {
+pub fn table(e: &Executed, title: &str, memory: Option<usize>) -> String {
+    let p = &e.plan;
     let mut o = String::new();
     let total = p.peak_bytes().max(1) as f64;
     o += &format!("qatc plan: {title}\n");
     o += &format!(
-        "  schedule {} steps ({} recomputed), {} for the step, {} of it recompute ({:.1}%)\n\n",
-        p.steps.len(),
-        p.recomputed_nodes,
-        flops(p.total_flops),
-        flops(p.recompute_flops),
-        100.0 * p.recompute_flops as f64 / p.total_flops.max(1) as f64
+        "  {} executor: {} steps ({} kernel launches, {} GEMMs, {} run once), {} buffers\n",
+        e.device.name(),
+        e.program.steps.len(),
+        e.program.launches(),
+        e.program.gemms().count(),
+        e.exec.hoisted_steps(),
+        p.buffers.len()
     );
-    o += &format!("  {:<22} {:>12} {:>7}\n", "at the peak", "bytes", "share");
+    o += &format!(
+        "  {} for the step, {} of it recompute ({:.1}%, {} values)\n",
+        flops(e.total_flops),
+        flops(e.recompute_flops),
+        100.0 * e.recompute_flops as f64 / e.total_flops.max(1) as f64,
+        e.recomputed_nodes
+    );
+    for c in &e.program.cross_entropy {
+        o += &format!("  {}\n", memory::chunking_line(c));
+    }
+    o += &format!("\n  {:<22} {:>12} {:>7}\n", "at the peak", "bytes", "share");
     let mut row = |label: &str, b: usize| {
         o += &format!("  {label:<22} {:>12} {:>6.1}%\n", human(b), 100.0 * b as f64 / total);
     };
     for c in Category::ALL {
-        let b = if c.persistent() {
-            p.persistent.iter().find(|(x, _)| *x == c).map(|(_, b)| *b)
-        } else {
-            p.at_peak.iter().find(|(x, _)| *x == c).map(|(_, b)| *b)
-        };
-        row(c.label(), b.unwrap_or(0));
+        row(c.label(), p.at_peak(c));
     }
-    row("arena fragmentation", p.arena_bytes.saturating_sub(p.lower_bound));
+    row("arena fragmentation", p.fragmentation());
     o += &format!("  {:<22} {:>12}\n\n", "total (peak)", human(p.peak_bytes()));
-    let at = p.steps.get(p.peak_step).map(|s| s.name.as_str()).unwrap_or("");
+    let at = p.steps.get(p.peak_step).map(|s| s.what.as_str()).unwrap_or("");
     o += &format!(
         "  arena {} planned, lower bound {} (most bytes live at once), ratio {:.4}; peak at step {} ({at})\n",
         human(p.arena_bytes),
@@ -197,11 +202,21 @@ pub fn table(p: &Plan, title: &str, memory: Option<usize>) -> String {
         p.ratio(),
         p.peak_step
     );
+    o += &format!("  inputs {} (persistent {}, data {})\n", human(p.input_bytes()), human(p.persistent_bytes), human(p.data_bytes));
     if let Some(m) = memory {
         let verdict = if p.peak_bytes() <= m { format!("yes, {} to spare", human(m - p.peak_bytes())) } else { "no".into() };
         o += &format!("  fits in {}: {verdict}\n", human(m));
     }
     o
+}
+
+/// The device a plan is for: what `qatc train --device` would run on.
+pub fn plan_device(d: crate::runner::Device) -> Device {
+    match d {
+        crate::runner::Device::Cuda => Device::Cuda,
+        // the CPU, until qatc has a CUDA runtime (`runner::resolve`)
+        crate::runner::Device::Auto | crate::runner::Device::Cpu => Device::Cpu,
+    }
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
@@ -212,25 +227,30 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let (cfg, name) = config(&a.model, &a.step)?;
     let opts = a.step.options(std::path::Path::new(&a.model))?;
     let memory = a.step.memory;
-    let (_g, reports, p) = build(&cfg, &opts)?;
+    let device = plan_device(a.device);
+    let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
+    if a.fit {
+        return fit(a, &cfg, &name, &opts, memory, device, &cpu);
+    }
+    let (reports, e) = build(&cfg, &opts, device, &cpu)?;
     if let Some(m) = memory {
-        if p.peak_bytes() > m {
+        if e.plan.peak_bytes() > m {
             anyhow::bail!(
-                "the plan with --checkpoint {} needs {}, more than --memory {}; --checkpoint auto (the default with --memory) finds the fastest plan that fits",
+                "the plan with --checkpoint {} needs {}, more than --memory {}; --checkpoint auto (the default with --memory) finds the fastest plan that fits, --fit the batch sizes that do",
                 opts.checkpoint.describe(),
-                human(p.peak_bytes()),
+                human(e.plan.peak_bytes()),
                 flag(m)
             );
         }
     }
-    let (ctx, title) = context(&name, &cfg, &opts, &reports, memory, &p);
+    let (ctx, title) = context(&name, &cfg, &opts, &reports, memory, &e);
     if let Some(path) = &a.svg {
-        crate::artifacts::write_atomic(path, svg::render(&p, &title, memory).as_bytes()).with_context(|| format!("{}", path.display()))?;
+        crate::artifacts::write_atomic(path, svg::render(&e, &title, memory).as_bytes()).with_context(|| format!("{}", path.display()))?;
     }
     if a.json {
-        print!("{}", json::to_json(&p, ctx)?);
+        print!("{}", plan_json::to_json(&e, ctx)?);
     } else {
-        print!("{}", table(&p, &title, memory));
+        print!("{}", table(&e, &title, memory));
         if let Some(r) = reports.iter().find(|r| r.pass == "remat") {
             for n in &r.notes {
                 println!("  remat: {n}");
@@ -238,6 +258,44 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         if let Some(path) = &a.svg {
             println!("  wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// `--fit`: the search (`crate::memory::fit`), as a table or JSON; `--svg` draws the fastest
+/// configuration's plan.
+fn fit(
+    a: &Args,
+    cfg: &Gpt2Config,
+    name: &str,
+    opts: &StepOptions,
+    memory: Option<usize>,
+    device: Device,
+    cpu: &CpuOptions,
+) -> anyhow::Result<()> {
+    let Some(memory) = memory else { anyhow::bail!("--fit needs --memory (a size such as 24GiB, or a GPU's name such as h100)") };
+    if a.max_batch == 0 {
+        anyhow::bail!("--max-batch must be at least 1");
+    }
+    let f = memory::fit::search(cfg, opts, memory, a.max_batch, device, cpu)?;
+    let (_, words) = describe_options(opts);
+    let title = format!("{name} ({} layers, C {}), T {}, {words}", cfg.n_layer, cfg.n_embd, opts.seq);
+    if let (Some(path), Some((o, e))) = (&a.svg, &f.best) {
+        // the choice first: a long title is shortened in its middle
+        let (_, title) = context(name, cfg, o, &[], Some(memory), e);
+        let choice = format!("--fit's choice: B {} T {}, checkpoint {}; {title}", o.batch, o.seq, o.checkpoint.describe());
+        crate::artifacts::write_atomic(path, svg::render(e, &choice, Some(memory)).as_bytes())
+            .with_context(|| format!("{}", path.display()))?;
+    }
+    if a.json {
+        let (options, _) = describe_options(opts);
+        let ctx = json!({ "qatc_version": env!("CARGO_PKG_VERSION"), "model": name, "config": cfg, "seq": opts.seq, "device": device.name(), "options": options });
+        println!("{}", memory::fit::to_json(&f, ctx, memory)?);
+    } else {
+        print!("{}", memory::fit::table(&f, &title, memory, device));
+        if let (Some(path), Some(_)) = (&a.svg, &f.best) {
+            println!("  wrote {} (the first row's plan)", path.display());
         }
     }
     Ok(())

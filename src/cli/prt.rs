@@ -62,6 +62,12 @@ pub struct Args {
     /// Measure with the largest budget first: a module's curve stops where it exceeds the budget.
     #[arg(long)]
     pub measurements: Option<PathBuf>,
+    /// Where the evaluations run: auto (a CUDA GPU when qatc can use one, else the CPU's
+    /// reference interpreter), cpu, cuda.
+    #[arg(long, value_enum, default_value_t = crate::runner::Device::Auto)]
+    pub device: crate::runner::Device,
+    #[command(flatten)]
+    pub read: super::ReadArgs,
 }
 
 /// What `--measurements` keeps: every module's (bits, loss) curve, and what they were measured on.
@@ -82,12 +88,15 @@ struct ModuleResult {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let m = super::open_model(&a.model)?;
+    let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
     let data = TokenFile::load(&a.data)?;
     data.check_vocab(m.cfg.vocab_size)?;
-    if a.threshold.is_nan() || a.threshold < 0.0 {
-        anyhow::bail!("--threshold must be >= 0");
+    if !(a.threshold >= 0.0 && a.threshold.is_finite()) {
+        anyhow::bail!("--threshold must be a number >= 0, got {}", a.threshold);
+    }
+    if a.batches == 0 {
+        anyhow::bail!("--batches must be at least 1");
     }
     let n = a.batches.min(data.num_batches(a.batch, a.seq));
     if n == 0 {
@@ -137,17 +146,19 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         _ => Measurements { version: 1, settings, ..Default::default() },
     };
+    let cuda = super::eval::on_cuda(a.device)?;
     let base = match cache.full_precision_loss {
         l if l != 0.0 => l,
-        _ => evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup::default(), false)?.loss,
+        _ => evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup { cuda, ..EvalSetup::default() }, false)?.loss,
     };
     cache.full_precision_loss = base;
     let limit = base * (1.0 + a.threshold);
     // the loss with `map` (module -> spec) quantized, the rest at full precision
     let eval_map = |map: BTreeMap<String, Option<QuantSpec>>| -> anyhow::Result<f64> {
         let spec = QuantSpec { bits: 8, group: a.group, scheme: sch };
-        let mut setup = EvalSetup::default();
-        setup.model.quant = Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false });
+        let mut setup = EvalSetup { cuda, ..EvalSetup::default() };
+        setup.model.quant =
+            Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false, per_module_source: None });
         Ok(evaluate(&m, &data, a.batch, a.seq, n, &setup, false)?.loss)
     };
     let spec_of = |bits: u8| QuantSpec { bits, group: a.group, scheme: sch };
@@ -220,7 +231,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
 
     let map = BitMap {
-        version: 1,
+        version: super::options::BIT_MAP_VERSION,
         modules: results.iter().map(|r| (r.module.clone(), r.bits.map(|bits| QuantSpec { bits, group: a.group, scheme: sch }))).collect(),
     };
     write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes())

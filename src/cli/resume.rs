@@ -23,6 +23,10 @@ pub struct Progress {
     /// Steps skipped by fp16 loss scaling so far (a non-finite gradient; the update not applied).
     #[serde(default)]
     pub skipped: usize,
+    /// How many tokens the training data held: the run's position in it (micro-batch
+    /// step x K, wrapping) continues the run only in the same data. Absent in older saves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_tokens: Option<usize>,
 }
 
 /// Which of `qatc train`'s options the command line gave, by clap id (the field's name).
@@ -116,8 +120,9 @@ pub fn reconcile(saved: RunConfig, now: &RunConfig, given: &Given, dir: &Path) -
 /// The steps a saved run has done.
 pub fn read_progress(dir: &Path) -> anyhow::Result<Progress> {
     let p = dir.join(PROGRESS);
-    let text = std::fs::read_to_string(&p).with_context(|| format!("{}: no resume state", p.display()))?;
-    let progress: Progress = serde_json::from_str(&text).with_context(|| format!("{}: not a qatc resume state", p.display()))?;
+    let bytes = std::fs::read(&p).with_context(|| format!("{}: no resume state", p.display()))?;
+    let text = crate::input::text(&bytes).map_err(|why| anyhow::anyhow!("{}: not a qatc resume state: {why}", p.display()))?;
+    let progress: Progress = serde_json::from_str(text).with_context(|| format!("{}: not a qatc resume state", p.display()))?;
     Ok(progress)
 }
 

@@ -1,5 +1,6 @@
-//! `qatc train`: runs the compiled training step (LLVM-compiled kernels on the CPU; the reference
-//! interpreter with `--interpreter` or without LLVM).
+//! `qatc train`: runs the compiled training step (on a CUDA GPU with `--device cuda`, or `auto`
+//! where one is usable; else LLVM-compiled kernels on the CPU; the reference interpreter with
+//! `--interpreter` or without LLVM).
 //!
 //! Data order is llm.c's by default: optimizer step s consumes micro-batches s*K .. s*K+K-1
 //! (wrapping at the end of the data); `--shuffle --seed N` permutes the batches every epoch. The
@@ -112,6 +113,15 @@ pub struct Args {
     /// keeps whole dequantized weights instead (4 bytes per parameter).
     #[arg(long, default_value_t = 8192)]
     pub panel_kib: usize,
+    /// On the GPU: fp32 GEMMs on TF32 tensor cores (10-bit mantissa products, fp32 sums) instead
+    /// of strict IEEE fp32.
+    #[arg(long)]
+    pub tf32: bool,
+    /// On the GPU: submit every launch on every step, each waited for, instead of replaying the
+    /// step as one CUDA graph (slower; a kernel's asynchronous error is then reported with its
+    /// name).
+    #[arg(long)]
+    pub no_cuda_graph: bool,
 }
 
 /// One logged step.
@@ -160,7 +170,7 @@ impl Args {
     }
 }
 
-/// The run's configuration, and the steps already done when it resumes: the command line's,
+/// The run's configuration, and where the saved run stands when it resumes: the command line's,
 /// or the saved run's (the options given checked against it).
 fn configure(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<(RunConfig, Option<resume::Progress>)> {
     let Some(dir) = &a.resume else {
@@ -232,7 +242,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 
 /// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
 /// the resume state, so that the adapter and the checkpoint of one save are never apart.
-fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, skipped: usize, faults: &Faults) -> anyhow::Result<()> {
+fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, progress: &resume::Progress, faults: &Faults) -> anyhow::Result<()> {
     let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
     // learned quantization scales go beside the adapter (or weights), in a file of their own
     let (learned, weights): (Vec<_>, Vec<_>) = tr.weights()?.into_iter().partition(|(n, _)| is_learned_name(n));
@@ -252,7 +262,7 @@ fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, step: usize, skipp
     }
     dir.write(config::FILE, cfg.to_json())?;
     dir.write(STATE, tr.save_state()?)?;
-    dir.write(PROGRESS, serde_json::to_string_pretty(&resume::Progress { step, skipped })? + "\n")?;
+    dir.write(PROGRESS, serde_json::to_string_pretty(progress)? + "\n")?;
     dir.commit()?;
     Ok(())
 }
@@ -273,19 +283,41 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");
     };
+    if let (Some(done), Some(dir)) = (resume_at.as_ref().map(|p| p.step), &a.resume) {
+        if done > train.steps {
+            anyhow::bail!(
+                "{}: step {done} is beyond --steps {}: not a state this run could have saved",
+                dir.join(PROGRESS).display(),
+                train.steps
+            );
+        }
+    }
     check_outputs(a, &cfg, &train)?;
     // what a killed save left beside OUT goes first
     artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
     let sched = train.lr_schedule();
     let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
-    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter)?;
+    let cuda = crate::runner::CudaSettings { tf32: a.tf32, no_graph: a.no_cuda_graph };
+    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter, cuda)?;
     if let Some(n) = notice {
         eprintln!("qatc: {n}");
     }
-    let m = super::open_model(&model_path)?;
+    let m = super::open_model(&model_path, &a.step.read)?;
     super::check_seq(&m, step.batch, step.seq)?;
-    let opts = cfg.step_options().map_err(anyhow::Error::msg)?;
+    let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
+    opts.deadline = a.step.compile_budget()?;
+    super::options::name_bit_map(&mut opts.model, &a.step.quant);
     let data = TokenFile::load(&data_path)?;
+    if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &resume_at {
+        if *n != data.len() {
+            anyhow::bail!(
+                "{}: holds {} tokens, but the run saved at step {step} was trained on data of {n}: the data changed, so its position in it (micro-batch {}) would not continue the run; resume on the data it was trained on",
+                data_path.display(),
+                data.len(),
+                step * opts.grad_accum
+            );
+        }
+    }
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;
     let val = match &a.val {
@@ -297,7 +329,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         }
         None => None,
     };
-    let init = train.init_adapter.as_deref().map(|p| crate::adapter::read(Path::new(p))).transpose()?;
+    let init = train.init_adapter.as_deref().map(|p| crate::adapter::read_with(Path::new(p), a.step.read.allow_nonfinite)).transpose()?;
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
@@ -306,7 +338,20 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     eprintln!("qatc: the step runs {}", tr.describe());
     let (start, mut skipped) = match (resume_at.as_ref(), &a.resume) {
         (Some(done), Some(dir)) => {
-            tr.load_state(&dir.join(STATE))?;
+            let state = dir.join(STATE);
+            tr.load_state(&state, a.step.read.allow_nonfinite)?;
+            // the optimizer's step count is saved with the tensors: both files must be one save's
+            // (a step fp16 loss scaling skipped does not count)
+            let count = tr.persistent()?.into_iter().find(|(n, _)| n == "step").and_then(|(_, t)| t.data.first().copied());
+            if count.is_none() || done.skipped > done.step || count != Some((done.step - done.skipped) as f32) {
+                anyhow::bail!(
+                    "{}: AdamW's step count is {}, but {PROGRESS} says {} steps were done ({} skipped): the two files are not from one save",
+                    state.display(),
+                    count.map_or("missing".into(), |c| c.to_string()),
+                    done.step,
+                    done.skipped
+                );
+            }
             (done.step, done.skipped)
         }
         _ => (0, 0),
@@ -335,11 +380,29 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         },
         adapter: None,
         precision: tr.opts.precision,
+        // validation runs where the step runs
+        cuda: matches!(engine, crate::runner::Engine::Cuda(_)),
         ..Default::default()
     };
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
+    // what a divergence message says: the last finite loss, the last save
+    let (mut last_finite, mut saved) = (None, resume_at.as_ref().map(|_| start));
+    let known = |step, symptom, last_finite, saved, out: &_, tr: &Trainer, lr| {
+        super::diverge::message(&super::diverge::Known {
+            step,
+            symptom,
+            last_finite,
+            lr,
+            outputs: out,
+            state: &super::diverge::state_for_message(tr),
+            lora: tr.opts.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
+            allowed_nonfinite: a.step.read.allow_nonfinite,
+            saved,
+            out: &a.out,
+        })
+    };
     for s in start..train.steps {
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
@@ -352,8 +415,9 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         }
         let tps = tokens_per_step as f64 / t0.elapsed().as_secs_f64();
         if !loss.is_finite() {
-            anyhow::bail!("step {s}: the loss is {loss}; stopping (lower --lr or set --clip)");
+            anyhow::bail!(known(s, super::diverge::Symptom::Loss(loss), last_finite, saved, &out, &tr, lr));
         }
+        last_finite = Some((s, loss));
         let done = s + 1;
         let val_loss = match &val {
             Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == train.steps => {
@@ -391,14 +455,21 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         });
         pb.inc(1);
         if (a.save_every > 0 && done % a.save_every == 0) || done == train.steps {
-            save(&a.out, &tr, &m, &cfg, done, skipped, faults)?;
+            // a save never writes non-finite weights over the last good one
+            if let Some((tensor, i, v)) = super::diverge::nonfinite_state(&tr)? {
+                anyhow::bail!(known(s, super::diverge::Symptom::State(tensor, i, v), last_finite, saved, &out, &tr, lr));
+            }
+            save(&a.out, &tr, &m, &cfg, &resume::Progress { step: done, skipped, data_tokens: Some(data.len()) }, faults)?;
+            saved = Some(done);
         }
     }
     pb.finish_and_clear();
     if a.profile {
         match tr.profile() {
             Some(rows) => eprint!("{}", crate::runner::profile_table(&rows, 40)),
-            None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first step is not timed)"),
+            None => eprintln!(
+                "qatc: --profile: nothing timed (the interpreter and the GPU do not time their parts; the first step is not timed)"
+            ),
         }
     }
     if let Some(p) = &a.plot {

@@ -406,6 +406,18 @@ impl Checkpoint {
         Ok(self.to_f32(name)?.into_iter().map(f64::from).collect())
     }
 
+    /// Refuses a checkpoint with a NaN or an infinity in any listed tensor, naming the first (in
+    /// name order) and its first bad element. One pass over the stored bits, nothing converted.
+    pub fn check_finite(&self) -> Result<(), LoadError> {
+        for (name, e) in &self.tensors {
+            if let Some((index, value)) = crate::finite::first_in_bytes(self.raw_bytes(name)?, e.info.dtype) {
+                let coords = crate::finite::coords(&e.info.shape, index);
+                return Err(crate::finite::NonFinite { path: self.path.clone(), tensor: e.info.key.clone(), index, coords, value }.into());
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of the listed tensors as stored (buffers not counted).
     pub fn stored_bytes(&self) -> usize {
         self.tensors.values().map(|e| e.end - e.begin).sum()

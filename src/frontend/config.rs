@@ -85,7 +85,8 @@ impl Gpt2Config {
     /// Options that change the math qatc lowers are rejected rather than ignored.
     pub fn from_json(path: &Path, bytes: &[u8]) -> Result<Gpt2Config, LoadError> {
         let bad = |why: String| LoadError::BadConfig { path: path.into(), why };
-        let v: Value = serde_json::from_slice(bytes).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let text = crate::input::text(bytes).map_err(|why| bad(format!("not a JSON text file: {why}")))?;
+        let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
         let m = v.as_object().ok_or_else(|| bad("not a JSON object".into()))?;
         let size = |keys: &[&str], default: usize| -> Result<usize, LoadError> {
             // The first key present wins: n_positions is the truth, n_ctx a legacy copy.

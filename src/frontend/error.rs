@@ -13,8 +13,8 @@ pub(crate) fn dims(shape: &[usize]) -> String {
 
 #[derive(Debug, Error)]
 pub enum LoadError {
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
 
     #[error("{}: not a safetensors file: {why}", path.display())]
     NotSafetensors { path: PathBuf, why: String },
@@ -66,10 +66,13 @@ pub enum LoadError {
 
     #[error("sequence length {seq} exceeds the model's n_positions {n_positions}")]
     SeqTooLong { seq: usize, n_positions: usize },
+
+    #[error(transparent)]
+    NonFinite(#[from] crate::finite::NonFinite),
 }
 
 impl LoadError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> LoadError {
-        LoadError::Io { path: path.into(), source }
+        LoadError::Io { path: path.into(), error: source }
     }
 }

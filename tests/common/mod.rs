@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: fixture paths and a safetensors reader.
 #![allow(dead_code)]
 
+pub mod nvrtc;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -30,6 +32,7 @@ pub fn read_safetensors(rel: &str) -> HashMap<String, T> {
             safetensors::Dtype::F32 => (b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(), vec![]),
             safetensors::Dtype::F64 => (b.chunks(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(), vec![]),
             safetensors::Dtype::I32 => (vec![], b.chunks(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            safetensors::Dtype::U8 => (vec![], b.iter().map(|&c| i32::from(c)).collect()),
             d => panic!("fixture dtype {d:?}"),
         };
         m.insert(name, T { shape: v.shape().to_vec(), data, ints });

@@ -3,6 +3,7 @@ use std::collections::HashMap;
 use crate::error::IrError;
 use crate::graph::{Graph, NodeId};
 use crate::op::{BinaryOp, InputKind, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp, BINARY_OPS, UNARY_OPS};
+use crate::qmap::DynMap;
 use crate::types::{DType, Shape, TensorType};
 
 /// A cursor over one line. Errors are plain strings; `parse` adds the line number.
@@ -158,6 +159,10 @@ impl Attrs {
     fn dtype(&self, d: &str) -> R<DType> {
         DType::from_name(d).ok_or_else(|| format!("unknown dtype `{d}`"))
     }
+    fn map(&self) -> R<DynMap> {
+        let m = self.raw("map")?;
+        DynMap::from_name(m).ok_or_else(|| format!("unknown quantization map `{m}`"))
+    }
     fn dims(&self, k: &str) -> R<Vec<usize>> {
         let v = self.raw(k)?;
         Cur { s: v, pos: 0 }.dims()
@@ -214,6 +219,9 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "adam_m" => Op::AdamM { beta1: a.f("beta1")? },
         "adam_v" => Op::AdamV { beta2: a.f("beta2")? },
         "adam_param" => Op::AdamParam { beta1: a.f("beta1")?, beta2: a.f("beta2")?, eps: a.f("eps")?, weight_decay: a.f("weight_decay")? },
+        "block_dequant" => Op::BlockDequant { map: a.map()? },
+        "block_absmax" => Op::BlockAbsMax,
+        "block_quant" => Op::BlockQuant { map: a.map()? },
         _ => return Err(format!("unknown op `{mn}`")),
     })
 }

@@ -6,7 +6,7 @@ use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
 
 /// Query rows per block (one thread each) and key rows per shared-memory tile.
-const BQ: u32 = 64;
+pub const BQ: u32 = 64;
 const BK: u32 = 32;
 
 pub fn launch_dims(a: &Attention) -> LaunchDims {
@@ -34,6 +34,12 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32)
     w.line(format!("extern \"C\" __global__ void __launch_bounds__({block}) {name}("));
     params(w, k);
     w.open("");
+    if a.b * a.nh * a.t == 0 {
+        // the grid still has a block (CUDA launches none with zero), which must touch nothing
+        w.line("// no rows: nothing to compute");
+        w.close();
+        return;
+    }
     w.line(format!("const qatc::AttnShape shape = {{{}, {}, {}}};  // NH, T, scale", a.nh, a.t, float_lit(a.scale, Ty::F32)));
     let mut args = vec!["shape".to_string()];
     let views = a.part.roles().views();

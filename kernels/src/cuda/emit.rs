@@ -8,6 +8,7 @@
 //! per row with plain loops.
 
 use std::collections::{BTreeSet, HashMap};
+use std::slice;
 
 use qatc_ir::DType;
 
@@ -18,7 +19,7 @@ use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Ix, Kernel, ReduceOp
 /// Threads per block of elementwise and thread-per-row kernels.
 pub const BLOCK: u32 = 256;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct LaunchDims {
     pub grid: [u32; 3],
     pub block: u32,
@@ -44,8 +45,39 @@ pub const HEADERS: [(&str, &str); 5] = [
 
 pub fn emit(k: &Kernel) -> Result<CudaKernel, KernelError> {
     let name = k.name();
+    let launch = launch_dims(k);
+    check_grid(k, &launch)?;
     let source = render(k, &name)?;
-    Ok(CudaKernel { name, family: k.family.clone(), source, launch: launch_dims(k) })
+    Ok(CudaKernel { name, family: k.family.clone(), source, launch })
+}
+
+/// The most blocks a grid may have along x (2^31 - 1) and along y or z (65535).
+pub const MAX_GRID: [u64; 3] = [(1 << 31) - 1, 65535, 65535];
+
+/// A kernel whose grid the hardware cannot launch is an error here, not a silently clamped
+/// launch that skips work.
+fn check_grid(k: &Kernel, d: &LaunchDims) -> Result<(), KernelError> {
+    let want = grid_wanted(k);
+    for (axis, (&w, &max)) in want.iter().zip(&MAX_GRID).enumerate() {
+        if w > max {
+            return Err(KernelError::Unsupported {
+                node: format!("kernel {} ({})", k.family, k.note),
+                why: format!("its grid needs {w} blocks along axis {axis}, more than CUDA's {max} (launch {d:?})"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Blocks along each axis before clamping to at least one.
+fn grid_wanted(k: &Kernel) -> [u64; 3] {
+    let n = |x: usize| x as u64;
+    match &k.body {
+        Body::Loops { space: Space::Elements { shape }, .. } => [n(shape.iter().product::<usize>()).div_ceil(u64::from(BLOCK)), 1, 1],
+        Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Thread }, .. } => [n(*rows).div_ceil(u64::from(BLOCK)), 1, 1],
+        Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Block }, .. } => [n(*rows), 1, 1],
+        Body::Attention(a) => [n(a.t).div_ceil(u64::from(super::attention::BQ)), n(a.b * a.nh), 1],
+    }
 }
 
 /// Threads per block for a Block-mapped row of up to `len` elements: about four per thread.
@@ -53,19 +85,24 @@ fn row_block(len: usize) -> u32 {
     (len.div_ceil(4)).next_power_of_two().clamp(32, 1024) as u32
 }
 
+/// The longest loop a Block-mapped row shares among its threads: its top-level loops (the
+/// loops nested in them run sequentially in each thread).
 fn max_loop(stmts: &[Stmt]) -> usize {
-    let mut m = 0;
-    for s in stmts {
-        match s {
-            Stmt::Reduce { lp, body, .. } | Stmt::ForEach { lp, body } => m = m.max(lp.max).max(max_loop(body)),
-            _ => {}
-        }
-    }
-    m
+    stmts
+        .iter()
+        .map(|s| match s {
+            Stmt::Reduce { lp, .. } | Stmt::ForEach { lp, .. } => lp.max,
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
+/// The grid and block of a kernel. Every grid has at least one block (CUDA launches none with
+/// zero): a kernel with nothing to do returns at once (its guards see every index out of range).
+/// Grids past CUDA's limits are rejected by `emit`, so the clamp here never drops work.
 pub fn launch_dims(k: &Kernel) -> LaunchDims {
-    let blocks = |n: usize, per: u32| n.div_ceil(per as usize).max(1).min(u32::MAX as usize) as u32;
+    let blocks = |n: usize, per: u32| n.div_ceil(per as usize).clamp(1, MAX_GRID[0] as usize) as u32;
     match &k.body {
         Body::Loops { space: Space::Elements { shape }, .. } => {
             LaunchDims { grid: [blocks(shape.iter().product(), BLOCK), 1, 1], block: BLOCK }
@@ -74,7 +111,7 @@ pub fn launch_dims(k: &Kernel) -> LaunchDims {
             LaunchDims { grid: [blocks(*rows, BLOCK), 1, 1], block: BLOCK }
         }
         Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Block }, stmts } => {
-            LaunchDims { grid: [(*rows).max(1) as u32, 1, 1], block: row_block(max_loop(stmts)) }
+            LaunchDims { grid: [blocks(*rows, 1), 1, 1], block: row_block(max_loop(stmts)) }
         }
         Body::Attention(a) => super::attention::launch_dims(a),
     }
@@ -161,7 +198,14 @@ fn headers_needed(k: &Kernel) -> BTreeSet<&'static str> {
                 Expr::Un(UnOp::Gelu, _) | Expr::Bin(BinOp::GeluGrad, ..) => {
                     h.insert("qatc_math.cuh");
                 }
-                Expr::Call(Intrinsic::DropoutKeep { .. } | Intrinsic::Nf4Value | Intrinsic::Nf4Nearest, _) => {
+                Expr::Call(
+                    Intrinsic::DropoutKeep { .. }
+                    | Intrinsic::Nf4Value
+                    | Intrinsic::Nf4Nearest
+                    | Intrinsic::DynValue(_)
+                    | Intrinsic::DynNearest(_),
+                    _,
+                ) => {
                     h.insert("qatc_quant.cuh");
                 }
                 _ => {}
@@ -191,6 +235,48 @@ fn defined(stmts: &[Stmt], out: &mut Vec<(VarId, bool)>) {
 
 fn has_reduce(stmts: &[Stmt]) -> bool {
     stmts.iter().any(|s| matches!(s, Stmt::Reduce { .. }))
+}
+
+/// The types of a Block-mapped kernel's block reductions (its top-level `Reduce`s), each needing
+/// a shared scratch of its own type.
+fn reduce_types(stmts: &[Stmt]) -> BTreeSet<Ty> {
+    stmts.iter().filter_map(|s| if let Stmt::Reduce { ty, .. } = s { Some(*ty) } else { None }).collect()
+}
+
+/// The shared scratch of block reductions of type `t`.
+fn scratch(t: Ty) -> &'static str {
+    match t {
+        Ty::F64 => "scratch_f64",
+        Ty::I32 | Ty::Bool => "scratch_i32",
+        Ty::I64 => "scratch_i64",
+        Ty::F32 => "scratch",
+    }
+}
+
+/// The params a statement list loads (loop extents included).
+fn loads(stmts: &[Stmt]) -> BTreeSet<usize> {
+    let mut out = BTreeSet::new();
+    visit_exprs(stmts, &mut |e| {
+        if let Expr::Load { param, .. } = e {
+            out.insert(*param);
+        }
+    });
+    out
+}
+
+/// The params a statement list stores into (atomics included).
+fn stores(stmts: &[Stmt]) -> BTreeSet<usize> {
+    let mut out = BTreeSet::new();
+    for s in stmts {
+        match s {
+            Stmt::Store { param, .. } | Stmt::AtomicAdd { param, .. } => {
+                out.insert(*param);
+            }
+            Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => out.extend(stores(body)),
+            Stmt::Let { .. } => {}
+        }
+    }
+    out
 }
 
 /// Emission state for one loop-nest kernel.
@@ -227,6 +313,12 @@ impl<'k> LoopNestWriter<'k> {
         LoopNestWriter { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false }
     }
 
+    /// `base`, or `base1`, `base2`, ...: the first that names no param or variable.
+    fn fresh(&self, base: &str) -> String {
+        let taken = |n: &str| self.k.params.iter().any(|p| p.name == n) || self.vars.values().any(|v| v == n);
+        (0..).map(|i| if i == 0 { base.to_string() } else { format!("{base}{i}") }).find(|n| !taken(n)).unwrap_or_else(|| base.into())
+    }
+
     fn var(&self, v: VarId) -> String {
         self.vars.get(&v).cloned().unwrap_or_else(|| format!("v{v}"))
     }
@@ -254,10 +346,13 @@ impl<'k> LoopNestWriter<'k> {
             }
             Space::Rows { rows, mapping: RowMapping::Block } => {
                 self.block_rows = true;
-                if has_reduce(stmts) {
-                    w.line("__shared__ float scratch[32];");
+                for t in reduce_types(stmts) {
+                    w.line(format!("__shared__ {} {}[32];", scalar(t), scratch(t)));
                 }
                 w.line(format!("const {it} row = blockIdx.x;  // of {rows}"));
+                // a grid has at least one block, even for no rows; the test is uniform across
+                // the block, so no thread is left waiting at a barrier
+                w.line(format!("if (row >= {rows}) return;"));
             }
             Space::Rows { rows, mapping: RowMapping::Thread } => {
                 w.line(format!("const {it} row = ({it})blockIdx.x * blockDim.x + threadIdx.x;"));
@@ -268,7 +363,20 @@ impl<'k> LoopNestWriter<'k> {
     }
 
     fn stmts(&mut self, w: &mut Writer, stmts: &[Stmt]) -> Result<(), KernelError> {
+        // In a Block-mapped row, a top-level statement's threads may read what other threads of
+        // the block wrote in an earlier one (a shared loop's stores, thread 0's stores): a
+        // barrier orders them.
+        let top = self.block_rows && self.depth == 0;
+        let mut written = BTreeSet::new();
         for s in stmts {
+            let one = slice::from_ref(s);
+            if top && !written.is_empty() && loads(one).intersection(&written).next().is_some() {
+                w.line("__syncthreads();  // what the block stored above is read below");
+                written.clear();
+            }
+            if top {
+                written.extend(stores(one));
+            }
             self.stmt(w, s)?;
         }
         Ok(())
@@ -299,6 +407,13 @@ impl<'k> LoopNestWriter<'k> {
                 let p = &self.k.params[*param];
                 let (i, v) = (self.expr(index, 0)?, self.expr(value, 0)?);
                 let guard = if self.block_rows && !self.parallel { "if (threadIdx.x == 0) " } else { "" };
+                // a float stored into an integer param converts as a Cast to I32 does (C's
+                // implicit conversion is undefined out of range)
+                let v = if !p.dtype.is_float() && matches!(self.ty(value), Ty::F32 | Ty::F64) {
+                    f2i(self.ty(value), Ty::I32, &self.expr(value, 0)?)
+                } else {
+                    v
+                };
                 let line = match p.dtype {
                     DType::F32 | DType::I32 => format!("{}[{i}] = {v};", p.name),
                     DType::F16 => format!("{}[{i}] = qatc::float_to_f16({v});", p.name),
@@ -310,10 +425,17 @@ impl<'k> LoopNestWriter<'k> {
             }
             Stmt::AtomicAdd { param, index, value } => {
                 let p = &self.k.params[*param];
-                if p.dtype != DType::F32 {
-                    return Err(KernelError::Internal(format!("atomic add into {} {}", p.dtype, p.name)));
+                if p.dtype != DType::I32 || !matches!(self.ty(value), Ty::I32 | Ty::I64 | Ty::Bool) {
+                    return Err(KernelError::Internal(format!(
+                        "atomic add of a {:?} into {} {}: atomics are for integer counts only (kir)",
+                        self.ty(value),
+                        p.dtype,
+                        p.name
+                    )));
                 }
-                w.line(format!("atomicAdd(&{}[{}], {});", p.name, self.expr(index, 0)?, self.expr(value, 0)?));
+                // as a store: once per row in a Block-mapped row, not once per thread
+                let guard = if self.block_rows && !self.parallel { "if (threadIdx.x == 0) " } else { "" };
+                w.line(format!("{guard}atomicAdd(&{}[{}], (int)({}));", p.name, self.expr(index, 0)?, self.expr(value, 0)?));
             }
             Stmt::ForEach { lp, body } => {
                 let shared = self.loop_head(w, lp.var, &lp.extent)?;
@@ -326,10 +448,17 @@ impl<'k> LoopNestWriter<'k> {
             }
             Stmt::Reduce { var, op, ty, lp, body, value } => {
                 let t = scalar(*ty);
-                let init = match op {
-                    ReduceOp::Sum | ReduceOp::FirstAbsMax => "0.0f",
-                    ReduceOp::Max => "-INFINITY",
+                let float = matches!(ty, Ty::F32 | Ty::F64);
+                if !float && *op != ReduceOp::Sum {
+                    return Err(KernelError::Internal(format!("a {op:?} reduction of {ty:?}: integer reductions are sums")));
+                }
+                let init = match (op, ty) {
+                    (ReduceOp::Sum | ReduceOp::FirstAbsMax, Ty::F32) => "0.0f",
+                    (ReduceOp::Sum | ReduceOp::FirstAbsMax, Ty::F64) => "0.0",
+                    (ReduceOp::Sum, _) => "0",
+                    (_, _) => "-INFINITY",
                 };
+                let (fmax, fabs) = if *ty == Ty::F64 { ("fmax", "fabs") } else { ("fmaxf", "fabsf") };
                 let acc = self.var(*var);
                 w.line(format!("{t} {acc} = {init};"));
                 let shared = self.loop_head(w, lp.var, &lp.extent)?;
@@ -342,18 +471,21 @@ impl<'k> LoopNestWriter<'k> {
                 let v = self.expr(value, 0)?;
                 match op {
                     ReduceOp::Sum => w.line(format!("{acc} += {v};")),
-                    ReduceOp::Max => w.line(format!("{acc} = fmaxf({acc}, {v});")),
+                    ReduceOp::Max => w.line(format!("{acc} = {fmax}({acc}, {v});")),
                     ReduceOp::FirstAbsMax => {
-                        w.line(format!("const float x = {v};"));
-                        w.line(format!("if (fabsf(x) > fabsf({acc})) {acc} = x;  // the first of largest magnitude"));
+                        // a local name no param or variable of the kernel has (a param may be `x`)
+                        let x = self.fresh("x");
+                        w.line(format!("const {t} {x} = {v};"));
+                        w.line(format!("if ({fabs}({x}) > {fabs}({acc})) {acc} = {x};  // the first of largest magnitude"));
                     }
                 }
                 self.parallel = was;
                 self.depth -= 1;
                 w.close();
+                let sc = scratch(*ty);
                 match (shared, op) {
-                    (true, ReduceOp::Sum) => w.line(format!("{acc} = qatc::block_sum({acc}, scratch);")),
-                    (true, _) => w.line(format!("{acc} = qatc::block_max({acc}, scratch);")),
+                    (true, ReduceOp::Sum) => w.line(format!("{acc} = qatc::block_sum({acc}, {sc});")),
+                    (true, _) => w.line(format!("{acc} = qatc::block_max({acc}, {sc});")),
                     (false, _) => {}
                 }
             }
@@ -410,7 +542,9 @@ impl<'k> LoopNestWriter<'k> {
                     UnOp::Exp => call("expf", "exp")?,
                     UnOp::Log => call("logf", "log")?,
                     UnOp::Sqrt => call("sqrtf", "sqrt")?,
+                    UnOp::Rsqrt if d => (format!("1.0 / sqrt({})", self.expr(a, 0)?), 80),
                     UnOp::Rsqrt => (format!("1.0f / sqrtf({})", self.expr(a, 0)?), 80),
+                    UnOp::Recip if d => (format!("1.0 / {}", self.expr(a, 81)?), 80),
                     UnOp::Recip => (format!("1.0f / {}", self.expr(a, 81)?), 80),
                     UnOp::Tanh => call("tanhf", "tanh")?,
                     UnOp::Abs => call("fabsf", "fabs")?,
@@ -427,8 +561,7 @@ impl<'k> LoopNestWriter<'k> {
                 let from = self.ty(a);
                 let inner = self.expr(a, 0)?;
                 let s = match (t, from) {
-                    (Ty::I32 | Ty::I64, Ty::F32) => format!("qatc::f2i_sat({inner})"),
-                    (Ty::I32 | Ty::I64, Ty::F64) => format!("qatc::f2i_sat((float)({inner}))"),
+                    (Ty::I32 | Ty::I64, Ty::F32 | Ty::F64) => f2i(from, *t, &inner),
                     _ if *t == from => return self.expr_p(a),
                     _ => format!("({}){}", scalar(*t), self.expr(a, 90)?),
                 };
@@ -447,6 +580,8 @@ impl<'k> LoopNestWriter<'k> {
                     Intrinsic::Nf4Value => format!("qatc::nf4_value({})", a.join(", ")),
                     Intrinsic::Nf4Nearest => format!("qatc::nf4_nearest({})", a.join(", ")),
                     Intrinsic::F16Round => format!("qatc::round_f16({})", a.join(", ")),
+                    Intrinsic::DynValue(m) => format!("qatc::dyn_value(qatc::{}, {})", dyn_table(*m), a.join(", ")),
+                    Intrinsic::DynNearest(m) => format!("qatc::dyn_nearest(qatc::{}, {})", dyn_table(*m), a.join(", ")),
                 };
                 (s, TOP)
             }
@@ -470,14 +605,41 @@ impl<'k> LoopNestWriter<'k> {
             BinOp::Eq => infix("==", 50),
             BinOp::Ne => infix("!=", 50),
             BinOp::And => infix("&&", 30),
-            BinOp::Max if float => call("qatc::max_nan"),
-            BinOp::Min if float => call("qatc::min_nan"),
+            BinOp::Max | BinOp::Min if float => {
+                let f = if op == BinOp::Max { "qatc::max_nan" } else { "qatc::min_nan" };
+                // both operands in their common type: the helpers' overloads are (float, float)
+                // and (double, double)
+                let wide = self.ty(a) == Ty::F64 || self.ty(b) == Ty::F64;
+                let arg = |e: &Expr| -> Result<String, KernelError> {
+                    let s = self.expr(e, 0)?;
+                    Ok(if wide && self.ty(e) != Ty::F64 { format!("(double)({s})") } else { s })
+                };
+                Ok((format!("{f}({}, {})", arg(a)?, arg(b)?), 100))
+            }
+            // CUDA's integer max/min overloads take two operands of one type
+            BinOp::Max | BinOp::Min if self.ty(a) == Ty::I64 || self.ty(b) == Ty::I64 => {
+                let f = if op == BinOp::Max { "max" } else { "min" };
+                Ok((format!("{f}((long long)({}), (long long)({}))", self.expr(a, 0)?, self.expr(b, 0)?), 100))
+            }
             BinOp::Max => call("max"),
             BinOp::Min => call("min"),
             BinOp::GeluGrad => call("qatc::gelu_grad"),
             BinOp::Pow => call("pow"),
         }
     }
+}
+
+/// Float to integer as `Expr::Cast` defines it: toward zero, saturating at the target's range,
+/// NaN to 0 (PTX `cvt.rzi` with the float's own width: going through f32 would round a double
+/// first).
+fn f2i(from: Ty, to: Ty, inner: &str) -> String {
+    let f = match (from, to) {
+        (Ty::F64, Ty::I64) => "__double2ll_rz",
+        (Ty::F64, _) => "__double2int_rz",
+        (_, Ty::I64) => "__float2ll_rz",
+        _ => "__float2int_rz",
+    };
+    format!("{f}({inner})")
 }
 
 /// A literal that reads back as the same value: the shortest round-trip form, with `f` for f32.
@@ -498,4 +660,12 @@ pub fn float_lit(v: f64, t: Ty) -> String {
         s.push('f');
     }
     s
+}
+
+/// The name of a dynamic map's table in `qatc_quant.cuh`.
+pub fn dyn_table(m: qatc_ir::DynMap) -> &'static str {
+    match m {
+        qatc_ir::DynMap::Signed => "DYN_SIGNED",
+        qatc_ir::DynMap::Unsigned => "DYN_UNSIGNED",
+    }
 }

@@ -232,29 +232,11 @@ impl<'a, 'ctx> FnBuilder<'a, 'ctx> {
         Ok(())
     }
 
-    /// param[i] += v atomically (f32): a compare-and-swap loop on the bits.
-    pub fn atomic_add(&self, p: usize, i: IntValue<'ctx>, v: FloatValue<'ctx>) -> R<()> {
+    /// param[i] += v atomically (an i32 count: `kir` allows atomics for integers only).
+    pub fn atomic_add(&self, p: usize, i: IntValue<'ctx>, v: IntValue<'ctx>) -> R<()> {
         let base = self.param(p)?;
-        let (cx, b) = (self.cx, &self.b);
-        let i32t = cx.i32_type();
-        let at = self.gep(i32t, base, i)?;
-        let before = b.get_insert_block().ok_or_else(|| KernelError::Internal("no block".into()))?;
-        let first = b.build_load(i32t, at, "old")?.into_int_value();
-        let lp = cx.append_basic_block(self.f, "cas");
-        let done = cx.append_basic_block(self.f, "cas.done");
-        b.build_unconditional_branch(lp)?;
-        b.position_at_end(lp);
-        let cur = b.build_phi(i32t, "cur")?;
-        cur.add_incoming(&[(&first, before)]);
-        let curv = cur.as_basic_value().into_int_value();
-        let sum = b.build_float_add(b.build_bit_cast(curv, cx.f32_type(), "f")?.into_float_value(), v, "sum")?;
-        let new = b.build_bit_cast(sum, i32t, "new")?.into_int_value();
-        let pair = b.build_cmpxchg(at, curv, new, inkwell::AtomicOrdering::Monotonic, inkwell::AtomicOrdering::Monotonic)?;
-        let seen = b.build_extract_value(pair, 0, "seen")?.into_int_value();
-        let ok = b.build_extract_value(pair, 1, "ok")?.into_int_value();
-        cur.add_incoming(&[(&seen, lp)]);
-        b.build_conditional_branch(ok, done, lp)?;
-        b.position_at_end(done);
+        let at = self.gep(self.cx.i32_type(), base, i)?;
+        self.b.build_atomicrmw(inkwell::AtomicRMWBinOp::Add, at, v, inkwell::AtomicOrdering::Monotonic)?;
         Ok(())
     }
 

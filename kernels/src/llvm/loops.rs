@@ -197,11 +197,11 @@ impl<'ctx> Scope<'ctx> {
                 f.store(*param, i, v)?;
             }
             Stmt::AtomicAdd { param, index, value } => {
-                if f.k.params.get(*param).map(|p| p.dtype) != Some(qatc_ir::DType::F32) {
-                    return Err(KernelError::Internal(format!("{}: atomic add into a non-f32 param", f.name)));
+                if f.k.params.get(*param).map(|p| p.dtype) != Some(qatc_ir::DType::I32) {
+                    return Err(KernelError::Internal(format!("{}: atomic add into a non-i32 param (kir: counts only)", f.name)));
                 }
                 let i = self.index(f, index)?;
-                let v = self.typed(f, value, Ty::F32)?.into_float_value();
+                let v = self.typed(f, value, Ty::I32)?.into_int_value();
                 f.atomic_add(*param, i, v)?;
             }
             Stmt::ForEach { lp, body } => {
@@ -212,10 +212,28 @@ impl<'ctx> Scope<'ctx> {
                     self.stmts(f, body)
                 })?;
             }
-            Stmt::Reduce { var, op, ty, lp, body, value } => {
-                if !is_float(*ty) {
-                    return Err(KernelError::Internal(format!("{}: reduction over {ty:?}", f.name)));
+            Stmt::Reduce { var, op, ty, lp, body, value } if !is_float(*ty) => {
+                // an integer count: a plain sum (LLVM vectorizes integer adds freely)
+                if *op != ReduceOp::Sum || !matches!(ty, Ty::I32 | Ty::I64) {
+                    return Err(KernelError::Internal(format!("{}: a {op:?} reduction over {ty:?}", f.name)));
                 }
+                let ity = f.llty(*ty).into_int_type();
+                let acc = f.alloca(ity.into(), 1, "acc")?;
+                f.b.build_store(acc, ity.const_int(0, false))?;
+                let n = self.index(f, &lp.extent)?;
+                let zero = n.get_type().const_int(0, false);
+                f.for_range(zero, n, &mut |f, j| {
+                    self.ix.insert(Ix::Loop(lp.var), j);
+                    self.stmts(f, body)?;
+                    let x = self.typed(f, value, *ty)?.into_int_value();
+                    let a = f.b.build_load(ity, acc, "a")?.into_int_value();
+                    f.b.build_store(acc, f.b.build_int_add(a, x, "sum")?)?;
+                    Ok(())
+                })?;
+                let v = f.b.build_load(ity, acc, "reduced")?;
+                self.vars.insert(*var, v);
+            }
+            Stmt::Reduce { var, op, ty, lp, body, value } => {
                 let fty = f.llty(*ty).into_float_type();
                 let acc = f.alloca(fty.into(), 1, "acc")?;
                 let init = match op {
@@ -531,6 +549,14 @@ impl<'ctx> Scope<'ctx> {
                 let x = self.typed(f, arg(0)?, Ty::F32)?.into_float_value();
                 (math::round_f16(f, x)?.into(), Ty::F32)
             }
+            Intrinsic::DynValue(map) => {
+                let c = self.typed(f, arg(0)?, Ty::I32)?.into_int_value();
+                (math::dyn_value(f, map, c)?.into(), Ty::F32)
+            }
+            Intrinsic::DynNearest(map) => {
+                let y = self.typed(f, arg(0)?, Ty::F32)?.into_float_value();
+                (math::dyn_nearest(f, map, y)?.into(), Ty::I32)
+            }
         })
     }
 }
@@ -564,17 +590,19 @@ fn convert<'ctx>(f: &FnBuilder<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to:
     })
 }
 
-/// `Expr::Cast`: float to integer truncates toward zero, saturates, and maps NaN to 0 (through
-/// f32, as the CUDA backend's `f2i_sat`); everything else as [`convert`].
+/// `Expr::Cast`: float to integer truncates toward zero, saturates at the target's range, and
+/// maps NaN to 0, from the float's own width (the CUDA backend's `__double2ll_rz` and kin);
+/// everything else as [`convert`].
 fn cast<'ctx>(f: &FnBuilder<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
     match (from, to) {
         (Ty::F32 | Ty::F64, Ty::I32 | Ty::I64) => {
             let x = v.into_float_value();
-            let x = if from == Ty::F64 { f.b.build_float_trunc(x, f.f32t(), "f")? } else { x };
             let it = f.llty(to).into_int_type();
-            let name = format!("llvm.fptosi.sat.{}.f32", if to == Ty::I64 { "i64" } else { "i32" });
+            let fty = x.get_type();
+            let name =
+                format!("llvm.fptosi.sat.{}.{}", if to == Ty::I64 { "i64" } else { "i32" }, if from == Ty::F64 { "f64" } else { "f32" });
             let decl = inkwell::intrinsics::Intrinsic::find("llvm.fptosi.sat")
-                .and_then(|i| i.get_declaration(f.m, &[it.into(), f.f32t().into()]))
+                .and_then(|i| i.get_declaration(f.m, &[it.into(), fty.into()]))
                 .ok_or_else(|| KernelError::Internal(format!("no intrinsic {name}")))?;
             f.call(decl, &[x.into()], &name)
         }

@@ -4,9 +4,9 @@
 
 use inkwell::module::Linkage;
 use inkwell::values::{FloatValue, IntValue};
-use inkwell::FloatPredicate;
+use inkwell::{FloatPredicate, IntPredicate};
 
-use qatc_ir::NF4;
+use qatc_ir::{DynMap, NF4};
 
 use crate::cephes::{LN2_HI, LN2_LO, POLY};
 
@@ -177,6 +177,60 @@ pub fn nf4_value<'ctx>(f: &FnBuilder<'_, 'ctx>, code: IntValue<'ctx>) -> R<Float
     };
     let i = f.b.build_and(code, code.get_type().const_int(15, false), "c")?;
     f.load_f32(g.as_pointer_value(), i)
+}
+
+/// The map's table as a private constant global of the module (made once).
+fn dyn_table<'ctx>(f: &FnBuilder<'_, 'ctx>, map: DynMap) -> inkwell::values::PointerValue<'ctx> {
+    let name = format!("qatc.dyn.{}", map.name());
+    let g = match f.m.get_global(&name) {
+        Some(g) => g,
+        None => {
+            let g = f.m.add_global(f.f32t().array_type(256), None, &name);
+            let vals: Vec<FloatValue> = map.values().iter().map(|&v| f.f32c(f64::from(v))).collect();
+            g.set_initializer(&f.f32t().const_array(&vals));
+            g.set_constant(true);
+            g.set_linkage(Linkage::Private);
+            g
+        }
+    };
+    g.as_pointer_value()
+}
+
+/// The dynamic map's value of an 8-bit code.
+pub fn dyn_value<'ctx>(f: &FnBuilder<'_, 'ctx>, map: DynMap, code: IntValue<'ctx>) -> R<FloatValue<'ctx>> {
+    let i = f.b.build_and(code, code.get_type().const_int(255, false), "c")?;
+    f.load_f32(dyn_table(f, map), i)
+}
+
+/// `DynMap::nearest`: pos = how many map values are below y (a branchless binary search over the
+/// 256 sorted values: 8 halvings, then the last one), then the closer of pos - 1 and pos.
+pub fn dyn_nearest<'ctx>(f: &FnBuilder<'_, 'ctx>, map: DynMap, y: FloatValue<'ctx>) -> R<IntValue<'ctx>> {
+    let b = &f.b;
+    let t = dyn_table(f, map);
+    let i32t = f.cx.i32_type();
+    let c = |v: u64| i32t.const_int(v, false);
+    let mut pos = c(0);
+    for s in [128u64, 64, 32, 16, 8, 4, 2, 1] {
+        let v = f.load_f32(t, b.build_int_add(pos, c(s - 1), "i")?)?;
+        let below = b.build_float_compare(FloatPredicate::OLT, v, y, "below")?;
+        pos = b.build_select(below, b.build_int_add(pos, c(s), "p")?, pos, "pos")?.into_int_value();
+    }
+    let below = b.build_float_compare(FloatPredicate::OLT, f.load_f32(t, pos)?, y, "below")?;
+    pos = b.build_int_add(pos, b.build_int_z_extend(below, i32t, "b")?, "pos")?;
+    // hi = clamp(pos, 1, 255), lo = hi - 1: both loads stay in the table
+    let lt1 = b.build_int_compare(IntPredicate::ULT, pos, c(1), "lt1")?;
+    let hi = b.build_select(lt1, c(1), pos, "hi")?.into_int_value();
+    let gt = b.build_int_compare(IntPredicate::UGT, hi, c(255), "gt")?;
+    let hi = b.build_select(gt, c(255), hi, "hi")?.into_int_value();
+    let lo = b.build_int_sub(hi, c(1), "lo")?;
+    let d_hi = f.intrinsic("llvm.fabs", &[b.build_float_sub(f.load_f32(t, hi)?, y, "d")?])?;
+    let d_lo = f.intrinsic("llvm.fabs", &[b.build_float_sub(y, f.load_f32(t, lo)?, "d")?])?;
+    let closer = b.build_float_compare(FloatPredicate::OLT, d_hi, d_lo, "closer")?;
+    let code = b.build_select(closer, hi, lo, "code")?.into_int_value();
+    let none_below = b.build_int_compare(IntPredicate::EQ, pos, c(0), "none")?;
+    let code = b.build_select(none_below, c(0), code, "code")?.into_int_value();
+    let all_below = b.build_int_compare(IntPredicate::EQ, pos, c(256), "all")?;
+    Ok(b.build_select(all_below, c(255), code, "code")?.into_int_value())
 }
 
 /// The nearest NF4 code to x, the first on ties (a chain of 15 compares, as `quant`'s scan).

@@ -10,9 +10,9 @@
 //! elements of an `Elements` space, rows of a `Rows` space, (b, h, row) programs of attention.
 //! `args[p]` is the base address of parameter p's buffer. The runtime splits `0..iterations`
 //! across threads; disjoint ranges write disjoint memory (i4 stores share a byte between
-//! neighbouring elements, so ranges start at even elements), and `AtomicAdd` is a compare-and-swap
-//! loop. The name is `Kernel::name` (`fused_{family}_{hash8}`), as in CUDA: one kernel, one name,
-//! on both targets.
+//! neighbouring elements, so ranges start at even elements), and `AtomicAdd` (integer counts) is
+//! an atomic add. The name is `Kernel::name` (`fused_{family}_{hash8}`), as in CUDA: one kernel,
+//! one name, on both targets.
 //!
 //! The exported function loads the parameter pointers and calls `NAME.body`, whose pointer
 //! parameters are `noalias` (a launch never passes one buffer twice; the runtime checks), so

@@ -281,9 +281,14 @@ impl<'g> KernelBuilder<'g> {
     }
 }
 
+/// Headroom below i32::MAX an I32 index keeps: a grid is rounded up to whole blocks of up to
+/// 1024 threads, and the threads past the end compute their (out of range) index before testing
+/// it, so that index must not overflow either.
+pub const I32_HEADROOM: usize = 1024;
+
 /// The index type for a kernel touching these buffers with this many iterations.
 pub fn index_ty_for(sizes: impl IntoIterator<Item = usize>) -> Ty {
-    if sizes.into_iter().all(|n| n < i32::MAX as usize) {
+    if sizes.into_iter().all(|n| n <= i32::MAX as usize - I32_HEADROOM) {
         Ty::I32
     } else {
         Ty::I64

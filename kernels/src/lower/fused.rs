@@ -13,7 +13,7 @@ use qatc_ir::{Graph, NodeId, Op};
 
 use super::inline::inlinable;
 use super::rows::{self, Anchor};
-use super::{elementwise, Ctx, Lowerer};
+use super::{elementwise, Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
 
@@ -57,6 +57,98 @@ pub fn lower_kernel_node(
         lw.prog.splits.push(format!("{} ({family}): {} steps: {}", g.describe(id), steps.len(), kinds.join(" + ")));
     }
     Ok(())
+}
+
+/// The parts of a packed multi-result kernel whose parts are computed by steps of their own
+/// (its root a concat along axis 0 with a GEMM or a row op under it): (part node, start, length)
+/// along the pack. None when the body is computed in one pass (an elementwise concat) or is not
+/// a pack.
+pub fn separate_parts(body: &Graph, operands: usize) -> Option<Vec<PackPart>> {
+    let root = body.output("out")?;
+    let Op::Concat { axis: 0 } = body.node(root).op else { return None };
+    let leaves: HashMap<NodeId, View> =
+        (0..operands).filter_map(|i| body.find_input(&format!("in{i}"))).map(|n| (n, View::contiguous(0, &body.ty(n).shape.0))).collect();
+    if anchors_under(body, root, &leaves).is_empty() {
+        return None;
+    }
+    let mut start = 0;
+    let mut parts = Vec::new();
+    for p in body.operands(root) {
+        let len = body.ty(p).numel();
+        parts.push((p, start, len));
+        start += len;
+    }
+    Some(parts)
+}
+
+/// Lowers the packed kernel `id` part by part, each part into its own buffer (`dests`, one per
+/// [`separate_parts`] entry, of the part's shape): a part lives only as long as it is read, not
+/// as long as the pack's longest-lived part.
+pub fn lower_kernel_parts(
+    lw: &mut Lowerer,
+    g: &Graph,
+    id: NodeId,
+    operands: &[View],
+    parts: &[PackPart],
+    dests: &[View],
+) -> Result<(), KernelError> {
+    let Op::Kernel { family, body } = &g.node(id).op else {
+        return Err(KernelError::Internal(format!("node {id:?} is not a fused kernel")));
+    };
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    for (i, v) in operands.iter().enumerate() {
+        let name = format!("in{i}");
+        let inp = body
+            .find_input(&name)
+            .ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
+        cx.names.entry(v.buf).or_insert(name);
+        cx.leaves.insert(inp, v.clone());
+    }
+    // a part that other parts are computed from goes first, so they read it (a LoRA linear's
+    // pre-activation before its GELU)
+    let inner = |p: NodeId| match body.node(p).op {
+        Op::Reshape { .. } => body.operands(p)[0],
+        _ => p,
+    };
+    let under = |p: NodeId, q: NodeId| p != q && nodes_under(body, inner(q)).contains(&inner(p));
+    let mut order: Vec<usize> = (0..parts.len()).collect();
+    order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));
+    for i in order {
+        lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), family)?;
+    }
+    Ok(())
+}
+
+/// Every node under `root` (itself included).
+fn nodes_under(g: &Graph, root: NodeId) -> HashSet<NodeId> {
+    let mut seen = HashSet::new();
+    let mut stack = vec![root];
+    while let Some(n) = stack.pop() {
+        if seen.insert(n) {
+            stack.extend(g.operands(n));
+        }
+    }
+    seen
+}
+
+/// Lowers one part of a pack into `slice` (its place, of the part's shape): through its
+/// reshapes where the destination allows, elementwise when nothing under it needs a pass of its
+/// own.
+fn lower_part(lw: &mut Lowerer, cx: &mut Ctx, part: NodeId, slice: View, family: &str) -> Result<(), KernelError> {
+    let g = cx.g;
+    let (mut node, mut d) = (part, slice.clone());
+    while let (Op::Reshape { .. }, false) = (&g.node(node).op, cx.leaves.contains_key(&node)) {
+        let src = g.operands(node)[0];
+        match d.reshape(&g.ty(src).shape.0) {
+            Some(v) => (node, d) = (src, v),
+            None => break,
+        }
+    }
+    if anchors_under(g, node, &cx.leaves).is_empty() {
+        elementwise(lw, cx, part, &slice, family)
+    } else {
+        lower_root(lw, cx, node, d, family)
+    }
 }
 
 fn is_matmul(op: &Op) -> bool {
@@ -148,6 +240,29 @@ pub fn lower_root(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, dest: View, fami
     if let Some((mm, bias)) = gemm_bias(g, root, &cx.leaves) {
         let b = operand_view(lw, cx, bias, family)?;
         return gemm(lw, cx, mm, dest, Some(b), family);
+    }
+    // a sum of GEMMs (a weight's product plus its LoRA branch) accumulates into one buffer: the
+    // destination itself when the root reads it position by position, so no product is held apart
+    if let Some((sum, terms)) = gemm_sum(g, root, &cx.leaves) {
+        let into_dest =
+            sum == root || (dest.is_contiguous() && reaches_only_elementwise(g, root, sum, &cx.leaves, &mut HashMap::new()) == Some(true));
+        let shape = g.ty(sum).shape.0.clone();
+        let target = if into_dest {
+            View { shape: shape.clone(), strides: crate::index::strides(&shape), ..dest.clone() }
+        } else {
+            lw.temp(&format!("t{}", sum.index()), g.ty(sum).dtype, &shape)
+        };
+        for (i, t) in terms.iter().enumerate() {
+            let bias = match t.bias {
+                Some(b) => Some(operand_view(lw, cx, b, family)?),
+                None => None,
+            };
+            gemm_into(lw, cx, t.mm, target.clone(), bias, t.alpha, i > 0, family)?;
+        }
+        cx.leaves.insert(sum, target);
+        if sum == root {
+            return Ok(());
+        }
     }
     let anchors = anchors_under(g, root, &cx.leaves);
     if let (Op::Concat { axis }, false) = (&g.node(root).op, anchors.is_empty()) {
@@ -258,7 +373,93 @@ fn swap_last2(v: &View) -> View {
     v.transpose(&perm)
 }
 
+/// One GEMM of a [`gemm_sum`]: `alpha * mm (+ bias)`.
+struct Term {
+    mm: NodeId,
+    alpha: f64,
+    bias: Option<NodeId>,
+}
+
+/// The GEMM terms of `n` when it is a sum of them: a matmul, a matmul scaled by
+/// `affine[mul=s, add=0]`, a matmul plus a broadcast bias row, and sums of those; each matmul
+/// (and its scale) read by nothing else, every term f32 of `n`'s shape.
+fn terms_of(g: &Graph, n: NodeId, leaves: &HashMap<NodeId, View>, out: &mut Vec<Term>) -> bool {
+    if leaves.contains_key(&n) || g.ty(n).dtype != qatc_ir::DType::F32 {
+        return false;
+    }
+    let only_user = |x: NodeId, u: NodeId| g.users(x) == [u];
+    match &g.node(n).op {
+        Op::MatMul { .. } => {
+            out.push(Term { mm: n, alpha: 1.0, bias: None });
+            true
+        }
+        Op::Affine { mul, add } if *add == 0.0 => {
+            let x = g.operands(n)[0];
+            let ok = matches!(g.node(x).op, Op::MatMul { .. }) && !leaves.contains_key(&x) && only_user(x, n);
+            if ok {
+                out.push(Term { mm: x, alpha: *mul, bias: None });
+            }
+            ok
+        }
+        Op::Binary(qatc_ir::BinaryOp::Add) => {
+            if let Some((mm, bias)) = gemm_bias(g, n, leaves) {
+                if !only_user(mm, n) || out.iter().any(|t| t.bias.is_some()) {
+                    return false;
+                }
+                out.push(Term { mm, alpha: 1.0, bias: Some(bias) });
+                return true;
+            }
+            let ops = g.operands(n);
+            let shape = &g.ty(n).shape;
+            ops.len() == 2
+                && ops.iter().all(|&o| &g.ty(o).shape == shape && (only_user(o, n) || leaves.contains_key(&o)))
+                && terms_of(g, ops[0], leaves, out)
+                && terms_of(g, ops[1], leaves, out)
+        }
+        _ => false,
+    }
+}
+
+/// The largest sum of two or more GEMM terms under `root`, reached through position-keeping
+/// ops, with its terms (the one with a bias first: a GEMM writes its bias, later ones
+/// accumulate).
+fn gemm_sum(g: &Graph, root: NodeId, leaves: &HashMap<NodeId, View>) -> Option<(NodeId, Vec<Term>)> {
+    let mut stack = vec![root];
+    let mut seen = HashSet::new();
+    while let Some(n) = stack.pop() {
+        if leaves.contains_key(&n) || !seen.insert(n) {
+            continue;
+        }
+        if matches!(g.node(n).op, Op::Binary(qatc_ir::BinaryOp::Add)) {
+            let mut terms = Vec::new();
+            if terms_of(g, n, leaves, &mut terms) && terms.len() >= 2 {
+                terms.sort_by_key(|t| t.bias.is_none());
+                return Some((n, terms));
+            }
+        }
+        if keeps_position(&g.node(n).op) || n == root {
+            stack.extend(g.operands(n).into_iter().filter(|&o| g.ty(o).shape == g.ty(n).shape));
+        }
+    }
+    None
+}
+
 fn gemm(lw: &mut Lowerer, cx: &mut Ctx, mm: NodeId, dest: View, bias: Option<View>, family: &str) -> Result<(), KernelError> {
+    gemm_into(lw, cx, mm, dest, bias, 1.0, false, family)
+}
+
+/// `dest (+)= alpha * mm (+ bias)` as one library GEMM.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into(
+    lw: &mut Lowerer,
+    cx: &mut Ctx,
+    mm: NodeId,
+    dest: View,
+    bias: Option<View>,
+    alpha: f64,
+    accumulate: bool,
+    family: &str,
+) -> Result<(), KernelError> {
     let g = cx.g;
     let Op::MatMul { ta, tb } = g.node(mm).op else { return Err(KernelError::Internal("gemm of a non-matmul".into())) };
     let ops = g.operands(mm);
@@ -283,7 +484,7 @@ fn gemm(lw: &mut Lowerer, cx: &mut Ctx, mm: NodeId, dest: View, bias: Option<Vie
     let note = lw.note(cx, mm, None);
     let dtype = |v: &View| lw.prog.buffers[v.buf].dtype;
     let types = GemmTypes { a: dtype(&a), b: dtype(&b), c: dtype(&c), bias: bias.as_ref().map(dtype) };
-    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha: 1.0, accumulate: false, bias, types, note, feed: None });
+    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha, accumulate, bias, types, note, feed: None });
     Ok(())
 }
 
@@ -297,19 +498,7 @@ fn concat_into_slices(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, axis: usize,
         let len = g.ty(part).shape.0[axis];
         let slice = dest.slice(axis, start, start + len);
         start += len;
-        let (mut node, mut d) = (part, slice.clone());
-        while let (Op::Reshape { .. }, false) = (&g.node(node).op, cx.leaves.contains_key(&node)) {
-            let src = g.operands(node)[0];
-            match d.reshape(&g.ty(src).shape.0) {
-                Some(v) => (node, d) = (src, v),
-                None => break,
-            }
-        }
-        if anchors_under(g, node, &cx.leaves).is_empty() {
-            elementwise(lw, cx, part, &slice, family)?;
-        } else {
-            lower_root(lw, cx, node, d, family)?;
-        }
+        lower_part(lw, cx, part, slice, family)?;
     }
     Ok(())
 }

@@ -32,6 +32,8 @@ pub fn inlinable(op: &Op) -> bool {
             | Op::AdamM { .. }
             | Op::AdamV { .. }
             | Op::AdamParam { .. }
+            | Op::BlockDequant { .. }
+            | Op::BlockQuant { .. }
     )
 }
 
@@ -182,6 +184,21 @@ impl KernelBuilder<'_> {
                 Expr::select(Expr::bin(BinOp::Ne, c, f(0.0)), a, b)
             }
             Op::LossScale { interval, growth, backoff } => self.loss_scale(&ops, pos, *interval, *growth, *backoff)?,
+            // 8-bit moments (`quant::block_dequant` / `block_quant`): element i's block is i / BLOCK
+            Op::BlockDequant { map } => {
+                let code = self.value(arg(0)?, pos)?;
+                let block = Pos::Coords(vec![self.bounds.div(self.lin(pos, &shape), qatc_ir::qmap::BLOCK as i64)]);
+                let absmax = self.value(arg(1)?, &block)?;
+                Expr::bin(BinOp::Mul, Expr::Call(Intrinsic::DynValue(*map), vec![code]), absmax)
+            }
+            Op::BlockQuant { map } => {
+                let x = self.value(arg(0)?, pos)?;
+                let block = Pos::Coords(vec![self.bounds.div(self.lin(pos, &shape), qatc_ir::qmap::BLOCK as i64)]);
+                let a = self.value(arg(1)?, &block)?;
+                let a = self.bind(Ty::F32, a);
+                let y = Expr::select(Expr::bin(BinOp::Lt, f(0.0), a.clone()), Expr::bin(BinOp::Div, x, a), f(0.0));
+                Expr::Call(Intrinsic::DynNearest(*map), vec![y])
+            }
             _ => {
                 return Err(KernelError::Internal(format!(
                     "{} must be computed by a kernel of its own before it is read",

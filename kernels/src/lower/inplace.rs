@@ -47,12 +47,14 @@ pub fn over_logits(lw: &super::Lowerer, g: &Graph, node: NodeId, logits: Option<
     rs.iter().all(|&r| r == node || matches!(g.node(r).op, Op::CrossEntropy)).then(|| v.clone())
 }
 
-/// `Row * V + Loop(l)`: element l of the row's own V elements.
-fn row_local(e: &Expr, v: usize) -> bool {
+/// `Row * V + Loop(l)`: element l of the row's own V elements (`loose`: `Row * V + e` for any
+/// column e, which the lowering keeps within the row: a target clamped to [0, V), read before
+/// the row is rewritten).
+fn row_local(e: &Expr, v: usize, loose: bool) -> bool {
     match e {
         Expr::Bin(BinOp::Add, a, b) => {
             matches!(&**a, Expr::Bin(BinOp::Mul, r, n) if **r == Expr::Ix(Ix::Row) && **n == Expr::Int(v as i64))
-                && matches!(**b, Expr::Ix(Ix::Loop(_)))
+                && (loose || matches!(**b, Expr::Ix(Ix::Loop(_))))
         }
         _ => false,
     }
@@ -60,7 +62,8 @@ fn row_local(e: &Expr, v: usize) -> bool {
 
 /// Whether `k` may read and write param `p` in place: a row kernel touching only its own row of
 /// `p` whose writes are all in its last statement, a loop reading each element of `p` only at
-/// the index it writes (or an elementwise kernel reading and writing `p` at its own element).
+/// the index it writes, any element of the row read before that loop (or an elementwise kernel
+/// reading and writing `p` at its own element).
 pub fn in_place_ok(k: &Kernel, p: ParamId) -> bool {
     let Body::Loops { space, stmts } = &k.body else { return false };
     let mut touches = Vec::new(); // (is store, index)
@@ -101,8 +104,8 @@ pub fn in_place_ok(k: &Kernel, p: ParamId) -> bool {
             walk(body, p, &mut last);
             let writes: Vec<&Expr> = last.iter().filter(|t| t.0).map(|t| &t.1).collect();
             let [w] = writes[..] else { return false };
-            touches.iter().all(|(_, i)| row_local(i, v))
-                && stores_before.iter().all(|(st, _)| !st)
+            stores_before.iter().all(|(st, i)| !st && row_local(i, v, true))
+                && last.iter().all(|(_, i)| row_local(i, v, false))
                 && last.iter().all(|(_, i)| i == w)
                 && body.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Store { .. }))
         }

@@ -13,12 +13,16 @@
 
 use std::collections::HashMap;
 
-use qatc_ir::{DType, Graph, NodeId, Op};
+use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role, Roles};
 
 use crate::error::KernelError;
 use crate::kir::{Kernel, Space, Ty};
 use crate::program::{BufId, BufKind, Buffer, Gemm, Program, Step, View};
 use builder::{index_ty_for, KernelBuilder, Source};
+
+/// The name of the scratch buffer a chunked cross-entropy computes one chunk's logits in
+/// (`xent.rs`): the plan's picture marks the steps it lives over.
+pub const CE_CHUNK_SCRATCH: &str = "ce_chunk_logits";
 
 /// Finishes a kernel builder and adds its kernel and launch to the program.
 macro_rules! launch {
@@ -29,6 +33,7 @@ macro_rules! launch {
     }};
 }
 
+mod adamw;
 mod attention;
 pub mod builder;
 mod fused;
@@ -37,7 +42,9 @@ pub mod inline;
 pub(crate) mod inplace;
 mod reduce;
 mod rows;
+mod scatter;
 mod tidy;
+pub mod xent;
 
 /// The context of one lowering: the graph being read (the step, or a fused node's body), the nodes
 /// of it already in memory, and names for the buffers as kernel parameters.
@@ -49,7 +56,6 @@ pub struct Ctx<'g> {
     pub order: Vec<BufId>,
 }
 
-#[derive(Default)]
 pub struct Lowerer {
     pub prog: Program,
     /// A kernel's identity (`Kernel::identity`) -> its index in `prog.kernels`: one kernel,
@@ -61,16 +67,60 @@ pub struct Lowerer {
     /// Cross-entropy row statistics (max, sum of exp(x - max)) by the logits view they were
     /// computed from: the loss and its gradient share one pass over the [N, V] logits.
     pub ce_stats: HashMap<View, (View, View)>,
+    /// The phase of the node being lowered: the scratch buffers its steps use are its temporaries.
+    pub phase: Phase,
+    /// Fused nodes whose packed results were lowered into buffers of their own (`xent.rs`,
+    /// `adamw.rs`): (start, length, where) per part along the pack's axis 0. Their slices are
+    /// views of those buffers; the pack itself is never allocated.
+    pub packs: HashMap<NodeId, Vec<Placed>>,
+    pub options: LowerOptions,
+}
+
+/// A part of a pack as lowered: (start, length, the view that holds it).
+pub type Placed = (usize, usize, View);
+/// A part of a fused body's packed result: (the part's value node, start, length).
+pub type PackPart = (NodeId, usize, usize);
+
+/// Choices the lowering leaves to its caller (the planner).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Rows per chunk of a chunked cross-entropy (`xent.rs`); None: the fusion rule's choice.
+    pub ce_chunk_rows: Option<usize>,
+    /// The order to lower the nodes in, which is the order the program runs them: a
+    /// memory-aware schedule (`qatc_passes::plan`'s, which runs a recomputed value just before
+    /// the backward step that reads it, not as soon as its operands exist). Nodes it leaves out
+    /// are lowered before it (inputs, constants, views) in the graph's topological order.
+    /// None: the topological order.
+    pub order: Option<Vec<NodeId>>,
+    /// Lower a multi-tensor AdamW into its packed buffer, copied over the inputs after the step,
+    /// instead of in place (`adamw.rs`): only to compare the two.
+    pub adamw_packed: bool,
+}
+
+impl Default for Lowerer {
+    fn default() -> Lowerer {
+        Lowerer {
+            prog: Program::default(),
+            ids: HashMap::new(),
+            attn_stats: HashMap::new(),
+            ce_stats: HashMap::new(),
+            phase: Phase::Forward,
+            packs: HashMap::new(),
+            options: LowerOptions::default(),
+        }
+    }
 }
 
 impl Lowerer {
-    pub fn buffer(&mut self, name: String, dtype: DType, shape: &[usize], kind: BufKind) -> View {
-        self.prog.buffers.push(Buffer { name, dtype, shape: shape.to_vec(), kind });
+    pub fn buffer(&mut self, name: String, dtype: DType, shape: &[usize], kind: BufKind, role: Role) -> View {
+        self.prog.buffers.push(Buffer { name, dtype, shape: shape.to_vec(), kind, role });
         View::contiguous(self.prog.buffers.len() - 1, shape)
     }
 
+    /// Scratch for the node being lowered: a temporary of its phase.
     pub fn temp(&mut self, name: &str, dtype: DType, shape: &[usize]) -> View {
-        self.buffer(name.to_string(), dtype, shape, BufKind::Temp)
+        let role = Role::temporary(self.phase);
+        self.buffer(name.to_string(), dtype, shape, BufKind::Temp, role)
     }
 
     fn index_ty(&self, cx: &Ctx, touched: &[&View], iterations: usize) -> Ty {
@@ -153,6 +203,8 @@ fn role_names(op: &Op) -> &'static [&'static str] {
         Op::AdamM { .. } => &["m", "g"],
         Op::AdamV { .. } => &["v", "g"],
         Op::AdamParam { .. } => &["p", "m", "v", "lr", "step"],
+        Op::BlockDequant { .. } => &["codes", "absmax"],
+        Op::BlockQuant { .. } => &["x", "absmax"],
         Op::Binary(_) => &["a", "b"],
         _ => &["x"],
     }
@@ -164,16 +216,67 @@ fn buffer_name(g: &Graph, id: NodeId) -> String {
 
 /// Lowers a whole graph (a verified one: types are trusted).
 pub fn lower(g: &Graph) -> Result<Program, KernelError> {
-    let mut lw = Lowerer::default();
+    lower_with(g, &LowerOptions::default())
+}
+
+/// `order` completed to every node of `g`, checked to be topological: the inputs and constants
+/// it leaves out first, then `order`, then any other node it leaves out, each in topological
+/// order.
+fn lowering_order(g: &Graph, order: Option<&[NodeId]>) -> Result<Vec<NodeId>, KernelError> {
+    let topo = g.topo_order()?;
+    let Some(order) = order else { return Ok(topo) };
+    let listed: std::collections::HashSet<NodeId> = order.iter().copied().collect();
+    let leaf = |n: &NodeId| matches!(g.node(*n).op, Op::Input { .. } | Op::Const { .. });
+    let mut out: Vec<NodeId> = topo.iter().copied().filter(|n| !listed.contains(n) && leaf(n)).collect();
+    out.extend_from_slice(order);
+    out.extend(topo.iter().copied().filter(|n| !listed.contains(n) && !leaf(n)));
+    let mut seen = std::collections::HashSet::with_capacity(out.len());
+    for &n in &out {
+        if !g.contains(n) || !g.operands(n).iter().all(|o| seen.contains(o)) || !seen.insert(n) {
+            return Err(KernelError::Internal(format!("the lowering order is not a topological order of the graph at {}", g.describe(n))));
+        }
+    }
+    Ok(out)
+}
+
+/// Whether every reader of the pack `id` takes one whole part of it (a slice along axis 0), so
+/// the pack itself need not exist.
+fn read_by_parts(g: &Graph, id: NodeId, parts: &[(NodeId, usize, usize)]) -> bool {
+    !g.outputs().iter().any(|o| o.node == id)
+        && g.users(id).into_iter().all(|u| match g.node(u).op {
+            Op::Slice { axis: 0, start, end } => g.operands(u) == [id] && parts.iter().any(|&(_, s, l)| s == start && s + l == end),
+            _ => false,
+        })
+}
+
+/// The part of a pack lowered part by part that `start..end` along its axis 0 is, as a flat view.
+fn pack_part(lw: &Lowerer, pack: NodeId, start: usize, end: usize) -> Option<View> {
+    let parts = lw.packs.get(&pack)?;
+    let (_, len, v) = parts.iter().find(|(s, l, _)| *s == start && s + l == end)?;
+    v.reshape(&[*len])
+}
+
+/// [`lower`] with the planner's choices.
+pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelError> {
+    let mut lw = Lowerer { options: options.clone(), ..Lowerer::default() };
     let mut values: HashMap<NodeId, View> = HashMap::new();
-    for id in g.topo_order()? {
+    let node_roles = Roles::of(g);
+    for id in lowering_order(g, options.order.as_deref())? {
         let n = g.node(id);
+        let role = node_roles.role(g, id);
+        lw.phase = role.phase;
         let ops = g.operands(id);
         let shape = n.ty.shape.0.clone();
+        if let Op::Slice { axis: 0, start, end } = &n.op {
+            if let Some(v) = ops.first().and_then(|&p| pack_part(&lw, p, *start, *end)) {
+                values.insert(id, v);
+                continue;
+            }
+        }
         let view_of = |i: usize| ops.get(i).and_then(|o| values.get(o));
         let as_view = match &n.op {
             Op::Input { kind, .. } => {
-                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id), *kind));
+                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id), *kind), role);
                 values.insert(id, v);
                 continue;
             }
@@ -189,18 +292,83 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
             values.insert(id, v);
             continue;
         }
+        // fused nodes whose results get buffers of their own: the chunked cross-entropy
+        if let Op::Kernel { family, body } = &n.op {
+            if family.starts_with("cross_entropy.linear") {
+                let mut operand_views = Vec::new();
+                for &o in &ops {
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
+                }
+                let chunk_rows = lw.options.ce_chunk_rows;
+                match xent::lower(&mut lw, g, id, family, body, &operand_views, chunk_rows)? {
+                    Some(xent::Lowered::Value(v)) => {
+                        values.insert(id, v);
+                        continue;
+                    }
+                    Some(xent::Lowered::Parts(parts)) => {
+                        lw.packs.insert(id, parts);
+                        continue;
+                    }
+                    None => {}
+                }
+            }
+        }
+        // AdamW written over its inputs, tensor by tensor
+        if let Op::Kernel { family, body } = &n.op {
+            if family.starts_with("adamw") && !lw.options.adamw_packed {
+                let mut operand_views = Vec::new();
+                for &o in &ops {
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
+                }
+                let done: std::collections::HashSet<NodeId> = values.keys().chain(lw.packs.keys()).copied().collect();
+                let lowered = |u: NodeId| done.contains(&u);
+                if let Some(placed) = adamw::lower(&mut lw, g, id, family, body, &operand_views, &lowered)? {
+                    lw.packs.insert(id, placed);
+                    continue;
+                }
+            }
+        }
+        // a packed kernel whose parts are computed one by one: a buffer per part
+        if let Op::Kernel { body, .. } = &n.op {
+            if let Some(parts) = fused::separate_parts(body, ops.len()).filter(|p| read_by_parts(g, id, p)) {
+                let mut operand_views = Vec::new();
+                for &o in &ops {
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
+                }
+                let mut dests = Vec::new();
+                let mut placed = Vec::new();
+                for &(part, start, len) in &parts {
+                    let inner = match body.node(part).op {
+                        Op::Reshape { .. } => body.operands(part)[0],
+                        _ => part,
+                    };
+                    // the role of what reads this part: the pack's slice
+                    let reader = g.users(id).into_iter().find(|&u| matches!(g.node(u).op, Op::Slice { start: s, .. } if s == start));
+                    let part_role = reader.map_or(role, |u| node_roles.role(g, u));
+                    let name = body.node(inner).name.clone().unwrap_or_else(|| format!("{}.part{}", buffer_name(g, id), dests.len()));
+                    let t = body.ty(inner);
+                    let buf = lw.buffer(name, t.dtype, &t.shape.0, BufKind::Value, part_role);
+                    let flat = buf.reshape(&[len]).ok_or_else(|| KernelError::Internal("a part's buffer is not contiguous".into()))?;
+                    dests.push(flat.clone());
+                    placed.push((start, len, flat));
+                }
+                fused::lower_kernel_parts(&mut lw, g, id, &operand_views, &parts, &dests)?;
+                lw.packs.insert(id, placed);
+                continue;
+            }
+        }
         // the cross-entropy gradient over its logits, when they die here (inplace.rs)
         let over = inplace::over_logits(&lw, g, id, ops.first().and_then(|o| values.get(o)));
         let first_step = lw.prog.steps.len();
         let dest = match &over {
             Some(v) => v.clone(),
-            None => lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value),
+            None => lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value, role),
         };
         match &n.op {
             Op::Kernel { family, body } => {
                 let mut operand_views = Vec::new();
                 for &o in &ops {
-                    operand_views.push(materialize(&mut lw, g, o, &mut values)?);
+                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
                 }
                 fused::lower_kernel_node(&mut lw, g, id, family, body, &operand_views, dest.clone())?;
             }
@@ -210,7 +378,7 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
                 for (i, &o) in ops.iter().enumerate() {
                     let needs_view = matches!(n.op, Op::MatMul { .. }) || !matches!(g.node(o).op, Op::Const { .. });
                     if needs_view {
-                        let v = materialize(&mut lw, g, o, &mut values)?;
+                        let v = materialize(&mut lw, g, o, &mut values, &node_roles)?;
                         cx.names.entry(v.buf).or_insert_with(|| roles.get(i).copied().unwrap_or("x").to_string());
                         cx.order.push(v.buf);
                         cx.leaves.insert(o, v);
@@ -226,7 +394,8 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
         values.insert(id, dest);
     }
     for o in g.outputs() {
-        let v = materialize(&mut lw, g, o.node, &mut values)?;
+        lw.phase = node_roles.phase(g, o.node);
+        let v = materialize(&mut lw, g, o.node, &mut values, &node_roles)?;
         if !o.update {
             lw.prog.buffers[v.buf].kind = match &lw.prog.buffers[v.buf].kind {
                 BufKind::Temp => BufKind::Value,
@@ -243,7 +412,7 @@ pub fn lower(g: &Graph) -> Result<Program, KernelError> {
 }
 
 /// The view a node's value lives in, materializing constants (a fill kernel) on first need.
-fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeId, View>) -> Result<View, KernelError> {
+fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeId, View>, roles: &Roles) -> Result<View, KernelError> {
     if let Some(v) = values.get(&id) {
         return Ok(v.clone());
     }
@@ -251,7 +420,7 @@ fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<Nod
     if !matches!(n.op, Op::Const { .. }) {
         return Err(KernelError::Internal(format!("{} is read before it is computed", g.describe(id))));
     }
-    let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &n.ty.shape.0, BufKind::Value);
+    let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &n.ty.shape.0, BufKind::Value, roles.role(g, id));
     let mut cx = Ctx { g, leaves: HashMap::new(), names: HashMap::new(), order: Vec::new() };
     fused::lower_root(lw, &mut cx, id, dest.clone(), "fill")?;
     values.insert(id, dest.clone());

@@ -1,6 +1,6 @@
 //! Reductions that are not along the last dim: sum_to (bias gradients), LayerNorm's gamma
-//! gradient, fake-quant (per group of a weight column) and scatter_add. A "row" here is the set
-//! of input elements one output element reduces, addressed through index expressions; where
+//! gradient and fake-quant (per group of a weight column); scatter_add is `scatter.rs`. A "row"
+//! here is the set of input elements one output element reduces, addressed through index expressions; where
 //! those elements are far apart in memory (a column), one thread takes a row and neighbouring
 //! threads take neighbouring columns, so loads stay coalesced.
 
@@ -12,7 +12,7 @@ use super::rows::{clamp, emit_out, Anchor};
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::index::delinearize;
-use crate::kir::{BinOp, Expr, Intrinsic, Ix, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp};
+use crate::kir::{BinOp, Expr, Intrinsic, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
 
 fn f(v: f64) -> Expr {
     Expr::f32(v)
@@ -104,39 +104,7 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             emit_out(&mut kb, a, Pos::Coords(vec![]), Expr::bin(BinOp::Sub, f(1.0), bad))?;
             launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, note)
         }
-        Op::ScatterAdd { rows } => {
-            // zero the table, then add every dy row into row ids[n] with atomics: fast, but the
-            // order of the additions (and so the last bits) varies from run to run. A f16/bf16
-            // table sums in an f32 scratch, rounded once into it at the end.
-            let (ids, dy) = (ops[0], ops[1]);
-            let c = shape.last().copied().unwrap_or(1);
-            let half = node.ty.dtype != DType::F32;
-            let sums = if half { lw.temp("scatter_sums", DType::F32, &shape) } else { a.dest.clone() };
-            let mut kb = lw.kb_elements(cx, &shape, &[&sums]);
-            kb.store_view(&sums, &Pos::Lin(Expr::Ix(Ix::Elem)), f(0.0));
-            launch!(lw, kb, "fill", Space::Elements { shape: shape.clone() }, format!("{note}: zero"))?;
-            let dshape = g.ty(dy).shape.0.clone();
-            let mut kb = lw.kb_elements(cx, &dshape, &[&sums]);
-            let n_at = Pos::Lin(kb.bounds.div(Expr::Ix(Ix::Elem), c as i64));
-            let id = kb.value(ids, &n_at)?;
-            let row = kb.bind(Ty::I32, Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, id, Expr::Int(0)), Expr::Int(rows as i64 - 1)));
-            let row = kb.to_index(row);
-            let v = kb.value(dy, &Pos::Lin(Expr::Ix(Ix::Elem)))?;
-            let p = kb.param(sums.buf, true);
-            let col = kb.bounds.rem(Expr::Ix(Ix::Elem), c as i64);
-            let index = kb.bounds.add(Expr::Int(sums.offset as i64), kb.bounds.add(kb.bounds.mul(row, c as i64), col));
-            kb.push(Stmt::AtomicAdd { param: p, index, value: v });
-            let family = if half { "scatter_add" } else { a.family.as_str() };
-            launch!(lw, kb, family, Space::Elements { shape: dshape }, note.clone())?;
-            if !half {
-                return Ok(());
-            }
-            let mut kb = lw.kb_elements(cx, &shape, &[&sums, &a.dest]);
-            let at = Pos::Lin(Expr::Ix(Ix::Elem));
-            let s = kb.load_view(&sums, &at);
-            emit_out(&mut kb, a, at, s)?;
-            launch!(lw, kb, &a.family, Space::Elements { shape }, format!("{note}: rounded to {}", node.ty.dtype))
-        }
+        Op::ScatterAdd { rows } => super::scatter::lower(lw, cx, a, rows, note),
         other => Err(KernelError::Unsupported { node: g.describe(a.node), why: format!("no kernel lowering for {}", other.mnemonic()) }),
     }
 }
@@ -165,11 +133,17 @@ fn fake_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, spec: QuantSpec, shape: &[
     let mul = |x: Expr, y: Expr| Expr::bin(BinOp::Mul, x, y);
     let is_zero = |x: Expr| Expr::bin(BinOp::Eq, x, f(0.0));
     let abs = |v: Expr| Expr::un(UnOp::Abs, v);
+    // as `quant::quantize`: a group holding a NaN or an infinity (v - v is NaN only for those)
+    // comes out NaN, never as finite values that hide it
+    let nonfinite =
+        fold(&mut kb, ReduceOp::Max, &|v| Expr::select(Expr::bin(BinOp::Ne, Expr::bin(BinOp::Sub, v.clone(), v), f(0.0)), f(1.0), f(0.0)))?;
+    let nonfinite = kb.bind(Ty::F32, nonfinite);
     let out = |kb: &mut KernelBuilder, val: &dyn Fn(&mut KernelBuilder, Expr) -> Expr| -> Result<(), KernelError> {
         let (lp, r) = kb.open_loop(Expr::Int(gsz as i64), gsz);
         let p = elem(kb, &r);
         let v = kb.value(w, &p)?;
         let y = val(kb, v);
+        let y = Expr::select(Expr::bin(BinOp::Ne, nonfinite.clone(), f(0.0)), f(f64::NAN), y);
         emit_out(kb, a, p, y)?;
         kb.close_foreach(lp);
         Ok(())

@@ -5,7 +5,7 @@
 //! The arithmetic follows the interpreter (`runtime/src/kernels/{norm,softmax}.rs`) operation for
 //! operation: the same association, f32 throughout, biased variance.
 
-use qatc_ir::{NodeId, Op};
+use qatc_ir::{qmap, NodeId, Op};
 
 use super::builder::{pos_key, KernelBuilder, Pos};
 use super::inline::qmax_sym;
@@ -277,6 +277,22 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             let y = Expr::select(Expr::bin(BinOp::Eq, s.clone(), f(0.0)), f(0.0), mul(q, s));
             emit_out(&mut kb, a, p, y)?;
             kb.close_foreach(lp);
+            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+        }
+        Op::BlockAbsMax => {
+            // one program per block of the flattened operand; the last block may be partial
+            let (n, bl) = (g.ty(ops[0]).numel(), qmap::BLOCK);
+            let rows = qmap::blocks(n);
+            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+            let left = Expr::bin(BinOp::Sub, Expr::Int(n as i64), Expr::bin(BinOp::Mul, Expr::Ix(Ix::Row), Expr::Int(bl as i64)));
+            let extent = Expr::bin(BinOp::Min, Expr::Int(bl as i64), left);
+            let x = ops[0];
+            let absmax = reduce(&mut kb, ReduceOp::Max, bl, extent, |kb, j| {
+                let p = at(kb, bl, j);
+                Ok(Expr::un(UnOp::Abs, kb.value(x, &p)?))
+            })?;
+            kb.name(&absmax, "absmax");
+            emit_out(&mut kb, a, Pos::Lin(Expr::Ix(Ix::Row)), absmax)?;
             launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
         }
         _ => super::reduce::lower(lw, cx, a),

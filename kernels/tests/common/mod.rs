@@ -113,3 +113,20 @@ pub fn attention_backward() -> Graph {
         b.add(Op::Concat { axis: 0 }, &[dk, dq]).unwrap()
     })
 }
+
+/// 8-bit AdamW's first moment, unfused: dequantize the codes (5000 elements: blocks of 2048,
+/// 2048 and 904), update it, take each block's new absmax, requantize.
+pub fn adamw8bit_moment() -> Graph {
+    use qatc_ir::DynMap;
+    let mut g = Graph::new("adamw8bit");
+    let codes = g.input("adam.m8:w", InputKind::State, DType::U8, qatc_ir::Shape::new([5000])).unwrap();
+    let absmax = g.input("adam.m8.absmax:w", InputKind::State, DType::F32, qatc_ir::Shape::new([3])).unwrap();
+    let grad = g.input("grad", InputKind::Data, DType::F32, qatc_ir::Shape::new([5000])).unwrap();
+    let m = g.add(Op::BlockDequant { map: DynMap::Signed }, &[codes, absmax]).unwrap();
+    let m1 = g.add(Op::AdamM { beta1: 0.9 }, &[m, grad]).unwrap();
+    let a = g.add(Op::BlockAbsMax, &[m1]).unwrap();
+    let c = g.add(Op::BlockQuant { map: DynMap::Signed }, &[m1, a]).unwrap();
+    g.set_update("adam.m8:w", c).unwrap();
+    g.set_update("adam.m8.absmax:w", a).unwrap();
+    g
+}

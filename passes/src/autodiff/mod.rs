@@ -17,7 +17,7 @@ use crate::pipeline::PassReport;
 const PASS: &str = "autodiff";
 
 /// The name of the backward's seed, d loss / d loss = 1 (loss scaling replaces it by the scale).
-pub const LOSS_GRAD: &str = "loss.grad";
+pub const LOSS_GRAD: &str = qatc_ir::role::GRADIENT_SEED;
 
 /// The output name of a trainable input's gradient.
 pub fn grad_name(param: &str) -> String {
@@ -55,7 +55,12 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
     let mut grads: HashMap<NodeId, NodeId> = HashMap::new();
 
     for &n in order[..=position[&loss]].iter().rev() {
-        let Some(parts) = pending.remove(&n) else { continue };
+        let Some(mut parts) = pending.remove(&n) else { continue };
+        // Contributions arrive in reverse topological order of their readers; summing them in
+        // forward order lets a schedule that runs the readers' backwards one after the other
+        // (micro-batches under --grad-accum) fold each contribution in as it is made, instead of
+        // holding all of them until the first reader's comes last.
+        parts.reverse();
         let mut dy = parts[0];
         for &p in &parts[1..] {
             dy = g.add(Op::Binary(BinaryOp::Add), &[dy, p]).in_pass(PASS)?;

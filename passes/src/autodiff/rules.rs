@@ -39,7 +39,7 @@ impl Ctx<'_> {
         (0..self.x.len())
             .map(|i| if self.wants[i] { f(self, i).map(Some) } else { Ok(None) })
             .collect::<Result<Grads, IrError>>()
-            .map_err(|source| PassError::Ir { pass: "autodiff", source })
+            .map_err(|source| PassError::Ir { pass: "autodiff", error: source })
     }
 }
 
@@ -244,6 +244,9 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         | Op::CrossEntropyGrad
         | Op::AdamM { .. }
         | Op::AdamV { .. }
-        | Op::AdamParam { .. } => Err(no_rule()),
+        | Op::AdamParam { .. }
+        | Op::BlockDequant { .. }
+        | Op::BlockAbsMax
+        | Op::BlockQuant { .. } => Err(no_rule()),
     }
 }

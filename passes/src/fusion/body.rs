@@ -358,7 +358,9 @@ impl Builder {
 
     /// Finishes a single-result kernel whose result is `root` (it must be the last node).
     pub fn finish(self, eg: &EG, root: BRef, family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
-        if self.failed || self.nodes.is_empty() || root != BRef::Node(self.nodes.len() as u32 - 1) {
+        // the IR's kernels read at least one operand: a body of constants alone (the loss
+        // gradient's seed scaled by 1/K under --grad-accum) stays unfused
+        if self.failed || self.nodes.is_empty() || self.args.is_empty() || root != BRef::Node(self.nodes.len() as u32 - 1) {
             return None;
         }
         let ty = self.tys.last()?.clone();
@@ -370,7 +372,7 @@ impl Builder {
     /// Finishes a kernel with several results: they are written, flattened, into one buffer
     /// (`concat` along axis 0 of `reshape(r, [numel])`), and each result is a view of it.
     pub fn finish_pack(mut self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
-        if self.failed || outs.len() < 2 {
+        if self.failed || outs.len() < 2 || self.args.is_empty() {
             return None;
         }
         let dtype = self.ty(outs[0].1).dtype;

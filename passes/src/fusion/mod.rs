@@ -53,7 +53,7 @@ pub mod runner;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use qatc_ir::{Graph, IrError};
+use qatc_ir::{Deadline, Expired, Graph, IrError};
 use serde::Serialize;
 
 use crate::error::PassError;
@@ -74,12 +74,15 @@ pub enum FusionError {
     Extract(String),
     #[error("fusion extraction chose a cycle through {0}")]
     Cycle(String),
+    #[error(transparent)]
+    Expired(#[from] Expired),
 }
 
 impl From<FusionError> for PassError {
     fn from(e: FusionError) -> PassError {
         match e {
-            FusionError::Ir(source) => PassError::Ir { pass: PASS, source },
+            FusionError::Ir(source) => PassError::Ir { pass: PASS, error: source },
+            FusionError::Expired(x) => PassError::Expired(x),
             e => PassError::Invalid { pass: PASS, msg: e.to_string() },
         }
     }
@@ -124,6 +127,13 @@ pub struct Fused {
 /// Fuses `g`. Never changes what the graph computes: if extraction cannot produce a valid graph,
 /// the unfused graph is returned and the report says why.
 pub fn fuse_graph(g: &Graph, o: &FuseOptions) -> Result<Fused, FusionError> {
+    fuse_graph_within(g, o, &Deadline::unlimited())
+}
+
+/// [`fuse_graph`] within the compile budget: saturation and extraction's search are cut short
+/// when it runs out, and the pass then fails with [`FusionError::Expired`].
+pub fn fuse_graph_within(g: &Graph, o: &FuseOptions, deadline: &Deadline) -> Result<Fused, FusionError> {
+    deadline.check("fuse")?;
     let mut report = FusionReport { launch_bytes: o.launch_bytes, ..Default::default() };
     let (eg, roots) = convert::to_egraph(g)?;
     let mut rewrites = Vec::new();
@@ -137,10 +147,12 @@ pub fn fuse_graph(g: &Graph, o: &FuseOptions) -> Result<Fused, FusionError> {
         iter_limit: o.iter_limit,
         time_limit_s: o.time_limit_s,
     };
-    let (eg, sat) = runner::saturate(eg, &rewrites, &limits);
+    let (eg, sat) = runner::saturate(eg, &rewrites, &limits, deadline);
+    deadline.check("fuse (equality saturation)")?;
     report.saturation = sat;
     let t0 = Instant::now();
-    let mut ex = extract::extract(&eg, &roots.classes(&eg), o.launch_bytes, o.extract_budget_s);
+    let search_s = deadline.cap(std::time::Duration::from_secs_f64(o.extract_budget_s)).as_secs_f64();
+    let mut ex = extract::extract(&eg, &roots.classes(&eg), o.launch_bytes, search_s);
     let build = |ex: &extract::Extraction| {
         convert::to_graph(&eg, &roots, &ex.choice).and_then(|f| qatc_ir::verify(&f).map(|_| f).map_err(FusionError::Ir))
     };
@@ -154,6 +166,7 @@ pub fn fuse_graph(g: &Graph, o: &FuseOptions) -> Result<Fused, FusionError> {
             ex = greedy;
         }
     }
+    deadline.check("fuse (extraction)")?;
     report.extraction = report::ExtractionReport {
         greedy_cost: ex.greedy_cost.clamp(0, u64::MAX as i128) as u64,
         final_cost: ex.final_cost.clamp(0, u64::MAX as i128) as u64,
@@ -181,10 +194,10 @@ pub fn fuse_graph(g: &Graph, o: &FuseOptions) -> Result<Fused, FusionError> {
     Ok(Fused { graph, report })
 }
 
-/// The pipeline stage: [`fuse_graph`] with the report's headline figures as counters and the
-/// whole report attached.
-pub fn fuse(g: Graph, o: &FuseOptions) -> Result<(Graph, PassReport), PassError> {
-    let Fused { graph, report } = fuse_graph(&g, o)?;
+/// The pipeline stage: [`fuse_graph_within`] with the report's headline figures as counters and
+/// the whole report attached.
+pub fn fuse(g: Graph, o: &FuseOptions, deadline: &Deadline) -> Result<(Graph, PassReport), PassError> {
+    let Fused { graph, report } = fuse_graph_within(&g, o, deadline)?;
     let mut r = PassReport::new(PASS);
     r.set("kernels_before", report.kernels_before as i64);
     r.set("kernels_after", report.kernels_after as i64);

@@ -85,15 +85,7 @@ fn unreshape(g: &Graph, mut n: NodeId) -> NodeId {
     n
 }
 
-/// The node is autodiff's seed (the constant named `loss.grad`) or a kernel that computes it.
-fn holds_seed(g: &Graph, n: NodeId) -> bool {
-    let node = g.node(n);
-    match &node.op {
-        Op::Const { .. } => node.name.as_deref() == Some("loss.grad"),
-        Op::Kernel { body, .. } => body.node_ids().into_iter().any(|b| holds_seed(body, b)),
-        _ => false,
-    }
-}
+use qatc_ir::role::holds_gradient_seed as holds_seed;
 
 /// The bytes an ideal step moves (see [`FusionReport::ideal_bytes`]), measured on the step as it
 /// will run (the fused graph): which activations cross from the forward to the backward is the

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use egg::{Rewrite, Runner, SimpleScheduler, StopReason};
 use serde::Serialize;
 
+use qatc_ir::Deadline;
+
 use super::lang::{ENode, FusionAnalysis, EG};
 
 /// The runner's bounds.
@@ -54,16 +56,20 @@ pub fn stop_name(r: &Option<StopReason>) -> String {
     }
 }
 
-/// Runs `rules` on `eg` within `limits`.
-pub fn saturate(eg: EG, rules: &[Rewrite<ENode, FusionAnalysis>], limits: &Limits) -> (EG, SaturationReport) {
+/// Runs `rules` on `eg` within `limits`, and within `deadline`: its time limit is capped by the
+/// time left, and a hook checks it before every iteration (the caller reports an expired
+/// deadline; saturation itself just stops).
+pub fn saturate(eg: EG, rules: &[Rewrite<ENode, FusionAnalysis>], limits: &Limits, deadline: &Deadline) -> (EG, SaturationReport) {
     let t0 = Instant::now();
     let start_enodes = eg.total_size();
+    let d = *deadline;
     let runner = Runner::<ENode, FusionAnalysis, ()>::new(FusionAnalysis::default())
         .with_egraph(eg)
         .with_node_limit(limits.node_limit)
         .with_iter_limit(limits.iter_limit)
-        .with_time_limit(Duration::from_secs_f64(limits.time_limit_s))
+        .with_time_limit(deadline.cap(Duration::from_secs_f64(limits.time_limit_s)))
         .with_scheduler(SimpleScheduler)
+        .with_hook(move |_| d.check("fuse (equality saturation)").map_err(|e| e.to_string()))
         .run(rules);
     let mut fired: BTreeMap<String, usize> = BTreeMap::new();
     for it in &runner.iterations {

@@ -1,13 +1,9 @@
 //! Where the memory goes, in the categories of the usual tables.
 //!
-//! The rule, value by value:
-//! - inputs by kind: `frozen` -> weights (at the graph's dtype: i4 codes count 4 bits per
-//!   element, plus their scales), `trainable` -> trainable params, `state` -> optimizer states
-//!   (Adam moments and the step count), `data` -> data (token ids, targets, learning rate);
-//! - a computed value named `grad:NAME` -> gradients;
-//! - a forward value (an ancestor of `loss`) that the backward reads -> activations (what is
-//!   saved for backward; recomputed values are made in the backward and so are temporaries);
-//! - everything else -> temporaries.
+//! The rule, value by value, is `qatc_ir::role`'s (the one home, which the lowering tags program
+//! buffers by too): inputs by kind (weights at the graph's dtype: i4 codes count 4 bits per
+//! element, plus their scales), `grad:NAME` values are gradients, forward values the backward
+//! reads are activations, everything else temporaries.
 //!
 //! Inputs live in their own storage for the whole step; the others share the arena. An arena
 //! buffer holds several values over time (views, in-place results): at each step its bytes
@@ -15,87 +11,14 @@
 //! temporaries when several are), and the buffer itself is labelled by the category it spends
 //! the most steps in.
 
-use qatc_ir::InputKind;
-use serde::Serialize;
-
 use super::liveness::Liveness;
 use super::region::Dense;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Category {
-    Weights,
-    Trainable,
-    Gradients,
-    Optimizer,
-    Data,
-    Activations,
-    Temporaries,
-}
+pub use qatc_ir::Category;
 
-impl Category {
-    pub const ALL: [Category; 7] = [
-        Category::Weights,
-        Category::Trainable,
-        Category::Gradients,
-        Category::Optimizer,
-        Category::Data,
-        Category::Activations,
-        Category::Temporaries,
-    ];
-    pub fn name(self) -> &'static str {
-        match self {
-            Category::Weights => "weights",
-            Category::Trainable => "trainable",
-            Category::Gradients => "gradients",
-            Category::Optimizer => "optimizer",
-            Category::Data => "data",
-            Category::Activations => "activations",
-            Category::Temporaries => "temporaries",
-        }
-    }
-    /// The label people know from the usual tables.
-    pub fn label(self) -> &'static str {
-        match self {
-            Category::Weights => "weights (frozen)",
-            Category::Trainable => "trainable params",
-            Category::Gradients => "gradients",
-            Category::Optimizer => "optimizer states",
-            Category::Data => "data",
-            Category::Activations => "activations",
-            Category::Temporaries => "temporaries",
-        }
-    }
-    /// Lives in its own storage for the whole step (an input of the step).
-    pub fn persistent(self) -> bool {
-        matches!(self, Category::Weights | Category::Trainable | Category::Optimizer | Category::Data)
-    }
-    fn rank(self) -> u8 {
-        match self {
-            Category::Gradients => 3,
-            Category::Activations => 2,
-            _ => 1,
-        }
-    }
-}
-
-/// The category of one value (see the module docs for the rule).
+/// The category of one value: `qatc_ir::role`'s rule (see the module docs).
 pub(crate) fn value_category(d: &Dense, i: usize) -> Category {
-    if let Some(k) = d.input_kind[i] {
-        return match k {
-            InputKind::Frozen => Category::Weights,
-            InputKind::Trainable => Category::Trainable,
-            InputKind::State => Category::Optimizer,
-            InputKind::Data => Category::Data,
-        };
-    }
-    if d.names[i].as_deref().is_some_and(|n| n.starts_with("grad:")) {
-        return Category::Gradients;
-    }
-    if d.forward[i] && d.users[i].iter().any(|&u| !d.forward[u]) {
-        return Category::Activations;
-    }
-    Category::Temporaries
+    d.category[i]
 }
 
 /// Per-step arena bytes by category, and each buffer's label.
@@ -106,7 +29,7 @@ pub(crate) struct Profile {
 }
 
 pub(crate) fn cat_index(c: Category) -> usize {
-    Category::ALL.iter().position(|&x| x == c).unwrap_or(0)
+    c.index()
 }
 
 pub(crate) fn profile(d: &Dense, lv: &Liveness) -> Profile {

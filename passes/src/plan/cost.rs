@@ -61,6 +61,11 @@ pub fn op_flops(op: &Op, ty: &TensorType, ins: &[&TensorType]) -> u64 {
         Op::AdamM { .. } => 3 * n,
         Op::AdamV { .. } => 4 * n,
         Op::AdamParam { .. } => 10 * n,
+        // 8-bit moments: a table lookup and a multiply; a max per element; a division and an
+        // 8-step binary search
+        Op::BlockDequant { .. } => n,
+        Op::BlockAbsMax => n_in(0),
+        Op::BlockQuant { .. } => 10 * n,
     }
 }
 

@@ -6,7 +6,9 @@
 //! - [`liveness`]: storage sharing (views, write-backs, in place), lifetimes, the lower bound;
 //! - offsets: `qatc_arena::place`, the placer the executors lay their memory out with too;
 //! - [`cost`]: bytes and FLOPs per op; [`breakdown`]: categories;
-//! - [`json`] / [`svg`]: the plan as a versioned JSON document and as a picture.
+//!
+//! What users see (`qatc plan`'s JSON and SVG) is the executed program's layout (`src/memory`),
+//! not this graph-level plan, which schedules the step and drives the `remat` pass's search.
 //!
 //! Inputs of the step (weights, trainable parameters, optimizer state, data) are not arena
 //! values: each has its own storage for the whole step (the persistent region). An update
@@ -16,21 +18,19 @@
 
 pub mod breakdown;
 pub mod cost;
-pub mod json;
 mod liveness;
 pub mod region;
 mod schedule;
-pub mod svg;
 pub mod units;
 
 use std::collections::HashMap;
 
-use qatc_ir::{Graph, IrError, NodeId, Op};
+use qatc_ir::{Deadline, Expired, Graph, IrError, NodeId};
 use serde::Serialize;
 use thiserror::Error;
 
 pub use breakdown::Category;
-use region::{is_recompute_name, Dense};
+use region::Dense;
 use schedule::Priority;
 
 #[derive(Debug, Error)]
@@ -39,6 +39,10 @@ pub enum PlanError {
     Ir(IrError),
     #[error("memory plan: internal error: {0}")]
     Internal(String),
+    #[error(transparent)]
+    Expired(#[from] Expired),
+    #[error("memory plan: {0}")]
+    TooLarge(String),
 }
 
 /// Knobs of the planner.
@@ -46,11 +50,14 @@ pub enum PlanError {
 pub struct PlanOptions {
     /// Every buffer's offset and size are multiples of this (bytes).
     pub align: usize,
+    /// The compile budget, checked between the planner's phases (and by `remat` between the
+    /// candidate plans it tries).
+    pub deadline: Deadline,
 }
 
 impl Default for PlanOptions {
     fn default() -> PlanOptions {
-        PlanOptions { align: 64 }
+        PlanOptions { align: 64, deadline: Deadline::unlimited() }
     }
 }
 
@@ -63,15 +70,7 @@ pub enum Region {
     Persistent,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    Forward,
-    Backward,
-    /// A forward value recomputed in the backward (`remat`).
-    Recompute,
-    Optimizer,
-}
+pub use qatc_ir::Phase;
 
 /// One storage buffer.
 #[derive(Clone, Debug, Serialize)]
@@ -190,12 +189,15 @@ impl Plan {
 
 /// Plans `g`: schedule, lifetimes, offsets, categories.
 pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
+    opts.deadline.check("memory plan")?;
     let d = Dense::new(g)?;
+    d.check_total()?;
     let align = opts.align.max(1);
     // candidate orders; the one with the least live at its peak wins
     let greedy = schedule::greedy(&d, align, Priority::NetBytes)?;
     schedule::check(&d, &greedy)?;
     let mut best = (liveness::analyze(&d, &greedy, align), greedy, "greedy");
+    opts.deadline.check("memory plan (schedule)")?;
     let recent = schedule::greedy(&d, align, Priority::Recent)?;
     schedule::check(&d, &recent)?;
     let lv = liveness::analyze(&d, &recent, align);
@@ -210,14 +212,23 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
         }
     }
     let (lv, order, scheduler) = best;
-    build(g, &d, lv, order, scheduler)
+    opts.deadline.check("memory plan (offsets)")?;
+    build(&d, lv, order, scheduler)
+}
+
+/// The memory-aware schedule alone (what [`plan`] orders the nodes by): the order to run the
+/// step in. The lowering takes it as the program's step order (`qatc_kernels::LowerOptions`).
+pub fn schedule(g: &Graph) -> Result<Vec<NodeId>, PlanError> {
+    Ok(plan(g, &PlanOptions::default())?.order())
 }
 
 /// A quick estimate of the step's peak without assigning offsets: the inputs' storage plus the
 /// lower bound of the memory-aware schedule (the planned arena is within a fraction of a percent
 /// of it on transformer steps; `plan` gives the real figure). Used inside search loops.
 pub fn estimate(g: &Graph, opts: &PlanOptions) -> Result<usize, PlanError> {
+    opts.deadline.check("memory plan (estimate)")?;
     let d = Dense::new(g)?;
+    d.check_total()?;
     let align = opts.align.max(1);
     let mut lv = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::NetBytes)?, align);
     let df = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::Recent)?, align);
@@ -233,7 +244,7 @@ pub fn persistent_bytes(g: &Graph) -> usize {
     g.inputs().into_iter().map(|i| cost::value_bytes(g.ty(i))).sum()
 }
 
-fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, scheduler: &'static str) -> Result<Plan, PlanError> {
+fn build(d: &Dense, lv: liveness::Liveness, order: Vec<usize>, scheduler: &'static str) -> Result<Plan, PlanError> {
     let prof = breakdown::profile(d, &lv);
     // arena offsets
     let arena_ids: Vec<usize> = (0..lv.bufs.len()).filter(|&b| lv.bufs[b].persistent.is_none()).collect();
@@ -279,15 +290,7 @@ fn build(g: &Graph, d: &Dense, lv: liveness::Liveness, order: Vec<usize>, schedu
     let mut recomputed_nodes = 0;
     let mut backward_starts = None;
     for (s, &i) in order.iter().enumerate() {
-        let phase = if d.forward[i] {
-            Phase::Forward
-        } else if is_recompute_name(d.names[i].as_deref()) {
-            Phase::Recompute
-        } else if d.write_back[i].is_some() || matches!(g.node(d.ids[i]).op, Op::AdamM { .. } | Op::AdamV { .. } | Op::AdamParam { .. }) {
-            Phase::Optimizer
-        } else {
-            Phase::Backward
-        };
+        let phase = d.phase[i];
         if phase == Phase::Recompute {
             recompute_flops += d.flops[i];
             recomputed_nodes += 1;

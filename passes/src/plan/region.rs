@@ -11,13 +11,7 @@ use qatc_ir::{Graph, InputKind, NodeId, Op};
 use super::cost::{node_flops, value_bytes};
 use super::PlanError;
 
-/// Suffix of the name of a node the `remat` pass cloned into the backward region.
-pub const RECOMPUTE_SUFFIX: &str = ".recompute";
-
-/// Whether a node name marks a recomputed value.
-pub fn is_recompute_name(name: Option<&str>) -> bool {
-    name.is_some_and(|n| n == "recompute" || n.ends_with(RECOMPUTE_SUFFIX))
-}
+pub use qatc_ir::role::{is_recompute_name, RECOMPUTE_SUFFIX};
 
 /// The needed nodes of a graph, densely numbered (index order = structural topological order).
 pub(crate) struct Dense {
@@ -34,6 +28,11 @@ pub(crate) struct Dense {
     pub mnemonic: Vec<&'static str>,
     /// Ancestor-or-self of the `loss` output (everything, when there is no loss).
     pub forward: Vec<bool>,
+    /// Autodiff's seed, or a fused kernel computing it (`qatc_ir::role::holds_gradient_seed`).
+    pub seed: Vec<bool>,
+    /// Each value's category and phase (`qatc_ir::role`).
+    pub category: Vec<qatc_ir::Category>,
+    pub phase: Vec<qatc_ir::Phase>,
     /// A non-update output: read by the caller after the step, so it lives to the end.
     pub output: Vec<bool>,
     /// `Some(input)`: this node's value is written into that input's storage in place.
@@ -93,6 +92,9 @@ impl Dense {
             names: Vec::with_capacity(n),
             mnemonic: Vec::with_capacity(n),
             forward: vec![false; n],
+            seed: Vec::with_capacity(n),
+            category: Vec::with_capacity(n),
+            phase: Vec::with_capacity(n),
             output: vec![false; n],
             write_back: vec![None; n],
             copy_back: vec![false; n],
@@ -124,23 +126,20 @@ impl Dense {
             d.input_kind.push(g.input_kind(id));
             d.names.push(node.name.clone());
             d.mnemonic.push(node.op.mnemonic());
+            d.seed.push(qatc_ir::role::holds_gradient_seed(g, id));
         }
         for u in &mut d.users {
             u.sort_unstable();
             u.dedup();
         }
-        // forward region: the loss's ancestors
-        match g.output("loss").and_then(|l| d.index.get(&l).copied()) {
-            Some(l) => {
-                d.has_loss = true;
-                let mut stack = vec![l];
-                while let Some(v) = stack.pop() {
-                    if !std::mem::replace(&mut d.forward[v], true) {
-                        stack.extend(d.operands[v].iter().copied());
-                    }
-                }
-            }
-            None => d.forward.iter_mut().for_each(|f| *f = true),
+        // forward region, categories and phases: `qatc_ir::role`'s rule
+        let roles = qatc_ir::Roles::of(g);
+        d.has_loss = roles.has_loss();
+        for i in 0..n {
+            let role = roles.role(g, d.ids[i]);
+            d.forward[i] = roles.is_forward(d.ids[i]);
+            d.category.push(role.category);
+            d.phase.push(role.phase);
         }
         for o in g.outputs().iter().filter(|o| !o.update) {
             if let Some(&i) = d.index.get(&o.node) {
@@ -260,21 +259,31 @@ impl Dense {
         false
     }
 
-    /// The nodes that depend on the loss's gradient (autodiff's seed, the constant `loss.grad`),
-    /// and whether there is such a seed.
+    /// The nodes that depend on the loss's gradient (autodiff's seed, the constant `loss.grad`,
+    /// or the fused kernels computing it), and whether there is such a seed.
     pub fn gradient_stream(&self) -> (bool, Vec<bool>) {
         let n = self.len();
-        let seed = (0..n).find(|&i| self.names[i].as_deref() == Some("loss.grad") && self.mnemonic[i] == "const");
-        let mut from_seed = vec![false; n];
-        if let Some(s) = seed {
-            from_seed[s] = true;
-        }
+        let mut from_seed = self.seed.clone();
         for i in 0..n {
             if !self.is_input(i) && self.operands[i].iter().any(|&o| from_seed[o]) {
                 from_seed[i] = true;
             }
         }
-        (seed.is_some(), from_seed)
+        (self.seed.iter().any(|&s| s), from_seed)
+    }
+
+    /// Every byte count the planner adds up (offsets, live bytes, the arena) stays below 2^62
+    /// when the step's values together do: a step past that is refused here, instead of its
+    /// sums wrapping around into a small, wrong plan.
+    pub fn check_total(&self) -> Result<(), PlanError> {
+        const MAX_TOTAL: usize = 1 << 62;
+        match self.bytes.iter().try_fold(0usize, |a, &b| a.checked_add(b)) {
+            Some(t) if t <= MAX_TOTAL => Ok(()),
+            _ => Err(PlanError::TooLarge(format!(
+                "the step's values add up to more than 2^62 bytes ({} values); no memory holds that",
+                self.bytes.len()
+            ))),
+        }
     }
 
     /// Nodes scheduled just before their first user instead of on their own: values computed
@@ -282,7 +291,7 @@ impl Dense {
     /// made where they are needed, not at the start), and backward values that do not depend on
     /// the loss's gradient: the values the `remat` pass recomputes (`NAME.recompute`, and fused
     /// kernels made of them), made when the backward reaches them, not during the forward. The
-    /// gradient's seed is autodiff's constant `loss.grad`. A write-back is never lazy.
+    /// gradient's seed is autodiff's constant `loss.grad` (or the fused kernel holding it). A write-back is never lazy.
     pub fn lazy(&self) -> Vec<bool> {
         let n = self.len();
         let mut source_only = vec![false; n];

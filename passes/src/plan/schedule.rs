@@ -15,6 +15,9 @@
 //! A write-back (an update output stored over its input) also waits for every other reader of
 //! that input (`Dense::after`).
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use super::region::Dense;
 use super::PlanError;
 
@@ -53,7 +56,7 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
     let n = d.len();
     let lazy = d.lazy();
     // when each node ran (inputs and lazy nodes: never, for the `Recent` rank)
-    let mut ran_at: Vec<i64> = vec![-1; n];
+    let ran_at: Vec<i64> = vec![-1; n];
     let group = static_groups(d);
     let persistent: Vec<bool> = (0..n).map(|i| d.is_input(group[i])).collect();
 
@@ -80,7 +83,7 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
         f.dedup();
         frontier[i] = f;
     }
-    let mut pending: Vec<usize> = frontier.iter().map(Vec::len).collect();
+    let pending: Vec<usize> = frontier.iter().map(Vec::len).collect();
     let mut rev: Vec<Vec<usize>> = vec![Vec::new(); n];
     for (i, f) in frontier.iter().enumerate() {
         for &m in f {
@@ -123,92 +126,135 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
         }
     }
     let size = |i: usize| if d.view[i] || d.write_back[i].is_some() { 0 } else { qatc_arena::aligned(d.bytes[i], align) as i64 };
-
-    let mut done = vec![false; n];
-    let mut order = Vec::with_capacity(n);
-    let mut ready: Vec<usize> = (0..n).filter(|&i| !d.is_input(i) && !lazy[i] && pending[i] == 0).collect();
-    let total = (0..n).filter(|&i| !d.is_input(i)).count();
-
-    let mut run = |i: usize,
-                   done: &mut Vec<bool>,
-                   order: &mut Vec<usize>,
-                   ready: &mut Vec<usize>,
-                   readers: &mut Vec<usize>,
-                   ran_at: &mut Vec<i64>| {
-        done[i] = true;
-        if !lazy[i] {
-            ran_at[i] = order.len() as i64;
-        }
-        order.push(i);
+    // the distinct readers of each storage group, and the nodes that pull each lazy node: when
+    // a group is down to its last reader, or a pulled node has run, those readers' keys change
+    let mut group_readers: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for i in 0..n {
         let mut gs: Vec<usize> = d.operands[i].iter().map(|&o| group[o]).collect();
         gs.sort_unstable();
         gs.dedup();
         for g in gs {
-            readers[g] -= 1;
+            group_readers[g].push(i);
+        }
+    }
+    let mut pulled_by: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, p) in pulls.iter().enumerate() {
+        for &q in p {
+            pulled_by[q].push(i);
+        }
+    }
+    let mut st = State { done: vec![false; n], readers, ran_at, pending, order: Vec::with_capacity(n), touched: Vec::new() };
+    let total = (0..n).filter(|&i| !d.is_input(i)).count();
+
+    // The ready nodes wait in a max-heap by key. A key only grows while its node waits (its
+    // operands' groups lose readers, its lazy pulls are run by others; `recent` is fixed once
+    // it is ready), and every growth pushes a fresh entry, so an entry whose key is no longer
+    // current is stale and skipped. Each pick costs a logarithm instead of a scan of every
+    // ready node (with K micro-batches, K of them are ready from the start).
+    let key = |i: usize, st: &State| -> (i64, i64) {
+        let mut alloc = size(i);
+        for &q in &pulls[i] {
+            if !st.done[q] {
+                alloc += size(q);
+            }
+        }
+        let mut freed = 0i64;
+        let mut seen: Vec<usize> = Vec::new();
+        for &o in &d.operands[i] {
+            let g = group[o];
+            if g == group[i] || keep[g] || seen.contains(&g) {
+                continue;
+            }
+            seen.push(g);
+            if st.readers[g] == 1 {
+                freed += qatc_arena::aligned(d.bytes[g], align) as i64;
+            }
+        }
+        let recent = match priority {
+            Priority::NetBytes => 0,
+            Priority::Recent => d.operands[i].iter().map(|&o| st.ran_at[o]).max().unwrap_or(-1),
+        };
+        (recent, freed - alloc)
+    };
+    let mut heap: BinaryHeap<(i64, i64, Reverse<usize>)> = BinaryHeap::new();
+    st.touched = (0..n).filter(|&i| !d.is_input(i) && !lazy[i] && st.pending[i] == 0).collect();
+    let run = |i: usize, st: &mut State| {
+        st.done[i] = true;
+        if !lazy[i] {
+            st.ran_at[i] = st.order.len() as i64;
+        }
+        st.order.push(i);
+        let mut gs: Vec<usize> = d.operands[i].iter().map(|&o| group[o]).collect();
+        gs.sort_unstable();
+        gs.dedup();
+        for g in gs {
+            st.readers[g] -= 1;
+            if st.readers[g] == 1 {
+                st.touched.extend(group_readers[g].iter().copied());
+            }
+        }
+        if lazy[i] {
+            st.touched.extend(pulled_by[i].iter().copied());
         }
         for &e in &rev[i] {
-            pending[e] -= 1;
-            if pending[e] == 0 && !lazy[e] && !done[e] {
-                ready.push(e);
-            }
+            st.pending[e] -= 1;
+            st.touched.push(e);
         }
     };
+    // a fresh heap entry for every ready node whose key may have changed
+    let refresh = |st: &mut State, heap: &mut BinaryHeap<(i64, i64, Reverse<usize>)>| {
+        let touched = std::mem::take(&mut st.touched);
+        for &i in &touched {
+            if !st.done[i] && !lazy[i] && !d.is_input(i) && st.pending[i] == 0 {
+                let (r, net) = key(i, st);
+                heap.push((r, net, Reverse(i)));
+            }
+        }
+        st.touched = touched;
+        st.touched.clear();
+    };
+    refresh(&mut st, &mut heap);
 
-    while order.len() < total {
-        if ready.is_empty() {
-            // only lazy nodes nobody pulled are left (outputs computed from weights alone, or a
-            // reader a write-back waits for): run the earliest whose dependencies are met
-            let next = (0..n).find(|&i| !done[i] && !d.is_input(i) && lazy[i] && frontier[i].iter().all(|&m| done[m]));
-            let Some(i) = next else {
-                return Err(PlanError::Internal("the schedule is stuck: a write-back waits for a reader that depends on it".into()));
-            };
-            for &q in &pulls[i] {
-                if !done[q] {
-                    run(q, &mut done, &mut order, &mut ready, &mut readers, &mut ran_at);
-                }
-            }
-            run(i, &mut done, &mut order, &mut ready, &mut readers, &mut ran_at);
-            continue;
-        }
-        // pick the best-scoring ready node
-        let mut best = (i64::MIN, i64::MIN, usize::MAX, 0usize);
-        for (k, &i) in ready.iter().enumerate() {
-            let mut alloc = size(i);
-            for &q in &pulls[i] {
-                if !done[q] {
-                    alloc += size(q);
-                }
-            }
-            let mut freed = 0i64;
-            let mut seen: Vec<usize> = Vec::new();
-            for &o in &d.operands[i] {
-                let g = group[o];
-                if g == group[i] || keep[g] || seen.contains(&g) {
-                    continue;
-                }
-                seen.push(g);
-                if readers[g] == 1 {
-                    freed += qatc_arena::aligned(d.bytes[g], align) as i64;
-                }
-            }
-            let recent = match priority {
-                Priority::NetBytes => 0,
-                Priority::Recent => d.operands[i].iter().map(|&o| ran_at[o]).max().unwrap_or(-1),
-            };
-            let key = (recent, freed - alloc);
-            if key > (best.0, best.1) || (key == (best.0, best.1) && i < best.2) {
-                best = (key.0, key.1, i, k);
+    while st.order.len() < total {
+        let mut pick = None;
+        while let Some((r, net, Reverse(i))) = heap.pop() {
+            if !st.done[i] && key(i, &st) == (r, net) {
+                pick = Some(i);
+                break;
             }
         }
-        let i = ready.swap_remove(best.3);
+        let i = match pick {
+            Some(i) => i,
+            None => {
+                // only lazy nodes nobody pulled are left (outputs computed from weights alone, or
+                // a reader a write-back waits for): run the earliest whose dependencies are met
+                let next = (0..n).find(|&i| !st.done[i] && !d.is_input(i) && lazy[i] && frontier[i].iter().all(|&m| st.done[m]));
+                next.ok_or_else(|| PlanError::Internal("the schedule is stuck: a write-back waits for a reader that depends on it".into()))?
+            }
+        };
         for &q in &pulls[i] {
-            if !done[q] {
-                run(q, &mut done, &mut order, &mut ready, &mut readers, &mut ran_at);
+            if !st.done[q] {
+                run(q, &mut st);
             }
         }
-        run(i, &mut done, &mut order, &mut ready, &mut readers, &mut ran_at);
+        run(i, &mut st);
+        refresh(&mut st, &mut heap);
     }
-    Ok(order)
+    Ok(st.order)
+}
+
+/// The scheduler's running state.
+struct State {
+    done: Vec<bool>,
+    /// Remaining distinct readers of each storage group.
+    readers: Vec<usize>,
+    /// When each node ran (inputs and lazy nodes: never, for the `Recent` rank).
+    ran_at: Vec<i64>,
+    /// Dependencies not yet run.
+    pending: Vec<usize>,
+    order: Vec<usize>,
+    /// Nodes whose key may have changed since the last refresh.
+    touched: Vec<usize>,
 }
 
 /// Checks that `order` is a valid schedule: every non-input node once, operands first, and

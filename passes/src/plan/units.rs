@@ -1,13 +1,21 @@
 //! Byte sizes as people write them (`4GiB`, `512MiB`, `1.5GB`) and print them.
 
+/// The largest size accepted (1e18 bytes, 888 PiB): far above any device, and far enough below
+/// 2^64 that sums of such sizes do not overflow.
+pub const MAX_SIZE: usize = 1_000_000_000_000_000_000;
+
 /// Parses a size: a number and an optional unit: B, KB/MB/GB/TB (powers of 1000) or
 /// KiB/MiB/GiB/TiB (powers of 1024); case does not matter, a space may separate them.
 pub fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    // the unit is the trailing letters; what precedes them is the number (`1e3GiB` included)
+    let split = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len();
     let (num, unit) = (t[..split].trim(), t[split..].trim());
     let bad = || format!("invalid size `{s}`: expected a number with a unit, such as 512MiB, 4GiB or 1.5GB");
     let v: f64 = num.parse().map_err(|_| bad())?;
+    if !v.is_finite() {
+        return Err(bad());
+    }
     let mul: f64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "kb" => 1e3,
@@ -21,10 +29,40 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         _ => return Err(bad()),
     };
     let b = v * mul;
-    if !b.is_finite() || !(1.0..=1e18).contains(&b) {
+    if b < 1.0 {
         return Err(format!("invalid size `{s}`: must be at least 1 byte"));
     }
+    if b > MAX_SIZE as f64 {
+        return Err(format!("invalid size `{s}`: {b:e} bytes, over the limit of {MAX_SIZE:e} (no device has that much memory)"));
+    }
     Ok(b.round() as usize)
+}
+
+/// GPUs by name and their memory as their makers state it (GB: 10^9 bytes), for `--memory h100`.
+pub const DEVICE_MEMORY: [(&str, usize); 9] = [
+    ("h100", 80_000_000_000),
+    ("h200", 141_000_000_000),
+    ("a100", 80_000_000_000),
+    ("a100-40gb", 40_000_000_000),
+    ("l4", 24_000_000_000),
+    ("a10", 24_000_000_000),
+    ("rtx4090", 24_000_000_000),
+    ("rtx3090", 24_000_000_000),
+    ("t4", 16_000_000_000),
+];
+
+/// A memory size (`--memory`): a GPU's name from [`DEVICE_MEMORY`] (any case), or a size as
+/// [`parse_size`] reads it.
+pub fn parse_memory(s: &str) -> Result<usize, String> {
+    let t = s.trim().to_ascii_lowercase();
+    if let Some((_, b)) = DEVICE_MEMORY.iter().find(|(n, _)| *n == t) {
+        return Ok(*b);
+    }
+    if t.starts_with(|c: char| c.is_ascii_alphabetic()) {
+        let names: Vec<&str> = DEVICE_MEMORY.iter().map(|(n, _)| *n).collect();
+        return Err(format!("unknown device `{s}`: give a size such as 24GiB, or one of {}", names.join(", ")));
+    }
+    parse_size(s)
 }
 
 /// `1.50 GiB`, `12.00 MiB`, `512 B`.
@@ -47,6 +85,16 @@ pub fn human(b: usize) -> String {
 pub fn flag(b: usize) -> String {
     let gib = 1024.0 * 1024.0 * 1024.0;
     let mib = 1024.0 * 1024.0;
+    // exact where that is short (what the user wrote reads back as written), rounded up otherwise
+    if b > 0 && b.is_multiple_of(1 << 30) {
+        return format!("{}GiB", b >> 30);
+    }
+    if b > 0 && b.is_multiple_of(1 << 20) {
+        return format!("{}MiB", b >> 20);
+    }
+    if b < 1 << 20 {
+        return format!("{b}B");
+    }
     if b as f64 >= gib {
         format!("{:.2}GiB", (b as f64 / gib * 100.0).ceil() / 100.0)
     } else {
@@ -81,6 +129,13 @@ mod tests {
         assert!(parse_size("").is_err());
         assert!(parse_size("0GiB").is_err());
         assert!(parse_size("-1GiB").is_err());
+        assert_eq!(parse_size("1e3KB"), Ok(1_000_000));
+        assert!(parse_size("1e30GiB").unwrap_err().contains("over the limit"), "{:?}", parse_size("1e30GiB"));
+        assert!(parse_size("nanGiB").unwrap_err().contains("512MiB"));
+        assert!(parse_size("infGiB").unwrap_err().contains("512MiB"));
         assert_eq!(parse_size(&flag(3_000_000_000)).map(|b| b >= 3_000_000_000), Ok(true));
+        assert_eq!(parse_memory("H100"), Ok(80_000_000_000));
+        assert_eq!(parse_memory("24GiB"), Ok(24 << 30));
+        assert!(parse_memory("h900").unwrap_err().contains("h100"));
     }
 }

@@ -71,6 +71,8 @@ pub fn rule(op: &Op) -> Rule {
 
         // AdamW runs in f32 on the master weights and moments
         Op::AdamM { .. } | Op::AdamV { .. } | Op::AdamParam { .. } => Rule::Master,
+        // so do the 8-bit moments' dequantization, block absmax and requantization
+        Op::BlockDequant { .. } | Op::BlockAbsMax | Op::BlockQuant { .. } => Rule::Master,
         // loss scaling's finiteness test and state are f32
         Op::AllFinite | Op::LossScale { .. } => Rule::Master,
 

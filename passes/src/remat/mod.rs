@@ -88,8 +88,16 @@ fn err(msg: String) -> PassError {
     PassError::Invalid { pass: PASS, msg }
 }
 
+/// A planner error as this pass's, the compile budget's kept as such.
+fn plan_err(e: plan::PlanError) -> PassError {
+    match e {
+        plan::PlanError::Expired(x) => PassError::Expired(x),
+        e => err(e.to_string()),
+    }
+}
+
 fn peak(g: &Graph, po: &PlanOptions) -> Result<usize, PassError> {
-    plan::plan(g, po).map(|p| p.peak_bytes()).map_err(|e| err(e.to_string()))
+    plan::plan(g, po).map(|p| p.peak_bytes()).map_err(plan_err)
 }
 
 /// Keeps what policy `blocks` (`seg` = 1) or `sqrt` (`seg` = segment length) keeps.
@@ -108,7 +116,7 @@ fn keep_segments(d: &Dense, ch: &chain::Chains, seg: usize) -> Vec<bool> {
 }
 
 fn candidate(g: &Graph, d: &Dense, keep: &[bool], policy: String, po: &PlanOptions) -> Result<Candidate, PassError> {
-    let (graph, rw) = apply::rewrite(g, d, keep).map_err(|source| PassError::Ir { pass: PASS, source })?;
+    let (graph, rw) = apply::rewrite(g, d, keep).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
     let peak = peak(&graph, po)?;
     Ok(Candidate { policy, graph, rw, peak })
 }
@@ -133,7 +141,7 @@ fn solve_budget(
 ) -> Result<Option<Candidate>, PassError> {
     let base = match base {
         Some(b) => b,
-        None => plan::estimate(g, po).map_err(|e| err(e.to_string()))?,
+        None => plan::estimate(g, po).map_err(plan_err)?,
     };
     let model = budget::Model::new(d, plan::persistent_bytes(g), base).map_err(err)?;
     if !model.exact {
@@ -151,10 +159,10 @@ fn solve_budget(
         let Some(sol) = model.solve(target) else { break };
         let keep = model.keep_vector(d, &sol.keep);
         let masks = sol.keep.clone();
-        let (graph, rw) = apply::rewrite(g, d, &keep).map_err(|source| PassError::Ir { pass: PASS, source })?;
+        let (graph, rw) = apply::rewrite(g, d, &keep).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
         // the estimate (schedule and lifetimes, no offsets) bounds the real peak from below;
         // offsets are assigned only for plans that may fit
-        let est = plan::estimate(&graph, po).map_err(|e| err(e.to_string()))?;
+        let est = plan::estimate(&graph, po).map_err(plan_err)?;
         let real = if est + fragmentation <= m {
             let r = peak(&graph, po)?;
             fragmentation = r.saturating_sub(est);
@@ -205,7 +213,7 @@ fn smallest(g: &Graph, d: &Dense, po: &PlanOptions) -> Result<(usize, String), P
             best = Some((c.peak, c.policy));
         }
     }
-    let base = plan::estimate(g, po).map_err(|e| err(e.to_string()))?;
+    let base = plan::estimate(g, po).map_err(plan_err)?;
     if let Ok(model) = budget::Model::new(d, plan::persistent_bytes(g), base) {
         let keep = model.keep_vector(d, &model.minimal());
         let c = candidate(g, d, &keep, "budget (keeping only block boundaries)".into(), po)?;
@@ -273,7 +281,7 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
                 report.notes.push(format!("sqrt: {} blocks in segments of {seg}", ch.layers));
             }
             let (graph, rw) =
-                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: PASS, source })?;
+                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
             Candidate { policy: policy.describe(), graph, rw, peak: 0 }
         }
         Checkpoint::Budget(m) => match cheapest_fit(&g, &d, m, None, po, &mut report.notes)? {
@@ -282,7 +290,7 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
         },
         Checkpoint::Auto(m) => {
             // the estimate bounds the real peak from below: plan for real only if it may fit
-            let est = plan::estimate(&g, po).map_err(|e| err(e.to_string()))?;
+            let est = plan::estimate(&g, po).map_err(plan_err)?;
             let none_peak = if est <= m { peak(&g, po)? } else { est };
             if none_peak <= m {
                 report.notes.push(format!("auto: no recompute needed (peak {} of {})", human(none_peak), human(m)));

@@ -8,7 +8,7 @@
 //! the scalar rules are in `scalar.rs`, attention in `attention.rs`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 
 use half::{bf16, f16};
 use qatc_ir::DType;
@@ -159,19 +159,17 @@ impl Mem {
         Ok(())
     }
 
-    /// element i += v, atomically (f32 only, as CUDA's atomicAdd in the generated code).
+    /// element i += v, atomically (i32 counts only: the kernel IR has no float atomics, whose
+    /// sums would depend on the order threads arrive in).
     pub fn atomic_add(&self, i: usize, v: Scalar) -> R<()> {
         self.check(i)?;
-        if self.dtype != DType::F32 {
+        if self.dtype != DType::I32 {
             return Err(format!("atomic add into a {} buffer", self.dtype));
         }
+        let add = scalar::cast(Ty::I32, v)?.int()? as i32;
         // SAFETY: as `load`; every thread touching this element does so through this atomic.
-        let cell = unsafe { AtomicU32::from_ptr(self.ptr.cast::<u32>().add(i)) };
-        let add = v.f32();
-        let mut old = cell.load(Ordering::Relaxed);
-        while let Err(now) = cell.compare_exchange_weak(old, (f32::from_bits(old) + add).to_bits(), Ordering::Relaxed, Ordering::Relaxed) {
-            old = now;
-        }
+        let cell = unsafe { AtomicI32::from_ptr(self.ptr.cast::<i32>().add(i)) };
+        cell.fetch_add(add, Ordering::Relaxed);
         Ok(())
     }
 
@@ -313,6 +311,7 @@ impl Frame<'_> {
                         (ReduceOp::Max, Ty::F32) => Scalar::F32(f32::NEG_INFINITY),
                         (ReduceOp::Max, Ty::F64) => Scalar::F64(f64::NEG_INFINITY),
                         (_, Ty::F32 | Ty::F64) => scalar::cast(*ty, Scalar::F32(0.0))?,
+                        (ReduceOp::Sum, Ty::I32 | Ty::I64) => int_as(0, *ty)?,
                         _ => return Err(format!("{op:?} reduction of type {ty:?}")),
                     };
                     for j in 0..self.extent(lp)? {
@@ -322,6 +321,8 @@ impl Frame<'_> {
                         acc = match (op, acc, x) {
                             (ReduceOp::Sum, Scalar::F32(a), Scalar::F32(x)) => Scalar::F32(a + x),
                             (ReduceOp::Sum, Scalar::F64(a), Scalar::F64(x)) => Scalar::F64(a + x),
+                            (ReduceOp::Sum, Scalar::I32(a), Scalar::I32(x)) => Scalar::I32(a.checked_add(x).ok_or("i32 sum overflows")?),
+                            (ReduceOp::Sum, Scalar::I64(a), Scalar::I64(x)) => Scalar::I64(a.checked_add(x).ok_or("i64 sum overflows")?),
                             // fmaxf: a NaN operand loses
                             (ReduceOp::Max, Scalar::F32(a), Scalar::F32(x)) => Scalar::F32(a.max(x)),
                             (ReduceOp::Max, Scalar::F64(a), Scalar::F64(x)) => Scalar::F64(a.max(x)),

@@ -76,6 +76,12 @@ impl Allocation {
         unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
     }
 
+    /// Bytes it holds (its aligned length; an empty region holds one line).
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as `bytes`, and `&mut self` makes this the only access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
@@ -115,6 +121,11 @@ impl Memory {
             Region::Persistent => &self.persistent,
             Region::Data => &self.data,
         }
+    }
+
+    /// Bytes the three allocations hold, as allocated (what `qatc train` says it holds).
+    pub fn held_bytes(&self) -> usize {
+        self.arena.len() + self.persistent.len() + self.data.len()
     }
 
     /// Region `r`'s base address.

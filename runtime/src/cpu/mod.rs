@@ -36,7 +36,7 @@ pub use attn_gemm::GemmAttention;
 pub use kir_eval::KirEval;
 pub use memory::ALIGN;
 pub use options::{CpuAttention, CpuOptions};
-pub use program::CpuProgram;
+pub use program::{prepare, CpuProgram};
 
 use crate::error::RuntimeError;
 

@@ -40,6 +40,13 @@ pub struct CpuProgram {
     profile_by_kernel: bool,
 }
 
+/// The CPU's own rewrites of a lowered program, before it is laid out (the program
+/// [`CpuProgram::compile`] runs, and the one `qatc plan --device cpu` plans): 4-bit weights fed
+/// to their GEMMs in dequantized panels ([`CpuOptions::panel_bytes`]).
+pub fn prepare(prog: &mut Program, cpu: &CpuOptions) -> qatc_kernels::panels::PanelReport {
+    qatc_kernels::panels::feed_panels(prog, cpu.panel_bytes)
+}
+
 impl CpuProgram {
     /// Plans `prog` (buffers sharing memory by lifetime, nothing hoisted), checks every step
     /// against its buffers and allocates them; `launcher` runs its kernels.
@@ -92,15 +99,14 @@ impl CpuProgram {
     #[cfg(feature = "llvm")]
     pub fn compile(mut prog: Program, cpu: &CpuOptions) -> Result<(CpuProgram, qatc_kernels::panels::PanelReport), RuntimeError> {
         use qatc_kernels::llvm::{Jit, JitOptions};
-        let panels = qatc_kernels::panels::feed_panels(&mut prog, cpu.panel_bytes);
+        let panels = prepare(&mut prog, cpu);
         let jit = Jit::compile_with(&prog.kernels, &JitOptions { vector_width: cpu.vector_width })
             .map_err(|e| RuntimeError::Compile(e.to_string()))?;
         let launcher: Box<dyn Launcher> = match cpu.attention {
             super::CpuAttention::Gemm => Box::new(super::GemmAttention::new(jit, &prog.kernels)),
             super::CpuAttention::Kernels => Box::new(jit),
         };
-        let exec = ExecOptions { hoist_frozen: true, ..ExecOptions::new(ALIGN) };
-        Ok((CpuProgram::with_options(prog, launcher, exec, cpu)?, panels))
+        Ok((CpuProgram::with_options(prog, launcher, crate::exec::Device::Cpu.exec_options(), cpu)?, panels))
     }
 
     pub fn program(&self) -> &Program {
@@ -115,6 +121,12 @@ impl CpuProgram {
     /// Where the buffers are, and how much each region holds.
     pub fn layout(&self) -> &MemoryLayout {
         &self.plan.layout
+    }
+
+    /// Bytes of memory its buffers hold, as allocated: the arena, the persistent inputs and the
+    /// data inputs (what the layout says, unless a bug).
+    pub fn held_bytes(&self) -> usize {
+        self.mem.held_bytes()
     }
 
     /// The BLAS library the large GEMMs go to, if one loaded.

@@ -222,6 +222,8 @@ pub fn call(i: Intrinsic, args: &[Scalar]) -> R<Scalar> {
         Intrinsic::Nf4Value => Scalar::F32(NF4[(arg(0)?.int()? & 15) as usize]),
         Intrinsic::Nf4Nearest => Scalar::I32(i32::from(nf4_nearest(arg(0)?.f32()))),
         Intrinsic::F16Round => Scalar::F32(f16::from_f32(arg(0)?.f32()).to_f32()),
+        Intrinsic::DynValue(map) => Scalar::F32(map.values()[(arg(0)?.int()? & 255) as usize]),
+        Intrinsic::DynNearest(map) => Scalar::I32(i32::from(map.nearest(arg(0)?.f32()))),
     })
 }
 

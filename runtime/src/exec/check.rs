@@ -1,8 +1,10 @@
 //! Checks of a program against its buffers, made once before anything runs, whatever the
 //! device: every launch's buffers against its kernel's params, every GEMM's views against their
 //! buffers and shapes, every output inside its buffer, and no step writing a graph input (inputs
-//! change only by being set, or by an update's write-back after the step). The executors'
-//! unchecked pointer arithmetic relies on them.
+//! change only by being set, or by an update's write-back after the step), except a kernel that
+//! writes an update over its own input (AdamW in place: the update's view is the input itself,
+//! and `ExecPlan::new` checks that no later step reads it). The executors' unchecked pointer
+//! arithmetic relies on them.
 
 use qatc_ir::DType;
 use qatc_kernels::kir::Kernel;
@@ -49,6 +51,14 @@ fn is_input(buf: &Buffer) -> bool {
     matches!(buf.kind, BufKind::Input(..))
 }
 
+/// Whether input buffer `b` is updated in place: its update is a view of the whole of itself.
+pub fn updated_in_place(prog: &Program, b: BufId) -> bool {
+    match prog.buffers.get(b).map(|x| &x.kind) {
+        Some(BufKind::Input(name, _)) => prog.updates.iter().any(|(n, v)| n == name && v.buf == b && v.offset == 0),
+        _ => false,
+    }
+}
+
 /// Checks a launch's buffers against its kernel's params: their count, each one's dtype and
 /// size, and that no graph input is written.
 pub fn check_launch<'p>(prog: &'p Program, kernel: usize, args: &[BufId]) -> Result<&'p Kernel, RuntimeError> {
@@ -68,7 +78,7 @@ pub fn check_launch<'p>(prog: &'p Program, kernel: usize, args: &[BufId]) -> Res
                 p.name, p.dtype, p.shape, buf.name, buf.dtype, buf.shape
             )));
         }
-        if p.write && is_input(buf) {
+        if p.write && is_input(buf) && !updated_in_place(prog, b) {
             return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
         }
     }

@@ -159,10 +159,11 @@ pub fn lifetimes(bufs: &[Buffer], steps: &[Access], whole: &[bool]) -> Vec<Live>
 }
 
 /// Places every buffer (`live` from [`lifetimes`], over `steps` steps): inputs one after the
-/// other in their region, the rest in the arena by `qatc_arena::place`. Buffers live the whole
+/// other in their region (data inputs in the persistent one unless `data_region`), the rest in
+/// the arena by `qatc_arena::place`. Buffers live the whole
 /// run span every step; buffers never live overlap nothing (at offset 0, the arena at least as
 /// large as each of them, so their bytes can still be addressed).
-pub fn lay_out(bufs: &[Buffer], live: &[Live], steps: usize, align: usize) -> MemoryLayout {
+pub fn lay_out(bufs: &[Buffer], live: &[Live], steps: usize, align: usize, data_region: bool) -> MemoryLayout {
     let align = align.max(1);
     let end = steps.saturating_sub(1);
     let mut places: Vec<Place> = Vec::with_capacity(bufs.len());
@@ -173,7 +174,10 @@ pub fn lay_out(bufs: &[Buffer], live: &[Live], steps: usize, align: usize) -> Me
         let bytes = aligned(buf.bytes(), align);
         let place = match (&buf.kind, l) {
             (BufKind::Input(_, kind), _) => {
-                let region = Region::of_input(*kind);
+                let region = match Region::of_input(*kind) {
+                    Region::Data if !data_region => Region::Persistent,
+                    r => r,
+                };
                 let top = if region == Region::Data { &mut data_bytes } else { &mut persistent_bytes };
                 let offset = *top;
                 *top += bytes;
@@ -217,7 +221,7 @@ mod tests {
     use qatc_ir::DType;
 
     fn buf(kind: BufKind, elems: usize) -> Buffer {
-        Buffer { name: "b".into(), dtype: DType::F32, shape: vec![elems], kind }
+        Buffer::new("b", DType::F32, &[elems], kind)
     }
 
     fn access(reads: &[BufId], writes: &[BufId]) -> Access {
@@ -261,7 +265,7 @@ mod tests {
         bufs[6].shape = vec![0];
         let live =
             [Live::Input, Live::Input, Live::Input, Live::Steps(0, 0), Live::Steps(1, 1), Live::Whole, Live::Steps(0, 1), Live::Never];
-        let l = lay_out(&bufs, &live, 2, 64);
+        let l = lay_out(&bufs, &live, 2, 64, true);
         let at = |b: usize| (l.places[b].region, l.places[b].offset, l.places[b].bytes);
         assert_eq!(at(0), (Region::Persistent, 0, 64));
         assert_eq!(at(1), (Region::Data, 0, 64));
@@ -272,8 +276,12 @@ mod tests {
         assert_eq!((l.persistent_bytes, l.data_bytes), (128, 64));
         assert_eq!((l.arena_bytes, l.placed_bytes, l.lower_bound), (448, 640, 128));
         assert_eq!(l.total_bytes(), 448 + 192);
-        let wide = lay_out(&bufs, &live, 2, 256);
+        let wide = lay_out(&bufs, &live, 2, 256, true);
         assert!(wide.places.iter().all(|p| p.offset % 256 == 0 && p.bytes % 256 == 0), "{wide:?}");
         assert_eq!(wide.persistent_bytes, 512);
+        // without a data region the data inputs join the persistent ones, in buffer order
+        let one = lay_out(&bufs, &live, 2, 256, false);
+        assert_eq!((one.persistent_bytes, one.data_bytes), (768, 0));
+        assert_eq!((one.places[1].region, one.places[1].offset, one.places[2].offset), (Region::Persistent, 256, 512));
     }
 }

@@ -9,7 +9,9 @@
 //!   hoist.rs    the steps that read only frozen weights: run once, not every step
 //!   layout.rs   each buffer's lifetime, and its place: the arena (offsets by qatc_arena, shared
 //!               by lifetime), the persistent inputs, the per-step data inputs
-//!   plan.rs     the plan itself, and the updates' write-backs into their inputs
+//!   plan.rs     the plan itself, and the updates' write-backs into their inputs; Device: each
+//!               device's layout parameters
+//!   memory_plan.rs  what an executor holds, buffer by buffer and step by step (`qatc plan`)
 //! values.rs       host bytes <-> interpreter values (inputs in, outputs out)
 //! train_step.rs   TrainStep: a training step whose state stays on its executor
 //! ```
@@ -18,6 +20,7 @@ mod access;
 mod check;
 mod hoist;
 mod layout;
+mod memory_plan;
 mod plan;
 mod train_step;
 pub mod values;
@@ -25,5 +28,6 @@ pub mod values;
 pub use access::{written_params_read, Access};
 pub use check::{check_gemm, check_launch, check_view, kernel_label, view_extent};
 pub use layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout, Place, Region};
-pub use plan::{ExecOptions, ExecPlan, InputBuf, WriteBack};
+pub use memory_plan::{MemoryPlan, PlannedBuffer, PlannedStep};
+pub use plan::{Device, ExecOptions, ExecPlan, InputBuf, WriteBack, CUDA_ALIGN};
 pub use train_step::{InterpretedStep, TrainStep};

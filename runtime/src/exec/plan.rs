@@ -20,12 +20,51 @@ pub struct ExecOptions {
     pub layout: BufferLayout,
     /// Run the steps that read only frozen inputs once, not every step (`hoist.rs`).
     pub hoist_frozen: bool,
+    /// The per-step data inputs get a region of their own (else they are persistent inputs too:
+    /// one allocation for every input).
+    pub data_region: bool,
 }
 
 impl ExecOptions {
     /// Buffers aligned to `align`, sharing memory by lifetime, nothing hoisted.
     pub fn new(align: usize) -> ExecOptions {
-        ExecOptions { align, layout: BufferLayout::Shared, hoist_frozen: false }
+        ExecOptions { align, layout: BufferLayout::Shared, hoist_frozen: false, data_region: true }
+    }
+}
+
+/// The devices qatc lays programs out for, with their executors' parameters: the one place
+/// that says how a device's executor allocates, so that `qatc plan` shows exactly that.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// `crate::cpu`: three allocations (arena, persistent inputs, data inputs) at a cache line's
+    /// alignment; the steps that read only frozen weights (the GEMM panels' dequantization
+    /// aside) run once and keep their results.
+    Cpu,
+    /// The CUDA executor: one arena and one allocation for every input, at cudaMalloc's 256-byte
+    /// alignment; nothing hoisted, so a dequantized weight lives only around its GEMMs (a 4-bit
+    /// weight costs its codes, never a whole f32 copy for the run).
+    Cuda,
+}
+
+/// cudaMalloc's alignment, which every CUDA buffer keeps (any element type's loads, and
+/// word-wide 4-bit stores).
+pub const CUDA_ALIGN: usize = 256;
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+
+    /// How this device's executor lays a program out.
+    pub fn exec_options(self) -> ExecOptions {
+        match self {
+            Device::Cpu => ExecOptions { hoist_frozen: true, ..ExecOptions::new(crate::cpu::ALIGN) },
+            Device::Cuda => ExecOptions { data_region: false, ..ExecOptions::new(CUDA_ALIGN) },
+        }
     }
 }
 
@@ -91,6 +130,24 @@ impl ExecPlan {
         }
         let write_backs = write_backs(prog)?;
         let access: Vec<Access> = prog.steps.iter().map(|s| access::of_step(prog, s)).collect();
+        // an input updated in place holds its new value from the step that writes it: nothing
+        // after that step may read it (it would see the new value where the graph reads the old)
+        let mut written_at: Vec<Option<usize>> = vec![None; prog.buffers.len()];
+        for (i, a) in access.iter().enumerate() {
+            for &b in &a.reads {
+                if let Some(w) = written_at.get(b).copied().flatten().filter(|&w| w < i && !a.writes.contains(&b)) {
+                    return Err(RuntimeError::Buffer {
+                        name: prog.buffers[b].name.clone(),
+                        msg: format!("updated in place by step {w}, then read by step {i}"),
+                    });
+                }
+            }
+            for &b in &a.writes {
+                if matches!(prog.buffers[b].kind, BufKind::Input(..)) {
+                    written_at[b] = Some(i);
+                }
+            }
+        }
         let nb = prog.buffers.len();
         let frozen: Vec<bool> =
             prog.buffers.iter().map(|b| options.hoist_frozen && matches!(b.kind, BufKind::Input(_, InputKind::Frozen))).collect();
@@ -108,7 +165,7 @@ impl ExecPlan {
             }
         }
         let lifetimes = lifetimes(&prog.buffers, &steps, &whole);
-        let layout = lay_out(&prog.buffers, &lifetimes, steps.len(), options.align);
+        let layout = lay_out(&prog.buffers, &lifetimes, steps.len(), options.align, options.data_region);
         let mut read = vec![false; nb];
         for b in steps.iter().flat_map(|a| &a.reads).chain(prog.outputs.iter().map(|(_, v)| &v.buf)) {
             read[*b] = true;
@@ -177,7 +234,7 @@ mod tests {
 
     /// p (trainable), m (state), p.next = x @ w (x data, w frozen), then the updates given.
     fn program(updates: Vec<(String, View)>) -> Program {
-        let buf = |name: &str, shape: &[usize], kind: BufKind| Buffer { name: name.into(), dtype: DType::F32, shape: shape.to_vec(), kind };
+        let buf = |name: &str, shape: &[usize], kind: BufKind| Buffer::new(name, DType::F32, shape, kind);
         let gemm = qatc_kernels::program::Gemm {
             a: View::contiguous(3, &[2, 2]),
             b: View::contiguous(4, &[2, 3]),

@@ -127,7 +127,7 @@ mod tests {
     use qatc_kernels::program::BufKind;
 
     fn buffer(dtype: DType, shape: &[usize]) -> Buffer {
-        Buffer { name: "b".into(), dtype, shape: shape.to_vec(), kind: BufKind::Input("b".into(), InputKind::Data) }
+        Buffer::new("b", dtype, shape, BufKind::Input("b".into(), InputKind::Data))
     }
 
     #[test]

@@ -100,6 +100,11 @@ pub fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
         Op::AdamParam { .. } => {
             vec![x(rng), fin(rng, &[3, 5, 7], -0.1, 0.1), fin(rng, &[3, 5, 7], 0.0, 0.01), In::f(&[], &[1e-3]), In::f(&[], &[3.0])]
         }
+        // 8-bit moments over 5000 elements: blocks of 2048, 2048 and 904; the middle block's
+        // absmax is 0 (all its codes become the code of 0)
+        Op::BlockDequant { .. } => vec![In::ID(DType::U8, vec![5000], rng.ints(5000, 256)), In::f(&[3], &[0.5, 0.0, 2.0])],
+        Op::BlockAbsMax => vec![fin(rng, &[5000], -3.0, 3.0)],
+        Op::BlockQuant { .. } => vec![fin(rng, &[5000], -3.0, 3.0), In::f(&[3], &[3.0, 0.0, 2.5])],
     }
 }
 
@@ -176,6 +181,11 @@ pub fn all_ops() -> Vec<Op> {
         Op::AllFinite,
         Op::Select,
         Op::LossScale { interval: 2000, growth: 2.0, backoff: 0.5 },
+        Op::BlockAbsMax,
     ]);
+    for map in qatc_ir::DynMap::ALL {
+        ops.push(Op::BlockDequant { map });
+        ops.push(Op::BlockQuant { map });
+    }
     ops
 }

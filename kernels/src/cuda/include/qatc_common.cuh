@@ -49,7 +49,10 @@ __device__ __forceinline__ int load_i4(const unsigned char* p, I i) {
     return (p[i >> 1] >> ((i & 1) * 4)) & 15;
 }
 
-// Two threads may write the two nibbles of one byte: update the containing word atomically.
+// Two threads may write the two nibbles of one byte: update the containing 32-bit word
+// atomically (CUDA has no byte-wide compare-and-swap). The word may extend up to 3 bytes past the
+// buffer's last byte, so a packed 4-bit buffer must start 4-byte aligned and be padded to whole
+// words: `Buffer::device_bytes` (kernels/src/program.rs) is the size to allocate.
 template <typename I>
 __device__ __forceinline__ void store_i4(unsigned char* p, I i, int v) {
     unsigned* word = (unsigned*)((size_t)(p + (i >> 1)) & ~(size_t)3);
@@ -62,14 +65,21 @@ __device__ __forceinline__ void store_i4(unsigned char* p, I i, int v) {
     } while (old != assumed);
 }
 
-// Float to integer code: truncate toward zero, saturate, NaN -> 0 (the interpreter's to_code).
-__device__ __forceinline__ int f2i_sat(float x) { return __float2int_rz(x); }
+// Float to integer (a Cast): the writer calls __float2int_rz / __double2ll_rz and their kin
+// directly, truncating toward zero and saturating at the target type's range, NaN -> 0.
 
-// max / min that propagate NaN, as torch.maximum and the interpreter's Max / Min.
+// max / min that propagate NaN, as torch.maximum and the interpreter's Max / Min, in the
+// operands' own precision (the writer converts a float operand met by a double).
 __device__ __forceinline__ float max_nan(float a, float b) {
     return (a != a) ? a : ((b != b) ? b : (a >= b ? a : b));
 }
 __device__ __forceinline__ float min_nan(float a, float b) {
+    return (a != a) ? a : ((b != b) ? b : (a <= b ? a : b));
+}
+__device__ __forceinline__ double max_nan(double a, double b) {
+    return (a != a) ? a : ((b != b) ? b : (a >= b ? a : b));
+}
+__device__ __forceinline__ double min_nan(double a, double b) {
     return (a != a) ? a : ((b != b) ? b : (a <= b ? a : b));
 }
 

@@ -1,0 +1,197 @@
+//! AdamW written in place: a fused `adamw.multi_tensor` node (egg fusion's `adamw-multi-tensor`
+//! rule) computes every trainable tensor's new weight and moments, packed into one buffer that
+//! the executor would copy over the inputs after the step: three times the trainable bytes held
+//! in the arena at the end of the step (a full fine-tune's weights, again, twice over). Instead,
+//! each tensor's update runs as a kernel of its own that reads p, m, v and g at an element and
+//! writes p', m', v' over p, m, v at the same element, so the optimizer holds nothing beyond its
+//! state: the pack is never allocated, and the updates' write-backs are the inputs themselves.
+//!
+//! This is done only where it cannot change a result: every part of the pack is the update of
+//! the input it overwrites, nothing else reads those inputs after the kernel (every other reader
+//! is already lowered: the program runs in lowering order), and the kernel reads each written
+//! param at its own element before it writes it (`check_in_place`). Otherwise the pack is lowered
+//! as any fused node.
+
+use std::collections::{HashMap, HashSet};
+
+use qatc_ir::{Graph, NodeId, Op};
+
+use super::builder::Pos;
+use super::{Ctx, Lowerer, PackPart, Placed};
+use crate::error::KernelError;
+use crate::kir::{Body, Expr, Ix, Kernel, Space, Stmt};
+use crate::program::{BufKind, View};
+
+/// One tensor's update in the body: the new weight's node and the (input, new value) pairs it
+/// writes (the weight and its moments).
+struct Tensor {
+    param: NodeId,
+    writes: Vec<(NodeId, NodeId)>,
+}
+
+/// The body input a body node reads in `slot`.
+fn input_at(body: &Graph, n: NodeId, slot: usize) -> Option<NodeId> {
+    let o = *body.operands(n).get(slot)?;
+    matches!(body.node(o).op, Op::Input { .. }).then_some(o)
+}
+
+/// The tensors of an AdamW body, and the pack's parts: (part's value node, start, length).
+fn tensors(body: &Graph) -> Option<(Vec<Tensor>, Vec<PackPart>)> {
+    let root = body.output("out")?;
+    let Op::Concat { axis: 0 } = body.node(root).op else { return None };
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for p in body.operands(root) {
+        let len = body.ty(p).numel();
+        let inner = match body.node(p).op {
+            Op::Reshape { .. } => body.operands(p)[0],
+            _ => p,
+        };
+        parts.push((inner, start, len));
+        start += len;
+    }
+    let mut out = Vec::new();
+    for &(n, _, _) in &parts {
+        let Op::AdamParam { .. } = body.node(n).op else { continue };
+        let (m1, v1) = (body.operands(n)[1], body.operands(n)[2]);
+        let (Op::AdamM { .. }, Op::AdamV { .. }) = (&body.node(m1).op, &body.node(v1).op) else { return None };
+        let writes = vec![(input_at(body, n, 0)?, n), (input_at(body, m1, 0)?, m1), (input_at(body, v1, 0)?, v1)];
+        out.push(Tensor { param: n, writes });
+    }
+    // every part is one of the tensors' new values
+    let written: HashSet<NodeId> = out.iter().flat_map(|t| t.writes.iter().map(|w| w.1)).collect();
+    (parts.iter().all(|p| written.contains(&p.0)) && written.len() == parts.len()).then_some((out, parts))
+}
+
+/// The update output each part of pack `id` is (followed through reshapes), by part start.
+fn updates_of(g: &Graph, id: NodeId) -> HashMap<usize, String> {
+    let mut out = HashMap::new();
+    for o in g.outputs().iter().filter(|o| o.update) {
+        let mut n = o.node;
+        while let Op::Reshape { .. } = g.node(n).op {
+            n = g.operands(n)[0];
+        }
+        if let (Op::Slice { axis: 0, start, .. }, [p]) = (&g.node(n).op, &g.operands(n)[..]) {
+            if *p == id {
+                out.insert(*start, o.name.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Whether every reader of input `inp` but `id`, through views, is lowered already.
+fn read_before(g: &Graph, inp: NodeId, id: NodeId, lowered: &dyn Fn(NodeId) -> bool) -> bool {
+    let mut stack = vec![inp];
+    let mut seen = HashSet::new();
+    while let Some(n) = stack.pop() {
+        for u in g.users(n) {
+            if u == id || !seen.insert(u) {
+                continue;
+            }
+            match g.node(u).op {
+                Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Broadcast { .. } => stack.push(u),
+                _ if lowered(u) => {}
+                _ => return false,
+            }
+        }
+    }
+    true
+}
+
+/// Checks that `k` reads each param it writes only at the element it writes, and before it
+/// writes it: an elementwise kernel of lets and stores whose loads of a written param all come
+/// before the first store to it.
+pub fn check_in_place(k: &Kernel) -> Result<(), KernelError> {
+    let err = |msg: &str| Err(KernelError::Internal(format!("{}: not an in-place update: {msg}", k.family)));
+    let Body::Loops { space: Space::Elements { .. }, stmts } = &k.body else { return err("not an elementwise kernel") };
+    let mut stored: HashSet<usize> = HashSet::new();
+    for s in stmts {
+        let mut bad = None;
+        let mut check = |e: &Expr| {
+            e.visit(&mut |x| {
+                if let Expr::Load { param, index } = x {
+                    if k.params[*param].write && (stored.contains(param) || **index != Expr::Ix(Ix::Elem)) {
+                        bad = Some(*param);
+                    }
+                }
+            })
+        };
+        match s {
+            Stmt::Let { value, .. } => check(value),
+            Stmt::Store { param, index, value } => {
+                check(value);
+                if *index != Expr::Ix(Ix::Elem) {
+                    return err("a store off its element");
+                }
+                stored.insert(*param);
+            }
+            _ => return err("a loop or an atomic"),
+        }
+        if let Some(p) = bad {
+            return err(&format!("{} is read after it is written, or off its element", k.params[p].name));
+        }
+    }
+    Ok(())
+}
+
+/// Lowers an `adamw.multi_tensor` node in place, tensor by tensor; None when it cannot be
+/// (the node is then lowered as any fused node). Returns the pack's parts, each the input it
+/// was written over.
+pub fn lower(
+    lw: &mut Lowerer,
+    g: &Graph,
+    id: NodeId,
+    family: &str,
+    body: &Graph,
+    operands: &[View],
+    lowered: &dyn Fn(NodeId) -> bool,
+) -> Result<Option<Vec<Placed>>, KernelError> {
+    let Some((tensors, parts)) = tensors(body) else { return Ok(None) };
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    let mut body_input: HashMap<NodeId, usize> = HashMap::new();
+    for (i, v) in operands.iter().enumerate() {
+        let Some(inp) = body.find_input(&format!("in{i}")) else { return Ok(None) };
+        cx.leaves.insert(inp, v.clone());
+        body_input.insert(inp, i);
+    }
+    // each part must be the update of the graph input it overwrites, whole
+    let updates = updates_of(g, id);
+    let ops = g.operands(id);
+    let mut placed = Vec::new();
+    for &(n, start, len) in &parts {
+        let Some(t) = tensors.iter().find(|t| t.writes.iter().any(|w| w.1 == n)) else { return Ok(None) };
+        let inp = t.writes.iter().find(|w| w.1 == n).map(|w| w.0);
+        let Some(graph_input) = inp.and_then(|i| body_input.get(&i)).map(|&k| ops[k]) else { return Ok(None) };
+        let view = &operands[body_input[&inp.unwrap_or(n)]];
+        let buf = &lw.prog.buffers[view.buf];
+        let is_input = matches!(&buf.kind, BufKind::Input(name, _) if updates.get(&start) == Some(name));
+        if !is_input || view.offset != 0 || !view.is_contiguous() || view.numel() != len || !read_before(g, graph_input, id, lowered) {
+            return Ok(None);
+        }
+        placed.push((start, len, View::contiguous(view.buf, &[len])));
+    }
+    // one kernel per tensor, its params named by role so tensors of one shape share a kernel
+    for t in &tensors {
+        for (role, &(inp, _)) in ["p", "m", "v"].iter().zip(&t.writes) {
+            cx.names.insert(cx.leaves[&inp].buf, (*role).to_string());
+        }
+        let shape = body.ty(t.param).shape.0.clone();
+        let dests: Vec<View> = t.writes.iter().map(|(inp, _)| cx.leaves[inp].clone()).collect();
+        let touched: Vec<&View> = dests.iter().collect();
+        let note = lw.note(&cx, t.param, None);
+        let mut kb = lw.kb_elements(&cx, &shape, &touched);
+        let pos = Pos::Lin(Expr::Ix(Ix::Elem));
+        let mut values = Vec::new();
+        for &(_, n) in &t.writes {
+            values.push(kb.value(n, &pos)?);
+        }
+        for (d, v) in dests.iter().zip(values) {
+            kb.store_view(d, &pos, v);
+        }
+        let (kernel, args) = kb.finish(family, Space::Elements { shape }, format!("{note}, written over p, m and v"))?;
+        check_in_place(&kernel)?;
+        lw.push_kernel((kernel, args));
+    }
+    Ok(Some(placed))
+}

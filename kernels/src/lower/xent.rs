@@ -1,0 +1,368 @@
+//! The chunked linear + cross-entropy: a fused `cross_entropy.linear` node (egg fusion's
+//! `xent-linear` and `xent-linear-fwd` rules, `passes/src/fusion/rules/cross_entropy.rs`) runs
+//! chunk by chunk of rows, so no [B*T, V] buffer ever exists (Liger Kernel, Cut Cross-Entropy):
+//!
+//! ```text
+//! bases: chunk c's first row r0 into a one-element buffer of its own (one kernel, run once)
+//! for each chunk of R rows r0 .. r1:
+//!     GEMM   logits[0..R) = h[r0..r1) @ W^T                   into one [R, V] scratch
+//!     kernel per row: max, sum of exp, loss[r0 + i] = max + log(sum) - logits[i, target]
+//!                     and (training) dlogits = dloss/N (softmax - onehot), over the logits
+//!     GEMM   dh[r0..r1) = dlogits @ W                          (training)
+//!     GEMM   dW (+)= dlogits^T @ h[r0..r1)                     (training, when W trains)
+//! kernel: loss = (sum of the N row losses in row order) / N
+//! ```
+//!
+//! Every row is computed exactly as the unchunked kernels compute it (`rows.rs`: the same
+//! reductions, the same association), and the loss's row sum runs in one fixed order after the
+//! loop, so the loss and dh equal the unchunked step's wherever the logits GEMM gives the same
+//! bits on a chunk of rows as on all of them; dW sums its chunks in chunk order (deterministic,
+//! but a different association than one GEMM over every row).
+//!
+//! The row kernel is the same kernel for every chunk: a chunk's first row is not a constant in it
+//! but the one element of a buffer the chunk's launch passes (`bases`), so the kernel is compiled
+//! once whatever the chunk count (the last chunk, when shorter, is a second kernel).
+//!
+//! Rows per chunk are the fusion rule's choice (`chunk=R` in the family: the largest power of
+//! two whose [R, V] f32 scratch fits 32 MiB, 128 rows for GPT-2's vocabulary: a GEMM of that many
+//! rows runs at full speed on either device) unless the lowering options set them; at most
+//! [`MAX_CHUNKS`] chunks.
+
+use std::collections::HashMap;
+
+use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role};
+
+use super::builder::Pos;
+use super::{Ctx, Lowerer, CE_CHUNK_SCRATCH};
+use crate::error::KernelError;
+use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
+use crate::program::{BufKind, CeChunking, Gemm, GemmTypes, View};
+
+/// The most chunks one cross-entropy is split into (each launch passes its first row in a
+/// buffer of its own, all filled by one kernel with a param per chunk).
+pub const MAX_CHUNKS: usize = 256;
+
+/// `g` with its operands' and destination's element types, read off their buffers.
+fn typed(lw: &Lowerer, mut g: Gemm) -> Gemm {
+    let dtype = |v: &View| lw.prog.buffers[v.buf].dtype;
+    g.types = GemmTypes { a: dtype(&g.a), b: dtype(&g.b), c: dtype(&g.c), bias: g.bias.as_ref().map(dtype) };
+    g
+}
+
+/// What a `cross_entropy.linear` body computes, found by shape: logits = h @ W^T, the loss, and
+/// when training the logits' gradient and the GEMMs consuming it.
+struct Head {
+    logits: NodeId,
+    h: NodeId,
+    w: NodeId,
+    loss: NodeId,
+    targets: NodeId,
+    grad: Option<NodeId>,
+    dloss: Option<NodeId>,
+    /// Consumers of the gradient: (matmul node, accumulates over the rows).
+    products: Vec<(NodeId, bool)>,
+}
+
+fn find(body: &Graph, leaves: &HashMap<NodeId, View>) -> Option<Head> {
+    let ids = body.node_ids();
+    let kind = |n: NodeId| &body.node(n).op;
+    let loss = ids.iter().copied().find(|&n| matches!(kind(n), Op::CrossEntropy))?;
+    let [logits, targets] = body.operands(loss)[..] else { return None };
+    let Op::MatMul { ta: false, tb: true } = kind(logits) else { return None };
+    let [h, w] = body.operands(logits)[..] else { return None };
+    if !leaves.contains_key(&h) || !leaves.contains_key(&w) || body.ty(logits).shape.0.len() != 2 {
+        return None;
+    }
+    let grads: Vec<NodeId> = ids.iter().copied().filter(|&n| matches!(kind(n), Op::CrossEntropyGrad)).collect();
+    let mut head = Head { logits, h, w, loss, targets, grad: None, dloss: None, products: Vec::new() };
+    // the logits feed the loss (and its gradient) only: they are never needed whole
+    if body.users(logits).iter().any(|&u| u != loss && !grads.contains(&u)) {
+        return None;
+    }
+    match grads[..] {
+        [] => {}
+        [g] => {
+            let [l, t, d] = body.operands(g)[..] else { return None };
+            if l != logits || t != targets {
+                return None;
+            }
+            head.grad = Some(g);
+            head.dloss = Some(d);
+            for u in body.users(g) {
+                let ops = body.operands(u);
+                match (kind(u), &ops[..]) {
+                    // dh = dlogits @ X: chunk c's rows of the result
+                    (Op::MatMul { ta: false, tb: _ }, [a, x]) if *a == g && *x != g && leaves.contains_key(x) => {
+                        head.products.push((u, false))
+                    }
+                    // dW = dlogits^T @ h: a sum over the rows, chunk by chunk
+                    (Op::MatMul { ta: true, tb: false }, [a, x]) if *a == g && *x == h => head.products.push((u, true)),
+                    _ => return None,
+                }
+            }
+        }
+        _ => return None,
+    }
+    Some(head)
+}
+
+/// A value of the lowered node: the whole (an evaluation's loss) or its packed parts.
+pub enum Lowered {
+    Value(View),
+    /// (start, length) along the pack's axis 0 -> where that part lives.
+    Parts(Vec<(usize, usize, View)>),
+}
+
+/// Rows per chunk from the family (`chunk=R`), or the override.
+fn rows_per_chunk(family: &str, rows: usize, chunk_rows: Option<usize>) -> usize {
+    let from_family = family.split('.').find_map(|p| p.strip_prefix("chunk=")).and_then(|r| r.parse::<usize>().ok());
+    let r = chunk_rows.or(from_family).unwrap_or(rows).clamp(1, rows.max(1));
+    r.max(rows.div_ceil(MAX_CHUNKS))
+}
+
+fn f(v: f64) -> Expr {
+    Expr::f32(v)
+}
+
+/// Lowers a `cross_entropy.linear` node chunk by chunk; None when its body is not the pattern
+/// (it is then lowered as any fused node, with its logits materialized).
+#[allow(clippy::too_many_arguments)]
+pub fn lower(
+    lw: &mut Lowerer,
+    g: &Graph,
+    id: NodeId,
+    family: &str,
+    body: &Graph,
+    operands: &[View],
+    chunk_rows: Option<usize>,
+) -> Result<Option<Lowered>, KernelError> {
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    for (i, v) in operands.iter().enumerate() {
+        let Some(inp) = body.find_input(&format!("in{i}")) else { return Ok(None) };
+        cx.names.entry(v.buf).or_insert(format!("in{i}"));
+        cx.leaves.insert(inp, v.clone());
+    }
+    let Some(head) = find(body, &cx.leaves) else { return Ok(None) };
+    let root =
+        body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
+    // the node's value: the loss itself, or a pack of the loss and the gradient products
+    let parts: Vec<(NodeId, usize, usize)> = match &body.node(root).op {
+        _ if root == head.loss => vec![(head.loss, 0, 1)],
+        Op::Concat { axis: 0 } => {
+            let mut start = 0;
+            let mut v = Vec::new();
+            for p in body.operands(root) {
+                let len = body.ty(p).numel();
+                let inner = match body.node(p).op {
+                    Op::Reshape { .. } => body.operands(p)[0],
+                    _ => p,
+                };
+                v.push((inner, start, len));
+                start += len;
+            }
+            v
+        }
+        _ => return Ok(None),
+    };
+    let known = |n: NodeId| n == head.loss || head.products.iter().any(|(p, _)| *p == n);
+    if !parts.iter().all(|&(n, _, _)| known(n)) || head.products.iter().any(|(p, _)| !parts.iter().any(|q| q.0 == *p)) {
+        return Ok(None);
+    }
+    let (n, v) = (body.ty(head.logits).shape.0[0], body.ty(head.logits).shape.0[1]);
+    let r = rows_per_chunk(family, n, chunk_rows);
+    let chunks = n.div_ceil(r);
+    let with_grad = head.grad.is_some();
+    let phase = if with_grad { Phase::Backward } else { Phase::Forward };
+
+    // buffers: the chunk scratch, the row losses, each chunk's first row, and the results
+    let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), DType::F32, &[r, v], BufKind::Temp, Role::temporary(phase));
+    let losses = lw.buffer("ce_rows".into(), DType::F32, &[n], BufKind::Temp, Role::temporary(Phase::Forward));
+    let bases: Vec<View> = (0..chunks)
+        .map(|c| lw.buffer(format!("ce_chunk{c}_row"), DType::I32, &[1], BufKind::Temp, Role::temporary(Phase::Forward)))
+        .collect();
+    // one parameter name for every chunk's first row, so the row kernel is one kernel
+    for b in &bases {
+        cx.names.insert(b.buf, "first_row".into());
+    }
+    let name = g.node(id).name.clone().unwrap_or_else(|| "loss".into());
+    let loss_shape = body.ty(head.loss).shape.0.clone();
+    let loss_buf = lw.buffer(name, DType::F32, &loss_shape, BufKind::Value, Role::temporary(Phase::Forward));
+    let mut results: HashMap<NodeId, View> = HashMap::from([(head.loss, loss_buf.clone())]);
+    for &(p, acc) in &head.products {
+        let ty = body.ty(p).clone();
+        let pname = body
+            .node(p)
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{}.{}", g.node(id).name.as_deref().unwrap_or("xent"), if acc { "dW" } else { "dh" }));
+        let category = if acc { qatc_ir::Category::Gradients } else { qatc_ir::Category::Temporaries };
+        let buf = lw.buffer(pname, ty.dtype, &ty.shape.0, BufKind::Value, Role { category, phase: Phase::Backward });
+        results.insert(p, buf);
+    }
+    lw.prog.cross_entropy.push(CeChunking { rows: n, vocab: v, chunk_rows: r, with_grad });
+
+    // each chunk's first row, once
+    {
+        let touched: Vec<&View> = bases.iter().collect();
+        let mut kb = lw.kb_elements(&cx, &[1], &touched);
+        for (c, b) in bases.iter().enumerate() {
+            kb.store_view(b, &Pos::Lin(Expr::Int(0)), Expr::Int((c * r) as i64));
+        }
+        launch!(
+            lw,
+            kb,
+            "cross_entropy.chunk_rows",
+            Space::Elements { shape: vec![1] },
+            format!("the first row of each of {chunks} chunks")
+        )?;
+    }
+    let (hv, wv) = (cx.leaves[&head.h].clone(), cx.leaves[&head.w].clone());
+    let swap = |x: &View| x.transpose(&[1, 0]);
+    for (c, base) in bases.iter().enumerate() {
+        let (r0, r1) = (c * r, ((c + 1) * r).min(n));
+        let rc = r1 - r0;
+        let chunk = scratch.slice(0, 0, rc);
+        let h_rows = hv.slice(0, r0, r1);
+        let k = hv.shape[1];
+        lw.push_gemm(typed(
+            lw,
+            Gemm {
+                a: h_rows.clone(),
+                b: swap(&wv),
+                c: chunk.clone(),
+                m: rc,
+                n: v,
+                k,
+                alpha: 1.0,
+                accumulate: false,
+                bias: None,
+                note: format!("logits of rows {r0}..{r1} (chunk {c} of {chunks})"),
+                feed: None,
+                types: GemmTypes::F32,
+            },
+        ));
+        row_kernel(lw, &cx, &head, &scratch, &losses, base, rc, n, v)?;
+        for &(p, acc) in &head.products {
+            let dest = &results[&p];
+            let ops = body.operands(p);
+            let Op::MatMul { tb, .. } = body.node(p).op else { continue };
+            let gemm = if acc {
+                // dW [V, C] += dlogits^T [V, rc] @ h[r0..r1) [rc, C]
+                Gemm {
+                    a: swap(&chunk),
+                    b: h_rows.clone(),
+                    c: dest.clone(),
+                    m: v,
+                    n: h_rows.shape[1],
+                    k: rc,
+                    alpha: 1.0,
+                    accumulate: c > 0,
+                    bias: None,
+                    note: format!("dW += dlogits^T h, rows {r0}..{r1}"),
+                    feed: None,
+                    types: GemmTypes::F32,
+                }
+            } else {
+                // dh[r0..r1) = dlogits [rc, V] @ X [V, C]
+                let x = cx.leaves[&ops[1]].clone();
+                let b = if tb { swap(&x) } else { x };
+                let cols = b.shape[1];
+                Gemm {
+                    a: chunk.clone(),
+                    b,
+                    c: dest.slice(0, r0, r1),
+                    m: rc,
+                    n: cols,
+                    k: v,
+                    alpha: 1.0,
+                    accumulate: false,
+                    bias: None,
+                    note: format!("dh = dlogits W, rows {r0}..{r1}"),
+                    feed: None,
+                    types: GemmTypes::F32,
+                }
+            };
+            lw.push_gemm(typed(lw, gemm));
+        }
+    }
+    // the loss: the row losses summed in row order, over N (as the unchunked kernel)
+    let mut kb = lw.kb_rows(&cx, 1, &[&losses, &loss_buf]);
+    let (lp, j) = kb.open_loop(Expr::Int(n as i64), n);
+    let x = kb.load_view(&losses, &Pos::Lin(j));
+    let total = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, x);
+    kb.name(&total, "total");
+    kb.store_view(&loss_buf, &Pos::Lin(Expr::Int(0)), Expr::bin(BinOp::Div, total, f(n as f64)));
+    launch!(lw, kb, "cross_entropy", Space::Rows { rows: 1, mapping: RowMapping::Block }, "loss = mean of the row losses".into())?;
+    if root == head.loss {
+        return Ok(Some(Lowered::Value(loss_buf)));
+    }
+    let out = parts.iter().map(|&(p, start, len)| (start, len, results[&p].clone())).collect();
+    Ok(Some(Lowered::Parts(out)))
+}
+
+/// One chunk's row kernel: row i of the scratch is global row base + i.
+#[allow(clippy::too_many_arguments)]
+fn row_kernel(
+    lw: &mut Lowerer,
+    cx: &Ctx,
+    head: &Head,
+    scratch: &View,
+    losses: &View,
+    base: &View,
+    rc: usize,
+    n: usize,
+    v: usize,
+) -> Result<(), KernelError> {
+    let mut kb = lw.kb_rows(cx, rc, &[scratch, losses, base]);
+    let b = kb.load_view(base, &Pos::Lin(Expr::Int(0)));
+    let b = kb.to_index(b);
+    let row = kb.bind(kb.index_ty, kb.bounds.add(b, Expr::Ix(Ix::Row)));
+    kb.name(&row, "row_n");
+    let at = |kb: &super::builder::KernelBuilder, j: Expr| Pos::Lin(kb.bounds.add(kb.bounds.mul(Expr::Ix(Ix::Row), v as i64), j));
+    let target = kb.value(head.targets, &Pos::Lin(row.clone()))?;
+    // the row's max and sum of exp(x - max), as rows.rs computes them
+    let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
+    let p = at(&kb, j);
+    let x = kb.load_view(scratch, &p);
+    let max = kb.close_reduce(lp, ReduceOp::Max, Ty::F32, x);
+    let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
+    let p = at(&kb, j);
+    let x = kb.load_view(scratch, &p);
+    let sum = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, Expr::un(UnOp::Exp, Expr::bin(BinOp::Sub, x, max.clone())));
+    kb.name(&max, "row_max");
+    kb.name(&sum, "row_sum");
+    let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target.clone(), Expr::Int(0)), Expr::Int(v as i64 - 1));
+    let t = kb.bind(Ty::I32, clamped);
+    let t = kb.to_index(t);
+    let p = at(&kb, t);
+    let xt = kb.load_view(scratch, &p);
+    let loss = Expr::bin(BinOp::Sub, Expr::bin(BinOp::Add, max.clone(), Expr::un(UnOp::Log, sum.clone())), xt);
+    kb.store_view(losses, &Pos::Lin(row), loss);
+    let family = match (head.grad, head.dloss) {
+        (Some(_), Some(dloss)) => {
+            // dlogits = dloss / N * (softmax(row) - onehot(target)), over the row
+            let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
+            let k = kb.bind(Ty::F32, Expr::bin(BinOp::Div, dl, f(n as f64)));
+            kb.name(&k, "k");
+            let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
+            let p = at(&kb, j.clone());
+            let x = kb.load_view(scratch, &p);
+            let prob = Expr::bin(BinOp::Div, Expr::un(UnOp::Exp, Expr::bin(BinOp::Sub, x, max)), sum);
+            let hit = Expr::select(Expr::bin(BinOp::Eq, j, target), k.clone(), f(0.0));
+            kb.store_view(scratch, &p, Expr::bin(BinOp::Sub, Expr::bin(BinOp::Mul, k, prob), hit));
+            kb.close_foreach(lp);
+            "cross_entropy.chunk"
+        }
+        _ => "cross_entropy.chunk_loss",
+    };
+    let (kernel, args) =
+        kb.finish(family, Space::Rows { rows: rc, mapping: RowMapping::Block }, format!("loss (and gradient) of {rc} rows of logits"))?;
+    // the gradient overwrites the logits it is computed from: each row read before it is written
+    if let Some(pi) = args.iter().position(|&a| a == scratch.buf) {
+        if kernel.params[pi].write && !super::inplace::in_place_ok(&kernel, pi) {
+            return Err(KernelError::Internal(format!("{family}: the gradient cannot be written over the chunk's logits")));
+        }
+    }
+    lw.push_kernel((kernel, args));
+    Ok(())
+}

@@ -1,0 +1,163 @@
+//! The GPU side of the CUDA backend: what an executor of a lowered program needs from a GPU, as
+//! one trait ([`GpuApi`]), with two implementations:
+//!
+//! - [`CudaDriver`]: the CUDA driver API, cuBLAS and cuBLASLt through cudarc, loaded at run time.
+//!   Opening it never panics where CUDA is missing (each library is probed with cudarc's
+//!   `is_culib_present` before any other call); every error names the call and carries CUDA's
+//!   error name and string.
+//! - [`HostGpu`]: an emulation for tests on machines without a GPU. Device memory is host memory
+//!   behind fake device addresses (bounds-checked, allocations apart), a launch runs the kernel's
+//!   kernel IR through the evaluator over all its iterations, a GEMM runs the host model of its
+//!   cuBLAS call, and stream capture records the work for a graph that replays it.
+//!
+//! The model is one stream: every operation is ordered after the previous one. Copies from and to
+//! ordinary host slices complete before the call returns (as CUDA's pageable copies do, so the
+//! slice may be reused at once); copies from and to [pinned buffers](GpuApi::alloc_pinned) are
+//! asynchronous, and [`GpuApi::pinned`] waits for the stream before handing the buffer out. While
+//! a capture is open nothing runs: launches, GEMMs, device copies and pinned copies are recorded
+//! for [`GpuApi::replay`]; copies of ordinary host slices are refused, as CUDA refuses them.
+//!
+//! [`CudaProgram`] is the executor built on it (`program.rs`: the shared `ExecPlan`'s layout in
+//! three allocations, resident state, data through pinned staging, the step captured once as a
+//! graph; `build.rs`: kernels to CUBINs and loaded, GEMMs planned); [`run_plan`] runs one GEMM's
+//! [`BlasPlan`] through the trait.
+
+mod build;
+mod driver;
+mod driver_blas;
+mod error;
+mod host;
+mod host_mem;
+mod program;
+
+use qatc_kernels::cuda::blas::{BlasCall, BlasPlan, BlasStep, Compute, Mem};
+use qatc_kernels::cuda::LaunchDims;
+use qatc_kernels::kir::Kernel;
+use qatc_kernels::nvrtc::Arch;
+
+pub use build::KernelBuild;
+pub use driver::{probe_libraries, CudaDriver};
+pub use error::GpuError;
+pub use host::HostGpu;
+pub use program::{CudaOptions, CudaProgram, DeviceBytes};
+
+/// A device address (`CUdeviceptr`).
+pub type DevPtr = u64;
+
+/// A loaded kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FuncId(pub usize);
+
+/// A captured, instantiated graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphId(pub usize);
+
+/// A page-locked host buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PinnedId(pub usize);
+
+/// The device a [`GpuApi`] drives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuDevice {
+    pub name: String,
+    pub arch: Arch,
+    pub total_memory: usize,
+    pub multiprocessors: usize,
+}
+
+/// A kernel ready to load: its CUBIN (for a GPU) and its kernel IR (for the emulation), under
+/// the name the CUDA writer gave it (`fused_{family}_{hash8}`).
+#[derive(Clone, Debug)]
+pub struct KernelImage {
+    pub name: String,
+    pub cubin: Vec<u8>,
+    pub kernel: Kernel,
+}
+
+/// The base address of each operand's memory in one GEMM call (the call's offsets are added by
+/// the implementation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmPtrs {
+    pub a: DevPtr,
+    pub b: DevPtr,
+    pub c: DevPtr,
+    pub bias: Option<DevPtr>,
+}
+
+pub type Result<T> = std::result::Result<T, GpuError>;
+
+/// What an executor needs from a GPU. See the module docs for the ordering model.
+pub trait GpuApi {
+    fn device(&self) -> &GpuDevice;
+    /// (free, total) device memory, bytes.
+    fn memory(&self) -> Result<(usize, usize)>;
+
+    /// Device memory of `bytes` (uninitialized), 256-byte aligned.
+    fn alloc(&mut self, bytes: usize) -> Result<DevPtr>;
+    fn free(&mut self, ptr: DevPtr) -> Result<()>;
+    /// Page-locked host memory for asynchronous copies (zeroed).
+    fn alloc_pinned(&mut self, bytes: usize) -> Result<PinnedId>;
+    /// A pinned buffer's bytes, once the stream has finished what it does with them.
+    fn pinned(&mut self, id: PinnedId) -> Result<&mut [u8]>;
+    fn free_pinned(&mut self, id: PinnedId) -> Result<()>;
+
+    /// `src` to device memory at `dst`; `src` may be reused when this returns.
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> Result<()>;
+    /// Device memory at `src` into `dst`, complete when this returns.
+    fn download(&mut self, dst: &mut [u8], src: DevPtr) -> Result<()>;
+    /// `len` bytes of a pinned buffer from `offset` to `dst`, asynchronously.
+    fn upload_pinned(&mut self, dst: DevPtr, src: PinnedId, offset: usize, len: usize) -> Result<()>;
+    /// `len` bytes at `src` into a pinned buffer at `offset`, asynchronously.
+    fn download_pinned(&mut self, dst: PinnedId, offset: usize, src: DevPtr, len: usize) -> Result<()>;
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()>;
+    fn memset(&mut self, dst: DevPtr, value: u8, bytes: usize) -> Result<()>;
+
+    /// Loads one kernel.
+    fn load(&mut self, image: &KernelImage) -> Result<FuncId>;
+    /// Launches `f` with one device pointer per kernel param (qatc's kernels take only
+    /// buffers; each points at the buffer's first element: kernels add view offsets themselves).
+    fn launch(&mut self, f: FuncId, dims: &LaunchDims, args: &[DevPtr]) -> Result<()>;
+    /// One cuBLAS(Lt) call of a plan, with `compute` the plan's compute type.
+    fn gemm(&mut self, call: &BlasCall, compute: Compute, ptrs: GemmPtrs) -> Result<()>;
+
+    /// From now on, work is recorded instead of run.
+    fn begin_capture(&mut self) -> Result<()>;
+    /// Ends the capture: the recorded work as a graph ready to replay.
+    fn end_capture(&mut self) -> Result<GraphId>;
+    fn replay(&mut self, g: GraphId) -> Result<()>;
+    /// Waits for everything submitted so far.
+    fn synchronize(&mut self) -> Result<()>;
+}
+
+/// The kernels of a plan's data moves, loaded: (step index, function), in step order.
+pub type PlanFuncs = Vec<(usize, FuncId)>;
+
+/// Runs a GEMM's plan: its library calls through [`GpuApi::gemm`], its data moves as the
+/// kernels `funcs` (loaded from `qatc_kernels::cuda::blas::move_kernels(plan)`). `resolve` gives
+/// the device address of each memory the plan names (program buffers and the plan's scratch).
+pub fn run_plan(api: &mut dyn GpuApi, plan: &BlasPlan, funcs: &PlanFuncs, resolve: &dyn Fn(Mem) -> Result<DevPtr>) -> Result<()> {
+    let moves = qatc_kernels::cuda::blas::move_kernels(plan);
+    for (i, step) in plan.steps.iter().enumerate() {
+        match step {
+            BlasStep::Call(c) => {
+                let ptrs = GemmPtrs {
+                    a: resolve(c.a.mem)?,
+                    b: resolve(c.b.mem)?,
+                    c: resolve(c.c.mem)?,
+                    bias: c.bias.map(|v| resolve(v.mem)).transpose()?,
+                };
+                api.gemm(c, plan.compute, ptrs)?;
+            }
+            _ => {
+                let f = funcs.iter().find(|(s, _)| *s == i).map(|(_, f)| *f);
+                let m = moves.iter().find(|m| m.step == i);
+                let (Some(f), Some(m)) = (f, m) else {
+                    return Err(GpuError::Invalid(format!("plan step {i} ({step:?}) has no loaded kernel")));
+                };
+                let args = m.args.iter().map(|&mem| resolve(mem)).collect::<Result<Vec<_>>>()?;
+                api.launch(f, &qatc_kernels::cuda::emit::launch_dims(&m.kernel), &args)?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! `qatc plan MODEL --memory SIZE --fit`: which configurations of the step fit a memory size, the
+//! fastest first. Every candidate is planned as it would run (`super::execute_plan`: the fused,
+//! lowered program laid out for the device), so "fits" means the executor's allocations fit.
+//!
+//! The search: batch sizes 1, 2, 4, ... up to `--max-batch`; at each, the checkpoint policies
+//! from the fastest: `none`, `auto` (the `remat` pass's fastest plan within the memory), `blocks`,
+//! `sqrt`, the first whose executed plan fits; and each optimizer of [`optimizers`]. A batch none of whose
+//! plans fits ends the search (a larger batch holds more). Candidates are ranked by estimated
+//! throughput, tokens per step over the step's work: its FLOPs (recompute included) plus a fixed
+//! cost per launch ([`launch_cost_flops`]), a model of speed, not a measurement. When nothing fits
+//! at batch 1, the answer is why: what the smallest plan still holds, by category.
+
+use anyhow::Context;
+use qatc_ir::Category;
+use qatc_passes::optim::Moments;
+use qatc_passes::plan::units::{flops, human};
+use qatc_passes::remat::Checkpoint;
+use qatc_runtime::exec::Device;
+use qatc_runtime::CpuOptions;
+use serde::Serialize;
+use serde_json::json;
+
+use super::{execute_plan, Executed};
+use crate::frontend::config::Gpt2Config;
+use crate::step::{self, StepOptions};
+
+/// The optimizers `--fit` tries: the one asked for (`--optim`). Searching 8-bit AdamW as well
+/// is a one-line change here, left for when its in-place kernel lands (issue 17 item 4).
+pub fn optimizers(base: &StepOptions) -> Vec<Moments> {
+    vec![base.adamw.moments]
+}
+
+/// What one launch costs, in FLOPs of the device's GEMM throughput: about 5 us of launch and
+/// synchronization at ~50 TFLOP/s on a GPU, about 2 us of dispatch at ~100 GFLOP/s on the CPU.
+/// Only the ranking uses it: more rows per launch is faster, by this much.
+pub fn launch_cost_flops(device: Device) -> f64 {
+    match device {
+        Device::Cuda => 2.5e8,
+        Device::Cpu => 2e5,
+    }
+}
+
+/// One configuration and its plan.
+#[derive(Clone, Debug, Serialize)]
+pub struct Candidate {
+    pub batch: usize,
+    pub seq: usize,
+    pub grad_accum: usize,
+    /// Tokens per optimizer step.
+    pub tokens: usize,
+    pub checkpoint: String,
+    pub optim: &'static str,
+    pub peak_bytes: usize,
+    pub fits: bool,
+    /// Share of the step's FLOPs spent recomputing.
+    pub recompute_share: f64,
+    pub total_flops: u64,
+    pub launches: usize,
+    /// Tokens per unit of estimated work, relative to the best candidate's (1.0).
+    pub relative_throughput: f64,
+    #[serde(skip)]
+    score: f64,
+}
+
+fn candidate(o: &StepOptions, e: &Executed, memory: usize, device: Device) -> Candidate {
+    let tokens = o.batch * o.seq * o.grad_accum.max(1);
+    let launches = e.program.launches();
+    let work = e.total_flops as f64 + launches as f64 * launch_cost_flops(device);
+    Candidate {
+        batch: o.batch,
+        seq: o.seq,
+        grad_accum: o.grad_accum,
+        tokens,
+        checkpoint: match o.checkpoint {
+            Checkpoint::Auto(_) => "auto".into(),
+            c => c.describe(),
+        },
+        optim: crate::config::Optimizer::of(o.adamw.moments).name(),
+        peak_bytes: e.plan.peak_bytes(),
+        fits: e.plan.peak_bytes() <= memory,
+        recompute_share: e.recompute_flops as f64 / e.total_flops.max(1) as f64,
+        total_flops: e.total_flops,
+        launches,
+        relative_throughput: 0.0,
+        score: tokens as f64 / work.max(1.0),
+    }
+}
+
+/// The search's result: every candidate that fits, the fastest first; the fastest one's plan;
+/// and, when nothing fits, the smallest plan at batch 1 to say why.
+pub struct Fit {
+    pub fits: Vec<Candidate>,
+    pub best: Option<(StepOptions, Executed)>,
+    pub smallest: Option<(Candidate, Executed)>,
+    pub tried: usize,
+}
+
+fn plan_of(cfg: &Gpt2Config, o: &StepOptions, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {
+    let (g, _) = step::train(cfg, o, |_, _| {})?;
+    execute_plan(&g, device, cpu)
+}
+
+/// Searches the configurations of `base` (its model options; batch, policy and optimizer
+/// varied) for those that fit `memory` on `device`.
+pub fn search(
+    cfg: &Gpt2Config,
+    base: &StepOptions,
+    memory: usize,
+    max_batch: usize,
+    device: Device,
+    cpu: &CpuOptions,
+) -> anyhow::Result<Fit> {
+    let mut fits: Vec<(Candidate, StepOptions)> = Vec::new();
+    let mut best: Option<(f64, StepOptions, Executed)> = None;
+    let mut smallest: Option<(Candidate, Executed)> = None;
+    let mut tried = 0;
+    let mut batch = 1;
+    while batch <= max_batch.max(1) {
+        let mut any = false;
+        for optim in optimizers(base) {
+            for policy in [Checkpoint::None, Checkpoint::Auto(memory), Checkpoint::Blocks, Checkpoint::Sqrt] {
+                let mut o = base.clone();
+                o.batch = batch;
+                o.adamw.moments = optim;
+                o.checkpoint = policy;
+                tried += 1;
+                // auto fails when no plan of its model (the graph-level planner's, which
+                // overstates the executed program) fits: blocks and sqrt are still tried
+                let Ok(e) = plan_of(cfg, &o, device, cpu) else { continue };
+                let c = candidate(&o, &e, memory, device);
+                if c.fits {
+                    consider(&mut best, &mut fits, c, o, e);
+                    any = true;
+                    // the first policy that fits is the fastest at this batch: none recomputes
+                    // nothing, auto least within the memory, then blocks, then sqrt
+                    break;
+                }
+                if batch == 1 && smallest.as_ref().is_none_or(|(s, _)| c.peak_bytes < s.peak_bytes) {
+                    smallest = Some((c, e));
+                }
+            }
+        }
+        if !any {
+            break;
+        }
+        batch *= 2;
+    }
+    fits.sort_by(|a, b| b.0.score.total_cmp(&a.0.score).then(a.0.peak_bytes.cmp(&b.0.peak_bytes)));
+    let top = fits.first().map_or(1.0, |f| f.0.score);
+    let fits: Vec<Candidate> = fits.into_iter().map(|(mut c, _)| (c.relative_throughput = c.score / top, c).1).collect();
+    let smallest = if fits.is_empty() { smallest } else { None };
+    Ok(Fit { fits, best: best.map(|(_, o, e)| (o, e)), smallest, tried })
+}
+
+fn consider(
+    best: &mut Option<(f64, StepOptions, Executed)>,
+    fits: &mut Vec<(Candidate, StepOptions)>,
+    c: Candidate,
+    o: StepOptions,
+    e: Executed,
+) {
+    if best.as_ref().is_none_or(|(s, _, _)| c.score > *s) {
+        *best = Some((c.score, o.clone(), e));
+    }
+    fits.push((c, o));
+}
+
+/// Why the smallest plan does not fit: its bytes at its peak, by category, largest first.
+pub fn why_not(c: &Candidate, e: &Executed, memory: usize) -> String {
+    let p = &e.plan;
+    let mut parts: Vec<(usize, &str)> = Category::ALL.iter().map(|&k| (p.at_peak(k), k.label())).filter(|(b, _)| *b > 0).collect();
+    parts.sort_by_key(|p| std::cmp::Reverse(p.0));
+    let list: Vec<String> = parts.iter().map(|(b, l)| format!("{l} {}", human(*b))).collect();
+    format!(
+        "nothing fits in {}: the smallest plan (batch 1, T {}, --checkpoint {}, {}) still holds {}: {}",
+        human(memory),
+        c.seq,
+        c.checkpoint,
+        c.optim,
+        human(c.peak_bytes),
+        list.join(", ")
+    )
+}
+
+/// The table `qatc plan --fit` prints.
+pub fn table(f: &Fit, title: &str, memory: usize, device: Device) -> String {
+    let mut o =
+        format!("qatc plan --fit: {title}\n  fits in {} on the {} executor ({} plans tried)\n", human(memory), device.name(), f.tried);
+    if f.fits.is_empty() {
+        if let Some((c, e)) = &f.smallest {
+            o += &format!("  {}\n", why_not(c, e, memory));
+        }
+        return o;
+    }
+    o += "  ranked by estimated throughput: tokens / (FLOPs + a fixed cost per launch), a model, not a measurement\n\n";
+    o += &format!(
+        "  {:>5} {:>6} {:>8} {:<14} {:<9} {:>10} {:>12} {:>10} {:>9}\n",
+        "batch", "seq", "tokens", "checkpoint", "optim", "recompute", "step FLOPs", "peak", "relative"
+    );
+    for c in &f.fits {
+        o += &format!(
+            "  {:>5} {:>6} {:>8} {:<14} {:<9} {:>9.1}% {:>12} {:>10} {:>9.2}\n",
+            c.batch,
+            c.seq,
+            c.tokens,
+            c.checkpoint,
+            c.optim,
+            100.0 * c.recompute_share,
+            flops(c.total_flops),
+            human(c.peak_bytes),
+            c.relative_throughput
+        );
+    }
+    o
+}
+
+/// The JSON `qatc plan --fit --json` prints (schema `qatc.fit`, version 1, `docs/memory_plan.md`).
+pub fn to_json(f: &Fit, context: serde_json::Value, memory: usize) -> anyhow::Result<String> {
+    let why = f.smallest.as_ref().map(|(c, e)| {
+        let by: serde_json::Map<String, serde_json::Value> =
+            Category::ALL.iter().map(|&k| (k.name().to_string(), json!(e.plan.at_peak(k)))).collect();
+        json!({ "message": why_not(c, e, memory), "smallest": c, "at_peak": by })
+    });
+    let v = json!({
+        "schema": "qatc.fit",
+        "version": 1,
+        "context": context,
+        "memory_limit": memory,
+        "plans_tried": f.tried,
+        "fits": f.fits,
+        "cannot_fit": why,
+    });
+    serde_json::to_string_pretty(&v).context("writing the fit as JSON")
+}

@@ -1,0 +1,112 @@
+//! The memory plan a user reads (`qatc plan`, `qatc compile`'s `memory_plan.json` and
+//! `memory.svg`, `qatc train`'s memory line, `qatc plan --fit`): the executed program's. The
+//! step graph (fused, checkpointed) is lowered to the program the device runs, rewritten as that
+//! device's executor rewrites it (GEMM panels on the CPU), and laid out by the executor core's
+//! own layout function with the device's parameters (`qatc_runtime::exec::Device`). The buffers
+//! listed are the buffers the executor allocates, at the same offsets.
+//!
+//! - [`json`]: the plan as JSON (schema `qatc.memory_plan`, version 2, `docs/memory_plan.md`);
+//! - [`svg`]: its timeline as a picture;
+//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size.
+//!
+//! The graph-level planner (`qatc_passes::plan`) stays the `remat` pass's model for its search
+//! over checkpoint policies; nothing a user sees comes from it.
+
+pub mod fit;
+pub mod json;
+pub mod svg;
+
+use anyhow::Context;
+use qatc_ir::{Graph, Phase, Roles};
+use qatc_kernels::{LowerOptions, Program};
+use qatc_passes::plan::cost::node_flops;
+use qatc_runtime::exec::{Device, ExecPlan, MemoryPlan};
+use qatc_runtime::CpuOptions;
+
+/// A step as a device's executor would run it, and what it holds.
+pub struct Executed {
+    pub device: Device,
+    /// The lowered program after the device's rewrites.
+    pub program: Program,
+    pub exec: ExecPlan,
+    pub plan: MemoryPlan,
+    /// FLOPs of the whole step (every node of the graph, a fused kernel its body's), and of the
+    /// values recomputed in the backward (`remat`).
+    pub total_flops: u64,
+    pub recompute_flops: u64,
+    pub recomputed_nodes: usize,
+}
+
+/// The program a step graph runs as, on any device: lowered in the order of the graph-level
+/// planner's memory-aware schedule (`qatc_passes::plan`), so that a value runs when the schedule
+/// says (a recomputed one just before the backward step that reads it, a weight gradient's GEMM
+/// as soon as it can) and the executor holds what that schedule holds; `ce_chunk_rows` overrides
+/// the chunked cross-entropy's rows per chunk.
+pub fn lower_step(g: &Graph, ce_chunk_rows: Option<usize>) -> anyhow::Result<Program> {
+    let schedule = qatc_passes::plan::schedule(g).context("scheduling the step")?;
+    let options = LowerOptions { ce_chunk_rows, order: Some(schedule), ..Default::default() };
+    qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
+}
+
+/// The CPU executor of step graph `g`, as `qatc train` runs it: the program [`execute_plan`]
+/// plans for the CPU, compiled (the executor applies the same rewrites and the same layout).
+#[cfg(feature = "llvm")]
+pub fn compile_cpu(g: &Graph, cpu: &CpuOptions) -> anyhow::Result<(qatc_runtime::CpuProgram, qatc_kernels::panels::PanelReport)> {
+    let prog = lower_step(g, None)?;
+    Ok(qatc_runtime::CpuProgram::compile(prog, cpu)?)
+}
+
+/// Lowers `g` for `device` and lays it out as that device's executor does. `cpu` are the CPU
+/// executor's settings (its panel size changes the program).
+pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {
+    let mut program = lower_step(g, None)?;
+    if device == Device::Cpu {
+        qatc_runtime::cpu::prepare(&mut program, cpu);
+    }
+    let exec = ExecPlan::new(&program, device.exec_options()).context("planning the program's execution")?;
+    let plan = MemoryPlan::new(&program, &exec);
+    let roles = Roles::of(g);
+    let (mut total_flops, mut recompute_flops, mut recomputed_nodes) = (0u64, 0u64, 0usize);
+    for n in g.node_ids() {
+        let f = node_flops(g, n);
+        total_flops += f;
+        if roles.phase(g, n) == Phase::Recompute {
+            recompute_flops += f;
+            recomputed_nodes += 1;
+        }
+    }
+    Ok(Executed { device, program, exec, plan, total_flops, recompute_flops, recomputed_nodes })
+}
+
+/// One line on a chunked cross-entropy, for the table and the picture.
+pub fn chunking_line(c: &qatc_kernels::program::CeChunking) -> String {
+    let whole = qatc_passes::plan::units::human(4 * c.rows * c.vocab);
+    let scratch = qatc_passes::plan::units::human(c.scratch_bytes());
+    if c.chunks() == 1 {
+        return format!(
+            "cross-entropy over {} x {} logits in one chunk of {} rows: the whole {whole} at once",
+            c.rows, c.vocab, c.chunk_rows
+        );
+    }
+    format!(
+        "cross-entropy over {} x {} logits in {} chunks of {} rows: one {scratch} chunk, never the whole {whole}",
+        c.rows,
+        c.vocab,
+        c.chunks(),
+        c.chunk_rows
+    )
+}
+
+/// What each cross-entropy over the vocabulary computes its logits in: rows, vocabulary, rows
+/// per chunk and the chunk scratch (`Program::cross_entropy`).
+pub fn chunking(p: &Program) -> Vec<serde_json::Value> {
+    p.cross_entropy
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "rows": c.rows, "vocab": c.vocab, "chunk_rows": c.chunk_rows, "chunks": c.chunks(),
+                "scratch_bytes": c.scratch_bytes(),
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,132 @@
+//! The chunked linear + cross-entropy (`kernels/src/lower/xent.rs`): no buffer of B x T x V
+//! exists, one row kernel serves every full chunk, and the step equals the unchunked one (the
+//! logits materialized, the fusion rule turned off): the loss and every gradient and update bit
+//! for bit where the weight is frozen, within 1e-6 where it trains (its gradient sums the chunks
+//! in order); the kernel-IR evaluator agrees with LLVM on the chunked program.
+
+mod common;
+
+use std::collections::HashMap;
+
+use qatc::cli::train::Trainer;
+use qatc::data::TokenFile;
+use qatc::model::Model;
+use qatc::step::StepOptions;
+use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_kernels::{LowerOptions, Program};
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::LoraOptions;
+use qatc_passes::quant::QuantOptions;
+use qatc_runtime::{CpuProgram, Value};
+
+const LR: f64 = 1e-3;
+
+fn floats(v: &Value<f32>) -> Vec<f64> {
+    match v {
+        Value::Float(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+        Value::Int(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+    }
+}
+
+/// Sequences and positions: 128 rows of logits, more than the model's width (64), so that fusion
+/// prefers never writing the logits even when the head trains (its gradient, V x C, is then
+/// smaller than the logits it replaces).
+const B: usize = 4;
+const T: usize = 32;
+
+/// The tiny step (B 4, T 32), fused; with the chunked rules or without.
+fn step(lora: bool, chunked: bool) -> (Trainer, StepOptions) {
+    let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+    let mut o = StepOptions::new(B, T);
+    o.keep_grads = true;
+    if lora {
+        o.model.full_finetune = false;
+        o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Sym }));
+        o.model.lora = Some(LoraOptions::new(4));
+    }
+    let mut f = FuseOptions::default();
+    if !chunked {
+        f.disabled = vec!["xent-linear".into(), "xent-linear-fwd".into()];
+    }
+    o.fuse = Some(f);
+    (Trainer::new(&m, o.clone(), None, 3).unwrap(), o)
+}
+
+/// Runs two steps of `prog` from `tr`'s state on the one batch of the fixture (the second from the first's updates); every output of each.
+fn run(mut cp: CpuProgram, tr: &Trainer) -> Vec<HashMap<String, Value<f32>>> {
+    let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+    let mut state = tr.state().unwrap();
+    (0..2)
+        .map(|_| {
+            let (ids, targets) = data.batch(0, B, T).unwrap();
+            state.insert("ids".into(), Value::ints([B, T], ids).unwrap());
+            state.insert("targets".into(), Value::ints([B, T], targets).unwrap());
+            state.insert("lr".into(), Value::scalar(LR));
+            cp.run(&state).unwrap()
+        })
+        .collect()
+}
+
+fn cpu(prog: Program) -> CpuProgram {
+    #[cfg(feature = "llvm")]
+    {
+        let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap();
+        CpuProgram::new(prog, Box::new(jit)).unwrap()
+    }
+    #[cfg(not(feature = "llvm"))]
+    CpuProgram::with_kir_eval(prog).unwrap()
+}
+
+/// The worst relative difference over every output (the loss bit for bit when `exact_loss`).
+fn compare(what: &str, got: &[HashMap<String, Value<f32>>], want: &[HashMap<String, Value<f32>>], exact_loss: bool) -> f64 {
+    let mut worst = 0.0f64;
+    for (s, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: the same outputs");
+        if exact_loss {
+            assert_eq!(floats(&g["loss"]), floats(&w["loss"]), "{what}, step {s}: the loss bit for bit");
+        }
+        for (name, wv) in w {
+            if w.contains_key(&format!("adam.m:{name}")) {
+                let e = common::norm_rel_err(&floats(&g[name]), &floats(wv));
+                assert!(e <= 1e-3, "{what}, step {s}: weight {name} differs by {e:e} norm-wise");
+                continue;
+            }
+            let e = common::rel_err(&floats(&g[name]), &floats(wv));
+            assert!(e <= 1e-6, "{what}, step {s}: {name} differs by {e:e}");
+            worst = worst.max(e);
+        }
+    }
+    worst
+}
+
+#[test]
+fn chunked_steps_equal_the_unchunked_step() {
+    for lora in [true, false] {
+        let what = if lora { "4-bit + LoRA (head frozen)" } else { "full fine-tune (head trains)" };
+        let (plain, _) = step(lora, false);
+        let (tr, _) = step(lora, true);
+        let unchunked = qatc_kernels::lower(&plain.graph).unwrap();
+        assert!(unchunked.cross_entropy.is_empty(), "{what}: the rule off, the logits are materialized");
+        let (rows, vocab) = (B * T, 97);
+        let logits_like = |b: &&qatc_kernels::program::Buffer| b.shape.last() == Some(&vocab) && b.numel() >= rows * vocab;
+        assert!(unchunked.buffers.iter().any(|b| logits_like(&b)), "{what}: the unchunked step holds the logits");
+        // chunks of 5 rows: 25 full chunks and a last one of 3
+        let prog = qatc_kernels::lower_with(&tr.graph, &LowerOptions { ce_chunk_rows: Some(5), ..Default::default() }).unwrap();
+        let ce = &prog.cross_entropy;
+        assert_eq!(ce.len(), 1, "{what}");
+        assert_eq!((ce[0].rows, ce[0].vocab, ce[0].chunk_rows, ce[0].chunks(), ce[0].with_grad), (rows, vocab, 5, 26, true));
+        let big: Vec<&str> = prog.buffers.iter().filter(logits_like).map(|b| b.name.as_str()).collect();
+        assert!(big.is_empty(), "{what}: no buffer of B x T x V: {big:?}");
+        let row_kernels = prog.kernels.iter().filter(|k| k.family == "cross_entropy.chunk").count();
+        assert_eq!(row_kernels, 2, "{what}: one row kernel for the full chunks, one for the last");
+        let want = run(cpu(unchunked), &plain);
+        let got = run(cpu(prog.clone()), &tr);
+        let worst = compare(what, &got, &want, true);
+        eprintln!("{what}: chunked against unchunked, worst {worst:.1e}");
+        // the kernel-IR evaluator runs the same program to the same results
+        let eval = run(CpuProgram::with_kir_eval(prog).unwrap(), &tr);
+        // (its reductions associate differently from LLVM's vectorized ones)
+        let worst = compare(&format!("{what}, KIR evaluator"), &eval, &got, false);
+        eprintln!("{what}: kernel-IR evaluator against LLVM, worst {worst:.1e}");
+    }
+}

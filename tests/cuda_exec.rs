@@ -1,0 +1,436 @@
+//! The CUDA executor (`qatc_runtime::cuda::CudaProgram`) driven as the trainer drives any
+//! executor (`TrainStep`: state set once, per step only the data in and the outputs out, the
+//! state read back at the end):
+//!
+//! - on the host emulation of the GPU (`HostGpu`: kernels through the kernel-IR evaluator, GEMMs
+//!   through the cuBLAS host model), always: the tiny training step, 4-bit + LoRA and full
+//!   fine-tune, fused and unfused, with and without graph capture, over several steps, against
+//!   the CPU executor (`CpuProgram` with the same evaluator); with and without the graph and
+//!   hoisting bit for bit; what crosses between host and device per step; a forward-only graph
+//!   (eval) against the interpreter; the kernels built by NVRTC through the executor's build;
+//! - on a GPU (`CudaDriver`), where there is one: ten steps of the tiny and Shakespeare GPT-2
+//!   steps against the CPU (bench/gpu.sh runs it).
+
+mod common;
+
+use std::collections::HashMap;
+
+use qatc::data::TokenFile;
+use qatc::model::Model;
+use qatc::step::StepOptions;
+use qatc::trainer::Trainer;
+use qatc_ir::{DType, InputKind, QuantScheme, QuantSpec};
+use qatc_kernels::cuda::blas::BlasMode;
+use qatc_kernels::program::BufKind;
+use qatc_kernels::Program;
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::quant::QuantOptions;
+use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, GpuApi, HostGpu, KernelBuild};
+use qatc_runtime::{CpuProgram, Interpreter, RuntimeError, TrainStep, Value};
+
+const TINY: (&str, &str) = ("tests/fixtures/tiny/f32_prefix/model.safetensors", "tests/fixtures/tiny/tokens.bin");
+const SHAKESPEARE: (&str, &str) = ("examples/gpt2-shakespeare-small/model.safetensors", "examples/shakespeare_train.bin");
+
+fn options(qlora: bool, fuse: bool, b: usize, t: usize) -> StepOptions {
+    let mut o = StepOptions::new(b, t);
+    if qlora {
+        o.model.full_finetune = false;
+        o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym }));
+        o.model.lora = Some(LoraOptions::new(4));
+    }
+    o.fuse = fuse.then(FuseOptions::default);
+    o.keep_grads = true;
+    o
+}
+
+/// A step's program and its initial state (weights, zero moments), on a model and token file
+/// from the repository.
+fn setup(model: &str, tokens: &str, o: &StepOptions) -> (Program, HashMap<String, Value<f32>>, TokenFile) {
+    let m = Model::open(&common::root().join(model)).expect("the model");
+    let data = TokenFile::open(&common::root().join(tokens)).expect("tokens");
+    let tr = Trainer::new(&m, o.clone(), None, 3).expect("a trainer");
+    let prog = qatc_kernels::lower(&tr.graph).expect("lowers");
+    (prog, tr.state().expect("the state"), data)
+}
+
+/// What a run of `n` steps gave: each step's outputs, and every trainable and state input read
+/// back at the end.
+struct Run {
+    steps: Vec<HashMap<String, Value<f32>>>,
+    state: HashMap<String, Value<f32>>,
+}
+
+fn set(step: &mut dyn TrainStep, name: &str, v: Value<f32>) {
+    match step.set_input(name, &v) {
+        // a per-step input the step does not have (a dropout seed without dropout)
+        Err(RuntimeError::UnknownInput(_)) => {}
+        r => r.unwrap_or_else(|e| panic!("{name}: {e}")),
+    }
+}
+
+/// Step `s`'s data inputs: its batch, a learning rate, a dropout seed.
+fn give_batch(step: &mut dyn TrainStep, data: &TokenFile, o: &StepOptions, s: usize) {
+    let (ids, targets) = data.batch(s, o.batch, o.seq).expect("a batch");
+    set(step, "ids", Value::ints([o.batch, o.seq], ids).expect("ids"));
+    set(step, "targets", Value::ints([o.batch, o.seq], targets).expect("targets"));
+    set(step, DROPOUT_SEED, Value::ints([], vec![5 + s as i32]).expect("a seed"));
+    set(step, "lr", Value::scalar(1e-3));
+}
+
+/// Every trainable and state input, read back.
+fn read_state(step: &dyn TrainStep, prog: &Program) -> HashMap<String, Value<f32>> {
+    let mut back = HashMap::new();
+    for b in &prog.buffers {
+        if let BufKind::Input(name, InputKind::Trainable | InputKind::State) = &b.kind {
+            back.insert(name.clone(), step.read_input(name).unwrap_or_else(|e| panic!("{name}: {e}")));
+        }
+    }
+    back
+}
+
+/// Drives `step` as the trainer does: the state once, then per step the data in and the outputs
+/// out; the state read back at the end.
+fn drive(
+    step: &mut dyn TrainStep,
+    prog: &Program,
+    state: &HashMap<String, Value<f32>>,
+    data: &TokenFile,
+    o: &StepOptions,
+    n: usize,
+) -> Run {
+    for (name, v) in state {
+        set(step, name, v.clone());
+    }
+    let mut steps = Vec::new();
+    for s in 0..n {
+        give_batch(step, data, o, s);
+        step.run().unwrap_or_else(|e| panic!("step {s}: {e}"));
+        steps.push(step.outputs().expect("the outputs"));
+    }
+    Run { steps, state: read_state(step, prog) }
+}
+
+fn floats(v: &Value<f32>) -> Vec<f64> {
+    match v {
+        Value::Float(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+        Value::Int(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+    }
+}
+
+/// The largest errors of one step against the reference's from the same state: (over its
+/// outputs, element-wise relative to each tensor's largest element; over the state it updated,
+/// norm-wise, since AdamW divides by sqrt(v), which amplifies the last bits of a gradient near
+/// zero: tests/compiled_cpu.rs), each with where.
+#[derive(Default)]
+struct Worst {
+    outputs: (f64, String),
+    state: (f64, String),
+}
+
+impl Worst {
+    fn add(&mut self, s: usize, got: &HashMap<String, Value<f32>>, want: &HashMap<String, Value<f32>>, state: bool) {
+        assert_eq!(got.len(), want.len(), "step {s}: the same values");
+        for (name, w) in want {
+            let g = floats(got.get(name).unwrap_or_else(|| panic!("step {s}: no {name}")));
+            assert!(g.iter().all(|x| x.is_finite()), "step {s}: {name} is not finite");
+            let (e, slot) = if state {
+                (common::norm_rel_err(&g, &floats(w)), &mut self.state)
+            } else {
+                (common::rel_err(&g, &floats(w)), &mut self.outputs)
+            };
+            if e >= slot.0 {
+                *slot = (e, format!("step {s} {name}"));
+            }
+        }
+    }
+}
+
+/// `step` and the CPU executor in lock step over `n` steps: `step` keeps its own state on its
+/// device throughout; before each step the CPU is given the state `step` read back, so every
+/// step is compared from the same state (two f32 runs that differ in the last bits drift apart
+/// through AdamW, which would say nothing of the executor).
+fn lockstep(
+    step: &mut dyn TrainStep,
+    cpu: &mut CpuProgram,
+    prog: &Program,
+    state: &HashMap<String, Value<f32>>,
+    data: &TokenFile,
+    o: &StepOptions,
+    n: usize,
+) -> (Worst, Vec<f64>) {
+    for (name, v) in state {
+        set(step, name, v.clone());
+        set(cpu, name, v.clone());
+    }
+    let mut worst = Worst::default();
+    let mut losses = Vec::new();
+    for s in 0..n {
+        give_batch(step, data, o, s);
+        give_batch(cpu, data, o, s);
+        step.run().unwrap_or_else(|e| panic!("step {s}: {e}"));
+        cpu.execute().unwrap_or_else(|e| panic!("CPU step {s}: {e}"));
+        let (got, want) = (step.outputs().expect("outputs"), TrainStep::outputs(cpu).expect("outputs"));
+        worst.add(s, &got, &want, false);
+        losses.push((floats(&got["loss"])[0], floats(&want["loss"])[0]));
+        let got_state = read_state(step, prog);
+        worst.add(s, &got_state, &read_state(cpu, prog), true);
+        for (name, v) in got_state {
+            set(cpu, &name, v);
+        }
+    }
+    (worst, losses.into_iter().flat_map(|(a, b)| [a, b]).collect())
+}
+
+fn bits_equal(a: &Run, b: &Run) -> bool {
+    let same = |x: &HashMap<String, Value<f32>>, y: &HashMap<String, Value<f32>>| {
+        x.len() == y.len()
+            && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| floats(v).iter().zip(floats(w)).all(|(p, q)| p.to_bits() == q.to_bits())))
+    };
+    a.steps.len() == b.steps.len() && a.steps.iter().zip(&b.steps).all(|(x, y)| same(x, y)) && same(&a.state, &b.state)
+}
+
+fn emulated(prog: &Program, o: CudaOptions) -> CudaProgram<HostGpu> {
+    CudaProgram::new(prog.clone(), HostGpu::new(1 << 30), o, None).expect("builds on the emulated GPU")
+}
+
+/// The tiny step through the CUDA executor on the emulated GPU equals the CPU executor, step by
+/// step from the same state over 3 steps (the executor keeping its state resident): the loss
+/// within 1e-6, the gradients within 5e-6 of each tensor's largest element (f32 sums of many
+/// rows in two orders), the parameters and moments the
+/// step updated (read back) within 1e-4 norm-wise (AdamW's first steps move a parameter by about
+/// lr whatever its gradient's size, so a gradient near zero that differs in its last bits moves
+/// it differently: LoRA's B, zero at the start, shows 1e-5). Not bit for bit: the kernels are the same
+/// evaluator on both, but the GEMMs sum in other orders (the cuBLAS model against the gemm
+/// crate). The executor with and without its graph and hoisting: bit for bit.
+#[test]
+fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
+    let steps = 3;
+    for (qlora, fuse, graph) in [(true, true, true), (true, false, false), (false, true, false), (false, false, true)] {
+        let what = format!("4-bit + LoRA {qlora}, fused {fuse}, graph {graph}");
+        let o = options(qlora, fuse, 2, 16);
+        let (prog, state, data) = setup(TINY.0, TINY.1, &o);
+        let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
+        let mut gpu = emulated(&prog, CudaOptions { graph, ..CudaOptions::default() });
+        let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, steps);
+        let (launches, calls) = gpu.per_step();
+        let b = gpu.bytes();
+        eprintln!(
+            "{what}: {launches} launches and {calls} GEMM calls per step, {} hoisted steps; device {} (arena {}, persistent {}, data {}, scratch {}); worst output error {:.1e} ({}), state {:.1e} ({})",
+            gpu.plan().hoisted_steps(),
+            b.device_total(),
+            b.arena,
+            b.persistent,
+            b.data,
+            b.scratch,
+            worst.outputs.0,
+            worst.outputs.1,
+            worst.state.0,
+            worst.state.1
+        );
+        let loss_err = losses.chunks(2).map(|p| (p[0] - p[1]).abs() / p[1].abs()).fold(0.0f64, f64::max);
+        assert!(loss_err <= 1e-6, "{what}: a loss off by {loss_err:e}");
+        assert!(worst.outputs.0 <= 5e-6, "{what}: {} off by {:e}", worst.outputs.1, worst.outputs.0);
+        assert!(worst.state.0 <= 1e-4, "{what}: {} off by {:e}", worst.state.1, worst.state.0);
+        assert_eq!(gpu.api().captures, usize::from(graph), "{what}: captured once, replayed after");
+        if qlora {
+            assert!(gpu.plan().hoisted_steps() > 0, "{what}: the frozen 4-bit weights' dequantization is hoisted");
+        }
+        // the other way of running it: the same arithmetic, so the same bits
+        let one = drive(&mut emulated(&prog, CudaOptions { graph, ..CudaOptions::default() }), &prog, &state, &data, &o, steps);
+        let other = CudaOptions { graph: !graph, hoist_frozen: !graph, ..CudaOptions::default() };
+        let two = drive(&mut emulated(&prog, other), &prog, &state, &data, &o, steps);
+        assert!(bits_equal(&one, &two), "{what}: the graph and hoisting change no bit");
+    }
+}
+
+/// Per step, only the data inputs go to the device and only the outputs come back; nothing is
+/// allocated after the build; frozen 4-bit weights stay packed on the device (never f32).
+#[test]
+fn state_stays_on_the_device_between_steps() {
+    let o = options(true, true, 2, 16);
+    let (prog, state, data) = setup(TINY.0, TINY.1, &o);
+    let mut gpu = emulated(&prog, CudaOptions::default());
+    let allocated = gpu.api().allocations;
+    let mut out_bufs: Vec<usize> = prog.outputs.iter().map(|(_, v)| v.buf).collect();
+    out_bufs.sort();
+    out_bufs.dedup();
+    let readback: usize = out_bufs.iter().map(|&b| prog.buffers[b].bytes()).sum();
+    let data_bytes = gpu.layout().data_bytes;
+    for (name, v) in &state {
+        gpu.set_input(name, v).expect("the state");
+    }
+    let mut traffic = Vec::new();
+    for s in 0..4 {
+        let (ids, targets) = data.batch(s, o.batch, o.seq).expect("a batch");
+        gpu.set_input("ids", &Value::ints([o.batch, o.seq], ids).expect("ids")).expect("ids");
+        gpu.set_input("targets", &Value::ints([o.batch, o.seq], targets).expect("targets")).expect("targets");
+        gpu.set_input("lr", &Value::scalar(1e-2)).expect("lr");
+        let before = (gpu.api().bytes_in, gpu.api().bytes_out);
+        gpu.execute().expect("runs");
+        TrainStep::outputs(&gpu).expect("the outputs");
+        traffic.push((gpu.api().bytes_in - before.0, gpu.api().bytes_out - before.1));
+    }
+    eprintln!("bytes in and out per step: {traffic:?}; the data region is {data_bytes}, the outputs {readback}");
+    assert!(traffic.iter().all(|&t| t == (data_bytes, readback)), "{traffic:?}: only the data in and the outputs out");
+    assert_eq!(gpu.api().allocations, allocated, "no allocation after the build");
+    let mut packed = 0;
+    for (b, buf) in prog.buffers.iter().enumerate() {
+        if matches!(buf.kind, BufKind::Input(_, InputKind::Frozen)) && buf.dtype == DType::I4 {
+            packed += 1;
+            let held = gpu.layout().places[b].bytes;
+            assert!(held <= buf.numel().div_ceil(2).next_multiple_of(256), "{}: {held} bytes for {} codes", buf.name, buf.numel());
+        }
+    }
+    assert!(packed > 0, "frozen weights held as packed 4-bit codes");
+    // a parameter read back after the steps is what the steps wrote there, not what was set
+    let lora = prog.updates.iter().map(|(n, _)| n.clone()).find(|n| n.contains("lora_B")).expect("a LoRA B");
+    assert_ne!(floats(&gpu.read_input(&lora).expect("read back")), floats(&state[&lora]), "{lora} trained on the device");
+}
+
+/// A forward-only graph (what `qatc eval` builds) through the executor: the loss within 1e-6 of
+/// the interpreter's.
+#[test]
+fn a_forward_graph_through_the_cuda_executor_equals_the_interpreter() {
+    let m = Model::open(&common::root().join(TINY.0)).expect("the model");
+    let data = TokenFile::open(&common::root().join(TINY.1)).expect("tokens");
+    let mo = options(true, true, 2, 16).model;
+    let (g, _) = qatc::step::model(&m.cfg, 2, 16, false, &mo, |_, _| {}).expect("a forward graph");
+    let mut inputs = m.bind::<f32>(&g, None, 0).expect("binds");
+    let (ids, targets) = data.batch(1, 2, 16).expect("a batch");
+    inputs.insert("ids".into(), Value::ints([2, 16], ids).expect("ids"));
+    inputs.insert("targets".into(), Value::ints([2, 16], targets).expect("targets"));
+    let want = Interpreter::<f32>::new(&g).expect("interp").run(&inputs).expect("runs")["loss"].clone();
+    let prog = qatc_kernels::lower(&g).expect("lowers");
+    let mut gpu = emulated(&prog, CudaOptions::default());
+    let got = gpu.run(&inputs).expect("runs")["loss"].clone();
+    let e = common::rel_err(&floats(&got), &floats(&want));
+    eprintln!("eval loss {:?} against {:?}: {e:.1e}", floats(&got), floats(&want));
+    assert!(e <= 1e-6, "off by {e:e}");
+}
+
+/// The executor's build through NVRTC: every kernel it loads (the program's and the GEMM plans'
+/// data moves) compiles for the emulated device's architecture (sm_90); a second build takes
+/// every CUBIN from the cache.
+#[test]
+fn the_executor_builds_its_kernels_with_nvrtc_through_the_cache() {
+    let Some(nv) = common::nvrtc::nvrtc() else { return };
+    let o = options(true, true, 2, 16);
+    let (prog, _, _) = setup(TINY.0, TINY.1, &o);
+    let cache = common::nvrtc::test_cache();
+    let build = KernelBuild { nvrtc: &nv, cache: Some(&cache), jobs: 2, source_dir: None };
+    let first = CudaProgram::new(prog.clone(), HostGpu::new(1 << 30), CudaOptions::default(), Some(&build)).expect("builds");
+    let r1 = first.build_report().expect("a report").clone();
+    let second = CudaProgram::new(prog, HostGpu::new(1 << 30), CudaOptions::default(), Some(&build)).expect("builds");
+    let r2 = second.build_report().expect("a report");
+    eprintln!("{}\n{}", r1.summary(), r2.summary());
+    assert_eq!(r1.kernels, first.distinct_kernels());
+    assert!(r1.kernels >= prog_kernels(&first), "the program's kernels and the GEMM plans' data moves");
+    assert_eq!((r2.cached, r2.compiled), (r2.kernels, 0), "the second build compiles nothing");
+}
+
+fn prog_kernels<A: GpuApi>(p: &CudaProgram<A>) -> usize {
+    let mut names: Vec<String> = p.program().kernels.iter().map(|k| k.name()).collect();
+    names.sort();
+    names.dedup();
+    names.len()
+}
+
+/// The GPU and NVRTC, or None with the reason printed.
+fn gpu() -> Option<(CudaDriver, qatc_kernels::nvrtc::Nvrtc)> {
+    let g = match CudaDriver::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            return None;
+        }
+    };
+    let nv = common::nvrtc::nvrtc()?;
+    eprintln!("GPU: {} ({}), NVRTC {}.{}", g.device().name, g.device().arch, nv.version.0, nv.version.1);
+    Some((g, nv))
+}
+
+/// Ten steps through the executor on the GPU (strict fp32 GEMMs, the step captured as a graph),
+/// its state resident there, in lock step with the CPU executor (each step from the state the
+/// GPU read back): losses within 1e-5, gradients within 1e-4 of their largest element, the
+/// updated state within 1e-4 norm-wise.
+#[test]
+fn ten_steps_of_the_cuda_executor_track_the_cpu() {
+    let Some((driver, nv)) = gpu() else { return };
+    let cases = [
+        ("tiny, full fine-tune, unfused", TINY, options(false, false, 2, 16)),
+        ("tiny, 4-bit + LoRA, fused", TINY, options(true, true, 2, 16)),
+        ("Shakespeare GPT-2, 4-bit + LoRA, fused", SHAKESPEARE, options(true, true, 2, 64)),
+    ];
+    let cache = common::nvrtc::test_cache();
+    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    let build = KernelBuild { nvrtc: &nv, cache: Some(&cache), jobs, source_dir: None };
+    let mut driver = Some(driver);
+    for (what, (model, tokens), o) in cases {
+        let (prog, state, data) = setup(model, tokens, &o);
+        let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
+        let api = match driver.take() {
+            Some(d) => d,
+            None => CudaDriver::open(0).expect("the GPU again"),
+        };
+        let opts = CudaOptions { blas: BlasMode::Strict, ..CudaOptions::default() };
+        let mut gpu = CudaProgram::new(prog.clone(), api, opts, Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (launches, calls) = gpu.per_step();
+        let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 10);
+        let loss_err = losses.chunks(2).map(|p| (p[0] - p[1]).abs() / p[1].abs().max(1e-30)).fold(0.0f64, f64::max);
+        eprintln!(
+            "{what}: {launches} launches and {calls} GEMM calls per step; losses {:?}; worst loss error {loss_err:.1e}, output {:.1e} ({}), state {:.1e} ({})",
+            losses.chunks(2).map(|p| p[0] as f32).collect::<Vec<_>>(),
+            worst.outputs.0,
+            worst.outputs.1,
+            worst.state.0,
+            worst.state.1
+        );
+        assert!(loss_err <= 1e-5, "{what}: a loss off by {loss_err:e}");
+        assert!(worst.outputs.0 <= 1e-4, "{what}: {} off by {:e}", worst.outputs.1, worst.outputs.0);
+        assert!(worst.state.0 <= 1e-4, "{what}: {} off by {:e}", worst.state.1, worst.state.0);
+    }
+}
+
+/// `qatc train --device cuda` where CUDA cannot run: one line saying why, exit code 2, nothing
+/// written; `--device auto` says it falls back to the CPU and trains; the GPU-only settings are
+/// refused on the CPU; `qatc eval --device cuda` fails as train does. (Where a GPU is usable, bench/gpu.sh runs `--device cuda` itself.)
+#[test]
+fn the_device_flag_without_a_gpu() {
+    if qatc::runner::cuda_ready().is_ok() {
+        eprintln!("SKIPPED: CUDA is usable here; this test is for machines without it");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("qatc-cuda-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let train = |device: &str, extra: &[&str], out: &str| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_qatc"));
+        c.args(["train", &common::root().join(TINY.0).display().to_string(), "--data", &common::root().join(TINY.1).display().to_string()]);
+        c.args(["--batch", "2", "--seq", "16", "--steps", "1", "--lora", "r=4", "--device", device, "--out"]);
+        c.arg(dir.join(out)).args(extra);
+        c.output().expect("qatc runs")
+    };
+    let r = train("cuda", &[], "cuda");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.starts_with("error: --device cuda: "), "{err}");
+    assert!(!dir.join("cuda").exists(), "nothing written");
+    let r = train("auto", &[], "auto");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{err}");
+    assert!(err.lines().next().is_some_and(|l| l.starts_with("qatc: ") && l.contains("running on the CPU")), "{err}");
+    let r = train("cpu", &["--tf32"], "tf32");
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--tf32"));
+    // eval on the GPU: the same error where there is none
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_qatc"))
+        .args(["eval", &common::root().join(TINY.0).display().to_string(), "--data", &common::root().join(TINY.1).display().to_string()])
+        .args(["--batch", "2", "--seq", "16", "--batches", "1", "--device", "cuda"])
+        .output()
+        .expect("qatc runs");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.starts_with("error: --device cuda: ") && err.trim().lines().count() == 1, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

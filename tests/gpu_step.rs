@@ -1,0 +1,376 @@
+//! Training steps run on the GPU API (`qatc_runtime::cuda::GpuApi`) by the simplest driver there
+//! is ([`Plain`]: one allocation per buffer, each step in order, launches with the CUDA writer's
+//! launch dimensions, GEMMs through their cuBLAS plans), compared with the CPU executor:
+//!
+//! - on the host emulation (`HostGpu`), always: the tiny step, full fine-tune and 4-bit + LoRA;
+//! - on the GPU (`CudaDriver`, kernels compiled to CUBINs by NVRTC for the device, strict fp32),
+//!   where there is one: the tiny and the Shakespeare GPT-2 steps over 10 steps (each step from
+//!   the CPU's state: losses within 1e-5, gradients within 1e-4 relative), and every kernel of
+//!   the demo step (`examples/demo.sh`'s configuration) launched alone on the GPU's copy of the
+//!   evaluator's inputs and compared with the kernel-IR evaluator. `bench/gpu.sh` runs these.
+//!
+//! This is not the CUDA executor (`CudaProgram`: an arena, resident state, a captured step;
+//! tests/cuda_exec.rs); it checks the parts it is built from with nothing of its own between
+//! them, so that a failure on a real GPU can be told apart from one of the executor.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+
+use half::{bf16, f16};
+use qatc::data::TokenFile;
+use qatc::model::Model;
+use qatc::step::StepOptions;
+use qatc::trainer::Trainer;
+use qatc_ir::{DType, QuantScheme, QuantSpec};
+use qatc_kernels::cuda::blas::{self, BlasMode, BlasPlan, Mem};
+use qatc_kernels::cuda::emit::launch_dims;
+use qatc_kernels::nvrtc::BuildOptions;
+use qatc_kernels::program::{BufKind, Buffer, View};
+use qatc_kernels::{Program, Step};
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::quant::QuantOptions;
+use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage, PlanFuncs};
+use qatc_runtime::{CpuProgram, Value};
+
+/// A value as a buffer's bytes.
+fn to_bytes(buf: &Buffer, v: &Value<f32>) -> Vec<u8> {
+    let mut out = vec![0u8; buf.device_bytes()];
+    match (buf.dtype, v) {
+        (DType::F32, Value::Float(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
+        (DType::F16, Value::Float(t)) => {
+            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
+        }
+        (DType::BF16, Value::Float(t)) => {
+            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
+        }
+        (DType::I32, Value::Int(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
+        (DType::U8, Value::Int(t)) => out.iter_mut().zip(&t.data).for_each(|(o, &c)| *o = c as u8),
+        (DType::I4, Value::Int(t)) => {
+            out.iter_mut().zip(t.data.chunks(2)).for_each(|(o, p)| *o = (p[0] as u8) | (p.get(1).copied().unwrap_or(0) as u8) << 4)
+        }
+        (d, _) => panic!("{}: a {d} buffer given {v:?}", buf.name),
+    }
+    out
+}
+
+/// Element `i` of a buffer's bytes, as f64.
+fn element(d: DType, b: &[u8], i: usize) -> f64 {
+    match d {
+        DType::F32 => f64::from(f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])),
+        DType::I32 => f64::from(i32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])),
+        DType::F16 => f64::from(f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()),
+        DType::BF16 => f64::from(bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()),
+        DType::U8 => f64::from(b[i]),
+        DType::I4 => f64::from((b[i / 2] >> (4 * (i % 2))) & 15),
+    }
+}
+
+/// The elements of a view, row-major.
+fn gather(d: DType, bytes: &[u8], v: &View) -> Vec<f64> {
+    (0..v.numel())
+        .map(|e| {
+            let (mut rest, mut at) = (e, v.offset);
+            for (&n, &s) in v.shape.iter().zip(&v.strides).rev() {
+                at += (rest % n) * s;
+                rest /= n;
+            }
+            element(d, bytes, at)
+        })
+        .collect()
+}
+
+/// One GEMM step, ready: its plan, its data-move kernels loaded, its scratch.
+struct PlannedGemm {
+    plan: BlasPlan,
+    moves: PlanFuncs,
+    scratch: Vec<DevPtr>,
+}
+
+/// A program on a GPU: an allocation per buffer, its kernels and plans loaded.
+struct Plain<'a> {
+    gpu: &'a mut dyn GpuApi,
+    prog: &'a Program,
+    ptrs: Vec<DevPtr>,
+    funcs: Vec<FuncId>,
+    gemms: Vec<Option<PlannedGemm>>,
+}
+
+impl<'a> Plain<'a> {
+    /// `cubins` by kernel name (empty for the emulation).
+    fn new(gpu: &'a mut dyn GpuApi, prog: &'a Program, cubins: &HashMap<String, Vec<u8>>) -> Plain<'a> {
+        let image = |k: &qatc_kernels::kir::Kernel| {
+            let name = qatc_kernels::cuda::emit(k).expect("emits").name;
+            KernelImage { cubin: cubins.get(&name).cloned().unwrap_or_default(), name, kernel: k.clone() }
+        };
+        let ptrs: Vec<DevPtr> = prog.buffers.iter().map(|b| gpu.alloc(b.device_bytes().max(4)).expect("device memory")).collect();
+        let funcs = prog.kernels.iter().map(|k| gpu.load(&image(k)).expect("loads")).collect();
+        let mut gemms = Vec::new();
+        for step in &prog.steps {
+            gemms.push(match step {
+                Step::Gemm(g) => {
+                    let plan = blas::plan(g, &prog.buffers, BlasMode::Strict).expect("plans");
+                    let scratch = plan.scratch.iter().map(|(t, n)| gpu.alloc((t.bytes() * n).max(4)).expect("scratch")).collect();
+                    let moves = blas::move_kernels(&plan).iter().map(|m| (m.step, gpu.load(&image(&m.kernel)).expect("loads"))).collect();
+                    Some(PlannedGemm { plan, moves, scratch })
+                }
+                Step::Launch { .. } => None,
+            });
+        }
+        Plain { gpu, prog, ptrs, funcs, gemms }
+    }
+
+    fn set_inputs(&mut self, inputs: &HashMap<String, Value<f32>>) {
+        for (b, &p) in self.prog.buffers.iter().zip(&self.ptrs) {
+            if let BufKind::Input(name, _) = &b.kind {
+                if let Some(v) = inputs.get(name) {
+                    self.gpu.upload(p, &to_bytes(b, v)).expect("uploads");
+                }
+            }
+        }
+    }
+
+    /// Runs step `i` of the program.
+    fn step(&mut self, i: usize) {
+        match &self.prog.steps[i] {
+            Step::Launch { kernel, args, .. } => {
+                let a: Vec<DevPtr> = args.iter().map(|&b| self.ptrs[b]).collect();
+                self.gpu.launch(self.funcs[*kernel], &launch_dims(&self.prog.kernels[*kernel]), &a).expect("launches");
+            }
+            Step::Gemm(g) => {
+                let pg = self.gemms[i].as_ref().expect("planned");
+                let (ptrs, scratch) = (&self.ptrs, &pg.scratch);
+                let resolve = |m: Mem| -> qatc_runtime::cuda::Result<DevPtr> {
+                    Ok(match m {
+                        Mem::Buf(b) => ptrs[b],
+                        Mem::Scratch(s) => scratch[s],
+                    })
+                };
+                run_plan(self.gpu, &pg.plan, &pg.moves, &resolve).unwrap_or_else(|e| panic!("{}: {e}\n{}", g.note, pg.plan.summary()));
+            }
+        }
+    }
+
+    fn run(&mut self, inputs: &HashMap<String, Value<f32>>) -> HashMap<String, Vec<f64>> {
+        self.set_inputs(inputs);
+        for i in 0..self.prog.steps.len() {
+            self.step(i);
+        }
+        self.gpu.synchronize().expect("synchronizes");
+        // the outputs, and the updates under the names of the inputs they are the new values of
+        self.prog.outputs.iter().chain(&self.prog.updates).map(|(name, v)| (name.clone(), self.read(v.buf, v))).collect()
+    }
+
+    fn bytes(&mut self, b: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; self.prog.buffers[b].device_bytes()];
+        self.gpu.download(&mut bytes, self.ptrs[b]).expect("downloads");
+        bytes
+    }
+
+    fn read(&mut self, b: usize, v: &View) -> Vec<f64> {
+        let bytes = self.bytes(b);
+        gather(self.prog.buffers[b].dtype, &bytes, v)
+    }
+}
+
+impl Drop for Plain<'_> {
+    fn drop(&mut self) {
+        for p in self.ptrs.drain(..).chain(self.gemms.iter_mut().flatten().flat_map(|g| g.scratch.drain(..))) {
+            let _ = self.gpu.free(p);
+        }
+    }
+}
+
+/// A step's program and trainer, on a model and token file from the repository.
+fn setup(model: &str, tokens: &str, o: StepOptions) -> (Program, Trainer, TokenFile) {
+    let m = Model::open(&common::root().join(model)).expect("the model");
+    let data = TokenFile::open(&common::root().join(tokens)).expect("tokens");
+    let tr = Trainer::new(&m, o, None, 3).expect("a trainer");
+    let prog = qatc_kernels::lower(&tr.graph).expect("lowers");
+    (prog, tr, data)
+}
+
+/// The inputs of step `s`: the state, batch s, a dropout seed, a learning rate.
+fn inputs(state: &HashMap<String, Value<f32>>, data: &TokenFile, o: &StepOptions, s: usize) -> HashMap<String, Value<f32>> {
+    let mut v = state.clone();
+    let (ids, targets) = data.batch(s, o.batch, o.seq).expect("a batch");
+    v.insert("ids".into(), Value::ints([o.batch, o.seq], ids).expect("ids"));
+    v.insert("targets".into(), Value::ints([o.batch, o.seq], targets).expect("targets"));
+    v.insert(DROPOUT_SEED.into(), Value::ints([], vec![5 + s as i32]).expect("a seed"));
+    v.insert("lr".into(), Value::scalar(1e-2));
+    v
+}
+
+/// Every output near the CPU's: the loss within 1e-5 and gradients within 1e-4 element-wise
+/// (max |gpu - cpu| / max |cpu|), the AdamW results (which amplify f32 noise:
+/// tests/compiled_cpu.rs) norm-wise within 1e-3. Returns the worst error and where.
+fn compare(what: &str, got: &HashMap<String, Vec<f64>>, want: &HashMap<String, Value<f32>>) -> (f64, String) {
+    let mut worst = (0.0f64, String::new());
+    for (name, w) in want {
+        let w: Vec<f64> = match w {
+            Value::Float(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+            Value::Int(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
+        };
+        let g = got.get(name).unwrap_or_else(|| panic!("{what}: no output {name}"));
+        assert!(g.iter().all(|x| x.is_finite()) || w.iter().any(|x| !x.is_finite()), "{what}: {name} is not finite");
+        let (err, tol) = match name.as_str() {
+            "loss" => (common::rel_err(g, &w), 1e-5),
+            n if n.starts_with("grad:") => (common::rel_err(g, &w), 1e-4),
+            _ => (common::norm_rel_err(g, &w), 1e-3),
+        };
+        assert!(err <= tol, "{what}: {name} off by {err:e} (tolerance {tol:e})");
+        if err > worst.0 {
+            worst = (err, name.clone());
+        }
+    }
+    worst
+}
+
+fn options(qlora: bool, fuse: bool, b: usize, t: usize) -> StepOptions {
+    let mut o = StepOptions::new(b, t);
+    if qlora {
+        o.model.full_finetune = false;
+        o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym }));
+        o.model.lora = Some(LoraOptions::new(4));
+    }
+    o.fuse = fuse.then(FuseOptions::default);
+    o.keep_grads = true;
+    o
+}
+
+const TINY: (&str, &str) = ("tests/fixtures/tiny/f32_prefix/model.safetensors", "tests/fixtures/tiny/tokens.bin");
+const SHAKESPEARE: (&str, &str) = ("examples/gpt2-shakespeare-small/model.safetensors", "examples/shakespeare_train.bin");
+
+#[test]
+fn the_tiny_step_on_the_emulated_gpu_matches_the_cpu() {
+    for (qlora, fuse) in [(false, false), (true, true)] {
+        let what = format!("HostGpu, 4-bit + LoRA {qlora}, fused {fuse}");
+        let o = options(qlora, fuse, 2, 16);
+        let (prog, tr, data) = setup(TINY.0, TINY.1, o.clone());
+        let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
+        let want = CpuProgram::with_kir_eval(prog.clone()).expect("a program").run(&inp).expect("runs");
+        let mut gpu = HostGpu::new(1 << 30);
+        let got = Plain::new(&mut gpu, &prog, &HashMap::new()).run(&inp);
+        let worst = compare(&what, &got, &want);
+        eprintln!(
+            "{what}: {} launches, {} GEMM calls, peak {} bytes; worst error {:.1e} ({})",
+            gpu.launches,
+            gpu.gemms,
+            gpu.peak_memory(),
+            worst.0,
+            worst.1
+        );
+    }
+}
+
+/// The GPU and NVRTC, or None with the reason printed.
+fn gpu() -> Option<(CudaDriver, qatc_kernels::nvrtc::Nvrtc)> {
+    let g = match CudaDriver::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            return None;
+        }
+    };
+    let nv = common::nvrtc::nvrtc()?;
+    eprintln!("GPU: {} ({}), NVRTC {}.{}", g.device().name, g.device().arch, nv.version.0, nv.version.1);
+    Some((g, nv))
+}
+
+/// CUBINs for the device of every kernel a program runs: its own and its plans' data moves.
+fn cubins(gpu: &CudaDriver, nv: &qatc_kernels::nvrtc::Nvrtc, prog: &Program) -> HashMap<String, Vec<u8>> {
+    let mut kernels = prog.kernels.clone();
+    for g in prog.gemms() {
+        let plan = blas::plan(g, &prog.buffers, BlasMode::Strict).expect("plans");
+        kernels.extend(blas::move_kernels(&plan).into_iter().map(|m| m.kernel));
+    }
+    let cuda: Vec<_> = kernels.iter().map(|k| qatc_kernels::cuda::emit(k).expect("emits")).collect();
+    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    let o = BuildOptions { arch: gpu.device().arch, cache: Some(&common::nvrtc::test_cache()), jobs, source_dir: None };
+    let (built, report) = qatc_kernels::nvrtc::compile_cubins(nv, &cuda, &o).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{}", report.summary());
+    built.into_iter().map(|c| (c.name, c.cubin)).collect()
+}
+
+/// Ten steps on the GPU, each from the CPU's state, against the CPU executor.
+#[test]
+fn ten_steps_on_the_gpu_track_the_cpu() {
+    let Some((mut gpu, nv)) = gpu() else { return };
+    let cases = [
+        ("tiny, full fine-tune, unfused", TINY, options(false, false, 2, 16)),
+        ("tiny, 4-bit + LoRA, fused", TINY, options(true, true, 2, 16)),
+        ("Shakespeare GPT-2, 4-bit + LoRA, fused", SHAKESPEARE, options(true, true, 2, 64)),
+    ];
+    for (what, (model, tokens), o) in cases {
+        let (prog, tr, data) = setup(model, tokens, o.clone());
+        let bins = cubins(&gpu, &nv, &prog);
+        let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a program");
+        let updates: Vec<String> = prog.updates.iter().map(|(name, _)| name.clone()).collect();
+        assert!(!updates.is_empty(), "{what}: the step updates its inputs");
+        let mut state = tr.state().expect("the state");
+        let mut plain = Plain::new(&mut gpu, &prog, &bins);
+        for s in 0..10 {
+            let inp = inputs(&state, &data, &o, s);
+            let want = cpu.run(&inp).expect("runs");
+            let got = plain.run(&inp);
+            let worst = compare(&format!("{what}, step {s}"), &got, &want);
+            let loss = want.get("loss").and_then(|v| v.as_float()).map_or(f32::NAN, |t| t.data[0]);
+            eprintln!("{what}, step {s}: loss {loss:.6}; worst error {:.1e} ({})", worst.0, worst.1);
+            for u in &updates {
+                state.insert(u.clone(), want[u].clone());
+            }
+        }
+    }
+}
+
+/// Each distinct kernel of the demo step (4-bit Q4_0 + LoRA r=16, B 4, T 128, fused) launched
+/// alone on the GPU, on the evaluator's own inputs at that point of the step, and compared with
+/// the evaluator: max |gpu - evaluator| / max |evaluator| of every param it writes within 1e-5
+/// (reductions fold in other orders; integer and packed outputs exactly).
+#[test]
+fn every_kernel_of_the_demo_step_matches_the_evaluator() {
+    let Some((mut gpu, nv)) = gpu() else { return };
+    let mut o = StepOptions::new(4, 128);
+    o.model.full_finetune = false;
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 }));
+    o.model.lora = Some(LoraOptions::new(16));
+    o.fuse = Some(FuseOptions::default());
+    let (prog, tr, data) = setup(SHAKESPEARE.0, SHAKESPEARE.1, o.clone());
+    let bins = cubins(&gpu, &nv, &prog);
+    let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
+    let mut host = HostGpu::new(64 << 30);
+    let mut reference = Plain::new(&mut host, &prog, &HashMap::new());
+    reference.set_inputs(&inp);
+    let mut device = Plain::new(&mut gpu, &prog, &bins);
+    let mut checked = HashSet::new();
+    let mut worst = (0.0f64, String::new());
+    for i in 0..prog.steps.len() {
+        if let Step::Launch { kernel, args, .. } = &prog.steps[i] {
+            if checked.insert(*kernel) {
+                let k = &prog.kernels[*kernel];
+                // the inputs exactly as the evaluator has them at this point
+                for &b in args {
+                    let bytes = reference.bytes(b);
+                    let p = device.ptrs[b];
+                    device.gpu.upload(p, &bytes).expect("uploads");
+                }
+                device.step(i);
+                reference.step(i);
+                for (p, &b) in k.params.iter().zip(args).filter(|(p, _)| p.write) {
+                    let whole = View::contiguous(b, &prog.buffers[b].shape);
+                    let (got, want) = (device.read(b, &whole), reference.read(b, &whole));
+                    let err = if p.dtype.is_float() { common::rel_err(&got, &want) } else { common::max_abs(&got, &want) };
+                    let name = format!("{} param {}", qatc_kernels::cuda::emit(k).expect("emits").name, p.name);
+                    assert!(err <= 1e-5, "{name} ({}): off by {err:e}", k.note);
+                    if err > worst.0 {
+                        worst = (err, name);
+                    }
+                }
+                continue;
+            }
+        }
+        reference.step(i);
+    }
+    eprintln!("{} distinct kernels checked on the GPU against the evaluator; worst {:.1e} ({})", checked.len(), worst.0, worst.1);
+}

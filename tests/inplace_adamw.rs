@@ -1,0 +1,124 @@
+//! AdamW written in place (`kernels/src/lower/adamw.rs`): the fused multi-tensor AdamW runs as
+//! one kernel per tensor writing p, m and v over themselves, so the packed buffer of every new
+//! weight and moment is never allocated and no update is copied back. The step equals the packed
+//! lowering's bit for bit (the same expression per element), over two steps (the second reads
+//! the first's updated state); the arena never grows, and shrinks where the pack was held at
+//! the peak (a full fine-tune).
+
+mod common;
+
+use std::collections::HashMap;
+
+use qatc::cli::train::Trainer;
+use qatc::data::TokenFile;
+use qatc::model::Model;
+use qatc::step::StepOptions;
+use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_kernels::program::BufKind;
+use qatc_kernels::{LowerOptions, Program};
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::LoraOptions;
+use qatc_passes::quant::QuantOptions;
+use qatc_runtime::exec::{Device, Region};
+use qatc_runtime::{CpuProgram, ExecPlan, Value};
+
+const B: usize = 2;
+const T: usize = 16;
+
+fn trainer(lora: bool) -> Trainer {
+    let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+    let mut o = StepOptions::new(B, T);
+    if lora {
+        o.model.full_finetune = false;
+        o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Sym }));
+        o.model.lora = Some(LoraOptions::new(4));
+    }
+    o.fuse = Some(FuseOptions::default());
+    Trainer::new(&m, o, None, 3).unwrap()
+}
+
+fn cpu(prog: Program) -> CpuProgram {
+    #[cfg(feature = "llvm")]
+    {
+        let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap();
+        CpuProgram::new(prog, Box::new(jit)).unwrap()
+    }
+    #[cfg(not(feature = "llvm"))]
+    CpuProgram::with_kir_eval(prog).unwrap()
+}
+
+/// Two steps from `tr`'s state, the second from the first's updates: every output of each.
+fn run(mut cp: CpuProgram, tr: &Trainer) -> Vec<HashMap<String, Value<f32>>> {
+    let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
+    let mut state = tr.state().unwrap();
+    (0..2)
+        .map(|s| {
+            let (ids, targets) = data.batch(s, B, T).unwrap();
+            state.insert("ids".into(), Value::ints([B, T], ids).unwrap());
+            state.insert("targets".into(), Value::ints([B, T], targets).unwrap());
+            state.insert("lr".into(), Value::scalar(1e-3));
+            let out = cp.run(&state).unwrap();
+            for (k, v) in &out {
+                if state.contains_key(k) {
+                    state.insert(k.clone(), v.clone());
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+fn bits(v: &Value<f32>) -> Vec<u32> {
+    match v {
+        Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
+        Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
+    }
+}
+
+fn arena(prog: &Program) -> usize {
+    ExecPlan::new(prog, Device::Cpu.exec_options()).unwrap().layout.region_bytes(Region::Arena)
+}
+
+#[test]
+fn adamw_in_place_equals_the_packed_step_and_holds_no_pack() {
+    for lora in [true, false] {
+        let what = if lora { "4-bit + LoRA" } else { "full fine-tune" };
+        let tr = trainer(lora);
+        let inplace = qatc_kernels::lower(&tr.graph).unwrap();
+        let packed = qatc_kernels::lower_with(&tr.graph, &LowerOptions { adamw_packed: true, ..Default::default() }).unwrap();
+        // the pack: the buffer the packed lowering's updates are views of (the step count aside)
+        let of_weight = |n: &str| !n.starts_with("adam.") && n != "step";
+        let pack: Vec<usize> = packed.updates.iter().filter(|(n, _)| n != "step").map(|(_, v)| v.buf).collect();
+        let first = packed.updates.iter().find(|(n, _)| of_weight(n)).map(|(_, v)| v.buf);
+        assert!(first.is_some_and(|f| pack.iter().all(|&b| b == f)), "{what}: one pack holds every new weight and moment");
+        let pack_bytes = first.map_or(0, |b| packed.buffers[b].bytes());
+        assert!(pack_bytes > 0 && !matches!(packed.buffers[first.unwrap_or(0)].kind, BufKind::Input(..)), "{what}: a pack");
+        // in place: every update but the step count is its input itself, never copied back
+        let exec = ExecPlan::new(&inplace, Device::Cpu.exec_options()).unwrap();
+        assert_eq!(inplace.updates.len(), packed.updates.len(), "{what}: the same updates");
+        let copied: Vec<&str> = exec.write_backs.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(copied, ["step"], "{what}: only the step count is copied back");
+        let big: Vec<&str> = inplace
+            .buffers
+            .iter()
+            .filter(|b| !matches!(b.kind, BufKind::Input(..)) && b.bytes() >= pack_bytes)
+            .map(|b| b.name.as_str())
+            .collect();
+        assert!(big.is_empty(), "{what}: no buffer the pack's size: {big:?}");
+        let (a_in, a_packed) = (arena(&inplace), arena(&packed));
+        eprintln!("{what}: arena {a_in} B in place, {a_packed} B packed (the pack: {pack_bytes} B)");
+        // (a LoRA step's pack is small and held after the activations die: its arena may not move)
+        assert!(a_in <= a_packed, "{what}: the arena never grows ({a_in} B in place, {a_packed} B packed)");
+        if !lora {
+            assert!(a_in < a_packed, "{what}: the arena shrinks ({a_in} B in place, {a_packed} B packed)");
+        }
+        let want = run(cpu(packed), &tr);
+        let got = run(cpu(inplace), &tr);
+        for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.len(), w.len(), "{what}: the same outputs");
+            for (name, wv) in w {
+                assert!(bits(&g[name]) == bits(wv), "{what}, step {s}: {name} differs from the packed step");
+            }
+        }
+    }
+}
