@@ -1,6 +1,7 @@
 //! The CUDA C of every configuration the CLI accepts compiles to machine code: the four schemes
 //! x (LoRA, full fine-tune, `--qat merged`) x (as is, `--no-fuse`, `--act-bits 8`,
-//! `--grad-accum 2`, `--checkpoint blocks`), on the tiny model fixture, each step built from the
+//! `--grad-accum 2`, `--checkpoint blocks`, `--scales learned`, `--precision bf16`, `--precision
+//! fp16`, `--optim adamw8bit`), on the tiny model fixture, each step built from the
 //! command line exactly as `qatc compile` parses it. Kernels are deduplicated by name (a hash of
 //! their source) across configurations and compiled once each for sm_90, in parallel, through
 //! the tests' kernel cache; the test prints how long building the steps and compiling took.
@@ -26,12 +27,16 @@ struct Cli {
 const SCHEMES: [&str; 4] = ["sym", "asym", "nf4", "q4_0"];
 const MODES: [(&str, &[&str]); 3] =
     [("lora", &["--lora", "r=4"]), ("full", &["--full-finetune"]), ("merged", &["--lora", "r=4", "--qat", "merged"])];
-const VARIANTS: [(&str, &[&str]); 5] = [
+const VARIANTS: [(&str, &[&str]); 9] = [
     ("fused", &[]),
     ("no-fuse", &["--no-fuse"]),
     ("act-bits", &["--act-bits", "8"]),
     ("grad-accum", &["--grad-accum", "2"]),
     ("checkpoint", &["--checkpoint", "blocks"]),
+    ("learned-scales", &["--scales", "learned"]),
+    ("bf16", &["--precision", "bf16"]),
+    ("fp16", &["--precision", "fp16"]),
+    ("adamw8bit", &["--optim", "adamw8bit"]),
 ];
 
 #[test]
