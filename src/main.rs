@@ -44,7 +44,20 @@ fn usage_error(e: clap::Error) -> ! {
     std::process::exit(2);
 }
 
+/// Rust ignores SIGPIPE, so a print to a closed pipe (`qatc plan MODEL | head`) panics; a
+/// command-line tool should end quietly instead, as the default action of SIGPIPE does.
+#[cfg(unix)]
+fn default_sigpipe() {
+    // SAFETY: called first in main, before any thread exists; signal() with SIG_DFL installs no
+    // handler code, it only restores the default disposition of one signal.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() {
+    #[cfg(unix)]
+    default_sigpipe();
     // Process-wide settings, made before any thread starts. OpenBLAS picks its kernels from the
     // CPU model, which it may not know on a VM (then: SSE3 kernels, 6x slower), and reads
     // OPENBLAS_CORETYPE when it loads: name the kernel set from the CPU's features unless the

@@ -289,6 +289,30 @@ fn plan_json_of_the_tiny_model() {
     insta::assert_snapshot!("plan_json_tiny_blocks", text);
 }
 
+/// `qatc plan MODEL | head -1`: the reader has closed the pipe by the time qatc prints; qatc ends
+/// quietly (as Unix tools do on SIGPIPE), not with a panic about a failed print.
+#[cfg(unix)]
+#[test]
+fn plan_into_a_closed_pipe_ends_quietly() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let tiny = "tests/fixtures/tiny/f32_prefix/model.safetensors";
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qatc"))
+        .args(["plan", tiny, "--batch", "1", "--seq", "4", "--lora", "r=2", "--json"])
+        .current_dir(common::root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // closed at once: planning takes milliseconds, so the first print finds no reader
+    drop(child.stdout.take());
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let status = child.wait().unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(status.code(), Some(101), "a panic's exit code: {err}");
+}
+
 /// A minimal XML well-formedness check: balanced tags, quoted attributes, escaped text.
 fn well_formed(xml: &str) -> Result<usize, String> {
     let mut stack: Vec<String> = Vec::new();
