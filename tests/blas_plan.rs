@@ -7,7 +7,9 @@
 //! (leading dimensions at least the rows as stored, strides, scratch); the tiny step's plans are
 //! executed whole by the host model and every output element compared with the product computed
 //! straight from the row-major views; the 124M step's are checked element by element on a sample
-//! of outputs (`blas::host::value_at`, which follows the plan without running it).
+//! of outputs (`blas::host::value_at`, which follows the plan without running it). The same for
+//! the steps in bf16 and fp16: 16-bit A/B with fp32 compute, 16-bit destinations rounded to
+//! nearest even once, every call a type combination cuBLAS(Lt) takes.
 
 mod common;
 
@@ -21,13 +23,47 @@ use qatc_kernels::cuda::blas::{plan, BlasMode, BlasPlan, BlasStep, Compute, Elem
 use qatc_kernels::program::{BufKind, Buffer, Gemm, View};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::LoraOptions;
+use qatc_passes::precision::Precision;
 use qatc_passes::quant::QuantOptions;
 
 /// Hash values under a sparse layer of written elements. Scratch must be written before it is
-/// read (a plan that reads a scratch it never filled is wrong).
+/// read (a plan that reads a scratch it never filled is wrong). A buffer of a 16-bit type holds
+/// values of that type (its hashes rounded to it), and a store to it rounds to nearest even, as
+/// the device's memory does.
 #[derive(Clone, Default)]
 struct VirtualMemory {
     written: HashMap<(Mem, usize), f32>,
+    /// The element type of each buffer that is not f32.
+    types: HashMap<Mem, ElemType>,
+}
+
+/// `v` as an element of type `ty` holds it (round to nearest even).
+fn round_to(ty: ElemType, v: f32) -> f32 {
+    match ty {
+        ElemType::F32 => v,
+        ElemType::BF16 => half::bf16::from_f32(v).to_f32(),
+        ElemType::F16 => half::f16::from_f32(v).to_f32(),
+    }
+}
+
+impl VirtualMemory {
+    /// A memory whose buffers have the element types of `buffers`.
+    fn typed(buffers: &[Buffer]) -> VirtualMemory {
+        let types = buffers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| match b.dtype {
+                DType::BF16 => Some((Mem::Buf(i), ElemType::BF16)),
+                DType::F16 => Some((Mem::Buf(i), ElemType::F16)),
+                _ => None,
+            })
+            .collect();
+        VirtualMemory { written: HashMap::new(), types }
+    }
+
+    fn ty(&self, m: Mem) -> ElemType {
+        self.types.get(&m).copied().unwrap_or(ElemType::F32)
+    }
 }
 
 fn hash_value(mem: Mem, i: usize) -> f32 {
@@ -43,15 +79,25 @@ fn hash_value(mem: Mem, i: usize) -> f32 {
 }
 
 impl HostMemory for VirtualMemory {
-    fn load(&self, mem: Mem, i: usize, _: ElemType) -> Result<f32, String> {
+    fn load(&self, mem: Mem, i: usize, ty: ElemType) -> Result<f32, String> {
+        if let Mem::Buf(_) = mem {
+            if ty != self.ty(mem) {
+                return Err(format!("{mem:?} of {:?} read as {ty:?}", self.ty(mem)));
+            }
+        }
         match (self.written.get(&(mem, i)), mem) {
             (Some(&v), _) => Ok(v),
             (None, Mem::Scratch(s)) => Err(format!("scratch {s} element {i} read before it was written")),
-            (None, _) => Ok(hash_value(mem, i)),
+            (None, _) => Ok(hash_or_written(self, mem, i)),
         }
     }
-    fn store(&mut self, mem: Mem, i: usize, _: ElemType, v: f32) -> Result<(), String> {
-        self.written.insert((mem, i), v);
+    fn store(&mut self, mem: Mem, i: usize, ty: ElemType, v: f32) -> Result<(), String> {
+        if let Mem::Buf(_) = mem {
+            if ty != self.ty(mem) {
+                return Err(format!("{mem:?} of {:?} written as {ty:?}", self.ty(mem)));
+            }
+        }
+        self.written.insert((mem, i), round_to(ty, v));
         Ok(())
     }
 }
@@ -78,7 +124,7 @@ fn reference(g: &Gemm, mem: &VirtualMemory, batch: &[usize], i: usize, j: usize)
 }
 
 fn hash_or_written(mem: &VirtualMemory, m: Mem, i: usize) -> f32 {
-    mem.written.get(&(m, i)).copied().unwrap_or_else(|| hash_value(m, i))
+    mem.written.get(&(m, i)).copied().unwrap_or_else(|| round_to(mem.ty(m), hash_value(m, i)))
 }
 
 /// The batch coordinates of batch number `b` of `g` (row-major over c's batch dims).
@@ -111,18 +157,32 @@ fn check_legal(what: &str, p: &BlasPlan) {
     if p.compute == Compute::F32 {
         assert!(p.calls().all(|c| c.a.ty == ElemType::F32), "{what}: strict fp32 on fp32 operands");
     }
+    // the type combinations cublasGemmEx and cublasLtMatmul take with compute type 32F (scale
+    // 32F): A and B fp32 (C/D fp32), or A and B both 16BF or both 16F with C/D of that type or
+    // 32F; cuBLASLt's bias of D's type or 32F
+    for c in p.calls() {
+        let sixteen = matches!(c.a.ty, ElemType::BF16 | ElemType::F16);
+        assert_eq!(c.a.ty, c.b.ty, "{what}: A and B of one type: {c:?}");
+        assert_eq!(sixteen, p.compute == Compute::F32Acc16, "{what}: 16-bit operands, compute 32F with fp32 accumulation: {c:?}");
+        assert!(c.c.ty == c.a.ty || c.c.ty == ElemType::F32, "{what}: C/D of A's type or fp32: {c:?}");
+        assert!(c.bias.is_none_or(|v| v.ty == c.c.ty || v.ty == ElemType::F32), "{what}: a bias of D's type or fp32: {c:?}");
+    }
 }
 
 /// Plans every GEMM of a program and checks it: whole (`full`) or on a sample of outputs.
-fn check_program(what: &str, prog: &qatc_kernels::Program, full: bool) -> (usize, usize, Vec<String>) {
-    let (mut gemms, mut calls, mut notes) = (0, 0, Vec::new());
+/// Returns (GEMMs, library calls, calls on 16-bit operands, notes).
+fn check_program(what: &str, prog: &qatc_kernels::Program, full: bool) -> (usize, usize, usize, Vec<String>) {
+    let (mut gemms, mut calls, mut sixteen, mut notes) = (0, 0, 0, Vec::new());
     for g in prog.gemms() {
         let p = plan(g, &prog.buffers, BlasMode::Strict).unwrap_or_else(|e| panic!("{what}: {e}"));
         check_legal(what, &p);
         gemms += 1;
         calls += p.calls().count();
+        sixteen += p.calls().filter(|c| c.a.ty != ElemType::F32).count();
         notes.extend(p.notes.iter().map(|n| format!("{}: {n}", g.note)));
-        let mem = VirtualMemory::default();
+        let mem = VirtualMemory::typed(&prog.buffers);
+        // a 16-bit destination holds the product rounded to nearest even once
+        let out_ty = mem.ty(Mem::Buf(g.c.buf));
         let batches: usize = g.c.shape[..g.c.shape.len() - 2].iter().product();
         let outputs = batches * g.m * g.n;
         let tol = |want: f64| 1e-5 * want.abs().max(1.0);
@@ -132,7 +192,7 @@ fn check_program(what: &str, prog: &qatc_kernels::Program, full: bool) -> (usize
             for o in 0..outputs {
                 let (b, i, j) = (o / (g.m * g.n), o / g.n % g.m, o % g.n);
                 let cs = batch_coords(g, b);
-                let want = reference(g, &mem, &cs, i, j);
+                let want = f64::from(round_to(out_ty, reference(g, &mem, &cs, i, j) as f32));
                 let loc = at(&g.c, &cs.iter().copied().chain([i, j]).collect::<Vec<_>>());
                 let got = hash_or_written(&run, Mem::Buf(g.c.buf), loc);
                 assert!(
@@ -143,8 +203,8 @@ fn check_program(what: &str, prog: &qatc_kernels::Program, full: bool) -> (usize
                 );
                 // and the element-wise model agrees with the whole run
                 if o % 7 == 0 {
-                    let v = host::value_at(&p, &mem, Mem::Buf(g.c.buf), loc, ElemType::F32).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    assert_eq!(v, got, "{what}, {}: value_at against execute", g.note);
+                    let v = host::value_at(&p, &mem, Mem::Buf(g.c.buf), loc, out_ty).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_eq!(round_to(out_ty, v), got, "{what}, {}: value_at against execute", g.note);
                 }
             }
         } else {
@@ -153,9 +213,10 @@ fn check_program(what: &str, prog: &qatc_kernels::Program, full: bool) -> (usize
             for o in picks {
                 let (b, i, j) = (o / (g.m * g.n), o / g.n % g.m, o % g.n);
                 let cs = batch_coords(g, b);
-                let want = reference(g, &mem, &cs, i, j);
+                let want = f64::from(round_to(out_ty, reference(g, &mem, &cs, i, j) as f32));
                 let loc = at(&g.c, &cs.iter().copied().chain([i, j]).collect::<Vec<_>>());
-                let got = host::value_at(&p, &mem, Mem::Buf(g.c.buf), loc, ElemType::F32).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let got = host::value_at(&p, &mem, Mem::Buf(g.c.buf), loc, out_ty).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let got = round_to(out_ty, got);
                 assert!(
                     (f64::from(got) - want).abs() <= tol(want),
                     "{what}, {}: c[{cs:?}, {i}, {j}] {got} vs {want}\n{}",
@@ -165,7 +226,7 @@ fn check_program(what: &str, prog: &qatc_kernels::Program, full: bool) -> (usize
             }
         }
     }
-    (gemms, calls, notes)
+    (gemms, calls, sixteen, notes)
 }
 
 fn options(full_finetune: bool, fuse: bool, b: usize, t: usize) -> StepOptions {
@@ -181,15 +242,17 @@ fn options(full_finetune: bool, fuse: bool, b: usize, t: usize) -> StepOptions {
     o
 }
 
-fn check_step(what: &str, cfg: &Gpt2Config, o: &StepOptions, full: bool) {
+/// Checks every GEMM of the step; returns how many library calls multiply 16-bit operands.
+fn check_step(what: &str, cfg: &Gpt2Config, o: &StepOptions, full: bool) -> usize {
     let (g, _) = step::train(cfg, o, |_, _| {}).expect("the step builds");
     let prog = qatc_kernels::lower(&g).expect("lowers");
-    let (gemms, calls, notes) = check_program(what, &prog, full);
+    let (gemms, calls, sixteen, notes) = check_program(what, &prog, full);
     assert!(gemms > 0);
-    eprintln!("{what}: {gemms} GEMMs -> {calls} library calls; {} not one plain call", notes.len());
+    eprintln!("{what}: {gemms} GEMMs -> {calls} library calls ({sixteen} on 16-bit operands); {} not one plain call", notes.len());
     for n in notes.iter().take(8) {
         eprintln!("  {n}");
     }
+    sixteen
 }
 
 #[test]
@@ -210,6 +273,37 @@ fn every_gemm_of_the_124m_steps_is_planned_right() {
     check_step("124M, 4-bit + LoRA, fused", &cfg, &options(false, true, 1, 64), false);
     // B 2: the unfused attention's batch dims (B, heads) over slices of one qkv buffer do not nest
     check_step("124M, full fine-tune, unfused, B 2", &cfg, &options(true, false, 2, 64), false);
+}
+
+/// `--precision bf16|fp16`: every GEMM of the tiny steps (fused and unfused, full fine-tune and
+/// 4-bit + LoRA) is 16-bit A/B with fp32 compute, legal, and the host model's result (16-bit
+/// outputs rounded to nearest even once) is the product computed straight from the views.
+#[test]
+fn every_gemm_of_the_tiny_bf16_and_fp16_steps_runs_as_planned() {
+    let tiny = Gpt2Config { n_embd: 8, n_layer: 1, n_head: 2, n_positions: 8, vocab_size: 11, layer_norm_epsilon: 1e-5 };
+    for p in [Precision::Bf16, Precision::Fp16] {
+        for (full, fuse) in [(true, false), (true, true), (false, false), (false, true)] {
+            let mut o = options(full, fuse, 2, 4);
+            o.precision = p;
+            let sixteen = check_step(&format!("tiny, {p}, full fine-tune {full}, fused {fuse}"), &tiny, &o, true);
+            assert!(sixteen > 0, "{p}: 16-bit GEMMs");
+        }
+    }
+}
+
+/// The 124M steps in bf16 (4-bit + LoRA unfused and fused, full fine-tune): every GEMM planned
+/// legally, checked on a sample of outputs.
+#[test]
+fn every_gemm_of_the_124m_bf16_steps_is_planned_right() {
+    let cfg = Gpt2Config::preset("124M").expect("a preset");
+    for (what, full, fuse, b) in
+        [("4-bit + LoRA, unfused", false, false, 1), ("4-bit + LoRA, fused", false, true, 1), ("full fine-tune, fused", true, true, 2)]
+    {
+        let mut o = options(full, fuse, b, 64);
+        o.precision = Precision::Bf16;
+        let sixteen = check_step(&format!("124M, bf16, {what}, B {b}"), &cfg, &o, false);
+        assert!(sixteen > 0, "{what}: 16-bit GEMMs");
+    }
 }
 
 /// A program of hand-made GEMMs over buffers of `sizes` elements.

@@ -8,8 +8,10 @@
 //!   the CPU executor (`CpuProgram` with the same evaluator); with and without the graph and
 //!   hoisting bit for bit; what crosses between host and device per step; a forward-only graph
 //!   (eval) against the interpreter; the kernels built by NVRTC through the executor's build;
+//!   `--precision bf16|fp16` (16-bit buffers and GEMMs, fp16 loss scaling resident, an injected
+//!   overflow skipping the update) against the CPU;
 //! - on a GPU (`CudaDriver`), where there is one: ten steps of the tiny and Shakespeare GPT-2
-//!   steps against the CPU (bench/gpu.sh runs it).
+//!   steps against the CPU, in fp32 and in bf16 and fp16 (bench/gpu.sh runs them).
 
 mod common;
 
@@ -25,6 +27,7 @@ use qatc_kernels::program::BufKind;
 use qatc_kernels::Program;
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::precision::{LossScaling, Precision, GRADS_FINITE, LOSS_SCALE};
 use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, GpuApi, HostGpu, KernelBuild};
 use qatc_runtime::{CpuProgram, Interpreter, RuntimeError, TrainStep, Value};
@@ -75,7 +78,7 @@ fn give_batch(step: &mut dyn TrainStep, data: &TokenFile, o: &StepOptions, s: us
     set(step, "ids", Value::ints([o.batch, o.seq], ids).expect("ids"));
     set(step, "targets", Value::ints([o.batch, o.seq], targets).expect("targets"));
     set(step, DROPOUT_SEED, Value::ints([], vec![5 + s as i32]).expect("a seed"));
-    set(step, "lr", Value::scalar(1e-3));
+    set(step, "lr", Value::scalar(LR));
 }
 
 /// Every trainable and state input, read back.
@@ -126,18 +129,56 @@ fn floats(v: &Value<f32>) -> Vec<f64> {
 struct Worst {
     outputs: (f64, String),
     state: (f64, String),
+    /// 16-bit steps: the bound of [`ulps16`], and (parameter elements whose AdamW step went
+    /// another way, parameter elements compared).
+    sixteen: Option<f64>,
+    turned: (usize, usize),
 }
 
+/// The learning rate [`give_batch`] gives every step.
+const LR: f64 = 1e-3;
+
 impl Worst {
-    fn add(&mut self, s: usize, got: &HashMap<String, Value<f32>>, want: &HashMap<String, Value<f32>>, state: bool) {
+    /// `grads`: the reference's outputs, where a parameter's gradient is (`grad:NAME`).
+    fn add(
+        &mut self,
+        s: usize,
+        got: &HashMap<String, Value<f32>>,
+        want: &HashMap<String, Value<f32>>,
+        grads: Option<&HashMap<String, Value<f32>>>,
+    ) {
         assert_eq!(got.len(), want.len(), "step {s}: the same values");
         for (name, w) in want {
             let g = floats(got.get(name).unwrap_or_else(|| panic!("step {s}: no {name}")));
             assert!(g.iter().all(|x| x.is_finite()), "step {s}: {name} is not finite");
-            let (e, slot) = if state {
-                (common::norm_rel_err(&g, &floats(w)), &mut self.state)
-            } else {
-                (common::rel_err(&g, &floats(w)), &mut self.outputs)
+            let w = floats(w);
+            let grad = grads.and_then(|o| o.get(&format!("grad:{name}")));
+            let (e, slot) = match (grads, self.sixteen.zip(grad)) {
+                (None, _) => (common::rel_err(&g, &w), &mut self.outputs),
+                (Some(_), None) => (common::norm_rel_err(&g, &w), &mut self.state),
+                (Some(_), Some((tol, grad))) => {
+                    // a parameter after AdamW: its step lr m/(sqrt(v) + eps) turns on the sign and
+                    // size of a gradient near zero, which the gradient's bound (relative to its
+                    // largest element) leaves open; where the gradient is that close to zero the
+                    // two steps may differ by up to about 2 lr (opposite directions); everywhere
+                    // else the parameter is within the bound
+                    let grad = floats(grad);
+                    let (gmax, pmax) = (grad.iter().fold(0.0f64, |m, x| m.max(x.abs())), w.iter().fold(0.0f64, |m, x| m.max(x.abs())));
+                    let (mut d2, mut n2) = (0.0f64, 0.0f64);
+                    for ((x, y), d) in g.iter().zip(&w).zip(&grad) {
+                        let off = (x - y).abs();
+                        if off > tol * pmax {
+                            assert!(d.abs() <= tol * gmax && off <= 2.5 * LR, "step {s}: {name}: {x} vs {y} (gradient {d:e} of {gmax:e})");
+                            self.turned.0 += 1;
+                        } else {
+                            d2 += off * off;
+                        }
+                        n2 += y * y;
+                    }
+                    self.turned.1 += g.len();
+                    // the rest norm-wise, as the other state
+                    (d2.sqrt() / n2.sqrt().max(1e-30), &mut self.state)
+                }
             };
             if e >= slot.0 {
                 *slot = (e, format!("step {s} {name}"));
@@ -163,7 +204,7 @@ fn lockstep(
         set(step, name, v.clone());
         set(cpu, name, v.clone());
     }
-    let mut worst = Worst::default();
+    let mut worst = Worst { sixteen: (o.precision != Precision::Fp32).then(|| ulps16(o.precision)), ..Worst::default() };
     let mut losses = Vec::new();
     for s in 0..n {
         give_batch(step, data, o, s);
@@ -171,10 +212,10 @@ fn lockstep(
         step.run().unwrap_or_else(|e| panic!("step {s}: {e}"));
         cpu.execute().unwrap_or_else(|e| panic!("CPU step {s}: {e}"));
         let (got, want) = (step.outputs().expect("outputs"), TrainStep::outputs(cpu).expect("outputs"));
-        worst.add(s, &got, &want, false);
+        worst.add(s, &got, &want, None);
         losses.push((floats(&got["loss"])[0], floats(&want["loss"])[0]));
         let got_state = read_state(step, prog);
-        worst.add(s, &got_state, &read_state(cpu, prog), true);
+        worst.add(s, &got_state, &read_state(cpu, prog), Some(&want));
         for (name, v) in got_state {
             set(cpu, &name, v);
         }
@@ -244,6 +285,114 @@ fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
     }
 }
 
+/// The bound of a bf16/fp16 step against the CPU executor, relative to each tensor's largest
+/// element (outputs) or norm-wise (the state it updated): six ulps of the compute type, the
+/// bound the compiled CPU path holds against the interpreter (tests/llvm_equivalence.rs). The
+/// kernels are the same evaluator on both sides; the GEMMs are not: cuBLAS' model sums in f64
+/// and rounds its 16-bit result once, the CPU's f32 tiles in another order, so a product that
+/// lands near a rounding boundary of the 16-bit output rounds the other way (one ulp), and later
+/// values carry that ulp on.
+fn ulps16(p: Precision) -> f64 {
+    match p {
+        Precision::Bf16 => 6.0 * 2f64.powi(-8),
+        _ => 6.0 * 2f64.powi(-11),
+    }
+}
+
+fn options16(p: Precision, fuse: bool) -> StepOptions {
+    let mut o = options(true, fuse, 2, 16);
+    o.precision = p;
+    o.clip = Some(1.0);
+    o
+}
+
+/// `--precision bf16|fp16` through the CUDA executor on the emulated GPU: bf16/fp16 buffers, the
+/// casts, the 16-bit GEMMs (A/B 16-bit, compute 32F: the cuBLAS model rounding its 16-bit
+/// outputs to nearest even) and fp16's loss-scaling state resident on the device; 3 steps in
+/// lock step with the CPU executor, within [`ulps16`] (a parameter's elements whose gradient is
+/// within that bound of zero may step another way: at most 1% of them, by at most 2.5 lr; see
+/// [`Worst::add`]). The graph and hoisting change no bit.
+#[test]
+fn the_tiny_step_in_bf16_and_fp16_through_the_cuda_executor_equals_the_cpu() {
+    for (p, fuse) in [(Precision::Bf16, true), (Precision::Bf16, false), (Precision::Fp16, true)] {
+        let what = format!("4-bit + LoRA, {p}, fused {fuse}");
+        let o = options16(p, fuse);
+        let (prog, state, data) = setup(TINY.0, TINY.1, &o);
+        let halves = prog.buffers.iter().filter(|b| matches!(b.dtype, DType::BF16 | DType::F16)).count();
+        assert!(halves > 10, "{what}: {halves} 16-bit buffers");
+        let sixteen = prog.gemms().filter(|g| matches!(prog.buffers[g.a.buf].dtype, DType::BF16 | DType::F16)).count();
+        assert!(sixteen > 0, "{what}: 16-bit GEMMs");
+        let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
+        let mut gpu = emulated(&prog, CudaOptions::default());
+        let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 3);
+        let loss_err = losses.chunks(2).map(|p| (p[0] - p[1]).abs() / p[1].abs()).fold(0.0f64, f64::max);
+        eprintln!(
+            "{what}: {sixteen} 16-bit GEMMs of {}; losses {:?}; worst loss error {loss_err:.1e}, output {:.1e} ({}), state {:.1e} ({}); bound {:.1e}; {} of {} parameter elements stepped another way",
+            prog.gemms().count(),
+            losses.chunks(2).map(|p| p[0] as f32).collect::<Vec<_>>(),
+            worst.outputs.0,
+            worst.outputs.1,
+            worst.state.0,
+            worst.state.1,
+            ulps16(p),
+            worst.turned.0,
+            worst.turned.1
+        );
+        assert!(worst.turned.0 * 100 <= worst.turned.1, "{what}: more than 1% of the parameters stepped another way");
+        assert!(loss_err <= ulps16(p), "{what}: a loss off by {loss_err:e}");
+        assert!(worst.outputs.0 <= ulps16(p), "{what}: {} off by {:e}", worst.outputs.1, worst.outputs.0);
+        assert!(worst.state.0 <= ulps16(p), "{what}: {} off by {:e}", worst.state.1, worst.state.0);
+        let one = drive(&mut emulated(&prog, CudaOptions::default()), &prog, &state, &data, &o, 2);
+        let other = CudaOptions { graph: false, hoist_frozen: false, ..CudaOptions::default() };
+        let two = drive(&mut emulated(&prog, other), &prog, &state, &data, &o, 2);
+        assert!(bits_equal(&one, &two), "{what}: the graph and hoisting change no bit");
+    }
+}
+
+/// fp16 loss scaling on the device, as on the CPU: with a growth interval of 2, two finite steps
+/// double the scale (state [scale, good steps] read back from the device); an injected overflow
+/// (a scale whose products leave fp16's range) skips the update (weights, moments and step count
+/// unchanged, `grads_finite` 0) and halves the scale exactly, the count reset; the CPU executor
+/// given the same state does the same, to the bit for the scale.
+#[test]
+fn fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step() {
+    let mut o = options16(Precision::Fp16, true);
+    o.loss_scaling = LossScaling { interval: 2, ..Default::default() };
+    let (prog, state, data) = setup(TINY.0, TINY.1, &o);
+    let mut gpu = emulated(&prog, CudaOptions::default());
+    let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
+    let run = drive(&mut gpu, &prog, &state, &data, &o, 2);
+    assert!(run.steps.iter().all(|s| floats(&s[GRADS_FINITE]) == [1.0]), "two finite steps");
+    let init = LossScaling::default().initial_state();
+    assert_eq!(floats(&gpu.read_input(LOSS_SCALE).expect("read back")), [f64::from(init[0]) * 2.0, 0.0], "doubled, count reset");
+    let before = read_state(&gpu, &prog);
+    let overflow = Value::floats([2], &[3e38, 1.0]).expect("a scale");
+    for step in [&mut gpu as &mut dyn TrainStep, &mut cpu] {
+        // the frozen weights (the CPU's first), then the state after the two steps
+        for (name, v) in state.iter().chain(&before) {
+            set(step, name, v.clone());
+        }
+        set(step, LOSS_SCALE, overflow.clone());
+        give_batch(step, &data, &o, 2);
+        step.run().expect("the step runs");
+        let out = step.outputs().expect("outputs");
+        assert_eq!(floats(&out[GRADS_FINITE]), [0.0], "the step is skipped");
+        assert!(floats(&out["loss"])[0].is_finite(), "the loss is computed before scaling");
+        let after = read_state(step, &prog);
+        for (name, v) in &before {
+            if name != LOSS_SCALE {
+                assert!(bits_equal_value(&after[name], v), "{name} changed on a skipped step");
+            }
+        }
+        assert_eq!(floats(&after[LOSS_SCALE]), [f64::from(3e38f32 / 2.0), 0.0], "halved exactly, count reset");
+    }
+}
+
+fn bits_equal_value(a: &Value<f32>, b: &Value<f32>) -> bool {
+    let (x, y) = (floats(a), floats(b));
+    x.len() == y.len() && x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits())
+}
+
 /// Per step, only the data inputs go to the device and only the outputs come back; nothing is
 /// allocated after the build; frozen 4-bit weights stay packed on the device (never f32).
 #[test]
@@ -310,8 +459,8 @@ fn a_forward_graph_through_the_cuda_executor_equals_the_interpreter() {
 }
 
 /// The executor's build through NVRTC: every kernel it loads (the program's and the GEMM plans'
-/// data moves) compiles for the emulated device's architecture (sm_90); a second build takes
-/// every CUBIN from the cache.
+/// data moves) compiles for the emulated device's architecture (sm_90), in fp32, bf16 and fp16;
+/// a second build takes every CUBIN from the cache.
 #[test]
 fn the_executor_builds_its_kernels_with_nvrtc_through_the_cache() {
     let Some(nv) = common::nvrtc::nvrtc() else { return };
@@ -327,6 +476,15 @@ fn the_executor_builds_its_kernels_with_nvrtc_through_the_cache() {
     assert_eq!(r1.kernels, first.distinct_kernels());
     assert!(r1.kernels >= prog_kernels(&first), "the program's kernels and the GEMM plans' data moves");
     assert_eq!((r2.cached, r2.compiled), (r2.kernels, 0), "the second build compiles nothing");
+    // the bf16 and fp16 steps' kernels (16-bit loads and stores, loss scaling) and data moves
+    for p in [Precision::Bf16, Precision::Fp16] {
+        let (prog, _, _) = setup(TINY.0, TINY.1, &options16(p, true));
+        let built =
+            CudaProgram::new(prog, HostGpu::new(1 << 30), CudaOptions::default(), Some(&build)).unwrap_or_else(|e| panic!("{p}: {e}"));
+        let r = built.build_report().expect("a report");
+        eprintln!("{p}: {}", r.summary());
+        assert_eq!(r.kernels, built.distinct_kernels(), "{p}");
+    }
 }
 
 fn prog_kernels<A: GpuApi>(p: &CudaProgram<A>) -> usize {
@@ -389,6 +547,51 @@ fn ten_steps_of_the_cuda_executor_track_the_cpu() {
         assert!(loss_err <= 1e-5, "{what}: a loss off by {loss_err:e}");
         assert!(worst.outputs.0 <= 1e-4, "{what}: {} off by {:e}", worst.outputs.1, worst.outputs.0);
         assert!(worst.state.0 <= 1e-4, "{what}: {} off by {:e}", worst.state.1, worst.state.0);
+    }
+}
+
+/// `--precision bf16|fp16` on the GPU: ten steps of the tiny and Shakespeare 4-bit + LoRA steps
+/// through the executor (16-bit GEMMs on the tensor cores, fp32 accumulation; fp16's loss scale
+/// resident), in lock step with the CPU executor: losses, outputs and updated state within
+/// [`ulps16`], the emulation's bound; fp16's scale state equal to the CPU's at every step.
+#[test]
+fn ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu() {
+    let Some((driver, nv)) = gpu() else { return };
+    let cache = common::nvrtc::test_cache();
+    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    let build = KernelBuild { nvrtc: &nv, cache: Some(&cache), jobs, source_dir: None };
+    let mut driver = Some(driver);
+    for p in [Precision::Bf16, Precision::Fp16] {
+        let mut shakespeare = options16(p, true);
+        shakespeare.seq = 64;
+        for (what, (model, tokens), o) in [("tiny", TINY, options16(p, true)), ("Shakespeare GPT-2", SHAKESPEARE, shakespeare)] {
+            let what = format!("{what}, 4-bit + LoRA, fused, {p}");
+            let (prog, state, data) = setup(model, tokens, &o);
+            let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
+            let api = match driver.take() {
+                Some(d) => d,
+                None => CudaDriver::open(0).expect("the GPU again"),
+            };
+            let mut gpu =
+                CudaProgram::new(prog.clone(), api, CudaOptions::default(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 10);
+            let loss_err = losses.chunks(2).map(|p| (p[0] - p[1]).abs() / p[1].abs().max(1e-30)).fold(0.0f64, f64::max);
+            eprintln!(
+                "{what}: losses {:?}; worst loss error {loss_err:.1e}, output {:.1e} ({}), state {:.1e} ({}); bound {:.1e}; {} of {} parameter elements stepped another way",
+                losses.chunks(2).map(|p| p[0] as f32).collect::<Vec<_>>(),
+                worst.outputs.0,
+                worst.outputs.1,
+                worst.state.0,
+                worst.state.1,
+                ulps16(p),
+                worst.turned.0,
+                worst.turned.1
+            );
+            assert!(worst.turned.0 * 100 <= worst.turned.1, "{what}: more than 1% of the parameters stepped another way");
+            assert!(loss_err <= ulps16(p), "{what}: a loss off by {loss_err:e}");
+            assert!(worst.outputs.0 <= ulps16(p), "{what}: {} off by {:e}", worst.outputs.1, worst.outputs.0);
+            assert!(worst.state.0 <= ulps16(p), "{what}: {} off by {:e}", worst.state.1, worst.state.0);
+        }
     }
 }
 
