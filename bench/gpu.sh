@@ -8,11 +8,18 @@
 #
 #   bash bench/gpu.sh [--dry-run] [--deadline SECONDS] [SECTION ...]
 #
-# Two device calls of at most 10 minutes each run everything (each stops starting work when its
-# deadline, 560 s by default, comes near, and says what it skipped):
+# Three device calls of at most 10 minutes each run everything (each stops starting work when its
+# deadline, 560 s by default, comes near, and says what it skipped); the deadlines below keep the
+# three and the machine's start (a few minutes) within the 30 minutes of device time a session has:
 #
-#   bash bench/gpu.sh env compile tests executor      # correctness
-#   bash bench/gpu.sh speed peer sanitizer            # figures and the sanitizer
+#   bash bench/gpu.sh --deadline 480 env compile tests executor   # correctness, about 7 min
+#   bash bench/gpu.sh --deadline 540 speed peer    # issue 20's figures, about 9 min: qatc 124M
+#                                                  # (~1.5 min) and 1.5B (~3 min with its model),
+#                                                  # the twin eager and compiled at both (~4.5 min)
+#   bash bench/gpu.sh --deadline 480 fit sanitizer # largest batches, about 8 min: qatc plan --fit
+#                                                  # and 2 steps at it and the next batch, per size
+#                                                  # (~2 min each), the twin's searches (~1.5 min
+#                                                  # each), the sanitizer (~2 min)
 #
 # Sections (default: all, in the order given here):
 #   env        the GPU, driver, CUDA, PyTorch; which NVRTC and cuBLAS the checks load
@@ -20,20 +27,33 @@
 #              the device, with registers, spills and shared memory per kernel (cold and cached)
 #   tests      the GPU tests: the GPU API on the device; the CUDA executor (CudaProgram) ten
 #              steps in lock step with the CPU (tiny full fine-tune and 4-bit + LoRA, Shakespeare
-#              GPT-2 4-bit + LoRA: losses 1e-5, gradients 1e-4); the plain driver's ten steps; each
-#              kernel of the demo step against the kernel-IR evaluator
+#              GPT-2 4-bit + LoRA: losses 1e-5, gradients 1e-4), and in bf16 and fp16 (tiny and
+#              Shakespeare 4-bit + LoRA: six ulps of the type); the plain driver's ten steps; each
+#              kernel of the demo step against the kernel-IR evaluator, in fp32 and in bf16
 #   executor   qatc train --device cuda against --device cpu over 10 steps (tiny 4-bit + LoRA, tiny
 #              full fine-tune, Shakespeare GPT-2 4-bit + LoRA): the losses compared (1e-5), the
 #              step's device memory as qatc states it
-#   speed      qatc train --device cuda on GPT-2 124M (random init), B 8, T 1024, 4-bit g64 +
-#              LoRA r 16: tokens/s (median of the steps after the first two) in strict fp32 and
-#              TF32; the device's peak memory (nvidia-smi, sampled) against the executor's layout
-#              and `qatc plan`
-#   peer       the PyTorch twin (bench/torch_cuda_peer.py), the same step: fp32 and TF32 eager,
-#              bf16 sdpa (median of 20 steps); with speed: qatc's figure over the peer's
+#   speed      issue 20's step: qatc train --device cuda --precision bf16, GPT-2 124M (random init)
+#              B 16 and GPT-2 1.5B B 4, T 1024, 4-bit sym g64 frozen + LoRA r 16 on all four
+#              linears, AdamW: tokens/s and ms/step (median of the steps after 2 of warm-up), MFU
+#              (bench/mfu.py: FLOPs/token = 4 N_matmul + 6 N_lora + 12 L C T, the device's dense
+#              bf16 peak, 989 TFLOP/s on an H100 SXM or H200), the device's peak memory
+#              (nvidia-smi, sampled) against `qatc plan`
+#   peer       the PyTorch twin (bench/torch_cuda_peer.py), the same step and sizes: bf16 autocast
+#              with sdpa attention, eager and torch.compile (warm; compile time reported apart);
+#              with speed, the table: tokens/s, ms/step, MFU, qatc/eager and qatc/compile
+#   fit        the largest batch at T 1024 that fits the device with --checkpoint auto, 124M and
+#              1.5B: `qatc plan --fit`'s prediction, confirmed by 2 steps at it (must run) and at
+#              the next batch (must not), its nvidia-smi peak against the plan's (target: within
+#              5%); the twin eager with and without gradient checkpointing (doubling the batch
+#              until CUDA runs out of memory)
 #   sanitizer  compute-sanitizer memcheck and racecheck: every kernel of the demo step launched
 #              once (the tests' plain driver), and the executor's own work (qatc train --device
 #              cuda --no-cuda-graph, tiny, 2 steps: launches, cuBLAS calls, copies)
+#
+# Every figure carries the device, driver, CUDA version and date (a stamp per call) and its
+# command. Random models are made once per machine under /tmp/qatc-gpu-models (a warm machine's
+# next call reuses them; the 1.5B one is 6 GB).
 #
 # --dry-run checks the plumbing on a machine without a GPU (CI or here): the arguments, the
 # bundle (its contents, that its executables run and hold the tests named here, that the bundle
@@ -44,11 +64,11 @@
 # Everything is written under $OUT (the device tool's output folder; ./out-gpu, or
 # ./out-gpu-dry with --dry-run, when unset), at most 8 files: summary.txt (the table of results,
 # printed last), logs.tar.gz (every log), kernels-demo.json and kernels-124m.json (the resource
-# reports), speed.jsonl (qatc's figures), peer.jsonl (the twin's).
+# reports), speed.jsonl (qatc's figures), peer.jsonl (the twin's), fit.jsonl (the largest batches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all=(env compile tests executor speed peer sanitizer)
+all=(env compile tests executor speed peer fit sanitizer)
 dry=0
 deadline=560
 sections=()
@@ -164,17 +184,57 @@ run_test() {
   grep -E 'SKIPPED|worst|kernels for|GPU:|bytes in and out|launches and' "$logs/$name.log" | cut -c1-220 | sed 's/^/    /' | head -12 | tee -a "$summary"
 }
 
-# GPT-2 124M, randomly initialised, as Hugging Face safetensors (once per call)
-model_124m() {
-  [ -f "$work/gpt2-124m/model.safetensors" ] && return 0
-  really=0 run model-124m 120 $py - "$work/gpt2-124m" <<'EOF'
+# Issue 20's sizes: NAME:PRESET:LAYERS:EMBD:HEADS:BATCH:STEPS (the speed arm's batch at T 1024 and
+# qatc's steps; the first two steps are warm-up)
+sizes=("124m:124M:12:768:12:16:12" "1.5b:1.5B:48:1600:25:4:8")
+# the configuration of every issue-20 arm: 4-bit sym g64 frozen + LoRA r 16 on all four linears
+# (c_proj names both attn.c_proj and mlp.c_proj), AdamW, bf16
+i20=(--seq 1024 --bits 4 --group 64 --scheme sym --lora r=16 --precision bf16)
+# models live outside the call's work directory: a warm machine's next call finds them
+models=/tmp/qatc-gpu-models
+
+# model NAME LAYERS EMBD HEADS: a randomly initialised GPT-2 of that size as Hugging Face
+# safetensors (fp32), made on the GPU once per machine; its path in $model
+model() {
+  model=$models/gpt2-$1/model.safetensors
+  { [ $dry = 1 ] || [ -f "$model" ]; } && return 0
+  really=0 run "model-$1" 240 $py - "$models/gpt2-$1" "$2" "$3" "$4" <<'EOF'
 import sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 torch.manual_seed(0)
-GPT2LMHeadModel(GPT2Config()).save_pretrained(sys.argv[1], safe_serialization=True)
+cfg = GPT2Config(n_layer=int(sys.argv[2]), n_embd=int(sys.argv[3]), n_head=int(sys.argv[4]))
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    m = GPT2LMHeadModel(cfg)
+m.save_pretrained(sys.argv[1], safe_serialization=True)
 EOF
-  [ "$rc" = 0 ]
+  [ "$rc" = 0 ] && [ -f "$model" ]
+}
+model_124m() { model 124m 12 768 12; }
+
+# what every figure carries: device, driver, CUDA version, date (set once per call)
+stamp() {
+  if [ -z "${stamp_line:-}" ]; then
+    if [ $dry = 1 ]; then
+      stamp_line="device dry-run, driver -, CUDA -, $(date -u '+%F %T') UTC"
+    else
+      stamp_line="device $(device_name), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1), CUDA $(nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9.]*' | cut -d' ' -f3), $(date -u '+%F %T') UTC"
+    fi
+  fi
+  echo "$stamp_line"
+}
+device_name() { if [ $dry = 1 ]; then echo dry-run; else nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1; fi; }
+
+# smi_start FILE / smi_stop: nvidia-smi's memory.used (MiB) sampled every 100 ms while a run runs
+smi=
+smi_start() {
+  [ $dry = 1 ] && return
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$1" 2>/dev/null &
+  smi=$!
+}
+smi_stop() {
+  [ -n "$smi" ] && { kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null; }
+  smi=
 }
 
 # the losses of two --log-json files, compared: one line
@@ -211,7 +271,10 @@ if [ $dry = 1 ]; then
   line "qatc train --help" $r "the bundle's qatc runs and has --device, --tf32"
   # every test this script names exists in its executable (a renamed test would silently run nothing)
   for pair in cuda_exec:ten_steps_of_the_cuda_executor_track_the_cpu cuda_exec:state_stays_on_the_device_between_steps \
-    gpu_step:ten_steps_on_the_gpu_track_the_cpu gpu_step:every_kernel_of_the_demo_step_matches_the_evaluator; do
+    cuda_exec:ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu \
+    cuda_exec:fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step \
+    gpu_step:ten_steps_on_the_gpu_track_the_cpu gpu_step:every_kernel_of_the_demo_step_matches_the_evaluator \
+    gpu_step:every_kernel_of_the_bf16_demo_step_matches_the_evaluator; do
     exe=${pair%%:*} t=${pair#*:}
     "$tests/$exe" --list 2>/dev/null | grep -q "^$t: test$" && r=0 || r=1
     line "$exe has $t" $r ""
@@ -221,6 +284,8 @@ if [ $dry = 1 ]; then
   line "gpu_api --list" $r "$n tests"
   $py bench/torch_cuda_peer.py --help >"$logs/peer-help.log" 2>&1 && grep -q -- '--dtype' "$logs/peer-help.log" && r=0 || r=1
   line "torch_cuda_peer.py --help" $r ""
+  $py bench/mfu.py --layers 12 --embd 768 --seq 1024 --tokens-per-s 1 --device "NVIDIA H100 80GB HBM3" >"$logs/mfu.log" 2>&1 && r=0 || r=1
+  line "bench/mfu.py" $r "$(cut -c1-120 "$logs/mfu.log")"
 fi
 
 for s in "${sections[@]}"; do
@@ -241,8 +306,8 @@ for s in "${sections[@]}"; do
     done
     cp "$work/compile-demo/kernels/report.json" "$OUT/kernels-demo.json" 2>/dev/null
     grep -A8 ' regs ' "$logs/compile-demo-cold.log" | head -9 | sed 's/^/    /' | tee -a "$summary"
-    if [ $dry = 1 ] || model_124m; then
-      run compile-124m 240 "$qatc" compile "$work/gpt2-124m/model.safetensors" --batch 8 --seq 1024 --bits 4 --group 64 --lora r=16 \
+    if model_124m; then
+      run compile-124m 240 "$qatc" compile "$model" --batch 8 --seq 1024 --bits 4 --group 64 --lora r=16 \
         --device cuda --kernel-cache "$kcache" -o "$work/compile-124m"
       line "compile 124m cold" "$rc" "$(grep -E 'cubins' "$logs/compile-124m.log" | sed 's/^ *cubins *//' | cut -c1-150)"
       cp "$work/compile-124m/kernels/report.json" "$OUT/kernels-124m.json" 2>/dev/null
@@ -254,10 +319,13 @@ for s in "${sections[@]}"; do
     say "== tests on the GPU (test executables from make gpu-bundle)"
     run_test gpu_api gpu-api 60
     run_test cuda_exec executor-10-steps 240 ten_steps_of_the_cuda_executor_track_the_cpu
+    run_test cuda_exec executor-16-bit 180 ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu
     # the emulated executor and the CLI's paths: they need no GPU, so the dry run runs them
     really=$dry run_test cuda_exec executor-emulated 120 state_stays_on_the_device_between_steps
+    really=$dry run_test cuda_exec executor-emulated-fp16 120 fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step
     run_test gpu_step plain-10-steps 240 ten_steps_on_the_gpu_track_the_cpu
     run_test gpu_step each-demo-kernel 240 every_kernel_of_the_demo_step_matches_the_evaluator
+    run_test gpu_step each-bf16-demo-kernel 180 every_kernel_of_the_bf16_demo_step_matches_the_evaluator
     ;;
   executor)
     say "== qatc train --device cuda against --device cpu (10 steps; the CPU side is this bundle's: the reference interpreter)"
@@ -289,77 +357,144 @@ for s in "${sections[@]}"; do
     done
     ;;
   speed)
-    say "== qatc's step on this GPU: GPT-2 124M, B 8, T 1024, 4-bit g64 + LoRA r 16 (median tokens/s of steps 2..11)"
+    say "== issue 20's step, qatc: qatc train --device cuda, ${i20[*]}, AdamW; GPT-2 124M B 16 and 1.5B B 4 (random init); median of the steps after 2 of warm-up; $(stamp)"
     : >"$OUT/speed.jsonl"
-    really=$dry run plan-124m 60 "$qatc" plan 124M --batch 8 --seq 1024 --bits 4 --group 64 --lora r=16 --json
-    plan_peak=$($py -c 'import json, sys; print(json.load(open(sys.argv[1]))["summary"]["peak_bytes"])' "$logs/plan-124m.log" 2>/dev/null || echo 0)
-    line "qatc plan 124m" "$rc" "peak $((plan_peak / 1048576)) MiB (the memory plan of the unfused step)"
-    if [ $dry = 0 ] && ! model_124m; then
-      line "speed" 1 "no model (see logs/model-124m.log)"
-      continue
-    fi
-    for mode in fp32 tf32; do
-      flag=()
-      [ $mode = tf32 ] && flag=(--tf32)
-      mem=$work/mem-$mode.log
-      if [ $dry = 0 ]; then
-        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$mem" 2>/dev/null &
-        smi=$!
+    for sz in "${sizes[@]}"; do
+      IFS=: read -r name preset layers embd heads b steps <<<"$sz"
+      really=$dry run "plan-$name" 60 "$qatc" plan "$preset" --batch "$b" "${i20[@]}" --device cuda --json
+      plan_peak=$($py -c 'import json, sys; print(json.load(open(sys.argv[1]))["summary"]["peak_bytes"])' "$logs/plan-$name.log" 2>/dev/null || echo 0)
+      line "qatc plan $name B $b" "$rc" "peak $((plan_peak / 1048576)) MiB (the executed plan for the CUDA executor)"
+      if ! model "$name" "$layers" "$embd" "$heads"; then
+        line "speed $name" 1 "no model (see logs/model-$name.log)"
+        continue
       fi
-      run "speed-$mode" 240 "$qatc" train "$work/gpt2-124m/model.safetensors" --data examples/shakespeare_train.bin --batch 8 --seq 1024 \
-        --steps 12 --bits 4 --group 64 --lora r=16 --lr 1e-4 --device cuda "${flag[@]}" --out "$work/speed-$mode" --log-json "$work/speed-$mode.jsonl"
-      [ $dry = 0 ] && { kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null; }
-      [ $dry = 1 ] && { line "speed $mode" dry ""; continue; }
-      fig=$($py - "$work/speed-$mode.jsonl" "$mem" "$mode" "$plan_peak" "$logs/speed-$mode.log" <<'EOF'
+      cmd=("$qatc" train "$model" --data examples/shakespeare_train.bin --batch "$b" "${i20[@]}" --steps "$steps" --lr 1e-4 --device cuda
+        --out "$work/speed-$name" --log-json "$work/speed-$name.jsonl")
+      smi_start "$work/mem-$name.log"
+      run "speed-$name" 300 "${cmd[@]}"
+      smi_stop
+      [ $dry = 1 ] && { line "speed $name" dry ""; continue; }
+      fig=$($py - "$work/speed-$name.jsonl" "$work/mem-$name.log" "$name" "$layers" "$embd" "$b" "$plan_peak" "$logs/speed-$name.log" "$(device_name)" "$(stamp)" "qatc train ${cmd[*]:2}" <<'EOF'
 import json, sys
-log, mem, mode, plan_peak, out = sys.argv[1:6]
+sys.path.insert(0, "bench")
+import mfu
+log, mem, name, layers, embd, b, plan_peak, out, device, stamp, cmd = sys.argv[1:12]
 try:
     steps = [json.loads(l) for l in open(log) if l.strip()]
 except OSError:
     steps = []
 tps = sorted(s["tokens_per_s"] for s in steps[2:])
 used = [int(x) for x in open(mem).read().split() if x.strip().isdigit()] if mem else []
-line = next((l.strip() for l in open(out) if "runs on CUDA" in l), "")
-d = {"mode": mode, "steps": len(steps), "tokens_per_s_median": tps[len(tps) // 2] if tps else None,
-     "step_ms_median": 8 * 1024 / tps[len(tps) // 2] * 1e3 if tps else None,
-     "losses": [s["loss"] for s in steps], "nvidia_smi_peak_mib": max(used) if used else None,
-     "plan_peak_bytes": int(plan_peak), "qatc": line}
+t = tps[len(tps) // 2] if tps else None
+d = {"who": "qatc", "size": name, "batch": int(b), "steps": len(steps), "tokens_per_s_median": t,
+     "step_ms_median": int(b) * 1024 / t * 1e3 if t else None,
+     "mfu": mfu.report(int(layers), int(embd), 50257, 1024, 16, t, device), "losses": [s["loss"] for s in steps],
+     "nvidia_smi_peak_mib": max(used) if used else None, "plan_peak_bytes": int(plan_peak),
+     "qatc": next((l.strip() for l in open(out) if "runs on CUDA" in l), ""), "stamp": stamp, "command": cmd}
 print(json.dumps(d))
 EOF
 )
       echo "$fig" >>"$OUT/speed.jsonl"
-      line "speed $mode" "$rc" "$(echo "$fig" | $py -c 'import json, sys
+      line "speed $name B $b" "$rc" "$(echo "$fig" | $py -c 'import json, sys
 d = json.loads(sys.stdin.read())
-t = d["tokens_per_s_median"]
-print("%s tokens/s (%.1f ms/step), nvidia-smi peak %s MiB" % (round(t) if t else "?", d["step_ms_median"] or 0, d["nvidia_smi_peak_mib"]) if t else "no figure (see logs)")' 2>/dev/null)"
-      grep -h 'runs on CUDA' "$logs/speed-$mode.log" | head -1 | cut -c1-500 | sed 's/^/    /' | tee -a "$summary"
+t, m = d["tokens_per_s_median"], d["mfu"]
+print("%.0f tokens/s (%.1f ms/step), MFU %s, nvidia-smi peak %s MiB" % (t, d["step_ms_median"], "%.1f%%" % (100 * m["mfu"]) if m.get("mfu") else "? (%s)" % m["peak_of"], d["nvidia_smi_peak_mib"]) if t else "no figure (see logs)")' 2>/dev/null)"
+      grep -h 'runs on CUDA' "$logs/speed-$name.log" | head -1 | cut -c1-500 | sed 's/^/    /' | tee -a "$summary"
     done
     ;;
   peer)
-    say "== the PyTorch twin on this GPU: 124M, B 8, T 1024, 4-bit g64 fake-quant + LoRA r 16 (median of 20 steps)"
+    say "== issue 20's step, the PyTorch twin (bench/torch_cuda_peer.py): bf16 autocast, sdpa attention, the same fake-quant and LoRA; eager, and torch.compile warm (compile time apart); $(stamp)"
     : >"$OUT/peer.jsonl"
-    for cfg in fp32:eager tf32:eager bf16:sdpa; do
-      dtype=${cfg%%:*} attn=${cfg##*:}
-      run "peer-$dtype-$attn" 150 $py bench/torch_cuda_peer.py --dtype "$dtype" --attn "$attn" --steps 20
-      [ $dry = 1 ] && { line "peer $dtype $attn" dry ""; continue; }
-      l=$(grep '^{' "$logs/peer-$dtype-$attn.log" | tail -1)
-      [ -n "$l" ] && echo "$l" >>"$OUT/peer.jsonl"
-      line "peer $dtype $attn" "$rc" "$(echo "${l:-{\}}" | $py -c 'import json, sys
+    for sz in "${sizes[@]}"; do
+      IFS=: read -r name preset layers embd heads b steps <<<"$sz"
+      for mode in eager compile; do
+        flag=()
+        [ $mode = compile ] && flag=(--compile)
+        cmd=($py bench/torch_cuda_peer.py --layers "$layers" --embd "$embd" --heads "$heads" --seq 1024 --batch "$b" --bits 4 --group 64 --r 16
+          --dtype bf16 --attn sdpa --steps 10 "${flag[@]}")
+        run "peer-$name-$mode" 240 "${cmd[@]}"
+        [ $dry = 1 ] && { line "peer $name $mode" dry ""; continue; }
+        l=$(grep '^{' "$logs/peer-$name-$mode.log" | tail -1)
+        [ -n "$l" ] && echo "$l" | $py -c 'import json, sys
+d = json.loads(sys.stdin.read()); d.update(who=sys.argv[1], size=sys.argv[2], stamp=sys.argv[3], command=sys.argv[4]); print(json.dumps(d))' \
+          "$mode" "$name" "$(stamp)" "${cmd[*]}" >>"$OUT/peer.jsonl"
+        line "peer $name $mode" "$rc" "$(echo "${l:-{\}}" | $py -c 'import json, sys
 d = json.loads(sys.stdin.read() or "{}")
-print("%.1f ms/step, %.0f tokens/s, peak %.2f GiB" % (d["step_s_median"] * 1e3, d["tokens_per_s"], d["peak_allocated_bytes"] / 2**30) if d else "failed (see logs)")')"
+m = d.get("mfu") or {}
+print("%.1f ms/step, %.0f tokens/s, MFU %s, peak %.2f GiB%s" % (d["step_s_median"] * 1e3, d["tokens_per_s"], "%.1f%%" % (100 * m["mfu"]) if m.get("mfu") else "?", d["peak_allocated_bytes"] / 2**30, ", compile %.0f s" % d["compile_s"] if d.get("compile_s") else "") if d else "failed (see logs)")')"
+      done
     done
-    # qatc over the twin, where both ran in this call
+    # the table: qatc over each twin, where both ran in this call
     if [ -s "$OUT/speed.jsonl" ] && [ -s "$OUT/peer.jsonl" ]; then
       $py - "$OUT/speed.jsonl" "$OUT/peer.jsonl" <<'EOF' | tee -a "$summary"
 import json, sys
-qatc = {d["mode"]: d for d in map(json.loads, open(sys.argv[1])) if d.get("tokens_per_s_median")}
-peer = {d["dtype"]: d for d in map(json.loads, open(sys.argv[2])) if d.get("attn") == "eager"}
-for mode in ("fp32", "tf32"):
-    if mode in qatc and mode in peer:
-        q, p = qatc[mode]["tokens_per_s_median"], peer[mode]["tokens_per_s"]
-        print(f"qatc / PyTorch eager, {mode}: {q:.0f} / {p:.0f} tokens/s = {q / p:.2f}x")
+rows = [json.loads(l) for f in sys.argv[1:3] for l in open(f) if l.strip()]
+fig = {(d["size"], d["who"]): d for d in rows}
+print("%-6s %-8s %12s %10s %7s %12s %14s" % ("size", "who", "tokens/s", "ms/step", "MFU", "qatc/eager", "qatc/compile"))
+for size in dict.fromkeys(d["size"] for d in rows):
+    q = fig.get((size, "qatc"), {}).get("tokens_per_s_median")
+    for who in ("qatc", "eager", "compile"):
+        d = fig.get((size, who))
+        if not d:
+            continue
+        t = d.get("tokens_per_s_median") or d.get("tokens_per_s")
+        if not t:
+            continue
+        m = (d.get("mfu") or {}).get("mfu")
+        ratio = lambda w: "%.2fx" % (q / fig[(size, w)]["tokens_per_s"]) if q and (size, w) in fig else "-"
+        print("%-6s %-8s %12.0f %10.1f %7s %12s %14s" % (size, who, t, d.get("batch", 0) * 1024 / t * 1e3, "%.1f%%" % (100 * m) if m else "?",
+                                                   ratio("eager") if who == "qatc" else "", ratio("compile") if who == "qatc" else ""))
+peaks = {(d.get("mfu") or {}).get("peak_of"): (d.get("mfu") or {}).get("peak_flops") for d in rows}
+print("MFU: FLOPs/token = 4 N_matmul + 6 N_lora + 12 L C T (bench/mfu.py), peak %s" % ", ".join("%s %.0f TFLOP/s" % (k, v / 1e12) for k, v in peaks.items() if v))
+for d in rows:
+    print("  %s %s: %s; %s" % (d["size"], d["who"], d.get("stamp", ""), d.get("command", "")))
 EOF
     fi
+    ;;
+  fit)
+    total=$([ $dry = 1 ] && echo 81559 || nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+    say "== issue 20's largest batch at T 1024: qatc plan --fit with --checkpoint auto in ${total} MiB, confirmed by 2 steps at it and at the next; the twin eager with and without gradient checkpointing; $(stamp)"
+    : >"$OUT/fit.jsonl"
+    for sz in "${sizes[@]}"; do
+      IFS=: read -r name preset layers embd heads b steps <<<"$sz"
+      really=$dry run "fit-plan-$name" 90 "$qatc" plan "$preset" "${i20[@]}" --checkpoint auto --memory "${total}MiB" --device cuda --fit --max-batch 1024 --json
+      read -r best best_peak <<<"$($py -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+f = max((p for p in d.get("fits", []) if p.get("fits", True) and p.get("seq", 1024) == 1024), key=lambda p: p["batch"], default=None)
+print(f["batch"], f["peak_bytes"]) if f else print(0, 0)' "$logs/fit-plan-$name.log" 2>/dev/null || echo 0 0)"
+      [ $dry = 1 ] && best=${best:-0}
+      line "qatc plan --fit $name" "$rc" "largest batch that fits: ${best:-?} (planned peak $((${best_peak:-0} / 1048576)) MiB)"
+      if [ "${best:-0}" -gt 0 ] && model "$name" "$layers" "$embd" "$heads"; then
+        for tb in "$best" $((best * 2)); do
+          smi_start "$work/mem-fit-$name-$tb.log"
+          run "fit-train-$name-$tb" 240 "$qatc" train "$model" --data examples/shakespeare_train.bin --batch "$tb" "${i20[@]}" --steps 2 --lr 1e-4 \
+            --checkpoint auto --memory "${total}MiB" --device cuda --out "$work/fit-$name-$tb"
+          smi_stop
+          peak=$(sort -n "$work/mem-fit-$name-$tb.log" 2>/dev/null | tail -1)
+          [ $dry = 1 ] && { line "fit $name B $tb" dry ""; continue; }
+          what="rc $rc, nvidia-smi peak ${peak:-?} MiB"
+          [ "$tb" = "$best" ] && [ -n "$peak" ] && what="$what, $($py -c 'import sys; a, b = int(sys.argv[1]) * 2**20, int(sys.argv[2]); print("%.3fx the plan (%s, the target is within 5%%)" % (a / b, "within" if abs(a / b - 1) <= 0.05 else "outside"))' "$peak" "$best_peak")"
+          [ "$rc" = 0 ] || what="$what: $(grep -m1 -iE 'error|out of memory' "$logs/fit-train-$name-$tb.log" | cut -c1-160)"
+          # the batch that fits must run, the next one must not
+          ok=1
+          { [ "$tb" = "$best" ] && [ "$rc" = 0 ]; } || { [ "$tb" != "$best" ] && [ "$rc" != 0 ] && [ "$rc" != 124 ]; } && ok=0
+          line "fit $name B $tb" "$ok" "$what"
+          echo "{\"who\": \"qatc\", \"size\": \"$name\", \"batch\": $tb, \"planned_best\": $best, \"planned_peak_bytes\": $best_peak, \"rc\": \"$rc\", \"nvidia_smi_peak_mib\": ${peak:-null}, \"stamp\": \"$(stamp)\"}" >>"$OUT/fit.jsonl"
+        done
+      fi
+      for ck in none checkpoint; do
+        flag=()
+        [ $ck = checkpoint ] && flag=(--checkpoint)
+        run "fit-peer-$name-$ck" 240 $py bench/torch_cuda_peer.py --layers "$layers" --embd "$embd" --heads "$heads" --seq 1024 --bits 4 --group 64 --r 16 \
+          --dtype bf16 --attn sdpa --fit --max-batch 1024 "${flag[@]}"
+        [ $dry = 1 ] && { line "fit peer $name $ck" dry ""; continue; }
+        l=$(grep '^{' "$logs/fit-peer-$name-$ck.log" | tail -1)
+        [ -n "$l" ] && echo "$l" >>"$OUT/fit.jsonl"
+        line "fit peer $name $ck" "$rc" "$(echo "${l:-{\}}" | $py -c 'import json, sys
+d = json.loads(sys.stdin.read() or "{}")
+print("eager, gradient checkpointing %s: largest batch %d (peak %.2f GiB)" % (d["checkpoint"], d["max_batch"], (d["peak_allocated_bytes"] or 0) / 2**30) if d else "failed (see logs)")')"
+      done
+    done
     ;;
   sanitizer)
     say "== compute-sanitizer: memcheck and racecheck"
@@ -381,6 +516,6 @@ tar czf "$OUT/logs.tar.gz" -C "$work" logs
 n=$(find "$OUT" -type f | wc -l)
 big=$(find "$OUT" -type f -size +16M | wc -l)
 [ "$n" -le 8 ] && [ "$big" = 0 ] || say "warning: $n files under \$OUT ($big over 16 MiB): the device tool brings back at most 8 of 16 MiB"
-say "logs: \$OUT/logs.tar.gz; figures: \$OUT/summary.txt, kernels-*.json, speed.jsonl, peer.jsonl"
+say "logs: \$OUT/logs.tar.gz; figures: \$OUT/summary.txt, kernels-*.json, speed.jsonl, peer.jsonl, fit.jsonl"
 rm -rf "$work"
 [ $failures = 0 ]

@@ -4,13 +4,23 @@ gets this repository only), timed with CUDA events.
 
 A randomly initialised Hugging Face GPT-2 of a given size; every Conv1D (c_attn, attn.c_proj, c_fc,
 mlp.c_proj) gets per-group symmetric fake-quant (STE) of its frozen base weight plus a PEFT-style
-LoRA branch; forward + backward + AdamW. Prints one JSON line: the median step time, tokens/s and
-the peak device memory PyTorch allocated.
+LoRA branch; forward + backward + AdamW. Prints one JSON line: the median step time, tokens/s, MFU
+(bench/mfu.py: issue 20's FLOPs per token and the device's dense bf16 peak) and the peak device
+memory PyTorch allocated. With --compile (torch.compile, Inductor) the warm-up steps, where it
+compiles, are timed apart (compile_s) and excluded from the median.
 
-  python3 bench/torch_cuda_peer.py --layers 12 --embd 768 --heads 12 --seq 1024 --batch 8 \\
-      --dtype fp32|tf32|bf16 [--attn eager|sdpa] [--compile] [--precompute-quant]
+--fit: no timing; the largest batch (1, 2, 4, ... up to --max-batch, the grid `qatc plan --fit`
+tries) whose step runs without CUDA running out of memory, with --checkpoint (transformers'
+per-block gradient checkpointing) or without; one JSON line with it and its peak memory.
+
+  python3 bench/torch_cuda_peer.py --layers 12 --embd 768 --heads 12 --seq 1024 --batch 16 \\
+      --dtype fp32|tf32|bf16 [--attn eager|sdpa] [--compile] [--precompute-quant] [--checkpoint]
+  python3 bench/torch_cuda_peer.py --layers 48 --embd 1600 --heads 25 --dtype bf16 --attn sdpa --fit
 """
-import argparse, json, math
+import argparse, json, math, os, sys, time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mfu  # noqa: E402  (bench/mfu.py: the FLOPs formula's one home)
 
 
 def parse(argv=None):
@@ -25,6 +35,9 @@ def parse(argv=None):
     ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     ap.add_argument("--compile", action="store_true", help="torch.compile (compile time and warm-up excluded)")
     ap.add_argument("--precompute-quant", action="store_true", help="fake-quantize the frozen weights once")
+    ap.add_argument("--checkpoint", action="store_true", help="gradient checkpointing (transformers', per block)")
+    ap.add_argument("--fit", action="store_true", help="the largest batch that fits (no timing)")
+    ap.add_argument("--max-batch", type=int, default=1024, help="the largest batch --fit tries")
     return ap.parse_args(argv)
 
 
@@ -80,6 +93,8 @@ def run(args):
         for blk in m.transformer.h:
             for parent, name in [(blk.attn, "c_attn"), (blk.attn, "c_proj"), (blk.mlp, "c_fc"), (blk.mlp, "c_proj")]:
                 setattr(parent, name, QLoraConv1D(getattr(parent, name), args.bits, args.group, args.r, 2 * args.r, args.precompute_quant))
+        if args.checkpoint:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         m.config.use_cache = False
         return m.to(device)
@@ -91,6 +106,9 @@ def run(args):
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    if args.fit:
+        fit(args, dev, build, torch)
+        return
     m = build(args, dev)
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -104,9 +122,11 @@ def run(args):
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
         return loss
 
+    t0 = time.perf_counter()
     for _ in range(warm):
         step()
     torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.steps):
@@ -116,11 +136,48 @@ def run(args):
         times.append(a.elapsed_time(b) / 1e3)
     times.sort()
     med = times[len(times) // 2]
+    tps = args.batch * args.seq / med
+    device = torch.cuda.get_device_name()
     print(json.dumps({"peer": "pytorch-cuda-" + ("compile" if args.compile else "eager") + "+lora+fakequant",
-                      "torch": torch.__version__, "device": torch.cuda.get_device_name(), **vars(args),
+                      "torch": torch.__version__, "cuda": torch.version.cuda, "device": device, **vars(args),
                       "trainable": sum(p.numel() for p in params), "loss": float(loss),
-                      "step_s_median": med, "step_s_min": times[0], "tokens_per_s": args.batch * args.seq / med,
+                      "step_s_median": med, "step_s_min": times[0], "tokens_per_s": tps,
+                      # the warm-up steps: with --compile, where torch.compile compiles
+                      "warmup_steps": warm, "warmup_s": warm_s, "compile_s": warm_s - warm * med if args.compile else None,
+                      "mfu": mfu.report(args.layers, args.embd, args.vocab, args.seq, args.r, tps, device),
                       "peak_allocated_bytes": torch.cuda.max_memory_allocated()}))
+
+
+def fit(args, dev, build, torch):
+    """Doubles the batch until a step runs out of memory: the largest that ran, and its peak."""
+    m = build(args, dev)
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    tried, best = [], None
+    b = 1
+    while b <= args.max_batch:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            x = torch.randint(0, args.vocab, (b, args.seq), device=dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                loss = m(input_ids=x, labels=x).loss
+            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            tried.append({"batch": b, "fits": True, "peak_allocated_bytes": peak})
+            best = (b, peak)
+        except torch.cuda.OutOfMemoryError:
+            tried.append({"batch": b, "fits": False})
+            break
+        finally:
+            x = loss = None
+            opt.zero_grad(set_to_none=True)
+        b *= 2
+    _, total = torch.cuda.mem_get_info()
+    print(json.dumps({"peer": "pytorch-cuda-eager+lora+fakequant fit", "torch": torch.__version__, "cuda": torch.version.cuda,
+                      "device": torch.cuda.get_device_name(), "device_total_bytes": total, **vars(args),
+                      "max_batch": best[0] if best else 0, "peak_allocated_bytes": best[1] if best else None, "tried": tried}))
 
 
 def main():

@@ -6,8 +6,8 @@
 //! - on the GPU (`CudaDriver`, kernels compiled to CUBINs by NVRTC for the device, strict fp32),
 //!   where there is one: the tiny and the Shakespeare GPT-2 steps over 10 steps (each step from
 //!   the CPU's state: losses within 1e-5, gradients within 1e-4 relative), and every kernel of
-//!   the demo step (`examples/demo.sh`'s configuration) launched alone on the GPU's copy of the
-//!   evaluator's inputs and compared with the kernel-IR evaluator. `bench/gpu.sh` runs these.
+//!   the demo step (`examples/demo.sh`'s configuration; in fp32 and in bf16) launched alone on the
+//!   GPU's copy of the evaluator's inputs and compared with the kernel-IR evaluator. `bench/gpu.sh` runs these.
 //!
 //! This is not the CUDA executor (`CudaProgram`: an arena, resident state, a captured step;
 //! tests/cuda_exec.rs); it checks the parts it is built from with nothing of its own between
@@ -30,6 +30,7 @@ use qatc_kernels::program::{BufKind, Buffer, View};
 use qatc_kernels::{Program, Step};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::precision::Precision;
 use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage, PlanFuncs};
 use qatc_runtime::{CpuProgram, Value};
@@ -331,18 +332,32 @@ fn ten_steps_on_the_gpu_track_the_cpu() {
 #[test]
 fn every_kernel_of_the_demo_step_matches_the_evaluator() {
     let Some((mut gpu, nv)) = gpu() else { return };
+    demo_kernels(&mut gpu, &nv, Precision::Fp32);
+}
+
+/// The same in bf16: a 16-bit param within one ulp of its type (an f32 result a hair from a
+/// rounding boundary rounds the other way: 2^-7 relative for bf16, 2^-10 for f16), f32 ones
+/// within 1e-5.
+#[test]
+fn every_kernel_of_the_bf16_demo_step_matches_the_evaluator() {
+    let Some((mut gpu, nv)) = gpu() else { return };
+    demo_kernels(&mut gpu, &nv, Precision::Bf16);
+}
+
+fn demo_kernels(gpu: &mut CudaDriver, nv: &qatc_kernels::nvrtc::Nvrtc, precision: Precision) {
     let mut o = StepOptions::new(4, 128);
     o.model.full_finetune = false;
     o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 }));
     o.model.lora = Some(LoraOptions::new(16));
     o.fuse = Some(FuseOptions::default());
+    o.precision = precision;
     let (prog, tr, data) = setup(SHAKESPEARE.0, SHAKESPEARE.1, o.clone());
-    let bins = cubins(&gpu, &nv, &prog);
+    let bins = cubins(gpu, nv, &prog);
     let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
     let mut host = HostGpu::new(64 << 30);
     let mut reference = Plain::new(&mut host, &prog, &HashMap::new());
     reference.set_inputs(&inp);
-    let mut device = Plain::new(&mut gpu, &prog, &bins);
+    let mut device = Plain::new(gpu, &prog, &bins);
     let mut checked = HashSet::new();
     let mut worst = (0.0f64, String::new());
     for i in 0..prog.steps.len() {
@@ -361,8 +376,13 @@ fn every_kernel_of_the_demo_step_matches_the_evaluator() {
                     let whole = View::contiguous(b, &prog.buffers[b].shape);
                     let (got, want) = (device.read(b, &whole), reference.read(b, &whole));
                     let err = if p.dtype.is_float() { common::rel_err(&got, &want) } else { common::max_abs(&got, &want) };
-                    let name = format!("{} param {}", qatc_kernels::cuda::emit(k).expect("emits").name, p.name);
-                    assert!(err <= 1e-5, "{name} ({}): off by {err:e}", k.note);
+                    let name = format!("{precision}: {} param {}", qatc_kernels::cuda::emit(k).expect("emits").name, p.name);
+                    let tol = match p.dtype {
+                        DType::BF16 => 2f64.powi(-7),
+                        DType::F16 => 2f64.powi(-10),
+                        _ => 1e-5,
+                    };
+                    assert!(err <= tol, "{name} ({}): off by {err:e}", k.note);
                     if err > worst.0 {
                         worst = (err, name);
                     }
@@ -372,5 +392,10 @@ fn every_kernel_of_the_demo_step_matches_the_evaluator() {
         }
         reference.step(i);
     }
-    eprintln!("{} distinct kernels checked on the GPU against the evaluator; worst {:.1e} ({})", checked.len(), worst.0, worst.1);
+    eprintln!(
+        "{precision}: {} distinct kernels checked on the GPU against the evaluator; worst {:.1e} ({})",
+        checked.len(),
+        worst.0,
+        worst.1
+    );
 }
