@@ -51,6 +51,15 @@
 #              once (the tests' plain driver), and the executor's own work (qatc train --device
 #              cuda --no-cuda-graph, tiny, 2 steps: launches, cuBLAS calls, copies)
 #
+# Fast kernel variants (issue 20; kernels/src/cuda/emit.rs `CudaCodegen`, picked by the generator
+# only where they apply, each with the general kernel as its fallback; same kernel IR, name,
+# params and launch dims, so the executor cannot tell them apart):
+#   tensor_core_attention  causal attention forward on mma.sync m16n8k16 tensor cores, FA2's
+#                          scheme (qatc_attention_mma.cuh), for --precision bf16|fp16, hs a multiple
+#                          of 16 up to 64, sm_80+. Never run on a GPU before this script's
+#                          each-bf16-demo-kernel test. Off: `qatc train --general-kernels`, or
+#                          `CudaOptions { codegen: CudaCodegen::GENERAL, .. }` in code.
+#
 # Every figure carries the device, driver, CUDA version and date (a stamp per call) and its
 # command. Random models are made once per machine under /tmp/qatc-gpu-models (a warm machine's
 # next call reuses them; the 1.5B one is 6 GB).

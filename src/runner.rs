@@ -8,6 +8,7 @@
 use anyhow::Context;
 use qatc_ir::Graph;
 use qatc_kernels::cuda::blas::BlasMode;
+use qatc_kernels::cuda::CudaCodegen;
 use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, KernelBuild};
 use qatc_runtime::{CpuOptions, InterpretedStep, TrainStep};
 
@@ -33,7 +34,7 @@ pub enum Engine {
     Cuda(CudaSettings),
 }
 
-/// How the step runs on the GPU (`qatc train --tf32`, `--no-cuda-graph`).
+/// How the step runs on the GPU (`qatc train --tf32`, `--no-cuda-graph`, `--general-kernels`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaSettings {
     /// fp32 GEMMs on TF32 tensor cores instead of strict IEEE fp32.
@@ -41,6 +42,9 @@ pub struct CudaSettings {
     /// Submit every launch on every step, each waited for, instead of replaying the step as one
     /// CUDA graph (slower; an asynchronous error then names its kernel).
     pub no_graph: bool,
+    /// The general kernels only: none of the generator's fast variants (`CudaCodegen`), to rule
+    /// one out when a step on the GPU goes wrong.
+    pub general_kernels: bool,
 }
 
 /// Why the CUDA executor cannot run here, or Ok: a GPU the driver reports, the CUDA libraries
@@ -83,7 +87,7 @@ pub fn resolve(device: Device, interpreter: bool, cuda: CudaSettings) -> anyhow:
         },
     };
     if cuda != CudaSettings::default() && !matches!(engine, Engine::Cuda(_)) {
-        anyhow::bail!("--tf32 and --no-cuda-graph are for the GPU; the step runs on the CPU here");
+        anyhow::bail!("--tf32, --no-cuda-graph and --general-kernels are for the GPU; the step runs on the CPU here");
     }
     Ok((engine, notice))
 }
@@ -131,8 +135,13 @@ pub fn cuda_program(prog: qatc_kernels::Program, settings: CudaSettings) -> anyh
     let sources = dir.map(|d| d.join("sources"));
     let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let build = KernelBuild { nvrtc: &nv, cache: cache.as_ref(), jobs, source_dir: sources.as_deref() };
-    let options =
-        CudaOptions { blas: if settings.tf32 { BlasMode::Tf32 } else { BlasMode::Strict }, graph: !settings.no_graph, hoist_frozen: true };
+    let codegen = if settings.general_kernels { CudaCodegen::GENERAL } else { CudaCodegen::default() };
+    let options = CudaOptions {
+        blas: if settings.tf32 { BlasMode::Tf32 } else { BlasMode::Strict },
+        graph: !settings.no_graph,
+        hoist_frozen: true,
+        codegen,
+    };
     Ok(CudaProgram::new(prog, driver, options, Some(&build))?)
 }
 

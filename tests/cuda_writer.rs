@@ -84,6 +84,7 @@ fn a_kernel_with_no_rows_gets_a_block_that_touches_nothing() {
         strides: vec![[64, 32, 4]; 5],
         offsets: vec![0; 5],
         part: AttentionPart::Forward,
+        values: DType::F32,
     };
     let params =
         ["q", "k", "v", "out"].iter().map(|n| param(n, DType::F32, 0, *n == "out")).chain([param("lse", DType::F32, 0, true)]).collect();
@@ -320,6 +321,7 @@ fn grids_past_cudas_limits_are_errors_and_i32_indices_keep_headroom() {
         strides: vec![[0; 3]; 5],
         offsets: vec![0; 5],
         part: AttentionPart::Forward,
+        values: DType::F32,
     };
     let params = ["q", "k", "v", "out", "lse"].iter().map(|n| param(n, DType::F32, 4, *n == "out" || *n == "lse")).collect();
     let k =

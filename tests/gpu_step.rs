@@ -337,7 +337,9 @@ fn every_kernel_of_the_demo_step_matches_the_evaluator() {
 
 /// The same in bf16: a 16-bit param within one ulp of its type (an f32 result a hair from a
 /// rounding boundary rounds the other way: 2^-7 relative for bf16, 2^-10 for f16), f32 ones
-/// within 1e-5.
+/// within 1e-5; the params of a kernel the CUDA writer put on tensor cores (the attention
+/// kernels, `CudaCodegen::tensor_core_attention*`: 16-bit operands, P and dS rounded to the type
+/// before their products, as FlashAttention does) within 2e-2.
 #[test]
 fn every_kernel_of_the_bf16_demo_step_matches_the_evaluator() {
     let Some((mut gpu, nv)) = gpu() else { return };
@@ -376,8 +378,10 @@ fn demo_kernels(gpu: &mut CudaDriver, nv: &qatc_kernels::nvrtc::Nvrtc, precision
                     let whole = View::contiguous(b, &prog.buffers[b].shape);
                     let (got, want) = (device.read(b, &whole), reference.read(b, &whole));
                     let err = if p.dtype.is_float() { common::rel_err(&got, &want) } else { common::max_abs(&got, &want) };
-                    let name = format!("{precision}: {} param {}", qatc_kernels::cuda::emit(k).expect("emits").name, p.name);
+                    let cuda = qatc_kernels::cuda::emit(k).expect("emits");
+                    let name = format!("{precision}: {} param {}", cuda.name, p.name);
                     let tol = match p.dtype {
+                        _ if cuda.source.contains("_mma<") => 2e-2,
                         DType::BF16 => 2f64.powi(-7),
                         DType::F16 => 2f64.powi(-10),
                         _ => 1e-5,

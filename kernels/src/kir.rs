@@ -298,6 +298,11 @@ pub struct Attention {
     /// Element offsets of each view into its buffer, in param order.
     pub offsets: Vec<usize>,
     pub part: AttentionPart,
+    /// The type of the graph values the operands hold: `F32`, or the f16/bf16 compute type
+    /// (`--precision`) that the lowering widened them from, exactly. The semantics are the f32
+    /// ones either way; a 16-bit type tells a backend that rounding the operands to it loses
+    /// nothing, so it may multiply them on 16-bit tensor cores (`cuda/attention.rs`).
+    pub values: DType,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -80,3 +80,29 @@ fn attention_backward_recomputes_instead_of_storing() {
     assert!(kernels.iter().all(|k| k.name.starts_with("fused_attention_bwd_")));
     insta::assert_snapshot!(cuda_of(&common::attention_backward()));
 }
+
+/// `--precision bf16|fp16` attention (GPT-2's hs 64, T 100: a partial last tile): the forward
+/// picks the tensor-core template (`qatc_attention_mma.cuh`) for sm_80+, with the fp32 template
+/// behind `#if` for older architectures; `CudaCodegen::GENERAL` and f32 values keep the fp32
+/// template alone. Same name, params and launch dims either way (the executor cannot tell).
+#[test]
+fn attention_forward_on_tensor_cores_for_16_bit_values() {
+    use qatc_ir::DType;
+    use qatc_kernels::cuda::{emit_with, CudaCodegen};
+    let forward = |d: DType, cg: &CudaCodegen| {
+        let prog = qatc_kernels::lower(&common::attention_of(d, 100, 2, 64)).unwrap();
+        let k = prog.kernels.iter().find(|k| k.family == "attention").expect("the attention kernel");
+        emit_with(k, cg).unwrap()
+    };
+    let bf16 = forward(DType::BF16, &CudaCodegen::default());
+    assert!(bf16.source.contains("qatc::attention_forward_mma<64, qatc::MmaBf16>"), "{}", bf16.source);
+    assert!(bf16.source.contains("#include \"qatc_attention_mma.cuh\""));
+    let fp16 = forward(DType::F16, &CudaCodegen::default());
+    assert!(fp16.source.contains("qatc::attention_forward_mma<64, qatc::MmaF16>"), "{}", fp16.source);
+    let general = forward(DType::BF16, &CudaCodegen::GENERAL);
+    assert!(!general.source.contains("mma") && general.source.contains("qatc::attention_forward<64, 64, 32>"), "{}", general.source);
+    assert_eq!((&general.name, &general.launch), (&bf16.name, &bf16.launch));
+    let f32 = forward(DType::F32, &CudaCodegen::default());
+    assert!(!f32.source.contains("mma"), "{}", f32.source);
+    insta::assert_snapshot!(format!("// ---- {} ----\n{}", bf16.name, bf16.source));
+}

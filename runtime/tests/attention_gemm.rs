@@ -82,7 +82,7 @@ fn kernel(d: &Dims, part: AttentionPart) -> (Kernel, Vec<usize>) {
         offsets.push(o);
         params.push(Param { name: format!("p{i}"), dtype: DType::F32, shape: vec![shapes[b]], write: writes.contains(&i) });
     }
-    let a = Attention { b: d.b, nh: d.nh, t: d.t, hs: d.hs, scale: 1.0 / (d.hs as f64).sqrt(), strides, offsets, part };
+    let a = Attention { b: d.b, nh: d.nh, t: d.t, hs: d.hs, scale: 1.0 / (d.hs as f64).sqrt(), strides, offsets, part, values: DType::F32 };
     (
         Kernel {
             family: "attention".into(),

@@ -122,6 +122,10 @@ pub struct Args {
     /// name).
     #[arg(long)]
     pub no_cuda_graph: bool,
+    /// On the GPU: the general kernels only, none of the fast variants the generator picks where
+    /// they apply (tensor-core attention), to rule one out.
+    #[arg(long)]
+    pub general_kernels: bool,
 }
 
 /// One logged step.
@@ -297,7 +301,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
     let sched = train.lr_schedule();
     let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
-    let cuda = crate::runner::CudaSettings { tf32: a.tf32, no_graph: a.no_cuda_graph };
+    let cuda = crate::runner::CudaSettings { tf32: a.tf32, no_graph: a.no_cuda_graph, general_kernels: a.general_kernels };
     let (engine, notice) = crate::runner::resolve(step.device, step.interpreter, cuda)?;
     if let Some(n) = notice {
         eprintln!("qatc: {n}");

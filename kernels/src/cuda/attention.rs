@@ -1,9 +1,26 @@
 //! The attention kernels: a specialization of the tiled templates in `qatc_attention.cuh` to one
-//! shape and layout (sizes, scale and strides become constants the compiler folds).
+//! shape and layout (sizes, scale and strides become constants the compiler folds). Where the
+//! operands' values are 16-bit and `CudaCodegen::tensor_core_attention` allows it, the forward
+//! is `qatc_attention_mma.cuh`'s tensor-core template instead (same params, grid and block), with
+//! the fp32 template kept for architectures before sm_80.
 
-use super::emit::{float_lit, params, LaunchDims};
+use qatc_ir::DType;
+
+use super::emit::{float_lit, params, CudaCodegen, LaunchDims};
 use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
+
+/// The 16-bit operand type (`qatc::MmaBf16` / `qatc::MmaF16`) of the tensor-core variant of
+/// `a`, where `cg` allows it and it applies: the forward, f16/bf16 values, hs a multiple of 16
+/// up to 64 (the tiles' shared memory), and 64 threads per block (the template's two warps).
+pub fn tensor_cores(a: &Attention, cg: &CudaCodegen) -> Option<&'static str> {
+    let applies = cg.tensor_core_attention && a.part == AttentionPart::Forward && a.hs % 16 == 0 && (16..=64).contains(&a.hs) && BQ == 64;
+    match a.values {
+        DType::BF16 if applies => Some("qatc::MmaBf16"),
+        DType::F16 if applies => Some("qatc::MmaF16"),
+        _ => None,
+    }
+}
 
 /// Query rows per block (one thread each) and key rows per shared-memory tile.
 pub const BQ: u32 = 64;
@@ -16,7 +33,7 @@ pub fn launch_dims(a: &Attention) -> LaunchDims {
     LaunchDims { grid: [rows(BQ), bh, 1], block: BQ }
 }
 
-pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32) {
+pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32, cg: &CudaCodegen) {
     let (what, func) = match a.part {
         AttentionPart::Forward => ("forward: out = softmax(scale q k^T, causal) v, and the row log-sum-exp", "attention_forward"),
         AttentionPart::BackwardDelta => ("backward, delta_i = sum_j P_ij (dout_i . v_j)", "attention_backward_delta"),
@@ -54,6 +71,17 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32)
     }
     // <hs, rows per block, rows per shared tile>
     let tiles = format!("{}, {BQ}, {BK}", a.hs);
-    w.line(format!("qatc::{func}<{tiles}>({});", args.join(", ")));
+    let general = format!("qatc::{func}<{tiles}>({});", args.join(", "));
+    match tensor_cores(a, cg) {
+        Some(h) => {
+            // the mma needs sm_80; NVRTC defines __CUDA_ARCH__ for the architecture it compiles for
+            w.line("#if __CUDA_ARCH__ >= 800");
+            w.line(format!("qatc::{func}_mma<{}, {h}>({});  // tensor cores, 16-bit operands", a.hs, args.join(", ")));
+            w.line("#else");
+            w.line(general);
+            w.line("#endif");
+        }
+        None => w.line(general),
+    }
     w.close();
 }

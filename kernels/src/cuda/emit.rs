@@ -34,20 +34,50 @@ pub struct CudaKernel {
     pub launch: LaunchDims,
 }
 
+/// Which of the generator's kernel variants it may pick (a value passed in: the CUDA executor's
+/// `CudaOptions::codegen`). Each switch only allows a variant where it applies; off forces the
+/// general kernel, so a GPU session can turn off a variant that fails. The kernel IR, its name,
+/// its params and its launch dims are the same either way: only the CUDA text differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaCodegen {
+    /// The causal attention forward on 16-bit tensor cores (`qatc_attention_mma.cuh`) where the
+    /// operands' values are f16/bf16 (`kir::Attention::values`) and hs is a multiple of 16 up to
+    /// 64, on sm_80 and later; else the fp32 template (`qatc_attention.cuh`).
+    pub tensor_core_attention: bool,
+}
+
+impl Default for CudaCodegen {
+    fn default() -> CudaCodegen {
+        CudaCodegen { tensor_core_attention: true }
+    }
+}
+
+impl CudaCodegen {
+    /// Every variant off: the general kernels only.
+    pub const GENERAL: CudaCodegen = CudaCodegen { tensor_core_attention: false };
+}
+
 /// The helper headers, embedded: (file name, text). Generated sources include them by name.
-pub const HEADERS: [(&str, &str); 5] = [
+pub const HEADERS: [(&str, &str); 6] = [
     ("qatc_common.cuh", include_str!("include/qatc_common.cuh")),
     ("qatc_math.cuh", include_str!("include/qatc_math.cuh")),
     ("qatc_reduce.cuh", include_str!("include/qatc_reduce.cuh")),
     ("qatc_quant.cuh", include_str!("include/qatc_quant.cuh")),
     ("qatc_attention.cuh", include_str!("include/qatc_attention.cuh")),
+    ("qatc_attention_mma.cuh", include_str!("include/qatc_attention_mma.cuh")),
 ];
 
+/// `k` as CUDA C, with the default variants (`CudaCodegen::default`).
 pub fn emit(k: &Kernel) -> Result<CudaKernel, KernelError> {
+    emit_with(k, &CudaCodegen::default())
+}
+
+/// `k` as CUDA C, with the variants `cg` allows where they apply.
+pub fn emit_with(k: &Kernel, cg: &CudaCodegen) -> Result<CudaKernel, KernelError> {
     let name = k.name();
     let launch = launch_dims(k);
     check_grid(k, &launch)?;
-    let source = render(k, &name)?;
+    let source = render(k, &name, cg)?;
     Ok(CudaKernel { name, family: k.family.clone(), source, launch })
 }
 
@@ -150,7 +180,7 @@ pub fn params(w: &mut Writer, k: &Kernel) {
     w.dedent();
 }
 
-fn render(k: &Kernel, name: &str) -> Result<String, KernelError> {
+fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelError> {
     let mut w = Writer::new();
     let dims = launch_dims(k);
     w.line(format!("// {}: {}", k.family, k.note));
@@ -165,7 +195,7 @@ fn render(k: &Kernel, name: &str) -> Result<String, KernelError> {
         Body::Attention(_) => {}
     }
     w.line("#include \"qatc_common.cuh\"");
-    let needs = headers_needed(k);
+    let needs = headers_needed(k, cg);
     for h in needs {
         w.line(format!("#include \"{h}\""));
     }
@@ -178,7 +208,7 @@ fn render(k: &Kernel, name: &str) -> Result<String, KernelError> {
             LoopNestWriter::new(k, stmts).kernel(&mut w, space, stmts)?;
             w.close();
         }
-        Body::Attention(a) => super::attention::render(&mut w, k, a, name, dims.block),
+        Body::Attention(a) => super::attention::render(&mut w, k, a, name, dims.block, cg),
     }
     let text = w.finish();
     if text.contains('\0') {
@@ -187,11 +217,14 @@ fn render(k: &Kernel, name: &str) -> Result<String, KernelError> {
     Ok(text)
 }
 
-fn headers_needed(k: &Kernel) -> BTreeSet<&'static str> {
+fn headers_needed(k: &Kernel, cg: &CudaCodegen) -> BTreeSet<&'static str> {
     let mut h = BTreeSet::new();
     match &k.body {
-        Body::Attention(_) => {
+        Body::Attention(a) => {
             h.insert("qatc_attention.cuh");
+            if super::attention::tensor_cores(a, cg).is_some() {
+                h.insert("qatc_attention_mma.cuh");
+            }
         }
         Body::Loops { stmts, space } => {
             visit_exprs(stmts, &mut |e| match e {

@@ -6,7 +6,7 @@ pub mod blas;
 pub mod emit;
 pub mod writer;
 
-pub use emit::{emit, CudaKernel, LaunchDims, HEADERS};
+pub use emit::{emit, emit_with, CudaCodegen, CudaKernel, LaunchDims, HEADERS};
 
 #[cfg(test)]
 mod tests {

@@ -114,6 +114,8 @@ struct Launch<'a> {
     scale: f64,
     family: &'a str,
     note: String,
+    /// The graph type of q, k, v and dout (`Attention::values`).
+    values: DType,
 }
 
 /// An attention kernel's operands by role; `launch` puts each at the param its role has
@@ -171,7 +173,7 @@ fn launch<'v>(lw: &mut Lowerer, l: &Launch, ops: &Operands<'v>) -> Result<(), Ke
     let strides =
         params.iter().map(|(_, v, _)| if v.strides.len() == 4 { [v.strides[0], v.strides[1], v.strides[2]] } else { [0; 3] }).collect();
     let offsets = params.iter().map(|(_, v, _)| v.offset).collect();
-    let att = Attention { b, nh, t, hs, scale: l.scale, strides, offsets, part: l.part };
+    let att = Attention { b, nh, t, hs, scale: l.scale, strides, offsets, part: l.part, values: l.values };
     let index_ty = if ps.iter().all(|p| p.numel() < i32::MAX as usize) { Ty::I32 } else { Ty::I64 };
     let kernel = Kernel {
         family: l.family.to_string(),
@@ -217,6 +219,8 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
     let shape = cx.g.ty(root).shape.0.clone();
     let dims = [shape[0], shape[1], shape[2], shape[3]];
     let note = lw.note(cx, root, None);
+    // `matches` checked that q, k, v and dout have the result's type
+    let values = cx.g.ty(root).dtype;
     // a f16/bf16 result is computed in f32 first, then rounded into `dest`
     let out = if lw.prog.buffers[dest.buf].dtype == DType::F32 { dest.clone() } else { lw.temp("attn_out", DType::F32, &shape) };
     let mut keys = Vec::new();
@@ -233,7 +237,7 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
     match m {
         Match::Forward { q, k, v, scale } => {
             let vs = views(lw, &[q, k, v])?;
-            let l = Launch { part: AttentionPart::Forward, dims, scale, family, note };
+            let l = Launch { part: AttentionPart::Forward, dims, scale, family, note, values };
             let lse = lw.temp("attn_lse", DType::F32, &[dims[0], dims[1], dims[2]]);
             let ops = Operands { v: Some(&vs[2]), out: [Some(("out", &out)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
             launch(lw, &l, &ops)?;
@@ -242,14 +246,14 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
         }
         Match::Dv { q, k, dout, scale } => {
             let vs = views(lw, &[q, k, dout])?;
-            let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note };
+            let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note, values };
             let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
             let ops = Operands { dout: Some(&vs[2]), out: [Some(("dv", &out)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
             launch(lw, &l, &ops)?;
         }
         Match::Dq { q, k, v, dout, scale } | Match::Dk { q, k, v, dout, scale } => {
             let vs = views(lw, &[q, k, v, dout])?;
-            let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note };
+            let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note, values };
             let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
             let delta = delta(lw, &l, keys.clone(), [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
             let base = Operands { v: Some(&vs[2]), dout: Some(&vs[3]), delta: Some(&delta), ..Operands::new(&vs[0], &vs[1], &lse) };

@@ -48,9 +48,14 @@ pub fn causal_softmax() -> Graph {
 
 /// q, k, v sliced out of qkv [T, 3C] by shape ops, then softmax(q k^T) v.
 pub fn attention() -> Graph {
-    let (t, nh, hs) = (64, 4, 32);
+    attention_of(DType::F32, 64, 4, 32)
+}
+
+/// `attention()` over a qkv of `dtype` (f16/bf16: `--precision`'s compute types), T `t`, `nh`
+/// heads of `hs`.
+pub fn attention_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Graph {
     let c = nh * hs;
-    fused("attention", &[f32s(&[t, 3 * c])], |b, i| {
+    fused("attention", &[(dtype, vec![t, 3 * c])], |b, i| {
         let head = |b: &mut Graph, k: usize| {
             let s = b.add(Op::Slice { axis: 1, start: k * c, end: (k + 1) * c }, &[i[0]]).unwrap();
             let r = b.add(Op::Reshape { shape: [1, t, nh, hs].into() }, &[s]).unwrap();

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use qatc_arena::aligned;
 use qatc_kernels::cuda::blas::{self, BlasMode, BlasPlan};
-use qatc_kernels::cuda::CudaKernel;
+use qatc_kernels::cuda::{CudaCodegen, CudaKernel};
 use qatc_kernels::kir::Kernel;
 use qatc_kernels::nvrtc::{self, Arch, BuildOptions, BuildReport, KernelCache, Nvrtc};
 use qatc_kernels::program::{Program, Step, DEVICE_ALIGN};
@@ -86,7 +86,8 @@ pub struct Loaded {
     pub report: Option<BuildReport>,
 }
 
-/// Emits every kernel of `prog` and of the plans' data moves as CUDA C, compiles the distinct
+/// Emits every kernel of `prog` and of the plans' data moves as CUDA C (with the variants
+/// `codegen` allows), compiles the distinct
 /// ones for `arch` (when `build` is given), loads each once, and fills in the plans' move
 /// functions.
 pub fn load_kernels<A: GpuApi>(
@@ -95,9 +96,11 @@ pub fn load_kernels<A: GpuApi>(
     plans: &mut Plans,
     arch: Arch,
     build: Option<&KernelBuild>,
+    codegen: &CudaCodegen,
 ) -> Result<Loaded, RuntimeError> {
     let emit = |k: &Kernel| {
-        qatc_kernels::cuda::emit(k).map_err(|e| RuntimeError::Kernel { kernel: crate::exec::kernel_label(k), msg: e.to_string() })
+        qatc_kernels::cuda::emit_with(k, codegen)
+            .map_err(|e| RuntimeError::Kernel { kernel: crate::exec::kernel_label(k), msg: e.to_string() })
     };
     // (kernel IR, its CUDA C) of every kernel, distinct by name, in first-use order
     let mut all: Vec<(Kernel, CudaKernel)> = Vec::new();

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use qatc_ir::InputKind;
 use qatc_kernels::cuda::blas::{BlasMode, Mem};
 use qatc_kernels::cuda::emit::launch_dims;
-use qatc_kernels::cuda::LaunchDims;
+use qatc_kernels::cuda::{CudaCodegen, LaunchDims};
 use qatc_kernels::nvrtc::BuildReport;
 use qatc_kernels::program::{BufId, Program, Step, View, DEVICE_ALIGN};
 
@@ -44,11 +44,14 @@ pub struct CudaOptions {
     pub graph: bool,
     /// Run the steps that read only frozen inputs once, not every run.
     pub hoist_frozen: bool,
+    /// Which fast kernel variants the CUDA C may use where they apply (`CudaCodegen::GENERAL`:
+    /// none, to rule one out when a kernel is suspect).
+    pub codegen: CudaCodegen,
 }
 
 impl Default for CudaOptions {
     fn default() -> CudaOptions {
-        CudaOptions { blas: BlasMode::Strict, graph: true, hoist_frozen: true }
+        CudaOptions { blas: BlasMode::Strict, graph: true, hoist_frozen: true, codegen: CudaCodegen::default() }
     }
 }
 
@@ -124,7 +127,7 @@ impl<A: GpuApi> CudaProgram<A> {
         let plan = ExecPlan::new(&prog, exec)?;
         let mut plans = plan_gemms(&prog, options.blas)?;
         let arch = api.device().arch;
-        let loaded = load_kernels(&mut api, &prog, &mut plans, arch, build)?;
+        let loaded = load_kernels(&mut api, &prog, &mut plans, arch, build, &options.codegen)?;
         let l = &plan.layout;
         let sizes = [l.arena_bytes, l.persistent_bytes, l.data_bytes, plans.scratch_bytes];
         let mut allocations = Vec::with_capacity(4);
