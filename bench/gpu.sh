@@ -51,14 +51,22 @@
 #              once (the tests' plain driver), and the executor's own work (qatc train --device
 #              cuda --no-cuda-graph, tiny, 2 steps: launches, cuBLAS calls, copies)
 #
-# Fast kernel variants (issue 20; kernels/src/cuda/emit.rs `CudaCodegen`, picked by the generator
-# only where they apply, each with the general kernel as its fallback; same kernel IR, name,
-# params and launch dims, so the executor cannot tell them apart):
-#   tensor_core_attention  causal attention forward on mma.sync m16n8k16 tensor cores, FA2's
-#                          scheme (qatc_attention_mma.cuh), for --precision bf16|fp16, hs a multiple
-#                          of 16 up to 64, sm_80+. Never run on a GPU before this script's
-#                          each-bf16-demo-kernel test. Off: `qatc train --general-kernels`, or
-#                          `CudaOptions { codegen: CudaCodegen::GENERAL, .. }` in code.
+# Fast kernel variants (issue 20; kernels/src/cuda/codegen.rs `CudaCodegen`, picked by the CUDA
+# writer only where they apply, each with the general kernel as its fallback; same kernel IR,
+# name and params; the row variants have launch dims of their own, launch_dims_with):
+#   tensor_core_attention           causal attention forward on mma.sync m16n8k16 tensor cores,
+#                                   FlashAttention-2's scheme (qatc_attention_mma.cuh)
+#   tensor_core_attention_backward  its backward: lse, delta, dq, dk/dv, dv (P recomputed from lse)
+#   Both for --precision bf16|fp16, hs 32, 48 or 64, sm_80+; never run on a GPU before this
+#   script's each-bf16-demo-kernel test (2e-2 for tensor-core kernels).
+#   warp_rows                       row kernels (layernorm and its gradient, softmax, ...) with
+#                                   rows of up to 1024 as one warp per row, 4 rows per block, warp
+#                                   shuffles only (each-demo-kernel checks them in fp32)
+#   split_columns                   column sums (bias and gamma gradients: a thread per column of
+#                                   [B*T, C]) split over 8 warps, 32 columns per block, the parts
+#                                   added in warp order (plain-10-steps' tiny full fine-tune)
+#   Off: `qatc train --general-kernels` (all), or `CudaOptions { codegen: CudaCodegen { .. }, .. }`
+#   in code (each on its own).
 #
 # Every figure carries the device, driver, CUDA version and date (a stamp per call) and its
 # command. Random models are made once per machine under /tmp/qatc-gpu-models (a warm machine's

@@ -106,3 +106,19 @@ fn attention_forward_on_tensor_cores_for_16_bit_values() {
     assert!(!f32.source.contains("mma"), "{}", f32.source);
     insta::assert_snapshot!(format!("// ---- {} ----\n{}", bf16.name, bf16.source));
 }
+
+/// The bf16 backward's delta, dq and dk/dv on tensor cores (`qatc_attention_mma.cuh`); its lse
+/// (the forward is not in this graph) stays the fp32 template.
+#[test]
+fn attention_backward_on_tensor_cores_for_16_bit_values() {
+    let prog = qatc_kernels::lower(&common::attention_backward_of(qatc_ir::DType::BF16, 100, 2, 64)).unwrap();
+    let mut text = String::new();
+    let mut mma = 0;
+    for k in prog.kernels.iter().filter(|k| k.family == "attention_bwd") {
+        let c = qatc_kernels::cuda::emit(k).unwrap();
+        mma += usize::from(c.source.contains("_mma<64, qatc::MmaBf16>"));
+        text.push_str(&format!("// ---- {} ----\n{}\n", c.name, c.source));
+    }
+    assert_eq!(mma, 3, "{text}");
+    insta::assert_snapshot!(text);
+}

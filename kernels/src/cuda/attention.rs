@@ -1,8 +1,8 @@
 //! The attention kernels: a specialization of the tiled templates in `qatc_attention.cuh` to one
 //! shape and layout (sizes, scale and strides become constants the compiler folds). Where the
-//! operands' values are 16-bit and `CudaCodegen::tensor_core_attention` allows it, the forward
-//! is `qatc_attention_mma.cuh`'s tensor-core template instead (same params, grid and block), with
-//! the fp32 template kept for architectures before sm_80.
+//! operands' values are 16-bit and `CudaCodegen` allows it, the forward, delta, dq and dk/dv
+//! kernels are `qatc_attention_mma.cuh`'s tensor-core templates instead (same params, grid and
+//! block), with the fp32 template kept for architectures before sm_80.
 
 use qatc_ir::DType;
 
@@ -11,10 +11,16 @@ use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
 
 /// The 16-bit operand type (`qatc::MmaBf16` / `qatc::MmaF16`) of the tensor-core variant of
-/// `a`, where `cg` allows it and it applies: the forward, f16/bf16 values, hs a multiple of 16
-/// up to 64 (the tiles' shared memory), and 64 threads per block (the template's two warps).
+/// `a`, where `cg` allows it and it applies: the forward or the backward's delta, dq and dk/dv
+/// (not `Lse`, `BackwardV`), f16/bf16 values, hs 32, 48 or 64 (the tiles' shared
+/// memory), and 64 threads per block (the templates' two warps).
 pub fn tensor_cores(a: &Attention, cg: &CudaCodegen) -> Option<&'static str> {
-    let applies = cg.tensor_core_attention && a.part == AttentionPart::Forward && a.hs % 16 == 0 && (16..=64).contains(&a.hs) && BQ == 64;
+    let part = match a.part {
+        AttentionPart::Forward => cg.tensor_core_attention,
+        AttentionPart::BackwardDelta | AttentionPart::BackwardQ | AttentionPart::BackwardKV => cg.tensor_core_attention_backward,
+        AttentionPart::Lse | AttentionPart::BackwardV => false,
+    };
+    let applies = part && a.hs % 16 == 0 && (32..=64).contains(&a.hs) && BQ == 64;
     match a.values {
         DType::BF16 if applies => Some("qatc::MmaBf16"),
         DType::F16 if applies => Some("qatc::MmaF16"),

@@ -41,20 +41,22 @@ pub struct CudaKernel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaCodegen {
     /// The causal attention forward on 16-bit tensor cores (`qatc_attention_mma.cuh`) where the
-    /// operands' values are f16/bf16 (`kir::Attention::values`) and hs is a multiple of 16 up to
-    /// 64, on sm_80 and later; else the fp32 template (`qatc_attention.cuh`).
+    /// operands' values are f16/bf16 (`kir::Attention::values`) and hs is 32, 48 or 64 (at 16
+    /// ptxas spills), on sm_80 and later; else the fp32 template (`qatc_attention.cuh`).
     pub tensor_core_attention: bool,
+    /// The same for the backward's delta, dq and dk/dv kernels.
+    pub tensor_core_attention_backward: bool,
 }
 
 impl Default for CudaCodegen {
     fn default() -> CudaCodegen {
-        CudaCodegen { tensor_core_attention: true }
+        CudaCodegen { tensor_core_attention: true, tensor_core_attention_backward: true }
     }
 }
 
 impl CudaCodegen {
     /// Every variant off: the general kernels only.
-    pub const GENERAL: CudaCodegen = CudaCodegen { tensor_core_attention: false };
+    pub const GENERAL: CudaCodegen = CudaCodegen { tensor_core_attention: false, tensor_core_attention_backward: false };
 }
 
 /// The helper headers, embedded: (file name, text). Generated sources include them by name.

@@ -95,10 +95,14 @@ pub fn dequant_gemm() -> Graph {
 /// The attention backward as egg fusion makes it: dk and dq of one head-split qkv, concatenated
 /// into one flat result (P and dS are recomputed inside, never stored).
 pub fn attention_backward() -> Graph {
-    let (t, nh, hs) = (64, 4, 32);
+    attention_backward_of(DType::F32, 64, 4, 32)
+}
+
+/// `attention_backward()` over a qkv and dout of `dtype`, T `t`, `nh` heads of `hs`.
+pub fn attention_backward_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Graph {
     let c = nh * hs;
     let scale = 1.0 / (hs as f64).sqrt();
-    fused("attention_bwd", &[f32s(&[t, 3 * c]), f32s(&[1, t, nh, hs])], |b, i| {
+    fused("attention_bwd", &[(dtype, vec![t, 3 * c]), (dtype, vec![1, t, nh, hs])], |b, i| {
         let head = |b: &mut Graph, k: usize| {
             let s = b.add(Op::Slice { axis: 1, start: k * c, end: (k + 1) * c }, &[i[0]]).unwrap();
             let r = b.add(Op::Reshape { shape: [1, t, nh, hs].into() }, &[s]).unwrap();

@@ -1,5 +1,5 @@
-// qatc_attention_mma.cuh: the causal attention forward on tensor cores (sm_80+), FlashAttention-2's
-// scheme, for operands whose values are 16-bit (`--precision bf16|fp16`: the lowering widened
+// qatc_attention_mma.cuh: causal attention forward and backward on tensor cores (sm_80+),
+// FlashAttention-2's scheme, for operands whose values are 16-bit (`--precision bf16|fp16`: the lowering widened
 // them to f32 exactly, so rounding them back loses nothing; `kir::Attention::values`).
 //
 // A block of 64 threads (2 warps) owns 64 query rows of one (b, h), the same grid and block as
@@ -11,6 +11,13 @@
 // accumulation; the softmax is online in fp32 (max and sum per row, rescaling O when the max
 // grows), P is rounded to the 16-bit type only as the A operand of P v. The row log-sum-exp is
 // written for the backward. Deterministic: every output has one owner and a fixed order.
+//
+// The backward recomputes P from the saved log-sum-exp, as the fp32 templates do, with the same
+// blocks: delta and dq per block of 64 query rows streaming the keys (S = q k^T and dP = dout v^T
+// on tensor cores; delta_i = sum_j P_ij dP_ij, or dq += dS k), dk and dv per block of 64 key rows
+// streaming the query rows from the block's first key on (S^T = k q^T, dP^T = v dout^T, then
+// dv += P^T dout and dk += dS^T q). dS = scale P (dP - delta) is rounded to the 16-bit type only as
+// an mma operand; no atomics, no scratch.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16, .row.col), g = lane / 4, q = lane % 4:
 //   A (16 x 16): a0 = (g, 2q..2q+1), a1 = (g+8, 2q..), a2 = (g, 2q+8..), a3 = (g+8, 2q+8..)
@@ -202,6 +209,284 @@ __device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, 
                     dst[n * 8 + 1] = o[mt][n][2 * r + 1] / sum;
                 }
                 if (tq == 0) lse[(long long)bh * s.t + i] = m[mt][r] + logf(sum);
+            }
+        }
+    }
+}
+
+// grid (ceil(T / 64), B * NH), block 64: per query row i, with DQ dq_i = sum_j dS_ij k_j (reading
+// delta), else delta_i = sum_j P_ij dP_ij (writing it). P = exp(scale q k^T - lse), dP = dout v^T.
+template <int HS, typename H, bool DQ>
+__device__ void attention_backward_rows_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                            AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta_in,
+                                            float* delta_out, float* dq, AttnView dqv) {
+    static_assert(HS % 16 == 0 && HS <= 64, "hs: a multiple of 16, at most 64");
+    constexpr int BQ = 64, BK = 64, KS = HS / 16, NS = BK / 8, KP = BK / 16, NO = HS / 8;
+    constexpr int QP = HS + 8, TP = BK + 8;
+    __shared__ __align__(16) unsigned short stage[BQ * QP];  // q, then dout: read once into fragments
+    __shared__ __align__(16) unsigned short ks[BK * QP];
+    __shared__ __align__(16) unsigned short vs[BK * QP];
+    __shared__ __align__(16) unsigned short kt[DQ ? HS * TP : 2];  // k transposed, for dS k
+    const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int i0 = blockIdx.x * BQ;
+    const int last = min(i0 + BQ, s.t) - 1;
+    unsigned qa[2][KS][4], da[2][KS][4];
+    load_tile_h<HS, BQ, QP, H>(stage, q, qv, b, h, i0, s.t);
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int ks_ = 0; ks_ < KS; ++ks_) {
+            const unsigned short* p = stage + (warp * 32 + mt * 16 + g) * QP + ks_ * 16 + 2 * tq;
+            qa[mt][ks_][0] = lds_pair(p);
+            qa[mt][ks_][1] = lds_pair(p + 8 * QP);
+            qa[mt][ks_][2] = lds_pair(p + 8);
+            qa[mt][ks_][3] = lds_pair(p + 8 * QP + 8);
+        }
+    }
+    __syncthreads();
+    load_tile_h<HS, BQ, QP, H>(stage, dout, dv_, b, h, i0, s.t);
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int ks_ = 0; ks_ < KS; ++ks_) {
+            const unsigned short* p = stage + (warp * 32 + mt * 16 + g) * QP + ks_ * 16 + 2 * tq;
+            da[mt][ks_][0] = lds_pair(p);
+            da[mt][ks_][1] = lds_pair(p + 8 * QP);
+            da[mt][ks_][2] = lds_pair(p + 8);
+            da[mt][ks_][3] = lds_pair(p + 8 * QP + 8);
+        }
+    }
+    float li[2][2], di[2][2], acc[2][NO][4], dsum[2][2];  // acc: dq (unused for delta)
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = i0 + warp * 32 + mt * 16 + g + r * 8;
+            const long long at = (long long)bh * s.t + i;
+            li[mt][r] = i < s.t ? lse[at] : 0.0f;
+            di[mt][r] = DQ && i < s.t ? delta_in[at] : 0.0f;
+            dsum[mt][r] = 0.0f;
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+    }
+    for (int j0 = 0; j0 <= last; j0 += BK) {
+        __syncthreads();
+        load_tile_h<HS, BK, QP, H>(ks, k, kv, b, h, j0, s.t);
+        load_tile_h<HS, BK, QP, H>(vs, v, vv, b, h, j0, s.t);
+        if (DQ) load_tile_h_t<HS, BK, TP, H>(kt, k, kv, b, h, j0, s.t);
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int row = i0 + warp * 32 + mt * 16 + g;
+            if (j0 > row - g + 15) continue;  // uniform in the warp
+            float sc[NS][4], dp[NS][4];
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+#pragma unroll
+                for (int ks_ = 0; ks_ < KS; ++ks_) {
+                    const int at = (n * 8 + g) * QP + ks_ * 16 + 2 * tq;
+                    const unsigned bk[2] = {lds_pair(ks + at), lds_pair(ks + at + 8)};
+                    H::mma(sc[n], qa[mt][ks_], bk);
+                    const unsigned bv[2] = {lds_pair(vs + at), lds_pair(vs + at + 8)};
+                    H::mma(dp[n], da[mt][ks_], bv);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row + (e >> 1) * 8, j = j0 + n * 8 + 2 * tq + (e & 1);
+                    const float p = (j > i || j >= s.t || i >= s.t) ? 0.0f : expf(s.scale * sc[n][e] - li[mt][e >> 1]);
+                    if (DQ) {
+                        sc[n][e] = s.scale * p * (dp[n][e] - di[mt][e >> 1]);
+                    } else {
+                        dsum[mt][e >> 1] += p * dp[n][e];
+                    }
+                }
+            }
+            if (DQ) {
+                unsigned dsa[KP][4];
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    dsa[n >> 1][(n & 1) * 2 + 0] = pack_half2(H::from(sc[n][0]), H::from(sc[n][1]));
+                    dsa[n >> 1][(n & 1) * 2 + 1] = pack_half2(H::from(sc[n][2]), H::from(sc[n][3]));
+                }
+#pragma unroll
+                for (int n = 0; n < NO; ++n) {
+#pragma unroll
+                    for (int kp = 0; kp < KP; ++kp) {
+                        const unsigned short* p = kt + (n * 8 + g) * TP + kp * 16 + 2 * tq;
+                        const unsigned bf[2] = {lds_pair(p), lds_pair(p + 8)};
+                        H::mma(acc[mt][n], dsa[kp], bf);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = i0 + warp * 32 + mt * 16 + g + r * 8;
+            if (DQ) {
+                if (i < s.t) {
+                    float* dst = dq + dqv.row(b, h, i) + 2 * tq;
+#pragma unroll
+                    for (int n = 0; n < NO; ++n) {
+                        dst[n * 8] = acc[mt][n][2 * r];
+                        dst[n * 8 + 1] = acc[mt][n][2 * r + 1];
+                    }
+                }
+            } else {
+                float sum = dsum[mt][r];
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                if (tq == 0 && i < s.t) delta_out[(long long)bh * s.t + i] = sum;
+            }
+        }
+    }
+}
+
+// grid (ceil(T / 64), B * NH), block 64: delta_i = sum_j P_ij (dout_i . v_j).
+template <int HS, typename H>
+__device__ void attention_backward_delta_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                             AttnView vv, const float* dout, AttnView dv_, const float* lse, float* delta) {
+    attention_backward_rows_mma<HS, H, false>(s, q, qv, k, kv, v, vv, dout, dv_, lse, nullptr, delta, nullptr, qv);
+}
+
+// grid (ceil(T / 64), B * NH), block 64: dq_i = sum_j dS_ij k_j.
+template <int HS, typename H>
+__device__ void attention_backward_q_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                         AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dq,
+                                         AttnView dqv) {
+    attention_backward_rows_mma<HS, H, true>(s, q, qv, k, kv, v, vv, dout, dv_, lse, delta, nullptr, dq, dqv);
+}
+
+// grid (ceil(T / 64), B * NH), block 64: the block's 64 key rows j (32 per warp), the query rows
+// i >= j streamed in tiles of 32: dk_j = sum_i dS_ij q_i, dv_j = sum_i P_ij dout_i.
+template <int HS, typename H>
+__device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                          AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dk,
+                                          AttnView dkv, float* dv, AttnView dvv) {
+    static_assert(HS % 16 == 0 && HS <= 64, "hs: a multiple of 16, at most 64");
+    constexpr int BKEY = 64, BQ = 32, KS = HS / 16, NQ = BQ / 8, KQ = BQ / 16, NO = HS / 8;
+    constexpr int QP = HS + 8, TP = BQ + 8;
+    __shared__ __align__(16) unsigned short ks[BKEY * QP];
+    __shared__ __align__(16) unsigned short vs[BKEY * QP];
+    __shared__ __align__(16) unsigned short qs[BQ * QP];
+    __shared__ __align__(16) unsigned short dos[BQ * QP];
+    __shared__ __align__(16) unsigned short qt[HS * TP];
+    __shared__ __align__(16) unsigned short dot_[HS * TP];
+    __shared__ float ls[BQ], dl[BQ];
+    const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int j0 = blockIdx.x * BKEY;
+    load_tile_h<HS, BKEY, QP, H>(ks, k, kv, b, h, j0, s.t);
+    load_tile_h<HS, BKEY, QP, H>(vs, v, vv, b, h, j0, s.t);
+    float dka[2][NO][4], dva[2][NO][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dka[mt][n][e] = dva[mt][n][e] = 0.0f;
+        }
+    }
+    for (int qi0 = j0; qi0 < s.t; qi0 += BQ) {  // query rows before the block see none of its keys
+        __syncthreads();
+        load_tile_h<HS, BQ, QP, H>(qs, q, qv, b, h, qi0, s.t);
+        load_tile_h<HS, BQ, QP, H>(dos, dout, dv_, b, h, qi0, s.t);
+        load_tile_h_t<HS, BQ, TP, H>(qt, q, qv, b, h, qi0, s.t);
+        load_tile_h_t<HS, BQ, TP, H>(dot_, dout, dv_, b, h, qi0, s.t);
+        for (int r = threadIdx.x; r < BQ; r += 64) {
+            const long long at = (long long)bh * s.t + qi0 + r;
+            ls[r] = qi0 + r < s.t ? lse[at] : 0.0f;
+            dl[r] = qi0 + r < s.t ? delta[at] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int kb = j0 + warp * 32 + mt * 16;  // the m-tile's first key
+            if (qi0 + BQ - 1 < kb) continue;          // every query of the tile precedes every key (uniform in the warp)
+            unsigned ka[KS][4], va[KS][4];
+#pragma unroll
+            for (int ks_ = 0; ks_ < KS; ++ks_) {
+                const int at = (warp * 32 + mt * 16 + g) * QP + ks_ * 16 + 2 * tq;
+                ka[ks_][0] = lds_pair(ks + at);
+                ka[ks_][1] = lds_pair(ks + at + 8 * QP);
+                ka[ks_][2] = lds_pair(ks + at + 8);
+                ka[ks_][3] = lds_pair(ks + at + 8 * QP + 8);
+                va[ks_][0] = lds_pair(vs + at);
+                va[ks_][1] = lds_pair(vs + at + 8 * QP);
+                va[ks_][2] = lds_pair(vs + at + 8);
+                va[ks_][3] = lds_pair(vs + at + 8 * QP + 8);
+            }
+            float st[NQ][4], dpt[NQ][4];  // S^T and dP^T: 16 keys x 32 queries
+#pragma unroll
+            for (int n = 0; n < NQ; ++n) {
+                st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
+                dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
+#pragma unroll
+                for (int ks_ = 0; ks_ < KS; ++ks_) {
+                    const int at = (n * 8 + g) * QP + ks_ * 16 + 2 * tq;
+                    const unsigned bq[2] = {lds_pair(qs + at), lds_pair(qs + at + 8)};
+                    H::mma(st[n], ka[ks_], bq);
+                    const unsigned bd[2] = {lds_pair(dos + at), lds_pair(dos + at + 8)};
+                    H::mma(dpt[n], va[ks_], bd);
+                }
+            }
+            unsigned pa[KQ][4], dsa[KQ][4];
+#pragma unroll
+            for (int n = 0; n < NQ; ++n) {
+                float p[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = kb + g + (e >> 1) * 8, r = n * 8 + 2 * tq + (e & 1), i = qi0 + r;
+                    p[e] = (i < j || i >= s.t) ? 0.0f : expf(s.scale * st[n][e] - ls[r]);
+                    ds[e] = s.scale * p[e] * (dpt[n][e] - dl[r]);
+                }
+                pa[n >> 1][(n & 1) * 2 + 0] = pack_half2(H::from(p[0]), H::from(p[1]));
+                pa[n >> 1][(n & 1) * 2 + 1] = pack_half2(H::from(p[2]), H::from(p[3]));
+                dsa[n >> 1][(n & 1) * 2 + 0] = pack_half2(H::from(ds[0]), H::from(ds[1]));
+                dsa[n >> 1][(n & 1) * 2 + 1] = pack_half2(H::from(ds[2]), H::from(ds[3]));
+            }
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+#pragma unroll
+                for (int kq = 0; kq < KQ; ++kq) {
+                    const int at = (n * 8 + g) * TP + kq * 16 + 2 * tq;
+                    const unsigned bd[2] = {lds_pair(dot_ + at), lds_pair(dot_ + at + 8)};
+                    H::mma(dva[mt][n], pa[kq], bd);
+                    const unsigned bq[2] = {lds_pair(qt + at), lds_pair(qt + at + 8)};
+                    H::mma(dka[mt][n], dsa[kq], bq);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int j = j0 + warp * 32 + mt * 16 + g + r * 8;
+            if (j < s.t) {
+                float* dkr = dk + dkv.row(b, h, j) + 2 * tq;
+                float* dvr = dv + dvv.row(b, h, j) + 2 * tq;
+#pragma unroll
+                for (int n = 0; n < NO; ++n) {
+                    dkr[n * 8] = dka[mt][n][2 * r];
+                    dkr[n * 8 + 1] = dka[mt][n][2 * r + 1];
+                    dvr[n * 8] = dva[mt][n][2 * r];
+                    dvr[n * 8 + 1] = dva[mt][n][2 * r + 1];
+                }
             }
         }
     }
