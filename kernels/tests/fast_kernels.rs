@@ -17,32 +17,60 @@ fn root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The attention kernels (families `attention` and `attention_bwd`) of a `dtype` graph, T `t`,
-/// `nh` heads of `hs`, as `cg` writes them: the forward's, or the backward's (delta, dq, dk/dv).
-fn attention_kernels(backward: bool, dtype: DType, t: usize, nh: usize, hs: usize, cg: &CudaCodegen) -> Vec<CudaKernel> {
-    let g = if backward { common::attention_backward_of(dtype, t, nh, hs) } else { common::attention_of(dtype, t, nh, hs) };
+/// Which attention graph: the forward, the backward of dq and dk (lse, delta, dq, dk/dv), or dv
+/// alone (lse, dv).
+#[derive(Clone, Copy, Debug)]
+enum Part {
+    Forward,
+    Backward,
+    Dv,
+}
+
+impl Part {
+    /// How many attention kernels its lowering has.
+    fn kernels(self) -> usize {
+        match self {
+            Part::Forward => 1,
+            Part::Backward => 4,
+            Part::Dv => 2,
+        }
+    }
+}
+
+/// The attention kernels (families `attention*`) of `part` over `dtype` values, T `t`, `nh`
+/// heads of `hs`, as `cg` writes them.
+fn attention_kernels(part: Part, dtype: DType, t: usize, nh: usize, hs: usize, cg: &CudaCodegen) -> Vec<CudaKernel> {
+    let g = match part {
+        Part::Forward => common::attention_of(dtype, t, nh, hs),
+        Part::Backward => common::attention_backward_of(dtype, t, nh, hs),
+        Part::Dv => common::attention_dv_of(dtype, t, nh, hs),
+    };
     let prog = qatc_kernels::lower(&g).expect("lowers");
-    prog.kernels.iter().filter(|k| k.family.starts_with("attention")).map(|k| emit_with(k, cg).expect("emits")).collect()
+    let ks: Vec<CudaKernel> =
+        prog.kernels.iter().filter(|k| k.family.starts_with("attention")).map(|k| emit_with(k, cg).expect("emits")).collect();
+    assert_eq!(ks.len(), part.kernels(), "{part:?}: {prog}");
+    ks
 }
 
 /// bf16 and fp16, hs 32, 48 and 64 (GPT-2's), T 100 (a partial last tile) and 1: the
-/// tensor-core forward and backward (delta, dq, dk/dv) for both architectures, at most a few
+/// tensor-core forward and backward (lse, delta, dq, dk/dv, dv) for both architectures, at most a few
 /// bytes spilled, within the static 48 KB of shared memory.
 #[test]
 fn the_tensor_core_attention_kernels_compile_for_sm80_and_sm90() {
     let Some(nv) = nvrtc::nvrtc() else { return };
     let mut kernels = Vec::new();
-    for backward in [false, true] {
+    for part in [Part::Forward, Part::Backward, Part::Dv] {
         for dtype in [DType::BF16, DType::F16] {
             for (t, hs) in [(100, 64), (100, 32), (100, 48), (1, 64)] {
-                let ks = attention_kernels(backward, dtype, t, 2, hs, &CudaCodegen::default());
-                // the backward's lse (its forward is not in this graph) stays the fp32 template
-                let mma: Vec<CudaKernel> = ks.into_iter().filter(|k| k.source.contains("_mma<")).collect();
-                assert_eq!(mma.len(), if backward { 3 } else { 1 }, "{backward} {dtype} {t} {hs}");
-                kernels.extend(mma);
+                let ks = attention_kernels(part, dtype, t, 2, hs, &CudaCodegen::default());
+                assert!(ks.iter().all(|k| k.source.contains("_mma<")), "{part:?} {dtype} {t} {hs}");
+                kernels.extend(ks);
             }
         }
     }
+    // the same kernel may come from several graphs (the lse of the backward and of dv)
+    kernels.sort_by(|a, b| a.name.cmp(&b.name));
+    kernels.dedup_by(|a, b| a.name == b.name);
     for arch in Arch::ALL {
         let (built, _) = nvrtc::build(&nv, &format!("fast-attention-{arch}"), &kernels, arch, None);
         assert_eq!(built.len(), kernels.len());
@@ -68,14 +96,14 @@ fn each_switch_forces_the_general_attention_kernels() {
         (only_backward, false, true),
         (CudaCodegen::GENERAL, false, false),
     ] {
-        for (is_backward, on, count) in [(false, forward, 1), (true, backward, 3)] {
-            let ks = attention_kernels(is_backward, DType::BF16, 100, 2, 64, &cg);
-            let mma = ks.iter().filter(|k| k.source.contains("_mma<")).count();
-            assert_eq!(mma, if on { count } else { 0 }, "{cg:?}, backward {is_backward}");
+        for (part, on) in [(Part::Forward, forward), (Part::Backward, backward), (Part::Dv, backward)] {
+            for k in attention_kernels(part, DType::BF16, 100, 2, 64, &cg) {
+                assert_eq!(k.source.contains("_mma<"), on, "{cg:?}, {part:?}: {}", k.source);
+            }
         }
     }
     // f32 values never: rounding them to 16 bits would change the result
-    for is_backward in [false, true] {
-        assert!(attention_kernels(is_backward, DType::F32, 100, 2, 64, &CudaCodegen::default()).iter().all(|k| !k.source.contains("mma")));
+    for part in [Part::Forward, Part::Backward, Part::Dv] {
+        assert!(attention_kernels(part, DType::F32, 100, 2, 64, &CudaCodegen::default()).iter().all(|k| !k.source.contains("mma")));
     }
 }

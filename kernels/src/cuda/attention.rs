@@ -11,14 +11,17 @@ use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
 
 /// The 16-bit operand type (`qatc::MmaBf16` / `qatc::MmaF16`) of the tensor-core variant of
-/// `a`, where `cg` allows it and it applies: the forward or the backward's delta, dq and dk/dv
-/// (not `Lse`, `BackwardV`), f16/bf16 values, hs 32, 48 or 64 (the tiles' shared
+/// `a`, where `cg` allows it and it applies: every part (the forward; the backward's lse, delta,
+/// dq, dk/dv and dv), f16/bf16 values, hs 32, 48 or 64 (the tiles' shared
 /// memory), and 64 threads per block (the templates' two warps).
 pub fn tensor_cores(a: &Attention, cg: &CudaCodegen) -> Option<&'static str> {
     let part = match a.part {
         AttentionPart::Forward => cg.tensor_core_attention,
-        AttentionPart::BackwardDelta | AttentionPart::BackwardQ | AttentionPart::BackwardKV => cg.tensor_core_attention_backward,
-        AttentionPart::Lse | AttentionPart::BackwardV => false,
+        AttentionPart::Lse
+        | AttentionPart::BackwardDelta
+        | AttentionPart::BackwardQ
+        | AttentionPart::BackwardKV
+        | AttentionPart::BackwardV => cg.tensor_core_attention_backward,
     };
     let applies = part && a.hs % 16 == 0 && (32..=64).contains(&a.hs) && BQ == 64;
     match a.values {

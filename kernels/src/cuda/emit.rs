@@ -44,7 +44,8 @@ pub struct CudaCodegen {
     /// operands' values are f16/bf16 (`kir::Attention::values`) and hs is 32, 48 or 64 (at 16
     /// ptxas spills), on sm_80 and later; else the fp32 template (`qatc_attention.cuh`).
     pub tensor_core_attention: bool,
-    /// The same for the backward's delta, dq and dk/dv kernels.
+    /// The same for the backward's kernels: lse (where the forward's is not kept), delta, dq,
+    /// dk/dv and dv.
     pub tensor_core_attention_backward: bool,
 }
 

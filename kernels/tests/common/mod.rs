@@ -123,6 +123,24 @@ pub fn attention_backward_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Gr
     })
 }
 
+/// dv = P^T dout alone (as the step's fusion leaves it beside dq and dk): the row log-sum-exp,
+/// then dv.
+pub fn attention_dv_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Graph {
+    let c = nh * hs;
+    fused("attention_dv", &[(dtype, vec![t, 3 * c]), (dtype, vec![1, t, nh, hs])], |b, i| {
+        let head = |b: &mut Graph, k: usize| {
+            let s = b.add(Op::Slice { axis: 1, start: k * c, end: (k + 1) * c }, &[i[0]]).unwrap();
+            let r = b.add(Op::Reshape { shape: [1, t, nh, hs].into() }, &[s]).unwrap();
+            b.add(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[r]).unwrap()
+        };
+        let (q, k) = (head(b, 0), head(b, 1));
+        let s = b.add(Op::MatMul { ta: false, tb: true }, &[q, k]).unwrap();
+        let p = b.add(Op::Softmax { scale: 1.0 / (hs as f64).sqrt(), causal: true }, &[s]).unwrap();
+        let dout = b.add(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[i[1]]).unwrap();
+        b.add(Op::MatMul { ta: true, tb: false }, &[p, dout]).unwrap()
+    })
+}
+
 /// 8-bit AdamW's first moment, unfused: dequantize the codes (5000 elements: blocks of 2048,
 /// 2048 and 904), update it, take each block's new absmax, requantize.
 pub fn adamw8bit_moment() -> Graph {

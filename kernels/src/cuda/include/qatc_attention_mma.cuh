@@ -80,11 +80,12 @@ __device__ __forceinline__ void load_tile_h_t(unsigned short* tile, const float*
     }
 }
 
-// grid (ceil(T / 64), B * NH), block 64. out = softmax(scale q k^T, causal) v; lse [B*NH, T].
-// HS a multiple of 16, at most 64 (the tiles' shared memory stays under the static 48 KB).
-template <int HS, typename H>
-__device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                      AttnView vv, float* out, AttnView ov, float* lse) {
+// grid (ceil(T / 64), B * NH), block 64. With OUT, out = softmax(scale q k^T, causal) v and the
+// row log-sum-exp lse [B*NH, T]; without, lse alone (v, out unread). HS a multiple of 16, at most
+// 64 (the tiles' shared memory stays under the static 48 KB).
+template <int HS, typename H, bool OUT>
+__device__ void attention_rows_forward_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                           AttnView vv, float* out, AttnView ov, float* lse) {
     static_assert(HS % 16 == 0 && HS <= 64, "hs: a multiple of 16, at most 64");
     constexpr int BQ = 64, BK = 64;
     constexpr int KS = HS / 16;  // k-steps of q k^T over hs
@@ -95,7 +96,7 @@ __device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, 
     constexpr int VP = BK + 8;   // row pitch of the transposed v tile
     __shared__ __align__(16) unsigned short qs[BQ * QP];
     __shared__ __align__(16) unsigned short ks[BK * QP];
-    __shared__ __align__(16) unsigned short vt[HS * VP];
+    __shared__ __align__(16) unsigned short vt[OUT ? HS * VP : 2];
     const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int i0 = blockIdx.x * BQ;
@@ -126,7 +127,7 @@ __device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, 
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();  // every warp is done with the previous tile
         load_tile_h<HS, BK, QP, H>(ks, k, kv, b, h, j0, s.t);
-        load_tile_h_t<HS, BK, VP, H>(vt, v, vv, b, h, j0, s.t);
+        if (OUT) load_tile_h_t<HS, BK, VP, H>(vt, v, vv, b, h, j0, s.t);
         __syncthreads();
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -182,13 +183,15 @@ __device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, 
                 pa[n >> 1][(n & 1) * 2 + 0] = pack_half2(H::from(p0), H::from(p1));
                 pa[n >> 1][(n & 1) * 2 + 1] = pack_half2(H::from(p2), H::from(p3));
             }
+            if (OUT) {
 #pragma unroll
-            for (int n = 0; n < NO; ++n) {
+                for (int n = 0; n < NO; ++n) {
 #pragma unroll
-                for (int kp = 0; kp < KP; ++kp) {
-                    const unsigned short* p = vt + (n * 8 + g) * VP + kp * 16 + 2 * tq;
-                    const unsigned bf[2] = {lds_pair(p), lds_pair(p + 8)};
-                    H::mma(o[mt][n], pa[kp], bf);
+                    for (int kp = 0; kp < KP; ++kp) {
+                        const unsigned short* p = vt + (n * 8 + g) * VP + kp * 16 + 2 * tq;
+                        const unsigned bf[2] = {lds_pair(p), lds_pair(p + 8)};
+                        H::mma(o[mt][n], pa[kp], bf);
+                    }
                 }
             }
         }
@@ -202,16 +205,32 @@ __device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, 
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             const int i = i0 + warp * 32 + mt * 16 + g + r * 8;
             if (i < s.t) {
-                float* dst = out + ov.row(b, h, i) + 2 * tq;
+                if (OUT) {
+                    float* dst = out + ov.row(b, h, i) + 2 * tq;
 #pragma unroll
-                for (int n = 0; n < NO; ++n) {
-                    dst[n * 8] = o[mt][n][2 * r] / sum;
-                    dst[n * 8 + 1] = o[mt][n][2 * r + 1] / sum;
+                    for (int n = 0; n < NO; ++n) {
+                        dst[n * 8] = o[mt][n][2 * r] / sum;
+                        dst[n * 8 + 1] = o[mt][n][2 * r + 1] / sum;
+                    }
                 }
                 if (tq == 0) lse[(long long)bh * s.t + i] = m[mt][r] + logf(sum);
             }
         }
     }
+}
+
+// grid (ceil(T / 64), B * NH), block 64. out = softmax(scale q k^T, causal) v; lse [B*NH, T].
+template <int HS, typename H>
+__device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                      AttnView vv, float* out, AttnView ov, float* lse) {
+    attention_rows_forward_mma<HS, H, true>(s, q, qv, k, kv, v, vv, out, ov, lse);
+}
+
+// grid (ceil(T / 64), B * NH), block 64: lse_i = log sum_{j <= i} exp(scale q_i . k_j), for a
+// backward whose forward's was not kept.
+template <int HS, typename H>
+__device__ void attention_lse_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, float* lse) {
+    attention_rows_forward_mma<HS, H, false>(s, q, qv, k, kv, nullptr, qv, nullptr, qv, lse);
 }
 
 // grid (ceil(T / 64), B * NH), block 64: per query row i, with DQ dq_i = sum_j dS_ij k_j (reading
@@ -372,26 +391,27 @@ __device__ void attention_backward_q_mma(AttnShape s, const float* q, AttnView q
 }
 
 // grid (ceil(T / 64), B * NH), block 64: the block's 64 key rows j (32 per warp), the query rows
-// i >= j streamed in tiles of 32: dk_j = sum_i dS_ij q_i, dv_j = sum_i P_ij dout_i.
-template <int HS, typename H>
-__device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                          AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dk,
-                                          AttnView dkv, float* dv, AttnView dvv) {
+// i >= j streamed in tiles of 32: dv_j = sum_i P_ij dout_i, and with DK dk_j = sum_i dS_ij q_i
+// (without, v, delta and dk are unread).
+template <int HS, typename H, bool DK>
+__device__ void attention_backward_keys_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                            AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dk,
+                                            AttnView dkv, float* dv, AttnView dvv) {
     static_assert(HS % 16 == 0 && HS <= 64, "hs: a multiple of 16, at most 64");
     constexpr int BKEY = 64, BQ = 32, KS = HS / 16, NQ = BQ / 8, KQ = BQ / 16, NO = HS / 8;
     constexpr int QP = HS + 8, TP = BQ + 8;
     __shared__ __align__(16) unsigned short ks[BKEY * QP];
-    __shared__ __align__(16) unsigned short vs[BKEY * QP];
+    __shared__ __align__(16) unsigned short vs[DK ? BKEY * QP : 2];
     __shared__ __align__(16) unsigned short qs[BQ * QP];
-    __shared__ __align__(16) unsigned short dos[BQ * QP];
-    __shared__ __align__(16) unsigned short qt[HS * TP];
+    __shared__ __align__(16) unsigned short dos[DK ? BQ * QP : 2];
+    __shared__ __align__(16) unsigned short qt[DK ? HS * TP : 2];
     __shared__ __align__(16) unsigned short dot_[HS * TP];
-    __shared__ float ls[BQ], dl[BQ];
+    __shared__ float ls[BQ], dl[DK ? BQ : 1];
     const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int j0 = blockIdx.x * BKEY;
     load_tile_h<HS, BKEY, QP, H>(ks, k, kv, b, h, j0, s.t);
-    load_tile_h<HS, BKEY, QP, H>(vs, v, vv, b, h, j0, s.t);
+    if (DK) load_tile_h<HS, BKEY, QP, H>(vs, v, vv, b, h, j0, s.t);
     float dka[2][NO][4], dva[2][NO][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -404,13 +424,13 @@ __device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView 
     for (int qi0 = j0; qi0 < s.t; qi0 += BQ) {  // query rows before the block see none of its keys
         __syncthreads();
         load_tile_h<HS, BQ, QP, H>(qs, q, qv, b, h, qi0, s.t);
-        load_tile_h<HS, BQ, QP, H>(dos, dout, dv_, b, h, qi0, s.t);
-        load_tile_h_t<HS, BQ, TP, H>(qt, q, qv, b, h, qi0, s.t);
+        if (DK) load_tile_h<HS, BQ, QP, H>(dos, dout, dv_, b, h, qi0, s.t);
+        if (DK) load_tile_h_t<HS, BQ, TP, H>(qt, q, qv, b, h, qi0, s.t);
         load_tile_h_t<HS, BQ, TP, H>(dot_, dout, dv_, b, h, qi0, s.t);
         for (int r = threadIdx.x; r < BQ; r += 64) {
             const long long at = (long long)bh * s.t + qi0 + r;
             ls[r] = qi0 + r < s.t ? lse[at] : 0.0f;
-            dl[r] = qi0 + r < s.t ? delta[at] : 0.0f;
+            if (DK) dl[DK ? r : 0] = qi0 + r < s.t ? delta[at] : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -425,10 +445,12 @@ __device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView 
                 ka[ks_][1] = lds_pair(ks + at + 8 * QP);
                 ka[ks_][2] = lds_pair(ks + at + 8);
                 ka[ks_][3] = lds_pair(ks + at + 8 * QP + 8);
-                va[ks_][0] = lds_pair(vs + at);
-                va[ks_][1] = lds_pair(vs + at + 8 * QP);
-                va[ks_][2] = lds_pair(vs + at + 8);
-                va[ks_][3] = lds_pair(vs + at + 8 * QP + 8);
+                if (DK) {
+                    va[ks_][0] = lds_pair(vs + at);
+                    va[ks_][1] = lds_pair(vs + at + 8 * QP);
+                    va[ks_][2] = lds_pair(vs + at + 8);
+                    va[ks_][3] = lds_pair(vs + at + 8 * QP + 8);
+                }
             }
             float st[NQ][4], dpt[NQ][4];  // S^T and dP^T: 16 keys x 32 queries
 #pragma unroll
@@ -440,8 +462,10 @@ __device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView 
                     const int at = (n * 8 + g) * QP + ks_ * 16 + 2 * tq;
                     const unsigned bq[2] = {lds_pair(qs + at), lds_pair(qs + at + 8)};
                     H::mma(st[n], ka[ks_], bq);
-                    const unsigned bd[2] = {lds_pair(dos + at), lds_pair(dos + at + 8)};
-                    H::mma(dpt[n], va[ks_], bd);
+                    if (DK) {
+                        const unsigned bd[2] = {lds_pair(dos + at), lds_pair(dos + at + 8)};
+                        H::mma(dpt[n], va[ks_], bd);
+                    }
                 }
             }
             unsigned pa[KQ][4], dsa[KQ][4];
@@ -452,7 +476,7 @@ __device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView 
                 for (int e = 0; e < 4; ++e) {
                     const int j = kb + g + (e >> 1) * 8, r = n * 8 + 2 * tq + (e & 1), i = qi0 + r;
                     p[e] = (i < j || i >= s.t) ? 0.0f : expf(s.scale * st[n][e] - ls[r]);
-                    ds[e] = s.scale * p[e] * (dpt[n][e] - dl[r]);
+                    ds[e] = DK ? s.scale * p[e] * (dpt[n][e] - dl[DK ? r : 0]) : 0.0f;
                 }
                 pa[n >> 1][(n & 1) * 2 + 0] = pack_half2(H::from(p[0]), H::from(p[1]));
                 pa[n >> 1][(n & 1) * 2 + 1] = pack_half2(H::from(p[2]), H::from(p[3]));
@@ -466,8 +490,10 @@ __device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView 
                     const int at = (n * 8 + g) * TP + kq * 16 + 2 * tq;
                     const unsigned bd[2] = {lds_pair(dot_ + at), lds_pair(dot_ + at + 8)};
                     H::mma(dva[mt][n], pa[kq], bd);
-                    const unsigned bq[2] = {lds_pair(qt + at), lds_pair(qt + at + 8)};
-                    H::mma(dka[mt][n], dsa[kq], bq);
+                    if (DK) {
+                        const unsigned bq[2] = {lds_pair(qt + at), lds_pair(qt + at + 8)};
+                        H::mma(dka[mt][n], dsa[kq], bq);
+                    }
                 }
             }
         }
@@ -478,18 +504,35 @@ __device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView 
         for (int r = 0; r < 2; ++r) {
             const int j = j0 + warp * 32 + mt * 16 + g + r * 8;
             if (j < s.t) {
-                float* dkr = dk + dkv.row(b, h, j) + 2 * tq;
                 float* dvr = dv + dvv.row(b, h, j) + 2 * tq;
 #pragma unroll
                 for (int n = 0; n < NO; ++n) {
-                    dkr[n * 8] = dka[mt][n][2 * r];
-                    dkr[n * 8 + 1] = dka[mt][n][2 * r + 1];
+                    if (DK) {
+                        float* dkr = dk + dkv.row(b, h, j) + 2 * tq;
+                        dkr[n * 8] = dka[mt][n][2 * r];
+                        dkr[n * 8 + 1] = dka[mt][n][2 * r + 1];
+                    }
                     dvr[n * 8] = dva[mt][n][2 * r];
                     dvr[n * 8 + 1] = dva[mt][n][2 * r + 1];
                 }
             }
         }
     }
+}
+
+// grid (ceil(T / 64), B * NH), block 64: dk_j = sum_i dS_ij q_i, dv_j = sum_i P_ij dout_i.
+template <int HS, typename H>
+__device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
+                                          AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dk,
+                                          AttnView dkv, float* dv, AttnView dvv) {
+    attention_backward_keys_mma<HS, H, true>(s, q, qv, k, kv, v, vv, dout, dv_, lse, delta, dk, dkv, dv, dvv);
+}
+
+// grid (ceil(T / 64), B * NH), block 64: dv_j = sum_{i >= j} P_ij dout_i.
+template <int HS, typename H>
+__device__ void attention_backward_v_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* dout,
+                                         AttnView dv_, const float* lse, float* dv, AttnView dvv) {
+    attention_backward_keys_mma<HS, H, false>(s, q, qv, k, kv, nullptr, qv, dout, dv_, lse, nullptr, nullptr, qv, dv, dvv);
 }
 
 }  // namespace qatc
