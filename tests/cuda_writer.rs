@@ -20,7 +20,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use qatc_ir::DType;
-use qatc_kernels::cuda::{emit, CudaKernel};
+use qatc_kernels::cuda::{emit, emit_with, CudaCodegen, CudaKernel};
 use qatc_kernels::kir::{
     Attention, AttentionPart, BinOp, Body, Expr, Ix, Kernel, Loop, Param, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp,
 };
@@ -72,8 +72,11 @@ fn a_kernel_with_no_rows_gets_a_block_that_touches_nothing() {
         assert!(k.source.contains("if (row >= 0) return;"), "{mapping:?}:\n{}", k.source);
         all.push(k);
     }
-    let k = emit(&row_sum_kernel(5, RowMapping::Block)).expect("emits");
+    let k = emit_with(&row_sum_kernel(5, RowMapping::Block), &CudaCodegen::GENERAL).expect("emits");
     assert!(k.source.contains("if (row >= 5) return;") && k.launch.grid == [5, 1, 1]);
+    // a warp per row: 4 rows per block, the last block's fourth warp past the end
+    let k = emit(&row_sum_kernel(7, RowMapping::Block)).expect("emits");
+    assert!(k.source.contains("if (row >= 7) return;") && k.launch.grid == [2, 1, 1] && k.launch.block == 128, "{}", k.source);
     // attention over no rows: a block, and no call into the templates
     let a = Attention {
         b: 0,
@@ -115,9 +118,11 @@ fn an_atomic_in_a_block_mapped_row_adds_once() {
         Space::Rows { rows: 4, mapping: RowMapping::Block },
         stmts,
     );
-    let k = emit(&k).expect("emits");
+    let warp = emit(&k).expect("emits");
+    assert!(warp.source.contains("if (lane == 0) atomicAdd(&count[0], (int)(1));"), "{}", warp.source);
+    let k = emit_with(&k, &CudaCodegen::GENERAL).expect("emits");
     assert!(k.source.contains("if (threadIdx.x == 0) atomicAdd(&count[0], (int)(1));"), "{}", k.source);
-    compiles("writer-block-atomic", &[k]);
+    compiles("writer-block-atomic", &[k, warp]);
 }
 
 #[test]
@@ -249,7 +254,11 @@ fn doubles_stay_doubles() {
             Stmt::Store { param: 1, index: Expr::Ix(Ix::Row), value: Expr::bin(BinOp::Add, Expr::Var(0), Expr::Var(1)) },
         ],
     );
-    let r = emit(&r).expect("emits");
+    let warp = emit(&r).expect("emits");
+    for want in ["qatc::warp_max(acc0)", "qatc::warp_sum(acc1)"] {
+        assert!(warp.source.contains(want), "{want}:\n{}", warp.source);
+    }
+    let r = emit_with(&r, &CudaCodegen::GENERAL).expect("emits");
     for want in [
         "__shared__ double scratch_f64[32];",
         "double acc0 = -INFINITY;",
@@ -259,7 +268,7 @@ fn doubles_stay_doubles() {
     ] {
         assert!(r.source.contains(want), "{want}:\n{}", r.source);
     }
-    compiles("writer-doubles", &[k, r]);
+    compiles("writer-doubles", &[k, r, warp]);
 }
 
 #[test]
@@ -291,13 +300,16 @@ fn a_block_reads_what_it_stored_only_after_a_barrier() {
         Space::Rows { rows: 4, mapping: RowMapping::Block },
         stmts,
     );
-    let k = emit(&k).expect("emits");
+    let warp = emit(&k).expect("emits");
+    let (store, sync, read) = (warp.source.find("tmp[").expect("a store"), warp.source.find("__syncwarp();"), warp.source.rfind("tmp["));
+    assert!(sync.is_some_and(|s| store < s && Some(s) < read), "a warp barrier between the store and the read:\n{}", warp.source);
+    let k = emit_with(&k, &CudaCodegen::GENERAL).expect("emits");
     let (store, sync, read) = (k.source.find("tmp[").expect("a store"), k.source.find("__syncthreads();"), k.source.rfind("tmp["));
     assert!(sync.is_some_and(|s| store < s && Some(s) < read), "a barrier between the store and the read:\n{}", k.source);
     // and none where nothing is read back
-    let plain = emit(&row_sum_kernel(4, RowMapping::Block)).expect("emits");
+    let plain = emit_with(&row_sum_kernel(4, RowMapping::Block), &CudaCodegen::GENERAL).expect("emits");
     assert!(!plain.source.contains("__syncthreads();  //"), "{}", plain.source);
-    compiles("writer-barrier", &[k, plain]);
+    compiles("writer-barrier", &[k, plain, warp]);
 }
 
 #[test]

@@ -103,7 +103,7 @@ impl<'a> Plain<'a> {
     fn new(gpu: &'a mut dyn GpuApi, prog: &'a Program, cubins: &HashMap<String, Vec<u8>>) -> Plain<'a> {
         let image = |k: &qatc_kernels::kir::Kernel| {
             let name = qatc_kernels::cuda::emit(k).expect("emits").name;
-            KernelImage { cubin: cubins.get(&name).cloned().unwrap_or_default(), name, kernel: k.clone() }
+            KernelImage { cubin: cubins.get(&name).cloned().unwrap_or_default(), name, kernel: k.clone(), launch: launch_dims(k) }
         };
         let ptrs: Vec<DevPtr> = prog.buffers.iter().map(|b| gpu.alloc(b.device_bytes().max(4)).expect("device memory")).collect();
         let funcs = prog.kernels.iter().map(|k| gpu.load(&image(k)).expect("loads")).collect();

@@ -107,3 +107,32 @@ fn each_switch_forces_the_general_attention_kernels() {
         assert!(attention_kernels(part, DType::F32, 100, 2, 64, &CudaCodegen::default()).iter().all(|k| !k.source.contains("mma")));
     }
 }
+
+/// A Block-mapped row kernel of up to `WARP_ROW_MAX` a row becomes one warp per row (4 rows per
+/// block, warp reductions, no shared scratch); longer rows keep the block; `GENERAL` keeps the
+/// block everywhere, with the block's launch dims.
+#[test]
+fn short_rows_are_one_warp_each_where_the_switch_allows() {
+    use qatc_kernels::cuda::emit::{launch_dims_with, WARP_ROW_MAX};
+    let softmax = |len: usize| {
+        common::fused("softmax", &[common::f32s(&[3, len])], |b, i| {
+            b.add(qatc_ir::Op::Softmax { scale: 1.0, causal: false }, &[i[0]]).unwrap()
+        })
+    };
+    for (g, warp) in [(common::residual_layernorm(), true), (softmax(WARP_ROW_MAX), true), (softmax(WARP_ROW_MAX + 1), false)] {
+        let prog = qatc_kernels::lower(&g).expect("lowers");
+        let k = &prog.kernels[0];
+        let fast = emit_with(k, &CudaCodegen::default()).expect("emits");
+        let general = emit_with(k, &CudaCodegen::GENERAL).expect("emits");
+        assert_eq!(fast.launch, launch_dims_with(k, &CudaCodegen::default()));
+        assert_eq!(general.launch, launch_dims_with(k, &CudaCodegen::GENERAL));
+        assert!(general.source.contains("qatc::block_") && !general.source.contains("warp_"), "{}", general.source);
+        if warp {
+            assert!(fast.source.contains("qatc::warp_sum") && !fast.source.contains("__shared__"), "{}", fast.source);
+            let rows = general.launch.grid[0];
+            assert_eq!((fast.launch.block, fast.launch.grid[0]), (128, rows.div_ceil(4)), "{}", fast.source);
+        } else {
+            assert_eq!(fast, general);
+        }
+    }
+}

@@ -39,7 +39,7 @@ fn affine(n: usize) -> Kernel {
 
 fn image(k: &Kernel) -> KernelImage {
     let cuda = qatc_kernels::cuda::emit(k).expect("emits");
-    KernelImage { name: cuda.name, cubin: Vec::new(), kernel: k.clone() }
+    KernelImage { name: cuda.name, cubin: Vec::new(), kernel: k.clone(), launch: cuda.launch }
 }
 
 #[test]

@@ -4,8 +4,10 @@
 //!
 //! Mapping: an Elements space is one thread per element (`idx`, coordinates `i0, i1, ..` where
 //! used); a Rows space with `RowMapping::Block` is one block per row whose threads stride over the
-//! row, reductions ending in `qatc::block_sum` / `block_max`; `RowMapping::Thread` is one thread
-//! per row with plain loops.
+//! row, reductions ending in `qatc::block_sum` / `block_max` (or, for rows of up to
+//! `WARP_ROW_MAX` where `CudaCodegen::warp_rows` allows, one warp per row, `WARP_ROWS` rows per
+//! block, reductions by `qatc::warp_sum` / `warp_max`: no shared memory, no block barrier);
+//! `RowMapping::Thread` is one thread per row with plain loops.
 
 use std::collections::{BTreeSet, HashMap};
 use std::slice;
@@ -47,17 +49,35 @@ pub struct CudaCodegen {
     /// The same for the backward's kernels: lse (where the forward's is not kept), delta, dq,
     /// dk/dv and dv.
     pub tensor_core_attention_backward: bool,
+    /// A `RowMapping::Block` row kernel whose loops are at most `WARP_ROW_MAX` long (layernorm
+    /// and its gradient over C, softmax over T, ...) as one warp per row instead of one block:
+    /// different launch dims (`launch_dims_with`).
+    pub warp_rows: bool,
 }
 
 impl Default for CudaCodegen {
     fn default() -> CudaCodegen {
-        CudaCodegen { tensor_core_attention: true, tensor_core_attention_backward: true }
+        CudaCodegen { tensor_core_attention: true, tensor_core_attention_backward: true, warp_rows: true }
     }
 }
 
 impl CudaCodegen {
     /// Every variant off: the general kernels only.
-    pub const GENERAL: CudaCodegen = CudaCodegen { tensor_core_attention: false, tensor_core_attention_backward: false };
+    pub const GENERAL: CudaCodegen = CudaCodegen { tensor_core_attention: false, tensor_core_attention_backward: false, warp_rows: false };
+}
+
+/// The longest row loop a warp takes on (`CudaCodegen::warp_rows`): 32 elements per lane, GPT-2
+/// XL's C = 1600 not (a block's threads share it better), 124M's 768 yes.
+pub const WARP_ROW_MAX: usize = 1024;
+/// Rows (warps) per block of a warp-per-row kernel.
+pub const WARP_ROWS: u32 = 4;
+
+/// Whether `cg` writes `k` one warp per row.
+pub fn warp_rows(k: &Kernel, cg: &CudaCodegen) -> bool {
+    match &k.body {
+        Body::Loops { space: Space::Rows { mapping: RowMapping::Block, .. }, stmts } => cg.warp_rows && max_loop(stmts) <= WARP_ROW_MAX,
+        _ => false,
+    }
 }
 
 /// The helper headers, embedded: (file name, text). Generated sources include them by name.
@@ -78,7 +98,7 @@ pub fn emit(k: &Kernel) -> Result<CudaKernel, KernelError> {
 /// `k` as CUDA C, with the variants `cg` allows where they apply.
 pub fn emit_with(k: &Kernel, cg: &CudaCodegen) -> Result<CudaKernel, KernelError> {
     let name = k.name();
-    let launch = launch_dims(k);
+    let launch = launch_dims_with(k, cg);
     check_grid(k, &launch)?;
     let source = render(k, &name, cg)?;
     Ok(CudaKernel { name, family: k.family.clone(), source, launch })
@@ -133,9 +153,20 @@ fn max_loop(stmts: &[Stmt]) -> usize {
 
 /// The grid and block of a kernel. Every grid has at least one block (CUDA launches none with
 /// zero): a kernel with nothing to do returns at once (its guards see every index out of range).
-/// Grids past CUDA's limits are rejected by `emit`, so the clamp here never drops work.
+/// Grids past CUDA's limits are rejected by `emit`, so the clamp here never drops work. With the
+/// default variants (`CudaCodegen::default`), as `emit` writes the kernel.
 pub fn launch_dims(k: &Kernel) -> LaunchDims {
+    launch_dims_with(k, &CudaCodegen::default())
+}
+
+/// The grid and block of `k` as `emit_with(k, cg)` writes it.
+pub fn launch_dims_with(k: &Kernel, cg: &CudaCodegen) -> LaunchDims {
     let blocks = |n: usize, per: u32| n.div_ceil(per as usize).clamp(1, MAX_GRID[0] as usize) as u32;
+    if warp_rows(k, cg) {
+        if let Body::Loops { space: Space::Rows { rows, .. }, .. } = &k.body {
+            return LaunchDims { grid: [blocks(*rows, WARP_ROWS), 1, 1], block: 32 * WARP_ROWS };
+        }
+    }
     match &k.body {
         Body::Loops { space: Space::Elements { shape }, .. } => {
             LaunchDims { grid: [blocks(shape.iter().product(), BLOCK), 1, 1], block: BLOCK }
@@ -185,11 +216,15 @@ pub fn params(w: &mut Writer, k: &Kernel) {
 
 fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelError> {
     let mut w = Writer::new();
-    let dims = launch_dims(k);
+    let dims = launch_dims_with(k, cg);
+    let warp = warp_rows(k, cg);
     w.line(format!("// {}: {}", k.family, k.note));
     match &k.body {
         Body::Loops { space, .. } => match space {
             Space::Elements { shape } => w.line(format!("// one thread per element of {shape:?}")),
+            Space::Rows { rows, mapping: RowMapping::Block } if warp => {
+                w.line(format!("// {rows} rows, one warp per row, {WARP_ROWS} rows per block"))
+            }
             Space::Rows { rows, mapping: RowMapping::Block } => {
                 w.line(format!("// {rows} rows, one block of {} threads per row", dims.block))
             }
@@ -208,7 +243,7 @@ fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelErro
             w.line(format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(", dims.block));
             params(&mut w, k);
             w.open("");
-            LoopNestWriter::new(k, stmts).kernel(&mut w, space, stmts)?;
+            LoopNestWriter::new(k, stmts, warp).kernel(&mut w, space, stmts)?;
             w.close();
         }
         Body::Attention(a) => super::attention::render(&mut w, k, a, name, dims.block, cg),
@@ -326,13 +361,16 @@ struct LoopNestWriter<'k> {
     depth: usize,
     /// Inside a loop whose iterations the block's threads share.
     parallel: bool,
+    /// Inside a Block-mapped row: a group of threads shares each row.
     block_rows: bool,
+    /// The group is a warp (`CudaCodegen::warp_rows`), not the block.
+    warp: bool,
 }
 
 impl<'k> LoopNestWriter<'k> {
-    fn new(k: &'k Kernel, stmts: &[Stmt]) -> LoopNestWriter<'k> {
+    fn new(k: &'k Kernel, stmts: &[Stmt], warp: bool) -> LoopNestWriter<'k> {
         let mut taken: BTreeSet<String> = k.params.iter().map(|p| p.name.clone()).collect();
-        taken.extend(["idx", "row", "j", "j1", "j2", "scratch"].map(String::from));
+        taken.extend(["idx", "row", "j", "j1", "j2", "scratch", "lane"].map(String::from));
         let mut vars = HashMap::new();
         let mut defs = Vec::new();
         defined(stmts, &mut defs);
@@ -346,7 +384,16 @@ impl<'k> LoopNestWriter<'k> {
             taken.insert(name.clone());
             vars.insert(v, name);
         }
-        LoopNestWriter { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false }
+        LoopNestWriter { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false, warp }
+    }
+
+    /// This thread's index in the group sharing a row.
+    fn member(&self) -> &'static str {
+        if self.warp {
+            "lane"
+        } else {
+            "threadIdx.x"
+        }
     }
 
     /// `base`, or `base1`, `base2`, ...: the first that names no param or variable.
@@ -380,6 +427,13 @@ impl<'k> LoopNestWriter<'k> {
                     w.line(format!("const {it} i{d} = {e};  // of {dim}"));
                 }
             }
+            Space::Rows { rows, mapping: RowMapping::Block } if self.warp => {
+                self.block_rows = true;
+                w.line("const int lane = threadIdx.x & 31;");
+                w.line(format!("const {it} row = ({it})blockIdx.x * {WARP_ROWS} + (threadIdx.x >> 5);  // of {rows}"));
+                // uniform in the warp, and nothing waits at a block barrier
+                w.line(format!("if (row >= {rows}) return;"));
+            }
             Space::Rows { rows, mapping: RowMapping::Block } => {
                 self.block_rows = true;
                 for t in reduce_types(stmts) {
@@ -407,7 +461,11 @@ impl<'k> LoopNestWriter<'k> {
         for s in stmts {
             let one = slice::from_ref(s);
             if top && !written.is_empty() && loads(one).intersection(&written).next().is_some() {
-                w.line("__syncthreads();  // what the block stored above is read below");
+                if self.warp {
+                    w.line("__syncwarp();  // what the warp stored above is read below");
+                } else {
+                    w.line("__syncthreads();  // what the block stored above is read below");
+                }
                 written.clear();
             }
             if top {
@@ -425,7 +483,8 @@ impl<'k> LoopNestWriter<'k> {
         let ext = self.expr(extent, 0)?;
         let shared = self.block_rows && !self.parallel;
         if shared {
-            w.open(format!("for ({it} {name} = threadIdx.x; {name} < {ext}; {name} += blockDim.x)"));
+            let (from, step) = if self.warp { ("lane", "32") } else { ("threadIdx.x", "blockDim.x") };
+            w.open(format!("for ({it} {name} = {from}; {name} < {ext}; {name} += {step})"));
         } else {
             w.open(format!("for ({it} {name} = 0; {name} < {ext}; ++{name})"));
         }
@@ -442,7 +501,7 @@ impl<'k> LoopNestWriter<'k> {
             Stmt::Store { param, index, value } => {
                 let p = &self.k.params[*param];
                 let (i, v) = (self.expr(index, 0)?, self.expr(value, 0)?);
-                let guard = if self.block_rows && !self.parallel { "if (threadIdx.x == 0) " } else { "" };
+                let guard = if self.block_rows && !self.parallel { format!("if ({} == 0) ", self.member()) } else { String::new() };
                 // a float stored into an integer param converts as a Cast to I32 does (C's
                 // implicit conversion is undefined out of range)
                 let v = if !p.dtype.is_float() && matches!(self.ty(value), Ty::F32 | Ty::F64) {
@@ -470,7 +529,7 @@ impl<'k> LoopNestWriter<'k> {
                     )));
                 }
                 // as a store: once per row in a Block-mapped row, not once per thread
-                let guard = if self.block_rows && !self.parallel { "if (threadIdx.x == 0) " } else { "" };
+                let guard = if self.block_rows && !self.parallel { format!("if ({} == 0) ", self.member()) } else { String::new() };
                 w.line(format!("{guard}atomicAdd(&{}[{}], (int)({}));", p.name, self.expr(index, 0)?, self.expr(value, 0)?));
             }
             Stmt::ForEach { lp, body } => {
@@ -520,6 +579,8 @@ impl<'k> LoopNestWriter<'k> {
                 w.close();
                 let sc = scratch(*ty);
                 match (shared, op) {
+                    (true, ReduceOp::Sum) if self.warp => w.line(format!("{acc} = qatc::warp_sum({acc});")),
+                    (true, _) if self.warp => w.line(format!("{acc} = qatc::warp_max({acc});")),
                     (true, ReduceOp::Sum) => w.line(format!("{acc} = qatc::block_sum({acc}, {sc});")),
                     (true, _) => w.line(format!("{acc} = qatc::block_max({acc}, {sc});")),
                     (false, _) => {}

@@ -141,7 +141,12 @@ pub fn load_kernels<A: GpuApi>(
     };
     let mut funcs = Vec::with_capacity(all.len());
     for (k, c) in &all {
-        let image = KernelImage { name: c.name.clone(), cubin: cubins.get(&c.name).cloned().unwrap_or_default(), kernel: k.clone() };
+        let image = KernelImage {
+            name: c.name.clone(),
+            cubin: cubins.get(&c.name).cloned().unwrap_or_default(),
+            kernel: k.clone(),
+            launch: c.launch.clone(),
+        };
         let f = api.load(&image).map_err(|e| RuntimeError::Device { what: format!("loading kernel {}", c.name), msg: e.to_string() })?;
         funcs.push(f);
     }

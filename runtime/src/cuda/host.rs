@@ -8,7 +8,6 @@
 use qatc_ir::DType;
 use qatc_kernels::cuda::blas::host::{self as blas_host, HostMemory};
 use qatc_kernels::cuda::blas::{BlasCall, Compute, ElemType, Mem};
-use qatc_kernels::cuda::emit::launch_dims;
 use qatc_kernels::cuda::LaunchDims;
 use qatc_kernels::kir::{self, Kernel};
 use qatc_kernels::nvrtc::Arch;
@@ -32,6 +31,8 @@ enum Work {
 struct Loaded {
     name: String,
     kernel: Kernel,
+    /// The dims it must be launched with (`KernelImage::launch`).
+    launch: LaunchDims,
     eval: KirEval,
 }
 
@@ -195,8 +196,8 @@ impl HostGpu {
     fn run_launch(&mut self, f: FuncId, dims: &LaunchDims, args: &[DevPtr]) -> Result<()> {
         let l = self.funcs.get(f.0).ok_or_else(|| GpuError::Invalid(format!("no function {}", f.0)))?;
         let bad = |msg: String| GpuError::Kernel { kernel: l.name.clone(), msg };
-        let want = launch_dims(&l.kernel);
-        if *dims != want {
+        let want = &l.launch;
+        if dims != want {
             return Err(bad(format!("launched with {dims:?}; its mapping needs {want:?}")));
         }
         if args.len() != l.kernel.params.len() {
@@ -329,7 +330,7 @@ impl GpuApi for HostGpu {
 
     fn load(&mut self, image: &KernelImage) -> Result<FuncId> {
         let eval = KirEval::new(std::slice::from_ref(&image.kernel));
-        self.funcs.push(Loaded { name: image.name.clone(), kernel: image.kernel.clone(), eval });
+        self.funcs.push(Loaded { name: image.name.clone(), kernel: image.kernel.clone(), launch: image.launch.clone(), eval });
         Ok(FuncId(self.funcs.len() - 1))
     }
 

@@ -72,6 +72,9 @@ pub struct KernelImage {
     pub name: String,
     pub cubin: Vec<u8>,
     pub kernel: Kernel,
+    /// The grid and block its CUDA C was written for (`CudaKernel::launch`: a variant of the
+    /// writer, `CudaCodegen::warp_rows`, may map the same kernel IR to other dims).
+    pub launch: LaunchDims,
 }
 
 /// The base address of each operand's memory in one GEMM call (the call's offsets are added by

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 
 use qatc_ir::InputKind;
 use qatc_kernels::cuda::blas::{BlasMode, Mem};
-use qatc_kernels::cuda::emit::launch_dims;
+use qatc_kernels::cuda::emit::launch_dims_with;
 use qatc_kernels::cuda::{CudaCodegen, LaunchDims};
 use qatc_kernels::nvrtc::BuildReport;
 use qatc_kernels::program::{BufId, Program, Step, View, DEVICE_ALIGN};
@@ -153,7 +153,7 @@ impl<A: GpuApi> CudaProgram<A> {
                     let k = &prog.kernels[*kernel];
                     DeviceStep::Launch {
                         func: loaded.funcs[*kernel],
-                        dims: launch_dims(k),
+                        dims: launch_dims_with(k, &options.codegen),
                         args: args.iter().map(|&b| ptrs[b]).collect(),
                         label: kernel_label(k),
                     }
