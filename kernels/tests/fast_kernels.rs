@@ -5,6 +5,7 @@
 
 mod common;
 #[path = "../../tests/common/nvrtc.rs"]
+#[allow(dead_code)]
 mod nvrtc;
 
 use qatc_ir::DType;
@@ -113,7 +114,8 @@ fn each_switch_forces_the_general_attention_kernels() {
 /// block everywhere, with the block's launch dims.
 #[test]
 fn short_rows_are_one_warp_each_where_the_switch_allows() {
-    use qatc_kernels::cuda::emit::{launch_dims_with, WARP_ROW_MAX};
+    use qatc_kernels::cuda::codegen::WARP_ROW_MAX;
+    use qatc_kernels::cuda::emit::launch_dims_with;
     let softmax = |len: usize| {
         common::fused("softmax", &[common::f32s(&[3, len])], |b, i| {
             b.add(qatc_ir::Op::Softmax { scale: 1.0, causal: false }, &[i[0]]).unwrap()
@@ -134,5 +136,43 @@ fn short_rows_are_one_warp_each_where_the_switch_allows() {
         } else {
             assert_eq!(fast, general);
         }
+    }
+}
+
+/// A bias gradient, sum_to([N, 96] -> [96]): one thread per column summing N rows in general; split
+/// (N >= `SPLIT_MIN`), 32 columns per block and each column's rows over 8 warps, the parts added
+/// in warp order; under `SPLIT_MIN` or with `GENERAL`, one thread per column. Both compile for
+/// sm_80 and sm_90; the split text is snapshotted.
+#[test]
+fn long_column_sums_are_split_over_warps_where_the_switch_allows() {
+    use qatc_kernels::cuda::codegen::SPLIT_MIN;
+    let bias_grad = |n: usize| {
+        common::fused("sum_to", &[common::f32s(&[n, 96])], |b, i| b.add(qatc_ir::Op::SumTo { shape: [96].into() }, &[i[0]]).unwrap())
+    };
+    let mut all = Vec::new();
+    for (n, split) in [(4099, true), (SPLIT_MIN, true), (SPLIT_MIN - 1, false)] {
+        let prog = qatc_kernels::lower(&bias_grad(n)).expect("lowers");
+        let k = &prog.kernels[0];
+        let fast = emit_with(k, &CudaCodegen::default()).expect("emits");
+        let general = emit_with(k, &CudaCodegen::GENERAL).expect("emits");
+        assert!(general.source.contains("one thread per row") && general.launch.block == 256, "{}", general.source);
+        if split {
+            assert_eq!((fast.launch.grid[0], fast.launch.block), (3, 256), "{}", fast.source);
+            for want in ["part[slice][lane] = ", "part[0][lane] + part[1][lane]", "if (owner) "] {
+                assert!(fast.source.contains(want), "{want}:\n{}", fast.source);
+            }
+            if n == 4099 {
+                insta::assert_snapshot!(format!("// ---- {} ----\n{}", fast.name, fast.source));
+            }
+        } else {
+            assert_eq!(fast, general);
+        }
+        all.extend([fast, general]);
+    }
+    all.sort_by(|a, b| a.source.cmp(&b.source));
+    all.dedup_by(|a, b| a.source == b.source);
+    let Some(nv) = nvrtc::nvrtc() else { return };
+    for arch in Arch::ALL {
+        nvrtc::build(&nv, &format!("fast-split-{arch}"), &all, arch, None);
     }
 }

@@ -6,7 +6,8 @@
 
 use qatc_ir::DType;
 
-use super::emit::{float_lit, params, CudaCodegen, LaunchDims};
+use super::codegen::CudaCodegen;
+use super::emit::{float_lit, params, LaunchDims};
 use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
 
@@ -23,7 +24,7 @@ pub fn tensor_cores(a: &Attention, cg: &CudaCodegen) -> Option<&'static str> {
         | AttentionPart::BackwardKV
         | AttentionPart::BackwardV => cg.tensor_core_attention_backward,
     };
-    let applies = part && a.hs % 16 == 0 && (32..=64).contains(&a.hs) && BQ == 64;
+    let applies = part && a.hs.is_multiple_of(16) && (32..=64).contains(&a.hs) && BQ == 64;
     match a.values {
         DType::BF16 if applies => Some("qatc::MmaBf16"),
         DType::F16 if applies => Some("qatc::MmaF16"),

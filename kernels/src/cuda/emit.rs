@@ -14,6 +14,7 @@ use std::slice;
 
 use qatc_ir::DType;
 
+use super::codegen::{split_columns, warp_rows, CudaCodegen, SPLIT_SLICES, WARP_ROWS};
 use super::writer::Writer;
 use crate::error::KernelError;
 use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Ix, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
@@ -34,50 +35,6 @@ pub struct CudaKernel {
     pub family: String,
     pub source: String,
     pub launch: LaunchDims,
-}
-
-/// Which of the generator's kernel variants it may pick (a value passed in: the CUDA executor's
-/// `CudaOptions::codegen`). Each switch only allows a variant where it applies; off forces the
-/// general kernel, so a GPU session can turn off a variant that fails. The kernel IR, its name,
-/// its params and its launch dims are the same either way: only the CUDA text differs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CudaCodegen {
-    /// The causal attention forward on 16-bit tensor cores (`qatc_attention_mma.cuh`) where the
-    /// operands' values are f16/bf16 (`kir::Attention::values`) and hs is 32, 48 or 64 (at 16
-    /// ptxas spills), on sm_80 and later; else the fp32 template (`qatc_attention.cuh`).
-    pub tensor_core_attention: bool,
-    /// The same for the backward's kernels: lse (where the forward's is not kept), delta, dq,
-    /// dk/dv and dv.
-    pub tensor_core_attention_backward: bool,
-    /// A `RowMapping::Block` row kernel whose loops are at most `WARP_ROW_MAX` long (layernorm
-    /// and its gradient over C, softmax over T, ...) as one warp per row instead of one block:
-    /// different launch dims (`launch_dims_with`).
-    pub warp_rows: bool,
-}
-
-impl Default for CudaCodegen {
-    fn default() -> CudaCodegen {
-        CudaCodegen { tensor_core_attention: true, tensor_core_attention_backward: true, warp_rows: true }
-    }
-}
-
-impl CudaCodegen {
-    /// Every variant off: the general kernels only.
-    pub const GENERAL: CudaCodegen = CudaCodegen { tensor_core_attention: false, tensor_core_attention_backward: false, warp_rows: false };
-}
-
-/// The longest row loop a warp takes on (`CudaCodegen::warp_rows`): 32 elements per lane, GPT-2
-/// XL's C = 1600 not (a block's threads share it better), 124M's 768 yes.
-pub const WARP_ROW_MAX: usize = 1024;
-/// Rows (warps) per block of a warp-per-row kernel.
-pub const WARP_ROWS: u32 = 4;
-
-/// Whether `cg` writes `k` one warp per row.
-pub fn warp_rows(k: &Kernel, cg: &CudaCodegen) -> bool {
-    match &k.body {
-        Body::Loops { space: Space::Rows { mapping: RowMapping::Block, .. }, stmts } => cg.warp_rows && max_loop(stmts) <= WARP_ROW_MAX,
-        _ => false,
-    }
 }
 
 /// The helper headers, embedded: (file name, text). Generated sources include them by name.
@@ -140,7 +97,7 @@ fn row_block(len: usize) -> u32 {
 
 /// The longest loop a Block-mapped row shares among its threads: its top-level loops (the
 /// loops nested in them run sequentially in each thread).
-fn max_loop(stmts: &[Stmt]) -> usize {
+pub(super) fn max_loop(stmts: &[Stmt]) -> usize {
     stmts
         .iter()
         .map(|s| match s {
@@ -162,9 +119,12 @@ pub fn launch_dims(k: &Kernel) -> LaunchDims {
 /// The grid and block of `k` as `emit_with(k, cg)` writes it.
 pub fn launch_dims_with(k: &Kernel, cg: &CudaCodegen) -> LaunchDims {
     let blocks = |n: usize, per: u32| n.div_ceil(per as usize).clamp(1, MAX_GRID[0] as usize) as u32;
-    if warp_rows(k, cg) {
-        if let Body::Loops { space: Space::Rows { rows, .. }, .. } = &k.body {
+    if let Body::Loops { space: Space::Rows { rows, .. }, .. } = &k.body {
+        if warp_rows(k, cg) {
             return LaunchDims { grid: [blocks(*rows, WARP_ROWS), 1, 1], block: 32 * WARP_ROWS };
+        }
+        if split_columns(k, cg) {
+            return LaunchDims { grid: [blocks(*rows, 32), 1, 1], block: 32 * SPLIT_SLICES };
         }
     }
     match &k.body {
@@ -218,6 +178,7 @@ fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelErro
     let mut w = Writer::new();
     let dims = launch_dims_with(k, cg);
     let warp = warp_rows(k, cg);
+    let split = split_columns(k, cg);
     w.line(format!("// {}: {}", k.family, k.note));
     match &k.body {
         Body::Loops { space, .. } => match space {
@@ -228,6 +189,9 @@ fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelErro
             Space::Rows { rows, mapping: RowMapping::Block } => {
                 w.line(format!("// {rows} rows, one block of {} threads per row", dims.block))
             }
+            Space::Rows { rows, mapping: RowMapping::Thread } if split => w.line(format!(
+                "// {rows} rows, 32 per block, each row's sums split over {SPLIT_SLICES} warps, the parts added in warp order"
+            )),
             Space::Rows { rows, mapping: RowMapping::Thread } => w.line(format!("// {rows} rows, one thread per row")),
         },
         Body::Attention(_) => {}
@@ -243,7 +207,7 @@ fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelErro
             w.line(format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(", dims.block));
             params(&mut w, k);
             w.open("");
-            LoopNestWriter::new(k, stmts, warp).kernel(&mut w, space, stmts)?;
+            LoopNestWriter::new(k, stmts, warp, split).kernel(&mut w, space, stmts)?;
             w.close();
         }
         Body::Attention(a) => super::attention::render(&mut w, k, a, name, dims.block, cg),
@@ -324,6 +288,16 @@ fn scratch(t: Ty) -> &'static str {
     }
 }
 
+/// The shared parts of a split kernel's sums of type `t` (`CudaCodegen::split_columns`).
+fn part(t: Ty) -> &'static str {
+    match t {
+        Ty::F64 => "part_f64",
+        Ty::I32 | Ty::Bool => "part_i32",
+        Ty::I64 => "part_i64",
+        Ty::F32 => "part",
+    }
+}
+
 /// The params a statement list loads (loop extents included).
 fn loads(stmts: &[Stmt]) -> BTreeSet<usize> {
     let mut out = BTreeSet::new();
@@ -336,7 +310,7 @@ fn loads(stmts: &[Stmt]) -> BTreeSet<usize> {
 }
 
 /// The params a statement list stores into (atomics included).
-fn stores(stmts: &[Stmt]) -> BTreeSet<usize> {
+pub(super) fn stores(stmts: &[Stmt]) -> BTreeSet<usize> {
     let mut out = BTreeSet::new();
     for s in stmts {
         match s {
@@ -365,12 +339,15 @@ struct LoopNestWriter<'k> {
     block_rows: bool,
     /// The group is a warp (`CudaCodegen::warp_rows`), not the block.
     warp: bool,
+    /// A thread-per-row kernel whose top-level sums are split over warps
+    /// (`CudaCodegen::split_columns`): top-level stores by the row's first warp (`owner`).
+    split: bool,
 }
 
 impl<'k> LoopNestWriter<'k> {
-    fn new(k: &'k Kernel, stmts: &[Stmt], warp: bool) -> LoopNestWriter<'k> {
+    fn new(k: &'k Kernel, stmts: &[Stmt], warp: bool, split: bool) -> LoopNestWriter<'k> {
         let mut taken: BTreeSet<String> = k.params.iter().map(|p| p.name.clone()).collect();
-        taken.extend(["idx", "row", "j", "j1", "j2", "scratch", "lane"].map(String::from));
+        taken.extend(["idx", "row", "j", "j1", "j2", "scratch", "lane", "slice", "owner", "row_", "part"].map(String::from));
         let mut vars = HashMap::new();
         let mut defs = Vec::new();
         defined(stmts, &mut defs);
@@ -384,7 +361,28 @@ impl<'k> LoopNestWriter<'k> {
             taken.insert(name.clone());
             vars.insert(v, name);
         }
-        LoopNestWriter { k, env: TypeEnv::of(stmts), vars, loops: HashMap::new(), depth: 0, parallel: false, block_rows: false, warp }
+        LoopNestWriter {
+            k,
+            env: TypeEnv::of(stmts),
+            vars,
+            loops: HashMap::new(),
+            depth: 0,
+            parallel: false,
+            block_rows: false,
+            warp,
+            split,
+        }
+    }
+
+    /// What a statement that stores once per row is guarded by.
+    fn guard(&self) -> String {
+        if self.block_rows && !self.parallel {
+            format!("if ({} == 0) ", self.member())
+        } else if self.split && self.depth == 0 {
+            "if (owner) ".into()
+        } else {
+            String::new()
+        }
     }
 
     /// This thread's index in the group sharing a row.
@@ -444,6 +442,17 @@ impl<'k> LoopNestWriter<'k> {
                 // the block, so no thread is left waiting at a barrier
                 w.line(format!("if (row >= {rows}) return;"));
             }
+            Space::Rows { rows, mapping: RowMapping::Thread } if self.split => {
+                for t in reduce_types(stmts) {
+                    w.line(format!("__shared__ {} {}[{SPLIT_SLICES}][32];", scalar(t), part(t)));
+                }
+                w.line("const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;");
+                w.line(format!("const {it} row_ = ({it})blockIdx.x * 32 + lane;  // of {rows}"));
+                // every thread reaches the barriers: one past the end does the last row's work
+                // again and stores nothing
+                w.line(format!("const {it} row = row_ < {rows} ? row_ : {};", rows - 1));
+                w.line(format!("const bool owner = slice == 0 && row_ < {rows};"));
+            }
             Space::Rows { rows, mapping: RowMapping::Thread } => {
                 w.line(format!("const {it} row = ({it})blockIdx.x * blockDim.x + threadIdx.x;"));
                 w.line(format!("if (row >= {rows}) return;"));
@@ -456,13 +465,15 @@ impl<'k> LoopNestWriter<'k> {
         // In a Block-mapped row, a top-level statement's threads may read what other threads of
         // the block wrote in an earlier one (a shared loop's stores, thread 0's stores): a
         // barrier orders them.
-        let top = self.block_rows && self.depth == 0;
+        let top = (self.block_rows || self.split) && self.depth == 0;
         let mut written = BTreeSet::new();
         for s in stmts {
             let one = slice::from_ref(s);
             if top && !written.is_empty() && loads(one).intersection(&written).next().is_some() {
                 if self.warp {
                     w.line("__syncwarp();  // what the warp stored above is read below");
+                } else if self.split {
+                    w.line("__syncthreads();  // what the row's owner stored above is read below");
                 } else {
                     w.line("__syncthreads();  // what the block stored above is read below");
                 }
@@ -476,6 +487,8 @@ impl<'k> LoopNestWriter<'k> {
         Ok(())
     }
 
+    /// Opens a loop over `extent`; returns whether the group sharing the row shares its
+    /// iterations. A split kernel's top-level sum takes every `SPLIT_SLICES`th from `slice`.
     fn loop_head(&mut self, w: &mut Writer, var: u8, extent: &Expr) -> Result<bool, KernelError> {
         let name = if self.depth == 0 { "j".to_string() } else { format!("j{}", self.depth) };
         self.loops.insert(var, name.clone());
@@ -485,6 +498,8 @@ impl<'k> LoopNestWriter<'k> {
         if shared {
             let (from, step) = if self.warp { ("lane", "32") } else { ("threadIdx.x", "blockDim.x") };
             w.open(format!("for ({it} {name} = {from}; {name} < {ext}; {name} += {step})"));
+        } else if self.split && self.depth == 0 {
+            w.open(format!("for ({it} {name} = slice; {name} < {ext}; {name} += {SPLIT_SLICES})"));
         } else {
             w.open(format!("for ({it} {name} = 0; {name} < {ext}; ++{name})"));
         }
@@ -501,7 +516,7 @@ impl<'k> LoopNestWriter<'k> {
             Stmt::Store { param, index, value } => {
                 let p = &self.k.params[*param];
                 let (i, v) = (self.expr(index, 0)?, self.expr(value, 0)?);
-                let guard = if self.block_rows && !self.parallel { format!("if ({} == 0) ", self.member()) } else { String::new() };
+                let guard = self.guard();
                 // a float stored into an integer param converts as a Cast to I32 does (C's
                 // implicit conversion is undefined out of range)
                 let v = if !p.dtype.is_float() && matches!(self.ty(value), Ty::F32 | Ty::F64) {
@@ -529,17 +544,29 @@ impl<'k> LoopNestWriter<'k> {
                     )));
                 }
                 // as a store: once per row in a Block-mapped row, not once per thread
-                let guard = if self.block_rows && !self.parallel { format!("if ({} == 0) ", self.member()) } else { String::new() };
+                let guard = self.guard();
                 w.line(format!("{guard}atomicAdd(&{}[{}], (int)({}));", p.name, self.expr(index, 0)?, self.expr(value, 0)?));
             }
             Stmt::ForEach { lp, body } => {
-                let shared = self.loop_head(w, lp.var, &lp.extent)?;
+                // a split kernel's row owner runs its top-level loops (they store)
+                let owned = self.split && self.depth == 0;
                 let was = self.parallel;
-                self.parallel |= shared;
+                if owned {
+                    w.open("if (owner)");
+                    w.open(format!("for ({} j = 0; j < {}; ++j)", scalar(self.k.index_ty), self.expr(&lp.extent, 0)?));
+                    self.loops.insert(lp.var, "j".into());
+                    self.depth += 1;
+                } else {
+                    let shared = self.loop_head(w, lp.var, &lp.extent)?;
+                    self.parallel |= shared;
+                }
                 self.stmts(w, body)?;
                 self.parallel = was;
                 self.depth -= 1;
                 w.close();
+                if owned {
+                    w.close();
+                }
             }
             Stmt::Reduce { var, op, ty, lp, body, value } => {
                 let t = scalar(*ty);
@@ -556,6 +583,7 @@ impl<'k> LoopNestWriter<'k> {
                 let (fmax, fabs) = if *ty == Ty::F64 { ("fmax", "fabs") } else { ("fmaxf", "fabsf") };
                 let acc = self.var(*var);
                 w.line(format!("{t} {acc} = {init};"));
+                let sliced = self.split && self.depth == 0;
                 let shared = self.loop_head(w, lp.var, &lp.extent)?;
                 if shared && *op == ReduceOp::FirstAbsMax {
                     return Err(KernelError::Internal("FirstAbsMax needs a sequential (thread-per-row) reduction".into()));
@@ -584,6 +612,15 @@ impl<'k> LoopNestWriter<'k> {
                     (true, ReduceOp::Sum) => w.line(format!("{acc} = qatc::block_sum({acc}, {sc});")),
                     (true, _) => w.line(format!("{acc} = qatc::block_max({acc}, {sc});")),
                     (false, _) => {}
+                }
+                if sliced {
+                    // `split_columns` admits sums only: the slices' parts, added in slice order
+                    let p = part(*ty);
+                    w.line(format!("{p}[slice][lane] = {acc};"));
+                    w.line("__syncthreads();");
+                    let parts: Vec<String> = (0..SPLIT_SLICES).map(|i| format!("{p}[{i}][lane]")).collect();
+                    w.line(format!("{acc} = {};", parts.join(" + ")));
+                    w.line(format!("__syncthreads();  // every slice has read {p} before it is written again"));
                 }
             }
         }

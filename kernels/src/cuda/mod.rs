@@ -3,10 +3,12 @@
 
 pub mod attention;
 pub mod blas;
+pub mod codegen;
 pub mod emit;
 pub mod writer;
 
-pub use emit::{emit, emit_with, CudaCodegen, CudaKernel, LaunchDims, HEADERS};
+pub use codegen::CudaCodegen;
+pub use emit::{emit, emit_with, CudaKernel, LaunchDims, HEADERS};
 
 #[cfg(test)]
 mod tests {
