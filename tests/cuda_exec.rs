@@ -23,6 +23,7 @@ use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::{DType, InputKind, QuantScheme, QuantSpec};
 use qatc_kernels::cuda::blas::BlasMode;
+use qatc_kernels::cuda::CudaCodegen;
 use qatc_kernels::program::BufKind;
 use qatc_kernels::Program;
 use qatc_passes::fusion::FuseOptions;
@@ -243,7 +244,8 @@ fn emulated(prog: &Program, o: CudaOptions) -> CudaProgram<HostGpu> {
 /// lr whatever its gradient's size, so a gradient near zero that differs in its last bits moves
 /// it differently: LoRA's B, zero at the start, shows 1e-5). Not bit for bit: the kernels are the same
 /// evaluator on both, but the GEMMs sum in other orders (the cuBLAS model against the gemm
-/// crate). The executor with and without its graph and hoisting: bit for bit.
+/// crate). The executor with and without its graph and hoisting, and with the general kernels
+/// (`CudaCodegen::GENERAL`): bit for bit.
 #[test]
 fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
     let steps = 3;
@@ -277,9 +279,12 @@ fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
         if qlora {
             assert!(gpu.plan().hoisted_steps() > 0, "{what}: the frozen 4-bit weights' dequantization is hoisted");
         }
-        // the other way of running it: the same arithmetic, so the same bits
+        // the other way of running it: the same arithmetic, so the same bits; with the general
+        // kernels instead of the writer's variants (other launch dims for the row kernels, which
+        // the emulation checks every launch against)
         let one = drive(&mut emulated(&prog, CudaOptions { graph, ..CudaOptions::default() }), &prog, &state, &data, &o, steps);
-        let other = CudaOptions { graph: !graph, hoist_frozen: !graph, ..CudaOptions::default() };
+        let codegen = if graph { CudaCodegen::GENERAL } else { CudaCodegen::default() };
+        let other = CudaOptions { graph: !graph, hoist_frozen: !graph, codegen, ..CudaOptions::default() };
         let two = drive(&mut emulated(&prog, other), &prog, &state, &data, &o, steps);
         assert!(bits_equal(&one, &two), "{what}: the graph and hoisting change no bit");
     }
