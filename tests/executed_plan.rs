@@ -74,6 +74,14 @@ mod compiled {
         let mut q = full.clone();
         quant_lora(&mut q, "sym", 16);
         plan_equals_executor("tiny, 4-bit + LoRA", &tiny, &q);
+        // 8-bit AdamW, its moments updated blockwise over the codes (kernels/src/lower/adamw8.rs)
+        let mut eight = full.clone();
+        eight.adamw.moments = qatc_passes::optim::Moments::Blockwise8;
+        plan_equals_executor("tiny, full fine-tune, adamw8bit", &tiny, &eight);
+        let mut demo8 = StepOptions::new(2, 64);
+        demo8.adamw.moments = qatc_passes::optim::Moments::Blockwise8;
+        demo8.fuse = Some(FuseOptions::default());
+        plan_equals_executor("demo, full fine-tune, adamw8bit", &demo, &demo8);
     }
 }
 

@@ -26,8 +26,13 @@ const B: usize = 2;
 const T: usize = 16;
 
 fn trainer(lora: bool) -> Trainer {
+    trainer_with(lora, qatc_passes::optim::Moments::F32)
+}
+
+fn trainer_with(lora: bool, moments: qatc_passes::optim::Moments) -> Trainer {
     let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
     let mut o = StepOptions::new(B, T);
+    o.adamw.moments = moments;
     if lora {
         o.model.full_finetune = false;
         o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 16, scheme: QuantScheme::Sym }));
@@ -119,6 +124,57 @@ fn adamw_in_place_equals_the_packed_step_and_holds_no_pack() {
             for (name, wv) in w {
                 assert!(bits(&g[name]) == bits(wv), "{what}, step {s}: {name} differs from the packed step");
             }
+        }
+    }
+}
+
+/// 8-bit AdamW inside the in-place AdamW (`kernels/src/lower/adamw8.rs`): each 8-bit tensor's
+/// moments are dequantized, updated in f32 and requantized by one blockwise kernel written over
+/// the weight, the codes and the absmax, so no f32 copy of an 8-bit moment exists (neither the
+/// dequantized one nor the pack's new one) and nothing but the step count is copied back; the
+/// step equals the packed lowering's (dequantize, pack, absmax, requantize) bit for bit, over two
+/// steps, and the arena shrinks.
+#[test]
+fn adamw8bit_in_place_equals_the_packed_step_and_holds_no_f32_moments() {
+    let tr = trainer_with(false, qatc_passes::optim::Moments::Blockwise8);
+    let inplace = qatc_kernels::lower(&tr.graph).unwrap();
+    let packed = qatc_kernels::lower_with(&tr.graph, &LowerOptions { adamw_packed: true, ..Default::default() }).unwrap();
+    let exec = ExecPlan::new(&inplace, Device::Cpu.exec_options()).unwrap();
+    let copied: Vec<&str> = exec.write_backs.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(copied, ["step"], "only the step count is copied back");
+    let blockwise: Vec<&str> = inplace
+        .kernels
+        .iter()
+        .filter(|k| k.params.iter().any(|p| p.write && p.dtype == qatc_ir::DType::U8))
+        .map(|k| k.family.as_str())
+        .collect();
+    assert!(!blockwise.is_empty() && blockwise.iter().all(|f| f.starts_with("adamw")), "the codes are written by AdamW: {blockwise:?}");
+    // no buffer but the inputs and the gradients has an 8-bit tensor's shape in f32 (the moments
+    // never whole in f32)
+    let eight: Vec<Vec<usize>> = inplace
+        .buffers
+        .iter()
+        .filter(|b| b.name.starts_with("adam.m8:") && matches!(b.kind, BufKind::Input(..)))
+        .map(|b| b.shape.clone())
+        .collect();
+    assert!(eight.len() > 5, "{} 8-bit tensors", eight.len());
+    let f32_moments: Vec<&str> = inplace
+        .buffers
+        .iter()
+        .filter(|b| !matches!(b.kind, BufKind::Input(..)) && !b.name.starts_with("grad:"))
+        .filter(|b| b.dtype == qatc_ir::DType::F32 && eight.contains(&b.shape))
+        .map(|b| b.name.as_str())
+        .collect();
+    assert!(f32_moments.is_empty(), "f32 buffers of an 8-bit tensor's shape: {f32_moments:?}");
+    let (a_in, a_packed) = (arena(&inplace), arena(&packed));
+    eprintln!("8-bit full fine-tune: arena {a_in} B in place, {a_packed} B packed");
+    assert!(a_in < a_packed, "the arena shrinks ({a_in} B in place, {a_packed} B packed)");
+    let want = run(cpu(packed), &tr);
+    let got = run(cpu(inplace), &tr);
+    for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.len(), w.len(), "the same outputs");
+        for (name, wv) in w {
+            assert!(bits(&g[name]) == bits(wv), "step {s}: {name} differs from the packed step");
         }
     }
 }

@@ -69,6 +69,12 @@ fn every_kernel_of_the_tiny_step_compiles() {
     compile_all(&nv, "tiny-adamw8bit", &wide, &o8, &Arch::ALL);
     o8.fuse = Some(FuseOptions::default());
     compile_all(&nv, "tiny-adamw8bit-fused", &wide, &o8, &Arch::ALL);
+    // fused, the 8-bit update is inside the in-place AdamW: its blockwise kernels are among those
+    let (g, _) = step::train(&wide, &o8, |_, _| {}).expect("the step builds");
+    let (prog, _) = qatc_kernels::cuda_kernels(&g).expect("the step lowers");
+    let blockwise =
+        prog.kernels.iter().filter(|k| k.family.starts_with("adamw") && k.params.iter().any(|p| p.write && p.dtype == qatc_ir::DType::U8));
+    assert!(blockwise.count() > 0, "the fused 8-bit step updates its codes in the AdamW kernel");
     // learned scales: the learned fake-quant and its gradient parts (asym: zero points; nf4)
     for (scheme, merged, fuse) in [(QuantScheme::Asym, true, true), (QuantScheme::Nf4, false, false)] {
         let mut l = qlora(1, 4, 2);

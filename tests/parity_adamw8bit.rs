@@ -177,16 +177,25 @@ fn five_steps_match_the_numpy_reference() {
     assert!(g.find_input("adam.m:c.bias").is_some() && g.find_input("adam.m8:a.weight").is_some());
 }
 
-/// The same 5 steps as kernels (lowered unfused and fused), run by the kernel-IR evaluator and
-/// by LLVM: the same codes, absmax, moments and parameters as the reference.
+/// The same 5 steps as kernels (lowered unfused, fused and packed, and fused with the 8-bit update
+/// inside the in-place AdamW kernel: `kernels/src/lower/adamw8.rs`), run by the kernel-IR
+/// evaluator and by LLVM: the same codes, absmax, moments and parameters as the reference.
 #[test]
 fn five_compiled_steps_match_the_numpy_reference() {
     let c = case();
     let (fused, _) = qatc_passes::fusion::fuse(c.g.clone(), &Default::default(), &qatc_ir::Deadline::unlimited()).unwrap();
-    for (label, g) in [("unfused", &c.g), ("fused", &fused)] {
-        let prog = qatc_kernels::lower(g).unwrap_or_else(|e| panic!("{label}: lower: {e}"));
+    let packed = qatc_kernels::LowerOptions { adamw_packed: true, ..Default::default() };
+    let in_place = qatc_kernels::LowerOptions::default();
+    for (label, g, options) in [("unfused", &c.g, &in_place), ("fused, packed", &fused, &packed), ("fused, in place", &fused, &in_place)] {
+        let prog = qatc_kernels::lower_with(g, options).unwrap_or_else(|e| panic!("{label}: lower: {e}"));
         let families: Vec<&str> = prog.kernels.iter().map(|k| k.family.as_str()).collect();
-        assert!(families.iter().any(|f| f.contains("block_absmax")), "{label}: {families:?}");
+        let blockwise =
+            prog.kernels.iter().any(|k| k.family.starts_with("adamw") && k.params.iter().any(|p| p.write && p.dtype == DType::U8));
+        if label == "fused, in place" {
+            assert!(blockwise && !families.iter().any(|f| f.contains("block_absmax")), "{label}: {families:?}");
+        } else {
+            assert!(!blockwise && families.iter().any(|f| f.contains("block_absmax")), "{label}: {families:?}");
+        }
         let mut runners = Vec::new();
         runners.push(("KIR evaluator", CpuProgram::with_kir_eval(prog.clone()).unwrap()));
         #[cfg(feature = "llvm")]

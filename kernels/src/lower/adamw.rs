@@ -16,6 +16,7 @@ use std::collections::{HashMap, HashSet};
 
 use qatc_ir::{Graph, NodeId, Op};
 
+use super::adamw8::{self, Moment8};
 use super::builder::Pos;
 use super::{Ctx, Lowerer, PackPart, Placed};
 use crate::error::KernelError;
@@ -137,42 +138,63 @@ pub fn check_in_place(k: &Kernel) -> Result<(), KernelError> {
 
 /// Lowers an `adamw.multi_tensor` node in place, tensor by tensor; None when it cannot be
 /// (the node is then lowered as any fused node). Returns the pack's parts, each the input it
-/// was written over.
+/// was written over. `operands` are the node's operands' views, None for an 8-bit moment's
+/// dequantization not lowered yet (`adamw8::deferred`): those tensors are updated blockwise
+/// over their codes and absmax (`adamw8.rs`); `view_of` gives a lowered node's view.
+#[allow(clippy::too_many_arguments)]
 pub fn lower(
     lw: &mut Lowerer,
     g: &Graph,
     id: NodeId,
     family: &str,
     body: &Graph,
-    operands: &[View],
+    operands: &[Option<View>],
+    view_of: &dyn Fn(NodeId) -> Option<View>,
     lowered: &dyn Fn(NodeId) -> bool,
 ) -> Result<Option<Vec<Placed>>, KernelError> {
     let Some((tensors, parts)) = tensors(body) else { return Ok(None) };
-    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: Vec::new() };
     let mut body_input: HashMap<NodeId, usize> = HashMap::new();
     for (i, v) in operands.iter().enumerate() {
         let Some(inp) = body.find_input(&format!("in{i}")) else { return Ok(None) };
-        cx.leaves.insert(inp, v.clone());
+        if let Some(v) = v {
+            cx.leaves.insert(inp, v.clone());
+            cx.order.push(v.buf);
+        }
         body_input.insert(inp, i);
     }
-    // each part must be the update of the graph input it overwrites, whole
+    // each part must be the update of the graph input it overwrites, whole, or an 8-bit moment
+    // whose requantization is the update of its codes and absmax
     let updates = updates_of(g, id);
     let ops = g.operands(id);
     let mut placed = Vec::new();
+    let mut blockwise: HashMap<NodeId, Moment8> = HashMap::new();
     for &(n, start, len) in &parts {
         let Some(t) = tensors.iter().find(|t| t.writes.iter().any(|w| w.1 == n)) else { return Ok(None) };
-        let inp = t.writes.iter().find(|w| w.1 == n).map(|w| w.0);
-        let Some(graph_input) = inp.and_then(|i| body_input.get(&i)).map(|&k| ops[k]) else { return Ok(None) };
-        let view = &operands[body_input[&inp.unwrap_or(n)]];
+        let Some(inp) = t.writes.iter().find(|w| w.1 == n).map(|w| w.0) else { return Ok(None) };
+        let Some(&k) = body_input.get(&inp) else { return Ok(None) };
+        let Some(view) = &operands[k] else {
+            let Some(m) = adamw8::moment(g, id, ops[k], start, view_of) else { return Ok(None) };
+            blockwise.insert(inp, m);
+            continue;
+        };
         let buf = &lw.prog.buffers[view.buf];
         let is_input = matches!(&buf.kind, BufKind::Input(name, _) if updates.get(&start) == Some(name));
-        if !is_input || view.offset != 0 || !view.is_contiguous() || view.numel() != len || !read_before(g, graph_input, id, lowered) {
+        if !is_input || view.offset != 0 || !view.is_contiguous() || view.numel() != len || !read_before(g, ops[k], id, lowered) {
             return Ok(None);
         }
         placed.push((start, len, View::contiguous(view.buf, &[len])));
     }
+    for m in blockwise.values() {
+        cx.order.extend([m.codes.buf, m.absmax.buf]);
+    }
     // one kernel per tensor, its params named by role so tensors of one shape share a kernel
     for t in &tensors {
+        let eight: Vec<Option<&Moment8>> = t.writes.iter().map(|(inp, _)| blockwise.get(inp)).collect();
+        if eight.iter().any(Option::is_some) {
+            adamw8::lower_tensor(lw, &mut cx, family, t.param, &t.writes, &eight)?;
+            continue;
+        }
         for (role, &(inp, _)) in ["p", "m", "v"].iter().zip(&t.writes) {
             cx.names.insert(cx.leaves[&inp].buf, (*role).to_string());
         }
@@ -192,6 +214,10 @@ pub fn lower(
         let (kernel, args) = kb.finish(family, Space::Elements { shape }, format!("{note}, written over p, m and v"))?;
         check_in_place(&kernel)?;
         lw.push_kernel((kernel, args));
+    }
+    // what the blockwise kernels computed: the requantization's nodes are their inputs now
+    for m in blockwise.into_values() {
+        lw.absorbed.extend(m.absorbed);
     }
     Ok(Some(placed))
 }

@@ -2,7 +2,7 @@
 //! become index arithmetic, nodes in memory become loads. This is what makes a chain of ops one
 //! pass over memory. Each op follows its doc in `qatc_ir::op` and the interpreter's kernel.
 
-use qatc_ir::{BinaryOp, DType, NodeId, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp};
+use qatc_ir::{BinaryOp, DType, DynMap, NodeId, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp};
 
 use super::builder::{compute_ty, pos_key, round_to, KernelBuilder, Pos};
 use crate::error::KernelError;
@@ -65,6 +65,18 @@ fn select_tree(c: &Expr, mut parts: Vec<(usize, Expr)>) -> Expr {
 
 fn f(v: f64) -> Expr {
     Expr::f32(v)
+}
+
+/// An 8-bit moment's value (`quant::block_dequant`): its code's map value times its block's absmax.
+pub fn block_dequant(map: DynMap, code: Expr, absmax: Expr) -> Expr {
+    Expr::bin(BinOp::Mul, Expr::Call(Intrinsic::DynValue(map), vec![code]), absmax)
+}
+
+/// The code of `x` in a block of absmax `a` (`quant::block_quant`): the map value nearest to
+/// x / a (of 0 when the block is all zeros). `a` is read twice: bind it first.
+pub fn block_quant(map: DynMap, x: Expr, a: Expr) -> Expr {
+    let y = Expr::select(Expr::bin(BinOp::Lt, f(0.0), a.clone()), Expr::bin(BinOp::Div, x, a), f(0.0));
+    Expr::Call(Intrinsic::DynNearest(map), vec![y])
 }
 
 impl KernelBuilder<'_> {
@@ -189,15 +201,14 @@ impl KernelBuilder<'_> {
                 let code = self.value(arg(0)?, pos)?;
                 let block = Pos::Coords(vec![self.bounds.div(self.lin(pos, &shape), qatc_ir::qmap::BLOCK as i64)]);
                 let absmax = self.value(arg(1)?, &block)?;
-                Expr::bin(BinOp::Mul, Expr::Call(Intrinsic::DynValue(*map), vec![code]), absmax)
+                block_dequant(*map, code, absmax)
             }
             Op::BlockQuant { map } => {
                 let x = self.value(arg(0)?, pos)?;
                 let block = Pos::Coords(vec![self.bounds.div(self.lin(pos, &shape), qatc_ir::qmap::BLOCK as i64)]);
                 let a = self.value(arg(1)?, &block)?;
                 let a = self.bind(Ty::F32, a);
-                let y = Expr::select(Expr::bin(BinOp::Lt, f(0.0), a.clone()), Expr::bin(BinOp::Div, x, a), f(0.0));
-                Expr::Call(Intrinsic::DynNearest(*map), vec![y])
+                block_quant(*map, x, a)
             }
             _ => {
                 return Err(KernelError::Internal(format!(

@@ -34,6 +34,7 @@ macro_rules! launch {
 }
 
 mod adamw;
+mod adamw8;
 mod attention;
 pub mod builder;
 mod fused;
@@ -73,6 +74,10 @@ pub struct Lowerer {
     /// `adamw.rs`): (start, length, where) per part along the pack's axis 0. Their slices are
     /// views of those buffers; the pack itself is never allocated.
     pub packs: HashMap<NodeId, Vec<Placed>>,
+    /// Nodes another node's kernels computed (`adamw8.rs`: an 8-bit moment's requantization,
+    /// done by the blockwise AdamW over the state): the view holding each one's value, or None
+    /// when nothing reads it.
+    pub absorbed: HashMap<NodeId, Option<View>>,
     pub options: LowerOptions,
 }
 
@@ -106,6 +111,7 @@ impl Default for Lowerer {
             ce_stats: HashMap::new(),
             phase: Phase::Forward,
             packs: HashMap::new(),
+            absorbed: HashMap::new(),
             options: LowerOptions::default(),
         }
     }
@@ -267,6 +273,16 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
         lw.phase = role.phase;
         let ops = g.operands(id);
         let shape = n.ty.shape.0.clone();
+        if let Some(v) = lw.absorbed.get(&id) {
+            if let Some(v) = v {
+                values.insert(id, v.clone());
+            }
+            continue;
+        }
+        // left for the blockwise AdamW, lowered on demand (`materialize`) when it is not
+        if !lw.options.adamw_packed && adamw8::deferred(g, id) {
+            continue;
+        }
         if let Op::Slice { axis: 0, start, end } = &n.op {
             if let Some(v) = ops.first().and_then(|&p| pack_part(&lw, p, *start, *end)) {
                 values.insert(id, v);
@@ -318,11 +334,14 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
             if family.starts_with("adamw") && !lw.options.adamw_packed {
                 let mut operand_views = Vec::new();
                 for &o in &ops {
-                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
+                    let deferred = !values.contains_key(&o) && adamw8::deferred(g, o);
+                    operand_views.push(if deferred { None } else { Some(materialize(&mut lw, g, o, &mut values, &node_roles)?) });
                 }
                 let done: std::collections::HashSet<NodeId> = values.keys().chain(lw.packs.keys()).copied().collect();
                 let lowered = |u: NodeId| done.contains(&u);
-                if let Some(placed) = adamw::lower(&mut lw, g, id, family, body, &operand_views, &lowered)? {
+                let known = values.clone();
+                let view_of = |u: NodeId| known.get(&u).cloned();
+                if let Some(placed) = adamw::lower(&mut lw, g, id, family, body, &operand_views, &view_of, &lowered)? {
                     lw.packs.insert(id, placed);
                     continue;
                 }
@@ -372,21 +391,7 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
                 }
                 fused::lower_kernel_node(&mut lw, g, id, family, body, &operand_views, dest.clone())?;
             }
-            _ => {
-                let mut cx = Ctx { g, leaves: HashMap::new(), names: HashMap::new(), order: Vec::new() };
-                let roles = role_names(&n.op);
-                for (i, &o) in ops.iter().enumerate() {
-                    let needs_view = matches!(n.op, Op::MatMul { .. }) || !matches!(g.node(o).op, Op::Const { .. });
-                    if needs_view {
-                        let v = materialize(&mut lw, g, o, &mut values, &node_roles)?;
-                        cx.names.entry(v.buf).or_insert_with(|| roles.get(i).copied().unwrap_or("x").to_string());
-                        cx.order.push(v.buf);
-                        cx.leaves.insert(o, v);
-                    }
-                }
-                let family = n.op.mnemonic().to_string();
-                fused::lower_root(&mut lw, &mut cx, id, dest.clone(), &family)?;
-            }
+            _ => lower_op(&mut lw, g, id, dest.clone(), &mut values, &node_roles)?,
         }
         if let Some(v) = &over {
             inplace::verify(&lw.prog, first_step, v.buf)?;
@@ -411,12 +416,45 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
     Ok(lw.prog)
 }
 
-/// The view a node's value lives in, materializing constants (a fill kernel) on first need.
+/// An op that is not a fused kernel, lowered into `dest`.
+fn lower_op(
+    lw: &mut Lowerer,
+    g: &Graph,
+    id: NodeId,
+    dest: View,
+    values: &mut HashMap<NodeId, View>,
+    roles: &Roles,
+) -> Result<(), KernelError> {
+    let n = g.node(id);
+    let mut cx = Ctx { g, leaves: HashMap::new(), names: HashMap::new(), order: Vec::new() };
+    let names = role_names(&n.op);
+    for (i, &o) in g.operands(id).iter().enumerate() {
+        let needs_view = matches!(n.op, Op::MatMul { .. }) || !matches!(g.node(o).op, Op::Const { .. });
+        if needs_view {
+            let v = materialize(lw, g, o, values, roles)?;
+            cx.names.entry(v.buf).or_insert_with(|| names.get(i).copied().unwrap_or("x").to_string());
+            cx.order.push(v.buf);
+            cx.leaves.insert(o, v);
+        }
+    }
+    let family = n.op.mnemonic().to_string();
+    fused::lower_root(lw, &mut cx, id, dest, &family)
+}
+
+/// The view a node's value lives in, materializing constants (a fill kernel) and dequantized
+/// 8-bit moments left for a blockwise AdamW that did not take them (`adamw8::deferred`) on
+/// first need.
 fn materialize(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeId, View>, roles: &Roles) -> Result<View, KernelError> {
     if let Some(v) = values.get(&id) {
         return Ok(v.clone());
     }
     let n = g.node(id);
+    if adamw8::deferred(g, id) {
+        let dest = lw.buffer(buffer_name(g, id), n.ty.dtype, &n.ty.shape.0, BufKind::Value, roles.role(g, id));
+        lower_op(lw, g, id, dest.clone(), values, roles)?;
+        values.insert(id, dest.clone());
+        return Ok(dest);
+    }
     if !matches!(n.op, Op::Const { .. }) {
         return Err(KernelError::Internal(format!("{} is read before it is computed", g.describe(id))));
     }
