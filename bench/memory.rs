@@ -71,23 +71,30 @@ fn chunking() -> anyhow::Result<()> {
 }
 
 fn fits() -> anyhow::Result<()> {
-    println!("| model | training | memory | fastest that fits (B, checkpoint) | tokens/step | recompute | peak | fitting configurations | plans | s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| model | training | memory | fastest that fits (B, checkpoint) | precision | optim | tokens/step | recompute | peak | largest B fp32 + adamw | fitting configurations | plans | s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for size in ["124M", "355M", "774M", "1.5B"] {
         let cfg = Gpt2Config::preset(size).ok_or_else(|| anyhow::anyhow!("no {size} preset"))?;
         for lora in [true, false] {
             for memory in [24 * GIB, 80 * GIB] {
                 let t0 = Instant::now();
                 let o = options(1, 1024, "sym", 64, lora)?;
-                let f = fit::search(&cfg, &o, memory, 64, Device::Cuda, &CpuOptions::default())?;
+                // precision and optimizer searched, as `qatc plan --fit` without --precision/--optim
+                let f = fit::search(&cfg, &o, fit::Pinned::default(), memory, 64, Device::Cuda, &CpuOptions::default())?;
+                let plain = f.fits.iter().filter(|c| c.precision == "fp32" && c.optim == "adamw").map(|c| c.batch).max();
+                let plain = plain.map_or("-".to_string(), |b| b.to_string());
                 let what = if lora { "4-bit g64 + LoRA 16" } else { "full fine-tune (f32)" };
                 let secs = t0.elapsed().as_secs_f64();
                 match (f.fits.first(), &f.smallest) {
                     (Some(c), _) => println!(
-                        "| {size} | {what} | {} | B {}, {} | {} | {:.1}% | {} | {} | {} | {secs:.0} |",
+                        "| {size} | {what} | {} | B {}, {} | {} | {} | {} | {:.1}% | {} | {plain} | {} | {} | {secs:.0} |",
                         human(memory),
                         c.batch,
                         c.checkpoint,
+                        c.precision,
+                        c.optim,
                         c.tokens,
                         100.0 * c.recompute_share,
                         human(c.peak_bytes),
@@ -96,13 +103,15 @@ fn fits() -> anyhow::Result<()> {
                     ),
                     (None, Some((c, e))) => {
                         println!(
-                            "| {size} | {what} | {} | {} | | | | 0 | {} | {secs:.0} |",
+                            "| {size} | {what} | {} | {} | | | | | | - | 0 | {} | {secs:.0} |",
                             human(memory),
                             fit::why_not(c, e, memory),
                             f.tried
                         )
                     }
-                    (None, None) => println!("| {size} | {what} | {} | no plan | | | | 0 | {} | {secs:.0} |", human(memory), f.tried),
+                    (None, None) => {
+                        println!("| {size} | {what} | {} | no plan | | | | | | - | 0 | {} | {secs:.0} |", human(memory), f.tried)
+                    }
                 }
             }
         }

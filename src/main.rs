@@ -71,13 +71,15 @@ fn main() {
     let args = Cli::from_arg_matches(&matches).unwrap_or_else(|e| usage_error(e));
     // which of train's options were given (with --resume, the others are the saved run's)
     let given = matches.subcommand_matches("train").map(cli::resume::Given::from_matches).unwrap_or_else(cli::resume::Given::all);
+    // and plan's (a --precision or --optim given pins it for --fit)
+    let plan_given = matches.subcommand_matches("plan").map(cli::resume::Given::from_matches).unwrap_or_else(cli::resume::Given::all);
     let r = match &args.cmd {
         Cmd::Compile(a) => cli::compile::run(a),
         Cmd::Eval(a) => cli::eval::run(a),
         Cmd::Dump(a) => cli::dump::run(a),
         Cmd::Train(a) => cli::train::run(a, &given),
         Cmd::Prt(a) => cli::prt::run(a),
-        Cmd::Plan(a) => cli::plan::run(a),
+        Cmd::Plan(a) => cli::plan::run(a, &plan_given),
         Cmd::Export(a) => cli::export::run(a),
     };
     if let Err(e) = r {

@@ -506,3 +506,49 @@ fn fit_lists_what_fits_and_says_why_nothing_does() {
     let e = fails(&["plan", "124M", "--fit"]);
     assert!(e.contains("--fit needs --memory"), "{e}");
 }
+
+/// `--fit` searches the precision (fp32, bf16) and the optimizer (adamw, adamw8bit) unless the
+/// command line pins them; a pinned one is the only one tried (fp16 only so). At each batch and
+/// policy, bf16 holds less than fp32 and 8-bit moments less than 32-bit (a full fine-tune).
+#[test]
+fn fit_searches_precision_and_optimizer_unless_pinned() {
+    use std::collections::{BTreeMap, BTreeSet};
+    let tiny = "tests/fixtures/tiny/f32_prefix/model.safetensors";
+    let base = ["plan", tiny, "--seq", "16", "--full-finetune", "--memory", "1GiB", "--fit", "--json", "--max-batch", "2"];
+    let fits = |extra: &[&str]| -> Vec<serde_json::Value> {
+        let r = qatc(&[&base[..], extra].concat());
+        assert!(r.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&r.stderr));
+        let v: serde_json::Value = serde_json::from_str(&String::from_utf8(r.stdout).unwrap()).unwrap();
+        v["fits"].as_array().unwrap().clone()
+    };
+    let kinds = |fits: &[serde_json::Value]| -> BTreeSet<(String, String)> {
+        fits.iter().map(|c| (c["precision"].as_str().unwrap().to_string(), c["optim"].as_str().unwrap().to_string())).collect()
+    };
+    let set = |v: &[(&str, &str)]| -> BTreeSet<(String, String)> { v.iter().map(|(p, o)| (p.to_string(), o.to_string())).collect() };
+    let all = fits(&[]);
+    assert_eq!(kinds(&all), set(&[("bf16", "adamw"), ("bf16", "adamw8bit"), ("fp32", "adamw"), ("fp32", "adamw8bit")]));
+    let peak: BTreeMap<(String, String, u64, String), u64> = all
+        .iter()
+        .map(|c| {
+            let key = (
+                c["precision"].as_str().unwrap().into(),
+                c["optim"].as_str().unwrap().into(),
+                c["batch"].as_u64().unwrap(),
+                c["checkpoint"].as_str().unwrap().into(),
+            );
+            (key, c["peak_bytes"].as_u64().unwrap())
+        })
+        .collect();
+    for b in [1, 2] {
+        let at = |p: &str, o: &str| peak[&(p.to_string(), o.to_string(), b, "none".to_string())];
+        assert!(at("bf16", "adamw") < at("fp32", "adamw"), "B {b}: bf16 holds less than fp32");
+        assert!(at("fp32", "adamw8bit") < at("fp32", "adamw"), "B {b}: 8-bit moments hold less than 32-bit");
+    }
+    assert_eq!(kinds(&fits(&["--optim", "adamw"])), set(&[("bf16", "adamw"), ("fp32", "adamw")]));
+    assert_eq!(kinds(&fits(&["--precision", "fp16"])), set(&[("fp16", "adamw"), ("fp16", "adamw8bit")]));
+    assert_eq!(kinds(&fits(&["--precision", "fp32", "--optim", "adamw8bit"])), set(&[("fp32", "adamw8bit")]));
+    // the table has the columns
+    let r = qatc(&["plan", tiny, "--seq", "16", "--full-finetune", "--memory", "1GiB", "--fit", "--max-batch", "1"]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && out.contains("precision") && out.contains("adamw8bit") && out.contains("bf16"), "{out}");
+}

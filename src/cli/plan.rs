@@ -219,7 +219,9 @@ pub fn plan_device(d: crate::runner::Device) -> Device {
     }
 }
 
-pub fn run(a: &Args) -> anyhow::Result<()> {
+/// `given`: which options the command line gave (a `--precision` or `--optim` given pins it for
+/// `--fit`; the others are searched).
+pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
     if let Some(path) = &a.svg {
         // written after planning: refused now rather than after the work
         crate::artifacts::check_writable(path).with_context(|| format!("--svg {}", path.display()))?;
@@ -230,7 +232,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let device = plan_device(a.device);
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
     if a.fit {
-        return fit(a, &cfg, &name, &opts, memory, device, &cpu);
+        let pinned = memory::fit::Pinned { precision: given.has("precision"), optim: given.has("optim") };
+        return fit(a, &cfg, &name, &opts, pinned, memory, device, &cpu);
     }
     let (reports, e) = build(&cfg, &opts, device, &cpu)?;
     if let Some(m) = memory {
@@ -265,11 +268,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
 
 /// `--fit`: the search (`crate::memory::fit`), as a table or JSON; `--svg` draws the fastest
 /// configuration's plan.
+#[allow(clippy::too_many_arguments)]
 fn fit(
     a: &Args,
     cfg: &Gpt2Config,
     name: &str,
     opts: &StepOptions,
+    pinned: memory::fit::Pinned,
     memory: Option<usize>,
     device: Device,
     cpu: &CpuOptions,
@@ -278,13 +283,20 @@ fn fit(
     if a.max_batch == 0 {
         anyhow::bail!("--max-batch must be at least 1");
     }
-    let f = memory::fit::search(cfg, opts, memory, a.max_batch, device, cpu)?;
+    let f = memory::fit::search(cfg, opts, pinned, memory, a.max_batch, device, cpu)?;
     let (_, words) = describe_options(opts);
     let title = format!("{name} ({} layers, C {}), T {}, {words}", cfg.n_layer, cfg.n_embd, opts.seq);
     if let (Some(path), Some((o, e))) = (&a.svg, &f.best) {
         // the choice first: a long title is shortened in its middle
         let (_, title) = context(name, cfg, o, &[], Some(memory), e);
-        let choice = format!("--fit's choice: B {} T {}, checkpoint {}; {title}", o.batch, o.seq, o.checkpoint.describe());
+        let choice = format!(
+            "--fit's choice: B {} T {}, checkpoint {}, {}, {}; {title}",
+            o.batch,
+            o.seq,
+            o.checkpoint.describe(),
+            o.precision.name(),
+            crate::config::Optimizer::of(o.adamw.moments).name()
+        );
         crate::artifacts::write_atomic(path, svg::render(e, &choice, Some(memory)).as_bytes())
             .with_context(|| format!("{}", path.display()))?;
     }

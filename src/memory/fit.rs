@@ -2,18 +2,22 @@
 //! fastest first. Every candidate is planned as it would run (`super::execute_plan`: the fused,
 //! lowered program laid out for the device), so "fits" means the executor's allocations fit.
 //!
-//! The search: batch sizes 1, 2, 4, ... up to `--max-batch`; at each, the checkpoint policies
-//! from the fastest: `none`, `auto` (the `remat` pass's fastest plan within the memory), `blocks`,
-//! `sqrt`, the first whose executed plan fits; and each optimizer of [`optimizers`]. A batch none of whose
-//! plans fits ends the search (a larger batch holds more). Candidates are ranked by estimated
-//! throughput, tokens per step over the step's work: its FLOPs (recompute included) plus a fixed
-//! cost per launch ([`launch_cost_flops`]), a model of speed, not a measurement. When nothing fits
-//! at batch 1, the answer is why: what the smallest plan still holds, by category.
+//! The search: batch sizes 1, 2, 4, ... up to `--max-batch`; at each, every precision of
+//! [`precisions`] and optimizer of [`optimizers`] (fp32 and bf16, adamw and adamw8bit, unless the
+//! command line pinned them: [`Pinned`]), and for each of those the checkpoint policies from the
+//! fastest: `none`, `auto` (the `remat` pass's fastest plan within the memory), `blocks`, `sqrt`,
+//! the first whose executed plan fits. A batch none of whose plans fits ends the search (a larger
+//! batch holds more). Candidates are ranked by estimated throughput, tokens per step over the
+//! step's work: its FLOPs (recompute included) at the precision's rate ([`precision_speedup`])
+//! plus a fixed cost per launch ([`launch_cost_flops`]), a model of speed, not a measurement; ties
+//! go to the smaller peak. When nothing fits at batch 1, the answer is why: what the smallest
+//! plan still holds, by category.
 
 use anyhow::Context;
 use qatc_ir::Category;
 use qatc_passes::optim::Moments;
 use qatc_passes::plan::units::{flops, human};
+use qatc_passes::precision::Precision;
 use qatc_passes::remat::Checkpoint;
 use qatc_runtime::exec::Device;
 use qatc_runtime::CpuOptions;
@@ -24,10 +28,52 @@ use super::{execute_plan, Executed};
 use crate::frontend::config::Gpt2Config;
 use crate::step::{self, StepOptions};
 
-/// The optimizers `--fit` tries: the one asked for (`--optim`). Searching 8-bit AdamW as well
-/// is a one-line change here, left for when its in-place kernel lands (issue 17 item 4).
-pub fn optimizers(base: &StepOptions) -> Vec<Moments> {
-    vec![base.adamw.moments]
+/// Which of the searched settings the command line gave (`--precision`, `--optim`): a pinned
+/// one is the only value tried; the others are searched.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pinned {
+    pub precision: bool,
+    pub optim: bool,
+}
+
+impl Pinned {
+    /// Nothing searched: the options as given.
+    pub const ALL: Pinned = Pinned { precision: true, optim: true };
+}
+
+/// The optimizers `--fit` tries: 32-bit and 8-bit AdamW, or the one `--optim` pinned.
+pub fn optimizers(base: &StepOptions, pinned: Pinned) -> Vec<Moments> {
+    if pinned.optim {
+        vec![base.adamw.moments]
+    } else {
+        vec![Moments::F32, Moments::Blockwise8]
+    }
+}
+
+/// The precisions `--fit` tries: fp32 and bf16, or the one `--precision` pinned. fp16 is tried
+/// only when pinned: it stores exactly what bf16 does (2 bytes a value; the loss scale's few
+/// bytes aside) at the same FLOPs, so its plans are bf16's, and bf16 needs no loss scaling.
+pub fn precisions(base: &StepOptions, pinned: Pinned) -> Vec<Precision> {
+    if pinned.precision {
+        vec![base.precision]
+    } else {
+        vec![Precision::Fp32, Precision::Bf16]
+    }
+}
+
+/// How fast the device runs the step's FLOPs in `p`, relative to fp32, for the ranking. CPU:
+/// measured (bench/RESULTS.md, "Mixed precision on the demo": 339 s fp32, 409 s bf16, 465 s fp16
+/// for the same 500 steps; the CPU widens half operands to f32 tiles, so they cost more). CUDA: a
+/// model, 2x for bf16/fp16 (tensor cores; half the bytes for the memory-bound kernels; the GEMMs
+/// alone gain more against f32 without TF32, the row kernels less), not a measurement: the CUDA
+/// step has not run on a GPU yet.
+pub fn precision_speedup(device: Device, p: Precision) -> f64 {
+    match (device, p) {
+        (_, Precision::Fp32) => 1.0,
+        (Device::Cpu, Precision::Bf16) => 339.0 / 409.0,
+        (Device::Cpu, Precision::Fp16) => 339.0 / 465.0,
+        (Device::Cuda, Precision::Bf16 | Precision::Fp16) => 2.0,
+    }
 }
 
 /// What one launch costs, in FLOPs of the device's GEMM throughput: about 5 us of launch and
@@ -49,6 +95,7 @@ pub struct Candidate {
     /// Tokens per optimizer step.
     pub tokens: usize,
     pub checkpoint: String,
+    pub precision: &'static str,
     pub optim: &'static str,
     pub peak_bytes: usize,
     pub fits: bool,
@@ -65,7 +112,7 @@ pub struct Candidate {
 fn candidate(o: &StepOptions, e: &Executed, memory: usize, device: Device) -> Candidate {
     let tokens = o.batch * o.seq * o.grad_accum.max(1);
     let launches = e.program.launches();
-    let work = e.total_flops as f64 + launches as f64 * launch_cost_flops(device);
+    let work = e.total_flops as f64 / precision_speedup(device, o.precision) + launches as f64 * launch_cost_flops(device);
     Candidate {
         batch: o.batch,
         seq: o.seq,
@@ -75,6 +122,7 @@ fn candidate(o: &StepOptions, e: &Executed, memory: usize, device: Device) -> Ca
             Checkpoint::Auto(_) => "auto".into(),
             c => c.describe(),
         },
+        precision: o.precision.name(),
         optim: crate::config::Optimizer::of(o.adamw.moments).name(),
         peak_bytes: e.plan.peak_bytes(),
         fits: e.plan.peak_bytes() <= memory,
@@ -100,11 +148,13 @@ fn plan_of(cfg: &Gpt2Config, o: &StepOptions, device: Device, cpu: &CpuOptions) 
     execute_plan(&g, device, cpu)
 }
 
-/// Searches the configurations of `base` (its model options; batch, policy and optimizer
-/// varied) for those that fit `memory` on `device`.
+/// Searches the configurations of `base` (its model options; batch, policy, and the precision and
+/// optimizer unless `pinned`, varied) for those that fit `memory` on `device`.
+#[allow(clippy::too_many_arguments)]
 pub fn search(
     cfg: &Gpt2Config,
     base: &StepOptions,
+    pinned: Pinned,
     memory: usize,
     max_batch: usize,
     device: Device,
@@ -117,11 +167,13 @@ pub fn search(
     let mut batch = 1;
     while batch <= max_batch.max(1) {
         let mut any = false;
-        for optim in optimizers(base) {
+        let kinds = precisions(base, pinned).into_iter().flat_map(|p| optimizers(base, pinned).into_iter().map(move |m| (p, m)));
+        for (precision, optim) in kinds {
             for policy in [Checkpoint::None, Checkpoint::Auto(memory), Checkpoint::Blocks, Checkpoint::Sqrt] {
                 let mut o = base.clone();
                 o.batch = batch;
                 o.adamw.moments = optim;
+                o.precision = precision;
                 o.checkpoint = policy;
                 tried += 1;
                 // auto fails when no plan of its model (the graph-level planner's, which
@@ -172,10 +224,11 @@ pub fn why_not(c: &Candidate, e: &Executed, memory: usize) -> String {
     parts.sort_by_key(|p| std::cmp::Reverse(p.0));
     let list: Vec<String> = parts.iter().map(|(b, l)| format!("{l} {}", human(*b))).collect();
     format!(
-        "nothing fits in {}: the smallest plan (batch 1, T {}, --checkpoint {}, {}) still holds {}: {}",
+        "nothing fits in {}: the smallest plan (batch 1, T {}, --checkpoint {}, {}, {}) still holds {}: {}",
         human(memory),
         c.seq,
         c.checkpoint,
+        c.precision,
         c.optim,
         human(c.peak_bytes),
         list.join(", ")
@@ -194,16 +247,17 @@ pub fn table(f: &Fit, title: &str, memory: usize, device: Device) -> String {
     }
     o += "  ranked by estimated throughput: tokens / (FLOPs + a fixed cost per launch), a model, not a measurement\n\n";
     o += &format!(
-        "  {:>5} {:>6} {:>8} {:<14} {:<9} {:>10} {:>12} {:>10} {:>9}\n",
-        "batch", "seq", "tokens", "checkpoint", "optim", "recompute", "step FLOPs", "peak", "relative"
+        "  {:>5} {:>6} {:>8} {:<14} {:<9} {:<9} {:>10} {:>12} {:>10} {:>9}\n",
+        "batch", "seq", "tokens", "checkpoint", "precision", "optim", "recompute", "step FLOPs", "peak", "relative"
     );
     for c in &f.fits {
         o += &format!(
-            "  {:>5} {:>6} {:>8} {:<14} {:<9} {:>9.1}% {:>12} {:>10} {:>9.2}\n",
+            "  {:>5} {:>6} {:>8} {:<14} {:<9} {:<9} {:>9.1}% {:>12} {:>10} {:>9.2}\n",
             c.batch,
             c.seq,
             c.tokens,
             c.checkpoint,
+            c.precision,
             c.optim,
             100.0 * c.recompute_share,
             flops(c.total_flops),
