@@ -130,3 +130,23 @@ fn chunked_steps_equal_the_unchunked_step() {
         eprintln!("{what}: kernel-IR evaluator against LLVM, worst {worst:.1e}");
     }
 }
+
+/// The rows per chunk the planner chooses (`qatc::memory::chunk`, what `qatc train` compiles):
+/// the step at that size equals the unchunked one, as at any size.
+#[test]
+fn the_planners_chunk_size_equals_the_unchunked_step() {
+    use qatc_runtime::exec::Device;
+    for lora in [true, false] {
+        let what = if lora { "4-bit + LoRA" } else { "full fine-tune" };
+        let (tr, _) = step(lora, true);
+        let (plain, _) = step(lora, false);
+        let (prog, choice) = qatc::memory::lower_step(&tr.graph, Device::Cpu, &qatc_runtime::CpuOptions::default()).unwrap();
+        let choice = choice.unwrap_or_else(|| panic!("{what}: no chunk choice"));
+        assert_eq!(prog.cross_entropy[0].chunk_rows, choice.rows, "{what}: the program runs the choice");
+        eprintln!("{what}: {}", choice.why);
+        let want = run(cpu(qatc_kernels::lower(&plain.graph).unwrap()), &plain);
+        let got = run(cpu(prog), &tr);
+        let worst = compare(what, &got, &want, true);
+        eprintln!("{what}: the planner's chunks against unchunked, worst {worst:.1e}");
+    }
+}

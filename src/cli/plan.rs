@@ -185,6 +185,9 @@ pub fn table(e: &Executed, title: &str, memory: Option<usize>) -> String {
     for c in &e.program.cross_entropy {
         o += &format!("  {}\n", memory::chunking_line(c));
     }
+    if let Some(k) = &e.chunk {
+        o += &format!("  chunk size: {}\n", k.why);
+    }
     o += &format!("\n  {:<22} {:>12} {:>7}\n", "at the peak", "bytes", "share");
     let mut row = |label: &str, b: usize| {
         o += &format!("  {label:<22} {:>12} {:>6.1}%\n", human(b), 100.0 * b as f64 / total);

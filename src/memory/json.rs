@@ -50,7 +50,7 @@ pub fn summary(e: &Executed) -> Value {
         "total_flops": e.total_flops,
         "recompute_flops": e.recompute_flops,
         "recomputed_nodes": e.recomputed_nodes,
-        "cross_entropy": super::chunking(prog),
+        "cross_entropy": super::chunking(e),
     })
 }
 

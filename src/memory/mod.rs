@@ -7,18 +7,20 @@
 //!
 //! - [`json`]: the plan as JSON (schema `qatc.memory_plan`, version 2, `docs/memory_plan.md`);
 //! - [`svg`]: its timeline as a picture;
-//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size.
+//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size;
+//! - [`chunk`]: the rows per chunk of the chunked linear + cross-entropy, chosen here.
 //!
 //! The graph-level planner (`qatc_passes::plan`) stays the `remat` pass's model for its search
 //! over checkpoint policies; nothing a user sees comes from it.
 
+pub mod chunk;
 pub mod fit;
 pub mod json;
 pub mod svg;
 
 use anyhow::Context;
 use qatc_ir::{Graph, Phase, Roles};
-use qatc_kernels::{LowerOptions, Program};
+use qatc_kernels::Program;
 use qatc_passes::plan::cost::node_flops;
 use qatc_runtime::exec::{Device, ExecPlan, MemoryPlan};
 use qatc_runtime::CpuOptions;
@@ -35,31 +37,32 @@ pub struct Executed {
     pub total_flops: u64,
     pub recompute_flops: u64,
     pub recomputed_nodes: usize,
+    /// The rows per chunk of the chunked cross-entropy, and why (`chunk`).
+    pub chunk: Option<chunk::ChunkChoice>,
 }
 
-/// The program a step graph runs as, on any device: lowered in the order of the graph-level
-/// planner's memory-aware schedule (`qatc_passes::plan`), so that a value runs when the schedule
-/// says (a recomputed one just before the backward step that reads it, a weight gradient's GEMM
-/// as soon as it can) and the executor holds what that schedule holds; `ce_chunk_rows` overrides
-/// the chunked cross-entropy's rows per chunk.
-pub fn lower_step(g: &Graph, ce_chunk_rows: Option<usize>) -> anyhow::Result<Program> {
+/// The program a step graph runs as on `device`, before that device's rewrites: lowered in the
+/// order of the graph-level planner's memory-aware schedule (`qatc_passes::plan`), so that a
+/// value runs when the schedule says (a recomputed one just before the backward step that reads
+/// it, a weight gradient's GEMM as soon as it can) and the executor holds what that schedule
+/// holds; the chunked cross-entropy's rows per chunk chosen by [`chunk::choose`].
+pub fn lower_step(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<(Program, Option<chunk::ChunkChoice>)> {
     let schedule = qatc_passes::plan::schedule(g).context("scheduling the step")?;
-    let options = LowerOptions { ce_chunk_rows, order: Some(schedule), ..Default::default() };
-    qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
+    chunk::choose(g, &schedule, device, cpu)
 }
 
 /// The CPU executor of step graph `g`, as `qatc train` runs it: the program [`execute_plan`]
 /// plans for the CPU, compiled (the executor applies the same rewrites and the same layout).
 #[cfg(feature = "llvm")]
 pub fn compile_cpu(g: &Graph, cpu: &CpuOptions) -> anyhow::Result<(qatc_runtime::CpuProgram, qatc_kernels::panels::PanelReport)> {
-    let prog = lower_step(g, None)?;
+    let (prog, _) = lower_step(g, Device::Cpu, cpu)?;
     Ok(qatc_runtime::CpuProgram::compile(prog, cpu)?)
 }
 
 /// Lowers `g` for `device` and lays it out as that device's executor does. `cpu` are the CPU
 /// executor's settings (its panel size changes the program).
 pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {
-    let mut program = lower_step(g, None)?;
+    let (mut program, chunk) = lower_step(g, device, cpu)?;
     if device == Device::Cpu {
         qatc_runtime::cpu::prepare(&mut program, cpu);
     }
@@ -75,7 +78,7 @@ pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Resu
             recomputed_nodes += 1;
         }
     }
-    Ok(Executed { device, program, exec, plan, total_flops, recompute_flops, recomputed_nodes })
+    Ok(Executed { device, program, exec, plan, total_flops, recompute_flops, recomputed_nodes, chunk })
 }
 
 /// One line on a chunked cross-entropy, for the table and the picture.
@@ -98,14 +101,21 @@ pub fn chunking_line(c: &qatc_kernels::program::CeChunking) -> String {
 }
 
 /// What each cross-entropy over the vocabulary computes its logits in: rows, vocabulary, rows
-/// per chunk and the chunk scratch (`Program::cross_entropy`).
-pub fn chunking(p: &Program) -> Vec<serde_json::Value> {
-    p.cross_entropy
+/// per chunk and the chunk scratch (`Program::cross_entropy`), and the planner's choice of rows
+/// per chunk (`chunk`: the floor, every size planned with its peak, why).
+pub fn chunking(e: &Executed) -> Vec<serde_json::Value> {
+    e.program
+        .cross_entropy
         .iter()
         .map(|c| {
+            let choice = e.chunk.as_ref().map(|k| {
+                let tried: Vec<serde_json::Value> =
+                    k.tried.iter().map(|&(rows, peak)| serde_json::json!({ "chunk_rows": rows, "peak_bytes": peak })).collect();
+                serde_json::json!({ "floor": k.floor, "tried": tried, "why": k.why })
+            });
             serde_json::json!({
                 "rows": c.rows, "vocab": c.vocab, "chunk_rows": c.chunk_rows, "chunks": c.chunks(),
-                "scratch_bytes": c.scratch_bytes(),
+                "scratch_bytes": c.scratch_bytes(), "chosen": choice,
             })
         })
         .collect()

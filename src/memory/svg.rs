@@ -159,9 +159,10 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
         r##"<text class="peak-label" x="{MARGIN}" y="70" fill="#d62728" font-weight="bold">{}</text>"##,
         escape(&elide(&peak_line, fits(text_width, 12.0)))
     );
-    let ce_line = match e.program.cross_entropy.first() {
-        Some(c) => super::chunking_line(c),
-        None => "cross-entropy: not chunked".to_string(),
+    let ce_line = match (e.program.cross_entropy.first(), &e.chunk) {
+        (Some(c), Some(k)) => format!("{}; {}", super::chunking_line(c), k.short()),
+        (Some(c), None) => super::chunking_line(c),
+        (None, _) => "cross-entropy: not chunked".to_string(),
     };
     let _ = writeln!(
         o,

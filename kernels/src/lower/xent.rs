@@ -23,10 +23,10 @@
 //! but the one element of a buffer the chunk's launch passes (`bases`), so the kernel is compiled
 //! once whatever the chunk count (the last chunk, when shorter, is a second kernel).
 //!
-//! Rows per chunk are the fusion rule's choice (`chunk=R` in the family: the largest power of
+//! Rows per chunk are the lowering options' (`ce_chunk_rows`: the memory planner's choice,
+//! `src/memory/chunk.rs`), else the fusion rule's (`chunk=R` in the family: the largest power of
 //! two whose [R, V] f32 scratch fits 32 MiB, 128 rows for GPT-2's vocabulary: a GEMM of that many
-//! rows runs at full speed on either device) unless the lowering options set them; at most
-//! [`MAX_CHUNKS`] chunks.
+//! rows runs at full speed on either device; the planner's floor); at most [`MAX_CHUNKS`] chunks.
 
 use std::collections::HashMap;
 

@@ -3,7 +3,8 @@
 //!
 //! The `linear` kernels compute the logits chunk by chunk of rows, `chunk=R` in the family: R is
 //! the largest power of two whose [R, V] f32 tile fits in 32 MiB (on-chip L2 on an H100 with room
-//! for the weight tiles), 128 rows for GPT-2's vocabulary. A code generator loops over row chunks:
+//! for the weight tiles), 128 rows for GPT-2's vocabulary: the floor from which the memory planner
+//! chooses the rows the step runs with (`src/memory/chunk.rs`). A code generator loops over row chunks:
 //! logits of a chunk, their softmax, loss and gradient, and the gradient's products with the head
 //! weight and the hidden states, before the next chunk (Liger/Cut Cross-Entropy).
 

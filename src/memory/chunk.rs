@@ -1,0 +1,117 @@
+//! Rows per chunk of the chunked linear + cross-entropy, chosen by the planner: memory against
+//! speed. This is the rule's one home; the plan (`qatc plan`, `memory_plan.json`, `memory.svg`)
+//! and the executors built from it (`super::compile_cpu`) run what it chooses.
+//!
+//! The floor is the fusion rule's choice, written in the kernel's family (`chunk=R`,
+//! `qatc_passes::fusion::rules::cross_entropy::chunk_rows`: the largest power of two whose
+//! [R, V] f32 tile fits 32 MiB, 128 rows for GPT-2's vocabulary), below which the chunks' GEMMs
+//! get too thin to run at full speed. Above it, more rows per chunk are fewer launches and
+//! taller GEMMs (speed) and a larger [R, V] scratch (memory): the planner doubles R from the
+//! floor, up to every row in one chunk, and keeps the largest R whose executed plan peaks no
+//! higher than the floor's (the scratch fits under a peak that lies elsewhere, so it is free).
+//! The step's peak never moves for it; when the cross-entropy is where the peak is, the floor
+//! stays.
+
+use anyhow::Context;
+use qatc_ir::Graph;
+use qatc_kernels::{LowerOptions, Program};
+use qatc_passes::plan::units::human;
+use qatc_runtime::exec::{Device, ExecPlan, MemoryPlan};
+use qatc_runtime::CpuOptions;
+use serde::Serialize;
+
+/// The planner's choice and why.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChunkChoice {
+    /// Rows per chunk chosen.
+    pub rows: usize,
+    /// The fusion rule's rows per chunk: the floor.
+    pub floor: usize,
+    /// Rows of the logits (B x T).
+    pub total_rows: usize,
+    /// Every size planned: (rows per chunk, the executed plan's peak).
+    pub tried: Vec<(usize, usize)>,
+    /// One line on the choice.
+    pub why: String,
+}
+
+impl ChunkChoice {
+    /// The choice in a few words, for the picture.
+    pub fn short(&self) -> String {
+        if self.rows == self.total_rows {
+            format!("planner: one chunk (floor {})", self.floor)
+        } else if self.rows == self.floor {
+            format!("planner: the floor, {} rows (more would raise the peak)", self.floor)
+        } else {
+            format!("planner: {} rows, the most that keeps the peak (floor {})", self.rows, self.floor)
+        }
+    }
+}
+
+/// `g` lowered in `schedule`'s order with `rows` per chunk (None: the fusion rule's).
+pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>) -> anyhow::Result<Program> {
+    let options = LowerOptions { ce_chunk_rows: rows, order: Some(schedule.to_vec()), ..Default::default() };
+    qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
+}
+
+/// The executed plan's peak of `prog` on `device` (the CPU's rewrites applied first).
+fn peak(prog: &Program, device: Device, cpu: &CpuOptions) -> anyhow::Result<usize> {
+    let mut prog = prog.clone();
+    if device == Device::Cpu {
+        qatc_runtime::cpu::prepare(&mut prog, cpu);
+    }
+    let exec = ExecPlan::new(&prog, device.exec_options()).context("planning the program's execution")?;
+    Ok(MemoryPlan::new(&prog, &exec).peak_bytes())
+}
+
+/// `g` lowered in `schedule`'s order for `device` with the rows per chunk of its chunked
+/// cross-entropy chosen (see the module doc; None when the step has none), before the device's
+/// rewrites.
+pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], device: Device, cpu: &CpuOptions) -> anyhow::Result<(Program, Option<ChunkChoice>)> {
+    let first = lower(g, schedule, None)?;
+    let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None)) };
+    let (floor, n) = (c.chunk_rows, c.rows);
+    let base = peak(&first, device, cpu)?;
+    let mut chosen = first;
+    let mut tried = vec![(floor, base)];
+    let mut rows = floor;
+    let mut refused = None;
+    let mut r = floor;
+    while r < n {
+        r = (r * 2).min(n);
+        let prog = lower(g, schedule, Some(r))?;
+        // the lowering caps the chunk count: a size it does not take is not a choice
+        if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {
+            continue;
+        }
+        let p = peak(&prog, device, cpu)?;
+        tried.push((r, p));
+        if p > base {
+            refused = Some((r, p));
+            break;
+        }
+        rows = r;
+        chosen = prog;
+    }
+    let scratch = |r: usize| human(4 * r * c.vocab);
+    let why = match (rows == floor, refused) {
+        (true, Some((r, p))) => format!(
+            "{rows} rows per chunk, the floor (the fusion rule's, for GEMM efficiency): the cross-entropy is at the peak, {r} rows ({} scratch) would raise it to {}",
+            scratch(r),
+            human(p)
+        ),
+        (true, None) => format!("{rows} rows per chunk: every row in one chunk"),
+        (false, Some((r, p))) => format!(
+            "{rows} rows per chunk ({} scratch), up from the floor of {floor}: the largest that keeps the peak at {} ({r} rows would raise it to {})",
+            scratch(rows),
+            human(base),
+            human(p)
+        ),
+        (false, None) => format!(
+            "{rows} rows per chunk ({} scratch), up from the floor of {floor}: every row in one chunk keeps the peak at {}",
+            scratch(rows),
+            human(base)
+        ),
+    };
+    Ok((chosen, Some(ChunkChoice { rows, floor, total_rows: n, tried, why })))
+}

@@ -1,0 +1,85 @@
+//! The chunked cross-entropy's rows per chunk, chosen by the planner (`qatc::memory::chunk`):
+//! the largest power-of-two multiple of the fusion rule's floor whose executed plan peaks no
+//! higher than the floor's. On the demo step and GPT-2 124M configurations: the chosen size is
+//! the program's, the plan's peak is at most the floor's, the next size up raises it (unless every row
+//! is already in one chunk), and the plan's text and JSON say it.
+
+mod common;
+
+use qatc::cli::options::{model_options, QuantArgs};
+use qatc::frontend::config::Gpt2Config;
+use qatc::memory::{execute_plan, Executed};
+use qatc::model::Model;
+use qatc::step::{self, StepOptions};
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::LoraOptions;
+use qatc_passes::remat::Checkpoint;
+use qatc_runtime::exec::Device;
+use qatc_runtime::CpuOptions;
+
+fn options(b: usize, t: usize, lora: Option<(&str, usize)>) -> StepOptions {
+    let mut o = StepOptions::new(b, t);
+    o.model = match lora {
+        Some((scheme, group)) => {
+            let q = QuantArgs { bits: Some(4), group: Some(group), scheme: qatc_ir::QuantScheme::from_name(scheme), ..Default::default() };
+            model_options(&q, Some(LoraOptions::new(16)), false, true).unwrap()
+        }
+        None => model_options(&QuantArgs::default(), None, true, true).unwrap(),
+    };
+    o.fuse = Some(FuseOptions::default());
+    o
+}
+
+/// The plan of `o` on the CPU, its choice checked against the rule; returns the rows chosen.
+fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
+    let (g, _) = step::train(cfg, o, |_, _| {}).unwrap();
+    let e = execute_plan(&g, Device::Cpu, &CpuOptions::default()).unwrap();
+    let k = e.chunk.clone().unwrap_or_else(|| panic!("{what}: no chunk choice"));
+    let ce = &e.program.cross_entropy;
+    assert_eq!(ce.len(), 1, "{what}: one chunked cross-entropy");
+    assert_eq!(ce[0].chunk_rows, k.rows, "{what}: the program runs the chosen size");
+    assert_eq!(k.total_rows, o.batch * o.seq, "{what}");
+    let base = k.tried[0];
+    assert_eq!(base.0, k.floor, "{what}: the floor is planned first");
+    assert!(e.plan.peak_bytes() <= base.1, "{what}: the chosen size keeps the floor's peak ({} > {})", e.plan.peak_bytes(), base.1);
+    for &(r, p) in &k.tried {
+        if r <= k.rows {
+            assert!(p <= base.1, "{what}: {r} rows peak at {p} > {}", base.1);
+        }
+    }
+    if k.rows < k.total_rows {
+        let next = k.tried.iter().find(|t| t.0 > k.rows).unwrap_or_else(|| panic!("{what}: the next size was not tried"));
+        assert!(next.1 > base.1, "{what}: {} rows would not raise the peak, yet {} were chosen", next.0, k.rows);
+    }
+    assert!(k.rows >= k.floor && k.rows.is_power_of_two() || k.rows == k.total_rows, "{what}: {k:?}");
+    eprintln!("{what}: {}", k.why);
+    (k.rows, e)
+}
+
+#[test]
+fn the_planner_chooses_the_rows_per_chunk() {
+    let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
+    let gpt2 = Gpt2Config::preset("124M").unwrap();
+    // the demo: the cross-entropy is at the peak, so the floor stays
+    let (rows, e) = check("demo, Q4_0 g32 + LoRA 16, B 4 T 128", &demo.cfg, &options(4, 128, Some(("q4_0", 32))));
+    assert_eq!(rows, 128);
+    let json = qatc::memory::json::to_json(&e, serde_json::json!({})).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let chosen = &v["summary"]["cross_entropy"][0]["chosen"];
+    assert_eq!(chosen["floor"], 128);
+    assert!(chosen["why"].as_str().unwrap().contains("the floor"), "{chosen}");
+    assert_eq!(chosen["tried"][0]["peak_bytes"], v["summary"]["peak_bytes"], "the floor chosen: its peak");
+    let table = qatc::cli::plan::table(&e, "demo", None);
+    assert!(table.contains("chunk size: 128 rows per chunk"), "{table}");
+    // 124M, B 1 T 256, full fine-tune: the peak is elsewhere, every row in one chunk is free
+    let (rows, _) = check("124M full fine-tune, B 1 T 256", &gpt2, &options(1, 256, None));
+    assert_eq!(rows, 256);
+    // 124M, B 8 T 1024, 4-bit + LoRA, blocks: up from the floor to 1024 rows
+    let mut o = options(8, 1024, Some(("sym", 64)));
+    o.checkpoint = Checkpoint::Blocks;
+    let (rows, _) = check("124M 4-bit g64 + LoRA 16, B 8 T 1024, blocks", &gpt2, &o);
+    assert_eq!(rows, 1024);
+    // the same without recompute: the cross-entropy is at the peak
+    let (rows, _) = check("124M 4-bit g64 + LoRA 16, B 8 T 1024", &gpt2, &options(8, 1024, Some(("sym", 64))));
+    assert_eq!(rows, 128);
+}
