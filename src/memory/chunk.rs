@@ -41,9 +41,9 @@ impl ChunkChoice {
         if self.rows == self.total_rows {
             format!("planner: one chunk (floor {})", self.floor)
         } else if self.rows == self.floor {
-            format!("planner: the floor, {} rows (more would raise the peak)", self.floor)
+            "planner: the floor (more rows would raise the peak)".to_string()
         } else {
-            format!("planner: {} rows, the most that keeps the peak (floor {})", self.rows, self.floor)
+            format!("planner: the most that keeps the peak, floor {}", self.floor)
         }
     }
 }

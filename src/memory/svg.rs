@@ -160,6 +160,17 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
         escape(&elide(&peak_line, fits(text_width, 12.0)))
     );
     let ce_line = match (e.program.cross_entropy.first(), &e.chunk) {
+        // shorter than the table's line, so the choice fits beside it
+        (Some(c), Some(k)) if c.chunks() > 1 => format!(
+            "cross-entropy over {} x {}: {} chunks of {} rows ({}, not {}); {}",
+            c.rows,
+            c.vocab,
+            c.chunks(),
+            c.chunk_rows,
+            human(c.scratch_bytes()),
+            human(4 * c.rows * c.vocab),
+            k.short()
+        ),
         (Some(c), Some(k)) => format!("{}; {}", super::chunking_line(c), k.short()),
         (Some(c), None) => super::chunking_line(c),
         (None, _) => "cross-entropy: not chunked".to_string(),
