@@ -474,7 +474,7 @@ EOF
     : >"$OUT/fit.jsonl"
     for sz in "${sizes[@]}"; do
       IFS=: read -r name preset layers embd heads b steps <<<"$sz"
-      really=$dry run "fit-plan-$name" 90 "$qatc" plan "$preset" "${i20[@]}" --checkpoint auto --memory "${total}MiB" --device cuda --fit --max-batch 1024 --json
+      really=$dry run "fit-plan-$name" 90 "$qatc" plan "$preset" "${i20[@]}" --optim adamw --checkpoint auto --memory "${total}MiB" --device cuda --fit --max-batch 1024 --json
       read -r best best_peak <<<"$($py -c 'import json, sys
 d = json.load(open(sys.argv[1]))
 f = max((p for p in d.get("fits", []) if p.get("fits", True) and p.get("seq", 1024) == 1024), key=lambda p: p["batch"], default=None)
