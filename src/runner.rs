@@ -104,8 +104,8 @@ impl Runner {
         match engine {
             Engine::Interpreter => Ok(Runner { step: Box::new(InterpretedStep::new(g)?), description: "the reference interpreter".into() }),
             Engine::Cuda(settings) => {
-                let prog = qatc_kernels::lower(g).context("lowering the step to kernels")?;
-                let p = cuda_program(prog, settings)?;
+                // the program `qatc plan --device cuda` plans: its schedule and chunk size
+                let p = cuda_program(crate::memory::lower_cuda(g)?, settings)?;
                 let description = describe_cuda(&p);
                 Ok(Runner { step: Box::new(p), description })
             }
@@ -139,7 +139,8 @@ pub fn cuda_program(prog: qatc_kernels::Program, settings: CudaSettings) -> anyh
     let options = CudaOptions {
         blas: if settings.tf32 { BlasMode::Tf32 } else { BlasMode::Strict },
         graph: !settings.no_graph,
-        hoist_frozen: true,
+        // as planned: frozen weights stay 4-bit on the device, dequantized around their GEMMs
+        hoist_frozen: false,
         codegen,
     };
     Ok(CudaProgram::new(prog, driver, options, Some(&build))?)

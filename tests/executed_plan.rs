@@ -3,9 +3,40 @@
 //! peak (arena + persistent + data bytes) as the executor holds, and every buffer in the same
 //! region at the same offset, on the demo step (the embedded Shakespeare model, B 4 T 128, Q4_0
 //! g32 + LoRA 16) and the tiny step (full fine-tune and 4-bit + LoRA), under every checkpoint
-//! policy. And `qatc train`'s memory line says the plan's peak and what it holds, equal.
+//! policy. And `qatc train`'s memory line says the plan's peak and what it holds, equal. For CUDA,
+//! what `qatc plan --device cuda` plans is what the CUDA executor (`qatc train --device cuda`'s
+//! program, on the emulated GPU) lays out: the same regions, every buffer at the same offset.
 
 mod common;
+
+#[test]
+fn the_plan_is_what_the_cuda_executor_lays_out() {
+    use qatc::memory::{execute_plan, lower_cuda};
+    use qatc::model::Model;
+    use qatc::step::{self, StepOptions};
+    use qatc_passes::fusion::FuseOptions;
+    use qatc_passes::remat::Checkpoint;
+    use qatc_runtime::cuda::{CudaOptions, CudaProgram, HostGpu};
+    use qatc_runtime::exec::Device;
+    let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
+    for c in [Checkpoint::None, Checkpoint::Blocks] {
+        let mut o = StepOptions::new(4, 128);
+        o.fuse = Some(FuseOptions::default());
+        o.checkpoint = c;
+        let label = format!("demo full fine-tune, --checkpoint {}", c.describe());
+        let (g, _) = step::train(&demo.cfg, &o, |_, _| {}).unwrap();
+        let planned = execute_plan(&g, Device::Cuda, &Default::default()).unwrap();
+        let exec = CudaProgram::new(lower_cuda(&g).unwrap(), HostGpu::new(1 << 30), CudaOptions::default(), None).unwrap();
+        assert!(planned.chunk.is_some(), "{label}: the chunked cross-entropy");
+        let l = exec.layout();
+        assert_eq!(planned.plan.peak_bytes(), l.arena_bytes + l.persistent_bytes + l.data_bytes, "{label}: the plan's peak");
+        assert_eq!(planned.plan.buffers.len(), l.places.len(), "{label}: the same buffers");
+        for (pb, place) in planned.plan.buffers.iter().zip(&l.places) {
+            assert_eq!((pb.region, pb.offset), (place.region, place.offset), "{label}: buffer {} where the plan puts it", pb.name);
+        }
+        eprintln!("{label}: planned peak = laid out = {} B", planned.plan.peak_bytes());
+    }
+}
 
 /// The comparison needs the compiled CPU executor (LLVM).
 #[cfg(feature = "llvm")]

@@ -59,6 +59,13 @@ pub fn compile_cpu(g: &Graph, cpu: &CpuOptions) -> anyhow::Result<(qatc_runtime:
     Ok(qatc_runtime::CpuProgram::compile(prog, cpu)?)
 }
 
+/// The program the CUDA executor of step graph `g` runs, as `qatc train --device cuda` builds it:
+/// the program [`execute_plan`] plans for CUDA (the same schedule and chunk size), so the device
+/// holds what `qatc plan --device cuda` says.
+pub fn lower_cuda(g: &Graph) -> anyhow::Result<Program> {
+    Ok(lower_step(g, Device::Cuda, &CpuOptions::default())?.0)
+}
+
 /// Lowers `g` for `device` and lays it out as that device's executor does. `cpu` are the CPU
 /// executor's settings (its panel size changes the program).
 pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {

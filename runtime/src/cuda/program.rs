@@ -30,7 +30,7 @@ use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
 use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, PinnedId};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{kernel_label, ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
+use crate::exec::{kernel_label, Device, ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
 use crate::value::Value;
 
 /// How a program runs on the GPU.
@@ -42,7 +42,10 @@ pub struct CudaOptions {
     /// submitted on every run and waited for, so that an asynchronous error (an illegal address)
     /// names the kernel or GEMM that caused it (slower: for finding faults).
     pub graph: bool,
-    /// Run the steps that read only frozen inputs once, not every run.
+    /// Run the steps that read only frozen inputs once, not every run. Off by default: a hoisted
+    /// dequantization keeps a whole 16/32-bit copy of every frozen weight for the run, which is
+    /// what storing them in 4 bits avoids, and `qatc plan --device cuda` (`Device::Cuda`) plans
+    /// without it.
     pub hoist_frozen: bool,
     /// Which fast kernel variants the CUDA C may use where they apply (`CudaCodegen::GENERAL`:
     /// none, to rule one out when a kernel is suspect).
@@ -51,7 +54,7 @@ pub struct CudaOptions {
 
 impl Default for CudaOptions {
     fn default() -> CudaOptions {
-        CudaOptions { blas: BlasMode::Strict, graph: true, hoist_frozen: true, codegen: CudaCodegen::default() }
+        CudaOptions { blas: BlasMode::Strict, graph: true, hoist_frozen: false, codegen: CudaCodegen::default() }
     }
 }
 
@@ -123,7 +126,8 @@ impl<A: GpuApi> CudaProgram<A> {
     /// for the device (`build`: NVRTC through the cache; None where the emulation needs no
     /// machine code), plans its GEMMs, allocates and zeroes its memory and loads everything.
     pub fn new(prog: Program, mut api: A, options: CudaOptions, build: Option<&KernelBuild>) -> Result<CudaProgram<A>, RuntimeError> {
-        let exec = ExecOptions { hoist_frozen: options.hoist_frozen, ..ExecOptions::new(DEVICE_ALIGN) };
+        // laid out as `qatc plan --device cuda` plans it (the one home of how this executor allocates)
+        let exec = ExecOptions { hoist_frozen: options.hoist_frozen, ..Device::Cuda.exec_options() };
         let plan = ExecPlan::new(&prog, exec)?;
         let mut plans = plan_gemms(&prog, options.blas)?;
         let arch = api.device().arch;

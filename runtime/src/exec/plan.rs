@@ -41,7 +41,8 @@ pub enum Device {
     /// alignment; the steps that read only frozen weights (the GEMM panels' dequantization
     /// aside) run once and keep their results.
     Cpu,
-    /// The CUDA executor: one arena and one allocation for every input, at cudaMalloc's 256-byte
+    /// The CUDA executor (`crate::cuda`): three allocations (arena, persistent inputs, the
+    /// per-step data inputs that pinned staging fills in one copy) at cudaMalloc's 256-byte
     /// alignment; nothing hoisted, so a dequantized weight lives only around its GEMMs (a 4-bit
     /// weight costs its codes, never a whole f32 copy for the run).
     Cuda,
@@ -63,7 +64,7 @@ impl Device {
     pub fn exec_options(self) -> ExecOptions {
         match self {
             Device::Cpu => ExecOptions { hoist_frozen: true, ..ExecOptions::new(crate::cpu::ALIGN) },
-            Device::Cuda => ExecOptions { data_region: false, ..ExecOptions::new(CUDA_ALIGN) },
+            Device::Cuda => ExecOptions::new(CUDA_ALIGN),
         }
     }
 }
