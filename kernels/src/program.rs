@@ -276,6 +276,14 @@ pub struct Program {
 }
 
 impl Program {
+    /// The names of the graph outputs, sorted, each once (an output may be named twice for one view).
+    pub fn output_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.outputs.iter().map(|(n, _)| n.clone()).collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
     /// The whole program as text, one line per buffer, step and output: what the lowering
     /// decided (which kernel each launch runs on which buffers, every GEMM's operand views,
     /// where each output lives). Snapshot tests pin it.

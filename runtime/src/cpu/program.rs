@@ -296,10 +296,7 @@ impl TrainStep for CpuProgram {
     }
 
     fn output_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.prog.outputs.iter().map(|(n, _)| n.clone()).collect();
-        names.sort();
-        names.dedup();
-        names
+        self.prog.output_names()
     }
 
     fn output(&self, name: &str) -> Result<Value<f32>, RuntimeError> {

@@ -491,10 +491,7 @@ impl<A: GpuApi + Send> TrainStep for CudaProgram<A> {
     }
 
     fn output_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.prog.outputs.iter().map(|(n, _)| n.clone()).collect();
-        names.sort();
-        names.dedup();
-        names
+        self.prog.output_names()
     }
 
     fn output(&self, name: &str) -> Result<Value<f32>, RuntimeError> {
