@@ -18,7 +18,7 @@ use qatc_ir::{Graph, NodeId, Op};
 
 use super::adamw8::{self, Moment8};
 use super::builder::Pos;
-use super::{Ctx, Lowerer, PackPart, Placed};
+use super::{pack_parts, unreshaped, Ctx, Lowerer, PackPart, Placed};
 use crate::error::KernelError;
 use crate::kir::{Body, Expr, Ix, Kernel, Space, Stmt};
 use crate::program::{BufKind, View};
@@ -40,17 +40,7 @@ fn input_at(body: &Graph, n: NodeId, slot: usize) -> Option<NodeId> {
 fn tensors(body: &Graph) -> Option<(Vec<Tensor>, Vec<PackPart>)> {
     let root = body.output("out")?;
     let Op::Concat { axis: 0 } = body.node(root).op else { return None };
-    let mut parts = Vec::new();
-    let mut start = 0;
-    for p in body.operands(root) {
-        let len = body.ty(p).numel();
-        let inner = match body.node(p).op {
-            Op::Reshape { .. } => body.operands(p)[0],
-            _ => p,
-        };
-        parts.push((inner, start, len));
-        start += len;
-    }
+    let parts: Vec<PackPart> = pack_parts(body, root).into_iter().map(|(p, start, len)| (unreshaped(body, p), start, len)).collect();
     let mut out = Vec::new();
     for &(n, _, _) in &parts {
         let Op::AdamParam { .. } = body.node(n).op else { continue };

@@ -13,7 +13,7 @@ use qatc_ir::{Graph, NodeId, Op};
 
 use super::inline::inlinable;
 use super::rows::{self, Anchor};
-use super::{elementwise, Ctx, Lowerer, PackPart};
+use super::{elementwise, pack_parts, unreshaped, Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
 
@@ -71,14 +71,7 @@ pub fn separate_parts(body: &Graph, operands: usize) -> Option<Vec<PackPart>> {
     if anchors_under(body, root, &leaves).is_empty() {
         return None;
     }
-    let mut start = 0;
-    let mut parts = Vec::new();
-    for p in body.operands(root) {
-        let len = body.ty(p).numel();
-        parts.push((p, start, len));
-        start += len;
-    }
-    Some(parts)
+    Some(pack_parts(body, root))
 }
 
 /// Lowers the packed kernel `id` part by part, each part into its own buffer (`dests`, one per
@@ -106,10 +99,7 @@ pub fn lower_kernel_parts(
     }
     // a part that other parts are computed from goes first, so they read it (a LoRA linear's
     // pre-activation before its GELU)
-    let inner = |p: NodeId| match body.node(p).op {
-        Op::Reshape { .. } => body.operands(p)[0],
-        _ => p,
-    };
+    let inner = |p: NodeId| unreshaped(body, p);
     let under = |p: NodeId, q: NodeId| p != q && nodes_under(body, inner(q)).contains(&inner(p));
     let mut order: Vec<usize> = (0..parts.len()).collect();
     order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));

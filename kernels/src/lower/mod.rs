@@ -86,6 +86,28 @@ pub type Placed = (usize, usize, View);
 /// A part of a fused body's packed result: (the part's value node, start, length).
 pub type PackPart = (NodeId, usize, usize);
 
+/// The parts of a pack `root` (a concat along axis 0) in order: (operand, start, length along
+/// the pack).
+pub fn pack_parts(body: &Graph, root: NodeId) -> Vec<PackPart> {
+    let mut start = 0;
+    let mut parts = Vec::new();
+    for p in body.operands(root) {
+        let len = body.ty(p).numel();
+        parts.push((p, start, len));
+        start += len;
+    }
+    parts
+}
+
+/// The value a pack part stands for: the node under its reshape (a reshape into the pack's
+/// layout only renames the shape), else the part itself.
+pub fn unreshaped(body: &Graph, p: NodeId) -> NodeId {
+    match body.node(p).op {
+        Op::Reshape { .. } => body.operands(p)[0],
+        _ => p,
+    }
+}
+
 /// Choices the lowering leaves to its caller (the planner).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LowerOptions {

@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role};
 
 use super::builder::Pos;
-use super::{Ctx, Lowerer, CE_CHUNK_SCRATCH};
+use super::{pack_parts, unreshaped, Ctx, Lowerer, CE_CHUNK_SCRATCH};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
 use crate::program::{BufKind, CeChunking, Gemm, GemmTypes, View};
@@ -148,20 +148,7 @@ pub fn lower(
     // the node's value: the loss itself, or a pack of the loss and the gradient products
     let parts: Vec<(NodeId, usize, usize)> = match &body.node(root).op {
         _ if root == head.loss => vec![(head.loss, 0, 1)],
-        Op::Concat { axis: 0 } => {
-            let mut start = 0;
-            let mut v = Vec::new();
-            for p in body.operands(root) {
-                let len = body.ty(p).numel();
-                let inner = match body.node(p).op {
-                    Op::Reshape { .. } => body.operands(p)[0],
-                    _ => p,
-                };
-                v.push((inner, start, len));
-                start += len;
-            }
-            v
-        }
+        Op::Concat { axis: 0 } => pack_parts(body, root).into_iter().map(|(p, start, len)| (unreshaped(body, p), start, len)).collect(),
         _ => return Ok(None),
     };
     let known = |n: NodeId| n == head.loss || head.products.iter().any(|(p, _)| *p == n);
