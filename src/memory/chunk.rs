@@ -48,9 +48,14 @@ impl ChunkChoice {
     }
 }
 
-/// `g` lowered in `schedule`'s order with `rows` per chunk (None: the fusion rule's).
-pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>) -> anyhow::Result<Program> {
-    let options = LowerOptions { ce_chunk_rows: rows, order: Some(schedule.to_vec()), ..Default::default() };
+/// `g` lowered for `device` in `schedule`'s order with `rows` per chunk (None: the fusion rule's).
+pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>, device: Device) -> anyhow::Result<Program> {
+    let options = LowerOptions {
+        ce_chunk_rows: rows,
+        order: Some(schedule.to_vec()),
+        sequential_rows: device.sequential_rows(),
+        ..Default::default()
+    };
     qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
 }
 
@@ -68,7 +73,7 @@ fn peak(prog: &Program, device: Device, cpu: &CpuOptions) -> anyhow::Result<usiz
 /// cross-entropy chosen (see the module doc; None when the step has none), before the device's
 /// rewrites.
 pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], device: Device, cpu: &CpuOptions) -> anyhow::Result<(Program, Option<ChunkChoice>)> {
-    let first = lower(g, schedule, None)?;
+    let first = lower(g, schedule, None, device)?;
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None)) };
     let (floor, n) = (c.chunk_rows, c.rows);
     let base = peak(&first, device, cpu)?;
@@ -79,7 +84,7 @@ pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], device: Device, cpu: &Cpu
     let mut r = floor;
     while r < n {
         r = (r * 2).min(n);
-        let prog = lower(g, schedule, Some(r))?;
+        let prog = lower(g, schedule, Some(r), device)?;
         // the lowering caps the chunk count: a size it does not take is not a choice
         if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {
             continue;

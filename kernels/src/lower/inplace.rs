@@ -112,6 +112,34 @@ pub fn in_place_ok(k: &Kernel, p: ParamId) -> bool {
     }
 }
 
+/// Whether `k`, run with each row on one thread and its statements in order
+/// (`LowerOptions::sequential_rows`), may read and write param `p` in place: every load and
+/// store of `p` is in the row's own elements, so a row's reads see exactly what its earlier
+/// statements wrote (as the kernel-IR evaluator runs it), whatever the order of the rows.
+pub fn row_private(k: &Kernel, p: ParamId) -> bool {
+    let Body::Loops { space: Space::Rows { .. }, stmts } = &k.body else { return false };
+    let v = k.params[p].shape.last().copied().unwrap_or(0);
+    let mut ok = true;
+    fn stores(stmts: &[Stmt], p: ParamId, v: usize, ok: &mut bool) {
+        for s in stmts {
+            match s {
+                Stmt::Store { param, index, .. } | Stmt::AtomicAdd { param, index, .. } if *param == p => *ok &= row_local(index, v, true),
+                Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => stores(body, p, v, ok),
+                _ => {}
+            }
+        }
+    }
+    stores(stmts, p, v, &mut ok);
+    crate::kir::visit_exprs(stmts, &mut |e| {
+        if let Expr::Load { param, index } = e {
+            if *param == p {
+                ok &= row_local(index, v, true);
+            }
+        }
+    });
+    ok
+}
+
 /// Checks the steps from `first` on that write `buf` (the logits' buffer, reused): kernels that
 /// satisfy [`in_place_ok`], no GEMM.
 pub fn verify(prog: &Program, first: usize, buf: usize) -> Result<(), KernelError> {
@@ -192,7 +220,27 @@ mod tests {
             Expr::bin(BinOp::Mul, Expr::bin(BinOp::Add, Expr::Ix(Ix::Row), Expr::Int(1)), Expr::Int(10)),
             Expr::Ix(Ix::Loop(0)),
         );
-        let other = Stmt::Reduce { var: 0, op: ReduceOp::Max, ty: Ty::F32, lp: lp(0), body: vec![], value: load(next_row) };
-        assert!(!in_place_ok(&kernel(vec![other, rewrite_row()]), 0));
+        let other = Stmt::Reduce { var: 0, op: ReduceOp::Max, ty: Ty::F32, lp: lp(0), body: vec![], value: load(next_row.clone()) };
+        assert!(!in_place_ok(&kernel(vec![other.clone(), rewrite_row()]), 0));
+        assert!(!row_private(&kernel(vec![other, rewrite_row()]), 0));
+        let store_next = Stmt::ForEach { lp: lp(0), body: vec![Stmt::Store { param: 0, index: next_row, value: Expr::f32(0.0) }] };
+        assert!(!row_private(&kernel(vec![max_of_row(), store_next]), 0));
+    }
+
+    /// The CPU's cross-entropy row: a sum pass that rewrites the row, then a pass reading it back.
+    #[test]
+    fn a_row_on_one_thread_may_rewrite_its_row_between_passes() {
+        let keep = Stmt::Reduce {
+            var: 1,
+            op: ReduceOp::Sum,
+            ty: Ty::F32,
+            lp: lp(0),
+            body: vec![Stmt::Store { param: 0, index: at(0), value: load(at(0)) }],
+            value: load(at(0)),
+        };
+        let stmts = vec![max_of_row(), keep, rewrite_row()];
+        assert!(row_private(&kernel(stmts.clone()), 0));
+        // threads sharing the row could not: the sum pass is not the last
+        assert!(!in_place_ok(&kernel(stmts), 0));
     }
 }

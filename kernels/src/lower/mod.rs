@@ -122,6 +122,11 @@ pub struct LowerOptions {
     /// Lower a multi-tensor AdamW into its packed buffer, copied over the inputs after the step,
     /// instead of in place (`adamw.rs`): only to compare the two.
     pub adamw_packed: bool,
+    /// The executor runs each row of a `Rows` kernel on one thread, its statements in order (the
+    /// CPU's, `Device::sequential_rows`), so a row kernel may rewrite its row between passes: the
+    /// chunked cross-entropy keeps exp(x - max) from its sum pass for the gradient (`xent.rs`).
+    /// False: kernels safe for threads sharing a row (CUDA's block and warp per row).
+    pub sequential_rows: bool,
 }
 
 impl Default for Lowerer {

@@ -60,6 +60,14 @@ impl Device {
         }
     }
 
+    /// Whether this device's executor runs each row of a row kernel on one thread, its
+    /// statements in order (the CPU's LLVM kernels: rows split over threads, a row's loops run
+    /// one after another), rather than a block or warp of threads sharing a row (CUDA). The
+    /// lowering may then rewrite a row between its passes (`LowerOptions::sequential_rows`).
+    pub fn sequential_rows(self) -> bool {
+        matches!(self, Device::Cpu)
+    }
+
     /// How this device's executor lays a program out.
     pub fn exec_options(self) -> ExecOptions {
         match self {
