@@ -56,6 +56,17 @@ pub fn cuda_ready() -> Result<(), String> {
     Ok(())
 }
 
+/// The executor `--device` runs a step on, for plans (`qatc plan`, `compile`'s memory plan,
+/// `--checkpoint auto`'s budget): CUDA for `cuda`, and for `auto` where CUDA can run (as
+/// [`resolve`] decides); else the CPU.
+pub fn exec_device(device: Device) -> qatc_runtime::exec::Device {
+    match device {
+        Device::Cuda => qatc_runtime::exec::Device::Cuda,
+        Device::Auto if cuda_ready().is_ok() => qatc_runtime::exec::Device::Cuda,
+        Device::Auto | Device::Cpu => qatc_runtime::exec::Device::Cpu,
+    }
+}
+
 /// Resolves `--device` (and `--interpreter`) to an engine, with a notice for the user when the
 /// choice is not the obvious one (`auto` without a usable GPU: the CPU). `--device cuda` where
 /// CUDA cannot run is an error that says why.

@@ -552,3 +552,40 @@ fn fit_searches_precision_and_optimizer_unless_pinned() {
     let out = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && out.contains("precision") && out.contains("adamw8bit") && out.contains("bf16"), "{out}");
 }
+
+/// On CUDA a plan gets a device's memory less what the process holds outside the executor's
+/// allocations (the context and the BLAS workspace, `Device::reserved_bytes`): `--fit` and
+/// `--memory` say so and plan within the rest; the CPU keeps no reserve.
+#[test]
+fn cuda_plans_leave_room_for_the_context_and_the_blas_workspace() {
+    let reserve = qatc_runtime::exec::Device::Cuda.reserved_bytes() as u64;
+    assert_eq!(reserve, (512 + 32) << 20, "the context's estimate and cuBLAS's workspace");
+    assert_eq!(qatc_runtime::exec::Device::Cpu.reserved_bytes(), 0);
+    let base = ["plan", "124M", "--seq", "256", "--bits", "4", "--lora", "r=16", "--memory", "l4", "--fit", "--max-batch", "2"];
+    for (device, kept) in [("cuda", reserve), ("cpu", 0)] {
+        let r = qatc(&[&base[..], &["--device", device, "--json"]].concat());
+        assert!(r.status.success(), "{device}: {}", String::from_utf8_lossy(&r.stderr));
+        let v: serde_json::Value = serde_json::from_str(&String::from_utf8(r.stdout).unwrap()).unwrap();
+        let (memory, budget) = (v["memory_limit"].as_u64().unwrap(), v["plan_budget"].as_u64().unwrap());
+        assert_eq!((v["reserved"].as_u64(), budget), (Some(kept), memory - kept), "{device}");
+        for c in v["fits"].as_array().unwrap() {
+            assert!(c["peak_bytes"].as_u64().unwrap() <= budget, "{device}: {c}");
+        }
+    }
+    let r = qatc(&[&base[..], &["--device", "cuda"]].concat());
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(out.contains("fits in 21.82 GiB (22.35 GiB less 544.00 MiB for the CUDA context and the BLAS workspace)"), "{out}");
+    // a memory the CUDA plan fits in only without the reserve
+    let demo = "examples/gpt2-shakespeare-small/model.safetensors";
+    let plan = ["plan", demo, "--seq", "128", "--bits", "4", "--scheme", "q4_0", "--group", "32", "--lora", "r=16", "--device", "cuda"];
+    let r = qatc(&[&plan[..], &["--json"]].concat());
+    let v: serde_json::Value = serde_json::from_str(&String::from_utf8(r.stdout).unwrap()).unwrap();
+    let peak = v["summary"]["peak_bytes"].as_u64().unwrap();
+    let memory = format!("{}MiB", (peak + reserve / 2) >> 20);
+    let e = fails(&[&plan[..], &["--checkpoint", "none", "--memory", &memory]].concat());
+    assert!(e.contains("leaves") && e.contains("CUDA context"), "{e}");
+    // the CPU keeps no reserve: the same memory fits its plan (a few KiB apart from CUDA's)
+    let cpu: Vec<&str> = plan.iter().map(|&a| if a == "cuda" { "cpu" } else { a }).collect();
+    let r = qatc(&[&cpu[..], &["--checkpoint", "none", "--memory", &memory]].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+}

@@ -54,7 +54,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     crate::artifacts::check_target(&a.out, &[MARKER], &[&a.model]).with_context(|| format!("-o {}", a.out.display()))?;
     let m = super::open_model(&a.model, &a.step.read)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
-    let opts = a.step.options(&a.model)?;
+    let opts = a.step.options_on(&a.model, a.cuda.device)?;
     let mut fwd_text = String::new();
     let mut unfused: Option<qatc_ir::Graph> = None;
     let (train, reports) = step::train(&m.cfg, &opts, |stage, g| {

@@ -202,7 +202,7 @@ impl StepArgs {
                 weight_decay: self.weight_decay,
                 clip: self.clip,
             },
-            checkpoint: self.checkpoint_policy()?,
+            checkpoint: self.checkpoint_policy(placement)?,
             fuse: !self.no_fuse,
             device: placement.device,
             interpreter: placement.interpreter,
@@ -213,7 +213,13 @@ impl StepArgs {
 
     /// The step's options for these flags (through `config`).
     pub fn options(&self, model: &Path) -> anyhow::Result<crate::step::StepOptions> {
-        let mut o = self.config(model, Placement::default())?.step_options().map_err(anyhow::Error::msg)?;
+        self.options_on(model, crate::runner::Device::Auto)
+    }
+
+    /// The step's options for these flags, for a step that runs on `device` (what `--checkpoint
+    /// auto` plans within: `--memory` less the device's reserve).
+    pub fn options_on(&self, model: &Path, device: crate::runner::Device) -> anyhow::Result<crate::step::StepOptions> {
+        let mut o = self.config(model, Placement { device, interpreter: false })?.step_options().map_err(anyhow::Error::msg)?;
         options::name_bit_map(&mut o.model, &self.quant);
         o.deadline = self.compile_budget()?;
         Ok(o)
@@ -226,10 +232,13 @@ impl StepArgs {
     }
 
     /// The checkpoint policy: `--checkpoint`, else `auto` when `--memory` is given, else none.
-    pub fn checkpoint_policy(&self) -> anyhow::Result<Checkpoint> {
+    /// `auto` plans within what `--memory` leaves on the device the step runs on
+    /// (`memory::step_budget`: on CUDA, less the context and the BLAS workspace).
+    pub fn checkpoint_policy(&self, placement: Placement) -> anyhow::Result<Checkpoint> {
+        let device = if placement.interpreter { qatc_runtime::exec::Device::Cpu } else { crate::runner::exec_device(placement.device) };
         match (self.checkpoint, self.memory) {
             (Some(CheckpointArg::Policy(p)), _) => Ok(p),
-            (Some(CheckpointArg::Auto) | None, Some(m)) => Ok(Checkpoint::Auto(m)),
+            (Some(CheckpointArg::Auto) | None, Some(m)) => Ok(Checkpoint::Auto(crate::memory::step_budget(m, device))),
             (Some(CheckpointArg::Auto), None) => anyhow::bail!("--checkpoint auto needs --memory SIZE (the device memory to fit)"),
             (None, None) => Ok(Checkpoint::None),
         }

@@ -126,7 +126,8 @@ pub fn context(
         "checkpoint": opts.checkpoint.describe(),
         "remat": remat.map(|r| json!({ "counters": r.counters, "notes": r.notes })),
         "memory_limit": memory,
-        "fits": memory.map(|m| e.plan.peak_bytes() <= m),
+        "reserved": memory.map(|_| e.device.reserved_bytes()),
+        "fits": memory.map(|m| e.plan.peak_bytes() <= memory::step_budget(m, e.device)),
     });
     let title = format!(
         "{name} ({} layers, C {}), B {} T {}, {}, checkpoint {}",
@@ -207,19 +208,16 @@ pub fn table(e: &Executed, title: &str, memory: Option<usize>) -> String {
     );
     o += &format!("  inputs {} (persistent {}, data {})\n", human(p.input_bytes()), human(p.persistent_bytes), human(p.data_bytes));
     if let Some(m) = memory {
-        let verdict = if p.peak_bytes() <= m { format!("yes, {} to spare", human(m - p.peak_bytes())) } else { "no".into() };
-        o += &format!("  fits in {}: {verdict}\n", human(m));
+        let budget = memory::step_budget(m, e.device);
+        let verdict = if p.peak_bytes() <= budget { format!("yes, {} to spare", human(budget - p.peak_bytes())) } else { "no".into() };
+        o += &format!("  fits in {}: {verdict}\n", memory::fit::budget_words(m, e.device));
     }
     o
 }
 
 /// The device a plan is for: what `qatc train --device` would run on.
 pub fn plan_device(d: crate::runner::Device) -> Device {
-    match d {
-        crate::runner::Device::Cuda => Device::Cuda,
-        // the CPU, until qatc has a CUDA runtime (`runner::resolve`)
-        crate::runner::Device::Auto | crate::runner::Device::Cpu => Device::Cpu,
-    }
+    crate::runner::exec_device(d)
 }
 
 /// `given`: which options the command line gave (a `--precision` or `--optim` given pins it for
@@ -230,7 +228,7 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
         crate::artifacts::check_writable(path).with_context(|| format!("--svg {}", path.display()))?;
     }
     let (cfg, name) = config(&a.model, &a.step)?;
-    let opts = a.step.options(std::path::Path::new(&a.model))?;
+    let opts = a.step.options_on(std::path::Path::new(&a.model), a.device)?;
     let memory = a.step.memory;
     let device = plan_device(a.device);
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
@@ -240,12 +238,13 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
     }
     let (reports, e) = build(&cfg, &opts, device, &cpu)?;
     if let Some(m) = memory {
-        if e.plan.peak_bytes() > m {
+        if e.plan.peak_bytes() > memory::step_budget(m, device) {
             anyhow::bail!(
-                "the plan with --checkpoint {} needs {}, more than --memory {}; --checkpoint auto (the default with --memory) finds the fastest plan that fits, --fit the batch sizes that do",
+                "the plan with --checkpoint {} needs {}, more than --memory {} leaves ({}); --checkpoint auto (the default with --memory) finds the fastest plan that fits, --fit the batch sizes that do",
                 opts.checkpoint.describe(),
                 human(e.plan.peak_bytes()),
-                flag(m)
+                flag(m),
+                memory::fit::budget_words(m, device)
             );
         }
     }
@@ -306,7 +305,7 @@ fn fit(
     if a.json {
         let (options, _) = describe_options(opts);
         let ctx = json!({ "qatc_version": env!("CARGO_PKG_VERSION"), "model": name, "config": cfg, "seq": opts.seq, "device": device.name(), "options": options });
-        println!("{}", memory::fit::to_json(&f, ctx, memory)?);
+        println!("{}", memory::fit::to_json(&f, ctx, memory, device)?);
     } else {
         print!("{}", memory::fit::table(&f, &title, memory, device));
         if let (Some(path), Some(_)) = (&a.svg, &f.best) {

@@ -149,7 +149,8 @@ fn plan_of(cfg: &Gpt2Config, o: &StepOptions, device: Device, cpu: &CpuOptions) 
 }
 
 /// Searches the configurations of `base` (its model options; batch, policy, and the precision and
-/// optimizer unless `pinned`, varied) for those that fit `memory` on `device`.
+/// optimizer unless `pinned`, varied) for those that fit a device of `memory` bytes: plans within
+/// what the device's reserve leaves (`super::step_budget`).
 #[allow(clippy::too_many_arguments)]
 pub fn search(
     cfg: &Gpt2Config,
@@ -165,6 +166,7 @@ pub fn search(
     let mut smallest: Option<(Candidate, Executed)> = None;
     let mut tried = 0;
     let mut batch = 1;
+    let memory = super::step_budget(memory, device);
     while batch <= max_batch.max(1) {
         let mut any = false;
         let kinds = precisions(base, pinned).into_iter().flat_map(|p| optimizers(base, pinned).into_iter().map(move |m| (p, m)));
@@ -235,13 +237,30 @@ pub fn why_not(c: &Candidate, e: &Executed, memory: usize) -> String {
     )
 }
 
+/// What a device of `memory` bytes leaves a plan, in words: the size, and on CUDA the reserve.
+pub fn budget_words(memory: usize, device: Device) -> String {
+    match device.reserved_bytes() {
+        0 => human(memory),
+        r => format!(
+            "{} ({} less {} for the CUDA context and the BLAS workspace)",
+            human(super::step_budget(memory, device)),
+            human(memory),
+            human(r)
+        ),
+    }
+}
+
 /// The table `qatc plan --fit` prints.
 pub fn table(f: &Fit, title: &str, memory: usize, device: Device) -> String {
-    let mut o =
-        format!("qatc plan --fit: {title}\n  fits in {} on the {} executor ({} plans tried)\n", human(memory), device.name(), f.tried);
+    let mut o = format!(
+        "qatc plan --fit: {title}\n  fits in {} on the {} executor ({} plans tried)\n",
+        budget_words(memory, device),
+        device.name(),
+        f.tried
+    );
     if f.fits.is_empty() {
         if let Some((c, e)) = &f.smallest {
-            o += &format!("  {}\n", why_not(c, e, memory));
+            o += &format!("  {}\n", why_not(c, e, super::step_budget(memory, device)));
         }
         return o;
     }
@@ -269,17 +288,20 @@ pub fn table(f: &Fit, title: &str, memory: usize, device: Device) -> String {
 }
 
 /// The JSON `qatc plan --fit --json` prints (schema `qatc.fit`, version 1, `docs/memory_plan.md`).
-pub fn to_json(f: &Fit, context: serde_json::Value, memory: usize) -> anyhow::Result<String> {
+pub fn to_json(f: &Fit, context: serde_json::Value, memory: usize, device: Device) -> anyhow::Result<String> {
+    let budget = super::step_budget(memory, device);
     let why = f.smallest.as_ref().map(|(c, e)| {
         let by: serde_json::Map<String, serde_json::Value> =
             Category::ALL.iter().map(|&k| (k.name().to_string(), json!(e.plan.at_peak(k)))).collect();
-        json!({ "message": why_not(c, e, memory), "smallest": c, "at_peak": by })
+        json!({ "message": why_not(c, e, budget), "smallest": c, "at_peak": by })
     });
     let v = json!({
         "schema": "qatc.fit",
         "version": 1,
         "context": context,
         "memory_limit": memory,
+        "reserved": device.reserved_bytes(),
+        "plan_budget": budget,
         "plans_tried": f.tried,
         "fits": f.fits,
         "cannot_fit": why,

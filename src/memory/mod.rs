@@ -66,6 +66,13 @@ pub fn lower_cuda(g: &Graph) -> anyhow::Result<Program> {
     Ok(lower_step(g, Device::Cuda, &CpuOptions::default())?.0)
 }
 
+/// The bytes of a device of `memory` bytes (`--memory`) that a step's plan may use on `device`:
+/// all of them on the CPU; on CUDA what the context and the BLAS workspace leave
+/// (`Device::reserved_bytes`). Every check of a plan against `--memory` goes through here.
+pub fn step_budget(memory: usize, device: Device) -> usize {
+    memory.saturating_sub(device.reserved_bytes())
+}
+
 /// Lowers `g` for `device` and lays it out as that device's executor does. `cpu` are the CPU
 /// executor's settings (its panel size changes the program).
 pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {

@@ -261,10 +261,16 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
             writeln!(o, r##"<line class="backward" x1="{xb:.1}" y1="{Y0}" x2="{xb:.1}" y2="{Y1}" stroke="#555" stroke-dasharray="2,3"/>"##);
         let _ = writeln!(o, r##"<text x="{:.1}" y="{:.1}" fill="#555" font-size="11">backward</text>"##, xb + 3.0, Y1 - 6.0);
     }
-    if let Some(l) = limit {
+    if let Some(m) = limit {
+        // the line is what the plan may use: on CUDA, the device less the context's reserve
+        let l = super::step_budget(m, e.device);
         let yl = y(l as f64);
         let _ = writeln!(o, r##"<line class="limit" x1="{X0}" y1="{yl:.1}" x2="{X1}" y2="{yl:.1}" stroke="#ff7f0e" stroke-width="2"/>"##);
-        let _ = writeln!(o, r##"<text x="{:.1}" y="{:.1}" fill="#ff7f0e">--memory {}</text>"##, X0 + 4.0, yl - 5.0, human(l));
+        let label = match e.device.reserved_bytes() {
+            0 => format!("--memory {}", human(m)),
+            r => format!("--memory {} less {} reserved: {}", human(m), human(r), human(l)),
+        };
+        let _ = writeln!(o, r##"<text x="{:.1}" y="{:.1}" fill="#ff7f0e">{label}</text>"##, X0 + 4.0, yl - 5.0);
     }
     // legend, top category first (as stacked)
     let lx = X1 + 20.0;

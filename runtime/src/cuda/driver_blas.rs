@@ -17,8 +17,7 @@ use qatc_kernels::cuda::blas::{BlasCall, Compute, ElemType, Matrix, Op};
 use super::driver::drv;
 use super::{DevPtr, GemmPtrs, GpuError, Result};
 
-/// Workspace for cuBLAS and cuBLASLt (cuBLAS recommends 32 MiB on Hopper).
-const WORKSPACE: usize = 32 << 20;
+use super::BLAS_WORKSPACE as WORKSPACE;
 
 pub struct Blas {
     handle: bsys::cublasHandle_t,

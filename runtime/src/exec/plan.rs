@@ -68,6 +68,17 @@ impl Device {
         matches!(self, Device::Cpu)
     }
 
+    /// What a process running a step holds on this device outside the executor's planned
+    /// allocations, so a plan for a device of some size (`--memory`) must leave it free: nothing
+    /// on the CPU (the host's other memory is not the step's to plan); on CUDA the context and the
+    /// BLAS workspace (`crate::cuda::CONTEXT_BYTES`, `crate::cuda::BLAS_WORKSPACE`).
+    pub fn reserved_bytes(self) -> usize {
+        match self {
+            Device::Cpu => 0,
+            Device::Cuda => crate::cuda::CONTEXT_BYTES + crate::cuda::BLAS_WORKSPACE,
+        }
+    }
+
     /// How this device's executor lays a program out.
     pub fn exec_options(self) -> ExecOptions {
         match self {
