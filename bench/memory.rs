@@ -105,7 +105,7 @@ fn fits() -> anyhow::Result<()> {
                         println!(
                             "| {size} | {what} | {} | {} | | | | | | - | 0 | {} | {secs:.0} |",
                             human(memory),
-                            fit::why_not(c, e, memory),
+                            fit::why_not(c, e, qatc::memory::step_budget(memory, Device::Cuda)),
                             f.tried
                         )
                     }

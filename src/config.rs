@@ -146,6 +146,9 @@ pub struct StepConfig {
     pub device: Device,
     /// The reference interpreter instead of the compiled kernels.
     pub interpreter: bool,
+    /// How the step runs on a GPU (absent in files from before it was saved: all off).
+    #[serde(default)]
+    pub cuda: crate::runner::CudaSettings,
 }
 
 /// `--precision` (its home is the precision pass).

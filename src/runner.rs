@@ -34,8 +34,11 @@ pub enum Engine {
     Cuda(CudaSettings),
 }
 
-/// How the step runs on the GPU (`qatc train --tf32`, `--no-cuda-graph`, `--general-kernels`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// How the step runs on the GPU (`qatc train --tf32`, `--no-cuda-graph`, `--general-kernels`);
+/// saved in the run's `qatc.json` (`step.cuda`), since TF32 changes the numbers and the others
+/// what runs: a resumed run keeps them (a file from before they were saved reads as all off).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct CudaSettings {
     /// fp32 GEMMs on TF32 tensor cores instead of strict IEEE fp32.
     pub tf32: bool,

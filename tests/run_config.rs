@@ -208,3 +208,31 @@ fn outputs_written_at_the_end_are_checked_at_the_start() {
     let e = refused(qatc(&["plan", &model(), "--batch", "2", "--seq", "16", "--svg", svg]));
     assert!(e.contains("is a directory"), "{e}");
 }
+
+/// The GPU settings (`--tf32`, `--no-cuda-graph`, `--general-kernels`) are part of the run's
+/// `qatc.json` (`step.cuda`): a resumed run runs with the saved ones, a flag that contradicts them
+/// is refused, and a file from before they were saved reads as all off.
+#[test]
+fn the_gpu_settings_are_saved_with_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    ok(train(&out, &["--lora", "r=2"]));
+    let path = out.join("qatc.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(v["step"]["cuda"], serde_json::json!({ "tf32": false, "no_graph": false, "general_kernels": false }), "{v}");
+    // a file from before the settings were saved
+    v["step"].as_object_mut().unwrap().remove("cuda");
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    let read = qatc::config::RunConfig::read(&out).unwrap();
+    assert_eq!(read.step.as_ref().unwrap().cuda, qatc::runner::CudaSettings::default());
+    // on --resume, the flag against the saved run
+    let o = out.to_str().unwrap();
+    let e = failed(qatc(&["train", "--resume", o, "--tf32", "--out", o]));
+    assert!(e.contains("step.cuda.tf32 false, not true (--tf32)"), "{e}");
+    // the saved settings are the run's: TF32 saved, the resumed run (on the interpreter) is refused
+    v["step"]["cuda"] = serde_json::json!({ "tf32": true });
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    assert!(qatc::config::RunConfig::read(&out).unwrap().step.unwrap().cuda.tf32);
+    let e = failed(qatc(&["train", "--resume", o, "--out", o]));
+    assert!(e.contains("are for the GPU"), "{e}");
+}

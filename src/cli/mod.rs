@@ -171,11 +171,13 @@ fn parse_memory(s: &str) -> Result<usize, String> {
     qatc_passes::plan::units::parse_memory(s)
 }
 
-/// Where the step runs (train's `--device` and `--interpreter`; the defaults elsewhere).
+/// Where and how the step runs (train's `--device`, `--interpreter` and GPU settings; the
+/// defaults elsewhere).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Placement {
     pub device: Device,
     pub interpreter: bool,
+    pub cuda: crate::runner::CudaSettings,
 }
 
 impl StepArgs {
@@ -206,6 +208,7 @@ impl StepArgs {
             fuse: !self.no_fuse,
             device: placement.device,
             interpreter: placement.interpreter,
+            cuda: placement.cuda,
         };
         step.check().map_err(anyhow::Error::msg)?;
         Ok(RunConfig { version: config::VERSION, model, step: Some(step), train: None })
@@ -219,7 +222,7 @@ impl StepArgs {
     /// The step's options for these flags, for a step that runs on `device` (what `--checkpoint
     /// auto` plans within: `--memory` less the device's reserve).
     pub fn options_on(&self, model: &Path, device: crate::runner::Device) -> anyhow::Result<crate::step::StepOptions> {
-        let mut o = self.config(model, Placement { device, interpreter: false })?.step_options().map_err(anyhow::Error::msg)?;
+        let mut o = self.config(model, Placement { device, ..Placement::default() })?.step_options().map_err(anyhow::Error::msg)?;
         options::name_bit_map(&mut o.model, &self.quant);
         o.deadline = self.compile_budget()?;
         Ok(o)

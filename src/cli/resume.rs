@@ -57,7 +57,7 @@ impl Given {
 
 /// The options that set each field of the configuration (by dotted path). A field not listed
 /// (AdamW's betas and eps) no option sets: it is always the saved run's.
-const FIELD_OPTIONS: [(&str, &[&str]); 32] = [
+const FIELD_OPTIONS: [(&str, &[&str]); 35] = [
     ("model.path", &["model"]),
     ("model.quant.bits", &["bits"]),
     ("model.quant.group", &["group"]),
@@ -79,6 +79,9 @@ const FIELD_OPTIONS: [(&str, &[&str]); 32] = [
     ("step.fuse", &["no_fuse"]),
     ("step.device", &["device"]),
     ("step.interpreter", &["interpreter"]),
+    ("step.cuda.tf32", &["tf32"]),
+    ("step.cuda.no_graph", &["no_cuda_graph"]),
+    ("step.cuda.general_kernels", &["general_kernels"]),
     ("train.data", &["data"]),
     ("train.steps", &["steps"]),
     ("train.lr", &["lr"]),

@@ -153,7 +153,8 @@ impl Args {
     /// The run's configuration as the command line says it (defaults filled in): the step's
     /// (`StepArgs::config`) and this run's, for the checkpoint `model` and the data `data`.
     pub fn config(&self, model: &Path, data: &Path) -> anyhow::Result<RunConfig> {
-        let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter })?;
+        let cuda = crate::runner::CudaSettings { tf32: self.tf32, no_graph: self.no_cuda_graph, general_kernels: self.general_kernels };
+        let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter, cuda })?;
         let learned = c.model.quant.as_ref().is_some_and(|q| q.scales == Scales::Learned);
         let train = TrainConfig {
             data: config::absolute(data),
@@ -301,8 +302,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
     let sched = train.lr_schedule();
     let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
-    let cuda = crate::runner::CudaSettings { tf32: a.tf32, no_graph: a.no_cuda_graph, general_kernels: a.general_kernels };
-    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter, cuda)?;
+    // the run's GPU settings: the command line's, or on --resume the saved run's
+    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter, step.cuda)?;
     if let Some(n) = notice {
         eprintln!("qatc: {n}");
     }
