@@ -6,13 +6,16 @@
 #   .gpu/manifest       the directory the tests were built in: they find their fixtures through
 #                       it, and bench/gpu.sh points it at the checkout on the GPU machine
 # Usage: make gpu-bundle   (or bash bench/gpu-bundle.sh)
+# Builds in target/gpu-bundle (CARGO_TARGET_DIR overrides): its own directory, so building without
+# LLVM does not throw away the LLVM build of target/release that `make test` uses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/gpu-bundle}
 rm -rf .gpu && mkdir -p .gpu/stage/bin .gpu/stage/tests
 
 # without LLVM: the GPU machine has no libLLVM, and the CPU side of the checks is the evaluator
 cargo build --release --no-default-features --bin qatc
-cp target/release/qatc .gpu/stage/bin/qatc
+cp "$CARGO_TARGET_DIR/release/qatc" .gpu/stage/bin/qatc
 
 # test executables, found through cargo's JSON messages
 exes() {
