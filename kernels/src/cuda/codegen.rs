@@ -9,7 +9,8 @@
 
 use crate::kir::{Body, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty};
 
-use super::emit::{max_loop, stores, MAX_GRID};
+use super::launch::{max_loop, MAX_GRID};
+use super::loop_nest::stores;
 
 /// Which of the writer's kernel variants it may pick (a value passed in: the CUDA executor's
 /// `CudaOptions::codegen`; `qatc train --general-kernels` is `GENERAL`). Each switch only allows

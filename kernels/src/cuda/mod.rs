@@ -5,6 +5,8 @@ pub mod attention;
 pub mod blas;
 pub mod codegen;
 pub mod emit;
+mod launch;
+mod loop_nest;
 pub mod writer;
 
 pub use codegen::CudaCodegen;
