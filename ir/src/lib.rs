@@ -15,6 +15,7 @@ pub mod graph;
 pub mod infer;
 pub mod op;
 pub mod qmap;
+pub mod quant;
 pub mod role;
 pub mod text;
 pub mod types;
