@@ -23,6 +23,8 @@ use qatc::artifacts::Faults;
 use qatc::cli::resume::Given;
 use qatc::cli::train::{run_with, Args};
 
+use common::cli::loss_bits;
+
 #[derive(Parser)]
 struct Train {
     #[command(flatten)]
@@ -79,20 +81,6 @@ fn in_process(out: &Path, log: &Path, steps: usize, resume: bool, faults: &Fault
     run_with(&Train::parse_from(argv).args, &Given::all(), faults)
 }
 
-/// Every logged loss by step, as bit patterns; a step logged twice (replayed after a resume)
-/// must have logged the same bits both times.
-fn curve(log: &Path) -> BTreeMap<u64, u64> {
-    let mut c = BTreeMap::new();
-    for l in std::fs::read_to_string(log).unwrap().lines() {
-        let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}"));
-        let (s, bits) = (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap().to_bits());
-        if let Some(old) = c.insert(s, bits) {
-            assert_eq!(old, bits, "step {s} logged two different losses");
-        }
-    }
-    c
-}
-
 fn tensors(path: &Path) -> BTreeMap<String, Vec<u8>> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -138,7 +126,7 @@ struct Reference {
 
 impl Reference {
     fn check(&self, out: &Path, log: &Path, when: &str) {
-        assert_eq!(curve(log), self.curve, "{when}: the loss curve differs");
+        assert_eq!(loss_bits(log), self.curve, "{when}: the loss curve differs");
         assert!(std::fs::read(out.join("adapter_model.safetensors")).unwrap() == self.adapter, "{when}: the adapter differs");
         assert!(std::fs::read(out.join("checkpoint/state.safetensors")).unwrap() == self.state, "{when}: the resume state differs");
     }
@@ -149,7 +137,7 @@ fn reference(dir: &Path, steps: usize, faults: &Faults) -> Reference {
     let (out, log) = (dir.join("o"), dir.join("log.jsonl"));
     in_process(&out, &log, steps, false, faults).unwrap();
     Reference {
-        curve: curve(&log),
+        curve: loss_bits(&log),
         adapter: std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
         state: std::fs::read(out.join("checkpoint/state.safetensors")).unwrap(),
     }
@@ -238,7 +226,7 @@ fn a_hundred_kills_aimed_at_saves_resume_exactly() {
     gaps.sort();
     let cycle = gaps.get(gaps.len() / 2).copied().unwrap_or(Duration::from_millis(5)).max(Duration::from_micros(500));
     let want = Reference {
-        curve: curve(&rlog),
+        curve: loss_bits(&rlog),
         adapter: std::fs::read(rout.join("adapter_model.safetensors")).unwrap(),
         state: std::fs::read(rout.join("checkpoint/state.safetensors")).unwrap(),
     };

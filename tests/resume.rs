@@ -3,10 +3,11 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+use common::cli::{loss_bits, refused};
 
 fn args<'a>(m: &'a str, d: &'a str, out: &'a str, log: &'a str) -> Vec<&'a str> {
     vec![
@@ -40,19 +41,6 @@ fn args<'a>(m: &'a str, d: &'a str, out: &'a str, log: &'a str) -> Vec<&'a str> 
         "--log-json",
         log,
     ]
-}
-
-/// Per-step losses (the last record of each step wins: a resumed run repeats the steps after its
-/// checkpoint) as exact bit patterns.
-fn curve(log: &Path) -> BTreeMap<u64, u64> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap().to_bits())
-        })
-        .collect()
 }
 
 #[test]
@@ -100,7 +88,7 @@ fn kill_and_resume(extra: &[&str], files: &[&str]) {
     }
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
-    let killed_at = curve(Path::new(&log_b)).len();
+    let killed_at = loss_bits(Path::new(&log_b)).len();
     assert!(killed_at < 10, "the run finished before it could be killed");
     assert!(Path::new(&out_b).join("checkpoint/resume.json").exists());
 
@@ -109,7 +97,7 @@ fn kill_and_resume(extra: &[&str], files: &[&str]) {
     let st = Command::new(bin).args(&resumed).output().unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
 
-    assert_eq!(curve(Path::new(&log_a)), curve(Path::new(&log_b)), "loss curves differ (killed after {killed_at} steps)");
+    assert_eq!(loss_bits(Path::new(&log_a)), loss_bits(Path::new(&log_b)), "loss curves differ (killed after {killed_at} steps)");
     for f in files {
         let a = std::fs::read(Path::new(&out_a).join(f)).unwrap();
         let b = std::fs::read(Path::new(&out_b).join(f)).unwrap();
@@ -117,37 +105,9 @@ fn kill_and_resume(extra: &[&str], files: &[&str]) {
     }
 }
 
+/// The tiny fixture's 2-step LoRA run (`common::cli::tiny_train`).
 fn tiny_train(out: &Path, extra: &[&str]) -> std::process::Output {
-    let m = common::fixture("tiny/f32_prefix/model.safetensors");
-    let d = common::fixture("tiny/tokens.bin");
-    let mut args = vec![
-        "train",
-        m.to_str().unwrap(),
-        "--data",
-        d.to_str().unwrap(),
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--steps",
-        "2",
-        "--lora",
-        "r=4",
-        "--interpreter",
-        "--no-fuse",
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    args.extend(extra);
-    Command::new(env!("CARGO_BIN_EXE_qatc")).args(&args).output().unwrap()
-}
-
-/// The one error line of a refused run.
-fn refused(o: &std::process::Output) -> String {
-    let e = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(o.status.code(), Some(2), "{e}");
-    assert_eq!(e.trim().lines().count(), 1, "{e}");
-    e.trim().to_string()
+    common::cli::tiny_train(out, &[&["--lora", "r=4"], extra].concat())
 }
 
 #[test]
@@ -266,7 +226,7 @@ fn resume_from_the_saved_configuration_alone() {
     let args = ["train", "--out", o.to_str().unwrap(), "--resume", o.to_str().unwrap(), "--log-json", log.to_str().unwrap()];
     let r = Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).output().unwrap();
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    assert_eq!(curve(&p("a.jsonl")), curve(&log));
+    assert_eq!(loss_bits(&p("a.jsonl")), loss_bits(&log));
     for f in ["adapter_model.safetensors", "checkpoint/state.safetensors", "qatc.json", "checkpoint/resume.json"] {
         assert!(std::fs::read(p("a").join(f)).unwrap() == std::fs::read(o.join(f)).unwrap(), "{f} differs");
     }

@@ -11,24 +11,13 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn qatc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).output().unwrap()
-}
+use common::cli::{files, qatc, refused};
 
 fn ok(o: Output) -> String {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// The one error line of a refused command.
-fn refused(o: Output) -> String {
-    let e = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(o.status.code(), Some(2), "{e}");
-    assert_eq!(e.trim().lines().count(), 1, "{e}");
-    assert!(!e.contains("panicked"), "{e}");
-    e.trim().to_string()
 }
 
 /// The error of a command that failed after it started work (its notices come first).
@@ -47,43 +36,7 @@ fn data() -> String {
 }
 
 fn train(out: &Path, extra: &[&str]) -> Output {
-    let (m, d) = (model(), data());
-    let mut args = vec![
-        "train",
-        &m,
-        "--data",
-        &d,
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--steps",
-        "2",
-        "--interpreter",
-        "--no-fuse",
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    args.extend(extra);
-    qatc(&args)
-}
-
-/// Every file of a directory tree with its bytes, by relative path.
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                v.push((p.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&p).unwrap()));
-            }
-        }
-    }
-    v.sort();
-    v
+    common::cli::tiny_train(out, extra)
 }
 
 #[test]
@@ -114,9 +67,9 @@ fn eval_and_export_read_the_adapters_configuration() {
     // without the bit map the model is another one: the configuration did change the result
     let plain = ok(qatc(&["eval", &m, "--data", &d, "--batch", "2", "--seq", "16", "--batches", "3", "--json"]));
     assert_ne!(plain, with);
-    let e = refused(eval(&["--group", "64"]));
+    let e = refused(&eval(&["--group", "64"]));
     assert!(e.contains("--group 64 contradicts") && e.ends_with("qatc.json, which has 32"), "{e}");
-    let e = refused(eval(&["--scheme", "asym"]));
+    let e = refused(&eval(&["--scheme", "asym"]));
     assert!(e.contains("--scheme asym contradicts") && e.contains("which has sym"), "{e}");
 
     // export: the same bytes with the flags and without them
@@ -135,7 +88,7 @@ fn eval_and_export_read_the_adapters_configuration() {
     assert_eq!(fx.iter().map(|f| &f.0).collect::<Vec<_>>(), ["config.json", "export.json", "model.safetensors", "qatc.json"]);
     assert!(fx == fy, "the exports differ");
     assert!(fx[3].1 == std::fs::read(ad.join("qatc.json")).unwrap(), "the export carries the adapter's configuration");
-    let e = refused(export(&tmp.path().join("z"), &["--bits", "4"]));
+    let e = refused(&export(&tmp.path().join("z"), &["--bits", "4"]));
     assert!(e.contains("--bits 4 contradicts") && e.contains("which has 3"), "{e}");
     assert!(!tmp.path().join("z").exists());
 }
@@ -149,7 +102,7 @@ fn an_output_directory_that_holds_an_input_is_refused_before_any_work() {
     // a full fine-tune of the earlier export, into the directory it lives in
     let (m2, d) = (ft.join("model.safetensors").display().to_string(), data());
     let o = ft.display().to_string();
-    let e = refused(qatc(&[
+    let e = refused(&qatc(&[
         "train",
         &m2,
         "--data",
@@ -169,9 +122,9 @@ fn an_output_directory_that_holds_an_input_is_refused_before_any_work() {
     // an adapter that would be its own output
     let ad = tmp.path().join("ad");
     ok(train(&ad, &["--lora", "r=4"]));
-    let e = refused(train(&ad, &["--lora", "r=4", "--init-adapter", ad.to_str().unwrap()]));
+    let e = refused(&train(&ad, &["--lora", "r=4", "--init-adapter", ad.to_str().unwrap()]));
     assert!(e.contains("is inside the output directory"), "{e}");
-    let e = refused(qatc(&["export", &model(), "--adapter", ad.to_str().unwrap(), "--out", ad.to_str().unwrap()]));
+    let e = refused(&qatc(&["export", &model(), "--adapter", ad.to_str().unwrap(), "--out", ad.to_str().unwrap()]));
     assert!(e.contains("is inside the output directory"), "{e}");
     assert!(files(&ft) == before, "the refused run changed its input");
 }
@@ -199,13 +152,13 @@ fn outputs_written_at_the_end_are_checked_at_the_start() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("o");
     let plot = tmp.path().join("no/such/dir/loss.svg");
-    let e = refused(train(&out, &["--lora", "r=4", "--plot", plot.to_str().unwrap()]));
+    let e = refused(&train(&out, &["--lora", "r=4", "--plot", plot.to_str().unwrap()]));
     assert!(e.contains("--plot"), "{e}");
-    let e = refused(train(&out, &["--lora", "r=4", "--log-json", out.join("log.jsonl").to_str().unwrap()]));
+    let e = refused(&train(&out, &["--lora", "r=4", "--log-json", out.join("log.jsonl").to_str().unwrap()]));
     assert!(e.contains("is inside --out"), "{e}");
     assert!(!out.exists());
     let svg = tmp.path().to_str().unwrap();
-    let e = refused(qatc(&["plan", &model(), "--batch", "2", "--seq", "16", "--svg", svg]));
+    let e = refused(&qatc(&["plan", &model(), "--batch", "2", "--seq", "16", "--svg", svg]));
     assert!(e.contains("is a directory"), "{e}");
 }
 

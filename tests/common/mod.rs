@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: fixture paths and a safetensors reader.
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod nvrtc;
 
 use std::collections::HashMap;
