@@ -35,6 +35,8 @@ use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage, PlanFuncs};
 use qatc_runtime::{CpuProgram, Value};
 
+use common::nvrtc::gpu;
+
 /// A value as a buffer's bytes.
 fn to_bytes(buf: &Buffer, v: &Value<f32>) -> Vec<u8> {
     let mut out = vec![0u8; buf.device_bytes()];
@@ -263,20 +265,6 @@ fn the_tiny_step_on_the_emulated_gpu_matches_the_cpu() {
             worst.1
         );
     }
-}
-
-/// The GPU and NVRTC, or None with the reason printed.
-fn gpu() -> Option<(CudaDriver, qatc_kernels::nvrtc::Nvrtc)> {
-    let g = match CudaDriver::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e}");
-            return None;
-        }
-    };
-    let nv = common::nvrtc::nvrtc()?;
-    eprintln!("GPU: {} ({}), NVRTC {}.{}", g.device().name, g.device().arch, nv.version.0, nv.version.1);
-    Some((g, nv))
 }
 
 /// CUBINs for the device of every kernel a program runs: its own and its plans' data moves.
