@@ -174,7 +174,7 @@ pub fn describe_cuda(p: &CudaProgram<CudaDriver>) -> String {
     let l = p.layout();
     let o = p.options();
     format!(
-        "on CUDA: {} ({}, {} SMs, {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use",
+        "on CUDA: {} ({}, {} SMs, {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
         d.name,
         d.arch,
         d.multiprocessors,
@@ -191,7 +191,9 @@ pub fn describe_cuda(p: &CudaProgram<CudaDriver>) -> String {
         human(b.data),
         human(b.scratch),
         human(b.pinned),
-        human(b.device_used)
+        human(b.device_used),
+        human(b.device_used.saturating_sub(b.device_total())),
+        human(qatc_runtime::exec::Device::Cuda.reserved_bytes())
     )
 }
 
