@@ -35,7 +35,7 @@ use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, GpuApi, HostGpu, KernelBuild};
 use qatc_runtime::{CpuProgram, Interpreter, TrainStep, Value};
 
-use common::nvrtc::gpu;
+use common::gpu::gpu;
 use lockstep::{bits_equal, drive, floats, give_batch, judge16, lockstep, read_state, set};
 
 const TINY: (&str, &str) = ("tests/fixtures/tiny/f32_prefix/model.safetensors", "tests/fixtures/tiny/tokens.bin");

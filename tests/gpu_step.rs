@@ -35,7 +35,7 @@ use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage, PlanFuncs};
 use qatc_runtime::{CpuProgram, Value};
 
-use common::nvrtc::gpu;
+use common::gpu::gpu;
 
 /// A value as a buffer's bytes.
 fn to_bytes(buf: &Buffer, v: &Value<f32>) -> Vec<u8> {

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cli;
+pub mod gpu;
 pub mod nvrtc;
 
 use std::collections::HashMap;

@@ -44,18 +44,3 @@ pub fn build(
     let o = BuildOptions { arch, cache, jobs, source_dir: Some(&dir) };
     qatc_kernels::nvrtc::compile_cubins(nv, kernels, &o).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
-
-/// The GPU and NVRTC, or None with the reason printed (the tests that need a GPU skip so).
-pub fn gpu() -> Option<(qatc_runtime::cuda::CudaDriver, Nvrtc)> {
-    use qatc_runtime::cuda::GpuApi;
-    let g = match qatc_runtime::cuda::CudaDriver::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e}");
-            return None;
-        }
-    };
-    let nv = nvrtc()?;
-    eprintln!("GPU: {} ({}), NVRTC {}.{}", g.device().name, g.device().arch, nv.version.0, nv.version.1);
-    Some((g, nv))
-}
