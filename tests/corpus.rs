@@ -11,6 +11,8 @@
 //!
 //! The shared valid inputs are checked the same way once all cases ran: no case may touch them.
 
+mod common;
+
 mod corpus {
     pub mod adapters;
     pub mod bitmaps;

@@ -8,20 +8,7 @@ use crate::{s, Case};
 
 /// Every file of the base run, under `r/`.
 fn run_files(base: &Base) -> Vec<(String, Vec<u8>)> {
-    let mut out = Vec::new();
-    let mut stack = vec![base.run()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let rel = p.strip_prefix(base.run()).unwrap().display().to_string();
-                out.push((format!("r/{rel}"), std::fs::read(&p).unwrap()));
-            }
-        }
-    }
-    out
+    crate::common::cli::files(&base.run()).into_iter().map(|(rel, bytes)| (format!("r/{rel}"), bytes)).collect()
 }
 
 /// An edit of a safetensors file's header and data.
