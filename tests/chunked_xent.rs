@@ -125,18 +125,30 @@ fn chunked_steps_equal_the_unchunked_step() {
         for sequential_rows in [false, true] {
             let what = &format!("{what}, sequential rows {sequential_rows}");
             // chunks of 5 rows: 25 full chunks and a last one of 3
-            let options = LowerOptions { ce_chunk_rows: Some(5), sequential_rows, ..Default::default() };
+            // the frozen head on one thread per row walks the vocabulary in tiles of 16 (7 tiles,
+            // the last of one column) with an online softmax
+            let online = lora && sequential_rows;
+            let options = LowerOptions { ce_chunk_rows: Some(5), sequential_rows, ce_tile_cols: Some(16), ..Default::default() };
             let prog = qatc_kernels::lower_with(&tr.graph, &options).unwrap();
             let ce = &prog.cross_entropy;
             assert_eq!(ce.len(), 1, "{what}");
-            assert_eq!((ce[0].rows, ce[0].vocab, ce[0].chunk_rows, ce[0].chunks(), ce[0].with_grad), (rows, vocab, 5, 26, true));
+            let tile = if online { 16 } else { vocab };
+            assert_eq!(
+                (ce[0].rows, ce[0].vocab, ce[0].chunk_rows, ce[0].tile_cols, ce[0].chunks(), ce[0].with_grad),
+                (rows, vocab, 5, tile, 26, true)
+            );
             let big: Vec<&str> = prog.buffers.iter().filter(logits_like).map(|b| b.name.as_str()).collect();
             assert!(big.is_empty(), "{what}: no buffer of B x T x V: {big:?}");
-            let row_kernels: Vec<&qatc_kernels::kir::Kernel> = prog.kernels.iter().filter(|k| k.family == "cross_entropy.chunk").collect();
-            assert_eq!(row_kernels.len(), 2, "{what}: one row kernel for the full chunks, one for the last");
-            // one exp per logit on one thread per row, two where threads share a row
+            let family = if online { "cross_entropy.online_tile" } else { "cross_entropy.chunk" };
+            let row_kernels: Vec<&qatc_kernels::kir::Kernel> = prog.kernels.iter().filter(|k| k.family == family).collect();
+            // one row kernel for the full chunks (tiles), one for the last
+            assert_eq!(row_kernels.len(), if online { 4 } else { 2 }, "{what}: row kernels");
+            // one exp per logit on one thread per row, two where threads share a row (the online
+            // form's second is the running max's correction, once per row)
             let exps = exps_in(row_kernels[0]);
-            assert_eq!(exps, if sequential_rows { 1 } else { 2 }, "{what}: exps in the row kernel");
+            assert_eq!(exps, if sequential_rows && !online { 1 } else { 2 }, "{what}: exps in the row kernel");
+            let tiles_read = prog.gemms().filter(|g| g.note.starts_with("logits of rows 0..5")).count();
+            assert_eq!(tiles_read, if online { 7 } else { 1 }, "{what}: the first chunk's logits GEMMs");
             let got = run(cpu(prog.clone()), &tr);
             // the loss bit for bit where the row kernel's sum is the unchunked kernel's; with the
             // exp kept, the sum's loop also stores, which LLVM may vectorize differently: within

@@ -243,6 +243,10 @@ pub struct CeChunking {
     pub rows: usize,
     pub vocab: usize,
     pub chunk_rows: usize,
+    /// Columns of the vocabulary per tile: `vocab` (a chunk's whole rows at once), or fewer where
+    /// the chunk walks the vocabulary in tiles with an online softmax (`xent.rs`, a frozen head
+    /// on the CPU).
+    pub tile_cols: usize,
     /// The gradient is computed too (training), not only the loss (evaluation).
     pub with_grad: bool,
 }
@@ -251,9 +255,9 @@ impl CeChunking {
     pub fn chunks(&self) -> usize {
         self.rows.div_ceil(self.chunk_rows.max(1))
     }
-    /// The f32 [chunk_rows, vocab] scratch the logits of one chunk live in.
+    /// The f32 [chunk_rows, tile_cols] scratch the logits of one chunk (or tile) live in.
     pub fn scratch_bytes(&self) -> usize {
-        4 * self.chunk_rows * self.vocab
+        4 * self.chunk_rows * self.tile_cols
     }
 }
 

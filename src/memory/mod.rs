@@ -99,6 +99,16 @@ pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Resu
 pub fn chunking_line(c: &qatc_kernels::program::CeChunking) -> String {
     let whole = qatc_passes::plan::units::human(4 * c.rows * c.vocab);
     let scratch = qatc_passes::plan::units::human(c.scratch_bytes());
+    if c.tile_cols < c.vocab {
+        return format!(
+            "cross-entropy over {} x {} logits in {} chunk(s) of {} rows x tiles of {} columns (online softmax): one {scratch} tile, never the whole {whole}",
+            c.rows,
+            c.vocab,
+            c.chunks(),
+            c.chunk_rows,
+            c.tile_cols
+        );
+    }
     if c.chunks() == 1 {
         return format!(
             "cross-entropy over {} x {} logits in one chunk of {} rows: the whole {whole} at once",
@@ -128,7 +138,7 @@ pub fn chunking(e: &Executed) -> Vec<serde_json::Value> {
                 serde_json::json!({ "floor": k.floor, "tried": tried, "why": k.why })
             });
             serde_json::json!({
-                "rows": c.rows, "vocab": c.vocab, "chunk_rows": c.chunk_rows, "chunks": c.chunks(),
+                "rows": c.rows, "vocab": c.vocab, "chunk_rows": c.chunk_rows, "tile_cols": c.tile_cols, "chunks": c.chunks(),
                 "scratch_bytes": c.scratch_bytes(), "chosen": choice,
             })
         })

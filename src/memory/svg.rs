@@ -161,12 +161,13 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
     );
     let ce_line = match (e.program.cross_entropy.first(), &e.chunk) {
         // shorter than the table's line, so the choice fits beside it
-        (Some(c), Some(k)) if c.chunks() > 1 => format!(
-            "cross-entropy over {} x {}: {} chunks of {} rows ({}, not {}); {}",
+        (Some(c), Some(k)) if c.chunks() > 1 || c.tile_cols < c.vocab => format!(
+            "cross-entropy over {} x {}: {} chunk(s) of {} rows x {} columns ({}, not {}); {}",
             c.rows,
             c.vocab,
             c.chunks(),
             c.chunk_rows,
+            c.tile_cols,
             human(c.scratch_bytes()),
             human(4 * c.rows * c.vocab),
             k.short()

@@ -46,6 +46,7 @@ mod rows;
 mod scatter;
 mod tidy;
 pub mod xent;
+mod xent_online;
 
 /// The context of one lowering: the graph being read (the step, or a fused node's body), the nodes
 /// of it already in memory, and names for the buffers as kernel parameters.
@@ -127,6 +128,9 @@ pub struct LowerOptions {
     /// chunked cross-entropy keeps exp(x - max) from its sum pass for the gradient (`xent.rs`).
     /// False: kernels safe for threads sharing a row (CUDA's block and warp per row).
     pub sequential_rows: bool,
+    /// Vocabulary columns per tile of the online cross-entropy (`xent.rs`); None: what
+    /// `xent::TILE_BYTES` of scratch holds (tests set a few, to cross many tiles).
+    pub ce_tile_cols: Option<usize>,
 }
 
 impl Default for Lowerer {

@@ -166,9 +166,16 @@ pub fn lower(
     let chunks = n.div_ceil(r);
     let with_grad = head.grad.is_some();
     let phase = if with_grad { Phase::Backward } else { Phase::Forward };
+    // a frozen head (dh the one product, W its operand as stored) on one thread per row: the
+    // vocabulary in tiles with an online softmax (`xent_online.rs`)
+    let online = lw.options.sequential_rows
+        && with_grad
+        && matches!(head.products[..], [(p, false)] if body.operands(p).get(1) == Some(&head.w)
+            && matches!(body.node(p).op, Op::MatMul { tb: false, .. }));
+    let tile = if online { super::xent_online::tile_cols(r, v, lw.options.ce_tile_cols) } else { v };
 
     // buffers: the chunk scratch, the row losses, each chunk's first row, and the results
-    let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), DType::F32, &[r, v], BufKind::Temp, Role::temporary(phase));
+    let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), DType::F32, &[r, tile], BufKind::Temp, Role::temporary(phase));
     let losses = lw.buffer("ce_rows".into(), DType::F32, &[n], BufKind::Temp, Role::temporary(Phase::Forward));
     let bases: Vec<View> = (0..chunks)
         .map(|c| lw.buffer(format!("ce_chunk{c}_row"), DType::I32, &[1], BufKind::Temp, Role::temporary(Phase::Forward)))
@@ -192,7 +199,7 @@ pub fn lower(
         let buf = lw.buffer(pname, ty.dtype, &ty.shape.0, BufKind::Value, Role { category, phase: Phase::Backward });
         results.insert(p, buf);
     }
-    lw.prog.cross_entropy.push(CeChunking { rows: n, vocab: v, chunk_rows: r, with_grad });
+    lw.prog.cross_entropy.push(CeChunking { rows: n, vocab: v, chunk_rows: r, tile_cols: tile, with_grad });
 
     // each chunk's first row, once
     {
@@ -211,7 +218,46 @@ pub fn lower(
     }
     let (hv, wv) = (cx.leaves[&head.h].clone(), cx.leaves[&head.w].clone());
     let swap = |x: &View| x.transpose(&[1, 0]);
-    for (c, base) in bases.iter().enumerate() {
+    if let (true, Some(dloss), [(dh, _)]) = (online, head.dloss, &head.products[..]) {
+        // each tile's first column, once (as each chunk's first row)
+        let tiles = v.div_ceil(tile);
+        let starts: Vec<View> = (0..tiles)
+            .map(|t| lw.buffer(format!("ce_tile{t}_col"), DType::I32, &[1], BufKind::Temp, Role::temporary(Phase::Backward)))
+            .collect();
+        for s in &starts {
+            cx.names.insert(s.buf, "first_col".into());
+        }
+        {
+            let touched: Vec<&View> = starts.iter().collect();
+            let mut kb = lw.kb_elements(&cx, &[1], &touched);
+            for (t, s) in starts.iter().enumerate() {
+                kb.store_view(s, &Pos::Lin(Expr::Int(0)), Expr::Int((t * tile) as i64));
+            }
+            launch!(
+                lw,
+                kb,
+                "cross_entropy.tile_cols",
+                Space::Elements { shape: vec![1] },
+                format!("the first column of each of {tiles} tiles")
+            )?;
+        }
+        let o = super::xent_online::Online {
+            tile_starts: &starts,
+            h: &hv,
+            w: &wv,
+            targets: head.targets,
+            dloss,
+            losses: &losses,
+            dh: &results[dh],
+            scratch: &scratch,
+            n,
+            vocab: v,
+        };
+        for (c, base) in bases.iter().enumerate() {
+            super::xent_online::chunk(lw, &cx, &o, base, (c * r, ((c + 1) * r).min(n)))?;
+        }
+    }
+    for (c, base) in bases.iter().enumerate().filter(|_| !online) {
         let (r0, r1) = (c * r, ((c + 1) * r).min(n));
         let rc = r1 - r0;
         let chunk = scratch.slice(0, 0, rc);
