@@ -32,13 +32,18 @@ use crate::program::{BufKind, Gemm, GemmTypes, View};
 /// few hundred) stay in a CPU's last-level cache between the two GEMMs.
 pub const TILE_BYTES: usize = 8 << 20;
 
+/// Fewest columns per tile: each tile moves every row's dh (C values) once more, so a tile
+/// narrower than this would spend more on that than on its exps.
+pub const MIN_TILE_COLS: usize = 1024;
+
 /// Vocabulary columns per tile for chunks of `rows` rows: `given`, else `TILE_BYTES` of f32 (at
-/// least 64 columns); at most the vocabulary.
+/// least `MIN_TILE_COLS`: past 2048 rows the tile grows beyond `TILE_BYTES`, which the planner
+/// weighs); at most the vocabulary.
 pub fn tile_cols(rows: usize, vocab: usize, given: Option<usize>) -> usize {
     let vocab = vocab.max(1);
     match given {
         Some(t) => t.clamp(1, vocab),
-        None => (TILE_BYTES / (4 * rows.max(1))).clamp(64.min(vocab), vocab),
+        None => (TILE_BYTES / (4 * rows.max(1))).clamp(MIN_TILE_COLS.min(vocab), vocab),
     }
 }
 
