@@ -1,8 +1,10 @@
 //! The chunked cross-entropy's rows per chunk, chosen by the planner (`qatc::memory::chunk`):
 //! the largest power-of-two multiple of the fusion rule's floor whose executed plan peaks no
-//! higher than the floor's. On the demo step and GPT-2 124M configurations: the chosen size is
-//! the program's, the plan's peak is at most the floor's, the next size up raises it (unless every row
-//! is already in one chunk), and the plan's text and JSON say it.
+//! higher than the floor's (0.1% allowed: the per-row statistics). On the demo step and GPT-2
+//! 124M configurations: the chosen size is the program's, the plan's peak is at most the floor's,
+//! the next size up raises it (unless every row is already in one chunk), and the plan's text and
+//! JSON say it. A frozen head on the CPU walks the vocabulary in tiles (one scratch tile whatever
+//! the rows), so there every row goes in one chunk, or as many as keep the peak.
 
 mod common;
 
@@ -40,16 +42,17 @@ fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
     assert_eq!(ce[0].chunk_rows, k.rows, "{what}: the program runs the chosen size");
     assert_eq!(k.total_rows, o.batch * o.seq, "{what}");
     let base = k.tried[0];
+    let kept = base.1 + base.1 / 1000;
     assert_eq!(base.0, k.floor, "{what}: the floor is planned first");
-    assert!(e.plan.peak_bytes() <= base.1, "{what}: the chosen size keeps the floor's peak ({} > {})", e.plan.peak_bytes(), base.1);
+    assert!(e.plan.peak_bytes() <= kept, "{what}: the chosen size keeps the floor's peak ({} > {})", e.plan.peak_bytes(), base.1);
     for &(r, p) in &k.tried {
         if r <= k.rows {
-            assert!(p <= base.1, "{what}: {r} rows peak at {p} > {}", base.1);
+            assert!(p <= kept, "{what}: {r} rows peak at {p} > {}", base.1);
         }
     }
     if k.rows < k.total_rows {
         let next = k.tried.iter().find(|t| t.0 > k.rows).unwrap_or_else(|| panic!("{what}: the next size was not tried"));
-        assert!(next.1 > base.1, "{what}: {} rows would not raise the peak, yet {} were chosen", next.0, k.rows);
+        assert!(next.1 > kept, "{what}: {} rows would not raise the peak, yet {} were chosen", next.0, k.rows);
     }
     assert!(k.rows >= k.floor && k.rows.is_power_of_two() || k.rows == k.total_rows, "{what}: {k:?}");
     eprintln!("{what}: {}", k.why);
@@ -60,8 +63,14 @@ fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
 fn the_planner_chooses_the_rows_per_chunk() {
     let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
     let gpt2 = Gpt2Config::preset("124M").unwrap();
-    // the demo: the cross-entropy is at the peak, so the floor stays
+    // the demo's LoRA step: the frozen head in vocabulary tiles, every row in one chunk
     let (rows, e) = check("demo, Q4_0 g32 + LoRA 16, B 4 T 128", &demo.cfg, &options(4, 128, Some(("q4_0", 32))));
+    assert_eq!(rows, 512);
+    let ce = &e.program.cross_entropy[0];
+    assert_eq!((ce.tile_cols, ce.scratch_bytes()), (4096, 8 << 20), "one 8 MiB tile of 4096 columns");
+    // the demo's full fine-tune (a trainable head: whole rows): the cross-entropy is at the
+    // peak, so the floor stays
+    let (rows, e) = check("demo, full fine-tune, B 4 T 128", &demo.cfg, &options(4, 128, None));
     assert_eq!(rows, 128);
     let json = qatc::memory::json::to_json(&e, serde_json::json!({})).unwrap();
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
@@ -74,12 +83,13 @@ fn the_planner_chooses_the_rows_per_chunk() {
     // 124M, B 1 T 256, full fine-tune: the peak is elsewhere, every row in one chunk is free
     let (rows, _) = check("124M full fine-tune, B 1 T 256", &gpt2, &options(1, 256, None));
     assert_eq!(rows, 256);
-    // 124M, B 8 T 1024, 4-bit + LoRA, blocks: up from the floor to 1024 rows
+    // 124M, B 8 T 1024, 4-bit + LoRA, blocks: every row in one chunk, 1024-column tiles
     let mut o = options(8, 1024, Some(("sym", 64)));
     o.checkpoint = Checkpoint::Blocks;
     let (rows, _) = check("124M 4-bit g64 + LoRA 16, B 8 T 1024, blocks", &gpt2, &o);
-    assert_eq!(rows, 1024);
-    // the same without recompute: the cross-entropy is at the peak
+    assert_eq!(rows, 8192);
+    // the same without recompute: the cross-entropy is at the peak, and past 2048 rows the
+    // tile (at least 1024 columns) grows past 8 MiB and raises it
     let (rows, _) = check("124M 4-bit g64 + LoRA 16, B 8 T 1024", &gpt2, &options(8, 1024, Some(("sym", 64))));
-    assert_eq!(rows, 128);
+    assert_eq!(rows, 2048);
 }
