@@ -392,7 +392,9 @@ fn resident_state_equals_the_host_round_trip_bit_for_bit() {
         // the old way: the host holds the state, binds everything every step, reads the updates
         // out of their buffers
         let g = &resident.graph;
-        let (mut cp, _) = CpuProgram::compile(qatc_kernels::lower(g).unwrap(), &CpuOptions::default()).unwrap();
+        // the program the trainer runs (`memory::lower_step`: the planner's schedule and chunks)
+        let (prog, _) = qatc::memory::lower_step(g, qatc_runtime::exec::Device::Cpu, &CpuOptions::default()).unwrap();
+        let (mut cp, _) = CpuProgram::compile(prog, &CpuOptions::default()).unwrap();
         let mut host = m.bind::<f32>(g, None, seed).unwrap();
         for id in g.inputs() {
             if g.input_kind(id) == Some(qatc_ir::InputKind::State) {
