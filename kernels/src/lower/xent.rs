@@ -13,6 +13,10 @@
 //! kernel: loss = (sum of the N row losses in row order) / N
 //! ```
 //!
+//! A frozen head (dh the only product) on an executor that runs a row on one thread walks the
+//! vocabulary in tiles with an online softmax instead (`xent_online.rs`: the head weight read
+//! once per chunk, an [R, Vt] scratch).
+//!
 //! Where the executor runs a row on one thread in order (`LowerOptions::sequential_rows`: the
 //! CPU), the sum pass also writes exp(x - max) over the row and the gradient pass reads it back:
 //! one exp per logit instead of two (the row kernels' time -20% on the demo step). Threads that
