@@ -181,13 +181,19 @@ pub fn lower(
     // buffers: the chunk scratch, the row losses, each chunk's first row, and the results
     let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), DType::F32, &[r, tile], BufKind::Temp, Role::temporary(phase));
     let losses = lw.buffer("ce_rows".into(), DType::F32, &[n], BufKind::Temp, Role::temporary(Phase::Forward));
-    let bases: Vec<View> = (0..chunks)
-        .map(|c| lw.buffer(format!("ce_chunk{c}_row"), DType::I32, &[1], BufKind::Temp, Role::temporary(Phase::Forward)))
-        .collect();
-    // one parameter name for every chunk's first row, so the row kernel is one kernel
-    for b in &bases {
-        cx.names.insert(b.buf, "first_row".into());
-    }
+    let bases = starts(
+        lw,
+        &mut cx,
+        Starts {
+            buffer: ("ce_chunk", "_row"),
+            param: "first_row",
+            family: "cross_entropy.chunk_rows",
+            what: ("row", "chunks"),
+            count: chunks,
+            step: r,
+            phase: Phase::Forward,
+        },
+    )?;
     let name = g.node(id).name.clone().unwrap_or_else(|| "loss".into());
     let loss_shape = body.ty(head.loss).shape.0.clone();
     let loss_buf = lw.buffer(name, DType::F32, &loss_shape, BufKind::Value, Role::temporary(Phase::Forward));
@@ -205,48 +211,25 @@ pub fn lower(
     }
     lw.prog.cross_entropy.push(CeChunking { rows: n, vocab: v, chunk_rows: r, tile_cols: tile, with_grad });
 
-    // each chunk's first row, once
-    {
-        let touched: Vec<&View> = bases.iter().collect();
-        let mut kb = lw.kb_elements(&cx, &[1], &touched);
-        for (c, b) in bases.iter().enumerate() {
-            kb.store_view(b, &Pos::Lin(Expr::Int(0)), Expr::Int((c * r) as i64));
-        }
-        launch!(
-            lw,
-            kb,
-            "cross_entropy.chunk_rows",
-            Space::Elements { shape: vec![1] },
-            format!("the first row of each of {chunks} chunks")
-        )?;
-    }
     let (hv, wv) = (cx.leaves[&head.h].clone(), cx.leaves[&head.w].clone());
     let swap = |x: &View| x.transpose(&[1, 0]);
     if let (true, Some(dloss), [(dh, _)]) = (online, head.dloss, &head.products[..]) {
-        // each tile's first column, once (as each chunk's first row)
-        let tiles = v.div_ceil(tile);
-        let starts: Vec<View> = (0..tiles)
-            .map(|t| lw.buffer(format!("ce_tile{t}_col"), DType::I32, &[1], BufKind::Temp, Role::temporary(Phase::Backward)))
-            .collect();
-        for s in &starts {
-            cx.names.insert(s.buf, "first_col".into());
-        }
-        {
-            let touched: Vec<&View> = starts.iter().collect();
-            let mut kb = lw.kb_elements(&cx, &[1], &touched);
-            for (t, s) in starts.iter().enumerate() {
-                kb.store_view(s, &Pos::Lin(Expr::Int(0)), Expr::Int((t * tile) as i64));
-            }
-            launch!(
-                lw,
-                kb,
-                "cross_entropy.tile_cols",
-                Space::Elements { shape: vec![1] },
-                format!("the first column of each of {tiles} tiles")
-            )?;
-        }
+        let count = v.div_ceil(tile);
+        let tile_starts = starts(
+            lw,
+            &mut cx,
+            Starts {
+                buffer: ("ce_tile", "_col"),
+                param: "first_col",
+                family: "cross_entropy.tile_cols",
+                what: ("column", "tiles"),
+                count,
+                step: tile,
+                phase: Phase::Backward,
+            },
+        )?;
         let o = super::xent_online::Online {
-            tile_starts: &starts,
+            tile_starts: &tile_starts,
             h: &hv,
             w: &wv,
             targets: head.targets,
@@ -341,6 +324,41 @@ pub fn lower(
     }
     let out = parts.iter().map(|&(p, start, len)| (start, len, results[&p].clone())).collect();
     Ok(Some(Lowered::Parts(out)))
+}
+
+/// Where each of `count` parts begins (`step` apart: a chunk's first row, a tile's first column).
+struct Starts<'a> {
+    /// Buffer names: prefix, part number, suffix.
+    buffer: (&'a str, &'a str),
+    /// The one parameter name a kernel takes any of them as.
+    param: &'a str,
+    /// The filling kernel's family, and what a start is of what, in its note ("row", "chunks").
+    family: &'a str,
+    what: (&'a str, &'a str),
+    count: usize,
+    step: usize,
+    phase: Phase,
+}
+
+/// Each part's start in a one-element i32 buffer of its own, all filled by one kernel (run once):
+/// a kernel that takes one of them (under one parameter name) is one kernel for every part,
+/// where a constant start would make a kernel per part.
+fn starts(lw: &mut Lowerer, cx: &mut Ctx, s: Starts) -> Result<Vec<View>, KernelError> {
+    let (prefix, suffix) = s.buffer;
+    let bufs: Vec<View> = (0..s.count)
+        .map(|i| lw.buffer(format!("{prefix}{i}{suffix}"), DType::I32, &[1], BufKind::Temp, Role::temporary(s.phase)))
+        .collect();
+    for b in &bufs {
+        cx.names.insert(b.buf, s.param.into());
+    }
+    let touched: Vec<&View> = bufs.iter().collect();
+    let mut kb = lw.kb_elements(cx, &[1], &touched);
+    for (i, b) in bufs.iter().enumerate() {
+        kb.store_view(b, &Pos::Lin(Expr::Int(0)), Expr::Int((i * s.step) as i64));
+    }
+    let note = format!("the first {} of each of {} {}", s.what.0, s.count, s.what.1);
+    launch!(lw, kb, s.family, Space::Elements { shape: vec![1] }, note)?;
+    Ok(bufs)
 }
 
 /// One chunk's row kernel: row i of the scratch is global row base + i.
