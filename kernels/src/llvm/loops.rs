@@ -9,6 +9,7 @@ use inkwell::{FloatPredicate, IntPredicate};
 
 use super::fb::{FnBuilder, R};
 use super::math;
+use super::scalar::{cast, convert, is_float, join, speculatable};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Intrinsic, Ix, ReduceOp, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
 
@@ -147,33 +148,6 @@ impl<'ctx> Scope<'ctx> {
         let tail = f.b.build_select(f.b.build_int_compare(IntPredicate::SGT, tail, lo, "gt")?, tail, lo, "tl")?.into_int_value();
         f.for_range(tail, hi, &mut |f, idx| one(self, f, idx))
     }
-}
-
-fn is_float(t: Ty) -> bool {
-    matches!(t, Ty::F32 | Ty::F64)
-}
-
-/// The type two operands meet in: C's conversions, except that two bools stay a bool (an i1
-/// select, not an int).
-fn join(a: Ty, b: Ty) -> Ty {
-    match (a, b) {
-        (Ty::Bool, Ty::Bool) => Ty::Bool,
-        _ => Ty::common(a, b),
-    }
-}
-
-/// Cheap and unable to fault: both arms of a select may be evaluated.
-fn speculatable(e: &Expr) -> bool {
-    let mut ok = true;
-    e.visit(&mut |x| {
-        if matches!(x, Expr::Load { .. } | Expr::Call(..) | Expr::Bin(BinOp::Rem, ..) | Expr::Un(UnOp::Tanh | UnOp::Gelu, _)) {
-            ok = false;
-        }
-        if let Expr::Bin(BinOp::Div | BinOp::GeluGrad | BinOp::Pow, ..) = x {
-            ok = false;
-        }
-    });
-    ok
 }
 
 impl<'ctx> Scope<'ctx> {
@@ -558,54 +532,5 @@ impl<'ctx> Scope<'ctx> {
                 (math::dyn_nearest(f, map, y)?.into(), Ty::I32)
             }
         })
-    }
-}
-
-/// Implicit conversion between operand types (C's usual conversions).
-fn convert<'ctx>(f: &FnBuilder<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
-    if from == to {
-        return Ok(v);
-    }
-    let b = &f.b;
-    Ok(match (from, to) {
-        (Ty::Bool, Ty::I32 | Ty::I64) => b.build_int_z_extend(v.into_int_value(), f.llty(to).into_int_type(), "z")?.into(),
-        (Ty::Bool, Ty::F32 | Ty::F64) => b.build_unsigned_int_to_float(v.into_int_value(), f.llty(to).into_float_type(), "f")?.into(),
-        (Ty::I32 | Ty::I64, Ty::Bool) => {
-            let x = v.into_int_value();
-            b.build_int_compare(IntPredicate::NE, x, x.get_type().const_int(0, false), "nz")?.into()
-        }
-        (Ty::F32 | Ty::F64, Ty::Bool) => {
-            let x = v.into_float_value();
-            b.build_float_compare(FloatPredicate::UNE, x, x.get_type().const_float(0.0), "nz")?.into()
-        }
-        (Ty::I32, Ty::I64) => b.build_int_s_extend(v.into_int_value(), f.cx.i64_type(), "s")?.into(),
-        (Ty::I64, Ty::I32) => b.build_int_truncate(v.into_int_value(), f.cx.i32_type(), "t")?.into(),
-        (Ty::I32 | Ty::I64, Ty::F32 | Ty::F64) => {
-            b.build_signed_int_to_float(v.into_int_value(), f.llty(to).into_float_type(), "f")?.into()
-        }
-        (Ty::F32, Ty::F64) => b.build_float_ext(v.into_float_value(), f.cx.f64_type(), "d")?.into(),
-        (Ty::F64, Ty::F32) => b.build_float_trunc(v.into_float_value(), f.f32t(), "f")?.into(),
-        (Ty::F32 | Ty::F64, Ty::I32 | Ty::I64) => cast(f, v, from, to)?,
-        _ => v,
-    })
-}
-
-/// `Expr::Cast`: float to integer truncates toward zero, saturates at the target's range, and
-/// maps NaN to 0, from the float's own width (the CUDA backend's `__double2ll_rz` and kin);
-/// everything else as [`convert`].
-fn cast<'ctx>(f: &FnBuilder<'_, 'ctx>, v: BasicValueEnum<'ctx>, from: Ty, to: Ty) -> R<BasicValueEnum<'ctx>> {
-    match (from, to) {
-        (Ty::F32 | Ty::F64, Ty::I32 | Ty::I64) => {
-            let x = v.into_float_value();
-            let it = f.llty(to).into_int_type();
-            let fty = x.get_type();
-            let name =
-                format!("llvm.fptosi.sat.{}.{}", if to == Ty::I64 { "i64" } else { "i32" }, if from == Ty::F64 { "f64" } else { "f32" });
-            let decl = inkwell::intrinsics::Intrinsic::find("llvm.fptosi.sat")
-                .and_then(|i| i.get_declaration(f.m, &[it.into(), fty.into()]))
-                .ok_or_else(|| KernelError::Internal(format!("no intrinsic {name}")))?;
-            f.call(decl, &[x.into()], &name)
-        }
-        _ => convert(f, v, from, to),
     }
 }

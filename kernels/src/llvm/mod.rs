@@ -28,6 +28,7 @@ mod fb;
 mod jit;
 mod loops;
 mod math;
+mod scalar;
 
 use inkwell::context::Context;
 use inkwell::module::Module;
