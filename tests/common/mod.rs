@@ -42,21 +42,40 @@ pub fn read_safetensors(rel: &str) -> HashMap<String, T> {
     m
 }
 
+/// The largest |a - b| over the pairs, NaN in the same places (both NaN) counting as equal and
+/// NaN on one side only as infinitely far: `f64::max` drops a NaN, so without this a kernel
+/// that wrote NaN would compare as exact.
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0.0f64, |m, (x, y)| match (x.is_nan(), y.is_nan()) {
+        (true, true) => m,
+        // equal infinities are equal (their difference is NaN)
+        (false, false) if x == y => m,
+        (false, false) => m.max((x - y).abs()),
+        _ => f64::INFINITY,
+    })
+}
+
 /// max |a - b| / max |b|: a tensor-wise relative error that does not blow up on elements near 0.
+/// NaN anywhere but in the same places of both is an infinite error ([`max_diff`]).
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    let scale = b.iter().filter(|v| v.is_finite()).fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    max_diff(a, b) / scale
 }
 
+/// max |a - b|, NaN as in [`rel_err`].
 pub fn max_abs(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
+    max_diff(a, b)
 }
 
-/// ||a - b||_2 / ||b||_2
+/// ||a - b||_2 / ||b||_2; NaN anywhere but in the same places of both is an infinite error.
 pub fn norm_rel_err(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
+    if a.iter().zip(b).any(|(x, y)| x.is_nan() != y.is_nan()) {
+        return f64::INFINITY;
+    }
+    let (a, b): (Vec<f64>, Vec<f64>) = a.iter().zip(b).filter(|(x, _)| !x.is_nan()).map(|(x, y)| (*x, *y)).unzip();
+    let (a, b) = (&a[..], &b[..]);
     let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
     let n: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30);
     d / n
