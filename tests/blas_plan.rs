@@ -343,9 +343,23 @@ fn every_fallback_computes_the_product() {
                 view(2, 0, &[3, 4], &[4, 1]),
                 0.5,
                 true,
-                Some(view(3, 1, &[4], &[1])),
+                Some(view(3, 4, &[4], &[1])),
             ),
             |p| p.calls().count() == 1 && p.calls().all(|c| c.bias.is_some() && c.ta == Op::N && c.tb == Op::N && c.m == 4),
+        ),
+        // the same with a bias 4 bytes off a 16-byte boundary, which some cuBLASLt algorithms
+        // refuse: the call without it, then a step of its own
+        (
+            "row-major + an unaligned bias",
+            gemm(
+                view(0, 0, &[3, 5], &[5, 1]),
+                view(1, 0, &[5, 4], &[4, 1]),
+                view(2, 0, &[3, 4], &[4, 1]),
+                0.5,
+                true,
+                Some(view(3, 1, &[4], &[1])),
+            ),
+            |p| p.calls().count() == 1 && p.calls().all(|c| c.bias.is_none()) && matches!(p.steps.last(), Some(BlasStep::AddBias { .. })),
         ),
         // transposed operands (a = x^T, b = w^T) read in place as op T
         (

@@ -11,7 +11,8 @@
 //!    times its size, in all three operands) become one strided-batched call; the dims outside
 //!    those are a loop of calls.
 //! 4. The bias is cuBLASLt's BIAS epilogue when it runs along the rows of the column-major D (the
-//!    row-major orientation, a contiguous bias); else a step of its own adds it.
+//!    row-major orientation, a contiguous bias), the call is one matrix, the bias has D's type and
+//!    a 16-byte aligned address; else a step of its own adds it.
 
 use qatc_ir::DType;
 
@@ -233,8 +234,16 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
     }
     let (xa, xb) = if tr { (&b, &a) } else { (&a, &b) };
     let (sxa, sxb) = if tr { (bstride[1], bstride[0]) } else { (bstride[0], bstride[1]) };
+    // cuBLASLt's BIAS epilogue only where every algorithm takes it: one matrix (no batch), the
+    // bias of C's type, its pointer 16-byte aligned (buffers start 256-aligned); else the step
+    // of its own, which costs a launch, never a failed call
     let epilogue = match (&bias, orient) {
-        (Some(v), Orient::Transposed) if v.strides.first().is_none_or(|&s| s == 1 || n == 1) => {
+        (Some(v), Orient::Transposed)
+            if v.strides.first().is_none_or(|&s| s == 1 || n == 1)
+                && batch == 1
+                && v.ty == c_out.ty
+                && (v.offset * v.ty.bytes()) % 16 == 0 =>
+        {
             Some(Vector { mem: v.mem, offset: v.offset, ty: v.ty })
         }
         _ => None,
@@ -270,7 +279,7 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
         pl.steps.push(BlasStep::Unpack { scratch: i, to: c_view.clone() });
     }
     if let (Some(b), None) = (bias, epilogue) {
-        pl.notes.push("bias added by a step of its own (not along the rows of the column-major result)".into());
+        pl.notes.push("bias added by a step of its own (no cuBLASLt BIAS epilogue: not along the rows of the column-major result, a batch, another type than C or an address not 16-byte aligned)".into());
         pl.steps.push(BlasStep::AddBias { c: c_view, bias: b });
     }
     Ok(BlasPlan { steps: pl.steps, scratch: pl.scratch, compute, notes: pl.notes })
