@@ -51,6 +51,22 @@ impl Blas {
         Ok(b)
     }
 
+    /// cuBLAS' and cuBLASLt's versions as loaded, e.g. "cuBLAS 13.1.0, cuBLASLt 13.1.0" (a
+    /// CUDA 12 library from a PyTorch wheel would say so here).
+    pub fn versions(&self) -> String {
+        // cuBLAS: major * 10000 + minor * 100 + patch (CUBLAS_VERSION's encoding); cuBLASLt the same
+        let v = |x: i64| format!("{}.{}.{}", x / 10000, x % 10000 / 100, x % 100);
+        let mut blas_version = 0;
+        // SAFETY: a live handle; the call writes one int.
+        let blas = match unsafe { bsys::cublasGetVersion_v2(self.handle, &mut blas_version) }.result() {
+            Ok(()) => v(i64::from(blas_version)),
+            Err(e) => format!("unknown ({e:?})"),
+        };
+        // SAFETY: takes nothing, returns the loaded library's version.
+        let lt_version = unsafe { lsys::cublasLtGetVersion() };
+        format!("cuBLAS {blas}, cuBLASLt {}", v(lt_version as i64))
+    }
+
     pub fn gemm(&mut self, c: &BlasCall, compute: Compute, ptrs: GemmPtrs) -> Result<()> {
         let at = |base: DevPtr, x: &Matrix| base + (x.offset * x.ty.bytes()) as u64;
         let (a, b, d) = (at(ptrs.a, &c.a), at(ptrs.b, &c.b), at(ptrs.c, &c.c));
@@ -197,10 +213,36 @@ impl Blas {
             )
         }
         .map_err(lt_err("cublasLtMatmulPreferenceSetAttribute"))?;
+        // The heuristic sees no pointer: unless told, it assumes 256-byte aligned operands and
+        // may pick an algorithm that rejects an operand at an offset (a concat's slice, a looped
+        // call's batch). Each operand's alignment: the largest power of two, up to 256, dividing
+        // its address and, batched, its batch stride in bytes.
+        let align = |p: DevPtr, x: &Matrix| -> u32 {
+            let stride = if c.batch > 1 { (x.stride * x.ty.bytes()) as u64 } else { 0 };
+            1u32 << (p | stride | 256).trailing_zeros()
+        };
+        use lsys::cublasLtMatmulPreferenceAttributes_t as P;
+        for (attr, bytes, what) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align(a, &c.a), "MIN_ALIGNMENT_A_BYTES"),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align(b, &c.b), "MIN_ALIGNMENT_B_BYTES"),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align(d, &c.c), "MIN_ALIGNMENT_C_BYTES"),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align(d, &c.c), "MIN_ALIGNMENT_D_BYTES"),
+        ] {
+            // SAFETY: a live preference; the attribute is a uint32_t.
+            unsafe { lt::set_matmul_pref_attribute(pref, attr, (&bytes as *const u32).cast(), 4) }
+                .map_err(|e| status(&format!("cublasLtMatmulPreferenceSetAttribute({what})"), e))?;
+        }
         let (la, lb, lc) = (g.layouts[0], g.layouts[1], g.layouts[2]);
         // SAFETY: live handle, descriptor, layouts and preference.
-        let heuristic = unsafe { lt::get_matmul_algo_heuristic(self.lt, desc, la, lb, lc, lc, pref) }
-            .map_err(lt_err("cublasLtMatmulAlgoGetHeuristic"))?;
+        let heuristic = unsafe { lt::get_matmul_algo_heuristic(self.lt, desc, la, lb, lc, lc, pref) }.map_err(|e| {
+            status(
+                &format!(
+                    "cublasLtMatmulAlgoGetHeuristic (m {} n {} k {}, {:?}/{:?}/{:?}, ld {}/{}/{}, bias epilogue)",
+                    c.m, c.n, c.k, c.a.ty, c.b.ty, c.c.ty, c.a.ld, c.b.ld, c.c.ld
+                ),
+                e,
+            )
+        })?;
         let (alpha, beta) = (c.alpha, c.beta);
         // SAFETY: as `strided_batched`; D is C (in place, same layout, which cuBLASLt allows);
         // the algorithm came from the heuristic for these descriptors; the workspace is ours.
