@@ -363,7 +363,8 @@ impl<A: GpuApi> CudaProgram<A> {
     }
 
     /// Runs the program on the inputs given: the hoisted steps when a frozen input changed, then
-    /// the step's work (replayed as a graph after its first capture), and reads the outputs back.
+    /// the step's work (submitted directly the first time, captured as a graph the second and
+    /// replayed from then on), and reads the outputs back.
     pub fn execute(&mut self) -> Result<(), RuntimeError> {
         self.check_given()?;
         let mut api =
@@ -373,7 +374,12 @@ impl<A: GpuApi> CudaProgram<A> {
                 self.submit_step(&mut api, i)?;
             }
         }
-        if self.options.graph {
+        // The first run is submitted as it is, the graph captured from the second: a process's
+        // first library calls (cuBLAS loading its kernels, first-call setup) then run outside a
+        // capture, where anything a capture forbids is an error naming its call, not a broken
+        // capture (what frameworks do too: warm up, then capture).
+        let replay = self.options.graph && (self.graph.is_some() || self.ran);
+        if replay {
             let g = match self.graph {
                 Some(g) => g,
                 None => {
@@ -392,7 +398,7 @@ impl<A: GpuApi> CudaProgram<A> {
         }
         // waits for the step: an error of any kernel in it (an illegal address) surfaces here
         let (launches, calls) = self.per_step();
-        let what = if self.options.graph {
+        let what = if replay {
             format!("the step ({launches} launches and {calls} GEMM calls in one CUDA graph; run without the graph to name the kernel)")
         } else {
             format!("the step ({launches} launches and {calls} GEMM calls)")
