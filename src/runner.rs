@@ -174,11 +174,12 @@ pub fn describe_cuda(p: &CudaProgram<CudaDriver>) -> String {
     let l = p.layout();
     let o = p.options();
     format!(
-        "on CUDA: {} ({}, {} SMs, {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
+        "on CUDA: {} ({}, {} SMs, {}; {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
         d.name,
         d.arch,
         d.multiprocessors,
         human(d.total_memory),
+        d.libraries,
         p.distinct_kernels(),
         if o.graph { " replayed as one CUDA graph" } else { "" },
         p.plan().hoisted_steps(),

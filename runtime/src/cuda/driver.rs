@@ -100,7 +100,16 @@ impl CudaDriver {
         // SAFETY: a context just retained.
         unsafe { cu::ctx::set_current(ctx) }.map_err(|e| drv("cuCtxSetCurrent", e))?;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| drv("cuStreamCreate", e))?;
-        let device = GpuDevice { name, arch, total_memory: total, multiprocessors: sms.max(0) as usize };
+        let mut driver_version = 0;
+        // SAFETY: cuDriverGetVersion writes one int.
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result().map_err(|e| drv("cuDriverGetVersion", e))?;
+        let device = GpuDevice {
+            name,
+            arch,
+            total_memory: total,
+            multiprocessors: sms.max(0) as usize,
+            libraries: format!("driver {}.{}", driver_version / 1000, driver_version % 1000 / 10),
+        };
         let mut d = CudaDriver {
             device,
             dev,
@@ -113,7 +122,9 @@ impl CudaDriver {
             blas: None,
             capturing: false,
         };
-        d.blas = Some(Blas::new(d.stream)?);
+        let blas = Blas::new(d.stream)?;
+        d.device.libraries = format!("{}, {}", d.device.libraries, blas.versions());
+        d.blas = Some(blas);
         Ok(d)
     }
 
@@ -336,6 +347,18 @@ impl Drop for CudaDriver {
         let _ = self.bind();
         // Errors here cannot be returned; a sticky error was already reported by the call that
         // caused it. Everything is released in reverse order of creation.
+        if self.capturing {
+            // dropped mid-capture (a panic between begin and end): a capturing stream can be
+            // neither synchronized nor destroyed, so the capture is ended and its graph dropped
+            self.capturing = false;
+            // SAFETY: our stream, capturing; the graph it returns (if any) is destroyed once, here.
+            if let Ok(graph) = unsafe { cu::stream::end_capture(self.stream) } {
+                if !graph.is_null() {
+                    // SAFETY: as above.
+                    let _ = unsafe { cu::graph::destroy(graph) };
+                }
+            }
+        }
         let _ = self.sync();
         self.blas = None;
         for g in self.graphs.drain(..) {

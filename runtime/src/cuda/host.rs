@@ -120,7 +120,13 @@ impl HostGpu {
     /// An emulated GPU with `capacity` bytes of device memory, named and numbered as an H100.
     pub fn new(capacity: usize) -> HostGpu {
         HostGpu {
-            device: GpuDevice { name: "qatc HostGpu (emulated)".into(), arch: Arch::SM90, total_memory: capacity, multiprocessors: 132 },
+            device: GpuDevice {
+                name: "qatc HostGpu (emulated)".into(),
+                arch: Arch::SM90,
+                total_memory: capacity,
+                multiprocessors: 132,
+                libraries: "emulated: cuBLAS modelled by the gemm crate".into(),
+            },
             mem: DeviceMemory::new(capacity),
             pinned: Vec::new(),
             funcs: Vec::new(),

@@ -74,6 +74,9 @@ pub struct GpuDevice {
     pub arch: Arch,
     pub total_memory: usize,
     pub multiprocessors: usize,
+    /// The driver's and libraries' versions as loaded ("driver 13.0, cuBLAS 13.1.0, cuBLASLt
+    /// 13.1.0"): what ran, whatever the library path suggests.
+    pub libraries: String,
 }
 
 /// A kernel ready to load: its CUBIN (for a GPU) and its kernel IR (for the emulation), under
