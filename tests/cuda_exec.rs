@@ -23,35 +23,17 @@ use qatc::data::TokenFile;
 use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
-use qatc_ir::{DType, InputKind, QuantScheme, QuantSpec};
+use qatc_ir::{DType, InputKind};
 use qatc_kernels::cuda::blas::BlasMode;
 use qatc_kernels::cuda::CudaCodegen;
 use qatc_kernels::program::BufKind;
 use qatc_kernels::Program;
-use qatc_passes::fusion::FuseOptions;
-use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::{LossScaling, Precision, GRADS_FINITE, LOSS_SCALE};
-use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, GpuApi, HostGpu, KernelBuild};
 use qatc_runtime::{CpuProgram, Interpreter, TrainStep, Value};
 
-use common::gpu::gpu;
+use common::gpu::{gpu, options, SHAKESPEARE, TINY};
 use lockstep::{bits_equal, drive, floats, give_batch, judge16, lockstep, read_state, set};
-
-const TINY: (&str, &str) = ("tests/fixtures/tiny/f32_prefix/model.safetensors", "tests/fixtures/tiny/tokens.bin");
-const SHAKESPEARE: (&str, &str) = ("examples/gpt2-shakespeare-small/model.safetensors", "examples/shakespeare_train.bin");
-
-fn options(qlora: bool, fuse: bool, b: usize, t: usize) -> StepOptions {
-    let mut o = StepOptions::new(b, t);
-    if qlora {
-        o.model.full_finetune = false;
-        o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym }));
-        o.model.lora = Some(LoraOptions::new(4));
-    }
-    o.fuse = fuse.then(FuseOptions::default);
-    o.keep_grads = true;
-    o
-}
 
 /// A step's program and its initial state (weights, zero moments), on a model and token file
 /// from the repository.

@@ -35,7 +35,7 @@ use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage, PlanFuncs};
 use qatc_runtime::{CpuProgram, Value};
 
-use common::gpu::gpu;
+use common::gpu::{gpu, options, SHAKESPEARE, TINY};
 
 /// A value as a buffer's bytes.
 fn to_bytes(buf: &Buffer, v: &Value<f32>) -> Vec<u8> {
@@ -229,21 +229,6 @@ fn compare(what: &str, got: &HashMap<String, Vec<f64>>, want: &HashMap<String, V
     }
     worst
 }
-
-fn options(qlora: bool, fuse: bool, b: usize, t: usize) -> StepOptions {
-    let mut o = StepOptions::new(b, t);
-    if qlora {
-        o.model.full_finetune = false;
-        o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym }));
-        o.model.lora = Some(LoraOptions::new(4));
-    }
-    o.fuse = fuse.then(FuseOptions::default);
-    o.keep_grads = true;
-    o
-}
-
-const TINY: (&str, &str) = ("tests/fixtures/tiny/f32_prefix/model.safetensors", "tests/fixtures/tiny/tokens.bin");
-const SHAKESPEARE: (&str, &str) = ("examples/gpt2-shakespeare-small/model.safetensors", "examples/shakespeare_train.bin");
 
 #[test]
 fn the_tiny_step_on_the_emulated_gpu_matches_the_cpu() {
