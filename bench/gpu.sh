@@ -8,31 +8,42 @@
 #
 #   bash bench/gpu.sh [--dry-run] [--deadline SECONDS] [SECTION ...]
 #
-# Three device calls of at most 10 minutes each run everything (each stops starting work when its
-# deadline, 560 s by default, comes near, and says what it skipped); the deadlines below keep the
-# three and the machine's start (a few minutes) within the 30 minutes of device time a session has:
+# A session is lent 15 minutes of device time, the machine's start (one to two minutes) and the
+# idle time between calls included, and no machine starts with under 4 minutes left: so two calls,
+# the second made at once while the machine is still warm (30 s), correctness first. Each call
+# stops starting work when its deadline comes near and says what it skipped; give the device call
+# a timeout_s of the deadline plus 30 s.
 #
-#   bash bench/gpu.sh --deadline 480 env compile tests executor   # correctness, about 7 min
-#   bash bench/gpu.sh --deadline 540 speed peer    # issue 20's figures, about 9 min: qatc 124M
-#                                                  # (~1.5 min) and 1.5B (~3 min with its model),
-#                                                  # the twin eager and compiled at both (~4.5 min)
-#   bash bench/gpu.sh --deadline 480 fit sanitizer # largest batches, about 8 min: qatc plan --fit
-#                                                  # and 2 steps at it and the next batch, per size
-#                                                  # (~2 min each), the twin's searches (~1.5 min
-#                                                  # each), the sanitizer (~2 min)
+#   bash bench/gpu.sh --deadline 330 env tests executor sanitizer tests16
+#        # issue 14's correctness: the GPU tests, qatc train cuda against cpu, compute-sanitizer;
+#        # then the 16-bit tests (issue 18's and 20's kernels) if the deadline leaves time
+#   bash bench/gpu.sh --deadline 330 compile first speed peer --sizes 124m
+#        # issue 14's kernel report and first speed figure (124M B 8 fp32 and TF32, the twin
+#        # eager), then issue 20's 124M step against the twin eager and compiled
+#
+# What is left (issue 20's 1.5B step and the largest batches, `speed peer fit --sizes 1.5b`, about
+# 8 minutes) is a later session's. Sections run in the order named; --sizes picks issue 20's sizes
+# (124m, 1.5b; default both) for speed, peer and fit.
 #
 # Sections (default: all, in the order given here):
 #   env        the GPU, driver, CUDA, PyTorch; which NVRTC and cuBLAS the checks load
-#   compile    qatc compile --device cuda: every kernel of the demo and 124M steps to CUBINs for
-#              the device, with registers, spills and shared memory per kernel (cold and cached)
-#   tests      the GPU tests: the GPU API on the device; the CUDA executor (CudaProgram) ten
-#              steps in lock step with the CPU (tiny full fine-tune and 4-bit + LoRA, Shakespeare
-#              GPT-2 4-bit + LoRA: losses 1e-5, gradients 1e-4), and in bf16 and fp16 (tiny and
-#              Shakespeare 4-bit + LoRA: six ulps of the type); the plain driver's ten steps; each
-#              kernel of the demo step against the kernel-IR evaluator, in fp32 and in bf16
+#   tests      the GPU tests in fp32: the GPU API on the device; the CUDA executor (CudaProgram)
+#              ten steps in lock step with the CPU (tiny full fine-tune and 4-bit + LoRA,
+#              Shakespeare GPT-2 4-bit + LoRA: losses 1e-5, gradients 1e-4); the plain driver's
+#              ten steps; each kernel of the demo step against the kernel-IR evaluator
 #   executor   qatc train --device cuda against --device cpu over 10 steps (tiny 4-bit + LoRA, tiny
 #              full fine-tune, Shakespeare GPT-2 4-bit + LoRA): the losses compared (1e-5), the
 #              step's device memory as qatc states it
+#   sanitizer  compute-sanitizer memcheck and racecheck: every kernel of the demo step launched
+#              once (the tests' plain driver), and the executor's own work (qatc train --device
+#              cuda --no-cuda-graph, tiny, 2 steps: launches, cuBLAS calls, copies)
+#   tests16    the same in bf16 and fp16: the executor's ten steps (tiny and Shakespeare 4-bit +
+#              LoRA: six ulps of the type), each kernel of the bf16 demo step (tensor-core attention)
+#   compile    qatc compile --device cuda: every kernel of the demo and 124M steps to CUBINs for
+#              the device, with registers, spills and shared memory per kernel (cold and cached)
+#   first      issue 14's first speed figure: qatc train --device cuda, GPT-2 124M (random init),
+#              B 8, T 1024, 4-bit sym g64 + LoRA r 16, AdamW, strict fp32 and --tf32, against the
+#              PyTorch twin eager (sdpa) in fp32 and TF32: tokens/s, ms/step and the ratio
 #   speed      issue 20's step: qatc train --device cuda --precision bf16, GPT-2 124M (random init)
 #              B 16 and GPT-2 1.5B B 4, T 1024, 4-bit sym g64 frozen + LoRA r 16 on all four
 #              linears, AdamW: tokens/s and ms/step (median of the steps after 2 of warm-up), MFU
@@ -47,9 +58,6 @@
 #              the next batch (must not), its nvidia-smi peak against the plan's (target: within
 #              5%); the twin eager with and without gradient checkpointing (doubling the batch
 #              until CUDA runs out of memory)
-#   sanitizer  compute-sanitizer memcheck and racecheck: every kernel of the demo step launched
-#              once (the tests' plain driver), and the executor's own work (qatc train --device
-#              cuda --no-cuda-graph, tiny, 2 steps: launches, cuBLAS calls, copies)
 #
 # Fast kernel variants (issue 20; kernels/src/cuda/codegen.rs `CudaCodegen`, picked by the CUDA
 # writer only where they apply, each with the general kernel as its fallback; same kernel IR,
@@ -85,17 +93,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all=(env compile tests executor speed peer fit sanitizer)
+all=(env tests executor sanitizer tests16 compile first speed peer fit)
 dry=0
 deadline=560
+pick=
 sections=()
 while [ $# -gt 0 ]; do
   case $1 in
   --dry-run) dry=1 ;;
   --deadline) deadline=${2:-}; shift ;;
   --deadline=*) deadline=${1#*=} ;;
+  --sizes) pick=${2:-}; shift ;;
+  --sizes=*) pick=${1#*=} ;;
   -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-  -*) echo "error: unknown option $1 (--dry-run, --deadline SECONDS)" >&2; exit 2 ;;
+  -*) echo "error: unknown option $1 (--dry-run, --deadline SECONDS, --sizes 124m,1.5b)" >&2; exit 2 ;;
   *)
     if [[ " ${all[*]} " != *" $1 "* ]]; then
       echo "error: unknown section $1 (sections: ${all[*]})" >&2
@@ -189,24 +200,58 @@ export RUST_BACKTRACE=1
 export XDG_CACHE_HOME=$work/xdg-cache
 kcache=$XDG_CACHE_HOME/qatc
 
-# runs a test executable's tests (names as substrings); one result line, and its notable lines
-run_test() {
+# bg NAME LIMIT CMD...: `run` in the background (the checks that need little of the GPU and one
+# CPU core each run side by side: most of their time is the evaluator on the CPU); its rc in
+# $logs/NAME.rc once done; `wait` for them, then rc_of NAME
+bg() {
+  local name=$1
+  (
+    run "$@"
+    echo "$rc" >"$logs/$name.rc"
+  ) &
+}
+rc_of() { cat "$logs/$1.rc" 2>/dev/null || echo lost; }
+
+# test_bg EXE NAME LIMIT FILTER...: a test executable's tests (names as substrings) in the
+# background; test_report NAME: its result line and notable lines, once it is done
+test_bg() {
   local exe=$1 name=$2 limit=$3
   shift 3
-  run "$name" "$limit" "$tests/$exe" --nocapture --test-threads 1 "$@"
-  local res
-  res=$(grep -E '^test result' "$logs/$name.log" | tail -1)
-  [ "$rc" = dry ] || res=${res:-no result (see logs/$name.log)}
-  line "$name" "$rc" "$res"
+  bg "$name" "$limit" "$tests/$exe" --nocapture --test-threads 1 "$@"
+}
+test_report() {
+  local name=$1 r res
+  r=$(rc_of "$name")
+  res=$(grep -E '^test result' "$logs/$name.log" 2>/dev/null | tail -1)
+  [ "$r" = dry ] || [ "$r" = skipped ] || res=${res:-no result (see logs/$name.log)}
+  line "$name" "$r" "$res"
   grep -E 'SKIPPED|worst|kernels for|GPU:|bytes in and out|launches and' "$logs/$name.log" | cut -c1-220 | sed 's/^/    /' | head -12 | tee -a "$summary"
+}
+# run_test EXE NAME LIMIT FILTER...: the same in the foreground
+run_test() {
+  test_bg "$@"
+  wait
+  test_report "$2"
 }
 
 # Issue 20's sizes: NAME:PRESET:LAYERS:EMBD:HEADS:BATCH:STEPS (the speed arm's batch at T 1024 and
 # qatc's steps; the first two steps are warm-up)
 sizes=("124m:124M:12:768:12:16:12" "1.5b:1.5B:48:1600:25:4:8")
+if [ -n "$pick" ]; then
+  kept=()
+  for p in ${pick//,/ }; do
+    found=0
+    for sz in "${sizes[@]}"; do [ "${sz%%:*}" = "$p" ] && { kept+=("$sz"); found=1; }; done
+    [ $found = 1 ] || { echo "error: --sizes: unknown size $p (124m, 1.5b)" >&2; exit 2; }
+  done
+  sizes=("${kept[@]}")
+fi
 # the configuration of every issue-20 arm: 4-bit sym g64 frozen + LoRA r 16 on all four linears
 # (c_proj names both attn.c_proj and mlp.c_proj), AdamW, bf16
 i20=(--seq 1024 --bits 4 --group 64 --scheme sym --lora r=16 --precision bf16)
+# issue 14's first speed figure: 124M B 8, T 1024, 4-bit sym g64 frozen + LoRA r 16, fp32 (strict, and
+# TF32 with --tf32)
+i14=(--seq 1024 --bits 4 --group 64 --scheme sym --lora r=16)
 # models live outside the call's work directory: a warm machine's next call finds them
 models=/tmp/qatc-gpu-models
 
@@ -269,6 +314,115 @@ if len(gpu) < 10 or len(cpu) < 10:
 else:
     worst = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(cpu, gpu))
     print(f"10 losses {cpu[0]:.5f} .. {cpu[-1]:.5f}, worst relative difference {worst:.2e}: {'PASS' if worst <= 1e-5 else 'FAIL'} (1e-5)")
+EOF
+}
+
+# speed_arm NAME PRESET LAYERS EMBD HEADS BATCH STEPS PRECISION QATC-ARGS...: `qatc plan` of the
+# step, then `qatc train --device cuda` of it for STEPS steps at T 1024 (the first two warm-up):
+# one line of $OUT/speed.jsonl (tokens/s and ms/step medians, MFU, nvidia-smi's peak against the
+# plan's) and one result line
+speed_arm() {
+  local name=$1 preset=$2 layers=$3 embd=$4 heads=$5 b=$6 steps=$7 prec=$8
+  shift 8
+  local args=("$@") tag="$name-$prec-b$b" a plan_args=()
+  # the plan is the same with and without TF32 (a setting of the GEMM calls), which plan does not take
+  for a in "${args[@]}"; do [ "$a" = --tf32 ] || plan_args+=("$a"); done
+  really=$dry run "plan-$tag" 60 "$qatc" plan "$preset" --batch "$b" "${plan_args[@]}" --device cuda --json
+  local plan_peak
+  plan_peak=$($py -c 'import json, sys; print(json.load(open(sys.argv[1]))["summary"]["peak_bytes"])' "$logs/plan-$tag.log" 2>/dev/null || echo 0)
+  line "qatc plan $name B $b $prec" "$rc" "peak $((plan_peak / 1048576)) MiB (the executed plan for the CUDA executor)"
+  if ! model "$name" "$layers" "$embd" "$heads"; then
+    line "speed $name $prec" 1 "no model (see logs/model-$name.log)"
+    return
+  fi
+  local cmd=("$qatc" train "$model" --data examples/shakespeare_train.bin --batch "$b" "${args[@]}" --steps "$steps" --lr 1e-4 --device cuda
+    --out "$work/speed-$tag" --log-json "$work/speed-$tag.jsonl")
+  smi_start "$work/mem-$tag.log"
+  run "speed-$tag" 300 "${cmd[@]}"
+  smi_stop
+  [ $dry = 1 ] && { line "speed $name B $b $prec" dry ""; return; }
+  local fig
+  fig=$($py - "$work/speed-$tag.jsonl" "$work/mem-$tag.log" "$name" "$layers" "$embd" "$b" "$plan_peak" "$logs/speed-$tag.log" "$(device_name)" "$(stamp)" "qatc train ${cmd[*]:2}" "$prec" <<'EOF'
+import json, sys
+sys.path.insert(0, "bench")
+import mfu
+log, mem, name, layers, embd, b, plan_peak, out, device, stamp, cmd, prec = sys.argv[1:13]
+try:
+    steps = [json.loads(l) for l in open(log) if l.strip()]
+except OSError:
+    steps = []
+tps = sorted(s["tokens_per_s"] for s in steps[2:])
+try:
+    used = [int(x) for x in open(mem).read().split() if x.strip().isdigit()]
+except OSError:
+    used = []
+t = tps[len(tps) // 2] if tps else None
+d = {"who": "qatc", "size": name, "precision": prec, "batch": int(b), "steps": len(steps), "tokens_per_s_median": t,
+     "step_ms_median": int(b) * 1024 / t * 1e3 if t else None,
+     "mfu": mfu.report(int(layers), int(embd), 50257, 1024, 16, t, device), "losses": [s["loss"] for s in steps],
+     "nvidia_smi_peak_mib": max(used) if used else None, "plan_peak_bytes": int(plan_peak),
+     "qatc": next((l.strip() for l in open(out) if "runs on CUDA" in l), ""), "stamp": stamp, "command": cmd}
+print(json.dumps(d))
+EOF
+)
+  echo "$fig" >>"$OUT/speed.jsonl"
+  line "speed $name B $b $prec" "$rc" "$(echo "$fig" | $py -c 'import json, sys
+d = json.loads(sys.stdin.read())
+t, m = d["tokens_per_s_median"], d["mfu"]
+mfu = "%.1f%% of the bf16 peak" % (100 * m["mfu"]) if m.get("mfu") else "? (%s)" % m["peak_of"]
+print("%.0f tokens/s (%.1f ms/step), MFU %s, nvidia-smi peak %s MiB" % (t, d["step_ms_median"], mfu, d["nvidia_smi_peak_mib"]) if t else "no figure (see logs)")' 2>/dev/null)"
+  grep -h 'runs on CUDA' "$logs/speed-$tag.log" | head -1 | cut -c1-500 | sed 's/^/    /' | tee -a "$summary"
+}
+
+# peer_arm NAME LAYERS EMBD HEADS BATCH DTYPE MODE: the PyTorch twin (bench/torch_cuda_peer.py,
+# sdpa attention, the same fake-quant and LoRA) of that step, eager or compile; one line of
+# $OUT/peer.jsonl and one result line
+peer_arm() {
+  local name=$1 layers=$2 embd=$3 heads=$4 b=$5 dtype=$6 mode=$7
+  local flag=()
+  [ "$mode" = compile ] && flag=(--compile)
+  local cmd=($py bench/torch_cuda_peer.py --layers "$layers" --embd "$embd" --heads "$heads" --seq 1024 --batch "$b" --bits 4 --group 64 --r 16
+    --dtype "$dtype" --attn sdpa --steps 10 "${flag[@]}")
+  run "peer-$name-$dtype-$mode" 240 "${cmd[@]}"
+  [ $dry = 1 ] && { line "peer $name B $b $dtype $mode" dry ""; return; }
+  local l
+  l=$(grep '^{' "$logs/peer-$name-$dtype-$mode.log" | tail -1)
+  [ -n "$l" ] && echo "$l" | $py -c 'import json, sys
+d = json.loads(sys.stdin.read()); d.update(who=sys.argv[1], size=sys.argv[2], precision=sys.argv[3], batch=int(sys.argv[4]), stamp=sys.argv[5], command=sys.argv[6]); print(json.dumps(d))' \
+    "$mode" "$name" "$dtype" "$b" "$(stamp)" "${cmd[*]}" >>"$OUT/peer.jsonl"
+  line "peer $name B $b $dtype $mode" "$rc" "$(echo "${l:-{\}}" | $py -c 'import json, sys
+d = json.loads(sys.stdin.read() or "{}")
+m = d.get("mfu") or {}
+print("%.1f ms/step, %.0f tokens/s, MFU %s, peak %.2f GiB%s" % (d["step_s_median"] * 1e3, d["tokens_per_s"], "%.1f%%" % (100 * m["mfu"]) if m.get("mfu") else "?", d["peak_allocated_bytes"] / 2**30, ", compile %.0f s" % d["compile_s"] if d.get("compile_s") else "") if d else "failed (see logs)")')"
+}
+
+# the table of $OUT/speed.jsonl against $OUT/peer.jsonl: qatc over each twin of the same size,
+# batch and precision, where both ran in this call
+ratio_table() {
+  { [ -s "$OUT/speed.jsonl" ] && [ -s "$OUT/peer.jsonl" ]; } || return 0
+  $py - "$OUT/speed.jsonl" "$OUT/peer.jsonl" <<'EOF' | tee -a "$summary"
+import json, sys
+rows = [json.loads(l) for f in sys.argv[1:3] for l in open(f) if l.strip()]
+tps = lambda d: d.get("tokens_per_s_median") or d.get("tokens_per_s")
+rows = [d for d in rows if tps(d)]
+fig = {(d["size"], d.get("batch"), d.get("precision", "bf16"), d["who"]): d for d in rows}
+print("%-6s %5s %-5s %-8s %12s %10s %7s %12s %14s" % ("size", "batch", "prec", "who", "tokens/s", "ms/step", "MFU", "qatc/eager", "qatc/compile"))
+for key in dict.fromkeys((d["size"], d.get("batch"), d.get("precision", "bf16")) for d in rows):
+    q = fig.get(key + ("qatc",))
+    ratio = lambda w: "%.2fx" % (tps(q) / tps(fig[key + (w,)])) if q and key + (w,) in fig else "-"
+    for who in ("qatc", "eager", "compile"):
+        d = fig.get(key + (who,))
+        if not d:
+            continue
+        m = (d.get("mfu") or {}).get("mfu")
+        print("%-6s %5s %-5s %-8s %12.0f %10.1f %7s %12s %14s" % (key[0], key[1], key[2], who, tps(d), (key[1] or 0) * 1024 / tps(d) * 1e3,
+                                                             "%.1f%%" % (100 * m) if m else "?", ratio("eager") if who == "qatc" else "",
+                                                             ratio("compile") if who == "qatc" else ""))
+peaks = {(d.get("mfu") or {}).get("peak_of"): (d.get("mfu") or {}).get("peak_flops") for d in rows}
+print("MFU against the dense bf16 peak, fp32 and TF32 rows too: FLOPs/token = 4 N_matmul + 6 N_lora + 12 L C T (bench/mfu.py), peak %s"
+      % ", ".join("%s %.0f TFLOP/s" % (k, v / 1e12) for k, v in peaks.items() if v))
+for d in rows:
+    print("  %s B %s %s %s: %s; %s" % (d["size"], d.get("batch"), d.get("precision", "bf16"), d["who"], d.get("stamp", ""), d.get("command", "")))
 EOF
 }
 
@@ -336,16 +490,27 @@ for s in "${sections[@]}"; do
     fi
     ;;
   tests)
-    say "== tests on the GPU (test executables from make gpu-bundle)"
-    run_test gpu_api gpu-api 60
-    run_test cuda_exec executor-10-steps 240 ten_steps_of_the_cuda_executor_track_the_cpu
-    run_test cuda_exec executor-16-bit 180 ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu
-    # the emulated executor and the CLI's paths: they need no GPU, so the dry run runs them
-    really=$dry run_test cuda_exec executor-emulated 120 state_stays_on_the_device_between_steps
-    really=$dry run_test cuda_exec executor-emulated-fp16 120 fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step
-    run_test gpu_step plain-10-steps 240 ten_steps_on_the_gpu_track_the_cpu
-    run_test gpu_step each-demo-kernel 240 every_kernel_of_the_demo_step_matches_the_evaluator
-    run_test gpu_step each-bf16-demo-kernel 180 every_kernel_of_the_bf16_demo_step_matches_the_evaluator
+    say "== tests on the GPU, fp32 (test executables from make gpu-bundle)"
+    # the driver's own calls first, alone: a failure here explains the rest
+    run_test gpu_api gpu-api 90
+    test_bg cuda_exec executor-10-steps 240 ten_steps_of_the_cuda_executor_track_the_cpu
+    test_bg gpu_step plain-10-steps 240 ten_steps_on_the_gpu_track_the_cpu
+    test_bg gpu_step each-demo-kernel 240 every_kernel_of_the_demo_step_matches_the_evaluator
+    if [ $dry = 1 ]; then
+      # the emulated executor needs no GPU (CI runs it too): the dry run runs it for real
+      really=1 test_bg cuda_exec executor-emulated 120 state_stays_on_the_device_between_steps
+      really=1 test_bg cuda_exec executor-emulated-fp16 120 fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step
+    fi
+    wait
+    for t in executor-10-steps plain-10-steps each-demo-kernel; do test_report $t; done
+    [ $dry = 1 ] && for t in executor-emulated executor-emulated-fp16; do test_report $t; done
+    ;;
+  tests16)
+    say "== tests on the GPU, bf16 and fp16 (tensor-core GEMMs and attention)"
+    test_bg cuda_exec executor-16-bit 180 ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu
+    test_bg gpu_step each-bf16-demo-kernel 180 every_kernel_of_the_bf16_demo_step_matches_the_evaluator
+    wait
+    for t in executor-16-bit each-bf16-demo-kernel; do test_report $t; done
     ;;
   executor)
     say "== qatc train --device cuda against --device cpu (10 steps; the CPU side is this bundle's: the reference interpreter)"
@@ -376,100 +541,38 @@ for s in "${sections[@]}"; do
       grep -h -E 'runs on CUDA|error' "$logs/train-$name-cuda.log" | head -2 | cut -c1-400 | sed 's/^/    /' | tee -a "$summary"
     done
     ;;
+  first)
+    say "== issue 14's first speed figure: qatc train --device cuda, ${i14[*]}, AdamW; GPT-2 124M B 8 (random init), strict fp32 and TF32; median of the steps after 2 of warm-up; $(stamp)"
+    [ -f "$OUT/speed.jsonl" ] || : >"$OUT/speed.jsonl"
+    for prec in fp32 tf32; do
+      flag=()
+      [ $prec = tf32 ] && flag=(--tf32)
+      speed_arm 124m 124M 12 768 12 8 8 "$prec" "${i14[@]}" "${flag[@]}"
+    done
+    [ -f "$OUT/peer.jsonl" ] || : >"$OUT/peer.jsonl"
+    for prec in fp32 tf32; do
+      peer_arm 124m 12 768 12 8 "$prec" eager
+    done
+    ratio_table
+    ;;
   speed)
-    say "== issue 20's step, qatc: qatc train --device cuda, ${i20[*]}, AdamW; GPT-2 124M B 16 and 1.5B B 4 (random init); median of the steps after 2 of warm-up; $(stamp)"
-    : >"$OUT/speed.jsonl"
+    say "== issue 20's step, qatc: qatc train --device cuda, ${i20[*]}, AdamW; $(for sz in "${sizes[@]}"; do IFS=: read -r n _ _ _ _ b _ <<<"$sz"; printf '%s B %s, ' "$n" "$b"; done)T 1024 (random init); median of the steps after 2 of warm-up; $(stamp)"
+    [ -f "$OUT/speed.jsonl" ] || : >"$OUT/speed.jsonl"
     for sz in "${sizes[@]}"; do
       IFS=: read -r name preset layers embd heads b steps <<<"$sz"
-      really=$dry run "plan-$name" 60 "$qatc" plan "$preset" --batch "$b" "${i20[@]}" --device cuda --json
-      plan_peak=$($py -c 'import json, sys; print(json.load(open(sys.argv[1]))["summary"]["peak_bytes"])' "$logs/plan-$name.log" 2>/dev/null || echo 0)
-      line "qatc plan $name B $b" "$rc" "peak $((plan_peak / 1048576)) MiB (the executed plan for the CUDA executor)"
-      if ! model "$name" "$layers" "$embd" "$heads"; then
-        line "speed $name" 1 "no model (see logs/model-$name.log)"
-        continue
-      fi
-      cmd=("$qatc" train "$model" --data examples/shakespeare_train.bin --batch "$b" "${i20[@]}" --steps "$steps" --lr 1e-4 --device cuda
-        --out "$work/speed-$name" --log-json "$work/speed-$name.jsonl")
-      smi_start "$work/mem-$name.log"
-      run "speed-$name" 300 "${cmd[@]}"
-      smi_stop
-      [ $dry = 1 ] && { line "speed $name" dry ""; continue; }
-      fig=$($py - "$work/speed-$name.jsonl" "$work/mem-$name.log" "$name" "$layers" "$embd" "$b" "$plan_peak" "$logs/speed-$name.log" "$(device_name)" "$(stamp)" "qatc train ${cmd[*]:2}" <<'EOF'
-import json, sys
-sys.path.insert(0, "bench")
-import mfu
-log, mem, name, layers, embd, b, plan_peak, out, device, stamp, cmd = sys.argv[1:12]
-try:
-    steps = [json.loads(l) for l in open(log) if l.strip()]
-except OSError:
-    steps = []
-tps = sorted(s["tokens_per_s"] for s in steps[2:])
-used = [int(x) for x in open(mem).read().split() if x.strip().isdigit()] if mem else []
-t = tps[len(tps) // 2] if tps else None
-d = {"who": "qatc", "size": name, "batch": int(b), "steps": len(steps), "tokens_per_s_median": t,
-     "step_ms_median": int(b) * 1024 / t * 1e3 if t else None,
-     "mfu": mfu.report(int(layers), int(embd), 50257, 1024, 16, t, device), "losses": [s["loss"] for s in steps],
-     "nvidia_smi_peak_mib": max(used) if used else None, "plan_peak_bytes": int(plan_peak),
-     "qatc": next((l.strip() for l in open(out) if "runs on CUDA" in l), ""), "stamp": stamp, "command": cmd}
-print(json.dumps(d))
-EOF
-)
-      echo "$fig" >>"$OUT/speed.jsonl"
-      line "speed $name B $b" "$rc" "$(echo "$fig" | $py -c 'import json, sys
-d = json.loads(sys.stdin.read())
-t, m = d["tokens_per_s_median"], d["mfu"]
-print("%.0f tokens/s (%.1f ms/step), MFU %s, nvidia-smi peak %s MiB" % (t, d["step_ms_median"], "%.1f%%" % (100 * m["mfu"]) if m.get("mfu") else "? (%s)" % m["peak_of"], d["nvidia_smi_peak_mib"]) if t else "no figure (see logs)")' 2>/dev/null)"
-      grep -h 'runs on CUDA' "$logs/speed-$name.log" | head -1 | cut -c1-500 | sed 's/^/    /' | tee -a "$summary"
+      speed_arm "$name" "$preset" "$layers" "$embd" "$heads" "$b" "$steps" bf16 "${i20[@]}"
     done
     ;;
   peer)
     say "== issue 20's step, the PyTorch twin (bench/torch_cuda_peer.py): bf16 autocast, sdpa attention, the same fake-quant and LoRA; eager, and torch.compile warm (compile time apart); $(stamp)"
-    : >"$OUT/peer.jsonl"
+    [ -f "$OUT/peer.jsonl" ] || : >"$OUT/peer.jsonl"
     for sz in "${sizes[@]}"; do
       IFS=: read -r name preset layers embd heads b steps <<<"$sz"
       for mode in eager compile; do
-        flag=()
-        [ $mode = compile ] && flag=(--compile)
-        cmd=($py bench/torch_cuda_peer.py --layers "$layers" --embd "$embd" --heads "$heads" --seq 1024 --batch "$b" --bits 4 --group 64 --r 16
-          --dtype bf16 --attn sdpa --steps 10 "${flag[@]}")
-        run "peer-$name-$mode" 240 "${cmd[@]}"
-        [ $dry = 1 ] && { line "peer $name $mode" dry ""; continue; }
-        l=$(grep '^{' "$logs/peer-$name-$mode.log" | tail -1)
-        [ -n "$l" ] && echo "$l" | $py -c 'import json, sys
-d = json.loads(sys.stdin.read()); d.update(who=sys.argv[1], size=sys.argv[2], stamp=sys.argv[3], command=sys.argv[4]); print(json.dumps(d))' \
-          "$mode" "$name" "$(stamp)" "${cmd[*]}" >>"$OUT/peer.jsonl"
-        line "peer $name $mode" "$rc" "$(echo "${l:-{\}}" | $py -c 'import json, sys
-d = json.loads(sys.stdin.read() or "{}")
-m = d.get("mfu") or {}
-print("%.1f ms/step, %.0f tokens/s, MFU %s, peak %.2f GiB%s" % (d["step_s_median"] * 1e3, d["tokens_per_s"], "%.1f%%" % (100 * m["mfu"]) if m.get("mfu") else "?", d["peak_allocated_bytes"] / 2**30, ", compile %.0f s" % d["compile_s"] if d.get("compile_s") else "") if d else "failed (see logs)")')"
+        peer_arm "$name" "$layers" "$embd" "$heads" "$b" bf16 "$mode"
       done
     done
-    # the table: qatc over each twin, where both ran in this call
-    if [ -s "$OUT/speed.jsonl" ] && [ -s "$OUT/peer.jsonl" ]; then
-      $py - "$OUT/speed.jsonl" "$OUT/peer.jsonl" <<'EOF' | tee -a "$summary"
-import json, sys
-rows = [json.loads(l) for f in sys.argv[1:3] for l in open(f) if l.strip()]
-fig = {(d["size"], d["who"]): d for d in rows}
-print("%-6s %-8s %12s %10s %7s %12s %14s" % ("size", "who", "tokens/s", "ms/step", "MFU", "qatc/eager", "qatc/compile"))
-for size in dict.fromkeys(d["size"] for d in rows):
-    q = fig.get((size, "qatc"), {}).get("tokens_per_s_median")
-    for who in ("qatc", "eager", "compile"):
-        d = fig.get((size, who))
-        if not d:
-            continue
-        t = d.get("tokens_per_s_median") or d.get("tokens_per_s")
-        if not t:
-            continue
-        m = (d.get("mfu") or {}).get("mfu")
-        ratio = lambda w: "%.2fx" % (q / fig[(size, w)]["tokens_per_s"]) if q and (size, w) in fig else "-"
-        print("%-6s %-8s %12.0f %10.1f %7s %12s %14s" % (size, who, t, d.get("batch", 0) * 1024 / t * 1e3, "%.1f%%" % (100 * m) if m else "?",
-                                                   ratio("eager") if who == "qatc" else "", ratio("compile") if who == "qatc" else ""))
-peaks = {(d.get("mfu") or {}).get("peak_of"): (d.get("mfu") or {}).get("peak_flops") for d in rows}
-print("MFU: FLOPs/token = 4 N_matmul + 6 N_lora + 12 L C T (bench/mfu.py), peak %s" % ", ".join("%s %.0f TFLOP/s" % (k, v / 1e12) for k, v in peaks.items() if v))
-for d in rows:
-    print("  %s %s: %s; %s" % (d["size"], d["who"], d.get("stamp", ""), d.get("command", "")))
-EOF
-    fi
+    ratio_table
     ;;
   fit)
     total=$([ $dry = 1 ] && echo 81559 || nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
@@ -517,15 +620,19 @@ print("eager, gradient checkpointing %s: largest batch %d (peak %.2f GiB)" % (d[
     done
     ;;
   sanitizer)
-    say "== compute-sanitizer: memcheck and racecheck"
+    say "== compute-sanitizer: memcheck and racecheck (the four side by side)"
     for tool in memcheck racecheck; do
-      run "sanitizer-$tool-kernels" 200 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 \
+      bg "sanitizer-$tool-kernels" 240 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 \
         "$tests/gpu_step" --nocapture --test-threads 1 every_kernel_of_the_demo_step_matches_the_evaluator
-      line "$tool demo kernels" "$rc" "$(grep -E '^========= ERROR SUMMARY' "$logs/sanitizer-$tool-kernels.log" | tail -1)"
-      run "sanitizer-$tool-executor" 120 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 \
+      bg "sanitizer-$tool-executor" 150 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 \
         "$qatc" train tests/fixtures/tiny/f32_prefix/model.safetensors --data tests/fixtures/tiny/tokens.bin --batch 1 --seq 16 \
         --steps 2 --bits 4 --group 32 --lora r=16 --device cuda --no-cuda-graph --out "$work/sanitizer-$tool"
-      line "$tool executor" "$rc" "$(grep -E '^========= ERROR SUMMARY' "$logs/sanitizer-$tool-executor.log" | tail -1)"
+    done
+    wait
+    for tool in memcheck racecheck; do
+      for what in kernels executor; do
+        line "$tool $what" "$(rc_of "sanitizer-$tool-$what")" "$(grep -E '^========= ERROR SUMMARY' "$logs/sanitizer-$tool-$what.log" | tail -1)"
+      done
     done
     ;;
   esac

@@ -29,7 +29,7 @@ fn the_script_parses_and_refuses_an_unknown_section() {
     let help = Command::new("bash").arg(&script).arg("--help").output().expect("bash runs");
     let text = String::from_utf8_lossy(&help.stdout);
     assert!(help.status.success());
-    for section in ["speed", "peer", "fit", "sanitizer"] {
+    for section in ["tests", "tests16", "first", "speed", "peer", "fit", "sanitizer"] {
         assert!(text.contains(&format!("#   {section}")) || text.contains(&format!("  {section} ")), "the help names {section}");
     }
     let bad = Command::new("bash").arg(&script).arg("nosuchsection").output().expect("bash runs");
