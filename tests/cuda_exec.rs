@@ -231,6 +231,42 @@ fn state_stays_on_the_device_between_steps() {
     assert_ne!(floats(&gpu.read_input(&lora).expect("read back")), floats(&state[&lora]), "{lora} trained on the device");
 }
 
+/// `qatc train --profile` on CUDA: a timed step (`execute_timed`: submitted without the graph, a
+/// mark between its parts) is the same step, bit for bit, as an untimed one; its parts are every
+/// step the run submits, in order (each kernel by family, each GEMM by shape), then the updates'
+/// write-back and the outputs' read-back, each a time that is finite and not negative.
+#[test]
+fn a_timed_step_is_the_same_step_and_names_its_parts() {
+    let o = options(true, true, 2, 16);
+    let (prog, state, data) = setup(TINY.0, TINY.1, &o);
+    let plain = drive(&mut emulated(&prog, CudaOptions::default()), &prog, &state, &data, &o, 3);
+    let mut gpu = emulated(&prog, CudaOptions::default());
+    for (name, v) in &state {
+        set(&mut gpu, name, v.clone());
+    }
+    let mut steps = Vec::new();
+    let mut parts = Vec::new();
+    for s in 0..3 {
+        give_batch(&mut gpu, &data, &o, s);
+        // as the trainer does: the first step (which also runs the hoisted work) untimed
+        if s == 0 {
+            TrainStep::run(&mut gpu).expect("runs");
+        } else {
+            parts = gpu.run_timed().expect("runs").expect("CUDA times its parts");
+        }
+        steps.push(TrainStep::outputs(&gpu).expect("the outputs"));
+    }
+    let timed = lockstep::Run { steps, state: read_state(&gpu, &prog) };
+    assert!(bits_equal(&plain, &timed), "a timed step computes what an untimed one does");
+    let submitted = (0..prog.steps.len()).filter(|&i| !gpu.plan().hoisted[i]).count();
+    let data_part = usize::from(gpu.layout().data_bytes > 0);
+    assert_eq!(parts.len(), data_part + submitted + 2, "one part per step, and the copies: {parts:?}");
+    assert!(parts.iter().all(|(_, t)| t.is_finite() && *t >= 0.0), "{parts:?}");
+    assert!(parts.iter().any(|(w, _)| w.starts_with("gemm ")) && parts.iter().any(|(w, _)| w.starts_with("adamw")), "{parts:?}");
+    assert_eq!(parts.last().map(|p| p.0.as_str()), Some("outputs back (pinned copy)"));
+    eprintln!("{} parts, {:.1} ms on the emulated GPU", parts.len(), parts.iter().map(|p| p.1).sum::<f64>() * 1e3);
+}
+
 /// A forward-only graph (what `qatc eval` builds) through the executor: the loss within 1e-6 of
 /// the interpreter's.
 #[test]

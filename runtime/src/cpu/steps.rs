@@ -180,9 +180,7 @@ pub fn label(step: &CpuStep, prog: &Program, by_kernel: bool) -> String {
     match step {
         CpuStep::Launch(l) if by_kernel => format!("{} [{}] #{}", family(l.kernel), l.iterations, l.kernel),
         CpuStep::Launch(l) => family(l.kernel).to_string(),
-        CpuStep::Gemm(g) => {
-            format!("gemm {}x{}x{}{}", g.m, g.n, g.k, if g.batch() > 1 { format!(" x{}", g.batch()) } else { String::new() })
-        }
+        CpuStep::Gemm(g) => crate::exec::gemm_label(g.m, g.n, g.k, g.batch()),
         CpuStep::Fed(f) => format!("gemm {}x{}x{} fed by {}", f.dims.0, f.dims.1, f.dims.2, family(f.feed.kernel)),
     }
 }

@@ -19,7 +19,7 @@ use qatc_kernels::cuda::LaunchDims;
 use qatc_kernels::nvrtc::Arch;
 
 use super::driver_blas::Blas;
-use super::{DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, PinnedId, Result};
+use super::{DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, MarkId, PinnedId, Result};
 
 /// A driver error with the call that failed and CUDA's name and string for it.
 pub(super) fn drv(call: &str, e: DriverError) -> GpuError {
@@ -70,6 +70,9 @@ pub struct CudaDriver {
     graphs: Vec<Graph>,
     blas: Option<Blas>,
     capturing: bool,
+    /// Events for `mark`, kept for reuse: the first `marks` are in use.
+    events: Vec<sys::CUevent>,
+    marks: usize,
 }
 
 impl CudaDriver {
@@ -121,6 +124,8 @@ impl CudaDriver {
             graphs: Vec::new(),
             blas: None,
             capturing: false,
+            events: Vec::new(),
+            marks: 0,
         };
         let blas = Blas::new(d.stream)?;
         d.device.libraries = format!("{}, {}", d.device.libraries, blas.versions());
@@ -329,6 +334,35 @@ impl GpuApi for CudaDriver {
         unsafe { cu::graph::launch(exec, self.stream) }.map_err(|e| drv("cuGraphLaunch", e))
     }
 
+    fn mark(&mut self) -> Result<MarkId> {
+        self.bind()?;
+        self.not_capturing("marking the time")?;
+        if self.marks == self.events.len() {
+            // timing events (not CU_EVENT_DISABLE_TIMING), destroyed in Drop
+            let e = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| drv("cuEventCreate", e))?;
+            self.events.push(e);
+        }
+        let e = self.events[self.marks];
+        // SAFETY: an event of this context, on our stream (not capturing).
+        unsafe { cu::event::record(e, self.stream) }.map_err(|e| drv("cuEventRecord", e))?;
+        self.marks += 1;
+        Ok(MarkId(self.marks - 1))
+    }
+
+    fn elapsed_ms(&mut self, from: MarkId, to: MarkId) -> Result<f64> {
+        self.bind()?;
+        let at = |m: MarkId| (m.0 < self.marks).then(|| self.events[m.0]).ok_or_else(|| GpuError::Invalid(format!("no mark {}", m.0)));
+        let (a, b) = (at(from)?, at(to)?);
+        // SAFETY: two recorded events of this context, on one stream, alive until Drop.
+        let ms = unsafe { cu::event::elapsed(a, b) }.map_err(|e| drv("cuEventElapsedTime", e))?;
+        Ok(f64::from(ms))
+    }
+
+    fn clear_marks(&mut self) -> Result<()> {
+        self.marks = 0;
+        Ok(())
+    }
+
     fn synchronize(&mut self) -> Result<()> {
         self.not_capturing("synchronizing")?;
         self.sync()
@@ -367,6 +401,10 @@ impl Drop for CudaDriver {
                 let _ = cu::graph::exec_destroy(g.exec);
                 let _ = cu::graph::destroy(g.graph);
             }
+        }
+        for e in self.events.drain(..) {
+            // SAFETY: created once in `mark`, destroyed once; nothing pending (synchronized above).
+            let _ = unsafe { cu::event::destroy(e) };
         }
         for m in self.modules.drain(..) {
             // SAFETY: loaded once, unloaded once; no launch is pending (synchronized above).

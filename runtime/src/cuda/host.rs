@@ -14,7 +14,7 @@ use qatc_kernels::nvrtc::Arch;
 use rayon::prelude::*;
 
 use super::host_mem::DeviceMemory;
-use super::{DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, PinnedId, Result};
+use super::{DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, MarkId, PinnedId, Result};
 use crate::{KirEval, Launcher};
 
 /// One piece of recorded (or immediate) stream work.
@@ -54,6 +54,8 @@ pub struct HostGpu {
     /// Device allocations made so far, and graphs captured.
     pub allocations: usize,
     pub captures: usize,
+    /// `mark`'s timestamps: the host's clock, as the emulation runs work when it is submitted.
+    marks: Vec<std::time::Instant>,
 }
 
 /// The bytes a param's allocation must have from its pointer on.
@@ -138,6 +140,7 @@ impl HostGpu {
             bytes_out: 0,
             allocations: 0,
             captures: 0,
+            marks: Vec::new(),
         }
     }
 
@@ -375,5 +378,21 @@ impl GpuApi for HostGpu {
 
     fn synchronize(&mut self) -> Result<()> {
         self.not_capturing("synchronizing")
+    }
+
+    fn mark(&mut self) -> Result<MarkId> {
+        self.not_capturing("marking the time")?;
+        self.marks.push(std::time::Instant::now());
+        Ok(MarkId(self.marks.len() - 1))
+    }
+
+    fn elapsed_ms(&mut self, from: MarkId, to: MarkId) -> Result<f64> {
+        let at = |m: MarkId| self.marks.get(m.0).copied().ok_or_else(|| GpuError::Invalid(format!("no mark {}", m.0)));
+        Ok(at(to)?.saturating_duration_since(at(from)?).as_secs_f64() * 1e3)
+    }
+
+    fn clear_marks(&mut self) -> Result<()> {
+        self.marks.clear();
+        Ok(())
     }
 }

@@ -63,6 +63,10 @@ pub struct FuncId(pub usize);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GraphId(pub usize);
 
+/// A timestamp recorded on the stream (`GpuApi::mark`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MarkId(pub usize);
+
 /// A page-locked host buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PinnedId(pub usize);
@@ -144,6 +148,14 @@ pub trait GpuApi {
     fn replay(&mut self, g: GraphId) -> Result<()>;
     /// Waits for everything submitted so far.
     fn synchronize(&mut self) -> Result<()>;
+
+    /// A timestamp on the stream after the work submitted so far (a CUDA event), for timing the
+    /// parts of a step; not while capturing. Read with `elapsed_ms` once synchronized.
+    fn mark(&mut self) -> Result<MarkId>;
+    /// Milliseconds between two marks, both reached (call after `synchronize`).
+    fn elapsed_ms(&mut self, from: MarkId, to: MarkId) -> Result<f64>;
+    /// Forgets every mark (the ids given so far are no longer valid).
+    fn clear_marks(&mut self) -> Result<()>;
 }
 
 /// The kernels of a plan's data moves, loaded: (step index, function), in step order.

@@ -27,10 +27,10 @@ use qatc_kernels::nvrtc::BuildReport;
 use qatc_kernels::program::{BufId, Program, Step, View, DEVICE_ALIGN};
 
 use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
-use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, PinnedId};
+use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{kernel_label, Device, ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
+use crate::exec::{gemm_label, kernel_label, Device, ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
 use crate::value::Value;
 
 /// How a program runs on the GPU.
@@ -119,6 +119,22 @@ pub struct CudaProgram<A: GpuApi> {
 fn device_err(what: impl Into<String>) -> impl FnOnce(GpuError) -> RuntimeError {
     let what = what.into();
     move |e| RuntimeError::Device { what, msg: e.to_string() }
+}
+
+/// The parts of a timed run: each part's name and the mark at its end (`execute_timed`).
+struct Parts {
+    ends: Vec<(String, MarkId)>,
+}
+
+impl Parts {
+    /// A mark ending the part `what` names, when the run is timed.
+    fn cut<A: GpuApi + ?Sized>(parts: &mut Option<&mut Parts>, api: &mut A, what: impl FnOnce() -> String) -> Result<(), RuntimeError> {
+        if let Some(p) = parts {
+            let m = api.mark().map_err(device_err("marking the time"))?;
+            p.ends.push((what(), m));
+        }
+        Ok(())
+    }
 }
 
 impl<A: GpuApi> CudaProgram<A> {
@@ -340,26 +356,84 @@ impl<A: GpuApi> CudaProgram<A> {
     }
 
     /// The work of every run: the data staging uploaded, the steps not hoisted, the updates'
-    /// write-backs, the outputs downloaded into pinned memory. What a graph captures.
-    fn submit_run(&self, api: &mut A) -> Result<(), RuntimeError> {
+    /// write-backs, the outputs downloaded into pinned memory. What a graph captures. With
+    /// `parts` (a timed run), a mark after each part, and no wait after each step.
+    fn submit_run(&self, api: &mut A, mut parts: Option<&mut Parts>) -> Result<(), RuntimeError> {
         let data = self.plan.layout.data_bytes;
         if data > 0 {
             api.upload_pinned(self.allocations[2], self.staging, 0, data).map_err(device_err("uploading the data inputs"))?;
+            Parts::cut(&mut parts, api, || "data in (pinned copy)".into())?;
         }
         for i in 0..self.steps.len() {
             if !self.plan.hoisted[i] {
-                self.submit_step(api, i)?;
+                if parts.is_some() {
+                    self.submit_one(api, i)?;
+                } else {
+                    self.submit_step(api, i)?;
+                }
+                Parts::cut(&mut parts, api, || self.part_label(i))?;
             }
         }
         for w in &self.plan.write_backs {
             api.copy(self.ptrs[w.to], self.ptrs[w.from] + w.from_offset as u64, w.bytes)
                 .map_err(device_err(format!("writing back the update of {}", w.name)))?;
         }
+        Parts::cut(&mut parts, api, || "write-back of the updates".into())?;
         for &(b, at) in &self.readback_at {
             api.download_pinned(self.readback, at, self.ptrs[b], self.prog.buffers[b].bytes())
                 .map_err(device_err(format!("reading back output buffer {}", self.prog.buffers[b].name)))?;
         }
-        Ok(())
+        Parts::cut(&mut parts, api, || "outputs back (pinned copy)".into())
+    }
+
+    /// What step `i` is, for a profile: its kernel's family, or the GEMM's shape (as the CPU
+    /// executor names them, so the two profiles read alike).
+    fn part_label(&self, i: usize) -> String {
+        match &self.prog.steps[i] {
+            Step::Launch { kernel, .. } => self.prog.kernels.get(*kernel).map_or_else(|| "?".into(), |k| k.family.clone()),
+            Step::Gemm(g) => gemm_label(g.m, g.n, g.k, g.c.shape.iter().rev().skip(2).product()),
+        }
+    }
+
+    /// Runs the step as [`execute`](Self::execute) does, its work submitted directly (never the
+    /// graph) with a mark (a CUDA event) after each part: (what, seconds) per part, in order.
+    /// Each mark costs the stream a few microseconds, so the parts add up to a little more than
+    /// the graph's step. What `qatc train --profile` shows.
+    pub fn execute_timed(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
+        self.check_given()?;
+        let mut api =
+            self.api.try_borrow_mut().map_err(|_| RuntimeError::Device { what: "run".into(), msg: "the GPU is in use".into() })?;
+        api.clear_marks().map_err(device_err("clearing the marks"))?;
+        let start = api.mark().map_err(device_err("marking the time"))?;
+        let mut parts = Parts { ends: Vec::new() };
+        if self.stale {
+            for i in (0..self.steps.len()).filter(|&i| self.plan.hoisted[i]) {
+                self.submit_one(&mut api, i)?;
+                Parts::cut(&mut Some(&mut parts), &mut *api, || format!("{} (hoisted)", self.part_label(i)))?;
+            }
+        }
+        self.submit_run(&mut api, Some(&mut parts))?;
+        let back = api.pinned(self.readback).map_err(device_err("the timed step"))?;
+        let n = self.outputs.len();
+        self.outputs.copy_from_slice(&back[..n]);
+        let mut times = Vec::with_capacity(parts.ends.len());
+        let mut from = start;
+        for (what, to) in parts.ends {
+            times.push((what, api.elapsed_ms(from, to).map_err(device_err("reading the marks"))? / 1e3));
+            from = to;
+        }
+        drop(api);
+        self.ran_once();
+        Ok(times)
+    }
+
+    /// What a finished run leaves: nothing stale, the outputs there, the updated inputs given.
+    fn ran_once(&mut self) {
+        self.stale = false;
+        self.ran = true;
+        for w in &self.plan.write_backs {
+            self.given[w.to] = true;
+        }
     }
 
     /// Runs the program on the inputs given: the hoisted steps when a frozen input changed, then
@@ -384,7 +458,7 @@ impl<A: GpuApi> CudaProgram<A> {
                 Some(g) => g,
                 None => {
                     api.begin_capture().map_err(device_err("beginning the step's capture"))?;
-                    let recorded = self.submit_run(&mut api);
+                    let recorded = self.submit_run(&mut api, None);
                     // the capture is ended whatever happened, so the stream is usable again
                     let ended = api.end_capture().map_err(device_err("capturing the step as a CUDA graph"));
                     recorded?;
@@ -394,7 +468,7 @@ impl<A: GpuApi> CudaProgram<A> {
             api.replay(g).map_err(device_err("replaying the step's CUDA graph"))?;
             self.graph = Some(g);
         } else {
-            self.submit_run(&mut api)?;
+            self.submit_run(&mut api, None)?;
         }
         // waits for the step: an error of any kernel in it (an illegal address) surfaces here
         let (launches, calls) = self.per_step();
@@ -407,11 +481,7 @@ impl<A: GpuApi> CudaProgram<A> {
         let n = self.outputs.len();
         self.outputs.copy_from_slice(&back[..n]);
         drop(api);
-        self.stale = false;
-        self.ran = true;
-        for w in &self.plan.write_backs {
-            self.given[w.to] = true;
-        }
+        self.ran_once();
         Ok(())
     }
 
@@ -494,6 +564,10 @@ impl<A: GpuApi + Send> TrainStep for CudaProgram<A> {
 
     fn run(&mut self) -> Result<(), RuntimeError> {
         self.execute()
+    }
+
+    fn run_timed(&mut self) -> Result<Option<Vec<(String, f64)>>, RuntimeError> {
+        self.execute_timed().map(Some)
     }
 
     fn output_names(&self) -> Vec<String> {

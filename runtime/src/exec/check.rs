@@ -17,6 +17,11 @@ pub fn kernel_label(k: &Kernel) -> String {
     format!("{} ({})", k.family, k.note)
 }
 
+/// A GEMM in a profile: `gemm MxNxK`, and ` xBATCH` when batched (both executors' profiles).
+pub fn gemm_label(m: usize, n: usize, k: usize, batch: usize) -> String {
+    format!("gemm {m}x{n}x{k}{}", if batch > 1 { format!(" x{batch}") } else { String::new() })
+}
+
 /// The last element a view reaches, plus one (0 for an empty view).
 pub fn view_extent(v: &View) -> usize {
     if v.shape.contains(&0) {

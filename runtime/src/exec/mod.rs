@@ -26,7 +26,7 @@ mod train_step;
 pub mod values;
 
 pub use access::{written_params_read, Access};
-pub use check::{check_gemm, check_launch, check_view, kernel_label, view_extent};
+pub use check::{check_gemm, check_launch, check_view, gemm_label, kernel_label, view_extent};
 pub use layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout, Place, Region};
 pub use memory_plan::{MemoryPlan, PlannedBuffer, PlannedStep};
 pub use plan::{Device, ExecOptions, ExecPlan, InputBuf, WriteBack, CUDA_ALIGN};
