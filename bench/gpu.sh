@@ -43,13 +43,15 @@
 #              the device, with registers, spills and shared memory per kernel (cold and cached)
 #   first      issue 14's first speed figure: qatc train --device cuda, GPT-2 124M (random init),
 #              B 8, T 1024, 4-bit sym g64 + LoRA r 16, AdamW, strict fp32 and --tf32, against the
-#              PyTorch twin eager (sdpa) in fp32 and TF32: tokens/s, ms/step and the ratio
+#              PyTorch twin eager (sdpa) in fp32 and TF32: tokens/s, ms/step and the ratio; then
+#              where the fp32 step's time goes (3 steps of qatc train --profile: each kernel family
+#              and GEMM shape between CUDA events)
 #   speed      issue 20's step: qatc train --device cuda --precision bf16, GPT-2 124M (random init)
 #              B 16 and GPT-2 1.5B B 4, T 1024, 4-bit sym g64 frozen + LoRA r 16 on all four
 #              linears, AdamW: tokens/s and ms/step (median of the steps after 2 of warm-up), MFU
 #              (bench/mfu.py: FLOPs/token = 4 N_matmul + 6 N_lora + 12 L C T, the device's dense
 #              bf16 peak, 989 TFLOP/s on an H100 SXM or H200), the device's peak memory
-#              (nvidia-smi, sampled) against `qatc plan`
+#              (nvidia-smi, sampled) against `qatc plan`; the profile of each (qatc train --profile)
 #   peer       the PyTorch twin (bench/torch_cuda_peer.py), the same step and sizes: bf16 autocast
 #              with sdpa attention, eager and torch.compile (warm; compile time reported apart);
 #              with speed, the table: tokens/s, ms/step, MFU, qatc/eager and qatc/compile
@@ -340,7 +342,7 @@ speed_arm() {
   smi_start "$work/mem-$tag.log"
   run "speed-$tag" 300 "${cmd[@]}"
   smi_stop
-  [ $dry = 1 ] && { line "speed $name B $b $prec" dry ""; return; }
+  [ $dry = 1 ] && { line "speed $name B $b $prec" dry ""; profile_arm "$name" "$b" "$prec" "$tag" "${args[@]}"; return; }
   local fig
   fig=$($py - "$work/speed-$tag.jsonl" "$work/mem-$tag.log" "$name" "$layers" "$embd" "$b" "$plan_peak" "$logs/speed-$tag.log" "$(device_name)" "$(stamp)" "qatc train ${cmd[*]:2}" "$prec" <<'EOF'
 import json, sys
@@ -372,6 +374,22 @@ t, m = d["tokens_per_s_median"], d["mfu"]
 mfu = "%.1f%% of the bf16 peak" % (100 * m["mfu"]) if m.get("mfu") else "? (%s)" % m["peak_of"]
 print("%.0f tokens/s (%.1f ms/step), MFU %s, nvidia-smi peak %s MiB" % (t, d["step_ms_median"], mfu, d["nvidia_smi_peak_mib"]) if t else "no figure (see logs)")' 2>/dev/null)"
   grep -h 'runs on CUDA' "$logs/speed-$tag.log" | head -1 | cut -c1-500 | sed 's/^/    /' | tee -a "$summary"
+  profile_arm "$name" "$b" "$prec" "$tag" "${args[@]}"
+}
+
+# profile_arm NAME BATCH PRECISION TAG QATC-ARGS...: when $profile_next is 1 (then reset), where
+# the step's time goes (issue 20: profile first): 3 steps of `qatc train --profile`, each part of
+# a step between CUDA events (the graph off), the top of its table into the summary
+profile_arm() {
+  [ "${profile_next:-0}" = 1 ] || return 0
+  profile_next=0
+  local name=$1 b=$2 prec=$3 tag=$4
+  shift 4
+  run "profile-$tag" 120 "$qatc" train "$model" --data examples/shakespeare_train.bin --batch "$b" "$@" --steps 3 --lr 1e-4 --device cuda \
+    --profile --out "$work/profile-$tag"
+  [ $dry = 1 ] && { line "profile $name B $b $prec" dry ""; return 0; }
+  line "profile $name B $b $prec" "$rc" "$(grep -m1 '^one step' "$logs/profile-$tag.log")"
+  grep -A16 '^one step' "$logs/profile-$tag.log" | tail -n +2 | sed 's/^/    /' | tee -a "$summary"
 }
 
 # peer_arm NAME LAYERS EMBD HEADS BATCH DTYPE MODE: the PyTorch twin (bench/torch_cuda_peer.py,
@@ -547,6 +565,7 @@ for s in "${sections[@]}"; do
     for prec in fp32 tf32; do
       flag=()
       [ $prec = tf32 ] && flag=(--tf32)
+      [ $prec = fp32 ] && profile_next=1
       speed_arm 124m 124M 12 768 12 8 8 "$prec" "${i14[@]}" "${flag[@]}"
     done
     [ -f "$OUT/peer.jsonl" ] || : >"$OUT/peer.jsonl"
@@ -560,6 +579,7 @@ for s in "${sections[@]}"; do
     [ -f "$OUT/speed.jsonl" ] || : >"$OUT/speed.jsonl"
     for sz in "${sizes[@]}"; do
       IFS=: read -r name preset layers embd heads b steps <<<"$sz"
+      profile_next=1
       speed_arm "$name" "$preset" "$layers" "$embd" "$heads" "$b" "$steps" bf16 "${i20[@]}"
     done
     ;;
