@@ -252,7 +252,10 @@ impl<'k> LoopNestWriter<'k> {
         let name = if self.depth == 0 { "j".to_string() } else { format!("j{}", self.depth) };
         self.loops.insert(var, name.clone());
         let it = scalar(self.k.index_ty);
-        let ext = self.expr(extent, 0)?;
+        // the bound is the right operand of `<` (precedence 60): a `?:` or a comparison there
+        // must be parenthesized (`j < rank == 0 ? 1 : 0` is `((j < rank) == 0) ? 1 : 0`, a loop
+        // that never ends)
+        let ext = self.expr(extent, 61)?;
         let shared = self.block_rows && !self.parallel;
         if shared {
             let (from, step) = if self.warp { ("lane", "32") } else { ("threadIdx.x", "blockDim.x") };
@@ -312,7 +315,7 @@ impl<'k> LoopNestWriter<'k> {
                 let was = self.parallel;
                 if owned {
                     w.open("if (owner)");
-                    w.open(format!("for ({} j = 0; j < {}; ++j)", scalar(self.k.index_ty), self.expr(&lp.extent, 0)?));
+                    w.open(format!("for ({} j = 0; j < {}; ++j)", scalar(self.k.index_ty), self.expr(&lp.extent, 61)?));
                     self.loops.insert(lp.var, "j".into());
                     self.depth += 1;
                 } else {
