@@ -115,7 +115,13 @@ impl<'a> Plain<'a> {
                 Step::Gemm(g) => {
                     let plan = blas::plan(g, &prog.buffers, BlasMode::Strict).expect("plans");
                     let scratch = plan.scratch.iter().map(|(t, n)| gpu.alloc((t.bytes() * n).max(4)).expect("scratch")).collect();
-                    let moves = blas::move_kernels(&plan).iter().map(|m| (m.step, gpu.load(&image(&m.kernel)).expect("loads"))).collect();
+                    let moves = blas::move_kernels(&plan)
+                        .iter()
+                        .map(|m| {
+                            let img = image(&m.kernel);
+                            (m.step, gpu.load(&img).expect("loads"), img.launch.clone())
+                        })
+                        .collect();
                     Some(PlannedGemm { plan, moves, scratch })
                 }
                 Step::Launch { .. } => None,

@@ -210,7 +210,8 @@ fn run_plan_case(g: &mut dyn GpuApi, image: MakeImage, case: usize, gemm: &Gemm)
     }
     let mut funcs: PlanFuncs = Vec::new();
     for m in blas::move_kernels(&plan) {
-        funcs.push((m.step, g.load(&image(&m.kernel)).expect("loads")));
+        let img = image(&m.kernel);
+        funcs.push((m.step, g.load(&img).expect("loads"), img.launch.clone()));
     }
     let resolve = |m: Mem| -> qatc_runtime::cuda::Result<DevPtr> {
         match m {

@@ -152,7 +152,7 @@ pub fn load_kernels<A: GpuApi>(
     }
     for (g, idx) in plans.gemms.iter_mut().zip(move_idx) {
         if let Some(g) = g {
-            g.moves = idx.into_iter().map(|(step, i)| (step, funcs[i])).collect();
+            g.moves = idx.into_iter().map(|(step, i)| (step, funcs[i], all[i].1.launch.clone())).collect();
         }
     }
     Ok(Loaded { funcs: prog_idx.into_iter().map(|i| funcs[i]).collect(), distinct: all.len(), report })

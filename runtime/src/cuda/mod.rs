@@ -158,8 +158,9 @@ pub trait GpuApi {
     fn clear_marks(&mut self) -> Result<()>;
 }
 
-/// The kernels of a plan's data moves, loaded: (step index, function), in step order.
-pub type PlanFuncs = Vec<(usize, FuncId)>;
+/// The kernels of a plan's data moves, loaded: (step index, function, the grid and block its
+/// CUDA C was written for: `KernelImage::launch`), in step order.
+pub type PlanFuncs = Vec<(usize, FuncId, LaunchDims)>;
 
 /// Runs a GEMM's plan: its library calls through [`GpuApi::gemm`], its data moves as the
 /// kernels `funcs` (loaded from `qatc_kernels::cuda::blas::move_kernels(plan)`). `resolve` gives
@@ -178,13 +179,15 @@ pub fn run_plan(api: &mut dyn GpuApi, plan: &BlasPlan, funcs: &PlanFuncs, resolv
                 api.gemm(c, plan.compute, ptrs)?;
             }
             _ => {
-                let f = funcs.iter().find(|(s, _)| *s == i).map(|(_, f)| *f);
+                let f = funcs.iter().find(|(s, _, _)| *s == i);
                 let m = moves.iter().find(|m| m.step == i);
-                let (Some(f), Some(m)) = (f, m) else {
+                let (Some((_, f, dims)), Some(m)) = (f, m) else {
                     return Err(GpuError::Invalid(format!("plan step {i} ({step:?}) has no loaded kernel")));
                 };
                 let args = m.args.iter().map(|&mem| resolve(mem)).collect::<Result<Vec<_>>>()?;
-                api.launch(f, &qatc_kernels::cuda::emit::launch_dims(&m.kernel), &args)?;
+                // the dims it was written with (a writer's variant may map it otherwise than the
+                // default, `--general-kernels` among them)
+                api.launch(*f, dims, &args)?;
             }
         }
     }
