@@ -1,0 +1,924 @@
+//! The generated CUDA C, executed: every distinct kernel of a training step (and of its GEMM
+//! plans' data moves) compiled by the system C++ compiler (`g++ -std=c++20 -O1`) against
+//! `tests/cxx/cuda_on_cpu.h`, a shim that runs CUDA's execution model on the CPU (blocks in turn,
+//! a block's threads as fibers meeting at real barriers, warp shuffles, atomics, shared memory,
+//! CUDA's conversion semantics; `tests/cxx/cuda_on_cpu.cpp` is its launcher), run once on the
+//! bytes the kernel-IR evaluator (`HostGpu`, wrapped by [`OnCpu`]) has at the kernel's first
+//! launch, and compared with the evaluator's result: every param it writes, floats within 1e-5
+//! (`common::rel_err`; 16-bit ones within an ulp of their type), integers exactly.
+//!
+//! What this catches that the other checks cannot: CI evaluates the kernel IR and compiles the
+//! CUDA C with NVRTC where NVRTC is installed, but nothing else executes the CUDA C *text*: a
+//! bound written `j < rank == 0 ? 1 : 0` (valid C, an endless loop) passes both. Here such a
+//! kernel is killed at its time limit (or stopped by the overflow check) and named. Each kernel
+//! runs twice, threads, warps and blocks in ascending then descending order, and the two results
+//! must be bitwise equal (a missing barrier is an order-dependent result); an access past a
+//! param's end faults (guard pages); signed overflow, out-of-range shifts and indices past a
+//! fixed-size array stop it (`-fsanitize=undefined`). A failing kernel's inputs are kept under
+//! `target/cuda-c-on-cpu/failed/<kernel>/` with a script that runs it again.
+//!
+//! Where the CPU and the evaluator disagree on floats, the kernel IR is evaluated once more with
+//! its f32 sums accumulated in f64 ([`promote_sums`]); the CUDA C must be within the tolerance of
+//! that. The evaluator sums in order in f32, which over a 50257-long cross-entropy row is off by
+//! up to ~1e-3 relative: those cases print as "not the CUDA C" and pass.
+//!
+//! Skipped (counted, with the reason): kernels with inline PTX, the tensor-core attention
+//! (`qatc_attention_mma.cuh`, in 16-bit steps with head size 32-64). The f16 conversions of
+//! `qatc_common.cuh`, inline PTX too, the shim runs. GEMMs are cuBLAS calls, not CUDA C: the
+//! evaluator runs them (`run_plan` on `HostGpu`), and their data-move kernels are checked like the
+//! program's own.
+//!
+//! Executables are cached under `target/cuda-c-on-cpu/` (a second run compiles nothing). Without
+//! a C++ compiler the tests skip, saying so, unless `$CI` is set.
+
+mod common;
+#[path = "common/cxx.rs"]
+mod cxx;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use qatc::data::TokenFile;
+use qatc::model::Model;
+use qatc::step::StepOptions;
+use qatc::trainer::Trainer;
+use qatc_ir::{DType, QuantScheme, QuantSpec};
+use qatc_kernels::cuda::blas::{self, BlasCall, BlasMode, BlasPlan, Compute, Mem};
+use qatc_kernels::cuda::LaunchDims;
+use qatc_kernels::kir::{Kernel, Param};
+use qatc_kernels::program::{BufKind, Buffer, Gemm, GemmTypes, View};
+use qatc_kernels::{Program, Step};
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::precision::Precision;
+use qatc_passes::quant::QuantOptions;
+use qatc_runtime::cuda::{
+    run_plan, DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GraphId, HostGpu, KernelImage, MarkId, PinnedId, PlanFuncs, Result as GpuResult,
+};
+use qatc_runtime::Value;
+
+use common::gpu::{options, SHAKESPEARE, TINY};
+use common::precise::promote_sums;
+use cxx::{Cxx, Outcome};
+
+/// How long one kernel's executable may run (both orders) before it is killed and reported.
+const TIME_LIMIT: Duration = Duration::from_secs(30);
+
+/// The most compilers run at once.
+fn jobs() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 4)
+}
+
+/// A value as a buffer's bytes (as tests/gpu_step.rs).
+fn to_bytes(buf: &Buffer, v: &Value<f32>) -> Vec<u8> {
+    let mut out = vec![0u8; buf.device_bytes()];
+    match (buf.dtype, v) {
+        (DType::F32, Value::Float(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
+        (DType::F16, Value::Float(t)) => {
+            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
+        }
+        (DType::BF16, Value::Float(t)) => {
+            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
+        }
+        (DType::I32, Value::Int(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
+        (DType::U8, Value::Int(t)) => out.iter_mut().zip(&t.data).for_each(|(o, &c)| *o = c as u8),
+        (DType::I4, Value::Int(t)) => {
+            out.iter_mut().zip(t.data.chunks(2)).for_each(|(o, p)| *o = (p[0] as u8) | (p.get(1).copied().unwrap_or(0) as u8) << 4)
+        }
+        (d, _) => panic!("{}: a {d} buffer given {v:?}", buf.name),
+    }
+    out
+}
+
+/// Element `i` of a buffer's bytes, as f64.
+fn element(d: DType, b: &[u8], i: usize) -> f64 {
+    match d {
+        DType::F32 => f64::from(f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])),
+        DType::I32 => f64::from(i32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])),
+        DType::F16 => f64::from(f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()),
+        DType::BF16 => f64::from(bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()),
+        DType::U8 => f64::from(b[i]),
+        DType::I4 => f64::from((b[i / 2] >> (4 * (i % 2))) & 15),
+    }
+}
+
+/// The bytes a kernel param spans on the device (a packed 4-bit one padded to whole words, as
+/// `Buffer::device_bytes`: `store_i4` updates the word holding its byte).
+fn param_bytes(p: &Param) -> usize {
+    let n = p.dtype.bytes_for(p.numel());
+    if p.dtype == DType::I4 {
+        n.next_multiple_of(4)
+    } else {
+        n
+    }
+}
+
+/// A step's program and trainer, on a model and token file from the repository (as
+/// tests/gpu_step.rs).
+fn setup(model: &str, tokens: &str, o: StepOptions) -> (Program, Trainer, TokenFile) {
+    let m = Model::open(&common::root().join(model)).expect("the model");
+    let data = TokenFile::open(&common::root().join(tokens)).expect("tokens");
+    let tr = Trainer::new(&m, o, None, 3).expect("a trainer");
+    let prog = qatc_kernels::lower(&tr.graph).expect("lowers");
+    (prog, tr, data)
+}
+
+/// The inputs of step `s`: the state, batch s, a dropout seed, a learning rate.
+fn inputs(state: &HashMap<String, Value<f32>>, data: &TokenFile, o: &StepOptions, s: usize) -> HashMap<String, Value<f32>> {
+    let mut v = state.clone();
+    let (ids, targets) = data.batch(s, o.batch, o.seq).expect("a batch");
+    v.insert("ids".into(), Value::ints([o.batch, o.seq], ids).expect("ids"));
+    v.insert("targets".into(), Value::ints([o.batch, o.seq], targets).expect("targets"));
+    v.insert(DROPOUT_SEED.into(), Value::ints([], vec![5 + s as i32]).expect("a seed"));
+    v.insert("lr".into(), Value::scalar(1e-2));
+    v
+}
+
+/// Why a kernel's CUDA C cannot run on the CPU, if it cannot: inline PTX (but for the f16
+/// conversions of `qatc_common.cuh`, which the shim runs).
+fn cannot_run(source: &str) -> Option<&'static str> {
+    if source.contains("_mma<") {
+        Some("tensor-core attention (qatc_attention_mma.cuh: inline PTX mma)")
+    } else if source.contains("asm(") || source.contains("asm volatile") {
+        Some("inline PTX")
+    } else {
+        None
+    }
+}
+
+/// Whether a kernel's threads meet at barriers or shuffles (then they run as fibers; else each
+/// thread is a plain call, and a barrier reached anyway stops the run: the shim says so). The
+/// barriers live in the kernel's text or in the helpers it calls by these names.
+fn needs_fibers(source: &str) -> bool {
+    ["__syncthreads", "__syncwarp", "__shfl", "qatc::block_", "qatc::warp_", "qatc::attention"].iter().any(|t| source.contains(t))
+}
+
+/// For checking this harness: `CUDA_C_ON_CPU_MUTATE='FROM=>TO'` replaces FROM by TO in every
+/// kernel's CUDA C before it is compiled, e.g. `'(rank == 0 ? 1 : 0)=>rank == 0 ? 1 : 0'` undoes
+/// the loop-bound fix in the generated text (the tiny steps' embedding-gradient kernel must then
+/// fail, killed at the time limit or stopped by the overflow check).
+fn mutate(source: String) -> String {
+    match std::env::var("CUDA_C_ON_CPU_MUTATE") {
+        Ok(m) => match m.split_once("=>") {
+            Some((from, to)) => source.replace(from, to),
+            None => panic!("CUDA_C_ON_CPU_MUTATE is FROM=>TO, not {m:?}"),
+        },
+        Err(_) => source,
+    }
+}
+
+/// A kernel's translation unit: the shim, its CUDA C, a `main` that launches it.
+fn unit(name: &str, source: &str) -> String {
+    format!("#include \"cuda_on_cpu.h\"\n{source}\nQATC_CPU_MAIN({name})\n")
+}
+
+/// One distinct kernel as loaded.
+struct Loaded {
+    name: String,
+    kernel: Kernel,
+    source: String,
+    launch: LaunchDims,
+    skip: Option<&'static str>,
+}
+
+/// What one case found.
+#[derive(Default)]
+struct Findings {
+    run: usize,
+    skipped: Vec<(String, &'static str)>,
+    failures: Vec<String>,
+    /// Params where the evaluator's in-order f32 sums, not the CUDA C, were off.
+    notes: Vec<String>,
+    worst: (f64, String),
+    compiled: usize,
+    /// In the checked launches: the CPU run and the evaluator's launch, side by side.
+    cpu: Duration,
+    /// In the evaluator's GEMMs (the host model of cuBLAS).
+    gemm: Duration,
+}
+
+/// `HostGpu` (the kernel-IR evaluator behind the GPU API) with every kernel's first launch also
+/// run as CUDA C on the CPU, on the same bytes, and compared.
+struct OnCpu<'c> {
+    host: HostGpu,
+    cxx: &'c Cxx,
+    funcs: HashMap<FuncId, usize>,
+    kernels: Vec<Loaded>,
+    exes: HashMap<String, Result<PathBuf, String>>,
+    checked: HashSet<String>,
+    dir: tempfile::TempDir,
+    found: Findings,
+}
+
+impl<'c> OnCpu<'c> {
+    fn new(cxx: &'c Cxx, capacity: usize) -> OnCpu<'c> {
+        OnCpu {
+            host: HostGpu::new(capacity),
+            cxx,
+            funcs: HashMap::new(),
+            kernels: Vec::new(),
+            exes: HashMap::new(),
+            checked: HashSet::new(),
+            dir: tempfile::tempdir().expect("a scratch directory"),
+            found: Findings::default(),
+        }
+    }
+
+    /// Compiles every kernel loaded so far that can run (cached ones are not compiled again).
+    fn build(&mut self) {
+        let units: Vec<(String, String)> = self
+            .kernels
+            .iter()
+            .filter(|k| k.skip.is_none() && !self.exes.contains_key(&k.name))
+            .map(|k| (k.name.clone(), unit(&k.name, &k.source)))
+            .collect();
+        let (built, compiled) = self.cxx.build(&units, jobs());
+        self.found.compiled += compiled;
+        for ((name, _), r) in units.into_iter().zip(built) {
+            self.exes.insert(name, r);
+        }
+    }
+
+    /// The bytes of every slot after kernel `k` with its f32 sums accumulated in f64
+    /// ([`promote_sums`]) has run in the evaluator on the inputs in `dir`; None where it has no
+    /// f32 sum.
+    fn precise(
+        &mut self,
+        k: usize,
+        dims: &LaunchDims,
+        dir: &std::path::Path,
+        slots: &[(DevPtr, usize)],
+        slot_of: &[usize],
+    ) -> GpuResult<Option<Vec<Vec<u8>>>> {
+        let l = &self.kernels[k];
+        let Some(kernel) = promote_sums(&l.kernel) else { return Ok(None) };
+        let image = KernelImage { name: format!("{}_f64_sums", l.name), cubin: Vec::new(), kernel, launch: dims.clone() };
+        let f = self.host.load(&image)?;
+        let mut ptrs = Vec::new();
+        for (s, &(_, n)) in slots.iter().enumerate() {
+            let p = self.host.alloc(n.max(4))?;
+            self.host.upload(p, &std::fs::read(dir.join(format!("in{s}.bin"))).expect("reads a buffer"))?;
+            ptrs.push(p);
+        }
+        let args: Vec<DevPtr> = slot_of.iter().map(|&s| ptrs[s]).collect();
+        self.host.launch(f, dims, &args)?;
+        let mut out = Vec::new();
+        for (&p, &(_, n)) in ptrs.iter().zip(slots) {
+            let mut b = vec![0u8; n];
+            self.host.download(&mut b, p)?;
+            self.host.free(p)?;
+            out.push(b);
+        }
+        Ok(Some(out))
+    }
+
+    fn fail(&mut self, k: usize, what: String) {
+        let l = &self.kernels[k];
+        self.found.failures.push(format!("{} ({}: {}): {what}", l.name, l.kernel.family, l.kernel.note));
+    }
+
+    /// Runs kernel `k`'s CUDA C on the CPU on the evaluator's bytes of `args`, then the evaluator's
+    /// launch, and compares what they write. A kernel that fails keeps its inputs under
+    /// `target/cuda-c-on-cpu/failed/<name>/` with a script that runs it again.
+    fn check(&mut self, k: usize, f: FuncId, dims: &LaunchDims, args: &[DevPtr]) -> GpuResult<()> {
+        let (name, params, launch) = {
+            let l = &self.kernels[k];
+            (l.name.clone(), l.kernel.params.clone(), l.launch.clone())
+        };
+        let mut problems = Vec::new();
+        if *dims != launch {
+            problems.push(format!("launched with {dims:?}, its CUDA C written for {launch:?}"));
+        }
+        // one slot per distinct buffer (an in-place kernel names one buffer twice)
+        let mut slots: Vec<(DevPtr, usize)> = Vec::new();
+        let mut slot_of = Vec::new();
+        for (p, &a) in params.iter().zip(args) {
+            let n = param_bytes(p);
+            match slots.iter().position(|s| s.0 == a) {
+                Some(s) => {
+                    slots[s].1 = slots[s].1.max(n);
+                    slot_of.push(s);
+                }
+                None => {
+                    slot_of.push(slots.len());
+                    slots.push((a, n));
+                }
+            }
+        }
+        let dir = self.dir.path().join(&name);
+        std::fs::create_dir_all(&dir).expect("a directory for the kernel's buffers");
+        for (s, &(ptr, n)) in slots.iter().enumerate() {
+            let mut b = vec![0u8; n];
+            self.host.download(&mut b, ptr)?;
+            std::fs::write(dir.join(format!("in{s}.bin")), &b).expect("writes a buffer");
+        }
+        let exe = match self.exes.get(&name) {
+            Some(Ok(exe)) => exe.clone(),
+            Some(Err(e)) => {
+                let e = format!("its CUDA C does not compile on the CPU: {}", e.lines().take(30).collect::<Vec<_>>().join("\n"));
+                self.fail(k, e);
+                return self.host.launch(f, dims, args);
+            }
+            None => panic!("{name}: launched but never loaded"),
+        };
+        let list = |v: &[usize]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",");
+        let grid: Vec<usize> = dims.grid.iter().map(|&g| g as usize).collect();
+        let mode = if needs_fibers(&self.kernels[k].source) { "fibers" } else { "direct" };
+        let argv = [dir.display().to_string(), list(&slot_of), list(&grid), format!("{},1,1", dims.block), mode.to_string()];
+        let start = Instant::now();
+        let running = cxx::start(&exe, &argv, &dir.join("stderr.txt"));
+        // the evaluator runs meanwhile
+        self.host.launch(f, dims, args)?;
+        let outcome = match running {
+            Ok(r) => r.wait(TIME_LIMIT),
+            Err(e) => Outcome::Failed(e, String::new()),
+        };
+        self.found.cpu += start.elapsed();
+        let ran = matches!(outcome, Outcome::Ok);
+        let mut precise = None;
+        match outcome {
+            Outcome::Ok => self.found.run += 1,
+            Outcome::Failed(status, err) => {
+                let tail: Vec<&str> = err.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
+                problems.push(format!("the CPU run failed ({status}):\n{}", tail.join("\n")));
+            }
+            Outcome::TimedOut(t) => {
+                problems.push(format!("no result in {t:.1?}: killed (an endless loop, e.g. a misparsed loop bound; or a stuck barrier)"))
+            }
+        }
+        for (i, p) in params.iter().enumerate().filter(|(_, p)| p.write && ran) {
+            let n = param_bytes(p);
+            let mut want = vec![0u8; n];
+            self.host.download(&mut want, args[i])?;
+            std::fs::write(dir.join(format!("want{}.bin", slot_of[i])), &want).expect("writes a buffer");
+            let got = std::fs::read(dir.join(format!("out{}.bin", slot_of[i]))).unwrap_or_default();
+            if got.len() < n {
+                problems.push(format!("param {} came back with {} bytes, not {n}", p.name, got.len()));
+                continue;
+            }
+            let (g, w): (Vec<f64>, Vec<f64>) = (0..p.numel()).map(|e| (element(p.dtype, &got, e), element(p.dtype, &want, e))).unzip();
+            let err = if p.dtype.is_float() { common::rel_err(&g, &w) } else { common::max_abs(&g, &w) };
+            let tol = match p.dtype {
+                DType::F32 => 1e-5,
+                DType::BF16 => 2f64.powi(-7),
+                DType::F16 => 2f64.powi(-10),
+                _ => 0.0,
+            };
+            // a NaN error fails too
+            let off_by = |err: f64| err.is_nan() || err > tol;
+            let mut err = err;
+            if off_by(err) && p.dtype.is_float() {
+                // the evaluator's in-order f32 sums, or the CUDA C? Against the same kernel IR with
+                // its sums accumulated in f64: the CUDA C must be within the tolerance of that
+                if precise.is_none() {
+                    precise = Some(self.precise(k, dims, &dir, &slots, &slot_of)?);
+                }
+                if let Some(Some(exact)) = &precise {
+                    let x: Vec<f64> = (0..p.numel()).map(|e| element(p.dtype, &exact[slot_of[i]], e)).collect();
+                    let (cpu, eval) = (common::rel_err(&g, &x), common::rel_err(&w, &x));
+                    if cpu <= tol {
+                        self.found.notes.push(format!(
+                            "{name} param {}: the evaluator is {eval:.1e} off the kernel IR summed in f64 (its in-order f32 sums), \
+                             the CUDA C {cpu:.1e} (the CPU and the evaluator {err:.1e} apart)",
+                            p.name
+                        ));
+                        err = cpu;
+                    } else {
+                        problems.push(format!(
+                            "param {} is {cpu:e} off the kernel IR summed in f64 too (the evaluator {eval:e}): not the evaluator's \
+                             summation order",
+                            p.name
+                        ));
+                    }
+                }
+            }
+            if off_by(err) {
+                // how far apart element e is (NaN where one side only is NaN: the farthest)
+                let off = |e: usize| if (g[e].is_nan() && w[e].is_nan()) || g[e] == w[e] { 0.0 } else { (g[e] - w[e]).abs() };
+                let at = (0..g.len()).max_by(|&a, &b| off(a).total_cmp(&off(b))).unwrap_or(0);
+                let first = (0..g.len()).find(|&e| off(e) != 0.0).unwrap_or(0);
+                let scale = w.iter().filter(|v| v.is_finite()).fold(0.0f64, |m, v| m.max(v.abs()));
+                problems.push(format!(
+                    "param {} ({} {:?}) off by {err:e} of its largest element {scale:e} (tolerance {tol:e}): element {at} is {:e} on the CPU, \
+                     {:e} in the evaluator; the first that differs is {first} ({:e} vs {:e})",
+                    p.name, p.dtype, p.shape, g[at], w[at], g[first], w[first]
+                ));
+            }
+            if err > self.found.worst.0 || self.found.worst.1.is_empty() {
+                self.found.worst = (err, format!("{} param {}", name, p.name));
+            }
+        }
+        if !problems.is_empty() {
+            let kept = self.cxx.cache().join("failed").join(&name);
+            let _ = std::fs::remove_dir_all(&kept);
+            let copied = std::fs::create_dir_all(&kept).and_then(|_| {
+                for e in std::fs::read_dir(&dir)? {
+                    let e = e?;
+                    std::fs::copy(e.path(), kept.join(e.file_name()))?;
+                }
+                let mut again = argv.clone();
+                again[0] = kept.display().to_string();
+                std::fs::write(kept.join("run.sh"), format!("#!/bin/sh\n{} {}\n", exe.display(), again.join(" ")))
+            });
+            let note = match copied {
+                Ok(()) => format!("(its inputs, the evaluator's results want*.bin and `run.sh` are in {})", kept.display()),
+                Err(e) => format!("(keeping its inputs in {} failed: {e})", kept.display()),
+            };
+            for p in problems {
+                self.fail(k, format!("{p}\n{note}"));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+}
+
+impl GpuApi for OnCpu<'_> {
+    fn device(&self) -> &GpuDevice {
+        self.host.device()
+    }
+    fn memory(&self) -> GpuResult<(usize, usize)> {
+        self.host.memory()
+    }
+    fn alloc(&mut self, bytes: usize) -> GpuResult<DevPtr> {
+        self.host.alloc(bytes)
+    }
+    fn free(&mut self, ptr: DevPtr) -> GpuResult<()> {
+        self.host.free(ptr)
+    }
+    fn alloc_pinned(&mut self, bytes: usize) -> GpuResult<PinnedId> {
+        self.host.alloc_pinned(bytes)
+    }
+    fn pinned(&mut self, id: PinnedId) -> GpuResult<&mut [u8]> {
+        self.host.pinned(id)
+    }
+    fn free_pinned(&mut self, id: PinnedId) -> GpuResult<()> {
+        self.host.free_pinned(id)
+    }
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) -> GpuResult<()> {
+        self.host.upload(dst, src)
+    }
+    fn download(&mut self, dst: &mut [u8], src: DevPtr) -> GpuResult<()> {
+        self.host.download(dst, src)
+    }
+    fn upload_pinned(&mut self, dst: DevPtr, src: PinnedId, offset: usize, len: usize) -> GpuResult<()> {
+        self.host.upload_pinned(dst, src, offset, len)
+    }
+    fn download_pinned(&mut self, dst: PinnedId, offset: usize, src: DevPtr, len: usize) -> GpuResult<()> {
+        self.host.download_pinned(dst, offset, src, len)
+    }
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, bytes: usize) -> GpuResult<()> {
+        self.host.copy(dst, src, bytes)
+    }
+    fn memset(&mut self, dst: DevPtr, value: u8, bytes: usize) -> GpuResult<()> {
+        self.host.memset(dst, value, bytes)
+    }
+    fn load(&mut self, image: &KernelImage) -> GpuResult<FuncId> {
+        let f = self.host.load(image)?;
+        let k = match self.kernels.iter().position(|l| l.name == image.name) {
+            Some(k) => k,
+            None => {
+                let cuda = qatc_kernels::cuda::emit(&image.kernel).expect("emits");
+                assert_eq!(cuda.name, image.name, "the image's name is its kernel's");
+                let source = mutate(cuda.source);
+                let skip = cannot_run(&source);
+                self.kernels.push(Loaded { name: cuda.name, kernel: image.kernel.clone(), source, launch: cuda.launch, skip });
+                self.kernels.len() - 1
+            }
+        };
+        self.funcs.insert(f, k);
+        Ok(f)
+    }
+    fn launch(&mut self, f: FuncId, dims: &LaunchDims, args: &[DevPtr]) -> GpuResult<()> {
+        let Some(&k) = self.funcs.get(&f) else { return self.host.launch(f, dims, args) };
+        if !self.checked.insert(self.kernels[k].name.clone()) {
+            return self.host.launch(f, dims, args);
+        }
+        if let Some(why) = self.kernels[k].skip {
+            self.found.skipped.push((self.kernels[k].name.clone(), why));
+            return self.host.launch(f, dims, args);
+        }
+        self.check(k, f, dims, args)
+    }
+    fn gemm(&mut self, call: &BlasCall, compute: Compute, ptrs: GemmPtrs) -> GpuResult<()> {
+        let t = Instant::now();
+        let r = self.host.gemm(call, compute, ptrs);
+        self.found.gemm += t.elapsed();
+        r
+    }
+    fn begin_capture(&mut self) -> GpuResult<()> {
+        self.host.begin_capture()
+    }
+    fn end_capture(&mut self) -> GpuResult<GraphId> {
+        self.host.end_capture()
+    }
+    fn replay(&mut self, g: GraphId) -> GpuResult<()> {
+        self.host.replay(g)
+    }
+    fn synchronize(&mut self) -> GpuResult<()> {
+        self.host.synchronize()
+    }
+    fn mark(&mut self) -> GpuResult<MarkId> {
+        self.host.mark()
+    }
+    fn elapsed_ms(&mut self, from: MarkId, to: MarkId) -> GpuResult<f64> {
+        self.host.elapsed_ms(from, to)
+    }
+    fn clear_marks(&mut self) -> GpuResult<()> {
+        self.host.clear_marks()
+    }
+}
+
+/// One GEMM step, ready: its plan, its data-move kernels loaded, its scratch.
+struct PlannedGemm {
+    plan: BlasPlan,
+    moves: PlanFuncs,
+    scratch: Vec<DevPtr>,
+}
+
+/// Runs a program as tests/gpu_step.rs's `Plain` does: an allocation per buffer, each step in
+/// order, launches with the CUDA writer's dims, GEMMs through their cuBLAS plans.
+/// `init` gives each buffer's first bytes, where it has any.
+fn run_program(gpu: &mut OnCpu, prog: &Program, init: &dyn Fn(&Buffer) -> Option<Vec<u8>>) {
+    let image = |k: &Kernel| {
+        let cuda = qatc_kernels::cuda::emit(k).expect("emits");
+        KernelImage { cubin: Vec::new(), name: cuda.name, kernel: k.clone(), launch: cuda.launch }
+    };
+    let ptrs: Vec<DevPtr> = prog.buffers.iter().map(|b| gpu.alloc(b.device_bytes().max(4)).expect("device memory")).collect();
+    let funcs: Vec<FuncId> = prog.kernels.iter().map(|k| gpu.load(&image(k)).expect("loads")).collect();
+    let mut gemms = Vec::new();
+    for step in &prog.steps {
+        gemms.push(match step {
+            Step::Gemm(g) => {
+                let plan = blas::plan(g, &prog.buffers, BlasMode::Strict).expect("plans");
+                let scratch = plan.scratch.iter().map(|(t, n)| gpu.alloc((t.bytes() * n).max(4)).expect("scratch")).collect();
+                let moves = blas::move_kernels(&plan)
+                    .iter()
+                    .map(|m| {
+                        let img = image(&m.kernel);
+                        (m.step, gpu.load(&img).expect("loads"), img.launch.clone())
+                    })
+                    .collect();
+                Some(PlannedGemm { plan, moves, scratch })
+            }
+            Step::Launch { .. } => None,
+        });
+    }
+    // every kernel compiled before the first launch, several at a time
+    gpu.build();
+    for (b, &p) in prog.buffers.iter().zip(&ptrs) {
+        if let Some(bytes) = init(b) {
+            gpu.upload(p, &bytes).expect("uploads");
+        }
+    }
+    for (step, planned) in prog.steps.iter().zip(&gemms) {
+        match step {
+            Step::Launch { kernel, args, .. } => {
+                let a: Vec<DevPtr> = args.iter().map(|&b| ptrs[b]).collect();
+                gpu.launch(funcs[*kernel], &qatc_kernels::cuda::emit::launch_dims(&prog.kernels[*kernel]), &a).expect("launches");
+            }
+            Step::Gemm(g) => {
+                let pg = planned.as_ref().expect("planned");
+                let resolve = |m: Mem| -> GpuResult<DevPtr> {
+                    Ok(match m {
+                        Mem::Buf(b) => ptrs[b],
+                        Mem::Scratch(s) => pg.scratch[s],
+                    })
+                };
+                run_plan(gpu, &pg.plan, &pg.moves, &resolve).unwrap_or_else(|e| panic!("{}: {e}\n{}", g.note, pg.plan.summary()));
+            }
+        }
+    }
+    gpu.synchronize().expect("synchronizes");
+}
+
+/// Every distinct kernel of one step (`o` on `model`), its CUDA C run on the CPU at its first
+/// launch against the evaluator. Prints one line; fails listing every kernel that disagrees.
+fn case(what: &str, (model, tokens): (&str, &str), o: StepOptions) {
+    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let start = Instant::now();
+    let (prog, tr, data) = setup(model, tokens, o.clone());
+    let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
+    let built = start.elapsed();
+    let init = |b: &Buffer| match &b.kind {
+        BufKind::Input(name, _) => inp.get(name).map(|v| to_bytes(b, v)),
+        _ => None,
+    };
+    check_program(&cxx, what, &prog, &init, start, built);
+}
+
+/// Runs `prog` (its buffers first filled by `init`) with every kernel's first launch checked;
+/// prints one line; fails listing every kernel that disagrees. Returns how many kernels ran and
+/// how many were GEMM data moves.
+fn check_program(
+    cxx: &Cxx,
+    what: &str,
+    prog: &Program,
+    init: &dyn Fn(&Buffer) -> Option<Vec<u8>>,
+    start: Instant,
+    built: Duration,
+) -> (usize, usize) {
+    let mut gpu = OnCpu::new(cxx, 64 << 30);
+    run_program(&mut gpu, prog, init);
+    let f = &gpu.found;
+    let moves = gpu.kernels.len() - prog.kernels.len();
+    eprintln!(
+        "{what}: {} distinct kernels ({} of the program, {moves} GEMM data moves); {} run as CUDA C on the CPU, {} skipped (inline PTX), \
+         {} failing; worst error {:.1e} ({}); {} compiled ({}); the step built in {:.1}s, the checked launches {:.1}s (CPU and evaluator side by side), the evaluator's GEMMs {:.1}s, {:.1}s in all",
+        gpu.kernels.len(),
+        prog.kernels.len(),
+        f.run,
+        f.skipped.len(),
+        f.failures.len(),
+        f.worst.0,
+        f.worst.1,
+        f.compiled,
+        cxx.version(),
+        built.as_secs_f64(),
+        f.cpu.as_secs_f64(),
+        f.gemm.as_secs_f64(),
+        start.elapsed().as_secs_f64()
+    );
+    for (name, why) in &f.skipped {
+        eprintln!("  skipped {name}: {why}");
+    }
+    for n in &f.notes {
+        eprintln!("  not the CUDA C: {n}");
+    }
+    let launched = gpu.checked.len();
+    assert_eq!(launched, gpu.kernels.len(), "{what}: every loaded kernel is launched");
+    assert!(
+        f.failures.is_empty(),
+        "{what}: {} kernels' CUDA C, run on the CPU, disagree with the kernel-IR evaluator (a bug in the generated CUDA C, \
+         unless the shim tests/cxx/cuda_on_cpu.h is wrong):\n\n{}",
+        f.failures.len(),
+        f.failures.join("\n\n")
+    );
+    (f.run, moves)
+}
+
+#[test]
+fn the_tiny_full_finetune_unfused() {
+    case("tiny, full fine-tune, unfused", TINY, options(false, false, 2, 16));
+}
+
+#[test]
+fn the_tiny_full_finetune_fused() {
+    case("tiny, full fine-tune, fused", TINY, options(false, true, 2, 16));
+}
+
+#[test]
+fn the_tiny_4bit_lora_fused() {
+    case("tiny, 4-bit + LoRA, fused", TINY, options(true, true, 2, 16));
+}
+
+/// The tiny 4-bit + LoRA step in bf16 and in fp16 (`--precision`): 16-bit activations, stores
+/// rounded to nearest even, fp16 loss scaling.
+#[test]
+fn the_tiny_4bit_lora_fused_in_bf16_and_fp16() {
+    for p in [Precision::Bf16, Precision::Fp16] {
+        let mut o = options(true, true, 2, 16);
+        o.precision = p;
+        case(&format!("tiny, 4-bit + LoRA, fused, {p}"), TINY, o);
+    }
+}
+
+/// The demo's configuration (examples/demo.sh: Q4_0 g32 + LoRA r 16, fused) at B x T.
+fn demo(b: usize, t: usize) -> StepOptions {
+    let mut o = StepOptions::new(b, t);
+    o.model.full_finetune = false;
+    o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 }));
+    o.model.lora = Some(LoraOptions::new(16));
+    o.fuse = Some(FuseOptions::default());
+    o
+}
+
+/// The demo's model and configuration at B 1 T 64: what the tiny steps do not have (f16 scales
+/// and checkpoint, Q4_0, cross-entropy rows of the whole 50257-token vocabulary, attention over
+/// two key tiles) at a quarter of the demo step's time.
+#[test]
+fn the_demo_model_at_b1_t64() {
+    case("Shakespeare GPT-2 (Q4_0 + LoRA 16, B 1, T 64, fused)", SHAKESPEARE, demo(1, 64));
+}
+
+/// tests/gpu_step.rs's demo step (B 4, T 128), each kernel as `every_kernel_of_the_demo_step_matches_the_evaluator`
+/// checks it on a GPU. Ignored by default: 3.5 minutes on a 2-core machine, 190 s of them in the
+/// evaluator's GEMMs (`HostGpu`'s host model of cuBLAS); run it with `-- --ignored`.
+#[test]
+#[ignore = "3.5 minutes on 2 cores (the evaluator's GEMMs); run with --ignored"]
+fn the_demo_step() {
+    case("Shakespeare GPT-2 demo step (Q4_0 + LoRA 16, B 4, T 128, fused)", SHAKESPEARE, demo(4, 128));
+}
+
+/// The GEMM plans' data moves (`blas::move_kernels`: pack, unpack, zero, bias), which the steps
+/// above do not need: hand-made GEMMs whose plans do (tests/blas_plan.rs's fallbacks), on
+/// buffers of arbitrary values.
+#[test]
+fn the_gemm_plans_data_moves() {
+    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let view = |buf: usize, offset: usize, shape: &[usize], strides: &[usize]| View {
+        buf,
+        offset,
+        shape: shape.to_vec(),
+        strides: strides.to_vec(),
+    };
+    let gemm = |a: View, b: View, c: View, accumulate: bool, bias: Option<View>| {
+        let r = c.shape.len();
+        let (m, n, k) = (c.shape[r - 2], c.shape[r - 1], a.shape[r - 1]);
+        let types = GemmTypes { bias: bias.as_ref().map(|_| DType::F32), ..GemmTypes::F32 };
+        Gemm { a, b, c, m, n, k, alpha: 0.5, accumulate, bias, types, note: "hand-made".into(), feed: None }
+    };
+    let gemms = vec![
+        // a packed operand (no unit stride) and a broadcast one (stride 0)
+        gemm(view(0, 1, &[3, 5], &[10, 2]), view(1, 0, &[5, 4], &[4, 1]), view(2, 0, &[3, 4], &[4, 1]), false, None),
+        gemm(view(0, 0, &[3, 5], &[0, 1]), view(1, 0, &[5, 4], &[4, 1]), view(4, 0, &[3, 4], &[4, 1]), false, None),
+        // a strided destination, accumulating, with a bias: packed, computed, unpacked, the bias added
+        gemm(view(0, 0, &[3, 5], &[5, 1]), view(1, 0, &[5, 4], &[4, 1]), view(5, 0, &[3, 4], &[9, 2]), true, Some(view(3, 0, &[4], &[1]))),
+        // a bias off a 16-byte boundary, and a column-major destination with a bias: bias steps
+        gemm(view(0, 0, &[3, 5], &[5, 1]), view(1, 0, &[5, 4], &[4, 1]), view(6, 0, &[3, 4], &[4, 1]), true, Some(view(3, 1, &[4], &[1]))),
+        gemm(view(0, 0, &[3, 5], &[5, 1]), view(1, 0, &[5, 4], &[4, 1]), view(7, 0, &[3, 4], &[1, 3]), false, Some(view(3, 0, &[4], &[1]))),
+        // k = 0: c = bias, no call (zero, then the bias)
+        gemm(view(0, 0, &[3, 0], &[0, 1]), view(1, 0, &[0, 4], &[4, 1]), view(8, 0, &[3, 4], &[4, 1]), false, Some(view(3, 0, &[4], &[1]))),
+    ];
+    let buffers = (0..9).map(|i| Buffer::new(format!("b{i}"), DType::F32, &[200], BufKind::Temp)).collect();
+    let prog = Program { buffers, steps: gemms.into_iter().map(|g| Step::Gemm(Box::new(g))).collect(), ..Default::default() };
+    let init = |b: &Buffer| {
+        let seed: u32 = b.name.bytes().map(u32::from).sum();
+        let v: Vec<f32> = (0..200u32).map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 1000) as f32 / 250.0 - 2.0).collect();
+        Some(bytes_of(&v, f32::to_le_bytes))
+    };
+    let start = Instant::now();
+    let (run, moves) = check_program(&cxx, "hand-made GEMMs' data moves", &prog, &init, start, Duration::ZERO);
+    assert!(moves >= 4 && run == moves, "the plans move data: {moves} move kernels, {run} run");
+}
+
+// ---- the harness itself: hand-written kernels with the bugs it is for ----
+
+/// Builds one hand-written kernel; runs it on `bufs` (one param each) with `grid` x `block`;
+/// returns the outcome and the buffers after (as before where the run failed).
+fn run_hand(cxx: &Cxx, name: &str, source: &str, bufs: &[Vec<u8>], grid: u32, block: u32, limit: Duration) -> (Outcome, Vec<Vec<u8>>) {
+    let (built, _) = cxx.build(&[(name.to_string(), unit(name, source))], 1);
+    let exe = built.into_iter().next().expect("one").unwrap_or_else(|e| panic!("{name}: {e}"));
+    let dir = tempfile::tempdir().expect("a directory");
+    for (s, b) in bufs.iter().enumerate() {
+        std::fs::write(dir.path().join(format!("in{s}.bin")), b).expect("writes");
+    }
+    let slots: Vec<String> = (0..bufs.len()).map(|s| s.to_string()).collect();
+    let argv = [
+        dir.path().display().to_string(),
+        slots.join(","),
+        format!("{grid},1,1"),
+        format!("{block},1,1"),
+        if needs_fibers(source) { "fibers" } else { "direct" }.to_string(),
+    ];
+    let outcome = cxx::start(&exe, &argv, &dir.path().join("stderr.txt")).expect("starts").wait(limit);
+    let after =
+        (0..bufs.len()).map(|s| std::fs::read(dir.path().join(format!("out{s}.bin"))).unwrap_or_else(|_| bufs[s].clone())).collect();
+    (outcome, after)
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn ints(b: &[u8]) -> Vec<i32> {
+    b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn bytes_of<T: Copy, const N: usize>(v: &[T], to: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    v.iter().flat_map(|&x| to(x)).collect()
+}
+
+/// The bug that started this: a loop bound `j < rank == 0 ? 1 : 0` (C reads
+/// `((j < rank) == 0) ? 1 : 0`: for rank 0 a loop that never ends). The parenthesized bound
+/// computes; the misparsed one is killed at the time limit and reported as such.
+#[test]
+fn an_endless_loop_bound_is_caught() {
+    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let kernel = |bound: &str| {
+        format!(
+            "#include \"qatc_common.cuh\"\n\
+             extern \"C\" __global__ void __launch_bounds__(256) fused_bound_test(const int* __restrict__ rank, float* __restrict__ y) {{\n\
+             const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n\
+             if (idx >= 4) return;\n\
+             float acc = 0.0f;\n\
+             for (long long j = 0; j < {bound}; ++j) acc += 1.0f;\n\
+             y[idx] = acc;\n}}\n"
+        )
+    };
+    let bufs = [bytes_of(&[0i32], i32::to_le_bytes), vec![0u8; 16]];
+    let (good, after) = run_hand(&cxx, "fused_bound_test", &kernel("(rank[0] == 0 ? 1 : 0)"), &bufs, 1, 256, Duration::from_secs(20));
+    assert!(matches!(good, Outcome::Ok), "{good:?}");
+    assert_eq!(floats(&after[1]), [1.0; 4]);
+    let (bad, _) = run_hand(&cxx, "fused_bound_test", &kernel("rank[0] == 0 ? 1 : 0"), &bufs, 1, 256, Duration::from_secs(2));
+    assert!(matches!(bad, Outcome::TimedOut(_)), "the misparsed bound runs forever: {bad:?}");
+}
+
+/// A block whose threads read shared memory that others wrote, with and without the barrier
+/// between: without it the result depends on the order the threads run in, which the two runs
+/// (ascending, descending) see. And threads stuck at different barriers.
+#[test]
+fn a_missing_barrier_is_caught() {
+    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let kernel = |sync: &str| {
+        format!(
+            "extern \"C\" __global__ void fused_barrier_test(const float* __restrict__ x, float* __restrict__ y) {{\n\
+             __shared__ float s[64];\n\
+             s[threadIdx.x] = x[blockIdx.x * 64 + threadIdx.x];\n\
+             {sync}\n\
+             y[blockIdx.x * 64 + threadIdx.x] = s[63 - threadIdx.x];\n}}\n"
+        )
+    };
+    let x: Vec<f32> = (0..128).map(|i| i as f32).collect();
+    let bufs = [bytes_of(&x, f32::to_le_bytes), vec![0u8; 512]];
+    let (ok, after) = run_hand(&cxx, "fused_barrier_test", &kernel("__syncthreads();"), &bufs, 2, 64, TIME_LIMIT);
+    assert!(matches!(ok, Outcome::Ok), "{ok:?}");
+    let want: Vec<f32> = (0..128).map(|i| (i / 64 * 64 + 63 - i % 64) as f32).collect();
+    assert_eq!(floats(&after[1]), want);
+    let (racy, _) = run_hand(&cxx, "fused_barrier_test", &kernel("__syncwarp();"), &bufs, 2, 64, TIME_LIMIT);
+    match racy {
+        Outcome::Failed(_, err) => assert!(err.contains("depends on the order"), "{err}"),
+        o => panic!("a race across warps is caught: {o:?}"),
+    }
+    // threads of one warp at different barriers: a deadlock, reported at once
+    let split = "extern \"C\" __global__ void fused_deadlock_test(float* __restrict__ y) {\n\
+                 if (threadIdx.x % 2) __syncthreads(); else __syncwarp();\n\
+                 y[threadIdx.x] = 1.0f;\n}\n";
+    match run_hand(&cxx, "fused_deadlock_test", split, &[vec![0u8; 128]], 1, 32, TIME_LIMIT).0 {
+        Outcome::Failed(_, err) => assert!(err.contains("deadlock"), "{err}"),
+        o => panic!("a deadlock is caught: {o:?}"),
+    }
+}
+
+/// An index one past a param's end faults, and the report names the buffer; signed overflow in
+/// index arithmetic stops the kernel.
+#[test]
+fn out_of_bounds_and_overflow_are_caught() {
+    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let oob = "extern \"C\" __global__ void fused_oob_test(const float* __restrict__ x, float* __restrict__ y) {\n\
+               const int idx = blockIdx.x * blockDim.x + threadIdx.x;\n\
+               if (idx > 16) return;\n\
+               y[idx] = x[idx];\n}\n";
+    let bufs = [vec![0u8; 64], vec![0u8; 64]];
+    match run_hand(&cxx, "fused_oob_test", oob, &bufs, 1, 32, TIME_LIMIT).0 {
+        Outcome::Failed(_, err) => assert!(err.contains("bytes past the end of buffer 0"), "{err}"),
+        o => panic!("an access past the end is caught: {o:?}"),
+    }
+    // one byte past a 5-byte buffer: between its end and the guard page, caught after the launch
+    let byte = "extern \"C\" __global__ void fused_byte_test(unsigned char* __restrict__ y) { y[threadIdx.x] = 1; }\n";
+    match run_hand(&cxx, "fused_byte_test", byte, &[vec![0u8; 5]], 1, 6, TIME_LIMIT).0 {
+        Outcome::Failed(_, err) => assert!(err.contains("a write 0 bytes past the end of buffer 0"), "{err}"),
+        o => panic!("a write just past the end is caught: {o:?}"),
+    }
+    let overflow = "extern \"C\" __global__ void fused_overflow_test(const int* __restrict__ n, int* __restrict__ y) {\n\
+                    const int big = n[0] * 65536;\n\
+                    y[threadIdx.x] = big / 65536;\n}\n";
+    let bufs = [bytes_of(&[65536i32], i32::to_le_bytes), vec![0u8; 4]];
+    match run_hand(&cxx, "fused_overflow_test", overflow, &bufs, 1, 1, TIME_LIMIT).0 {
+        Outcome::Failed(_, err) => assert!(err.contains("signed integer overflow"), "{err}"),
+        o => panic!("signed overflow is caught: {o:?}"),
+    }
+}
+
+/// The shim's scalar semantics are CUDA's (float -> integer conversions saturate toward zero,
+/// NaN -> 0; max/min helpers; 4-bit stores), and qatc's block and warp reductions sum as a GPU
+/// does.
+#[test]
+fn the_shim_has_cudas_semantics() {
+    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let source = "#include \"qatc_common.cuh\"\n#include \"qatc_reduce.cuh\"\n\
+        extern \"C\" __global__ void __launch_bounds__(128) fused_semantics_test(const float* __restrict__ x, int* __restrict__ out, \
+        unsigned char* __restrict__ codes, float* __restrict__ sums) {\n\
+        __shared__ float scratch[32];\n\
+        const int t = threadIdx.x;\n\
+        if (t == 0) {\n\
+            out[0] = __float2int_rz(__int_as_float(0x7fffffff));\n\
+            out[1] = __float2int_rz(3.0e9f);\n\
+            out[2] = __float2int_rz(-3.0e9f);\n\
+            out[3] = __float2int_rz(-2.7f);\n\
+            out[4] = (int)(__double2ll_rz(1e300) >> 32);\n\
+            out[5] = (int)__double2ll_rz(-7.9);\n\
+            out[6] = __float_as_int(qatc::max_nan(1.0f, __int_as_float(0x7fc00000)));\n\
+            out[7] = __float_as_int(fmaxf(1.0f, __int_as_float(0x7fc00000)));\n\
+            out[8] = max(-3, 2) + 10 * min(-3, 2);\n\
+        }\n\
+        qatc::store_i4(codes, t, t % 16);\n\
+        const float b = qatc::block_sum(x[blockIdx.x * 128 + t], scratch);\n\
+        const float w = qatc::warp_sum(x[blockIdx.x * 128 + t]);\n\
+        const float m = qatc::block_max(x[blockIdx.x * 128 + t], scratch);\n\
+        if (t == 0) sums[blockIdx.x * 3] = b;\n\
+        if (t == 32) sums[blockIdx.x * 3 + 1] = w;\n\
+        if (t == 127) sums[blockIdx.x * 3 + 2] = m;\n}\n";
+    let x: Vec<f32> = (0..256).map(|i| i as f32).collect();
+    let bufs = [bytes_of(&x, f32::to_le_bytes), vec![0u8; 9 * 4], vec![0u8; 64], vec![0u8; 6 * 4]];
+    let (o, after) = run_hand(&cxx, "fused_semantics_test", source, &bufs, 2, 128, TIME_LIMIT);
+    assert!(matches!(o, Outcome::Ok), "{o:?}");
+    let nan = 0x7fc00000u32 as i32;
+    assert_eq!(ints(&after[1]), [0, i32::MAX, i32::MIN, -2, i32::MAX, -7, nan, 1.0f32.to_bits() as i32, 2 - 30]);
+    let codes: Vec<u8> = (0..64).map(|b| ((2 * b % 16) | ((2 * b + 1) % 16) << 4) as u8).collect();
+    assert_eq!(after[2], codes);
+    let sum = |r: std::ops::Range<i32>| r.map(|i| i as f32).sum::<f32>();
+    assert_eq!(floats(&after[3]), [sum(0..128), sum(32..64), 127.0, sum(128..256), sum(160..192), 255.0]);
+}
