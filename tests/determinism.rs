@@ -122,8 +122,9 @@ fn the_full_finetune_step_gives_the_same_bits_every_run() {
 }
 
 /// scatter_add alone, with ids repeated hundreds of times and out of order: the kernel-IR
-/// evaluator sums each row in token order from zero, as the interpreter does, so the table is
-/// the interpreter's bit for bit, on every run.
+/// evaluator sums each row in token order from zero (in f64, rounded once: `kir_eval.rs`), so the
+/// table is the same bits on every run, and the interpreter's (in order, in f32) within its
+/// rounding.
 #[test]
 fn scatter_add_sums_each_row_in_token_order() {
     let (n, c, rows) = (1024, 24, 37);
@@ -151,9 +152,15 @@ fn scatter_add_sums_each_row_in_token_order() {
     assert!(float_atomics(&prog).is_empty());
     let pool = pool();
     let mut cp = CpuProgram::with_kir_eval(prog.clone()).expect("a program");
-    for run in 0..3 {
+    let first = pool.install(|| cp.run(&inputs)).expect("runs");
+    let near = |got: &HashMap<String, Value<f32>>| {
+        let (a, b) = (got["table"].as_float().expect("floats"), want["table"].as_float().expect("floats"));
+        a.data.iter().zip(&b.data).fold(0.0f64, |m, (x, y)| m.max(f64::from((x - y).abs()) / f64::from(y.abs()).max(1.0)))
+    };
+    assert!(near(&first) < 1e-5, "the evaluator's table is the interpreter's within its rounding: {}", near(&first));
+    for run in 1..3 {
         let got = pool.install(|| cp.run(&inputs)).expect("runs");
-        assert!(bits(&got) == bits(&want), "run {run}: the table differs from the interpreter's");
+        assert!(bits(&got) == bits(&first), "run {run}: the evaluator's table differs from its first run's");
     }
     // LLVM may fold each sum in another (fixed) order: the same bits on every run, near the
     // interpreter's

@@ -4,7 +4,6 @@
 pub mod cli;
 pub mod gpu;
 pub mod nvrtc;
-pub mod precise;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

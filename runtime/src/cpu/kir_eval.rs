@@ -314,10 +314,20 @@ impl Frame<'_> {
                         (ReduceOp::Sum, Ty::I32 | Ty::I64) => int_as(0, *ty)?,
                         _ => return Err(format!("{op:?} reduction of type {ty:?}")),
                     };
+                    // An f32 sum is accumulated in f64 and rounded once, at its end. The IR lets a
+                    // sum fold in any order; added in order in f32, a long row (a cross-entropy
+                    // row of 50,257 logits) drifts by up to ~1e-3, where a GPU's tree of partial
+                    // sums or the CPU's vector lanes stay near 1e-6: the reference must not be the
+                    // least precise of the orders it judges.
+                    let mut wide = (*op == ReduceOp::Sum && *ty == Ty::F32).then_some(0.0f64);
                     for j in 0..self.extent(lp)? {
                         self.set_loop(lp, Some(j))?;
                         self.stmts(body)?;
                         let x = scalar::cast(*ty, self.eval(value)?)?;
+                        if let (Some(w), Scalar::F32(x)) = (wide.as_mut(), x) {
+                            *w += f64::from(x);
+                            continue;
+                        }
                         acc = match (op, acc, x) {
                             (ReduceOp::Sum, Scalar::F32(a), Scalar::F32(x)) => Scalar::F32(a + x),
                             (ReduceOp::Sum, Scalar::F64(a), Scalar::F64(x)) => Scalar::F64(a + x),
@@ -331,6 +341,9 @@ impl Frame<'_> {
                         };
                     }
                     self.set_loop(lp, None)?;
+                    if let Some(w) = wide {
+                        acc = Scalar::F32(w as f32);
+                    }
                     self.def(*var, acc)?;
                 }
             }
