@@ -38,7 +38,6 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use half::{bf16, f16};
 use qatc::data::TokenFile;
 use qatc::model::Model;
 use qatc::step::StepOptions;
@@ -58,6 +57,7 @@ use qatc_runtime::cuda::{
 };
 use qatc_runtime::Value;
 
+use common::bytes::{element, to_bytes};
 use common::gpu::{options, SHAKESPEARE, TINY};
 use cxx::{Cxx, Outcome};
 
@@ -67,39 +67,6 @@ const TIME_LIMIT: Duration = Duration::from_secs(30);
 /// The most compilers run at once.
 fn jobs() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 4)
-}
-
-/// A value as a buffer's bytes (as tests/gpu_step.rs).
-fn to_bytes(buf: &Buffer, v: &Value<f32>) -> Vec<u8> {
-    let mut out = vec![0u8; buf.device_bytes()];
-    match (buf.dtype, v) {
-        (DType::F32, Value::Float(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
-        (DType::F16, Value::Float(t)) => {
-            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
-        }
-        (DType::BF16, Value::Float(t)) => {
-            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
-        }
-        (DType::I32, Value::Int(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
-        (DType::U8, Value::Int(t)) => out.iter_mut().zip(&t.data).for_each(|(o, &c)| *o = c as u8),
-        (DType::I4, Value::Int(t)) => {
-            out.iter_mut().zip(t.data.chunks(2)).for_each(|(o, p)| *o = (p[0] as u8) | (p.get(1).copied().unwrap_or(0) as u8) << 4)
-        }
-        (d, _) => panic!("{}: a {d} buffer given {v:?}", buf.name),
-    }
-    out
-}
-
-/// Element `i` of a buffer's bytes, as f64.
-fn element(d: DType, b: &[u8], i: usize) -> f64 {
-    match d {
-        DType::F32 => f64::from(f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])),
-        DType::I32 => f64::from(i32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])),
-        DType::F16 => f64::from(f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()),
-        DType::BF16 => f64::from(bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()),
-        DType::U8 => f64::from(b[i]),
-        DType::I4 => f64::from((b[i / 2] >> (4 * (i % 2))) & 15),
-    }
 }
 
 /// The bytes a kernel param spans on the device (a packed 4-bit one padded to whole words, as

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: fixture paths and a safetensors reader.
 #![allow(dead_code)]
 
+pub mod bytes;
 pub mod cli;
 pub mod gpu;
 pub mod nvrtc;
