@@ -42,10 +42,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use qatc::data::TokenFile;
-use qatc::model::Model;
 use qatc::step::StepOptions;
-use qatc::trainer::Trainer;
 use qatc_ir::{DType, QuantScheme, QuantSpec};
 use qatc_kernels::cuda::blas::{self, BlasCall, BlasMode, BlasPlan, Compute, Mem};
 use qatc_kernels::cuda::LaunchDims;
@@ -53,39 +50,17 @@ use qatc_kernels::kir::{Kernel, Param};
 use qatc_kernels::program::{BufKind, Buffer, Gemm, GemmTypes, View};
 use qatc_kernels::{Program, Step};
 use qatc_passes::fusion::FuseOptions;
-use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::Precision;
 use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{
     run_plan, DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GraphId, HostGpu, KernelImage, MarkId, PinnedId, PlanFuncs, Result as GpuResult,
 };
-use qatc_runtime::Value;
 
 use common::bytes::{element, to_bytes};
-use common::gpu::{options, SHAKESPEARE, TINY};
+use common::gpu::{inputs, options, setup, SHAKESPEARE, TINY};
 use cxx::{Cxx, Outcome};
 use on_cpu::*;
-
-/// A step's program and trainer, on a model and token file from the repository (as
-/// tests/gpu_step.rs).
-fn setup(model: &str, tokens: &str, o: StepOptions) -> (Program, Trainer, TokenFile) {
-    let m = Model::open(&common::root().join(model)).expect("the model");
-    let data = TokenFile::open(&common::root().join(tokens)).expect("tokens");
-    let tr = Trainer::new(&m, o, None, 3).expect("a trainer");
-    let prog = qatc_kernels::lower(&tr.graph).expect("lowers");
-    (prog, tr, data)
-}
-
-/// The inputs of step `s`: the state, batch s, a dropout seed, a learning rate.
-fn inputs(state: &HashMap<String, Value<f32>>, data: &TokenFile, o: &StepOptions, s: usize) -> HashMap<String, Value<f32>> {
-    let mut v = state.clone();
-    let (ids, targets) = data.batch(s, o.batch, o.seq).expect("a batch");
-    v.insert("ids".into(), Value::ints([o.batch, o.seq], ids).expect("ids"));
-    v.insert("targets".into(), Value::ints([o.batch, o.seq], targets).expect("targets"));
-    v.insert(DROPOUT_SEED.into(), Value::ints([], vec![5 + s as i32]).expect("a seed"));
-    v.insert("lr".into(), Value::scalar(1e-2));
-    v
-}
 
 /// One GEMM step, ready: its plan, its data-move kernels loaded, its scratch.
 struct PlannedGemm {

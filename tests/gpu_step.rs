@@ -17,10 +17,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 
-use qatc::data::TokenFile;
-use qatc::model::Model;
 use qatc::step::StepOptions;
-use qatc::trainer::Trainer;
 use qatc_ir::{DType, QuantScheme, QuantSpec};
 use qatc_kernels::cuda::blas::{self, BlasMode, BlasPlan, Mem};
 use qatc_kernels::cuda::emit::launch_dims;
@@ -28,14 +25,14 @@ use qatc_kernels::nvrtc::BuildOptions;
 use qatc_kernels::program::{BufKind, View};
 use qatc_kernels::{Program, Step};
 use qatc_passes::fusion::FuseOptions;
-use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
+use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::Precision;
 use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage, PlanFuncs};
 use qatc_runtime::{CpuProgram, Value};
 
 use common::bytes::{element, to_bytes};
-use common::gpu::{gpu, options, SHAKESPEARE, TINY};
+use common::gpu::{gpu, inputs, options, setup, SHAKESPEARE, TINY};
 
 /// The elements of a view, row-major.
 fn gather(d: DType, bytes: &[u8], v: &View) -> Vec<f64> {
@@ -156,26 +153,6 @@ impl Drop for Plain<'_> {
             let _ = self.gpu.free(p);
         }
     }
-}
-
-/// A step's program and trainer, on a model and token file from the repository.
-fn setup(model: &str, tokens: &str, o: StepOptions) -> (Program, Trainer, TokenFile) {
-    let m = Model::open(&common::root().join(model)).expect("the model");
-    let data = TokenFile::open(&common::root().join(tokens)).expect("tokens");
-    let tr = Trainer::new(&m, o, None, 3).expect("a trainer");
-    let prog = qatc_kernels::lower(&tr.graph).expect("lowers");
-    (prog, tr, data)
-}
-
-/// The inputs of step `s`: the state, batch s, a dropout seed, a learning rate.
-fn inputs(state: &HashMap<String, Value<f32>>, data: &TokenFile, o: &StepOptions, s: usize) -> HashMap<String, Value<f32>> {
-    let mut v = state.clone();
-    let (ids, targets) = data.batch(s, o.batch, o.seq).expect("a batch");
-    v.insert("ids".into(), Value::ints([o.batch, o.seq], ids).expect("ids"));
-    v.insert("targets".into(), Value::ints([o.batch, o.seq], targets).expect("targets"));
-    v.insert(DROPOUT_SEED.into(), Value::ints([], vec![5 + s as i32]).expect("a seed"));
-    v.insert("lr".into(), Value::scalar(1e-2));
-    v
 }
 
 /// Every output near the CPU's: the loss within 1e-5 and gradients within 1e-4 element-wise

@@ -3,26 +3,13 @@
 use half::{bf16, f16};
 use qatc_ir::DType;
 use qatc_kernels::program::Buffer;
+use qatc_runtime::exec::values::write_input;
 use qatc_runtime::Value;
 
-/// A value as a buffer's bytes.
+/// A value as a buffer's bytes, as an executor uploads it (`write_input`, the one encoding).
 pub fn to_bytes(buf: &Buffer, v: &Value<f32>) -> Vec<u8> {
     let mut out = vec![0u8; buf.device_bytes()];
-    match (buf.dtype, v) {
-        (DType::F32, Value::Float(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
-        (DType::F16, Value::Float(t)) => {
-            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
-        }
-        (DType::BF16, Value::Float(t)) => {
-            out.chunks_exact_mut(2).zip(&t.data).for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
-        }
-        (DType::I32, Value::Int(t)) => out.chunks_exact_mut(4).zip(&t.data).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
-        (DType::U8, Value::Int(t)) => out.iter_mut().zip(&t.data).for_each(|(o, &c)| *o = c as u8),
-        (DType::I4, Value::Int(t)) => {
-            out.iter_mut().zip(t.data.chunks(2)).for_each(|(o, p)| *o = (p[0] as u8) | (p.get(1).copied().unwrap_or(0) as u8) << 4)
-        }
-        (d, _) => panic!("{}: a {d} buffer given {v:?}", buf.name),
-    }
+    write_input(buf, &mut out, v).unwrap_or_else(|e| panic!("{}: {e}", buf.name));
     out
 }
 

@@ -1,12 +1,19 @@
 //! The GPU for the tests that need one: the driver and NVRTC, or a skip that says why.
 
+use std::collections::HashMap;
+
+use qatc::data::TokenFile;
+use qatc::model::Model;
 use qatc::step::StepOptions;
+use qatc::trainer::Trainer;
 use qatc_ir::{QuantScheme, QuantSpec};
 use qatc_kernels::nvrtc::Nvrtc;
+use qatc_kernels::Program;
 use qatc_passes::fusion::FuseOptions;
-use qatc_passes::lora::LoraOptions;
+use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{CudaDriver, GpuApi};
+use qatc_runtime::Value;
 
 /// The GPU and NVRTC, or None with the reason printed (the tests that need a GPU skip so).
 pub fn gpu() -> Option<(CudaDriver, Nvrtc)> {
@@ -38,4 +45,24 @@ pub fn options(qlora: bool, fuse: bool, b: usize, t: usize) -> StepOptions {
     o.fuse = fuse.then(FuseOptions::default);
     o.keep_grads = true;
     o
+}
+
+/// A step's program and trainer, on a model and token file from the repository.
+pub fn setup(model: &str, tokens: &str, o: StepOptions) -> (Program, Trainer, TokenFile) {
+    let m = Model::open(&super::root().join(model)).expect("the model");
+    let data = TokenFile::open(&super::root().join(tokens)).expect("tokens");
+    let tr = Trainer::new(&m, o, None, 3).expect("a trainer");
+    let prog = qatc_kernels::lower(&tr.graph).expect("lowers");
+    (prog, tr, data)
+}
+
+/// The inputs of step `s`: the state, batch s, a dropout seed, a learning rate.
+pub fn inputs(state: &HashMap<String, Value<f32>>, data: &TokenFile, o: &StepOptions, s: usize) -> HashMap<String, Value<f32>> {
+    let mut v = state.clone();
+    let (ids, targets) = data.batch(s, o.batch, o.seq).expect("a batch");
+    v.insert("ids".into(), Value::ints([o.batch, o.seq], ids).expect("ids"));
+    v.insert("targets".into(), Value::ints([o.batch, o.seq], targets).expect("targets"));
+    v.insert(DROPOUT_SEED.into(), Value::ints([], vec![5 + s as i32]).expect("a seed"));
+    v.insert("lr".into(), Value::scalar(1e-2));
+    v
 }
