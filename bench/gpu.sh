@@ -17,12 +17,13 @@
 #   bash bench/gpu.sh --deadline 330 env tests executor sanitizer tests16
 #        # issue 14's correctness: the GPU tests, qatc train cuda against cpu, compute-sanitizer;
 #        # then the 16-bit tests (issue 18's and 20's kernels) if the deadline leaves time
-#   bash bench/gpu.sh --deadline 330 compile first speed peer --sizes 124m
+#   bash bench/gpu.sh --deadline 330 compile first speed peer ablate --sizes 124m
 #        # issue 14's kernel report and first speed figure (124M B 8 fp32 and TF32, the twin
-#        # eager), then issue 20's 124M step against the twin eager and compiled
+#        # eager), then issue 20's 124M step against the twin eager and compiled, then (if time
+#        # is left) the step without each fast variant
 #
 # What is left (issue 20's 1.5B step and the largest batches, `speed peer fit --sizes 1.5b`, about
-# 8 minutes) is a later session's. Sections run in the order named; --sizes picks issue 20's sizes
+# 8 minutes; `ablate --sizes 124m`, about 2) is a later session's. Sections run in the order named; --sizes picks issue 20's sizes
 # (124m, 1.5b; default both) for speed, peer and fit.
 #
 # Sections (default: all, in the order given here):
@@ -52,6 +53,10 @@
 #              (bench/mfu.py: FLOPs/token = 4 N_matmul + 6 N_lora + 12 L C T, the device's dense
 #              bf16 peak, 989 TFLOP/s on an H100 SXM or H200), the device's peak memory
 #              (nvidia-smi, sampled) against `qatc plan`; the profile of each (qatc train --profile)
+#   ablate     issue 20's before and after for each of the CUDA writer's fast variants: the speed
+#              step (6 steps, 2 warm-up) with everything, with each variant off in turn (qatc train
+#              --no-variant NAME) and with all off (--general-kernels): ms/step and its ratio to
+#              the whole step, $OUT/ablate.jsonl
 #   peer       the PyTorch twin (bench/torch_cuda_peer.py), the same step and sizes: bf16 autocast
 #              with sdpa attention, eager and torch.compile (warm; compile time reported apart);
 #              with speed, the table: tokens/s, ms/step, MFU, qatc/eager and qatc/compile
@@ -75,8 +80,8 @@
 #   split_columns                   column sums (bias and gamma gradients: a thread per column of
 #                                   [B*T, C]) split over 8 warps, 32 columns per block, the parts
 #                                   added in warp order (plain-10-steps' tiny full fine-tune)
-#   Off: `qatc train --general-kernels` (all), or `CudaOptions { codegen: CudaCodegen { .. }, .. }`
-#   in code (each on its own).
+#   Off: `qatc train --general-kernels` (all), `--no-variant NAME` (one: tensor-core-attention,
+#   tensor-core-attention-backward, warp-rows, split-columns; the `ablate` section times each).
 #
 # Every figure carries the device, driver, CUDA version and date (a stamp per call) and its
 # command. Random models are made once per machine under /tmp/qatc-gpu-models (a warm machine's
@@ -95,7 +100,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all=(env tests executor sanitizer tests16 compile first speed peer fit)
+all=(env tests executor sanitizer tests16 compile first speed ablate peer fit)
 dry=0
 deadline=560
 pick=
@@ -254,6 +259,10 @@ i20=(--seq 1024 --bits 4 --group 64 --scheme sym --lora r=16 --precision bf16)
 # issue 14's first speed figure: 124M B 8, T 1024, 4-bit sym g64 frozen + LoRA r 16, fp32 (strict, and
 # TF32 with --tf32)
 i14=(--seq 1024 --bits 4 --group 64 --scheme sym --lora r=16)
+# the CUDA writer's variants by the names --no-variant takes (kernels/src/cuda/codegen.rs
+# `Variant`; the dry run checks that qatc takes each), and the ablation's steps (2 warm-up)
+variants=(tensor-core-attention tensor-core-attention-backward warp-rows split-columns)
+ablate_steps=6
 # models live outside the call's work directory: a warm machine's next call finds them
 models=/tmp/qatc-gpu-models
 
@@ -471,6 +480,13 @@ if [ $dry = 1 ]; then
   "$qatc" train --help >"$logs/qatc-train-help.log" 2>&1
   grep -q -- '--tf32' "$logs/qatc-train-help.log" && grep -q -- '--device' "$logs/qatc-train-help.log" && r=0 || r=1
   line "qatc train --help" $r "the bundle's qatc runs and has --device, --tf32"
+  # every variant the ablation names is one qatc takes (on the CPU it is then refused as a GPU setting)
+  for v in "${variants[@]}"; do
+    "$qatc" train tests/fixtures/tiny/f32_prefix/model.safetensors --data tests/fixtures/tiny/tokens.bin --lora r=2 --no-variant "$v" \
+      --device cpu --out "$work/variant-$v" >"$logs/variant-$v.log" 2>&1
+    grep -q 'are for the GPU' "$logs/variant-$v.log" && r=0 || r=1
+    line "qatc takes --no-variant $v" $r "$(tail -1 "$logs/variant-$v.log" | cut -c1-100)"
+  done
   # every test this script names exists in its executable (a renamed test would silently run nothing)
   for pair in cuda_exec:ten_steps_of_the_cuda_executor_track_the_cpu cuda_exec:state_stays_on_the_device_between_steps \
     cuda_exec:ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu \
@@ -596,6 +612,39 @@ for s in "${sections[@]}"; do
       speed_arm "$name" "$preset" "$layers" "$embd" "$heads" "$b" "$steps" bf16 "${i20[@]}"
     done
     ;;
+  ablate)
+    say "== issue 20's before and after: the bf16 step with each of the CUDA writer's variants off (qatc train --no-variant; --general-kernels: all off), ${i20[*]}, $((ablate_steps - 2)) steps after 2 of warm-up; $(stamp)"
+    [ -f "$OUT/ablate.jsonl" ] || : >"$OUT/ablate.jsonl"
+    for sz in "${sizes[@]}"; do
+      IFS=: read -r name preset layers embd heads b steps <<<"$sz"
+      if ! model "$name" "$layers" "$embd" "$heads"; then
+        line "ablate $name" 1 "no model (see logs/model-$name.log)"
+        continue
+      fi
+      base=
+      for v in none "${variants[@]}" all; do
+        case $v in
+        none) flag=() ;;
+        all) flag=(--general-kernels) ;;
+        *) flag=(--no-variant "$v") ;;
+        esac
+        tag="ablate-$name-$v"
+        cmd=("$qatc" train "$model" --data examples/shakespeare_train.bin --batch "$b" "${i20[@]}" "${flag[@]}" --steps "$ablate_steps" --lr 1e-4
+          --device cuda --out "$work/$tag" --log-json "$work/$tag.jsonl")
+        run "$tag" 150 "${cmd[@]}"
+        [ $dry = 1 ] && { line "ablate $name without $v" dry ""; continue; }
+        ms=$($py -c 'import json, sys
+s = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][2:]
+t = sorted(x["tokens_per_s"] for x in s)
+print("%.2f" % (int(sys.argv[2]) * 1024 / t[len(t) // 2] * 1e3) if t else "")' "$work/$tag.jsonl" "$b" 2>/dev/null)
+        [ "$v" = none ] && base=$ms
+        what="no figure (see logs/$tag.log)"
+        [ -n "$ms" ] && what="$ms ms/step$([ -n "$base" ] && [ "$v" != none ] && $py -c 'import sys; print(", %.3fx the step with every variant (above 1: the variant saves that much)" % (float(sys.argv[1]) / float(sys.argv[2])))' "$ms" "$base")"
+        line "ablate $name without $v" "$rc" "$what"
+        echo "{\"size\": \"$name\", \"batch\": $b, \"without\": \"$v\", \"step_ms_median\": ${ms:-null}, \"rc\": \"$rc\", \"stamp\": \"$(stamp)\", \"command\": \"qatc train ${cmd[*]:2}\"}" >>"$OUT/ablate.jsonl"
+      done
+    done
+    ;;
   peer)
     say "== issue 20's step, the PyTorch twin (bench/torch_cuda_peer.py): bf16 autocast, sdpa attention, the same fake-quant and LoRA; eager, and torch.compile warm (compile time apart); $(stamp)"
     [ -f "$OUT/peer.jsonl" ] || : >"$OUT/peer.jsonl"
@@ -676,6 +725,6 @@ tar czf "$OUT/logs.tar.gz" -C "$work" logs
 n=$(find "$OUT" -type f | wc -l)
 big=$(find "$OUT" -type f -size +16M | wc -l)
 [ "$n" -le 8 ] && [ "$big" = 0 ] || say "warning: $n files under \$OUT ($big over 16 MiB): the device tool brings back at most 8 of 16 MiB"
-say "logs: \$OUT/logs.tar.gz; figures: \$OUT/summary.txt, kernels-*.json, speed.jsonl, peer.jsonl, fit.jsonl"
+say "logs: \$OUT/logs.tar.gz; figures: \$OUT/summary.txt, kernels-*.json, speed.jsonl, ablate.jsonl, peer.jsonl, fit.jsonl"
 rm -rf "$work"
 [ $failures = 0 ]

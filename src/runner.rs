@@ -8,7 +8,7 @@
 use anyhow::Context;
 use qatc_ir::Graph;
 use qatc_kernels::cuda::blas::BlasMode;
-use qatc_kernels::cuda::CudaCodegen;
+use qatc_kernels::cuda::{CudaCodegen, Variants};
 use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, KernelBuild};
 use qatc_runtime::{CpuOptions, InterpretedStep, TrainStep};
 
@@ -34,7 +34,8 @@ pub enum Engine {
     Cuda(CudaSettings),
 }
 
-/// How the step runs on the GPU (`qatc train --tf32`, `--no-cuda-graph`, `--general-kernels`);
+/// How the step runs on the GPU (`qatc train --tf32`, `--no-cuda-graph`, `--general-kernels`,
+/// `--no-variant`);
 /// saved in the run's `qatc.json` (`step.cuda`), since TF32 changes the numbers and the others
 /// what runs: a resumed run keeps them (a file from before they were saved reads as all off).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -48,6 +49,9 @@ pub struct CudaSettings {
     /// The general kernels only: none of the generator's fast variants (`CudaCodegen`), to rule
     /// one out when a step on the GPU goes wrong.
     pub general_kernels: bool,
+    /// These variants off, the others as chosen (`--no-variant`; absent when none).
+    #[serde(skip_serializing_if = "Variants::is_empty")]
+    pub no_variants: Variants,
 }
 
 /// Why the CUDA executor cannot run here, or Ok: a GPU the driver reports, the CUDA libraries
@@ -101,7 +105,7 @@ pub fn resolve(device: Device, interpreter: bool, cuda: CudaSettings) -> anyhow:
         },
     };
     if cuda != CudaSettings::default() && !matches!(engine, Engine::Cuda(_)) {
-        anyhow::bail!("--tf32, --no-cuda-graph and --general-kernels are for the GPU; the step runs on the CPU here");
+        anyhow::bail!("--tf32, --no-cuda-graph, --general-kernels and --no-variant are for the GPU; the step runs on the CPU here");
     }
     Ok((engine, notice))
 }
@@ -149,7 +153,7 @@ pub fn cuda_program(prog: qatc_kernels::Program, settings: CudaSettings) -> anyh
     let sources = dir.map(|d| d.join("sources"));
     let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let build = KernelBuild { nvrtc: &nv, cache: cache.as_ref(), jobs, source_dir: sources.as_deref() };
-    let codegen = if settings.general_kernels { CudaCodegen::GENERAL } else { CudaCodegen::default() };
+    let codegen = if settings.general_kernels { CudaCodegen::GENERAL } else { CudaCodegen::default().without(settings.no_variants) };
     let options = CudaOptions {
         blas: if settings.tf32 { BlasMode::Tf32 } else { BlasMode::Strict },
         graph: !settings.no_graph,

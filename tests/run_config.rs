@@ -162,7 +162,7 @@ fn outputs_written_at_the_end_are_checked_at_the_start() {
     assert!(e.contains("is a directory"), "{e}");
 }
 
-/// The GPU settings (`--tf32`, `--no-cuda-graph`, `--general-kernels`) are part of the run's
+/// The GPU settings (`--tf32`, `--no-cuda-graph`, `--general-kernels`, `--no-variant`) are part of the run's
 /// `qatc.json` (`step.cuda`): a resumed run runs with the saved ones, a flag that contradicts them
 /// is refused, and a file from before they were saved reads as all off.
 #[test]
@@ -188,4 +188,27 @@ fn the_gpu_settings_are_saved_with_the_run() {
     assert!(qatc::config::RunConfig::read(&out).unwrap().step.unwrap().cuda.tf32);
     let e = failed(qatc(&["train", "--resume", o, "--out", o]));
     assert!(e.contains("are for the GPU"), "{e}");
+    // the variants turned off, by name
+    v["step"]["cuda"] = serde_json::json!({ "no_variants": ["warp-rows", "tensor-core-attention"] });
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    let saved = qatc::config::RunConfig::read(&out).unwrap().step.unwrap().cuda.no_variants;
+    let names: Vec<&str> = saved.iter().map(|v| v.name()).collect();
+    assert_eq!(names, ["tensor-core-attention", "warp-rows"]);
+    let e = failed(qatc(&["train", "--resume", o, "--no-variant", "warp-rows", "--out", o]));
+    assert!(e.contains("step.cuda.no_variants") && e.contains("(--no-variant)"), "{e}");
+}
+
+/// `--no-variant` takes a variant's name; anything else is one line naming them, exit 2; on the
+/// CPU it is refused as the other GPU settings are.
+#[test]
+fn no_variant_takes_the_names_of_the_kernel_variants() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = out.to_str().unwrap();
+    let (m, d) = (model(), data());
+    let e = refused(&qatc(&["train", &m, "--data", &d, "--no-variant", "fast", "--out", o]));
+    assert!(e.contains("warp-rows") && e.contains("tensor-core-attention-backward"), "{e}");
+    let e = failed(qatc(&["train", &m, "--data", &d, "--lora", "r=2", "--no-variant", "warp-rows", "--device", "cpu", "--out", o]));
+    assert!(e.contains("--no-variant are for the GPU"), "{e}");
+    assert!(!out.exists(), "nothing written");
 }

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
+use qatc_kernels::cuda::Variant;
 use qatc_passes::quant::is_learned_name;
 use qatc_runtime::{CpuOptions, Value};
 
@@ -127,6 +128,18 @@ pub struct Args {
     /// they apply (tensor-core attention), to rule one out.
     #[arg(long)]
     pub general_kernels: bool,
+    /// On the GPU: without this one of the fast variants (repeatable), the others as chosen; to
+    /// time the step without it or rule it out.
+    #[arg(long = "no-variant", value_name = "VARIANT", value_parser = variant_name)]
+    pub no_variant: Vec<Variant>,
+}
+
+/// `--no-variant`'s value: a variant's name, or an error listing them.
+fn variant_name(name: &str) -> Result<Variant, String> {
+    Variant::from_name(name).ok_or_else(|| {
+        let names: Vec<&str> = Variant::ALL.iter().map(|v| v.name()).collect();
+        format!("not a kernel variant; the variants: {}", names.join(", "))
+    })
 }
 
 /// One logged step.
@@ -154,7 +167,13 @@ impl Args {
     /// The run's configuration as the command line says it (defaults filled in): the step's
     /// (`StepArgs::config`) and this run's, for the checkpoint `model` and the data `data`.
     pub fn config(&self, model: &Path, data: &Path) -> anyhow::Result<RunConfig> {
-        let cuda = crate::runner::CudaSettings { tf32: self.tf32, no_graph: self.no_cuda_graph, general_kernels: self.general_kernels };
+        let no_variants = self.no_variant.iter().copied().collect();
+        let cuda = crate::runner::CudaSettings {
+            tf32: self.tf32,
+            no_graph: self.no_cuda_graph,
+            general_kernels: self.general_kernels,
+            no_variants,
+        };
         let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter, cuda })?;
         let learned = c.model.quant.as_ref().is_some_and(|q| q.scales == Scales::Learned);
         let train = TrainConfig {

@@ -45,6 +45,92 @@ impl CudaCodegen {
     /// Every variant off: the general kernels only.
     pub const GENERAL: CudaCodegen =
         CudaCodegen { tensor_core_attention: false, tensor_core_attention_backward: false, warp_rows: false, split_columns: false };
+
+    /// The switch of one variant.
+    fn switch(&mut self, v: Variant) -> &mut bool {
+        match v {
+            Variant::TensorCoreAttention => &mut self.tensor_core_attention,
+            Variant::TensorCoreAttentionBackward => &mut self.tensor_core_attention_backward,
+            Variant::WarpRows => &mut self.warp_rows,
+            Variant::SplitColumns => &mut self.split_columns,
+        }
+    }
+
+    /// These switches with the variants of `off` turned off (`qatc train --no-variant`).
+    pub fn without(mut self, off: Variants) -> CudaCodegen {
+        for v in off.iter() {
+            *self.switch(v) = false;
+        }
+        self
+    }
+}
+
+/// A set of variants, a value (`Copy`) that a run's `qatc.json` saves as their names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(from = "Vec<Variant>", into = "Vec<Variant>")]
+pub struct Variants(u8);
+
+impl Variants {
+    pub fn is_empty(&self) -> bool {
+        self.0 == 0
+    }
+
+    /// The variants in the set, in `Variant::ALL`'s order.
+    pub fn iter(self) -> impl Iterator<Item = Variant> {
+        Variant::ALL.into_iter().filter(move |v| self.0 & v.bit() != 0)
+    }
+}
+
+impl FromIterator<Variant> for Variants {
+    fn from_iter<I: IntoIterator<Item = Variant>>(vs: I) -> Variants {
+        Variants(vs.into_iter().fold(0, |bits, v| bits | v.bit()))
+    }
+}
+
+impl From<Vec<Variant>> for Variants {
+    fn from(vs: Vec<Variant>) -> Variants {
+        vs.into_iter().collect()
+    }
+}
+
+impl From<Variants> for Vec<Variant> {
+    fn from(set: Variants) -> Vec<Variant> {
+        set.iter().collect()
+    }
+}
+
+/// A variant by the name `qatc train --no-variant NAME` takes and a run's `qatc.json` saves, so
+/// that a GPU session can time the step without each one (bench/gpu.sh `ablate`: issue 20's
+/// before and after for each change) or rule out one that fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Variant {
+    TensorCoreAttention,
+    TensorCoreAttentionBackward,
+    WarpRows,
+    SplitColumns,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 4] =
+        [Variant::TensorCoreAttention, Variant::TensorCoreAttentionBackward, Variant::WarpRows, Variant::SplitColumns];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::TensorCoreAttention => "tensor-core-attention",
+            Variant::TensorCoreAttentionBackward => "tensor-core-attention-backward",
+            Variant::WarpRows => "warp-rows",
+            Variant::SplitColumns => "split-columns",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Variant> {
+        Variant::ALL.into_iter().find(|v| v.name() == name)
+    }
+
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
 }
 
 /// The longest row loop a warp takes on (`CudaCodegen::warp_rows`): 32 elements per lane, GPT-2
@@ -78,4 +164,32 @@ pub fn split_columns(k: &Kernel, cg: &CudaCodegen) -> bool {
         _ => true,
     });
     cg.split_columns && *rows > 0 && (*rows as u64).div_ceil(32) <= MAX_GRID[0] && long && splittable
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_variant_turns_off_its_own_switch_and_its_name_round_trips() {
+        for v in Variant::ALL {
+            assert_eq!(Variant::from_name(v.name()), Some(v));
+            // the serde name (a run's qatc.json) is the command line's
+            assert_eq!(serde_json::to_string(&v).expect("serializes"), format!("\"{}\"", v.name()));
+            let off = CudaCodegen::default().without([v].into_iter().collect());
+            let mut on = off;
+            *on.switch(v) = true;
+            assert_eq!(on, CudaCodegen::default(), "{v:?} turns off more than its own switch");
+            assert_ne!(off, CudaCodegen::default(), "{v:?} turns off nothing");
+        }
+        let all: Variants = Variant::ALL.into_iter().collect();
+        assert_eq!(CudaCodegen::default().without(all), CudaCodegen::GENERAL);
+        assert_eq!(all.iter().collect::<Vec<_>>(), Variant::ALL);
+        // a set saves as its names, in a fixed order, and reads back
+        let two: Variants = [Variant::SplitColumns, Variant::WarpRows, Variant::WarpRows].into_iter().collect();
+        let json = serde_json::to_string(&two).expect("serializes");
+        assert_eq!(json, r#"["warp-rows","split-columns"]"#);
+        assert_eq!(serde_json::from_str::<Variants>(&json).expect("reads"), two);
+        assert_eq!(Variant::from_name("fast"), None);
+    }
 }
