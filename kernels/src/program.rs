@@ -249,15 +249,21 @@ pub struct CeChunking {
     pub tile_cols: usize,
     /// The gradient is computed too (training), not only the loss (evaluation).
     pub with_grad: bool,
+    /// Bytes per logit: 4, or 2 for bf16/fp16 logits (`--precision`).
+    pub elem_bytes: usize,
 }
 
 impl CeChunking {
     pub fn chunks(&self) -> usize {
         self.rows.div_ceil(self.chunk_rows.max(1))
     }
-    /// The f32 [chunk_rows, tile_cols] scratch the logits of one chunk (or tile) live in.
+    /// The [chunk_rows, tile_cols] scratch the logits of one chunk (or tile) live in.
     pub fn scratch_bytes(&self) -> usize {
-        4 * self.chunk_rows * self.tile_cols
+        self.elem_bytes * self.chunk_rows * self.tile_cols
+    }
+    /// The [rows, vocab] logits it never holds whole.
+    pub fn whole_bytes(&self) -> usize {
+        self.elem_bytes * self.rows * self.vocab
     }
 }
 

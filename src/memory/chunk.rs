@@ -105,7 +105,7 @@ pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], device: Device, cpu: &Cpu
         rows = r;
         chosen = prog;
     }
-    let scratch = |r: usize| human(scratch_of.get(&r).copied().unwrap_or(4 * r * c.vocab));
+    let scratch = |r: usize| human(scratch_of.get(&r).copied().unwrap_or(c.elem_bytes * r * c.vocab));
     let why = match (rows == floor, refused) {
         (true, Some((r, p))) => format!(
             "{rows} rows per chunk, the floor (the fusion rule's, for GEMM efficiency): the cross-entropy is at the peak, {r} rows ({} scratch) would raise it to {}",

@@ -97,7 +97,7 @@ pub fn execute_plan(g: &Graph, device: Device, cpu: &CpuOptions) -> anyhow::Resu
 
 /// One line on a chunked cross-entropy, for the table and the picture.
 pub fn chunking_line(c: &qatc_kernels::program::CeChunking) -> String {
-    let whole = qatc_passes::plan::units::human(4 * c.rows * c.vocab);
+    let whole = qatc_passes::plan::units::human(c.whole_bytes());
     let scratch = qatc_passes::plan::units::human(c.scratch_bytes());
     if c.tile_cols < c.vocab {
         return format!(

@@ -169,7 +169,7 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
             c.chunk_rows,
             c.tile_cols,
             human(c.scratch_bytes()),
-            human(4 * c.rows * c.vocab),
+            human(c.whole_bytes()),
             k.short()
         ),
         (Some(c), Some(k)) => format!("{}; {}", super::chunking_line(c), k.short()),

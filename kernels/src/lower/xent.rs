@@ -116,6 +116,15 @@ fn find(body: &Graph, leaves: &HashMap<NodeId, View>) -> Option<Head> {
     Some(head)
 }
 
+/// The value a pack part stands for under a widening cast (`finish_pack_widened`: a 16-bit
+/// result cast to the f32 pack), else the part itself.
+fn widened(body: &Graph, p: NodeId) -> NodeId {
+    match body.node(p).op {
+        Op::Cast { to: DType::F32 } => body.operands(p)[0],
+        _ => p,
+    }
+}
+
 /// A value of the lowered node: the whole (an evaluation's loss) or its packed parts.
 pub enum Lowered {
     Value(View),
@@ -158,9 +167,14 @@ pub fn lower(
     // the node's value: the loss itself, or a pack of the loss and the gradient products
     let parts: Vec<(NodeId, usize, usize)> = match &body.node(root).op {
         _ if root == head.loss => vec![(head.loss, 0, 1)],
-        Op::Concat { axis: 0 } => pack_parts(body, root).into_iter().map(|(p, start, len)| (unreshaped(body, p), start, len)).collect(),
+        Op::Concat { axis: 0 } => {
+            pack_parts(body, root).into_iter().map(|(p, start, len)| (widened(body, unreshaped(body, p)), start, len)).collect()
+        }
         _ => return Ok(None),
     };
+    // the pack's type: a 16-bit product widened into an f32 pack is written as f32 (the GEMM's
+    // f32 sums rounded once, to f32; the graph's cast of the part rounds them to its type)
+    let pack_dtype = body.ty(root).dtype;
     let known = |n: NodeId| n == head.loss || head.products.iter().any(|(p, _)| *p == n);
     if !parts.iter().all(|&(n, _, _)| known(n)) || head.products.iter().any(|(p, _)| !parts.iter().any(|q| q.0 == *p)) {
         return Ok(None);
@@ -172,14 +186,20 @@ pub fn lower(
     let phase = if with_grad { Phase::Backward } else { Phase::Forward };
     // a frozen head (dh the one product, W its operand as stored) on one thread per row: the
     // vocabulary in tiles with an online softmax (`xent_online.rs`)
+    // (f32 logits only: the tiles hold f32 logits, which 16-bit logits are not)
+    let logits_dtype = body.ty(head.logits).dtype;
     let online = lw.options.sequential_rows
         && with_grad
+        && logits_dtype == DType::F32
         && matches!(head.products[..], [(p, false)] if body.operands(p).get(1) == Some(&head.w)
             && matches!(body.node(p).op, Op::MatMul { tb: false, .. }));
     let tile = if online { super::xent_online::tile_cols(r, v, lw.options.ce_tile_cols) } else { v };
 
     // buffers: the chunk scratch, the row losses, each chunk's first row, and the results
-    let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), DType::F32, &[r, tile], BufKind::Temp, Role::temporary(phase));
+    // the chunk's logits as the graph types them (16-bit under --precision: rounded as the
+    // unchunked GEMM rounds them), the row kernel's sums in f32 either way
+    let scratch_dtype = if online { DType::F32 } else { logits_dtype };
+    let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), scratch_dtype, &[r, tile], BufKind::Temp, Role::temporary(phase));
     let losses = lw.buffer("ce_rows".into(), DType::F32, &[n], BufKind::Temp, Role::temporary(Phase::Forward));
     let bases = starts(
         lw,
@@ -206,10 +226,18 @@ pub fn lower(
             .clone()
             .unwrap_or_else(|| format!("{}.{}", g.node(id).name.as_deref().unwrap_or("xent"), if acc { "dW" } else { "dh" }));
         let category = if acc { qatc_ir::Category::Gradients } else { qatc_ir::Category::Temporaries };
-        let buf = lw.buffer(pname, ty.dtype, &ty.shape.0, BufKind::Value, Role { category, phase: Phase::Backward });
+        let dtype = if pack_dtype != ty.dtype && parts.iter().any(|q| q.0 == p) { pack_dtype } else { ty.dtype };
+        let buf = lw.buffer(pname, dtype, &ty.shape.0, BufKind::Value, Role { category, phase: Phase::Backward });
         results.insert(p, buf);
     }
-    lw.prog.cross_entropy.push(CeChunking { rows: n, vocab: v, chunk_rows: r, tile_cols: tile, with_grad });
+    lw.prog.cross_entropy.push(CeChunking {
+        rows: n,
+        vocab: v,
+        chunk_rows: r,
+        tile_cols: tile,
+        with_grad,
+        elem_bytes: scratch_dtype.bytes_for(1),
+    });
 
     let (hv, wv) = (cx.leaves[&head.h].clone(), cx.leaves[&head.w].clone());
     let swap = |x: &View| x.transpose(&[1, 0]);
@@ -372,8 +400,9 @@ fn row_kernel(
     base: &View,
     (rc, n, v): (usize, usize, usize),
 ) -> Result<(), KernelError> {
-    // a row on one thread, in order: the sum pass keeps exp(x - max) for the gradient pass
-    let exp_once = lw.options.sequential_rows && head.grad.is_some();
+    // a row on one thread, in order: the sum pass keeps exp(x - max) for the gradient pass (in
+    // f32 logits only: 16-bit ones would round it)
+    let exp_once = lw.options.sequential_rows && head.grad.is_some() && lw.prog.buffers[scratch.buf].dtype == DType::F32;
     let mut kb = lw.kb_rows(cx, rc, &[scratch, losses, base]);
     let b = kb.load_view(base, &Pos::Lin(Expr::Int(0)));
     let b = kb.to_index(b);

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use egg::Id;
-use qatc_ir::{infer::infer, Op, Shape, TensorType};
+use qatc_ir::{infer::infer, DType, Op, Shape, TensorType};
 
 use super::lang::{ENode, Entry, Kernel, EG, FUSED};
 
@@ -370,13 +370,35 @@ impl Builder {
     }
 
     /// Finishes a kernel with several results: they are written, flattened, into one buffer
-    /// (`concat` along axis 0 of `reshape(r, [numel])`), and each result is a view of it.
-    pub fn finish_pack(mut self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+    /// (`concat` along axis 0 of `reshape(r, [numel])`), and each result is a view of it. The
+    /// results share one element type.
+    pub fn finish_pack(self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+        self.finish_pack_as(eg, outs, family, rule, false)
+    }
+
+    /// `finish_pack` for float results of mixed types (an f32 loss beside bf16 gradients under
+    /// `--precision bf16`): the pack is f32, a 16-bit result is widened into it (`cast`, exact)
+    /// and its view narrowed back (`add_pack`), so it keeps its value and type. For results that
+    /// are small beside what the kernel saves (the chunked cross-entropy's dh beside the logits it
+    /// never writes): a widened part is written at twice its bytes.
+    pub fn finish_pack_widened(self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+        self.finish_pack_as(eg, outs, family, rule, true)
+    }
+
+    fn finish_pack_as(
+        mut self,
+        eg: &mut EG,
+        outs: &[(Id, BRef)],
+        family: String,
+        rule: &'static str,
+        widen: bool,
+    ) -> Option<(Kernel, Vec<Id>)> {
         if self.failed || outs.len() < 2 || self.args.is_empty() {
             return None;
         }
         let dtype = self.ty(outs[0].1).dtype;
-        if outs.iter().any(|(_, r)| self.ty(*r).dtype != dtype) {
+        let mixed = outs.iter().any(|(_, r)| self.ty(*r).dtype != dtype);
+        if mixed && !(widen && outs.iter().all(|(_, r)| self.ty(*r).dtype.is_float())) {
             return None;
         }
         let mut pack = Vec::new();
@@ -385,6 +407,7 @@ impl Builder {
             let BRef::Node(i) = r else { return None };
             pack.push((eg.find(c), i));
             let n = self.ty(r).numel();
+            let r = if mixed && self.ty(r).dtype != DType::F32 { self.new_node(eg, Op::Cast { to: DType::F32 }, vec![r]) } else { r };
             flat.push(self.new_node(eg, Op::Reshape { shape: Shape::new([n]) }, vec![r]));
         }
         let root = self.new_node(eg, Op::Concat { axis: 0 }, flat);
@@ -433,7 +456,9 @@ pub fn add_pack(eg: &mut EG, k: Kernel, args: Vec<Id>, name: &str) -> Vec<Id> {
     if reads_own_result(eg, &outs, &args) {
         return vec![];
     }
-    let shapes: Vec<Shape> = pack.iter().map(|(c, _)| eg[*c].data.ty.as_ref().map(|t| t.shape.clone()).unwrap_or_default()).collect();
+    let tys: Vec<(Shape, Option<DType>)> =
+        pack.iter().map(|(c, _)| eg[*c].data.ty.as_ref().map(|t| (t.shape.clone(), Some(t.dtype))).unwrap_or_default()).collect();
+    let packed = k.ty.dtype;
     let op = eg.analysis.table.fused(k);
     let buf = eg.add(ENode { kind: FUSED, op, args });
     if eg[buf].data.name.is_none() {
@@ -441,12 +466,17 @@ pub fn add_pack(eg: &mut EG, k: Kernel, args: Vec<Id>, name: &str) -> Vec<Id> {
     }
     let mut changed = Vec::new();
     let mut start = 0;
-    for ((c, _), shape) in pack.iter().zip(shapes) {
+    for ((c, _), (shape, dtype)) in pack.iter().zip(tys) {
         let n = shape.numel();
         let s = eg.analysis.table.prim(Op::Slice { axis: 0, start, end: start + n }, None);
         let sl = eg.add(ENode { kind: "slice", op: s, args: vec![buf] });
         let r = eg.analysis.table.prim(Op::Reshape { shape }, None);
-        let view = eg.add(ENode { kind: "reshape", op: r, args: vec![sl] });
+        let mut view = eg.add(ENode { kind: "reshape", op: r, args: vec![sl] });
+        // a part widened into the pack (`finish_pack_widened`) narrowed back to its own type
+        if let Some(to) = dtype.filter(|&d| d != packed) {
+            let cast = eg.analysis.table.prim(Op::Cast { to }, None);
+            view = eg.add(ENode { kind: "cast", op: cast, args: vec![view] });
+        }
         if eg.union(*c, view) {
             changed.push(*c);
         }

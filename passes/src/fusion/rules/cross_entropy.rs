@@ -117,7 +117,9 @@ fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     }
     let rows = eg[l].data.ty.as_ref().map(|t| chunk_rows(t.shape.last(), t.shape.dims()[0])).unwrap_or(1);
     let name = eg[loss].data.name.clone().unwrap_or_else(|| "loss".into());
-    match b.finish_pack(eg, &outs, format!("cross_entropy.linear.chunk={rows}"), "xent-linear") {
+    // under --precision bf16|fp16 the loss is f32 and the gradient products 16-bit: widened into
+    // an f32 pack (dh at twice its bytes, where the logits and their gradient are never written)
+    match b.finish_pack_widened(eg, &outs, format!("cross_entropy.linear.chunk={rows}"), "xent-linear") {
         Some((k, args)) => add_pack(eg, k, args, &name),
         None => vec![],
     }
