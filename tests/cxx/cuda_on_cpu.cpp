@@ -96,6 +96,24 @@ struct Fiber {
     void* sp;
     State state;
     unsigned char parity;  // which of the warp's two exchange buffers the next shuffle uses
+    unsigned mma_seq;      // how many mma.sync this thread has issued in this block
+};
+
+// One lane's operands of one mma.sync, as it handed them in.
+struct MmaSlot {
+    unsigned seq;   // the lane's mma count at it (0: none yet in this block)
+    unsigned type;  // MmaType
+    unsigned a[4], b[2];
+    float c[4];
+};
+
+// A warp's mma.sync rendezvous: two sets of slots, alternating by the count's parity (as the
+// shuffles' exchange buffers: a lane ahead cannot overwrite operands a slower one has not read),
+// and the product D of each, computed once by the first lane to read it.
+struct MmaWarp {
+    MmaSlot lane[2][32];
+    float d[2][16][8];
+    unsigned d_seq[2];
 };
 
 struct Sched {
@@ -108,6 +126,8 @@ struct Sched {
     void (*body)(void**) = nullptr;
     void** ptrs = nullptr;
     std::vector<uint64_t> exch;  // [warp][2][32]
+    std::vector<MmaWarp> mma;    // [warp]
+    unsigned long long mma_ops = 0;  // warp-wide mma.sync emulated, both runs
 };
 Sched S;
 
@@ -140,6 +160,7 @@ void init_fiber(unsigned i) {
     S.f[i].sp = sp;
     S.f[i].state = READY;
     S.f[i].parity = 0;
+    S.f[i].mma_seq = 0;
 }
 
 // Stacks for `n` fibers, each with a guard page below it.
@@ -155,6 +176,7 @@ void make_stacks(unsigned n) {
         S.stack_top[i] = lo + page + size;
     }
     S.exch.assign(((n + 31) / 32) * 64, 0);
+    S.mma.assign((n + 31) / 32, MmaWarp{});
 }
 
 const char* state_name(State s) {
@@ -181,6 +203,8 @@ void run_block(bool reverse) {
         return;
     }
     for (unsigned i = 0; i < n; ++i) init_fiber(i);
+    // no operands of the previous block's mma.sync can pass for this block's
+    for (MmaWarp& w : S.mma) w = MmaWarp{};
     for (;;) {
         for (unsigned kw = 0; kw < warps; ++kw) {
             const unsigned w = reverse ? warps - 1 - kw : kw, lo = w * 32, hi = lo + 32 < n ? lo + 32 : n;
@@ -336,6 +360,132 @@ uint64_t exchange(uint64_t bits, unsigned src) {
     return buf[src % 32];
 }
 
+// ---- mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 ----
+//
+// The fragment layouts, written from NVIDIA's PTX ISA, section 9.7.14.5.8 (9.7.15.5.8 in later
+// releases) "Matrix Fragments for mma.m16n8k16 with floating point type"
+// (https://docs.nvidia.com/cuda/parallel-thread-execution/#warp-level-matrix-fragment-mma-16816-float),
+// not from the header that uses them, so that running the header here checks it. With
+// groupID = %laneid >> 2 and threadID_in_group = %laneid % 4:
+//   A (16 x 16, .f16/.bf16): elements a0..a7, two to each of the four .f16x2 registers, low half
+//     first (register r holds a(2r), a(2r+1));
+//     row = groupID for ai where 0 <= i < 2 || 4 <= i < 6, groupID + 8 otherwise;
+//     col = threadID_in_group * 2 + (i & 1) for i < 4, threadID_in_group * 2 + (i & 1) + 8 for i >= 4.
+//   B (16 x 8, .f16/.bf16): elements b0..b3, two to each of the two registers, low half first;
+//     row = threadID_in_group * 2 + (i & 1) for i < 2, threadID_in_group * 2 + (i & 1) + 8 for i >= 2;
+//     col = groupID.
+//   C, D (16 x 8, .f32): elements c0..c3, one register each;
+//     row = groupID for i < 2, groupID + 8 for i >= 2; col = threadID_in_group * 2 + (i & 1).
+// D = A B + C. Each product of two 16-bit values is exact in fp32; the 16 are added to C in
+// order of k, in fp32 (the tensor core's own order and internal precision are not specified: the
+// test's tolerance covers a different fixed order).
+
+namespace {
+
+void a_at(unsigned lane, unsigned i, unsigned& row, unsigned& col) {
+    const unsigned group = lane >> 2, tig = lane % 4;
+    row = (i < 2 || (4 <= i && i < 6)) ? group : group + 8;
+    col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+}
+
+void b_at(unsigned lane, unsigned i, unsigned& row, unsigned& col) {
+    const unsigned group = lane >> 2, tig = lane % 4;
+    row = tig * 2 + (i & 1) + (i >= 2 ? 8 : 0);
+    col = group;
+}
+
+void c_at(unsigned lane, unsigned i, unsigned& row, unsigned& col) {
+    const unsigned group = lane >> 2, tig = lane % 4;
+    row = i < 2 ? group : group + 8;
+    col = tig * 2 + (i & 1);
+}
+
+// Element i of a fragment whose registers hold two 16-bit values each, low half first, widened
+// exactly.
+float element16(MmaType type, const unsigned* regs, unsigned i) {
+    const unsigned short bits = (unsigned short)(regs[i / 2] >> (16 * (i & 1)));
+    return type == MMA_BF16 ? std::bit_cast<float>((unsigned)bits << 16) : (float)std::bit_cast<_Float16>(bits);
+}
+
+// The layouts above give each element of A, B and C to exactly one (lane, element): checked once,
+// so that a slip in them is not mistaken for a bug in the kernel.
+void check_layouts() {
+    unsigned char a[16][16] = {}, b[16][8] = {}, c[16][8] = {};
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned r, k;
+        for (unsigned i = 0; i < 8; ++i) a_at(lane, i, r, k), ++a[r][k];
+        for (unsigned i = 0; i < 4; ++i) b_at(lane, i, r, k), ++b[r][k];
+        for (unsigned i = 0; i < 4; ++i) c_at(lane, i, r, k), ++c[r][k];
+    }
+    for (unsigned r = 0; r < 16; ++r) {
+        for (unsigned k = 0; k < 16; ++k)
+            if (a[r][k] != 1) fail(8, "the shim's mma fragment layout of A covers (%u, %u) %u times", r, k, a[r][k]);
+        for (unsigned n = 0; n < 8; ++n)
+            if (b[r][n] != 1 || c[r][n] != 1) fail(8, "the shim's mma fragment layout of B or C covers (%u, %u) twice or never", r, n);
+    }
+}
+
+// D = A B + C from the 32 lanes' slots.
+void mma_product(MmaType type, const MmaSlot* slots, float d[16][8]) {
+    float a[16][16], b[16][8];
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned r, k;
+        for (unsigned i = 0; i < 8; ++i) a_at(lane, i, r, k), a[r][k] = element16(type, slots[lane].a, i);
+        for (unsigned i = 0; i < 4; ++i) b_at(lane, i, r, k), b[r][k] = element16(type, slots[lane].b, i);
+        for (unsigned i = 0; i < 4; ++i) c_at(lane, i, r, k), d[r][k] = slots[lane].c[i];
+    }
+    for (unsigned m = 0; m < 16; ++m)
+        for (unsigned n = 0; n < 8; ++n) {
+            float acc = d[m][n];
+            for (unsigned k = 0; k < 16; ++k) acc += a[m][k] * b[k][n];
+            d[m][n] = acc;
+        }
+}
+
+}  // namespace
+
+void mma_m16n8k16(MmaType type, float c[4], const unsigned a[4], const unsigned b[2]) {
+    static const bool layouts = (check_layouts(), true);
+    (void)layouts;
+    const unsigned me = S.cur, lane = me % 32, warp = me / 32;
+    Fiber& f = S.f[me];
+    const unsigned seq = ++f.mma_seq, p = seq & 1;
+    MmaWarp& w = S.mma[warp];
+    MmaSlot& mine = w.lane[p][lane];
+    mine.seq = seq;
+    mine.type = type;
+    std::memcpy(mine.a, a, sizeof mine.a);
+    std::memcpy(mine.b, b, sizeof mine.b);
+    std::memcpy(mine.c, c, sizeof mine.c);
+    // released once every live lane of the warp waits at a warp barrier: this mma, if the warp
+    // is converged. (Lanes are matched by their mma count, not the instruction's address: a lane
+    // that reaches its count-th mma by another path is taken as converged.)
+    wait(AT_WARP);
+    const unsigned lanes = S.n - warp * 32 < 32 ? S.n - warp * 32 : 32;
+    if (lanes < 32) fail(8, "mma.sync.aligned in a warp of %u threads: all 32 lanes must execute it", lanes);
+    for (unsigned l = 0; l < 32; ++l) {
+        const MmaSlot& o = w.lane[p][l];
+        if (o.seq != seq) {
+            const bool gone = S.f[warp * 32 + l].state == DONE;
+            fail(8, "mma.sync.aligned (this thread's mma number %u) without lane %u of the warp, which %s: .aligned needs all 32 lanes "
+                    "at the same mma",
+                 seq, l, gone ? "has returned" : "is elsewhere (another barrier, shuffle or mma: the warp diverged)");
+        }
+        if (o.type != type) fail(8, "mma.sync.aligned: lane %u multiplies %s, this thread %s", l, o.type == MMA_BF16 ? "bf16" : "f16",
+                                 type == MMA_BF16 ? "bf16" : "f16");
+    }
+    if (w.d_seq[p] != seq) {
+        mma_product(type, w.lane[p], w.d[p]);
+        w.d_seq[p] = seq;
+        ++S.mma_ops;
+    }
+    for (unsigned i = 0; i < 4; ++i) {
+        unsigned r, k;
+        c_at(lane, i, r, k);
+        c[i] = w.d[p][r][k];
+    }
+}
+
 // argv: DIR SLOTS GRID BLOCK MODE. DIR/in{s}.bin are the buffers' bytes (s a slot); SLOTS gives
 // each param's slot ("0,1,0": params 0 and 2 are one buffer); GRID "x,y,z", BLOCK "x,y,z"; MODE
 // "fibers" or "direct". Writes DIR/out{s}.bin for each slot a non-const param points at.
@@ -396,6 +546,8 @@ int run(int argc, char** argv, size_t np, const bool* written, void (*body)(void
             }
         }
     }
+    // the harness reads this to know the tensor-core path ran (not an sm_80-less fallback)
+    if (S.mma_ops) std::fprintf(stderr, "cuda_on_cpu: %llu warp-wide mma.sync emulated (both runs)\n", S.mma_ops);
     for (unsigned s = 0; s < nslots; ++s) {
         if (!bufs[s].written) continue;
         char path[4096];

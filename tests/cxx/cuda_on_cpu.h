@@ -23,6 +23,14 @@
 // before its start) faults, and a write into those 0-3 bytes is caught after the launch; the
 // fault handler names the buffer, the block and the thread.
 //
+// The device is an sm_80 (`__CUDA_ARCH__` 800): code written for tensor cores takes its mma
+// branch, and `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` (the one tensor-core instruction
+// qatc's headers use, routed here under QATC_CPU_SHIM) is emulated as the warp-collective
+// operation it is: every lane of the warp hands in its fragments at a warp barrier, the launcher
+// assembles A, B and C by the PTX ISA's fragment layouts, computes D = A B + C in fp32, and hands
+// each lane its part of D (cuda_on_cpu.cpp, `mma_m16n8k16`). A warp whose lanes do not all take
+// part (some returned, or are at another barrier: diverged) stops the run (exit 8).
+//
 // Scalar semantics are CUDA's where they differ from C's: float -> integer conversions
 // (`__float2int_rz` and kin) truncate toward zero, saturate at the target's range, NaN -> 0.
 // Transcendentals are the C library's (correctly rounded or nearly so; CUDA's are within 1-2 ulp),
@@ -38,6 +46,13 @@
 #include <type_traits>
 #include <utility>
 
+// ---- the device: an sm_80 that runs this shim ----
+// qatc's headers route what has no C++ meaning (the tensor-core mma) to the shim under this.
+#define QATC_CPU_SHIM 1
+#ifndef __CUDA_ARCH__
+#define __CUDA_ARCH__ 800
+#endif
+
 // ---- qualifiers ----
 #define __global__
 #define __device__
@@ -48,6 +63,7 @@
 #define __restrict__ __restrict
 #define __shared__ static
 #define __constant__
+#define __align__(n) __attribute__((aligned(n)))
 
 // ---- built-in variables (set by the launcher before each thread runs) ----
 struct uint3 {
@@ -95,10 +111,20 @@ inline void ptx(const char* text, float* f, unsigned short* h) {
     }
 }
 
+// mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32 {c}, {a}, {b}, {c} (T: bf16 or f16), as
+// qatc_attention_mma.cuh issues it: c += a b over the warp, each lane's a[4], b[2] (two 16-bit
+// elements a register, the lower-numbered in the low half) and c[4] its fragments. A warp-wide
+// barrier: all 32 lanes must reach it (cuda_on_cpu.cpp).
+enum MmaType : unsigned { MMA_BF16 = 1, MMA_F16 = 2 };
+void mma_m16n8k16(MmaType type, float c[4], const unsigned a[4], const unsigned b[2]);
+inline void mma_m16n8k16_bf16(float c[4], const unsigned a[4], const unsigned b[2]) { mma_m16n8k16(MMA_BF16, c, a, b); }
+inline void mma_m16n8k16_f16(float c[4], const unsigned a[4], const unsigned b[2]) { mma_m16n8k16(MMA_F16, c, a, b); }
+
 }  // namespace qatc_cpu
 
 // After every system header: `asm("...")` becomes a call with its text (`ptx` above). (`asm
-// volatile`, the tensor-core attention's, is not expanded: those kernels are not compiled.)
+// volatile` is not expanded: the tensor-core mma, qatc's one, is routed to `mma_m16n8k16` under
+// QATC_CPU_SHIM instead; any other stops the compilation, and the harness skips such kernels.)
 #define asm(...) ::qatc_cpu::ptx(#__VA_ARGS__, &f, &h)
 
 // ---- math: CUDA's overloads and intrinsics ----

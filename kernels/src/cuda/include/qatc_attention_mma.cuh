@@ -34,26 +34,35 @@ __device__ __forceinline__ unsigned pack_half2(unsigned short lo, unsigned short
 }
 
 // The 16-bit operand types of the tensor-core kernels: rounding to nearest even, and the mma
-// with fp32 accumulation, c += a b.
+// with fp32 accumulation, c += a b. (QATC_CPU_SHIM: compiled for the CPU by the test harness,
+// tests/cxx/cuda_on_cpu.h, which emulates the warp-wide instruction; NVRTC never defines it.)
 struct MmaBf16 {
     static __device__ __forceinline__ unsigned short from(float x) { return float_to_bf16(x); }
     static __device__ __forceinline__ void mma(float c[4], const unsigned a[4], const unsigned b[2]) {
+#ifdef QATC_CPU_SHIM
+        qatc_cpu::mma_m16n8k16_bf16(c, a, b);
+#else
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
             "{%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
     }
 };
 
 struct MmaF16 {
     static __device__ __forceinline__ unsigned short from(float x) { return float_to_f16(x); }
     static __device__ __forceinline__ void mma(float c[4], const unsigned a[4], const unsigned b[2]) {
+#ifdef QATC_CPU_SHIM
+        qatc_cpu::mma_m16n8k16_f16(c, a, b);
+#else
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
             "{%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
     }
 };
 
