@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 use qatc::step::StepOptions;
 use qatc_ir::{DType, QuantScheme, QuantSpec};
 use qatc_kernels::cuda::blas::{self, BlasCall, BlasMode, BlasPlan, Compute, Mem};
-use qatc_kernels::cuda::LaunchDims;
+use qatc_kernels::cuda::{CudaCodegen, LaunchDims};
 use qatc_kernels::kir::{Body, Kernel, Param};
 use qatc_kernels::program::{BufKind, Buffer, Gemm, GemmTypes, View};
 use qatc_kernels::{Program, Step};
@@ -159,7 +159,21 @@ fn check_program(
     start: Instant,
     built: Duration,
 ) -> (usize, usize, Vec<MmaCheck>) {
+    check_program_with(cxx, what, prog, init, start, built, CudaCodegen::default())
+}
+
+/// [`check_program`] with the CUDA writer's variants `codegen`.
+fn check_program_with(
+    cxx: &Cxx,
+    what: &str,
+    prog: &Program,
+    init: &dyn Fn(&Buffer) -> Option<Vec<u8>>,
+    start: Instant,
+    built: Duration,
+    codegen: CudaCodegen,
+) -> (usize, usize, Vec<MmaCheck>) {
     let mut gpu = OnCpu::new(cxx, 64 << 30);
+    gpu.codegen = codegen;
     run_program(&mut gpu, prog, init);
     let f = &gpu.found;
     let moves = gpu.kernels.len() - prog.kernels.len();
@@ -338,7 +352,7 @@ fn the_tensor_core_attention() {
     ];
     for values in [DType::BF16, DType::F16] {
         for d in shapes {
-            let prog = attention::program(d, values);
+            let prog = attention::program(d, values, false);
             for k in &prog.kernels {
                 let source = qatc_kernels::cuda::emit(k).expect("emits").source;
                 assert!(source.contains("_mma<"), "{}: not the tensor-core template:\n{source}", k.note);

@@ -299,9 +299,11 @@ pub struct Attention {
     pub offsets: Vec<usize>,
     pub part: AttentionPart,
     /// The type of the graph values the operands hold: `F32`, or the f16/bf16 compute type
-    /// (`--precision`) that the lowering widened them from, exactly. The semantics are the f32
-    /// ones either way; a 16-bit type tells a backend that rounding the operands to it loses
-    /// nothing, so it may multiply them on 16-bit tensor cores (`cuda/attention.rs`).
+    /// (`--precision`), held in their buffers either as that type (CUDA,
+    /// `LowerOptions::attention_reads_stored`: the kernel widens at the load) or widened exactly
+    /// into f32 copies by the lowering (the CPU). The semantics are the f32 ones either way; a
+    /// 16-bit type tells a backend that rounding the operands to it loses nothing, so it may
+    /// multiply them on 16-bit tensor cores (`cuda/attention.rs`).
     pub values: DType,
 }
 

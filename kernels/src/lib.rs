@@ -28,10 +28,11 @@ pub use error::KernelError;
 pub use lower::{lower, lower_with, LowerOptions};
 pub use program::{Gemm, GemmTypes, Program, Step, View};
 
-/// Lowers a graph and writes every distinct kernel as CUDA C: the program and its kernels, in
-/// the program's kernel order.
+/// Lowers a graph as the CUDA executor runs it (attention reading and writing the stored 16-bit
+/// type, `LowerOptions::attention_reads_stored`) and writes every distinct kernel as CUDA C: the
+/// program and its kernels, in the program's kernel order.
 pub fn cuda_kernels(g: &qatc_ir::Graph) -> Result<(Program, Vec<CudaKernel>), KernelError> {
-    let prog = lower(g)?;
+    let prog = lower_with(g, &LowerOptions { attention_reads_stored: true, ..Default::default() })?;
     let kernels = prog.kernels.iter().map(cuda::emit).collect::<Result<Vec<_>, _>>()?;
     Ok((prog, kernels))
 }

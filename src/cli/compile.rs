@@ -80,7 +80,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
     opts.deadline.check("code generation")?;
-    let (program, kernels) = qatc_kernels::cuda_kernels(&train).context("code generation")?;
+    // the kernels as the CUDA executor's lowering makes them (its attention reads 16-bit operands as
+    // they are stored); `--emit-llvm` writes the CPU's, whose attention reads f32 copies
+    let lower = |device| qatc_kernels::lower_with(&train, &crate::memory::lower_options(device)).context("code generation");
+    let program = lower(qatc_runtime::exec::Device::Cuda)?;
+    let kernels = program.kernels.iter().map(qatc_kernels::cuda::emit).collect::<Result<Vec<_>, _>>().context("code generation")?;
     opts.deadline.check("code generation")?;
     artifacts.push("kernels/");
     // machine code for the GPU (--device cuda, or a GPU found): CUBINs and their resource report
@@ -120,7 +124,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         super::cubin::write(&out.path().join("kernels"), cubins, report)?;
     }
     if a.emit_llvm {
-        emit_llvm(&out.path().join("kernels"), &program)?;
+        emit_llvm(&out.path().join("kernels"), &lower(qatc_runtime::exec::Device::Cpu)?)?;
     }
     let dir = out.commit().with_context(|| format!("{}", a.out.display()))?;
 

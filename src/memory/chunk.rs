@@ -53,12 +53,7 @@ impl ChunkChoice {
 
 /// `g` lowered for `device` in `schedule`'s order with `rows` per chunk (None: the fusion rule's).
 pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>, device: Device) -> anyhow::Result<Program> {
-    let options = LowerOptions {
-        ce_chunk_rows: rows,
-        order: Some(schedule.to_vec()),
-        sequential_rows: device.sequential_rows(),
-        ..Default::default()
-    };
+    let options = LowerOptions { ce_chunk_rows: rows, order: Some(schedule.to_vec()), ..super::lower_options(device) };
     qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
 }
 

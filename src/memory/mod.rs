@@ -20,7 +20,7 @@ pub mod svg;
 
 use anyhow::Context;
 use qatc_ir::{Graph, Phase, Roles};
-use qatc_kernels::Program;
+use qatc_kernels::{LowerOptions, Program};
 use qatc_passes::plan::cost::node_flops;
 use qatc_runtime::exec::{Device, ExecPlan, MemoryPlan};
 use qatc_runtime::CpuOptions;
@@ -39,6 +39,17 @@ pub struct Executed {
     pub recomputed_nodes: usize,
     /// The rows per chunk of the chunked cross-entropy, and why (`chunk`).
     pub chunk: Option<chunk::ChunkChoice>,
+}
+
+/// What the lowering must know of `device`'s executor (the schedule and the chunk size aside):
+/// whether it runs a row on one thread in order, whether its attention kernels read and write the
+/// stored 16-bit type.
+pub fn lower_options(device: Device) -> LowerOptions {
+    LowerOptions {
+        sequential_rows: device.sequential_rows(),
+        attention_reads_stored: device.attention_reads_stored(),
+        ..Default::default()
+    }
 }
 
 /// The program a step graph runs as on `device`, before that device's rewrites: lowered in the

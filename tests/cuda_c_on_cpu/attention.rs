@@ -2,7 +2,10 @@
 //! backward's lse, delta, dq, dk/dv and dv), over operands whose values are 16-bit: what the CUDA
 //! writer emits as the tensor-core attention (`qatc_attention_mma.cuh`) where hs is 32, 48 or 64.
 //! q, k and v are head views into one [B, T, 3C] buffer and dout, out and dq views of [B, T, C]
-//! ones, as the GPT-2 lowering has them; dk and dv are [B, NH, T, hs].
+//! ones, as the GPT-2 lowering has them; dk and dv are [B, NH, T, hs]. The views hold f32 (the
+//! widened copies of the CPU's lowering) or, `stored`, the 16-bit values themselves (CUDA's,
+//! `LowerOptions::attention_reads_stored`), the results written in 16 bits too but for the dk/dv
+//! kernel's dv, f32 scratch there; lse and delta are f32 either way.
 
 use qatc_kernels::kir::{Attention, AttentionPart, Body, Ty};
 
@@ -44,9 +47,9 @@ fn parts() -> Vec<(AttentionPart, Vec<(usize, &'static str)>)> {
     ]
 }
 
-/// The attention kernels of `d` over values of type `values` (f32 buffers, as the lowering widens
-/// them), each launched once.
-pub fn program(d: Dims, values: DType) -> Program {
+/// The attention kernels of `d` over values of type `values`, each launched once: their views f32
+/// buffers (as the lowering widens them) or, `stored`, buffers of `values`.
+pub fn program(d: Dims, values: DType, stored: bool) -> Program {
     let Dims { b, nh, t, hs } = d;
     let c = nh * hs;
     let heads = [b, nh, t, hs];
@@ -63,7 +66,11 @@ pub fn program(d: Dims, values: DType) -> Program {
         ("dv2", heads.to_vec()),
     ]
     .into_iter()
-    .map(|(name, shape)| Buffer::new(name, DType::F32, &shape, BufKind::Temp))
+    .enumerate()
+    .map(|(i, (name, shape))| {
+        let sixteen = stored && ![LSE, LSE2, DELTA, DV].contains(&i);
+        Buffer::new(name, if sixteen { values } else { DType::F32 }, &shape, BufKind::Temp)
+    })
     .collect();
     // (offset, strides of b, h, t) of a param's view; lse and delta are plain [B*NH, T] rows
     let view = |buf: usize, name: &str| -> (usize, [usize; 3]) {
@@ -87,7 +94,7 @@ pub fn program(d: Dims, values: DType) -> Program {
                 let write = roles.out.contains(&Some(i))
                     || (i == roles.lse && part.writes_lse())
                     || (Some(i) == roles.delta && part.writes_delta());
-                Param { name: name.into(), dtype: DType::F32, shape: buffers[buf].shape.clone(), write }
+                Param { name: name.into(), dtype: buffers[buf].dtype, shape: buffers[buf].shape.clone(), write }
             })
             .collect();
         let (offsets, strides) = ps.iter().map(|&(buf, name)| view(buf, name)).unzip();
@@ -107,7 +114,8 @@ pub fn program(d: Dims, values: DType) -> Program {
 }
 
 /// The first bytes of a buffer of [`program`]: q, k, v and dout pseudo-random and exactly
-/// representable in `values` (as the lowering's widened copies are), the rest zero. q and k in
+/// representable in `values` (as the lowering's widened copies are), in the buffer's type; the
+/// rest zero. q and k in
 /// [-2, 2) make scale q.k spread over a few units (a softmax neither flat nor one-hot); dout in
 /// [-1, 1).
 pub fn init(b: &Buffer, values: DType) -> Option<Vec<u8>> {
@@ -128,5 +136,46 @@ pub fn init(b: &Buffer, values: DType) -> Option<Vec<u8>> {
             round(((h >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * range)
         })
         .collect();
-    Some(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    Some(match b.dtype {
+        DType::BF16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        DType::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    })
+}
+
+/// The attention kernels over 16-bit params (`program`'s `stored`: q, k, v strided views into one
+/// [B, T, 3C] bf16 or f16 buffer, dout, out, dq, dk and the dv of the dv kernel 16-bit, the dk/dv
+/// kernel's dv f32), as CUDA's lowering hands them over: the tensor-core templates (the shim's
+/// sm_80 branch) and the fp32 general template (`CudaCodegen::GENERAL`), every part, against the
+/// evaluator (which loads them widened and rounds its stores, as the templates' element types
+/// do). Tolerances as `the_tensor_core_attention`'s (norm-wise for the mma's rounded results) and,
+/// for the general template, a 16-bit result's own (a rounding apart at most: the f32 sums in
+/// another order). Each kernel's text is checked to read the params in their types.
+#[test]
+fn the_attention_over_16bit_params() {
+    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let shapes = [Dims { b: 2, nh: 2, t: 100, hs: 64 }, Dims { b: 1, nh: 3, t: 77, hs: 32 }];
+    for values in [DType::BF16, DType::F16] {
+        let tag = if values == DType::BF16 { "qatc::ElemBf16" } else { "qatc::ElemF16" };
+        for d in shapes {
+            let prog = program(d, values, true);
+            for (codegen, how) in [(CudaCodegen::default(), "tensor cores"), (CudaCodegen::GENERAL, "general template")] {
+                let mma = codegen.tensor_core_attention;
+                for k in &prog.kernels {
+                    let source = qatc_kernels::cuda::emit_with(k, &codegen).expect("emits").source;
+                    assert_eq!(source.contains("_mma<"), mma, "{} ({how}):\n{source}", k.note);
+                    assert!(source.contains(&format!("qatc::AttnElems<{tag}, {tag}")), "{} ({how}): q, k in 16 bits:\n{source}", k.note);
+                }
+                let what = format!("attention over {values} params ({how}), B {} NH {} T {} hs {}", d.b, d.nh, d.t, d.hs);
+                let init = |b: &Buffer| init(b, values);
+                let (run, _, checks) = check_program_with(&cxx, &what, &prog, &init, Instant::now(), Duration::ZERO, codegen);
+                assert_eq!(run, prog.kernels.len(), "{what}: every part runs");
+                for k in prog.kernels.iter().filter(|_| mma) {
+                    let Body::Attention(a) = &k.body else { unreachable!("attention kernels only") };
+                    let checked = checks.iter().filter(|m| m.part == a.part && m.mma > 0).count();
+                    assert!(checked > 0, "{what}: {:?} was compared with its mma emulated", a.part);
+                }
+            }
+        }
+    }
 }

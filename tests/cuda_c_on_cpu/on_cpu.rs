@@ -2,6 +2,7 @@
 //! with every kernel's first launch also run as CUDA C, compiled by the system C++ compiler against
 //! `tests/cxx/cuda_on_cpu.h`, on the same bytes, and compared.
 
+use qatc_kernels::cuda::CudaCodegen;
 use qatc_kernels::kir::{AttentionPart, Body};
 
 use super::*;
@@ -144,6 +145,8 @@ pub struct OnCpu<'c> {
     pub checked: HashSet<String>,
     pub dir: tempfile::TempDir,
     pub found: Findings,
+    /// The variants the CUDA writer may use (`CudaCodegen::GENERAL` runs the general kernels).
+    pub codegen: CudaCodegen,
 }
 
 impl<'c> OnCpu<'c> {
@@ -157,6 +160,7 @@ impl<'c> OnCpu<'c> {
             checked: HashSet::new(),
             dir: tempfile::tempdir().expect("a scratch directory"),
             found: Findings::default(),
+            codegen: CudaCodegen::default(),
         }
     }
 
@@ -368,7 +372,7 @@ impl GpuApi for OnCpu<'_> {
         let k = match self.kernels.iter().position(|l| l.name == image.name) {
             Some(k) => k,
             None => {
-                let cuda = qatc_kernels::cuda::emit(&image.kernel).expect("emits");
+                let cuda = qatc_kernels::cuda::emit_with(&image.kernel, &self.codegen).expect("emits");
                 assert_eq!(cuda.name, image.name, "the image's name is its kernel's");
                 let source = mutate(cuda.source);
                 let skip = cannot_run(&source);

@@ -2,7 +2,8 @@
 //! shape and layout (sizes, scale and strides become constants the compiler folds). Where the
 //! operands' values are 16-bit and `CudaCodegen` allows it, the forward, delta, dq and dk/dv
 //! kernels are `qatc_attention_mma.cuh`'s tensor-core templates instead (same params, grid and
-//! block), with the fp32 template kept for architectures before sm_80.
+//! block), with the fp32 template kept for architectures before sm_80. Either reads and writes
+//! each view in its param's element type (`qatc::AttnElems`, from the params' dtypes).
 
 use qatc_ir::DType;
 
@@ -68,7 +69,8 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32,
         return;
     }
     w.line(format!("const qatc::AttnShape shape = {{{}, {}, {}}};  // NH, T, scale", a.nh, a.t, float_lit(a.scale, Ty::F32)));
-    let mut args = vec!["shape".to_string()];
+    // first the element types (`E`, below), as a tag the templates deduce them from
+    let mut args = vec!["E()".to_string(), "shape".to_string()];
     let views = a.part.roles().views();
     for (i, p) in k.params.iter().enumerate() {
         args.push(p.name.clone());
@@ -79,6 +81,7 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32,
             args.push(format!("{}_at", p.name));
         }
     }
+    w.line(format!("typedef {} E;  // element types: q, k, v, dout, out | dq | dk, dv", elems(k, a)));
     // <hs, rows per block, rows per shared tile>
     let tiles = format!("{}, {BQ}, {BK}", a.hs);
     let general = format!("qatc::{func}<{tiles}>({});", args.join(", "));
@@ -94,4 +97,24 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32,
         None => w.line(general),
     }
     w.close();
+}
+
+/// The `qatc::Elem*` tag of a view param's element type. Only float types reach here (an attention
+/// kernel's views hold f32 or the 16-bit compute type); any other would be declared as its own C
+/// type and rejected by the compiler against the tag's `float`.
+fn elem(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "qatc::ElemF16",
+        DType::BF16 => "qatc::ElemBf16",
+        _ => "qatc::ElemF32",
+    }
+}
+
+/// `qatc::AttnElems<...>` of kernel `k`: its views' element types by role (q, k, v, dout, the
+/// first output, the second), `ElemF32` for a role its part lacks.
+fn elems(k: &Kernel, a: &Attention) -> String {
+    let r = a.part.roles();
+    let of = |p: Option<usize>| p.and_then(|i| k.params.get(i)).map_or("qatc::ElemF32", |p| elem(p.dtype));
+    let tags = [of(Some(r.q)), of(Some(r.k)), of(r.v), of(r.dout), of(r.out[0]), of(r.out[1])];
+    format!("qatc::AttnElems<{}>", tags.join(", "))
 }

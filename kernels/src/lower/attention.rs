@@ -9,11 +9,14 @@
 //! The forward's log-sum-exp is not a graph value, so a backward recomputes it (one pass over
 //! the keys); lse and delta are shared by the kernels of one layer through `Lowerer::attn_stats`.
 //!
-//! Over f16/bf16 operands (`--precision`) the same f32 kernels run on widened copies of the
-//! operands (an exact conversion, per node, so no f32 copy outlives its kernel) and their f32
-//! result is rounded once into the node's buffer: scores, probabilities and their gradients stay
-//! f32 inside, as FlashAttention's accumulators do, where the unfused graph rounds each of them
-//! to the compute type (the two agree to a few of its ulps; `tests/llvm_equivalence.rs`).
+//! Over f16/bf16 operands (`--precision`) the math is f32: the operands widened exactly, the
+//! result rounded once into the node's buffer; scores, probabilities and their gradients stay f32
+//! inside, as FlashAttention's accumulators do, where the unfused graph rounds each of them to the
+//! compute type (the two agree to a few of its ulps; `tests/llvm_equivalence.rs`). Where the
+//! kernels read and write the stored type (`LowerOptions::attention_reads_stored`: CUDA) they get
+//! the 16-bit views and the node's buffer themselves; else they run on f32 copies of the operands
+//! (per node, so no f32 copy outlives its kernel) into an f32 result that a copy rounds into the
+//! buffer. Both widen and round the same values once: the same bits (`tests/attention_16bit.rs`).
 
 use std::collections::HashMap;
 
@@ -95,15 +98,23 @@ fn copy(lw: &mut Lowerer, cx: &Ctx, n: NodeId, from: View, to: &View) -> Result<
     elementwise(lw, &sub, n, to, "copy")
 }
 
+/// Whether the kernels read and write a buffer of type `d` as it is (else through an f32 copy).
+fn direct(lw: &Lowerer, d: DType) -> bool {
+    d == DType::F32 || (lw.options.attention_reads_stored && d.is_float())
+}
+
 /// A [B, NH, T, hs] view of `n` with hs contiguous, as the kernels read it: (the view that
-/// identifies the value, for `attn_stats`; the f32 view the kernels get, copied out when it is
-/// strided or of another type).
+/// identifies the value, for `attn_stats`; the view the kernels get, copied out when it is
+/// strided or of a type they do not read: into the value's own type where they read it stored,
+/// else f32).
 fn head_view(lw: &mut Lowerer, cx: &mut Ctx, n: NodeId, family: &str) -> Result<(View, View), KernelError> {
     let v = operand_view(lw, cx, n, family)?;
-    if v.strides[3] == 1 && lw.prog.buffers[v.buf].dtype == DType::F32 {
+    if v.strides[3] == 1 && direct(lw, lw.prog.buffers[v.buf].dtype) {
         return Ok((v.clone(), v));
     }
-    let t = lw.temp(&format!("t{}", n.index()), DType::F32, &cx.g.ty(n).shape.0);
+    let value = cx.g.ty(n).dtype;
+    let dtype = if direct(lw, value) { value } else { DType::F32 };
+    let t = lw.temp(&format!("t{}", n.index()), dtype, &cx.g.ty(n).shape.0);
     copy(lw, cx, n, v.clone(), &t)?;
     Ok((v, t))
 }
@@ -221,8 +232,8 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
     let note = lw.note(cx, root, None);
     // `matches` checked that q, k, v and dout have the result's type
     let values = cx.g.ty(root).dtype;
-    // a f16/bf16 result is computed in f32 first, then rounded into `dest`
-    let out = if lw.prog.buffers[dest.buf].dtype == DType::F32 { dest.clone() } else { lw.temp("attn_out", DType::F32, &shape) };
+    // a result the kernels do not write as stored is computed in f32 first, then rounded into `dest`
+    let out = if direct(lw, lw.prog.buffers[dest.buf].dtype) { dest.clone() } else { lw.temp("attn_out", DType::F32, &shape) };
     let mut keys = Vec::new();
     let mut views = |lw: &mut Lowerer, ns: &[NodeId]| -> Result<Vec<View>, KernelError> {
         keys.clear();

@@ -131,6 +131,12 @@ pub struct LowerOptions {
     /// Vocabulary columns per tile of the online cross-entropy (`xent.rs`); None: what
     /// `xent::TILE_BYTES` of scratch holds (tests set a few, to cross many tiles).
     pub ce_tile_cols: Option<usize>,
+    /// The attention kernels read q, k, v and dout in the type their buffers hold (f16/bf16
+    /// under `--precision`) and write their result into the node's buffer, rounded once at the
+    /// store (`attention.rs`): what the CUDA templates do (`Device::attention_reads_stored`).
+    /// False: f32 kernels on widened copies, the result rounded into the buffer by a copy (the
+    /// CPU's LLVM and GEMM attention read f32). Both give the same bits.
+    pub attention_reads_stored: bool,
 }
 
 impl Default for Lowerer {

@@ -7,8 +7,9 @@
 //! `offset + b*sb + h*sh + r*st`, its hs elements contiguous; lse and delta are [B*NH, T] rows.
 //!
 //! P_ij = exp(scale q_i.k_j - lse_i) for j <= i; dS_ij = scale P_ij (dout_i.v_j - delta_i).
+//! Views of any float type are read widened to f32 and written rounded to their type, once per
+//! element.
 
-use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart};
 
 use super::kir_eval::Mem;
@@ -74,7 +75,9 @@ struct Rows {
 }
 
 pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
-    if let Some(m) = mem.iter().find(|m| m.dtype() != DType::F32) {
+    // f16/bf16 views (`LowerOptions::attention_reads_stored`) load widened and store rounded to
+    // nearest even (`Mem`), as the CUDA templates' element types do; lse and delta are f32
+    if let Some(m) = mem.iter().find(|m| !m.dtype().is_float()) {
         return Err(format!("attention over a {} buffer", m.dtype()));
     }
     let z = || vec![0.0f32; a.hs];

@@ -68,6 +68,14 @@ impl Device {
         matches!(self, Device::Cpu)
     }
 
+    /// Whether this device's attention kernels read q, k, v and dout in their buffers' type and
+    /// write their results in it, rounded once at the store (CUDA's templates,
+    /// `qatc_attention*.cuh`), rather than reading f32 copies (the CPU's LLVM kernels and its
+    /// attention GEMMs, `cpu/attn_gemm.rs`): `LowerOptions::attention_reads_stored`.
+    pub fn attention_reads_stored(self) -> bool {
+        matches!(self, Device::Cuda)
+    }
+
     /// What a process running a step holds on this device outside the executor's planned
     /// allocations, so a plan for a device of some size (`--memory`) must leave it free: nothing
     /// on the CPU (the host's other memory is not the step's to plan); on CUDA the context and the

@@ -8,6 +8,11 @@
 // Semantics are those of the unfused graph: P = softmax(scale * q k^T) with keys j > i masked,
 // out = P v; dS = scale * P * (dout v^T - delta), delta_i = sum_j P_ij (dout_i . v_j);
 // dq = dS k, dk = dS^T q, dv = P^T dout.
+//
+// The views may hold f32 or the 16-bit compute type (`--precision`, where the lowering hands the
+// kernels the stored values, `LowerOptions::attention_reads_stored`): each is read through its
+// element type (`AttnElems`), widened to f32 exactly, and each result rounded to its view's type
+// once, at its store; the math is f32 either way.
 #pragma once
 
 namespace qatc {
@@ -23,12 +28,27 @@ struct AttnShape {
     float scale;
 };
 
+// The element types of a kernel's [B, NH, T, hs] views by role (the Elem* tags of
+// qatc_common.cuh; ElemF32 where the part has no such view): q, k, v and dout are read; o (out,
+// dq, dk, or the dv of attention_backward_v) and o2 (the dv of attention_backward_kv) written.
+// lse and delta are f32 rows. The kernels take a value of it as their first argument (a tag: the
+// types are deduced from it, the call's template arguments staying the tile sizes).
+template <typename Q, typename K, typename V, typename D, typename O, typename O2>
+struct AttnElems {
+    typedef Q q;
+    typedef K k;
+    typedef V v;
+    typedef D dout;
+    typedef O o;
+    typedef O2 o2;
+};
+
 // Loads rows [j0, j0 + R) of one (b, h) into a shared tile, zero past T.
-template <int HS, int R, int THREADS>
-__device__ __forceinline__ void load_tile(float (*tile)[HS], const float* x, AttnView xv, int b, int h, int j0, int T) {
+template <int HS, int R, int THREADS, typename X>
+__device__ __forceinline__ void load_tile(float (*tile)[HS], const typename X::T* x, AttnView xv, int b, int h, int j0, int T) {
     for (int e = threadIdx.x; e < R * HS; e += THREADS) {
         const int r = e / HS, d = e % HS, j = j0 + r;
-        tile[r][d] = j < T ? x[xv.row(b, h, j) + d] : 0.0f;
+        tile[r][d] = j < T ? X::load(x[xv.row(b, h, j) + d]) : 0.0f;
     }
 }
 
@@ -41,9 +61,9 @@ __device__ __forceinline__ float dot(const float* a, const float* b) {
 }
 
 // grid (ceil(T / BQ), B * NH), block BQ. out = softmax(scale q k^T, causal) v; lse [B*NH, T].
-template <int HS, int BQ, int BK>
-__device__ void attention_forward(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v, AttnView vv,
-                                  float* out, AttnView ov, float* lse) {
+template <int HS, int BQ, int BK, typename E>
+__device__ void attention_forward(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v, AttnView vv,
+                                  typename E::o::T* out, AttnView ov, float* lse) {
     __shared__ float ks[BK][HS];
     __shared__ float vs[BK][HS];
     const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
@@ -53,13 +73,13 @@ __device__ void attention_forward(AttnShape s, const float* q, AttnView qv, cons
     float m = -INFINITY, l = 0.0f;
 #pragma unroll
     for (int d = 0; d < HS; ++d) {
-        qr[d] = i < s.t ? q[qv.row(b, h, i) + d] : 0.0f;
+        qr[d] = i < s.t ? E::q::load(q[qv.row(b, h, i) + d]) : 0.0f;
         acc[d] = 0.0f;
     }
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();
-        load_tile<HS, BK, BQ>(ks, k, kv, b, h, j0, s.t);
-        load_tile<HS, BK, BQ>(vs, v, vv, b, h, j0, s.t);
+        load_tile<HS, BK, BQ, typename E::k>(ks, k, kv, b, h, j0, s.t);
+        load_tile<HS, BK, BQ, typename E::v>(vs, v, vv, b, h, j0, s.t);
         __syncthreads();
         const int n = min(BK, i - j0 + 1);  // causal: keys j0 .. i of this tile
         for (int r = 0; r < n; ++r) {
@@ -79,15 +99,15 @@ __device__ void attention_forward(AttnShape s, const float* q, AttnView qv, cons
     }
     if (i < s.t) {
 #pragma unroll
-        for (int d = 0; d < HS; ++d) out[ov.row(b, h, i) + d] = acc[d] / l;
+        for (int d = 0; d < HS; ++d) out[ov.row(b, h, i) + d] = E::o::store(acc[d] / l);
         lse[(long long)bh * s.t + i] = m + logf(l);
     }
 }
 
 // grid (ceil(T / BQ), B * NH), block BQ: delta_i = sum_j P_ij (dout_i . v_j) (= dout_i . out_i).
-template <int HS, int BQ, int BK>
-__device__ void attention_backward_delta(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v, AttnView vv,
-                                         const float* dout, AttnView dv_, const float* lse, float* delta) {
+template <int HS, int BQ, int BK, typename E>
+__device__ void attention_backward_delta(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v, AttnView vv,
+                                         const typename E::dout::T* dout, AttnView dv_, const float* lse, float* delta) {
     __shared__ float ks[BK][HS];
     __shared__ float vs[BK][HS];
     const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
@@ -96,15 +116,15 @@ __device__ void attention_backward_delta(AttnShape s, const float* q, AttnView q
     float qr[HS], dor[HS];
 #pragma unroll
     for (int d = 0; d < HS; ++d) {
-        qr[d] = i < s.t ? q[qv.row(b, h, i) + d] : 0.0f;
-        dor[d] = i < s.t ? dout[dv_.row(b, h, i) + d] : 0.0f;
+        qr[d] = i < s.t ? E::q::load(q[qv.row(b, h, i) + d]) : 0.0f;
+        dor[d] = i < s.t ? E::dout::load(dout[dv_.row(b, h, i) + d]) : 0.0f;
     }
     const float li = i < s.t ? lse[(long long)bh * s.t + i] : 0.0f;
     float acc = 0.0f;
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();
-        load_tile<HS, BK, BQ>(ks, k, kv, b, h, j0, s.t);
-        load_tile<HS, BK, BQ>(vs, v, vv, b, h, j0, s.t);
+        load_tile<HS, BK, BQ, typename E::k>(ks, k, kv, b, h, j0, s.t);
+        load_tile<HS, BK, BQ, typename E::v>(vs, v, vv, b, h, j0, s.t);
         __syncthreads();
         const int n = min(BK, i - j0 + 1);
         for (int r = 0; r < n; ++r) {
@@ -116,9 +136,9 @@ __device__ void attention_backward_delta(AttnShape s, const float* q, AttnView q
 }
 
 // grid (ceil(T / BQ), B * NH), block BQ: dq_i = sum_j dS_ij k_j.
-template <int HS, int BQ, int BK>
-__device__ void attention_backward_q(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v, AttnView vv,
-                                     const float* dout, AttnView dv_, const float* lse, const float* delta, float* dq, AttnView dqv) {
+template <int HS, int BQ, int BK, typename E>
+__device__ void attention_backward_q(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v, AttnView vv,
+                                     const typename E::dout::T* dout, AttnView dv_, const float* lse, const float* delta, typename E::o::T* dq, AttnView dqv) {
     __shared__ float ks[BK][HS];
     __shared__ float vs[BK][HS];
     const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
@@ -127,16 +147,16 @@ __device__ void attention_backward_q(AttnShape s, const float* q, AttnView qv, c
     float qr[HS], dor[HS], acc[HS];
 #pragma unroll
     for (int d = 0; d < HS; ++d) {
-        qr[d] = i < s.t ? q[qv.row(b, h, i) + d] : 0.0f;
-        dor[d] = i < s.t ? dout[dv_.row(b, h, i) + d] : 0.0f;
+        qr[d] = i < s.t ? E::q::load(q[qv.row(b, h, i) + d]) : 0.0f;
+        dor[d] = i < s.t ? E::dout::load(dout[dv_.row(b, h, i) + d]) : 0.0f;
         acc[d] = 0.0f;
     }
     const long long row = (long long)bh * s.t + i;
     const float li = i < s.t ? lse[row] : 0.0f, di = i < s.t ? delta[row] : 0.0f;
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();
-        load_tile<HS, BK, BQ>(ks, k, kv, b, h, j0, s.t);
-        load_tile<HS, BK, BQ>(vs, v, vv, b, h, j0, s.t);
+        load_tile<HS, BK, BQ, typename E::k>(ks, k, kv, b, h, j0, s.t);
+        load_tile<HS, BK, BQ, typename E::v>(vs, v, vv, b, h, j0, s.t);
         __syncthreads();
         const int n = min(BK, i - j0 + 1);
         for (int r = 0; r < n; ++r) {
@@ -148,16 +168,16 @@ __device__ void attention_backward_q(AttnShape s, const float* q, AttnView qv, c
     }
     if (i < s.t) {
 #pragma unroll
-        for (int d = 0; d < HS; ++d) dq[dqv.row(b, h, i) + d] = acc[d];
+        for (int d = 0; d < HS; ++d) dq[dqv.row(b, h, i) + d] = E::o::store(acc[d]);
     }
 }
 
 // grid (ceil(T / BK), B * NH), block BK; one thread per key row j, query rows i >= j streamed:
 // dk_j = sum_i dS_ij q_i, dv_j = sum_i P_ij dout_i.
-template <int HS, int BK, int BQ>
-__device__ void attention_backward_kv(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v, AttnView vv,
-                                      const float* dout, AttnView dv_, const float* lse, const float* delta,
-                                      float* dk, AttnView dkv, float* dv, AttnView dvv) {
+template <int HS, int BK, int BQ, typename E>
+__device__ void attention_backward_kv(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v, AttnView vv,
+                                      const typename E::dout::T* dout, AttnView dv_, const float* lse, const float* delta,
+                                      typename E::o::T* dk, AttnView dkv, typename E::o2::T* dv, AttnView dvv) {
     __shared__ float qs[BQ][HS];
     __shared__ float ds_[BQ][HS];
     __shared__ float ls[BQ], dl[BQ];
@@ -166,15 +186,15 @@ __device__ void attention_backward_kv(AttnShape s, const float* q, AttnView qv, 
     float kr[HS], vr[HS], dka[HS], dva[HS];
 #pragma unroll
     for (int d = 0; d < HS; ++d) {
-        kr[d] = j < s.t ? k[kv.row(b, h, j) + d] : 0.0f;
-        vr[d] = j < s.t ? v[vv.row(b, h, j) + d] : 0.0f;
+        kr[d] = j < s.t ? E::k::load(k[kv.row(b, h, j) + d]) : 0.0f;
+        vr[d] = j < s.t ? E::v::load(v[vv.row(b, h, j) + d]) : 0.0f;
         dka[d] = 0.0f;
         dva[d] = 0.0f;
     }
     for (int i0 = blockIdx.x * BK; i0 < s.t; i0 += BQ) {  // query rows before the block see none of its keys
         __syncthreads();
-        load_tile<HS, BQ, BK>(qs, q, qv, b, h, i0, s.t);
-        load_tile<HS, BQ, BK>(ds_, dout, dv_, b, h, i0, s.t);
+        load_tile<HS, BQ, BK, typename E::q>(qs, q, qv, b, h, i0, s.t);
+        load_tile<HS, BQ, BK, typename E::dout>(ds_, dout, dv_, b, h, i0, s.t);
         for (int r = threadIdx.x; r < BQ; r += BK) {
             const long long row = (long long)bh * s.t + i0 + r;
             ls[r] = i0 + r < s.t ? lse[row] : 0.0f;
@@ -195,27 +215,27 @@ __device__ void attention_backward_kv(AttnShape s, const float* q, AttnView qv, 
     if (j < s.t) {
 #pragma unroll
         for (int d = 0; d < HS; ++d) {
-            dk[dkv.row(b, h, j) + d] = dka[d];
-            dv[dvv.row(b, h, j) + d] = dva[d];
+            dk[dkv.row(b, h, j) + d] = E::o::store(dka[d]);
+            dv[dvv.row(b, h, j) + d] = E::o2::store(dva[d]);
         }
     }
 }
 
 // grid (ceil(T / BQ), B * NH), block BQ: lse_i = log sum_{j <= i} exp(scale q_i . k_j), for a
 // backward pass whose forward output was not kept.
-template <int HS, int BQ, int BK>
-__device__ void attention_lse(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, float* lse) {
+template <int HS, int BQ, int BK, typename E>
+__device__ void attention_lse(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, float* lse) {
     __shared__ float ks[BK][HS];
     const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
     const int i = blockIdx.x * BQ + threadIdx.x;
     const int last = min((int)(blockIdx.x + 1) * BQ, s.t) - 1;
     float qr[HS];
 #pragma unroll
-    for (int d = 0; d < HS; ++d) qr[d] = i < s.t ? q[qv.row(b, h, i) + d] : 0.0f;
+    for (int d = 0; d < HS; ++d) qr[d] = i < s.t ? E::q::load(q[qv.row(b, h, i) + d]) : 0.0f;
     float m = -INFINITY, l = 0.0f;
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();
-        load_tile<HS, BK, BQ>(ks, k, kv, b, h, j0, s.t);
+        load_tile<HS, BK, BQ, typename E::k>(ks, k, kv, b, h, j0, s.t);
         __syncthreads();
         const int n = min(BK, i - j0 + 1);
         for (int r = 0; r < n; ++r) {
@@ -231,9 +251,9 @@ __device__ void attention_lse(AttnShape s, const float* q, AttnView qv, const fl
 }
 
 // grid (ceil(T / BK), B * NH), block BK; one thread per key row j: dv_j = sum_{i >= j} P_ij dout_i.
-template <int HS, int BK, int BQ>
-__device__ void attention_backward_v(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* dout, AttnView dv_,
-                                     const float* lse, float* dv, AttnView dvv) {
+template <int HS, int BK, int BQ, typename E>
+__device__ void attention_backward_v(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::dout::T* dout, AttnView dv_,
+                                     const float* lse, typename E::o::T* dv, AttnView dvv) {
     __shared__ float qs[BQ][HS];
     __shared__ float ds_[BQ][HS];
     __shared__ float ls[BQ];
@@ -242,13 +262,13 @@ __device__ void attention_backward_v(AttnShape s, const float* q, AttnView qv, c
     float kr[HS], dva[HS];
 #pragma unroll
     for (int d = 0; d < HS; ++d) {
-        kr[d] = j < s.t ? k[kv.row(b, h, j) + d] : 0.0f;
+        kr[d] = j < s.t ? E::k::load(k[kv.row(b, h, j) + d]) : 0.0f;
         dva[d] = 0.0f;
     }
     for (int i0 = blockIdx.x * BK; i0 < s.t; i0 += BQ) {
         __syncthreads();
-        load_tile<HS, BQ, BK>(qs, q, qv, b, h, i0, s.t);
-        load_tile<HS, BQ, BK>(ds_, dout, dv_, b, h, i0, s.t);
+        load_tile<HS, BQ, BK, typename E::q>(qs, q, qv, b, h, i0, s.t);
+        load_tile<HS, BQ, BK, typename E::dout>(ds_, dout, dv_, b, h, i0, s.t);
         for (int r = threadIdx.x; r < BQ; r += BK) ls[r] = i0 + r < s.t ? lse[(long long)bh * s.t + i0 + r] : 0.0f;
         __syncthreads();
         if (j >= s.t) continue;
@@ -260,7 +280,7 @@ __device__ void attention_backward_v(AttnShape s, const float* q, AttnView qv, c
     }
     if (j < s.t) {
 #pragma unroll
-        for (int d = 0; d < HS; ++d) dv[dvv.row(b, h, j) + d] = dva[d];
+        for (int d = 0; d < HS; ++d) dv[dvv.row(b, h, j) + d] = E::o::store(dva[d]);
     }
 }
 

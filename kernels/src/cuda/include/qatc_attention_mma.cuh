@@ -1,6 +1,9 @@
 // qatc_attention_mma.cuh: causal attention forward and backward on tensor cores (sm_80+),
-// FlashAttention-2's scheme, for operands whose values are 16-bit (`--precision bf16|fp16`: the lowering widened
-// them to f32 exactly, so rounding them back loses nothing; `kir::Attention::values`).
+// FlashAttention-2's scheme, for operands whose values are 16-bit (`--precision bf16|fp16`;
+// `kir::Attention::values`): the views are read in their own element types (`AttnElems`, as the
+// fp32 templates do): a view stored in the operands' 16-bit type goes to the tiles as it is, an
+// f32 one (the lowering's widened copy) is rounded back, which loses nothing. Each result is
+// rounded to its view's type once, at its store.
 //
 // A block of 64 threads (2 warps) owns 64 query rows of one (b, h), the same grid and block as
 // the scalar template in qatc_attention.cuh, so either can be launched for the same kernel IR.
@@ -66,35 +69,51 @@ struct MmaF16 {
     }
 };
 
+// An element of a view of element type X (an Elem* tag) as the mma operand type H: its f32 value
+// rounded, or, where X is H's own type, its bits (the round trip gives them back, but for a
+// signalling NaN's quiet bit).
+template <typename H, typename X>
+struct ToMma {
+    static __device__ __forceinline__ unsigned short of(typename X::T x) { return H::from(X::load(x)); }
+};
+template <>
+struct ToMma<MmaBf16, ElemBf16> {
+    static __device__ __forceinline__ unsigned short of(bf16_t x) { return x; }
+};
+template <>
+struct ToMma<MmaF16, ElemF16> {
+    static __device__ __forceinline__ unsigned short of(f16_t x) { return x; }
+};
+
 // A 32-bit read of two neighbouring 16-bit elements of shared memory (at an even column).
 __device__ __forceinline__ unsigned lds_pair(const unsigned short* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
 // Rows [r0, r0 + R) of one (b, h) of x into tile[r][d] (pitch P) as H, zero past T.
-template <int HS, int R, int P, typename H>
-__device__ __forceinline__ void load_tile_h(unsigned short* tile, const float* x, AttnView xv, int b, int h, int r0, int T) {
+template <int HS, int R, int P, typename H, typename X>
+__device__ __forceinline__ void load_tile_h(unsigned short* tile, const typename X::T* x, AttnView xv, int b, int h, int r0, int T) {
     for (int e = threadIdx.x; e < R * HS; e += 64) {
         const int r = e / HS, d = e % HS, j = r0 + r;
-        tile[r * P + d] = H::from(j < T ? x[xv.row(b, h, j) + d] : 0.0f);
+        tile[r * P + d] = j < T ? ToMma<H, X>::of(x[xv.row(b, h, j) + d]) : (unsigned short)0;  // +0 in f16 and bf16
     }
 }
 
 // The same rows stored transposed, tile[d][r] (pitch P).
-template <int HS, int R, int P, typename H>
-__device__ __forceinline__ void load_tile_h_t(unsigned short* tile, const float* x, AttnView xv, int b, int h, int r0, int T) {
+template <int HS, int R, int P, typename H, typename X>
+__device__ __forceinline__ void load_tile_h_t(unsigned short* tile, const typename X::T* x, AttnView xv, int b, int h, int r0, int T) {
     for (int e = threadIdx.x; e < R * HS; e += 64) {
         const int r = e / HS, d = e % HS, j = r0 + r;
-        tile[d * P + r] = H::from(j < T ? x[xv.row(b, h, j) + d] : 0.0f);
+        tile[d * P + r] = j < T ? ToMma<H, X>::of(x[xv.row(b, h, j) + d]) : (unsigned short)0;  // +0 in f16 and bf16
     }
 }
 
 // grid (ceil(T / 64), B * NH), block 64. With OUT, out = softmax(scale q k^T, causal) v and the
 // row log-sum-exp lse [B*NH, T]; without, lse alone (v, out unread). HS a multiple of 16, at most
 // 64 (the tiles' shared memory stays under the static 48 KB).
-template <int HS, typename H, bool OUT>
-__device__ void attention_rows_forward_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                           AttnView vv, float* out, AttnView ov, float* lse) {
+template <int HS, typename H, typename E, bool OUT>
+__device__ void attention_rows_forward_mma(AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v,
+                                           AttnView vv, typename E::o::T* out, AttnView ov, float* lse) {
     static_assert(HS % 16 == 0 && HS <= 64, "hs: a multiple of 16, at most 64");
     constexpr int BQ = 64, BK = 64;
     constexpr int KS = HS / 16;  // k-steps of q k^T over hs
@@ -110,7 +129,7 @@ __device__ void attention_rows_forward_mma(AttnShape s, const float* q, AttnView
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int i0 = blockIdx.x * BQ;
     const int last = min(i0 + BQ, s.t) - 1;  // the block's last query row
-    load_tile_h<HS, BQ, QP, H>(qs, q, qv, b, h, i0, s.t);
+    load_tile_h<HS, BQ, QP, H, typename E::q>(qs, q, qv, b, h, i0, s.t);
     __syncthreads();
     unsigned qa[2][KS][4];  // the warp's 32 query rows: two m-tiles of 16
 #pragma unroll
@@ -135,8 +154,8 @@ __device__ void attention_rows_forward_mma(AttnShape s, const float* q, AttnView
     }
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();  // every warp is done with the previous tile
-        load_tile_h<HS, BK, QP, H>(ks, k, kv, b, h, j0, s.t);
-        if (OUT) load_tile_h_t<HS, BK, VP, H>(vt, v, vv, b, h, j0, s.t);
+        load_tile_h<HS, BK, QP, H, typename E::k>(ks, k, kv, b, h, j0, s.t);
+        if (OUT) load_tile_h_t<HS, BK, VP, H, typename E::v>(vt, v, vv, b, h, j0, s.t);
         __syncthreads();
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -215,11 +234,11 @@ __device__ void attention_rows_forward_mma(AttnShape s, const float* q, AttnView
             const int i = i0 + warp * 32 + mt * 16 + g + r * 8;
             if (i < s.t) {
                 if (OUT) {
-                    float* dst = out + ov.row(b, h, i) + 2 * tq;
+                    typename E::o::T* dst = out + ov.row(b, h, i) + 2 * tq;
 #pragma unroll
                     for (int n = 0; n < NO; ++n) {
-                        dst[n * 8] = o[mt][n][2 * r] / sum;
-                        dst[n * 8 + 1] = o[mt][n][2 * r + 1] / sum;
+                        dst[n * 8] = E::o::store(o[mt][n][2 * r] / sum);
+                        dst[n * 8 + 1] = E::o::store(o[mt][n][2 * r + 1] / sum);
                     }
                 }
                 if (tq == 0) lse[(long long)bh * s.t + i] = m[mt][r] + logf(sum);
@@ -229,25 +248,25 @@ __device__ void attention_rows_forward_mma(AttnShape s, const float* q, AttnView
 }
 
 // grid (ceil(T / 64), B * NH), block 64. out = softmax(scale q k^T, causal) v; lse [B*NH, T].
-template <int HS, typename H>
-__device__ void attention_forward_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                      AttnView vv, float* out, AttnView ov, float* lse) {
-    attention_rows_forward_mma<HS, H, true>(s, q, qv, k, kv, v, vv, out, ov, lse);
+template <int HS, typename H, typename E>
+__device__ void attention_forward_mma(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v,
+                                      AttnView vv, typename E::o::T* out, AttnView ov, float* lse) {
+    attention_rows_forward_mma<HS, H, E, true>(s, q, qv, k, kv, v, vv, out, ov, lse);
 }
 
 // grid (ceil(T / 64), B * NH), block 64: lse_i = log sum_{j <= i} exp(scale q_i . k_j), for a
 // backward whose forward's was not kept.
-template <int HS, typename H>
-__device__ void attention_lse_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, float* lse) {
-    attention_rows_forward_mma<HS, H, false>(s, q, qv, k, kv, nullptr, qv, nullptr, qv, lse);
+template <int HS, typename H, typename E>
+__device__ void attention_lse_mma(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, float* lse) {
+    attention_rows_forward_mma<HS, H, E, false>(s, q, qv, k, kv, nullptr, qv, nullptr, qv, lse);
 }
 
 // grid (ceil(T / 64), B * NH), block 64: per query row i, with DQ dq_i = sum_j dS_ij k_j (reading
 // delta), else delta_i = sum_j P_ij dP_ij (writing it). P = exp(scale q k^T - lse), dP = dout v^T.
-template <int HS, typename H, bool DQ>
-__device__ void attention_backward_rows_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                            AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta_in,
-                                            float* delta_out, float* dq, AttnView dqv) {
+template <int HS, typename H, typename E, bool DQ>
+__device__ void attention_backward_rows_mma(AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v,
+                                            AttnView vv, const typename E::dout::T* dout, AttnView dv_, const float* lse, const float* delta_in,
+                                            float* delta_out, typename E::o::T* dq, AttnView dqv) {
     static_assert(HS % 16 == 0 && HS <= 64, "hs: a multiple of 16, at most 64");
     constexpr int BQ = 64, BK = 64, KS = HS / 16, NS = BK / 8, KP = BK / 16, NO = HS / 8;
     constexpr int QP = HS + 8, TP = BK + 8;
@@ -260,7 +279,7 @@ __device__ void attention_backward_rows_mma(AttnShape s, const float* q, AttnVie
     const int i0 = blockIdx.x * BQ;
     const int last = min(i0 + BQ, s.t) - 1;
     unsigned qa[2][KS][4], da[2][KS][4];
-    load_tile_h<HS, BQ, QP, H>(stage, q, qv, b, h, i0, s.t);
+    load_tile_h<HS, BQ, QP, H, typename E::q>(stage, q, qv, b, h, i0, s.t);
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -274,7 +293,7 @@ __device__ void attention_backward_rows_mma(AttnShape s, const float* q, AttnVie
         }
     }
     __syncthreads();
-    load_tile_h<HS, BQ, QP, H>(stage, dout, dv_, b, h, i0, s.t);
+    load_tile_h<HS, BQ, QP, H, typename E::dout>(stage, dout, dv_, b, h, i0, s.t);
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -306,9 +325,9 @@ __device__ void attention_backward_rows_mma(AttnShape s, const float* q, AttnVie
     }
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();
-        load_tile_h<HS, BK, QP, H>(ks, k, kv, b, h, j0, s.t);
-        load_tile_h<HS, BK, QP, H>(vs, v, vv, b, h, j0, s.t);
-        if (DQ) load_tile_h_t<HS, BK, TP, H>(kt, k, kv, b, h, j0, s.t);
+        load_tile_h<HS, BK, QP, H, typename E::k>(ks, k, kv, b, h, j0, s.t);
+        load_tile_h<HS, BK, QP, H, typename E::v>(vs, v, vv, b, h, j0, s.t);
+        if (DQ) load_tile_h_t<HS, BK, TP, H, typename E::k>(kt, k, kv, b, h, j0, s.t);
         __syncthreads();
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -367,11 +386,11 @@ __device__ void attention_backward_rows_mma(AttnShape s, const float* q, AttnVie
             const int i = i0 + warp * 32 + mt * 16 + g + r * 8;
             if (DQ) {
                 if (i < s.t) {
-                    float* dst = dq + dqv.row(b, h, i) + 2 * tq;
+                    typename E::o::T* dst = dq + dqv.row(b, h, i) + 2 * tq;
 #pragma unroll
                     for (int n = 0; n < NO; ++n) {
-                        dst[n * 8] = acc[mt][n][2 * r];
-                        dst[n * 8 + 1] = acc[mt][n][2 * r + 1];
+                        dst[n * 8] = E::o::store(acc[mt][n][2 * r]);
+                        dst[n * 8 + 1] = E::o::store(acc[mt][n][2 * r + 1]);
                     }
                 }
             } else {
@@ -385,27 +404,27 @@ __device__ void attention_backward_rows_mma(AttnShape s, const float* q, AttnVie
 }
 
 // grid (ceil(T / 64), B * NH), block 64: delta_i = sum_j P_ij (dout_i . v_j).
-template <int HS, typename H>
-__device__ void attention_backward_delta_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                             AttnView vv, const float* dout, AttnView dv_, const float* lse, float* delta) {
-    attention_backward_rows_mma<HS, H, false>(s, q, qv, k, kv, v, vv, dout, dv_, lse, nullptr, delta, nullptr, qv);
+template <int HS, typename H, typename E>
+__device__ void attention_backward_delta_mma(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v,
+                                             AttnView vv, const typename E::dout::T* dout, AttnView dv_, const float* lse, float* delta) {
+    attention_backward_rows_mma<HS, H, E, false>(s, q, qv, k, kv, v, vv, dout, dv_, lse, nullptr, delta, nullptr, qv);
 }
 
 // grid (ceil(T / 64), B * NH), block 64: dq_i = sum_j dS_ij k_j.
-template <int HS, typename H>
-__device__ void attention_backward_q_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                         AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dq,
+template <int HS, typename H, typename E>
+__device__ void attention_backward_q_mma(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v,
+                                         AttnView vv, const typename E::dout::T* dout, AttnView dv_, const float* lse, const float* delta, typename E::o::T* dq,
                                          AttnView dqv) {
-    attention_backward_rows_mma<HS, H, true>(s, q, qv, k, kv, v, vv, dout, dv_, lse, delta, nullptr, dq, dqv);
+    attention_backward_rows_mma<HS, H, E, true>(s, q, qv, k, kv, v, vv, dout, dv_, lse, delta, nullptr, dq, dqv);
 }
 
 // grid (ceil(T / 64), B * NH), block 64: the block's 64 key rows j (32 per warp), the query rows
 // i >= j streamed in tiles of 32: dv_j = sum_i P_ij dout_i, and with DK dk_j = sum_i dS_ij q_i
 // (without, v, delta and dk are unread).
-template <int HS, typename H, bool DK>
-__device__ void attention_backward_keys_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                            AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dk,
-                                            AttnView dkv, float* dv, AttnView dvv) {
+template <int HS, typename H, typename E, typename DV, bool DK>
+__device__ void attention_backward_keys_mma(AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v,
+                                            AttnView vv, const typename E::dout::T* dout, AttnView dv_, const float* lse, const float* delta, typename E::o::T* dk,
+                                            AttnView dkv, typename DV::T* dv, AttnView dvv) {
     static_assert(HS % 16 == 0 && HS <= 64, "hs: a multiple of 16, at most 64");
     constexpr int BKEY = 64, BQ = 32, KS = HS / 16, NQ = BQ / 8, KQ = BQ / 16, NO = HS / 8;
     constexpr int QP = HS + 8, TP = BQ + 8;
@@ -419,8 +438,8 @@ __device__ void attention_backward_keys_mma(AttnShape s, const float* q, AttnVie
     const int bh = blockIdx.y, b = bh / s.nh, h = bh % s.nh;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int j0 = blockIdx.x * BKEY;
-    load_tile_h<HS, BKEY, QP, H>(ks, k, kv, b, h, j0, s.t);
-    if (DK) load_tile_h<HS, BKEY, QP, H>(vs, v, vv, b, h, j0, s.t);
+    load_tile_h<HS, BKEY, QP, H, typename E::k>(ks, k, kv, b, h, j0, s.t);
+    if (DK) load_tile_h<HS, BKEY, QP, H, typename E::v>(vs, v, vv, b, h, j0, s.t);
     float dka[2][NO][4], dva[2][NO][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -432,10 +451,10 @@ __device__ void attention_backward_keys_mma(AttnShape s, const float* q, AttnVie
     }
     for (int qi0 = j0; qi0 < s.t; qi0 += BQ) {  // query rows before the block see none of its keys
         __syncthreads();
-        load_tile_h<HS, BQ, QP, H>(qs, q, qv, b, h, qi0, s.t);
-        if (DK) load_tile_h<HS, BQ, QP, H>(dos, dout, dv_, b, h, qi0, s.t);
-        if (DK) load_tile_h_t<HS, BQ, TP, H>(qt, q, qv, b, h, qi0, s.t);
-        load_tile_h_t<HS, BQ, TP, H>(dot_, dout, dv_, b, h, qi0, s.t);
+        load_tile_h<HS, BQ, QP, H, typename E::q>(qs, q, qv, b, h, qi0, s.t);
+        if (DK) load_tile_h<HS, BQ, QP, H, typename E::dout>(dos, dout, dv_, b, h, qi0, s.t);
+        if (DK) load_tile_h_t<HS, BQ, TP, H, typename E::q>(qt, q, qv, b, h, qi0, s.t);
+        load_tile_h_t<HS, BQ, TP, H, typename E::dout>(dot_, dout, dv_, b, h, qi0, s.t);
         for (int r = threadIdx.x; r < BQ; r += 64) {
             const long long at = (long long)bh * s.t + qi0 + r;
             ls[r] = qi0 + r < s.t ? lse[at] : 0.0f;
@@ -513,16 +532,16 @@ __device__ void attention_backward_keys_mma(AttnShape s, const float* q, AttnVie
         for (int r = 0; r < 2; ++r) {
             const int j = j0 + warp * 32 + mt * 16 + g + r * 8;
             if (j < s.t) {
-                float* dvr = dv + dvv.row(b, h, j) + 2 * tq;
+                typename DV::T* dvr = dv + dvv.row(b, h, j) + 2 * tq;
 #pragma unroll
                 for (int n = 0; n < NO; ++n) {
                     if (DK) {
-                        float* dkr = dk + dkv.row(b, h, j) + 2 * tq;
-                        dkr[n * 8] = dka[mt][n][2 * r];
-                        dkr[n * 8 + 1] = dka[mt][n][2 * r + 1];
+                        typename E::o::T* dkr = dk + dkv.row(b, h, j) + 2 * tq;
+                        dkr[n * 8] = E::o::store(dka[mt][n][2 * r]);
+                        dkr[n * 8 + 1] = E::o::store(dka[mt][n][2 * r + 1]);
                     }
-                    dvr[n * 8] = dva[mt][n][2 * r];
-                    dvr[n * 8 + 1] = dva[mt][n][2 * r + 1];
+                    dvr[n * 8] = DV::store(dva[mt][n][2 * r]);
+                    dvr[n * 8 + 1] = DV::store(dva[mt][n][2 * r + 1]);
                 }
             }
         }
@@ -530,18 +549,18 @@ __device__ void attention_backward_keys_mma(AttnShape s, const float* q, AttnVie
 }
 
 // grid (ceil(T / 64), B * NH), block 64: dk_j = sum_i dS_ij q_i, dv_j = sum_i P_ij dout_i.
-template <int HS, typename H>
-__device__ void attention_backward_kv_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* v,
-                                          AttnView vv, const float* dout, AttnView dv_, const float* lse, const float* delta, float* dk,
-                                          AttnView dkv, float* dv, AttnView dvv) {
-    attention_backward_keys_mma<HS, H, true>(s, q, qv, k, kv, v, vv, dout, dv_, lse, delta, dk, dkv, dv, dvv);
+template <int HS, typename H, typename E>
+__device__ void attention_backward_kv_mma(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::v::T* v,
+                                          AttnView vv, const typename E::dout::T* dout, AttnView dv_, const float* lse, const float* delta, typename E::o::T* dk,
+                                          AttnView dkv, typename E::o2::T* dv, AttnView dvv) {
+    attention_backward_keys_mma<HS, H, E, typename E::o2, true>(s, q, qv, k, kv, v, vv, dout, dv_, lse, delta, dk, dkv, dv, dvv);
 }
 
 // grid (ceil(T / 64), B * NH), block 64: dv_j = sum_{i >= j} P_ij dout_i.
-template <int HS, typename H>
-__device__ void attention_backward_v_mma(AttnShape s, const float* q, AttnView qv, const float* k, AttnView kv, const float* dout,
-                                         AttnView dv_, const float* lse, float* dv, AttnView dvv) {
-    attention_backward_keys_mma<HS, H, false>(s, q, qv, k, kv, nullptr, qv, dout, dv_, lse, nullptr, nullptr, qv, dv, dvv);
+template <int HS, typename H, typename E>
+__device__ void attention_backward_v_mma(E, AttnShape s, const typename E::q::T* q, AttnView qv, const typename E::k::T* k, AttnView kv, const typename E::dout::T* dout,
+                                         AttnView dv_, const float* lse, typename E::o::T* dv, AttnView dvv) {
+    attention_backward_keys_mma<HS, H, E, typename E::o, false>(s, q, qv, k, kv, nullptr, qv, dout, dv_, lse, nullptr, nullptr, qv, dv, dvv);
 }
 
 }  // namespace qatc

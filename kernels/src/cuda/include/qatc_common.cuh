@@ -39,6 +39,25 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// A buffer's element type as a template argument (f16 and bf16 are both `unsigned short`, so an
+// overload cannot tell them apart): T the stored type, load widens it to f32 exactly, store
+// rounds an f32 to it (nearest even). For templates that read or write buffers of any float type.
+struct ElemF32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(float x) { return x; }
+    static __device__ __forceinline__ float store(float x) { return x; }
+};
+struct ElemF16 {
+    typedef f16_t T;
+    static __device__ __forceinline__ float load(f16_t x) { return f16_to_float(x); }
+    static __device__ __forceinline__ f16_t store(float x) { return float_to_f16(x); }
+};
+struct ElemBf16 {
+    typedef bf16_t T;
+    static __device__ __forceinline__ float load(bf16_t x) { return bf16_to_float(x); }
+    static __device__ __forceinline__ bf16_t store(float x) { return float_to_bf16(x); }
+};
+
 // An f16 / bf16 node's value inside a fused kernel: rounded to its type, kept in f32.
 __device__ __forceinline__ float round_f16(float x) { return f16_to_float(float_to_f16(x)); }
 __device__ __forceinline__ float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
