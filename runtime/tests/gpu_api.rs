@@ -181,9 +181,71 @@ fn plan_cases() -> Vec<Gemm> {
     ]
 }
 
-/// Four f32 buffers of 200 elements: A, B, C (the output) and the bias.
-fn plan_buffers() -> Vec<Buffer> {
-    (0..4).map(|i| Buffer::new(format!("b{i}"), DType::F32, &[200], BufKind::Temp)).collect()
+/// The element types of a plan case: A and B's, C's (and the bias's: C's, or f32 with f32 C).
+#[derive(Clone, Copy, Debug)]
+struct Types {
+    ab: DType,
+    c: DType,
+}
+
+impl Types {
+    const F32: Types = Types { ab: DType::F32, c: DType::F32 };
+
+    /// What `--precision bf16|fp16` steps multiply: 16-bit A and B, C in the same type or in f32
+    /// (the chunked cross-entropy's dh, a widened pack part).
+    const SIXTEEN: [Types; 4] = [
+        Types { ab: DType::BF16, c: DType::BF16 },
+        Types { ab: DType::BF16, c: DType::F32 },
+        Types { ab: DType::F16, c: DType::F16 },
+        Types { ab: DType::F16, c: DType::F32 },
+    ];
+
+    fn of(self, buf: usize) -> DType {
+        if buf < 2 {
+            self.ab
+        } else {
+            self.c
+        }
+    }
+
+    /// `gemm` retyped.
+    fn gemm(self, gemm: &Gemm) -> Gemm {
+        let mut g = gemm.clone();
+        g.types = qatc_kernels::program::GemmTypes { a: self.ab, b: self.ab, c: self.c, bias: g.bias.as_ref().map(|_| self.c) };
+        g
+    }
+
+    /// Half the distance between neighbouring values of C's type, relative to 1.
+    fn c_rounding(self) -> f32 {
+        match self.c {
+            DType::BF16 => 2f32.powi(-8),
+            DType::F16 => 2f32.powi(-11),
+            _ => 0.0,
+        }
+    }
+}
+
+/// `v` as `dtype`'s little-endian bytes (rounded to nearest even).
+fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes()).collect(),
+        DType::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes()).collect(),
+        _ => f32s(v),
+    }
+}
+
+fn decode(dtype: DType, b: &[u8]) -> Vec<f32> {
+    let halves = || b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]));
+    match dtype {
+        DType::BF16 => halves().map(|h| half::bf16::from_bits(h).to_f32()).collect(),
+        DType::F16 => halves().map(|h| half::f16::from_bits(h).to_f32()).collect(),
+        _ => from_bytes(b),
+    }
+}
+
+/// Four buffers of 200 elements: A, B, C (the output) and the bias, of `types`.
+fn plan_buffers(types: Types) -> Vec<Buffer> {
+    (0..4).map(|i| Buffer::new(format!("b{i}"), types.of(i), &[200], BufKind::Temp)).collect()
 }
 
 /// One GEMM's plan run on a GPU and on the host model.
@@ -200,13 +262,22 @@ struct PlanRun {
 /// initial data. Scratch starts uninitialized on the GPU (the plan writes it before reading it)
 /// and zeroed in the model; every allocation is freed.
 fn run_plan_case(g: &mut dyn GpuApi, image: MakeImage, case: usize, gemm: &Gemm) -> PlanRun {
-    let buffers = plan_buffers();
+    run_typed_plan_case(g, image, case, gemm, Types::F32)
+}
+
+/// `run_plan_case` over buffers of `types` (the GEMM retyped to them). 16-bit data are multiples
+/// of 1/8 below 2 in magnitude, exact in either type, so the GPU and the model read the same
+/// values; C's 16-bit result is the f32 sum rounded once, which the model does not round.
+fn run_typed_plan_case(g: &mut dyn GpuApi, image: MakeImage, case: usize, gemm: &Gemm, types: Types) -> PlanRun {
+    let gemm = &types.gemm(gemm);
+    let buffers = plan_buffers(types);
     let plan = blas::plan(gemm, &buffers, BlasMode::Strict).expect("plans");
     let bufs: Vec<DevPtr> = buffers.iter().map(|_| g.alloc(800).expect("room")).collect();
     let scratch: Vec<DevPtr> = plan.scratch.iter().map(|(t, n)| g.alloc(t.bytes() * n).expect("room")).collect();
-    let init: Vec<Vec<f32>> = (0..4).map(|b| (0..200).map(|i| ((i * 37 + b * 11) % 23) as f32 / 7.0 - 1.5).collect()).collect();
-    for (p, v) in bufs.iter().zip(&init) {
-        g.upload(*p, &f32s(v)).expect("uploads");
+    let step = if matches!(types.ab, DType::F32) && matches!(types.c, DType::F32) { 7.0 } else { 8.0 };
+    let init: Vec<Vec<f32>> = (0..4).map(|b| (0..200).map(|i| ((i * 37 + b * 11) % 23) as f32 / step - 1.5).collect()).collect();
+    for (b, (p, v)) in bufs.iter().zip(&init).enumerate() {
+        g.upload(*p, &encode(types.of(b), v)).expect("uploads");
     }
     let mut funcs: PlanFuncs = Vec::new();
     for m in blas::move_kernels(&plan) {
@@ -220,7 +291,7 @@ fn run_plan_case(g: &mut dyn GpuApi, image: MakeImage, case: usize, gemm: &Gemm)
         }
     };
     run_plan(g, &plan, &funcs, &resolve).unwrap_or_else(|e| panic!("case {case}: {e}\n{}", plan.summary()));
-    let mut out = vec![0u8; 800];
+    let mut out = vec![0u8; types.c.bytes_for(200)];
     g.download(&mut out, bufs[2]).expect("downloads");
     for p in bufs.iter().chain(&scratch) {
         g.free(*p).expect("freed");
@@ -247,7 +318,7 @@ fn run_plan_case(g: &mut dyn GpuApi, image: MakeImage, case: usize, gemm: &Gemm)
     let mut plain = Plain(init.into_iter().chain(plan.scratch.iter().map(|(_, n)| vec![0.0; *n])).collect());
     blas_host::execute(&plan, &mut plain).expect("runs");
     let want = plain.0.swap_remove(2);
-    PlanRun { plan, got: from_bytes(&out), want }
+    PlanRun { plan, got: decode(types.c, &out), want }
 }
 
 /// `got` equals `want` within `rel` times the largest magnitude in `want`: a GPU's cuBLAS sums
@@ -353,6 +424,24 @@ fn plans_with_every_fallback_run_on_the_emulated_gpu() {
     assert!(epilogues > 0, "a case takes cuBLASLt's BIAS epilogue, so the driver's test calls cuBLASLt");
 }
 
+/// Each plan case over 16-bit A and B, C 16-bit or f32 (`Types::SIXTEEN`), on the emulated GPU
+/// against the host model: within C's rounding (the model keeps the f32 sum).
+#[test]
+fn sixteen_bit_plans_run_on_the_emulated_gpu() {
+    for types in Types::SIXTEEN {
+        for (case, gemm) in plan_cases().iter().enumerate() {
+            let mut gpu = HostGpu::new(1 << 20);
+            let run = run_typed_plan_case(&mut gpu, &host_image, case, gemm, types);
+            let what = format!("case {case} {types:?}: {}", run.plan.summary());
+            assert_close(&run.got, &run.want, types.c_rounding(), &what);
+            if types.c == DType::F32 {
+                assert_eq!(run.got, run.want, "{what}: an f32 C is the model's sum exactly");
+            }
+            assert_eq!(used(&gpu), 0, "{what}: all freed");
+        }
+    }
+}
+
 /// Without CUDA the driver says why, without panicking; with a GPU it passes the emulation's
 /// checks (kernels compiled by NVRTC for its arch), one part per line of the log.
 #[test]
@@ -383,6 +472,15 @@ fn the_cuda_driver_opens_or_says_why_not() {
                 let run = run_plan_case(&mut gpu, &image, case, gemm);
                 assert_close(&run.got, &run.want, 1e-5, &format!("case {case}: {}", run.plan.summary()));
                 eprintln!("GPU: GEMM plan case {case} (cuBLAS/cuBLASLt and data moves): ok");
+            }
+            // 16-bit A and B (tensor cores, f32 sums): C's rounding plus the GPU's order of sums
+            for types in Types::SIXTEEN {
+                for (case, gemm) in plan_cases().iter().enumerate() {
+                    let run = run_typed_plan_case(&mut gpu, &image, case, gemm, types);
+                    let what = format!("case {case} {types:?}: {}", run.plan.summary());
+                    assert_close(&run.got, &run.want, types.c_rounding() + 1e-5, &what);
+                }
+                eprintln!("GPU: GEMM plan cases over {types:?}: ok");
             }
         }
     }
