@@ -157,9 +157,10 @@ pub fn cuda_program(prog: qatc_kernels::Program, settings: CudaSettings) -> anyh
     let options = CudaOptions {
         blas: if settings.tf32 { BlasMode::Tf32 } else { BlasMode::Strict },
         graph: !settings.no_graph,
-        // as planned: frozen weights stay 4-bit on the device, dequantized around their GEMMs
-        hoist_frozen: false,
         codegen,
+        // as planned (`Device::Cuda`): frozen weights stay 4-bit on the device, dequantized around
+        // their GEMMs; only the frozen steps that shrink what they read run once
+        ..CudaOptions::default()
     };
     Ok(CudaProgram::new(prog, driver, options, Some(&build))?)
 }

@@ -23,7 +23,7 @@ use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::microbatch::micro_name;
 use qatc_passes::optim::AdamW;
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::exec::Region;
+use qatc_runtime::exec::{Hoist, Region};
 use qatc_runtime::ops::elementwise::{adam_param, AdamHyper};
 use qatc_runtime::{BufferLayout, CpuOptions, CpuProgram, ExecOptions, ExecPlan, Interpreter, RuntimeError, Value};
 
@@ -294,7 +294,7 @@ fn shared_buffers_change_no_bit_of_three_steps() {
             let launcher: Box<dyn qatc_runtime::Launcher> = Box::new(qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap());
             #[cfg(not(feature = "llvm"))]
             let launcher: Box<dyn qatc_runtime::Launcher> = Box::new(qatc_runtime::KirEval::new(&prog.kernels));
-            let exec = ExecOptions { layout, hoist_frozen: true, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
+            let exec = ExecOptions { layout, hoist: Hoist::Everything, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
             let cp = CpuProgram::with_options(prog.clone(), launcher, exec, &CpuOptions::default()).unwrap();
             assert!(cp.plan().hoisted_steps() > 0, "{what}: the 4-bit weights' dequantization is hoisted");
             cp
@@ -354,7 +354,7 @@ fn the_cpu_executor_lays_buffers_out_as_the_plan_says() {
     let tr = Trainer::new(&m, o, None, 3).unwrap();
     let mut prog = qatc_kernels::lower(&tr.graph).unwrap();
     qatc_kernels::panels::feed_panels(&mut prog, 5000);
-    let exec = ExecOptions { hoist_frozen: true, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
+    let exec = ExecOptions { hoist: Hoist::Everything, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
     let cp =
         CpuProgram::with_options(prog.clone(), Box::new(qatc_runtime::KirEval::new(&prog.kernels)), exec, &CpuOptions::default()).unwrap();
     let plan = ExecPlan::new(&prog, exec).unwrap();

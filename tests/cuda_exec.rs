@@ -30,6 +30,7 @@ use qatc_kernels::program::BufKind;
 use qatc_kernels::Program;
 use qatc_passes::precision::{LossScaling, Precision, GRADS_FINITE, LOSS_SCALE};
 use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, GpuApi, HostGpu, KernelBuild};
+use qatc_runtime::exec::Hoist;
 use qatc_runtime::{CpuProgram, Interpreter, TrainStep, Value};
 
 use common::gpu::{gpu, options, SHAKESPEARE, TINY};
@@ -94,19 +95,33 @@ fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
         // the emulation checks every launch against)
         let one = drive(&mut emulated(&prog, CudaOptions { graph, ..CudaOptions::default() }), &prog, &state, &data, &o, steps);
         let codegen = if graph { CudaCodegen::GENERAL } else { CudaCodegen::default() };
-        let other = CudaOptions { graph: !graph, hoist_frozen: !graph, codegen, ..CudaOptions::default() };
+        let hoist = if graph { Hoist::Shrinking } else { Hoist::Everything };
+        let other = CudaOptions { graph: !graph, hoist, codegen, ..CudaOptions::default() };
         let mut hoisting = emulated(&prog, other);
         if qlora && !graph {
-            // by default the 4-bit weights stay 4-bit (only steps that read nothing, such as the
-            // positions, run once); with hoist_frozen their dequantization runs once too
+            // by default the 4-bit weights stay 4-bit (their dequantization grows what it reads:
+            // `Hoist::Shrinking`); hoisting everything runs it once too
             assert!(
                 hoisting.plan().hoisted_steps() > gpu.plan().hoisted_steps(),
-                "{what}: with hoist_frozen the 4-bit weights' dequantization is hoisted"
+                "{what}: with Hoist::Everything the 4-bit weights' dequantization is hoisted"
             );
         }
         let two = drive(&mut hoisting, &prog, &state, &data, &o, steps);
         assert!(bits_equal(&one, &two), "{what}: the graph and hoisting change no bit");
     }
+}
+
+/// The kernel families of the steps `gpu` hoisted.
+fn hoisted_families<A: GpuApi>(prog: &Program, gpu: &CudaProgram<A>) -> Vec<String> {
+    prog.steps
+        .iter()
+        .zip(&gpu.plan().hoisted)
+        .filter(|(_, &h)| h)
+        .map(|(s, _)| match s {
+            qatc_kernels::Step::Launch { kernel, .. } => prog.kernels[*kernel].family.clone(),
+            qatc_kernels::Step::Gemm(g) => format!("gemm {}", g.note),
+        })
+        .collect()
 }
 
 fn options16(p: Precision, fuse: bool) -> StepOptions {
@@ -137,9 +152,18 @@ fn the_tiny_step_in_bf16_and_fp16_through_the_cuda_executor_equals_the_cpu() {
         let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 3);
         judge16(&format!("{what}: {sixteen} 16-bit GEMMs of {}", prog.gemms().count()), p, &worst, &losses);
         let one = drive(&mut emulated(&prog, CudaOptions::default()), &prog, &state, &data, &o, 2);
-        let other = CudaOptions { graph: false, hoist_frozen: true, ..CudaOptions::default() };
-        let two = drive(&mut emulated(&prog, other), &prog, &state, &data, &o, 2);
+        // by default (`Hoist::Shrinking`, as planned) the frozen f32 weights' casts to the compute
+        // type run once, and no 4-bit weight's dequantization does
+        let hoisted = hoisted_families(&prog, &gpu);
+        assert!(hoisted.iter().any(|f| f.contains("cast")), "{what}: casts of frozen weights hoisted: {hoisted:?}");
+        assert!(!hoisted.iter().any(|f| f.contains("dequant")), "{what}: no dequantization hoisted: {hoisted:?}");
+        let other = CudaOptions { graph: false, hoist: Hoist::Everything, ..CudaOptions::default() };
+        let mut everything = emulated(&prog, other);
+        let two = drive(&mut everything, &prog, &state, &data, &o, 2);
         assert!(bits_equal(&one, &two), "{what}: the graph and hoisting change no bit");
+        let nothing = CudaOptions { hoist: Hoist::Nothing, ..CudaOptions::default() };
+        let three = drive(&mut emulated(&prog, nothing), &prog, &state, &data, &o, 2);
+        assert!(bits_equal(&one, &three), "{what}: hoisting nothing changes no bit");
     }
 }
 

@@ -12,6 +12,7 @@ use common::ops::{all_ops, case, f32s, fin};
 use common::{input_map, op_graph, Rng};
 use qatc_ir::{BinaryOp, DType, Graph, InputKind, NodeId, Op, QuantScheme, QuantSpec, Shape, UnaryOp};
 use qatc_kernels::lower;
+use qatc_runtime::exec::Hoist;
 use qatc_runtime::{BufferLayout, CpuOptions, CpuProgram, ExecOptions, Interpreter, KirEval, RuntimeError, Value};
 
 const TOL: f64 = 1e-5;
@@ -379,7 +380,8 @@ fn f16_and_bf16_gemms_agree_with_the_interpreter() {
 /// `prog` run by the kernel-IR evaluator, laid out as `layout` says, steps that read only frozen
 /// inputs hoisted or not.
 fn program(prog: qatc_kernels::Program, layout: BufferLayout, hoist_frozen: bool) -> CpuProgram {
-    let exec = ExecOptions { layout, hoist_frozen, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
+    let hoist = if hoist_frozen { Hoist::Everything } else { Hoist::Nothing };
+    let exec = ExecOptions { layout, hoist, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
     CpuProgram::with_options(prog.clone(), Box::new(KirEval::new(&prog.kernels)), exec, &CpuOptions::default()).unwrap()
 }
 

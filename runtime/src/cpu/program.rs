@@ -61,8 +61,8 @@ impl CpuProgram {
     }
 
     /// [`CpuProgram::new`] planned as `exec` says ([`crate::exec::BufferLayout::Distinct`] keeps
-    /// every buffer readable after a run; `hoist_frozen` runs the steps that read only frozen
-    /// weights once), with the CPU settings `cpu` (its BLAS library, how profiles name steps).
+    /// every buffer readable after a run; `hoist` runs the steps that read only frozen weights
+    /// once), with the CPU settings `cpu` (its BLAS library, how profiles name steps).
     pub fn with_options(
         prog: Program,
         launcher: Box<dyn Launcher>,
@@ -74,7 +74,7 @@ impl CpuProgram {
         let steps = cpu_steps(&prog, &mem, rayon::current_num_threads().max(1));
         let nb = prog.buffers.len();
         let mut frozen = vec![false; nb];
-        for i in plan.inputs.iter().filter(|i| i.kind == InputKind::Frozen && exec.hoist_frozen) {
+        for i in plan.inputs.iter().filter(|i| i.kind == InputKind::Frozen && exec.hoist.any()) {
             frozen[i.buf] = true;
         }
         let blas = cpu.blas.as_deref().and_then(blas::load);

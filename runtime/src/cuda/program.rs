@@ -30,7 +30,7 @@ use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
 use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{gemm_label, kernel_label, Device, ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
+use crate::exec::{gemm_label, kernel_label, Device, ExecOptions, ExecPlan, Hoist, MemoryLayout, Region, TrainStep};
 use crate::value::Value;
 
 /// How a program runs on the GPU.
@@ -42,11 +42,11 @@ pub struct CudaOptions {
     /// submitted on every run and waited for, so that an asynchronous error (an illegal address)
     /// names the kernel or GEMM that caused it (slower: for finding faults).
     pub graph: bool,
-    /// Run the steps that read only frozen inputs once, not every run. Off by default: a hoisted
-    /// dequantization keeps a whole 16/32-bit copy of every frozen weight for the run, which is
-    /// what storing them in 4 bits avoids, and `qatc plan --device cuda` (`Device::Cuda`) plans
-    /// without it.
-    pub hoist_frozen: bool,
+    /// Which steps that read only frozen inputs run once, not every run. `Device::Cuda`'s by
+    /// default (`Hoist::Shrinking`, what `qatc plan --device cuda` plans): casts of frozen f32
+    /// weights to the compute type once, never a dequantization (which would keep a whole
+    /// 16/32-bit copy of every 4-bit weight for the run, what storing them in 4 bits avoids).
+    pub hoist: Hoist,
     /// Which fast kernel variants the CUDA C may use where they apply (`CudaCodegen::GENERAL`:
     /// none, to rule one out when a kernel is suspect).
     pub codegen: CudaCodegen,
@@ -54,7 +54,7 @@ pub struct CudaOptions {
 
 impl Default for CudaOptions {
     fn default() -> CudaOptions {
-        CudaOptions { blas: BlasMode::Strict, graph: true, hoist_frozen: false, codegen: CudaCodegen::default() }
+        CudaOptions { blas: BlasMode::Strict, graph: true, hoist: Device::Cuda.exec_options().hoist, codegen: CudaCodegen::default() }
     }
 }
 
@@ -143,7 +143,7 @@ impl<A: GpuApi> CudaProgram<A> {
     /// machine code), plans its GEMMs, allocates and zeroes its memory and loads everything.
     pub fn new(prog: Program, mut api: A, options: CudaOptions, build: Option<&KernelBuild>) -> Result<CudaProgram<A>, RuntimeError> {
         // laid out as `qatc plan --device cuda` plans it (the one home of how this executor allocates)
-        let exec = ExecOptions { hoist_frozen: options.hoist_frozen, ..Device::Cuda.exec_options() };
+        let exec = ExecOptions { hoist: options.hoist, ..Device::Cuda.exec_options() };
         let plan = ExecPlan::new(&prog, exec)?;
         let mut plans = plan_gemms(&prog, options.blas)?;
         let arch = api.device().arch;
@@ -203,7 +203,7 @@ impl<A: GpuApi> CudaProgram<A> {
         };
         let nb = prog.buffers.len();
         let mut frozen = vec![false; nb];
-        for i in plan.inputs.iter().filter(|i| i.kind == InputKind::Frozen && options.hoist_frozen) {
+        for i in plan.inputs.iter().filter(|i| i.kind == InputKind::Frozen && options.hoist.any()) {
             frozen[i.buf] = true;
         }
         Ok(CudaProgram {

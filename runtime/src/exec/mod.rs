@@ -3,7 +3,7 @@
 //! the CUDA executor.
 //!
 //! ```text
-//! Program --ExecPlan::new(prog, ExecOptions { align, layout, hoist_frozen })--> ExecPlan
+//! Program --ExecPlan::new(prog, ExecOptions { align, layout, hoist })--> ExecPlan
 //!   check.rs    every launch, GEMM, output and update checked against the buffers, once
 //!   access.rs   what each step reads and writes
 //!   hoist.rs    the steps that read only frozen weights: run once, not every step
@@ -27,6 +27,7 @@ pub mod values;
 
 pub use access::{written_params_read, Access};
 pub use check::{check_gemm, check_launch, check_view, gemm_label, kernel_label, view_extent};
+pub use hoist::Hoist;
 pub use layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout, Place, Region};
 pub use memory_plan::{MemoryPlan, PlannedBuffer, PlannedStep};
 pub use plan::{Device, ExecOptions, ExecPlan, InputBuf, WriteBack, CUDA_ALIGN};

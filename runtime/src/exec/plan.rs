@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::access::{self, Access};
 use super::check::{check_gemm_step, check_launch, viewed};
-use super::hoist::hoisted;
+use super::hoist::{hoisted, Hoist};
 use super::layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout};
 use crate::error::RuntimeError;
 
@@ -18,8 +18,8 @@ pub struct ExecOptions {
     /// device's: 64 on the CPU, 256 for CUDA).
     pub align: usize,
     pub layout: BufferLayout,
-    /// Run the steps that read only frozen inputs once, not every step (`hoist.rs`).
-    pub hoist_frozen: bool,
+    /// Which steps that read only frozen inputs run once, not every step (`hoist.rs`).
+    pub hoist: Hoist,
     /// The per-step data inputs get a region of their own (else they are persistent inputs too:
     /// one allocation for every input).
     pub data_region: bool,
@@ -28,7 +28,7 @@ pub struct ExecOptions {
 impl ExecOptions {
     /// Buffers aligned to `align`, sharing memory by lifetime, nothing hoisted.
     pub fn new(align: usize) -> ExecOptions {
-        ExecOptions { align, layout: BufferLayout::Shared, hoist_frozen: false, data_region: true }
+        ExecOptions { align, layout: BufferLayout::Shared, hoist: Hoist::Nothing, data_region: true }
     }
 }
 
@@ -43,8 +43,10 @@ pub enum Device {
     Cpu,
     /// The CUDA executor (`crate::cuda`): three allocations (arena, persistent inputs, the
     /// per-step data inputs that pinned staging fills in one copy) at cudaMalloc's 256-byte
-    /// alignment; nothing hoisted, so a dequantized weight lives only around its GEMMs (a 4-bit
-    /// weight costs its codes, never a whole f32 copy for the run).
+    /// alignment; only the frozen steps that shrink what they read are hoisted
+    /// (`Hoist::Shrinking`: a frozen f32 weight's cast to bf16 runs once), so a dequantized
+    /// weight lives only around its GEMMs (a 4-bit weight costs its codes, never a whole
+    /// 16/32-bit copy for the run).
     Cuda,
 }
 
@@ -90,8 +92,8 @@ impl Device {
     /// How this device's executor lays a program out.
     pub fn exec_options(self) -> ExecOptions {
         match self {
-            Device::Cpu => ExecOptions { hoist_frozen: true, ..ExecOptions::new(crate::cpu::ALIGN) },
-            Device::Cuda => ExecOptions::new(CUDA_ALIGN),
+            Device::Cpu => ExecOptions { hoist: Hoist::Everything, ..ExecOptions::new(crate::cpu::ALIGN) },
+            Device::Cuda => ExecOptions { hoist: Hoist::Shrinking, ..ExecOptions::new(CUDA_ALIGN) },
         }
     }
 }
@@ -178,8 +180,9 @@ impl ExecPlan {
         }
         let nb = prog.buffers.len();
         let frozen: Vec<bool> =
-            prog.buffers.iter().map(|b| options.hoist_frozen && matches!(b.kind, BufKind::Input(_, InputKind::Frozen))).collect();
-        let hoisted = hoisted(&access, &frozen);
+            prog.buffers.iter().map(|b| options.hoist.any() && matches!(b.kind, BufKind::Input(_, InputKind::Frozen))).collect();
+        let bytes: Vec<usize> = prog.buffers.iter().map(|b| b.bytes()).collect();
+        let hoisted = hoisted(&access, &frozen, &bytes, options.hoist);
         // the write-backs read the updates after the last step: one more step for the lifetimes
         let mut steps = access.clone();
         steps.push(Access { reads: write_backs.iter().map(|w| w.from).collect(), writes: Vec::new() });
@@ -306,7 +309,7 @@ mod tests {
         assert_eq!(needed, ["x", "w"], "p and m are read by no step (m's update is m itself: no write-back)");
         assert_eq!(p.layout.places[0].region, super::super::layout::Region::Persistent);
         assert_eq!(p.layout.places[3].region, super::super::layout::Region::Data);
-        let hoisting = ExecPlan::new(&program(vec![]), ExecOptions { hoist_frozen: true, ..ExecOptions::new(64) }).unwrap();
+        let hoisting = ExecPlan::new(&program(vec![]), ExecOptions { hoist: Hoist::Everything, ..ExecOptions::new(64) }).unwrap();
         assert_eq!(hoisting.hoisted, [false], "x @ w reads data");
         let strided = v(2).transpose(&[1, 0]);
         let e = ExecPlan::new(&program(vec![("p".into(), strided)]), ExecOptions::new(64)).unwrap_err();
