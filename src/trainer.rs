@@ -28,8 +28,19 @@ use crate::step;
 #[derive(Default)]
 struct Profile {
     steps: usize,
-    /// what -> (times run, seconds)
-    by: BTreeMap<String, (usize, f64)>,
+    /// what -> (times run, seconds, bytes moved, FLOPs)
+    by: BTreeMap<String, (usize, f64, u64, u64)>,
+}
+
+/// One kind of step in a profile (`Trainer::profile`): per step, how many ran, their seconds,
+/// and what they moved and computed (0 where the executor does not count it: the CPU's).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProfileRow {
+    pub what: String,
+    pub count: f64,
+    pub secs: f64,
+    pub bytes: f64,
+    pub flops: f64,
 }
 
 /// The training loop: the step graph and its executor, which holds every input that persists
@@ -159,10 +170,12 @@ impl Trainer {
             Some(p) if self.runs > 0 => {
                 if let Some(times) = self.step.run_timed()? {
                     p.steps += 1;
-                    for (what, s) in times {
-                        let e = p.by.entry(what).or_default();
+                    for t in times {
+                        let e = p.by.entry(t.what).or_default();
                         e.0 += 1;
-                        e.1 += s;
+                        e.1 += t.secs;
+                        e.2 += t.cost.bytes;
+                        e.3 += t.cost.flops;
                     }
                 }
             }
@@ -177,14 +190,23 @@ impl Trainer {
         self.profile = on.then(Profile::default);
     }
 
-    /// Where a step's time goes, from the steps profiled (`set_profile`): (what, times per step,
-    /// seconds per step), largest first. None when nothing was profiled (the interpreter does not
-    /// time its parts; the first step is not profiled).
-    pub fn profile(&self) -> Option<Vec<(String, f64, f64)>> {
+    /// Where a step's time goes, from the steps profiled (`set_profile`): a row per kind of
+    /// step, per step, largest time first. None when nothing was profiled (the interpreter does
+    /// not time its parts; the first step is not profiled).
+    pub fn profile(&self) -> Option<Vec<ProfileRow>> {
         let p = self.profile.as_ref().filter(|p| p.steps > 0)?;
         let n = p.steps as f64;
-        let mut v: Vec<(String, f64, f64)> = p.by.iter().map(|(k, &(c, s))| (k.clone(), c as f64 / n, s / n)).collect();
-        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let mut v: Vec<ProfileRow> =
+            p.by.iter()
+                .map(|(k, &(c, s, b, f))| ProfileRow {
+                    what: k.clone(),
+                    count: c as f64 / n,
+                    secs: s / n,
+                    bytes: b as f64 / n,
+                    flops: f as f64 / n,
+                })
+                .collect();
+        v.sort_by(|a, b| b.secs.total_cmp(&a.secs));
         Some(v)
     }
 

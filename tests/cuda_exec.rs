@@ -285,10 +285,23 @@ fn a_timed_step_is_the_same_step_and_names_its_parts() {
     let submitted = (0..prog.steps.len()).filter(|&i| !gpu.plan().hoisted[i]).count();
     let data_part = usize::from(gpu.layout().data_bytes > 0);
     assert_eq!(parts.len(), data_part + submitted + 2, "one part per step, and the copies: {parts:?}");
-    assert!(parts.iter().all(|(_, t)| t.is_finite() && *t >= 0.0), "{parts:?}");
-    assert!(parts.iter().any(|(w, _)| w.starts_with("gemm ")) && parts.iter().any(|(w, _)| w.starts_with("adamw")), "{parts:?}");
-    assert_eq!(parts.last().map(|p| p.0.as_str()), Some("outputs back (pinned copy)"));
-    eprintln!("{} parts, {:.1} ms on the emulated GPU", parts.len(), parts.iter().map(|p| p.1).sum::<f64>() * 1e3);
+    assert!(parts.iter().all(|p| p.secs.is_finite() && p.secs >= 0.0), "{parts:?}");
+    assert!(parts.iter().any(|p| p.what.starts_with("gemm ")) && parts.iter().any(|p| p.what.starts_with("adamw")), "{parts:?}");
+    assert_eq!(parts.last().map(|p| p.what.as_str()), Some("outputs back (pinned copy)"));
+    // each part's cost, for the profile's rates: every step moves bytes, a GEMM its 2 m n k
+    // FLOPs (the step's total those of the program's GEMMs that ran), a kernel none counted
+    assert!(parts.iter().all(|p| p.cost.bytes > 0), "{parts:?}");
+    let flops: u64 = parts.iter().map(|p| p.cost.flops).sum();
+    let want: u64 = (0..prog.steps.len())
+        .filter(|&i| !gpu.plan().hoisted[i])
+        .filter_map(|i| match &prog.steps[i] {
+            qatc_kernels::Step::Gemm(g) => Some(2 * (g.m * g.n * g.k * g.c.shape.iter().rev().skip(2).product::<usize>()) as u64),
+            _ => None,
+        })
+        .sum();
+    assert!(flops > 0 && flops == want, "{flops} FLOPs counted, {want} in the GEMMs");
+    assert!(parts.iter().filter(|p| !p.what.starts_with("gemm ")).all(|p| p.cost.flops == 0), "{parts:?}");
+    eprintln!("{} parts, {:.1} ms on the emulated GPU", parts.len(), parts.iter().map(|p| p.secs).sum::<f64>() * 1e3);
 }
 
 /// A forward-only graph (what `qatc eval` builds) through the executor: the loss within 1e-6 of

@@ -18,7 +18,7 @@ use super::steps::{cpu_steps, label, run_step, CpuStep};
 use super::Launcher;
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{ExecOptions, ExecPlan, MemoryLayout, Region, TrainStep};
+use crate::exec::{ExecOptions, ExecPlan, MemoryLayout, PartCost, Region, TimedPart, TrainStep};
 use crate::value::Value;
 
 /// A lowered program ready to run on the CPU: its buffers allocated once (aligned, zeroed, laid
@@ -207,7 +207,8 @@ impl CpuProgram {
 
     /// Runs the steps like `execute`, timing each: (what, seconds) per step in order, `what`
     /// being the kernel's family or `gemm MxNxK` (where a step's time goes: `qatc train --profile`).
-    pub fn execute_timed(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
+    /// Costs are not counted here (the CPU's steps are its own rewrites of the program's).
+    pub fn execute_timed(&mut self) -> Result<Vec<TimedPart>, RuntimeError> {
         self.check_given()?;
         let mut times = Vec::with_capacity(self.steps.len() + 1);
         for i in 0..self.steps.len() {
@@ -216,12 +217,13 @@ impl CpuProgram {
             }
             let t = Instant::now();
             self.execute_step(i)?;
-            times.push((label(&self.steps[i], &self.prog, self.profile_by_kernel), t.elapsed().as_secs_f64()));
+            let what = label(&self.steps[i], &self.prog, self.profile_by_kernel);
+            times.push(TimedPart { what, secs: t.elapsed().as_secs_f64(), cost: PartCost::default() });
         }
         self.stale = false;
         let t = Instant::now();
         self.write_back()?;
-        times.push(("write-back of the updates".to_string(), t.elapsed().as_secs_f64()));
+        times.push(TimedPart { what: "write-back of the updates".into(), secs: t.elapsed().as_secs_f64(), cost: PartCost::default() });
         Ok(times)
     }
 
@@ -309,7 +311,7 @@ impl TrainStep for CpuProgram {
         self.whole(i.buf)
     }
 
-    fn run_timed(&mut self) -> Result<Option<Vec<(String, f64)>>, RuntimeError> {
+    fn run_timed(&mut self) -> Result<Option<Vec<TimedPart>>, RuntimeError> {
         self.execute_timed().map(Some)
     }
 }

@@ -30,7 +30,9 @@ use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
 use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{gemm_label, kernel_label, Device, ExecOptions, ExecPlan, Hoist, MemoryLayout, Region, TrainStep};
+use crate::exec::{
+    gemm_label, kernel_label, step_cost, Device, ExecOptions, ExecPlan, Hoist, MemoryLayout, PartCost, Region, TimedPart, TrainStep,
+};
 use crate::value::Value;
 
 /// How a program runs on the GPU.
@@ -121,19 +123,30 @@ fn device_err(what: impl Into<String>) -> impl FnOnce(GpuError) -> RuntimeError 
     move |e| RuntimeError::Device { what, msg: e.to_string() }
 }
 
-/// The parts of a timed run: each part's name and the mark at its end (`execute_timed`).
+/// The parts of a timed run: each part's name, its cost and the mark at its end
+/// (`execute_timed`).
 struct Parts {
-    ends: Vec<(String, MarkId)>,
+    ends: Vec<(String, PartCost, MarkId)>,
 }
 
 impl Parts {
-    /// A mark ending the part `what` names, when the run is timed.
-    fn cut<A: GpuApi + ?Sized>(parts: &mut Option<&mut Parts>, api: &mut A, what: impl FnOnce() -> String) -> Result<(), RuntimeError> {
+    /// A mark ending the part `what` names (its cost `cost`), when the run is timed.
+    fn cut<A: GpuApi + ?Sized>(
+        parts: &mut Option<&mut Parts>,
+        api: &mut A,
+        what: impl FnOnce() -> (String, PartCost),
+    ) -> Result<(), RuntimeError> {
         if let Some(p) = parts {
             let m = api.mark().map_err(device_err("marking the time"))?;
-            p.ends.push((what(), m));
+            let (what, cost) = what();
+            p.ends.push((what, cost, m));
         }
         Ok(())
+    }
+
+    /// A part that is a copy of `bytes`.
+    fn copy(what: &str, bytes: usize) -> (String, PartCost) {
+        (what.to_string(), PartCost { bytes: bytes as u64, flops: 0 })
     }
 }
 
@@ -362,7 +375,7 @@ impl<A: GpuApi> CudaProgram<A> {
         let data = self.plan.layout.data_bytes;
         if data > 0 {
             api.upload_pinned(self.allocations[2], self.staging, 0, data).map_err(device_err("uploading the data inputs"))?;
-            Parts::cut(&mut parts, api, || "data in (pinned copy)".into())?;
+            Parts::cut(&mut parts, api, || Parts::copy("data in (pinned copy)", data))?;
         }
         for i in 0..self.steps.len() {
             if !self.plan.hoisted[i] {
@@ -371,35 +384,39 @@ impl<A: GpuApi> CudaProgram<A> {
                 } else {
                     self.submit_step(api, i)?;
                 }
-                Parts::cut(&mut parts, api, || self.part_label(i))?;
+                Parts::cut(&mut parts, api, || self.part(i, ""))?;
             }
         }
         for w in &self.plan.write_backs {
             api.copy(self.ptrs[w.to], self.ptrs[w.from] + w.from_offset as u64, w.bytes)
                 .map_err(device_err(format!("writing back the update of {}", w.name)))?;
         }
-        Parts::cut(&mut parts, api, || "write-back of the updates".into())?;
+        let written: usize = self.plan.write_backs.iter().map(|w| w.bytes).sum();
+        Parts::cut(&mut parts, api, || Parts::copy("write-back of the updates", 2 * written))?;
         for &(b, at) in &self.readback_at {
             api.download_pinned(self.readback, at, self.ptrs[b], self.prog.buffers[b].bytes())
                 .map_err(device_err(format!("reading back output buffer {}", self.prog.buffers[b].name)))?;
         }
-        Parts::cut(&mut parts, api, || "outputs back (pinned copy)".into())
+        let back: usize = self.readback_at.iter().map(|&(b, _)| self.prog.buffers[b].bytes()).sum();
+        Parts::cut(&mut parts, api, || Parts::copy("outputs back (pinned copy)", back))
     }
 
     /// What step `i` is, for a profile: its kernel's family, or the GEMM's shape (as the CPU
-    /// executor names them, so the two profiles read alike).
-    fn part_label(&self, i: usize) -> String {
-        match &self.prog.steps[i] {
+    /// executor names them, so the two profiles read alike), with `suffix`; and its cost.
+    fn part(&self, i: usize, suffix: &str) -> (String, PartCost) {
+        let step = &self.prog.steps[i];
+        let what = match step {
             Step::Launch { kernel, .. } => self.prog.kernels.get(*kernel).map_or_else(|| "?".into(), |k| k.family.clone()),
             Step::Gemm(g) => gemm_label(g.m, g.n, g.k, g.c.shape.iter().rev().skip(2).product()),
-        }
+        };
+        (format!("{what}{suffix}"), step_cost(&self.prog, step))
     }
 
     /// Runs the step as [`execute`](Self::execute) does, its work submitted directly (never the
     /// graph) with a mark (a CUDA event) after each part: (what, seconds) per part, in order.
     /// Each mark costs the stream a few microseconds, so the parts add up to a little more than
     /// the graph's step. What `qatc train --profile` shows.
-    pub fn execute_timed(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
+    pub fn execute_timed(&mut self) -> Result<Vec<TimedPart>, RuntimeError> {
         self.check_given()?;
         let mut api =
             self.api.try_borrow_mut().map_err(|_| RuntimeError::Device { what: "run".into(), msg: "the GPU is in use".into() })?;
@@ -409,7 +426,7 @@ impl<A: GpuApi> CudaProgram<A> {
         if self.stale {
             for i in (0..self.steps.len()).filter(|&i| self.plan.hoisted[i]) {
                 self.submit_one(&mut api, i)?;
-                Parts::cut(&mut Some(&mut parts), &mut *api, || format!("{} (hoisted)", self.part_label(i)))?;
+                Parts::cut(&mut Some(&mut parts), &mut *api, || self.part(i, " (hoisted)"))?;
             }
         }
         self.submit_run(&mut api, Some(&mut parts))?;
@@ -418,8 +435,9 @@ impl<A: GpuApi> CudaProgram<A> {
         self.outputs.copy_from_slice(&back[..n]);
         let mut times = Vec::with_capacity(parts.ends.len());
         let mut from = start;
-        for (what, to) in parts.ends {
-            times.push((what, api.elapsed_ms(from, to).map_err(device_err("reading the marks"))? / 1e3));
+        for (what, cost, to) in parts.ends {
+            let secs = api.elapsed_ms(from, to).map_err(device_err("reading the marks"))? / 1e3;
+            times.push(TimedPart { what, secs, cost });
             from = to;
         }
         drop(api);
@@ -566,7 +584,7 @@ impl<A: GpuApi + Send> TrainStep for CudaProgram<A> {
         self.execute()
     }
 
-    fn run_timed(&mut self) -> Result<Option<Vec<(String, f64)>>, RuntimeError> {
+    fn run_timed(&mut self) -> Result<Option<Vec<TimedPart>>, RuntimeError> {
         self.execute_timed().map(Some)
     }
 

@@ -12,12 +12,14 @@
 //!   plan.rs     the plan itself, and the updates' write-backs into their inputs; Device: each
 //!               device's layout parameters
 //!   memory_plan.rs  what an executor holds, buffer by buffer and step by step (`qatc plan`)
+//!   cost.rs     what a step moves and computes (a profile's rates)
 //! values.rs       host bytes <-> interpreter values (inputs in, outputs out)
 //! train_step.rs   TrainStep: a training step whose state stays on its executor
 //! ```
 
 mod access;
 mod check;
+mod cost;
 mod hoist;
 mod layout;
 mod memory_plan;
@@ -27,6 +29,7 @@ pub mod values;
 
 pub use access::{written_params_read, Access};
 pub use check::{check_gemm, check_launch, check_view, gemm_label, kernel_label, view_extent};
+pub use cost::{step_cost, PartCost, TimedPart};
 pub use hoist::Hoist;
 pub use layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout, Place, Region};
 pub use memory_plan::{MemoryPlan, PlannedBuffer, PlannedStep};

@@ -36,9 +36,9 @@ pub trait TrainStep: Send {
     /// An input's current value, read back: after a run, a parameter or moment as updated.
     fn read_input(&self, name: &str) -> Result<Value<f32>, RuntimeError>;
 
-    /// Runs the step as [`TrainStep::run`] does, timing its parts: (what, seconds) per part in
-    /// order; None when this executor does not time its parts.
-    fn run_timed(&mut self) -> Result<Option<Vec<(String, f64)>>, RuntimeError> {
+    /// Runs the step as [`TrainStep::run`] does, timing its parts: what, seconds and cost per
+    /// part in order; None when this executor does not time its parts.
+    fn run_timed(&mut self) -> Result<Option<Vec<super::TimedPart>>, RuntimeError> {
         self.run()?;
         Ok(None)
     }
