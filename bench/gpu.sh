@@ -411,7 +411,7 @@ profile_arm() {
     --profile --out "$work/profile-$tag"
   [ $dry = 1 ] && { line "profile $name B $b $prec" dry ""; return 0; }
   line "profile $name B $b $prec" "$rc" "$(grep -m1 '^one step' "$logs/profile-$tag.log")"
-  grep -A16 '^one step' "$logs/profile-$tag.log" | tail -n +2 | sed 's/^/    /' | tee -a "$summary"
+  grep -A21 '^one step' "$logs/profile-$tag.log" | tail -n +2 | sed 's/^/    /' | tee -a "$summary"
 }
 
 # peer_arm NAME LAYERS EMBD HEADS BATCH DTYPE MODE: the PyTorch twin (bench/torch_cuda_peer.py,
