@@ -80,10 +80,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
     opts.deadline.check("code generation")?;
-    // the kernels as the CUDA executor's lowering makes them (its attention reads 16-bit operands as
-    // they are stored); `--emit-llvm` writes the CPU's, whose attention reads f32 copies
+    // the program `qatc train --device cuda` runs (`memory::lower_cuda`: the planner's schedule and
+    // chunk size, attention reading 16-bit operands as they are stored), which the plan already is
+    // when it was made for CUDA; `--emit-llvm` writes the CPU's, whose attention reads f32 copies
     let lower = |device| qatc_kernels::lower_with(&train, &crate::memory::lower_options(device)).context("code generation");
-    let program = lower(qatc_runtime::exec::Device::Cuda)?;
+    let program = match executed.device {
+        qatc_runtime::exec::Device::Cuda => executed.program.clone(),
+        qatc_runtime::exec::Device::Cpu => crate::memory::lower_cuda(&train)?,
+    };
     let kernels = program.kernels.iter().map(qatc_kernels::cuda::emit).collect::<Result<Vec<_>, _>>().context("code generation")?;
     opts.deadline.check("code generation")?;
     artifacts.push("kernels/");
