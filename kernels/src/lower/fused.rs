@@ -438,6 +438,12 @@ fn gemm(lw: &mut Lowerer, cx: &mut Ctx, mm: NodeId, dest: View, bias: Option<Vie
     gemm_into(lw, cx, mm, dest, bias, 1.0, false, family)
 }
 
+/// Whether `x` is plus or minus a power of two (a scale that changes no bit but the exponent).
+fn power_of_two(x: f64) -> bool {
+    let m = x.abs();
+    m.is_normal() && m.log2().round().exp2() == m
+}
+
 /// `dest (+)= alpha * mm (+ bias)` as one library GEMM.
 #[allow(clippy::too_many_arguments)]
 fn gemm_into(
@@ -453,8 +459,24 @@ fn gemm_into(
     let g = cx.g;
     let Op::MatMul { ta, tb } = g.node(mm).op else { return Err(KernelError::Internal("gemm of a non-matmul".into())) };
     let ops = g.operands(mm);
+    let mut alpha = alpha;
     let mut views = Vec::new();
     for &o in &ops {
+        // an operand scaled by a power of two (LoRA's alpha / r on its way into the adapter's
+        // GEMMs) is read unscaled, the scale the GEMM's alpha: (2^k x) . y = 2^k (x . y) exactly,
+        // product by product and sum by sum (short of overflow), where a scaled copy would cost a
+        // kernel that reads and writes the whole operand
+        // (only where the scaled copy is not there already and the unscaled operand is: a leaf of
+        // this node, or a view of one)
+        let o = match g.node(o).op {
+            Op::Affine { mul, add }
+                if add == 0.0 && power_of_two(mul) && !cx.leaves.contains_key(&o) && view_chain(cx, g.operands(o)[0]).is_some() =>
+            {
+                alpha *= mul;
+                g.operands(o)[0]
+            }
+            _ => o,
+        };
         let mut v = operand_view(lw, cx, o, family)?;
         if !gemm_ready(&v) {
             // a broadcast or doubly strided operand: copy it out first
