@@ -51,7 +51,7 @@ use std::time::{Duration, Instant};
 
 use qatc::step::StepOptions;
 use qatc_ir::{DType, QuantScheme, QuantSpec};
-use qatc_kernels::cuda::blas::{self, BlasCall, BlasMode, BlasPlan, Compute, Mem};
+use qatc_kernels::cuda::blas::{BlasCall, Compute, Mem};
 use qatc_kernels::cuda::{CudaCodegen, LaunchDims};
 use qatc_kernels::kir::{Body, Kernel, Param};
 use qatc_kernels::program::{BufKind, Buffer, Gemm, GemmTypes, View};
@@ -61,20 +61,13 @@ use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::Precision;
 use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{
-    run_plan, DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GraphId, HostGpu, KernelImage, MarkId, PinnedId, PlanFuncs, Result as GpuResult,
+    run_plan, DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GraphId, HostGpu, KernelImage, MarkId, PinnedId, Result as GpuResult,
 };
 
 use common::bytes::{element, to_bytes};
-use common::gpu::{inputs, options, setup, SHAKESPEARE, TINY};
+use common::gpu::{inputs, options, planned_gemms, setup, SHAKESPEARE, TINY};
 use cxx::{Cxx, Outcome};
 use on_cpu::*;
-
-/// One GEMM step, ready: its plan, its data-move kernels loaded, its scratch.
-struct PlannedGemm {
-    plan: BlasPlan,
-    moves: PlanFuncs,
-    scratch: Vec<DevPtr>,
-}
 
 /// Runs a program as tests/gpu_step.rs's `Plain` does: an allocation per buffer, each step in
 /// order, launches with the CUDA writer's dims, GEMMs through their cuBLAS plans.
@@ -86,24 +79,7 @@ fn run_program(gpu: &mut OnCpu, prog: &Program, init: &dyn Fn(&Buffer) -> Option
     };
     let ptrs: Vec<DevPtr> = prog.buffers.iter().map(|b| gpu.alloc(b.device_bytes().max(4)).expect("device memory")).collect();
     let funcs: Vec<FuncId> = prog.kernels.iter().map(|k| gpu.load(&image(k)).expect("loads")).collect();
-    let mut gemms = Vec::new();
-    for step in &prog.steps {
-        gemms.push(match step {
-            Step::Gemm(g) => {
-                let plan = blas::plan(g, &prog.buffers, BlasMode::Strict).expect("plans");
-                let scratch = plan.scratch.iter().map(|(t, n)| gpu.alloc((t.bytes() * n).max(4)).expect("scratch")).collect();
-                let moves = blas::move_kernels(&plan)
-                    .iter()
-                    .map(|m| {
-                        let img = image(&m.kernel);
-                        (m.step, gpu.load(&img).expect("loads"), img.launch.clone())
-                    })
-                    .collect();
-                Some(PlannedGemm { plan, moves, scratch })
-            }
-            Step::Launch { .. } => None,
-        });
-    }
+    let gemms = planned_gemms(gpu, prog, &image);
     // every kernel compiled before the first launch, several at a time
     gpu.build();
     for (b, &p) in prog.buffers.iter().zip(&ptrs) {

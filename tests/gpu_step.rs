@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 
 use qatc::step::StepOptions;
 use qatc_ir::{DType, QuantScheme, QuantSpec};
-use qatc_kernels::cuda::blas::{self, BlasMode, BlasPlan, Mem};
+use qatc_kernels::cuda::blas::{self, BlasMode, Mem};
 use qatc_kernels::cuda::emit::launch_dims;
 use qatc_kernels::nvrtc::BuildOptions;
 use qatc_kernels::program::{BufKind, View};
@@ -28,11 +28,11 @@ use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::Precision;
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage, PlanFuncs};
+use qatc_runtime::cuda::{run_plan, CudaDriver, DevPtr, FuncId, GpuApi, HostGpu, KernelImage};
 use qatc_runtime::{CpuProgram, Value};
 
 use common::bytes::{element, to_bytes};
-use common::gpu::{gpu, inputs, options, setup, SHAKESPEARE, TINY};
+use common::gpu::{gpu, inputs, options, planned_gemms, setup, PlannedGemm, SHAKESPEARE, TINY};
 
 /// The elements of a view, row-major.
 fn gather(d: DType, bytes: &[u8], v: &View) -> Vec<f64> {
@@ -46,13 +46,6 @@ fn gather(d: DType, bytes: &[u8], v: &View) -> Vec<f64> {
             element(d, bytes, at)
         })
         .collect()
-}
-
-/// One GEMM step, ready: its plan, its data-move kernels loaded, its scratch.
-struct PlannedGemm {
-    plan: BlasPlan,
-    moves: PlanFuncs,
-    scratch: Vec<DevPtr>,
 }
 
 /// A program on a GPU: an allocation per buffer, its kernels and plans loaded.
@@ -73,24 +66,7 @@ impl<'a> Plain<'a> {
         };
         let ptrs: Vec<DevPtr> = prog.buffers.iter().map(|b| gpu.alloc(b.device_bytes().max(4)).expect("device memory")).collect();
         let funcs = prog.kernels.iter().map(|k| gpu.load(&image(k)).expect("loads")).collect();
-        let mut gemms = Vec::new();
-        for step in &prog.steps {
-            gemms.push(match step {
-                Step::Gemm(g) => {
-                    let plan = blas::plan(g, &prog.buffers, BlasMode::Strict).expect("plans");
-                    let scratch = plan.scratch.iter().map(|(t, n)| gpu.alloc((t.bytes() * n).max(4)).expect("scratch")).collect();
-                    let moves = blas::move_kernels(&plan)
-                        .iter()
-                        .map(|m| {
-                            let img = image(&m.kernel);
-                            (m.step, gpu.load(&img).expect("loads"), img.launch.clone())
-                        })
-                        .collect();
-                    Some(PlannedGemm { plan, moves, scratch })
-                }
-                Step::Launch { .. } => None,
-            });
-        }
+        let gemms = planned_gemms(gpu, prog, &image);
         Plain { gpu, prog, ptrs, funcs, gemms }
     }
 

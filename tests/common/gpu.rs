@@ -7,12 +7,15 @@ use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_kernels::cuda::blas::{self, BlasMode, BlasPlan};
+use qatc_kernels::kir::Kernel;
 use qatc_kernels::nvrtc::Nvrtc;
 use qatc_kernels::Program;
+use qatc_kernels::Step;
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::cuda::{CudaDriver, GpuApi};
+use qatc_runtime::cuda::{CudaDriver, DevPtr, GpuApi, KernelImage, PlanFuncs};
 use qatc_runtime::Value;
 
 /// The GPU and NVRTC, or None with the reason printed (the tests that need a GPU skip so).
@@ -65,4 +68,35 @@ pub fn inputs(state: &HashMap<String, Value<f32>>, data: &TokenFile, o: &StepOpt
     v.insert(DROPOUT_SEED.into(), Value::ints([], vec![5 + s as i32]).expect("a seed"));
     v.insert("lr".into(), Value::scalar(1e-2));
     v
+}
+
+/// One GEMM step, ready: its plan, its data-move kernels loaded, its scratch.
+pub struct PlannedGemm {
+    pub plan: BlasPlan,
+    pub moves: PlanFuncs,
+    pub scratch: Vec<DevPtr>,
+}
+
+/// Each step of `prog` that is a GEMM planned (strict fp32 BLAS), its data moves loaded on
+/// `gpu` as `image` makes them and its scratch allocated; None for a launch.
+pub fn planned_gemms(gpu: &mut dyn GpuApi, prog: &Program, image: &dyn Fn(&Kernel) -> KernelImage) -> Vec<Option<PlannedGemm>> {
+    let mut gemms = Vec::new();
+    for step in &prog.steps {
+        gemms.push(match step {
+            Step::Gemm(g) => {
+                let plan = blas::plan(g, &prog.buffers, BlasMode::Strict).expect("plans");
+                let scratch = plan.scratch.iter().map(|(t, n)| gpu.alloc((t.bytes() * n).max(4)).expect("scratch")).collect();
+                let moves = blas::move_kernels(&plan)
+                    .iter()
+                    .map(|m| {
+                        let img = image(&m.kernel);
+                        (m.step, gpu.load(&img).expect("loads"), img.launch.clone())
+                    })
+                    .collect();
+                Some(PlannedGemm { plan, moves, scratch })
+            }
+            Step::Launch { .. } => None,
+        });
+    }
+    gemms
 }
