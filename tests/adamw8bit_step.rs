@@ -76,13 +76,6 @@ fn run(m: &Model, o: StepOptions, steps: usize) -> Trainer {
     tr
 }
 
-fn bits(v: &Value<f32>) -> Vec<u32> {
-    match v {
-        Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
-        Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
-    }
-}
-
 #[test]
 fn fused_equals_unfused_and_the_codes_survive_a_resume() {
     let m = tiny();
@@ -92,7 +85,7 @@ fn fused_equals_unfused_and_the_codes_survive_a_resume() {
     let (a, b) = (unfused.state().unwrap(), fused.state().unwrap());
     let mut codes = 0;
     for (name, v) in &a {
-        assert_eq!(bits(v), bits(&b[name]), "{name}");
+        assert_eq!(common::bits(v), common::bits(&b[name]), "{name}");
         if name.starts_with("adam.m8:") {
             codes += 1;
             let Value::Int(t) = v else { panic!("{name} is not codes") };
@@ -109,7 +102,7 @@ fn fused_equals_unfused_and_the_codes_survive_a_resume() {
     let r = resumed.state().unwrap();
     for (name, v) in &a {
         if resumed.graph.find_input(name).is_some_and(|id| resumed.graph.input_kind(id) != Some(InputKind::Frozen)) {
-            assert_eq!(bits(v), bits(&r[name]), "{name} after a resume");
+            assert_eq!(common::bits(v), common::bits(&r[name]), "{name} after a resume");
         }
     }
     let codes_dtype =

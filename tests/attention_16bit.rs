@@ -68,13 +68,6 @@ fn run(prog: Program, tr: &Trainer) -> Vec<HashMap<String, Value<f32>>> {
         .collect()
 }
 
-fn bits(v: &Value<f32>) -> Vec<u32> {
-    match v {
-        Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
-        Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
-    }
-}
-
 /// Launches of the copy kernels (`lower/attention.rs`'s widening and rounding copies, and any
 /// other copy of the program).
 fn copies(p: &Program) -> usize {
@@ -131,7 +124,7 @@ fn attention_on_stored_16bit_values_gives_the_same_bits() {
             for (s, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.len(), w.len(), "{what}: the same outputs");
                 for (name, wv) in w {
-                    assert!(bits(&g[name]) == bits(wv), "{what}, step {s}: {name} differs");
+                    assert!(common::bits(&g[name]) == common::bits(wv), "{what}, step {s}: {name} differs");
                 }
             }
             eprintln!("{what}: {} outputs of 2 steps bit for bit", want[0].len());

@@ -73,13 +73,6 @@ fn run(mut cp: CpuProgram, tr: &Trainer) -> Vec<HashMap<String, Value<f32>>> {
         .collect()
 }
 
-fn bits(v: &Value<f32>) -> Vec<u32> {
-    match v {
-        Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
-        Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
-    }
-}
-
 fn arena(prog: &Program) -> usize {
     ExecPlan::new(prog, Device::Cpu.exec_options()).unwrap().layout.region_bytes(Region::Arena)
 }
@@ -122,7 +115,7 @@ fn adamw_in_place_equals_the_packed_step_and_holds_no_pack() {
         for (s, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.len(), w.len(), "{what}: the same outputs");
             for (name, wv) in w {
-                assert!(bits(&g[name]) == bits(wv), "{what}, step {s}: {name} differs from the packed step");
+                assert!(common::bits(&g[name]) == common::bits(wv), "{what}, step {s}: {name} differs from the packed step");
             }
         }
     }
@@ -174,7 +167,7 @@ fn adamw8bit_in_place_equals_the_packed_step_and_holds_no_f32_moments() {
     for (s, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g.len(), w.len(), "the same outputs");
         for (name, wv) in w {
-            assert!(bits(&g[name]) == bits(wv), "step {s}: {name} differs from the packed step");
+            assert!(common::bits(&g[name]) == common::bits(wv), "step {s}: {name} differs from the packed step");
         }
     }
 }

@@ -56,13 +56,6 @@ fn step_inputs(tr: &Trainer, b: usize, t: usize) -> HashMap<String, Value<f32>> 
     m
 }
 
-fn bits(v: &Value<f32>) -> Vec<u32> {
-    match v {
-        Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
-        Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
-    }
-}
-
 /// Runs `g` with the interpreter and inside its planned arena; both must agree bit for bit.
 fn arena_matches_interpreter(g: &Graph, inputs: &HashMap<String, Value<f32>>) -> usize {
     let want = Interpreter::<f32>::new(g).unwrap().run_split(inputs).unwrap();
@@ -70,10 +63,10 @@ fn arena_matches_interpreter(g: &Graph, inputs: &HashMap<String, Value<f32>>) ->
     p.verify().unwrap();
     let got = ArenaInterpreter::new(g, &arena_layout(&p)).unwrap().run_split(inputs).unwrap();
     for (name, v) in &want.outputs {
-        assert_eq!(bits(v), bits(&got.outputs[name]), "output {name}");
+        assert_eq!(common::bits(v), common::bits(&got.outputs[name]), "output {name}");
     }
     for (name, v) in &want.updates {
-        assert_eq!(bits(v), bits(&got.updates[name]), "update {name}");
+        assert_eq!(common::bits(v), common::bits(&got.updates[name]), "update {name}");
     }
     want.outputs.len() + want.updates.len()
 }
@@ -168,10 +161,10 @@ fn gradients_and_updates_are_bit_identical_under_every_policy() {
                 Some((g0, a0)) => {
                     assert_eq!(g0.len(), grads.len());
                     for (k, v) in g0 {
-                        assert_eq!(bits(v), bits(&grads[k]), "{c:?}: {k} differs from checkpoint none");
+                        assert_eq!(common::bits(v), common::bits(&grads[k]), "{c:?}: {k} differs from checkpoint none");
                     }
                     for (k, v) in a0 {
-                        assert_eq!(bits(v), bits(&after[k]), "{c:?}: {k} after the update differs");
+                        assert_eq!(common::bits(v), common::bits(&after[k]), "{c:?}: {k} after the update differs");
                     }
                 }
             }
@@ -245,7 +238,7 @@ fn sqrt_segments_of_two_blocks_give_the_same_gradients() {
             None => reference = Some(out),
             Some(r) => {
                 for (k, v) in r {
-                    assert_eq!(bits(v), bits(&out[k]), "{c:?}: {k}");
+                    assert_eq!(common::bits(v), common::bits(&out[k]), "{c:?}: {k}");
                 }
             }
         }

@@ -81,3 +81,12 @@ pub fn norm_rel_err(a: &[f64], b: &[f64]) -> f64 {
     let n: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30);
     d / n
 }
+
+/// A value's elements as bits (floats by their IEEE bits, integers as they are), to compare two
+/// runs bit for bit.
+pub fn bits(v: &qatc_runtime::Value<f32>) -> Vec<u32> {
+    match v {
+        qatc_runtime::Value::Float(t) => t.data.iter().map(|x| x.to_bits()).collect(),
+        qatc_runtime::Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
+    }
+}
