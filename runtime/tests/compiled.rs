@@ -520,3 +520,28 @@ fn hoisted_results_survive_buffer_reuse() {
     }
     assert_eq!(outs[0], outs[1]);
 }
+
+/// Every CUDA kernel param is `__restrict__`: a launch that passes the buffer it writes as a
+/// second param (here an elementwise kernel whose input is its own output) is refused before
+/// anything runs, on every device, though the CPU would compute the intended result.
+#[test]
+fn a_launch_passing_its_written_buffer_twice_is_refused() {
+    use qatc_kernels::program::Step;
+    let mut g = Graph::new("alias");
+    let x = input(&mut g, "x", DType::F32, &[4, 8]);
+    let z = input(&mut g, "z", DType::F32, &[4, 8]);
+    let e = g.add(Op::Unary(UnaryOp::Exp), &[x]).unwrap();
+    let y = g.add(Op::Binary(BinaryOp::Add), &[e, z]).unwrap();
+    g.set_output("y", y).unwrap();
+    let mut prog = lower(&g).unwrap();
+    assert!(CpuProgram::with_kir_eval(prog.clone()).is_ok(), "as lowered, no launch aliases");
+    let Some(Step::Launch { kernel, args, .. }) = prog.steps.iter_mut().find(|s| matches!(s, Step::Launch { .. })) else {
+        panic!("a launch")
+    };
+    let k = &prog.kernels[*kernel];
+    let w = k.params.iter().position(|p| p.write).expect("a written param");
+    let r = k.params.iter().position(|p| !p.write && p.dtype == k.params[w].dtype && p.shape == k.params[w].shape).expect("a read param like it");
+    args[r] = args[w];
+    let err = CpuProgram::with_kir_eval(prog).err().expect("refused").to_string();
+    assert!(err.contains("__restrict__"), "{err}");
+}

@@ -87,7 +87,27 @@ pub fn check_launch<'p>(prog: &'p Program, kernel: usize, args: &[BufId]) -> Res
             return Err(err(format!("param {} writes the graph input {}", p.name, buf.name)));
         }
     }
+    no_written_alias(k, args).map_err(err)?;
     Ok(k)
+}
+
+/// A buffer a launch writes is passed to it once: every CUDA kernel param is `__restrict__`
+/// (`kernels/src/cuda/emit.rs`), so a written buffer that also arrives as another param is
+/// undefined behaviour on a GPU, though the CPU and the emulated GPU would compute the intended
+/// result. A kernel that reads what it writes does so through the one param.
+fn no_written_alias(k: &Kernel, args: &[BufId]) -> Result<(), String> {
+    for (i, (p, &b)) in k.params.iter().zip(args).enumerate() {
+        if !p.write {
+            continue;
+        }
+        if let Some((q, _)) = k.params.iter().zip(args).enumerate().find(|&(j, (_, &c))| j != i && c == b).map(|(_, x)| x) {
+            return Err(format!(
+                "param {} writes buffer {b}, which the launch also passes as param {}: kernel params are __restrict__",
+                p.name, q.name
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn gemm_err(g: &Gemm, msg: String) -> RuntimeError {
