@@ -214,14 +214,16 @@ fn the_resource_report_is_what_ptxas_built() {
     let kernels: Vec<CudaKernel> = names.iter().map(|n| kernel(n, PROBES)).collect();
     let (built, report) = build(&nv, "resource-probes", &kernels, Arch::SM90, None);
     let by = |n: &str| built.iter().find(|c| c.name == n).expect("built");
-    let (sh, st, sp) = (by("shared256").resources, by("stack256").resources, by("spills").resources);
+    let reported = |n: &str| by(n).resources.expect("ptxas reported");
+    let (sh, st, sp) = (reported("shared256"), reported("stack256"), reported("spills"));
     assert_eq!((sh.shared_bytes, sh.barriers, sh.stack_bytes), (256, 1, 0), "{sh:?}");
     assert!(!sh.spills());
     assert_eq!((st.stack_bytes, st.shared_bytes), (256, 0), "{st:?}");
     assert!(sp.spills() && sp.registers <= 32 && sp.stack_bytes > 0, "{sp:?}");
     for c in &built {
-        assert!(c.resources.registers > 0);
-        assert_eq!(elf_registers(&c.cubin, &c.name), Some(c.resources.registers), "{}: ptxas' report against the CUBIN", c.name);
+        let r = c.resources.expect("ptxas reported");
+        assert!(r.registers > 0);
+        assert_eq!(elf_registers(&c.cubin, &c.name), Some(r.registers), "{}: ptxas' report against the CUBIN", c.name);
     }
     let json = serde_json::to_value(&report).expect("serializable");
     assert_eq!(json["entries"][0]["shared_bytes"], 256);

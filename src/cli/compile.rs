@@ -150,6 +150,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     println!("  kernels {} distinct CUDA kernels; {}", kernels.len(), program.to_string().lines().next().unwrap_or_default());
     if let Some((_, r)) = &build {
         println!("  cubins  {}", r.summary());
+        for w in &r.warnings {
+            eprintln!("warning: {w}");
+        }
         for line in r.table().lines() {
             println!("    {line}");
         }

@@ -33,7 +33,10 @@ pub struct CompiledKernel {
     pub name: String,
     pub family: String,
     pub cubin: Vec<u8>,
-    pub resources: Resources,
+    /// ptxas' account of it; None when its log had no report qatc could read (a newer ptxas
+    /// wording, say): a warning in the build's report, never a failed build, since the CUBIN is
+    /// whole either way.
+    pub resources: Option<Resources>,
     pub launch: LaunchDims,
     /// Read from the cache rather than compiled.
     pub cached: bool,
@@ -46,8 +49,10 @@ pub struct CompiledKernel {
 pub struct KernelEntry {
     pub name: String,
     pub family: String,
+    /// Flattened into the entry; absent where ptxas' report could not be read
+    /// (`BuildReport::warnings` says which).
     #[serde(flatten)]
-    pub resources: Resources,
+    pub resources: Option<Resources>,
     pub block: u32,
     pub grid: [u32; 3],
     pub cubin_bytes: usize,
@@ -71,25 +76,28 @@ pub struct BuildReport {
     pub compile_s: f64,
     pub jobs: usize,
     pub entries: Vec<KernelEntry>,
+    /// What the build could not read but did not need: kernels whose resource report did not parse.
+    pub warnings: Vec<String>,
 }
 
 impl BuildReport {
     /// The report as a table: one line per kernel, most registers first.
     pub fn table(&self) -> String {
         let mut rows: Vec<&KernelEntry> = self.entries.iter().collect();
-        rows.sort_by(|a, b| b.resources.registers.cmp(&a.resources.registers).then(a.name.cmp(&b.name)));
+        let regs = |e: &KernelEntry| e.resources.map_or(0, |r| r.registers);
+        rows.sort_by(|a, b| regs(b).cmp(&regs(a)).then(a.name.cmp(&b.name)));
         let w = rows.iter().map(|e| e.name.len()).max().unwrap_or(6).max(6);
         let mut s =
             format!("{:<w$}  {:>4}  {:>6}  {:>6}  {:>11}  {:>5}  {}\n", "kernel", "regs", "smem", "stack", "spill st/ld", "block", "");
         for e in rows {
-            let r = &e.resources;
+            let cell = |f: fn(&Resources) -> String| e.resources.as_ref().map_or("?".to_string(), f);
             s.push_str(&format!(
                 "{:<w$}  {:>4}  {:>6}  {:>6}  {:>11}  {:>5}  {}\n",
                 e.name,
-                r.registers,
-                r.shared_bytes,
-                r.stack_bytes,
-                format!("{}/{}", r.spill_store_bytes, r.spill_load_bytes),
+                cell(|r| r.registers.to_string()),
+                cell(|r| r.shared_bytes.to_string()),
+                cell(|r| r.stack_bytes.to_string()),
+                cell(|r| format!("{}/{}", r.spill_store_bytes, r.spill_load_bytes)),
                 e.block,
                 if e.cached { "cached" } else { "" }
             ));
@@ -99,11 +107,22 @@ impl BuildReport {
 
     /// One line: how many, for what, how long.
     pub fn summary(&self) -> String {
-        let spilling = self.entries.iter().filter(|e| e.resources.spills()).count();
-        let max_regs = self.entries.iter().map(|e| e.resources.registers).max().unwrap_or(0);
+        let known = || self.entries.iter().filter_map(|e| e.resources);
+        let spilling = known().filter(Resources::spills).count();
+        let max_regs = known().map(|r| r.registers).max().unwrap_or(0);
+        let unread = self.entries.len() - known().count();
         format!(
-            "{} kernels for {} (NVRTC {}): {} compiled, {} from the cache, {:.2} s on {} threads; at most {} registers, {} spilling",
-            self.kernels, self.arch, self.nvrtc, self.compiled, self.cached, self.wall_s, self.jobs, max_regs, spilling
+            "{} kernels for {} (NVRTC {}): {} compiled, {} from the cache, {:.2} s on {} threads; at most {} registers, {} spilling{}",
+            self.kernels,
+            self.arch,
+            self.nvrtc,
+            self.compiled,
+            self.cached,
+            self.wall_s,
+            self.jobs,
+            max_regs,
+            spilling,
+            if unread > 0 { format!("; warning: {unread} without a readable ptxas report") } else { String::new() }
         )
     }
 }
@@ -150,6 +169,11 @@ pub fn compile_cubins(nv: &Nvrtc, kernels: &[CudaKernel], o: &BuildOptions) -> R
         })
         .collect();
     let cached = out.iter().filter(|c| c.cached).count();
+    let warnings = out
+        .iter()
+        .filter(|c| c.resources.is_none())
+        .map(|c| format!("{}: ptxas' resource report did not parse (registers, spills and shared memory unknown)", c.name))
+        .collect();
     let report = BuildReport {
         arch: o.arch.name(),
         nvrtc: format!("{}.{}", nv.version.0, nv.version.1),
@@ -161,12 +185,13 @@ pub fn compile_cubins(nv: &Nvrtc, kernels: &[CudaKernel], o: &BuildOptions) -> R
         compile_s: out.iter().map(|c| c.compile_s).sum(),
         jobs,
         entries,
+        warnings,
     };
     Ok((out, report))
 }
 
 fn one(nv: &Nvrtc, k: &CudaKernel, o: &BuildOptions, options: &[String]) -> Result<CompiledKernel, KernelError> {
-    let done = |cubin: Vec<u8>, resources: Resources, cached: bool, compile_s: f64| CompiledKernel {
+    let done = |cubin: Vec<u8>, resources: Option<Resources>, cached: bool, compile_s: f64| CompiledKernel {
         name: k.name.clone(),
         family: k.family.clone(),
         cubin,
@@ -177,18 +202,50 @@ fn one(nv: &Nvrtc, k: &CudaKernel, o: &BuildOptions, options: &[String]) -> Resu
     };
     let key = KernelCache::key(nv.version, o.arch, options, &k.source);
     if let Some(e) = o.cache.and_then(|c| c.get(o.arch, &key)) {
-        if let Some(r) = resources::parse(&e.log, &k.name) {
-            return Ok(done(e.cubin, r, true, 0.0));
-        }
+        let r = resources::parse(&e.log, &k.name);
+        return Ok(done(e.cubin, r, true, 0.0));
     }
     let t = Instant::now();
     let path = o.source_dir.map(|d| d.join(format!("{}.cu", k.name))).unwrap_or_else(|| format!("{}.cu (not written)", k.name).into());
     let out = super::program::compile(k, options, true).map_err(|e| e.into_error(k, o.arch, &path))?;
     let secs = t.elapsed().as_secs_f64();
-    let r = resources::parse(&out.log, &k.name)
-        .ok_or_else(|| KernelError::Nvrtc(format!("{}: ptxas reported no resources for it; its log:\n{}", k.name, out.log)))?;
+    let r = resources::parse(&out.log, &k.name);
     if let Some(c) = o.cache {
         c.put(o.arch, &key, &out.image, &out.log)?;
     }
     Ok(done(out.image, r, false, secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, resources: Option<Resources>) -> KernelEntry {
+        KernelEntry { name: name.into(), family: "f".into(), resources, block: 128, grid: [1, 1, 1], cubin_bytes: 8, cached: false, compile_ms: 1.0 }
+    }
+
+    /// A ptxas whose wording qatc cannot read costs the report its figures, not the build: the
+    /// kernel is listed with "?" and counted in the summary, its JSON entry has no figures.
+    #[test]
+    fn an_unread_resource_report_is_a_warning() {
+        let known = Resources { registers: 40, ..Resources::default() };
+        let r = BuildReport {
+            arch: "sm_90".into(),
+            nvrtc: "13.0".into(),
+            cache: None,
+            kernels: 2,
+            compiled: 2,
+            cached: 0,
+            wall_s: 0.1,
+            compile_s: 0.1,
+            jobs: 2,
+            entries: vec![entry("a", Some(known)), entry("b", None)],
+            warnings: vec!["b: ptxas' resource report did not parse".into()],
+        };
+        assert!(r.summary().contains("at most 40 registers") && r.summary().contains("1 without a readable ptxas report"), "{}", r.summary());
+        assert!(r.table().lines().any(|l| l.starts_with("b ") && l.contains(" ? ")), "{}", r.table());
+        let json = serde_json::to_value(&r).expect("serializable");
+        assert_eq!(json["entries"][0]["registers"], 40);
+        assert!(json["entries"][1].get("registers").is_none(), "{json}");
+    }
 }
