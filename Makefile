@@ -41,16 +41,23 @@ demo: build
 
 # NVRTC, for the tests that compile every generated CUDA kernel (no GPU needed): the PyPI wheel,
 # installed into .deps/ once (--target: nothing of the system changes, so Debian's PEP 668 guard is
-# safely waived); tests/nvrtc.rs finds it through QATC_NVRTC_LIB.
+# safely waived); tests/nvrtc.rs finds it through QATC_NVRTC_LIB. Pinned to the minor version of
+# the GPU machine's toolkit (CUDA 13.0, whose NVRTC bench/gpu.sh loads first), so CI compiles the
+# kernels with the compiler that will run them; the stamp names the pin, so a changed pin
+# reinstalls.
+NVRTC_PIN := 13.0
 NVRTC_LIB := .deps/nvrtc/nvidia/cu13/lib/libnvrtc.so.13
+NVRTC_STAMP := .deps/nvrtc/.pinned-$(NVRTC_PIN)
 
-$(NVRTC_LIB):
+$(NVRTC_STAMP):
 	@python3 -m pip --version >/dev/null 2>&1 || { echo "installing python3-pip (apt-get)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-pip >/dev/null; }
-	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target .deps/nvrtc 'nvidia-cuda-nvrtc>=13,<14'
-	@test -f $@ || { echo "error: the nvidia-cuda-nvrtc wheel did not provide $@" >&2; exit 2; }
+	rm -rf .deps/nvrtc
+	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target .deps/nvrtc 'nvidia-cuda-nvrtc==$(NVRTC_PIN).*'
+	@test -f $(NVRTC_LIB) || { echo "error: the nvidia-cuda-nvrtc wheel did not provide $(NVRTC_LIB)" >&2; exit 2; }
+	touch $@
 
-nvrtc: $(NVRTC_LIB)
+nvrtc: $(NVRTC_STAMP)
 
 # The tree's own checks, before any test: formatting as rustfmt.toml states it, and no clippy
 # warning anywhere (library, tests, benches; with and without LLVM).
