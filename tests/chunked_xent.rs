@@ -230,15 +230,18 @@ fn chunked_16_bit_steps_equal_the_unchunked_step() {
                     prog.gemms().filter(|g| g.note.starts_with("dh = dlogits W")).map(|g| prog.buffers[g.c.buf].dtype).collect();
                 assert!(!dh.is_empty() && dh.iter().all(|&d| d == qatc_ir::DType::F32), "{what}: dh's GEMMs write f32: {dh:?}");
                 let got = run(cpu(prog.clone()), &tr);
-                let worst = compare_16(what, &got, &want, true);
+                let worst = compare_16(what, &got, &want, true, 1e-3);
                 eprintln!("{what}: chunked against unchunked, worst {worst:.1e} of the largest element");
                 let eval = run(CpuProgram::with_kir_eval(prog).unwrap(), &tr);
                 // the evaluator's f32 sums are rounded once from f64, LLVM's vectorized: the loss
                 // and gradients agree, but an fp16 step's LoRA B weights after Adam do not (5.5e-2
                 // norm-wise on the unchunked program as well: B starts at 0, so its first update
                 // is about lr * sign(g) wherever g is tiny), nor its moments to 1e-3: the
-                // gradients only
-                let worst = compare_16(&format!("{what}, KIR evaluator"), &eval, &got, false);
+                // gradients only, each within one ulp of the type of its largest element: the two
+                // sums may round a 16-bit result differently (bf16: 1.1e-3 seen on an AMD EPYC
+                // with AVX2, where LLVM's vectors are 8 wide)
+                let ulp = if precision == Precision::Bf16 { 2f64.powi(-8) } else { 1e-3 };
+                let worst = compare_16(&format!("{what}, KIR evaluator"), &eval, &got, false, ulp);
                 eprintln!("{what}: kernel-IR evaluator against LLVM, worst {worst:.1e}");
             }
         }
@@ -246,9 +249,9 @@ fn chunked_16_bit_steps_equal_the_unchunked_step() {
 }
 
 /// The worst difference over every output relative to the output's largest element
-/// (`common::rel_err`), the loss within 1e-6; the updated weights norm-wise; with `weights`
-/// false only the loss and the gradients.
-fn compare_16(what: &str, got: &[HashMap<String, Value<f32>>], want: &[HashMap<String, Value<f32>>], weights: bool) -> f64 {
+/// (`common::rel_err`, at most `tol`), the loss within 1e-6; the updated weights norm-wise
+/// (1e-3); with `weights` false only the loss and the gradients.
+fn compare_16(what: &str, got: &[HashMap<String, Value<f32>>], want: &[HashMap<String, Value<f32>>], weights: bool, tol: f64) -> f64 {
     let mut worst = 0.0f64;
     for (s, (g, w)) in got.iter().zip(want).enumerate() {
         assert_eq!(g.len(), w.len(), "{what}: the same outputs");
@@ -266,7 +269,7 @@ fn compare_16(what: &str, got: &[HashMap<String, Value<f32>>], want: &[HashMap<S
                 continue;
             }
             let e = common::rel_err(&floats(&g[name]), &floats(wv));
-            assert!(e <= 1e-3, "{what}, step {s}: {name} differs by {e:e} of its largest element");
+            assert!(e <= tol, "{what}, step {s}: {name} differs by {e:e} of its largest element");
             worst = worst.max(e);
         }
     }
