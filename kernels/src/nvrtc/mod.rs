@@ -89,6 +89,33 @@ impl fmt::Display for Arch {
 /// The library given by path, held for the life of the process (cudarc keeps using it).
 static PRELOADED: OnceLock<libloading::Library> = OnceLock::new();
 
+/// NVRTC's builtins library beside an NVRTC given by path, loaded first. NVRTC opens
+/// `libnvrtc-builtins.so.MAJOR.MINOR` by name at its first compile; NVRTC 13.0 (the GPU
+/// machine's toolkit, and the wheel `make test` pins to it) carries no `$ORIGIN` search path, so
+/// from a wheel's folder that open fails ("failed to open libnvrtc-builtins.so.13.0": every
+/// compile then fails with NVRTC_ERROR_BUILTIN_OPERATION_FAILURE). Once loaded, the loader finds
+/// it by its soname. A folder without one (a toolkit on the loader's path) is left as it is.
+static BUILTINS: OnceLock<libloading::Library> = OnceLock::new();
+
+fn preload_builtins_beside(nvrtc: &Path) -> Result<(), KernelError> {
+    let Some(dir) = nvrtc.parent() else { return Ok(()) };
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc-builtins.so.")))
+        .collect();
+    found.sort();
+    let Some(builtins) = found.first() else { return Ok(()) };
+    if BUILTINS.get().is_none() {
+        // SAFETY: as NVRTC's own load below: the builtins library's ELF initializers have no
+        // preconditions, and the handle lives in a static, so it stays mapped for NVRTC's use.
+        let l = unsafe { libloading::Library::new(builtins) }
+            .map_err(|e| KernelError::NvrtcMissing(format!("{} (beside QATC_NVRTC_LIB): {e}", builtins.display())))?;
+        let _ = BUILTINS.set(l);
+    }
+    Ok(())
+}
+
 /// A usable NVRTC.
 #[derive(Debug)]
 pub struct Nvrtc {
@@ -113,6 +140,7 @@ impl Nvrtc {
     pub fn open_with(lib: Option<&Path>) -> Result<Nvrtc, KernelError> {
         if let Some(path) = lib {
             if PRELOADED.get().is_none() {
+                preload_builtins_beside(path)?;
                 // SAFETY: loading NVRTC runs only its ELF initializers, which have no
                 // preconditions; the handle lives in a static, so the code stays mapped while
                 // cudarc calls into it.
