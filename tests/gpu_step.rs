@@ -194,6 +194,16 @@ fn cubins(gpu: &CudaDriver, nv: &qatc_kernels::nvrtc::Nvrtc, prog: &Program) -> 
 }
 
 /// Ten steps on the GPU, each from the CPU's state, against the CPU executor.
+/// On the GPU machine (`QATC_REQUIRE_GPU=1`, set by bench/gpu.sh) a GPU that does not open
+/// fails the test; elsewhere it is a skip. bench/gpu.sh --dry-run checks the same end to end.
+#[test]
+fn a_required_gpu_that_does_not_open_fails_the_test() {
+    assert!(common::gpu::skip_or_fail::<()>(false, "no driver here").is_none());
+    let failed = std::panic::catch_unwind(|| common::gpu::skip_or_fail::<()>(true, "no driver here"));
+    let why = failed.expect_err("required: a failure").downcast::<String>().expect("a message");
+    assert!(why.contains("QATC_REQUIRE_GPU=1") && why.contains("no driver here"), "{why}");
+}
+
 #[test]
 fn ten_steps_on_the_gpu_track_the_cpu() {
     let Some((mut gpu, nv)) = gpu() else { return };
@@ -237,7 +247,7 @@ fn every_kernel_of_the_demo_step_matches_the_evaluator() {
 /// The same in bf16: a 16-bit param within one ulp of its type (an f32 result a hair from a
 /// rounding boundary rounds the other way: 2^-7 relative for bf16, 2^-10 for f16), f32 ones
 /// within 1e-5; the params of a kernel the CUDA writer put on tensor cores (the attention
-/// kernels, `CudaCodegen::tensor_core_attention*`: 16-bit operands, P and dS rounded to the type
+/// kernels, `the tensor-core-attention variants`: 16-bit operands, P and dS rounded to the type
 /// before their products, as FlashAttention does) within 2e-2.
 #[test]
 fn every_kernel_of_the_bf16_demo_step_matches_the_evaluator() {

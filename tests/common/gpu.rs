@@ -18,16 +18,30 @@ use qatc_passes::quant::QuantOptions;
 use qatc_runtime::cuda::{CudaDriver, DevPtr, GpuApi, KernelImage, PlanFuncs};
 use qatc_runtime::Value;
 
-/// The GPU and NVRTC, or None with the reason printed (the tests that need a GPU skip so).
+/// Whether a missing GPU fails the test instead of skipping it: `QATC_REQUIRE_GPU=1`, which
+/// `bench/gpu.sh` sets on the GPU machine, where a driver, cuBLAS or NVRTC that does not load is
+/// a finding, not a reason to print SKIPPED and pass.
+pub fn gpu_required() -> bool {
+    std::env::var_os("QATC_REQUIRE_GPU").is_some_and(|v| v == "1")
+}
+
+/// None with the reason printed, or (`required`) a failure naming the setting.
+pub fn skip_or_fail<T>(required: bool, why: &str) -> Option<T> {
+    assert!(!required, "QATC_REQUIRE_GPU=1, but {why}");
+    eprintln!("SKIPPED (no GPU): {why}");
+    None
+}
+
+/// The GPU and NVRTC, or None with the reason printed (the tests that need a GPU skip so,
+/// unless `gpu_required`).
 pub fn gpu() -> Option<(CudaDriver, Nvrtc)> {
     let g = match CudaDriver::open(0) {
         Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e}");
-            return None;
-        }
+        Err(e) => return skip_or_fail(gpu_required(), &format!("the CUDA driver did not open: {e}")),
     };
-    let nv = super::nvrtc::nvrtc()?;
+    let Some(nv) = super::nvrtc::nvrtc() else {
+        return skip_or_fail(gpu_required(), "a GPU is present but NVRTC did not load");
+    };
     eprintln!("GPU: {} ({}; {}), NVRTC {}.{}", g.device().name, g.device().arch, g.device().libraries, nv.version.0, nv.version.1);
     Some((g, nv))
 }
