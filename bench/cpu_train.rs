@@ -26,7 +26,7 @@ use qatc::data::TokenFile;
 use qatc::frontend::checkpoint::write_synthetic;
 use qatc::frontend::config::Gpt2Config;
 use qatc::model::Model;
-use qatc::runner::{profile_table, Engine};
+use qatc::cli::profile::profile_table;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::DType;
@@ -85,9 +85,9 @@ fn main() -> anyhow::Result<()> {
     let positional = args.iter().skip(1).take_while(|a| !a.starts_with("--")).count();
     let f = flags(&args[1 + positional..])?;
     let steps: usize = args.get(1).filter(|_| positional >= 1).and_then(|s| s.parse().ok()).unwrap_or(10);
-    let engine = match args.get(2).filter(|_| positional >= 2).map(String::as_str) {
-        None | Some("compiled") => Engine::Compiled,
-        Some("interpreter") => Engine::Interpreter,
+    let interpreter = match args.get(2).filter(|_| positional >= 2).map(String::as_str) {
+        None | Some("compiled") => false,
+        Some("interpreter") => true,
         Some(other) => anyhow::bail!("engine must be compiled or interpreter, got {other}"),
     };
     let small = Gpt2Config { n_embd: 256, n_layer: 4, n_head: 4, n_positions: 1024, vocab_size: 50257, layer_norm_epsilon: 1e-5 };
@@ -121,7 +121,8 @@ fn main() -> anyhow::Result<()> {
     o.fuse = Some(fuse);
     o.precision = f.precision;
     let t0 = Instant::now();
-    let mut tr = Trainer::with_engine(&m, o, None, 0, engine, &f.cpu)?;
+    let options = qatc_driver::Options { interpreter, cpu: f.cpu.clone(), ..Default::default() };
+    let mut tr = Trainer::with_target(&m, o, None, 0, &qatc_driver::Target::cpu(), &options)?;
     let build_s = t0.elapsed().as_secs_f64();
     tr.step(&data, 0, 1e-3)?; // warm-up step, not timed
     eprintln!("{}", tr.describe());
@@ -146,7 +147,7 @@ fn main() -> anyhow::Result<()> {
     let med = times[times.len() / 2];
     println!(
         "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"precision\": \"{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
-        if engine == Engine::Compiled { "compiled" } else { "interpreter" },
+        if interpreter { "interpreter" } else { "compiled" },
         match (f.round_trip, f.unchunked_xent) {
             (true, _) => "-host-round-trip",
             (false, true) => "-unchunked-xent",

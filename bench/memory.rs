@@ -13,14 +13,13 @@ use std::time::Instant;
 
 use qatc::cli::options::{model_options, QuantArgs};
 use qatc::frontend::config::Gpt2Config;
-use qatc::memory::{execute_plan, fit};
+use qatc::memory::fit;
+use qatc_driver::{Options, Target};
 use qatc::step::{self, StepOptions};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::plan::units::human;
 use qatc_passes::remat::Checkpoint;
-use qatc_runtime::exec::Device;
-use qatc_runtime::CpuOptions;
 
 const GIB: usize = 1 << 30;
 
@@ -48,7 +47,7 @@ fn chunking() -> anyhow::Result<()> {
     println!("| step | device | logits (B x T x V, f32) | peak, logits whole | peak, chunked | chunking |");
     println!("|---|---|---|---|---|---|");
     for (label, cfg, o) in cases {
-        for device in [Device::Cpu, Device::Cuda] {
+        for target in [Target::cpu(), Target::cuda(None, Default::default())] {
             let mut peaks = Vec::new();
             let mut chunks = String::new();
             for chunked in [false, true] {
@@ -57,14 +56,14 @@ fn chunking() -> anyhow::Result<()> {
                     o.fuse = Some(FuseOptions { disabled: vec!["xent-linear".into(), "xent-linear-fwd".into()], ..FuseOptions::default() });
                 }
                 let (g, _) = step::train(&cfg, &o, |_, _| {})?;
-                let e = execute_plan(&g, device, &CpuOptions::default())?;
+                let e = qatc_driver::plan(&g, &target, &Options::default())?;
                 peaks.push(e.plan.peak_bytes());
                 if chunked {
                     chunks = e.program.cross_entropy.first().map(qatc::memory::chunking_line).unwrap_or_default();
                 }
             }
             let logits = 4 * o.batch * o.seq * cfg.vocab_size;
-            println!("| {label} | {} | {} | {} | {} | {chunks} |", device.name(), human(logits), human(peaks[0]), human(peaks[1]));
+            println!("| {label} | {} | {} | {} | {} | {chunks} |", target.kind.name(), human(logits), human(peaks[0]), human(peaks[1]));
         }
     }
     Ok(())
@@ -82,7 +81,8 @@ fn fits() -> anyhow::Result<()> {
                 let t0 = Instant::now();
                 let o = options(1, 1024, "sym", 64, lora)?;
                 // precision and optimizer searched, as `qatc plan --fit` without --precision/--optim
-                let f = fit::search(&cfg, &o, fit::Pinned::default(), memory, 64, Device::Cuda, &CpuOptions::default())?;
+                let cuda = Target::cuda(None, Default::default());
+                let f = fit::search(&cfg, &o, fit::Pinned::default(), memory, 64, &cuda, &Options::default())?;
                 let plain = f.fits.iter().filter(|c| c.precision == "fp32" && c.optim == "adamw").map(|c| c.batch).max();
                 let plain = plain.map_or("-".to_string(), |b| b.to_string());
                 let what = if lora { "4-bit g64 + LoRA 16" } else { "full fine-tune (f32)" };
@@ -105,7 +105,7 @@ fn fits() -> anyhow::Result<()> {
                         println!(
                             "| {size} | {what} | {} | {} | | | | | | - | 0 | {} | {secs:.0} |",
                             human(memory),
-                            fit::why_not(c, e, qatc::memory::step_budget(memory, Device::Cuda)),
+                            fit::why_not(c, e, cuda.step_budget(memory)),
                             f.tried
                         )
                     }

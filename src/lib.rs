@@ -16,7 +16,6 @@ pub mod manifest;
 pub mod memory;
 pub mod model;
 pub mod plot;
-pub mod runner;
 pub mod schedule;
 pub mod step;
 pub mod tokenize;

@@ -1,5 +1,5 @@
-//! The training loop's state and one optimizer step (compiled, or on the reference interpreter:
-//! `runner`), plus the resume state: every persistent input of the step (weights, Adam moments,
+//! The training loop's state and one optimizer step (compiled for a target, or on the reference
+//! interpreter: `qatc_driver::compile`), plus the resume state: every persistent input of the step (weights, Adam moments,
 //! the step count) is saved bit for bit, so a resumed run continues exactly where an
 //! uninterrupted one would be.
 //!
@@ -16,12 +16,12 @@ use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
 use qatc_passes::precision::LOSS_SCALE;
-use qatc_runtime::{CpuOptions, IntTensor, Tensor, TrainStep, Value};
+use qatc_driver::{Options, Target};
+use qatc_runtime::{IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
 use crate::data::TokenFile;
 use crate::model::{Model, Trained};
-use crate::runner::{Engine, Runner};
 use crate::step;
 
 /// Where the steps' time went (`Trainer::set_profile`), summed over the profiled steps.
@@ -63,23 +63,25 @@ impl Trainer {
     /// `adapter`, else initialised from `seed`); Adam moments and the step count start at zero,
     /// fp16's loss scale at its initial value.
     pub fn new(m: &Model, opts: step::StepOptions, adapter: Option<&Adapter>, seed: u64) -> anyhow::Result<Trainer> {
-        Self::with_engine(m, opts, adapter, seed, Engine::Interpreter, &CpuOptions::default())
+        let interpreter = Options { interpreter: true, ..Options::default() };
+        Self::with_target(m, opts, adapter, seed, &Target::cpu(), &interpreter)
     }
 
-    /// As `new`, with the step run by `engine` (`cpu`: the compiled CPU executor's settings).
-    pub fn with_engine(
+    /// As `new`, with the step compiled for `target` as `options` say (the interpreter, the CPU
+    /// executor's settings, the kernel cache).
+    pub fn with_target(
         m: &Model,
         opts: step::StepOptions,
         adapter: Option<&Adapter>,
         seed: u64,
-        engine: Engine,
-        cpu: &CpuOptions,
+        target: &Target,
+        options: &Options,
     ) -> anyhow::Result<Trainer> {
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
-        Self::with_graph(m, graph, opts, adapter, seed, engine, cpu)
+        Self::with_graph(m, graph, opts, adapter, seed, target, options)
     }
 
-    /// As `with_engine`, on a step graph built by the caller from `opts` (tests graft nodes into
+    /// As `with_target`, on a step graph built by the caller from `opts` (tests graft nodes into
     /// it, e.g. an injected overflow).
     pub fn with_graph(
         m: &Model,
@@ -87,10 +89,10 @@ impl Trainer {
         opts: step::StepOptions,
         adapter: Option<&Adapter>,
         seed: u64,
-        engine: Engine,
-        cpu: &CpuOptions,
+        target: &Target,
+        options: &Options,
     ) -> anyhow::Result<Trainer> {
-        let Runner { mut step, description } = Runner::new(&graph, engine, cpu)?;
+        let qatc_driver::Executable { mut step, description, .. } = qatc_driver::compile(&graph, target, options)?;
         opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         let trained = match adapter {

@@ -1,4 +1,4 @@
-//! The chunked cross-entropy's rows per chunk, chosen by the planner (`qatc::memory::chunk`):
+//! The chunked cross-entropy's rows per chunk, chosen by the planner (`qatc_driver::chunk`):
 //! the largest power-of-two multiple of the fusion rule's floor whose executed plan peaks no
 //! higher than the floor's (0.1% allowed: the per-row statistics). On the demo step and GPT-2
 //! 124M configurations: the chosen size is the program's, the plan's peak is at most the floor's,
@@ -10,14 +10,13 @@ mod common;
 
 use qatc::cli::options::{model_options, QuantArgs};
 use qatc::frontend::config::Gpt2Config;
-use qatc::memory::{execute_plan, Executed};
+use qatc::memory::Executed;
 use qatc::model::Model;
 use qatc::step::{self, StepOptions};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::remat::Checkpoint;
-use qatc_runtime::exec::Device;
-use qatc_runtime::CpuOptions;
+use qatc_driver::{Options, Target};
 
 fn options(b: usize, t: usize, lora: Option<(&str, usize)>) -> StepOptions {
     let mut o = StepOptions::new(b, t);
@@ -35,7 +34,7 @@ fn options(b: usize, t: usize, lora: Option<(&str, usize)>) -> StepOptions {
 /// The plan of `o` on the CPU, its choice checked against the rule; returns the rows chosen.
 fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
     let (g, _) = step::train(cfg, o, |_, _| {}).unwrap();
-    let e = execute_plan(&g, Device::Cpu, &CpuOptions::default()).unwrap();
+    let e = qatc_driver::plan(&g, &Target::cpu(), &Options::default()).unwrap();
     let k = e.chunk.clone().unwrap_or_else(|| panic!("{what}: no chunk choice"));
     let ce = &e.program.cross_entropy;
     assert_eq!(ce.len(), 1, "{what}: one chunked cross-entropy");

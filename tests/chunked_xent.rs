@@ -170,16 +170,16 @@ fn chunked_steps_equal_the_unchunked_step() {
     }
 }
 
-/// The rows per chunk the planner chooses (`qatc::memory::chunk`, what `qatc train` compiles):
+/// The rows per chunk the planner chooses (`qatc_driver::chunk`, what `qatc train` compiles):
 /// the step at that size equals the unchunked one, as at any size.
 #[test]
 fn the_planners_chunk_size_equals_the_unchunked_step() {
-    use qatc_runtime::exec::Device;
+    use qatc_driver::{Options, Target};
     for lora in [true, false] {
         let what = if lora { "4-bit + LoRA" } else { "full fine-tune" };
         let (tr, _) = step(lora, true);
         let (plain, _) = step(lora, false);
-        let (prog, choice) = qatc::memory::lower_step(&tr.graph, Device::Cpu, &qatc_runtime::CpuOptions::default()).unwrap();
+        let qatc_driver::Lowered { program: prog, chunk: choice } = qatc_driver::lower(&tr.graph, &Target::cpu(), &Options::default()).unwrap();
         let choice = choice.unwrap_or_else(|| panic!("{what}: no chunk choice"));
         assert_eq!(prog.cross_entropy[0].chunk_rows, choice.rows, "{what}: the program runs the choice");
         eprintln!("{what}: {}", choice.why);

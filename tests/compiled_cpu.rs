@@ -379,7 +379,6 @@ fn the_cpu_executor_lays_buffers_out_as_the_plan_says() {
 #[cfg(feature = "llvm")]
 #[test]
 fn resident_state_equals_the_host_round_trip_bit_for_bit() {
-    use qatc::runner::Engine;
     for fuse in [false, true] {
         let mut o = StepOptions::new(2, 16);
         qlora(&mut o);
@@ -388,12 +387,12 @@ fn resident_state_equals_the_host_round_trip_bit_for_bit() {
         let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
         let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
         let seed = 3;
-        let mut resident = Trainer::with_engine(&m, o.clone(), None, seed, Engine::Compiled, &CpuOptions::default()).unwrap();
+        let mut resident = Trainer::with_target(&m, o.clone(), None, seed, &qatc_driver::Target::cpu(), &Default::default()).unwrap();
         // the old way: the host holds the state, binds everything every step, reads the updates
         // out of their buffers
         let g = &resident.graph;
-        // the program the trainer runs (`memory::lower_step`: the planner's schedule and chunks)
-        let (prog, _) = qatc::memory::lower_step(g, qatc_runtime::exec::Device::Cpu, &CpuOptions::default()).unwrap();
+        // the program the trainer runs (`qatc_driver::lower`: the planner's schedule and chunks)
+        let prog = qatc_driver::lower(g, &qatc_driver::Target::cpu(), &Default::default()).unwrap().program;
         let (mut cp, _) = CpuProgram::compile(prog, &CpuOptions::default()).unwrap();
         let mut host = m.bind::<f32>(g, None, seed).unwrap();
         for id in g.inputs() {

@@ -52,7 +52,8 @@ use std::time::{Duration, Instant};
 use qatc::step::StepOptions;
 use qatc_ir::{DType, QuantScheme, QuantSpec};
 use qatc_kernels::cuda::blas::{BlasCall, Compute, Mem};
-use qatc_kernels::cuda::{CudaCodegen, LaunchDims};
+use qatc_kernels::cuda::LaunchDims;
+use qatc_kernels::CudaSettings;
 use qatc_kernels::kir::{Body, Kernel, Param};
 use qatc_kernels::program::{BufKind, Buffer, Gemm, GemmTypes, View};
 use qatc_kernels::{Program, Step};
@@ -135,7 +136,7 @@ fn check_program(
     start: Instant,
     built: Duration,
 ) -> (usize, usize, Vec<MmaCheck>) {
-    check_program_with(cxx, what, prog, init, start, built, CudaCodegen::default())
+    check_program_with(cxx, what, prog, init, start, built, CudaSettings::default())
 }
 
 /// [`check_program`] with the CUDA writer's variants `codegen`.
@@ -146,7 +147,7 @@ fn check_program_with(
     init: &dyn Fn(&Buffer) -> Option<Vec<u8>>,
     start: Instant,
     built: Duration,
-    codegen: CudaCodegen,
+    codegen: CudaSettings,
 ) -> (usize, usize, Vec<MmaCheck>) {
     let mut gpu = OnCpu::new(cxx, 64 << 30);
     gpu.codegen = codegen;

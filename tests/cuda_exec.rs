@@ -24,13 +24,10 @@ use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::{DType, InputKind};
-use qatc_kernels::cuda::blas::BlasMode;
-use qatc_kernels::cuda::CudaCodegen;
 use qatc_kernels::program::BufKind;
-use qatc_kernels::Program;
+use qatc_kernels::{CudaSettings, Hoist, Program, Target};
 use qatc_passes::precision::{LossScaling, Precision, GRADS_FINITE, LOSS_SCALE};
-use qatc_runtime::cuda::{CudaDriver, CudaOptions, CudaProgram, GpuApi, HostGpu, KernelBuild};
-use qatc_runtime::exec::Hoist;
+use qatc_runtime::cuda::{CudaDriver, CudaProgram, GpuApi, HostGpu, KernelBuild};
 use qatc_runtime::{CpuProgram, Interpreter, TrainStep, Value};
 
 use common::gpu::{gpu, options, SHAKESPEARE, TINY};
@@ -46,8 +43,19 @@ fn setup(model: &str, tokens: &str, o: &StepOptions) -> (Program, HashMap<String
     (prog, tr.state().expect("the state"), data)
 }
 
-fn emulated(prog: &Program, o: CudaOptions) -> CudaProgram<HostGpu> {
-    CudaProgram::new(prog.clone(), HostGpu::new(1 << 30), o, None).expect("builds on the emulated GPU")
+/// A CUDA target with the default settings (strict fp32 GEMMs, every variant, graph replay,
+/// the frozen steps that shrink hoisted).
+fn cuda() -> Target {
+    Target::cuda(None, CudaSettings::default())
+}
+
+/// `cuda()` with or without graph replay.
+fn cuda_graph(graph: bool) -> Target {
+    Target::cuda(None, CudaSettings { no_graph: !graph, ..CudaSettings::default() })
+}
+
+fn emulated(prog: &Program, t: Target) -> CudaProgram<HostGpu> {
+    CudaProgram::new(prog.clone(), HostGpu::new(1 << 30), &t, None).expect("builds on the emulated GPU")
 }
 
 /// The tiny step through the CUDA executor on the emulated GPU equals the CPU executor, step by
@@ -59,7 +67,7 @@ fn emulated(prog: &Program, o: CudaOptions) -> CudaProgram<HostGpu> {
 /// it differently: LoRA's B, zero at the start, shows 1e-5). Not bit for bit: the kernels are the same
 /// evaluator on both, but the GEMMs sum in other orders (the cuBLAS model against the gemm
 /// crate). The executor with and without its graph and hoisting, and with the general kernels
-/// (`CudaCodegen::GENERAL`): bit for bit.
+/// (`CudaSettings::GENERAL`): bit for bit.
 #[test]
 fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
     let steps = 3;
@@ -68,7 +76,7 @@ fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
         let o = options(qlora, fuse, 2, 16);
         let (prog, state, data) = setup(TINY.0, TINY.1, &o);
         let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
-        let mut gpu = emulated(&prog, CudaOptions { graph, ..CudaOptions::default() });
+        let mut gpu = emulated(&prog, cuda_graph(graph));
         let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, steps);
         let (launches, calls) = gpu.per_step();
         let b = gpu.bytes();
@@ -93,10 +101,10 @@ fn the_tiny_step_through_the_cuda_executor_equals_the_cpu() {
         // the other way of running it: the same arithmetic, so the same bits; with the general
         // kernels instead of the writer's variants (other launch dims for the row kernels, which
         // the emulation checks every launch against)
-        let one = drive(&mut emulated(&prog, CudaOptions { graph, ..CudaOptions::default() }), &prog, &state, &data, &o, steps);
-        let codegen = if graph { CudaCodegen::GENERAL } else { CudaCodegen::default() };
+        let one = drive(&mut emulated(&prog, cuda_graph(graph)), &prog, &state, &data, &o, steps);
+        let settings = if graph { CudaSettings { no_graph: true, ..CudaSettings::GENERAL } } else { CudaSettings::default() };
         let hoist = if graph { Hoist::Shrinking } else { Hoist::Everything };
-        let other = CudaOptions { graph: !graph, hoist, codegen, ..CudaOptions::default() };
+        let other = Target { hoist, ..Target::cuda(None, settings) };
         let mut hoisting = emulated(&prog, other);
         if qlora && !graph {
             // by default the 4-bit weights stay 4-bit (their dequantization grows what it reads:
@@ -148,20 +156,20 @@ fn the_tiny_step_in_bf16_and_fp16_through_the_cuda_executor_equals_the_cpu() {
         let sixteen = prog.gemms().filter(|g| matches!(prog.buffers[g.a.buf].dtype, DType::BF16 | DType::F16)).count();
         assert!(sixteen > 0, "{what}: 16-bit GEMMs");
         let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
-        let mut gpu = emulated(&prog, CudaOptions::default());
+        let mut gpu = emulated(&prog, cuda());
         let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 3);
         judge16(&format!("{what}: {sixteen} 16-bit GEMMs of {}", prog.gemms().count()), p, &worst, &losses);
-        let one = drive(&mut emulated(&prog, CudaOptions::default()), &prog, &state, &data, &o, 2);
+        let one = drive(&mut emulated(&prog, cuda()), &prog, &state, &data, &o, 2);
         // by default (`Hoist::Shrinking`, as planned) the frozen f32 weights' casts to the compute
         // type run once, and no 4-bit weight's dequantization does
         let hoisted = hoisted_families(&prog, &gpu);
         assert!(hoisted.iter().any(|f| f.contains("cast")), "{what}: casts of frozen weights hoisted: {hoisted:?}");
         assert!(!hoisted.iter().any(|f| f.contains("dequant")), "{what}: no dequantization hoisted: {hoisted:?}");
-        let other = CudaOptions { graph: false, hoist: Hoist::Everything, ..CudaOptions::default() };
+        let other = Target { hoist: Hoist::Everything, ..cuda_graph(false) };
         let mut everything = emulated(&prog, other);
         let two = drive(&mut everything, &prog, &state, &data, &o, 2);
         assert!(bits_equal(&one, &two), "{what}: the graph and hoisting change no bit");
-        let nothing = CudaOptions { hoist: Hoist::Nothing, ..CudaOptions::default() };
+        let nothing = Target { hoist: Hoist::Nothing, ..cuda() };
         let three = drive(&mut emulated(&prog, nothing), &prog, &state, &data, &o, 2);
         assert!(bits_equal(&one, &three), "{what}: hoisting nothing changes no bit");
     }
@@ -177,7 +185,7 @@ fn fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step() {
     let mut o = options16(Precision::Fp16, true);
     o.loss_scaling = LossScaling { interval: 2, ..Default::default() };
     let (prog, state, data) = setup(TINY.0, TINY.1, &o);
-    let mut gpu = emulated(&prog, CudaOptions::default());
+    let mut gpu = emulated(&prog, cuda());
     let mut cpu = CpuProgram::with_kir_eval(prog.clone()).expect("a CPU program");
     let run = drive(&mut gpu, &prog, &state, &data, &o, 2);
     assert!(run.steps.iter().all(|s| floats(&s[GRADS_FINITE]) == [1.0]), "two finite steps");
@@ -217,7 +225,7 @@ fn bits_equal_value(a: &Value<f32>, b: &Value<f32>) -> bool {
 fn state_stays_on_the_device_between_steps() {
     let o = options(true, true, 2, 16);
     let (prog, state, data) = setup(TINY.0, TINY.1, &o);
-    let mut gpu = emulated(&prog, CudaOptions::default());
+    let mut gpu = emulated(&prog, cuda());
     let allocated = gpu.api().allocations;
     let mut out_bufs: Vec<usize> = prog.outputs.iter().map(|(_, v)| v.buf).collect();
     out_bufs.sort();
@@ -263,8 +271,8 @@ fn state_stays_on_the_device_between_steps() {
 fn a_timed_step_is_the_same_step_and_names_its_parts() {
     let o = options(true, true, 2, 16);
     let (prog, state, data) = setup(TINY.0, TINY.1, &o);
-    let plain = drive(&mut emulated(&prog, CudaOptions::default()), &prog, &state, &data, &o, 3);
-    let mut gpu = emulated(&prog, CudaOptions::default());
+    let plain = drive(&mut emulated(&prog, cuda()), &prog, &state, &data, &o, 3);
+    let mut gpu = emulated(&prog, cuda());
     for (name, v) in &state {
         set(&mut gpu, name, v.clone());
     }
@@ -318,7 +326,7 @@ fn a_forward_graph_through_the_cuda_executor_equals_the_interpreter() {
     inputs.insert("targets".into(), Value::ints([2, 16], targets).expect("targets"));
     let want = Interpreter::<f32>::new(&g).expect("interp").run(&inputs).expect("runs")["loss"].clone();
     let prog = qatc_kernels::lower(&g).expect("lowers");
-    let mut gpu = emulated(&prog, CudaOptions::default());
+    let mut gpu = emulated(&prog, cuda());
     let got = gpu.run(&inputs).expect("runs")["loss"].clone();
     let e = common::rel_err(&floats(&got), &floats(&want));
     eprintln!("eval loss {:?} against {:?}: {e:.1e}", floats(&got), floats(&want));
@@ -335,9 +343,9 @@ fn the_executor_builds_its_kernels_with_nvrtc_through_the_cache() {
     let (prog, _, _) = setup(TINY.0, TINY.1, &o);
     let cache = common::nvrtc::test_cache();
     let build = KernelBuild { nvrtc: &nv, cache: Some(&cache), jobs: 2, source_dir: None };
-    let first = CudaProgram::new(prog.clone(), HostGpu::new(1 << 30), CudaOptions::default(), Some(&build)).expect("builds");
+    let first = CudaProgram::new(prog.clone(), HostGpu::new(1 << 30), &cuda(), Some(&build)).expect("builds");
     let r1 = first.build_report().expect("a report").clone();
-    let second = CudaProgram::new(prog, HostGpu::new(1 << 30), CudaOptions::default(), Some(&build)).expect("builds");
+    let second = CudaProgram::new(prog, HostGpu::new(1 << 30), &cuda(), Some(&build)).expect("builds");
     let r2 = second.build_report().expect("a report");
     eprintln!("{}\n{}", r1.summary(), r2.summary());
     assert_eq!(r1.kernels, first.distinct_kernels());
@@ -347,7 +355,7 @@ fn the_executor_builds_its_kernels_with_nvrtc_through_the_cache() {
     for p in [Precision::Bf16, Precision::Fp16] {
         let (prog, _, _) = setup(TINY.0, TINY.1, &options16(p, true));
         let built =
-            CudaProgram::new(prog, HostGpu::new(1 << 30), CudaOptions::default(), Some(&build)).unwrap_or_else(|e| panic!("{p}: {e}"));
+            CudaProgram::new(prog, HostGpu::new(1 << 30), &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{p}: {e}"));
         let r = built.build_report().expect("a report");
         eprintln!("{p}: {}", r.summary());
         assert_eq!(r.kernels, built.distinct_kernels(), "{p}");
@@ -384,8 +392,8 @@ fn ten_steps_of_the_cuda_executor_track_the_cpu() {
             Some(d) => d,
             None => CudaDriver::open(0).expect("the GPU again"),
         };
-        let opts = CudaOptions { blas: BlasMode::Strict, ..CudaOptions::default() };
-        let mut gpu = CudaProgram::new(prog.clone(), api, opts, Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        // strict fp32 GEMMs (no --tf32), as the CPU computes them
+        let mut gpu = CudaProgram::new(prog.clone(), api, &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
         let (launches, calls) = gpu.per_step();
         let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 10);
         let loss_err = losses.chunks(2).map(|p| (p[0] - p[1]).abs() / p[1].abs().max(1e-30)).fold(0.0f64, f64::max);
@@ -426,7 +434,7 @@ fn ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu() {
                 None => CudaDriver::open(0).expect("the GPU again"),
             };
             let mut gpu =
-                CudaProgram::new(prog.clone(), api, CudaOptions::default(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
+                CudaProgram::new(prog.clone(), api, &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
             let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 10);
             judge16(&what, p, &worst, &losses);
         }
@@ -438,7 +446,7 @@ fn ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu() {
 /// refused on the CPU; `qatc eval --device cuda` fails as train does. (Where a GPU is usable, bench/gpu.sh runs `--device cuda` itself.)
 #[test]
 fn the_device_flag_without_a_gpu() {
-    if qatc::runner::cuda_ready().is_ok() {
+    if qatc_driver::cuda_ready().is_ok() {
         eprintln!("SKIPPED: CUDA is usable here; this test is for machines without it");
         return;
     }

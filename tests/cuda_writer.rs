@@ -20,7 +20,8 @@ mod common;
 use std::collections::BTreeMap;
 
 use qatc_ir::DType;
-use qatc_kernels::cuda::{emit, emit_with, CudaCodegen, CudaKernel};
+use qatc_kernels::cuda::{emit, emit_with, CudaKernel};
+use qatc_kernels::CudaSettings;
 use qatc_kernels::kir::{
     Attention, AttentionPart, BinOp, Body, Expr, Ix, Kernel, Loop, Param, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp,
 };
@@ -72,7 +73,7 @@ fn a_kernel_with_no_rows_gets_a_block_that_touches_nothing() {
         assert!(k.source.contains("if (row >= 0) return;"), "{mapping:?}:\n{}", k.source);
         all.push(k);
     }
-    let k = emit_with(&row_sum_kernel(5, RowMapping::Block), &CudaCodegen::GENERAL).expect("emits");
+    let k = emit_with(&row_sum_kernel(5, RowMapping::Block), &CudaSettings::GENERAL).expect("emits");
     assert!(k.source.contains("if (row >= 5) return;") && k.launch.grid == [5, 1, 1]);
     // a warp per row: 4 rows per block, the last block's fourth warp past the end
     let k = emit(&row_sum_kernel(7, RowMapping::Block)).expect("emits");
@@ -120,7 +121,7 @@ fn an_atomic_in_a_block_mapped_row_adds_once() {
     );
     let warp = emit(&k).expect("emits");
     assert!(warp.source.contains("if (lane == 0) atomicAdd(&count[0], (int)(1));"), "{}", warp.source);
-    let k = emit_with(&k, &CudaCodegen::GENERAL).expect("emits");
+    let k = emit_with(&k, &CudaSettings::GENERAL).expect("emits");
     assert!(k.source.contains("if (threadIdx.x == 0) atomicAdd(&count[0], (int)(1));"), "{}", k.source);
     compiles("writer-block-atomic", &[k, warp]);
 }
@@ -147,7 +148,7 @@ fn packed_4bit_buffers_are_padded_to_whole_words() {
     }
     let f = Buffer::new("x", DType::F16, &[3], BufKind::Temp);
     assert_eq!(f.device_bytes(), 6, "only packed codes are padded");
-    assert_eq!(qatc_kernels::program::DEVICE_ALIGN % 4, 0);
+    assert_eq!(qatc_kernels::target::CUDA_ALIGN % 4, 0);
 }
 
 /// Kernels whose one output element is `cast(to, value)`.
@@ -258,7 +259,7 @@ fn doubles_stay_doubles() {
     for want in ["qatc::warp_max(acc0)", "qatc::warp_sum(acc1)"] {
         assert!(warp.source.contains(want), "{want}:\n{}", warp.source);
     }
-    let r = emit_with(&r, &CudaCodegen::GENERAL).expect("emits");
+    let r = emit_with(&r, &CudaSettings::GENERAL).expect("emits");
     for want in [
         "__shared__ double scratch_f64[32];",
         "double acc0 = -INFINITY;",
@@ -303,11 +304,11 @@ fn a_block_reads_what_it_stored_only_after_a_barrier() {
     let warp = emit(&k).expect("emits");
     let (store, sync, read) = (warp.source.find("tmp[").expect("a store"), warp.source.find("__syncwarp();"), warp.source.rfind("tmp["));
     assert!(sync.is_some_and(|s| store < s && Some(s) < read), "a warp barrier between the store and the read:\n{}", warp.source);
-    let k = emit_with(&k, &CudaCodegen::GENERAL).expect("emits");
+    let k = emit_with(&k, &CudaSettings::GENERAL).expect("emits");
     let (store, sync, read) = (k.source.find("tmp[").expect("a store"), k.source.find("__syncthreads();"), k.source.rfind("tmp["));
     assert!(sync.is_some_and(|s| store < s && Some(s) < read), "a barrier between the store and the read:\n{}", k.source);
     // and none where nothing is read back
-    let plain = emit_with(&row_sum_kernel(4, RowMapping::Block), &CudaCodegen::GENERAL).expect("emits");
+    let plain = emit_with(&row_sum_kernel(4, RowMapping::Block), &CudaSettings::GENERAL).expect("emits");
     assert!(!plain.source.contains("__syncthreads();  //"), "{}", plain.source);
     compiles("writer-barrier", &[k, plain, warp]);
 }

@@ -1,5 +1,5 @@
-//! One plan, the executed one: what `qatc plan` shows for the CPU (`qatc::memory::execute_plan`)
-//! is what the CPU executor `qatc train` builds (`qatc::memory::compile_cpu`) allocates: the same
+//! One plan, the executed one: what `qatc plan` shows for the CPU (`qatc_driver::plan`)
+//! is what the CPU executor `qatc train` builds (`qatc_driver::compile`) allocates: the same
 //! peak (arena + persistent + data bytes) as the executor holds, and every buffer in the same
 //! region at the same offset, on the demo step (the embedded Shakespeare model, B 4 T 128, Q4_0
 //! g32 + LoRA 16) and the tiny step (full fine-tune and 4-bit + LoRA), under every checkpoint
@@ -12,13 +12,13 @@ mod common;
 
 #[test]
 fn the_plan_is_what_the_cuda_executor_lays_out() {
-    use qatc::memory::{execute_plan, lower_cuda};
     use qatc::model::Model;
     use qatc::step::{self, StepOptions};
     use qatc_passes::fusion::FuseOptions;
     use qatc_passes::remat::Checkpoint;
-    use qatc_runtime::cuda::{CudaOptions, CudaProgram, HostGpu};
-    use qatc_runtime::exec::Device;
+    use qatc_driver::{Options, Target};
+    use qatc_runtime::cuda::{CudaProgram, HostGpu};
+    let cuda = Target::cuda(None, Default::default());
     let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
     for c in [Checkpoint::None, Checkpoint::Blocks] {
         let mut o = StepOptions::new(4, 128);
@@ -26,8 +26,9 @@ fn the_plan_is_what_the_cuda_executor_lays_out() {
         o.checkpoint = c;
         let label = format!("demo full fine-tune, --checkpoint {}", c.describe());
         let (g, _) = step::train(&demo.cfg, &o, |_, _| {}).unwrap();
-        let planned = execute_plan(&g, Device::Cuda, &Default::default()).unwrap();
-        let exec = CudaProgram::new(lower_cuda(&g).unwrap(), HostGpu::new(1 << 30), CudaOptions::default(), None).unwrap();
+        let planned = qatc_driver::plan(&g, &cuda, &Options::default()).unwrap();
+        let program = qatc_driver::lower(&g, &cuda, &Options::default()).unwrap().program;
+        let exec = CudaProgram::new(program, HostGpu::new(1 << 30), &cuda, None).unwrap();
         assert!(planned.chunk.is_some(), "{label}: the chunked cross-entropy");
         let l = exec.layout();
         assert_eq!(planned.plan.peak_bytes(), l.arena_bytes + l.persistent_bytes + l.data_bytes, "{label}: the plan's peak");
@@ -74,17 +75,15 @@ mod compiled {
     }
 
     fn plan_equals_executor(what: &str, m: &Model, o: &StepOptions) {
-        use qatc::memory::{compile_cpu, execute_plan};
-        use qatc_runtime::exec::Device;
-        use qatc_runtime::CpuOptions;
-        let cpu = CpuOptions::default();
+        use qatc_driver::{cpu_program, Options, Target};
+        let options = Options::default();
         for c in policies(m, o) {
             let mut o = o.clone();
             o.checkpoint = c;
             let label = format!("{what}, --checkpoint {}", c.describe());
             let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
-            let planned = execute_plan(&g, Device::Cpu, &cpu).unwrap();
-            let (exec, _) = compile_cpu(&g, &cpu).unwrap();
+            let planned = qatc_driver::plan(&g, &Target::cpu(), &options).unwrap();
+            let (exec, _) = cpu_program(&g, &options).unwrap();
             assert_eq!(planned.plan.peak_bytes(), exec.held_bytes(), "{label}: the plan's peak is what the executor holds");
             assert_eq!(planned.program.buffers.len(), exec.program().buffers.len(), "{label}: the same buffers");
             for (b, pb) in planned.plan.buffers.iter().enumerate() {

@@ -19,7 +19,7 @@ use qatc_kernels::{LowerOptions, Program};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::exec::{Device, Region};
+use qatc_runtime::exec::{ExecOptions, Region};
 use qatc_runtime::{CpuProgram, ExecPlan, Value};
 
 const B: usize = 2;
@@ -74,7 +74,7 @@ fn run(mut cp: CpuProgram, tr: &Trainer) -> Vec<HashMap<String, Value<f32>>> {
 }
 
 fn arena(prog: &Program) -> usize {
-    ExecPlan::new(prog, Device::Cpu.exec_options()).unwrap().layout.region_bytes(Region::Arena)
+    ExecPlan::new(prog, ExecOptions::for_target(&qatc_kernels::Target::cpu())).unwrap().layout.region_bytes(Region::Arena)
 }
 
 #[test]
@@ -92,7 +92,7 @@ fn adamw_in_place_equals_the_packed_step_and_holds_no_pack() {
         let pack_bytes = first.map_or(0, |b| packed.buffers[b].bytes());
         assert!(pack_bytes > 0 && !matches!(packed.buffers[first.unwrap_or(0)].kind, BufKind::Input(..)), "{what}: a pack");
         // in place: every update but the step count is its input itself, never copied back
-        let exec = ExecPlan::new(&inplace, Device::Cpu.exec_options()).unwrap();
+        let exec = ExecPlan::new(&inplace, ExecOptions::for_target(&qatc_kernels::Target::cpu())).unwrap();
         assert_eq!(inplace.updates.len(), packed.updates.len(), "{what}: the same updates");
         let copied: Vec<&str> = exec.write_backs.iter().map(|w| w.name.as_str()).collect();
         assert_eq!(copied, ["step"], "{what}: only the step count is copied back");
@@ -132,7 +132,7 @@ fn adamw8bit_in_place_equals_the_packed_step_and_holds_no_f32_moments() {
     let tr = trainer_with(false, qatc_passes::optim::Moments::Blockwise8);
     let inplace = qatc_kernels::lower(&tr.graph).unwrap();
     let packed = qatc_kernels::lower_with(&tr.graph, &LowerOptions { adamw_packed: true, ..Default::default() }).unwrap();
-    let exec = ExecPlan::new(&inplace, Device::Cpu.exec_options()).unwrap();
+    let exec = ExecPlan::new(&inplace, ExecOptions::for_target(&qatc_kernels::Target::cpu())).unwrap();
     let copied: Vec<&str> = exec.write_backs.iter().map(|w| w.name.as_str()).collect();
     assert_eq!(copied, ["step"], "only the step count is copied back");
     let blockwise: Vec<&str> = inplace

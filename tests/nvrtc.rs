@@ -31,7 +31,7 @@ fn qlora(b: usize, t: usize, r: usize) -> StepOptions {
 /// launches, chunked cross-entropies).
 fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions, archs: &[Arch]) -> (usize, usize, usize) {
     let (g, _) = step::train(cfg, o, |_, _| {}).expect("the step builds");
-    let (prog, kernels) = qatc_kernels::cuda_kernels(&g).expect("the step lowers");
+    let (prog, kernels) = qatc_kernels::cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).expect("the step lowers");
     for &arch in archs {
         let (_, report) = build(nv, name, &kernels, arch, Some(&test_cache()));
         eprintln!("{name}: {}", report.summary());
@@ -71,7 +71,7 @@ fn every_kernel_of_the_tiny_step_compiles() {
     compile_all(&nv, "tiny-adamw8bit-fused", &wide, &o8, &Arch::ALL);
     // fused, the 8-bit update is inside the in-place AdamW: its blockwise kernels are among those
     let (g, _) = step::train(&wide, &o8, |_, _| {}).expect("the step builds");
-    let (prog, _) = qatc_kernels::cuda_kernels(&g).expect("the step lowers");
+    let (prog, _) = qatc_kernels::cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).expect("the step lowers");
     let blockwise =
         prog.kernels.iter().filter(|k| k.family.starts_with("adamw") && k.params.iter().any(|p| p.write && p.dtype == qatc_ir::DType::U8));
     assert!(blockwise.count() > 0, "the fused 8-bit step updates its codes in the AdamW kernel");
@@ -234,7 +234,7 @@ fn the_resource_report_is_what_ptxas_built() {
 fn a_second_build_compiles_nothing() {
     let Some(nv) = nvrtc() else { return };
     let (g, _) = step::train(&tiny(), &StepOptions::new(1, 4), |_, _| {}).expect("the step builds");
-    let (_, kernels) = qatc_kernels::cuda_kernels(&g).expect("the step lowers");
+    let (_, kernels) = qatc_kernels::cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).expect("the step lowers");
     let dir = tempfile::tempdir().expect("a temp dir");
     let cache = KernelCache::new(dir.path());
     let (first, r1) = build(&nv, "cache-first", &kernels, Arch::SM90, Some(&cache));

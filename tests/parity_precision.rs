@@ -25,13 +25,12 @@ use std::f64::consts::SQRT_2;
 use qatc::cli::train::Trainer;
 use qatc::data::TokenFile;
 use qatc::model::Model;
-use qatc::runner::Engine;
 use qatc::step::{self, StepOptions};
 use qatc_ir::{BinaryOp, DType, Graph, InputKind, Op, QuantScheme, QuantSpec, Shape};
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::{self, LossScaling, Precision, GRADS_FINITE};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::{CpuOptions, Interpreter, Tensor, Value};
+use qatc_runtime::{Interpreter, Tensor, Value};
 use serde_json::Value as Json;
 
 const LOSS_TOL: f64 = 2e-2;
@@ -91,7 +90,9 @@ struct Run {
     lora: HashMap<String, Vec<f64>>,
 }
 
-fn run(model: &str, p: Precision, engine: Engine) -> Run {
+fn run(model: &str, p: Precision, interpreter: bool) -> Run {
+    let target = qatc_driver::Target::cpu();
+    let build = qatc_driver::Options { interpreter, ..Default::default() };
     let j = fixture(model);
     let root = common::root();
     let m = Model::open(&root.join(j["model"].as_str().unwrap()).join("model.safetensors")).unwrap();
@@ -108,9 +109,9 @@ fn run(model: &str, p: Precision, engine: Engine) -> Run {
         graft_poke(&mut g, gs["overflow_param"].as_str().unwrap());
         let (g, _) = precision::precision(g, p, &o.loss_scaling).unwrap();
         qatc_ir::verify(&g).unwrap();
-        Trainer::with_graph(&m, g, o.clone(), Some(&init), 0, engine, &CpuOptions::default()).unwrap()
+        Trainer::with_graph(&m, g, o.clone(), Some(&init), 0, &target, &build).unwrap()
     } else {
-        Trainer::with_engine(&m, o.clone(), Some(&init), 0, engine, &CpuOptions::default()).unwrap()
+        Trainer::with_target(&m, o.clone(), Some(&init), 0, &target, &build).unwrap()
     };
     let steps = j["steps"].as_u64().unwrap() as usize;
     let overflow = gs["overflow_step"].as_u64().unwrap() as usize;
@@ -173,12 +174,12 @@ fn check_scaling(what: &str, r: &Run, torch: &Json) {
 #[test]
 fn tiny_bf16_and_fp16_follow_pytorch_autocast_and_grad_scaler() {
     let j = fixture("tiny");
-    let fp32 = run("tiny", Precision::Fp32, Engine::Interpreter);
+    let fp32 = run("tiny", Precision::Fp32, true);
     check_losses("tiny fp32", &fp32.losses, &f64s(&j["fp32"]["losses"]), 1e-4);
     assert!(lora_distance(&fp32.lora, "fp32") <= 1e-5, "qatc's fp32 run is PyTorch's: the setups agree");
     for p in [Precision::Bf16, Precision::Fp16] {
         let what = format!("tiny {p}");
-        let r = run("tiny", p, Engine::Interpreter);
+        let r = run("tiny", p, true);
         check_losses(&what, &r.losses, &f64s(&j[p.name()]["losses"]), LOSS_TOL);
         if p == Precision::Fp16 {
             check_scaling(&what, &r, &j["fp16"]);
@@ -197,11 +198,11 @@ fn tiny_bf16_and_fp16_follow_pytorch_autocast_and_grad_scaler() {
 
 #[test]
 fn shakespeare_bf16_and_fp16_follow_pytorch() {
-    let engine = if cfg!(feature = "llvm") { Engine::Compiled } else { Engine::Interpreter };
+    let interpreter = !cfg!(feature = "llvm");
     let j = fixture("shakespeare");
     for p in [Precision::Bf16, Precision::Fp16] {
         let what = format!("shakespeare {p}");
-        let r = run("shakespeare", p, engine);
+        let r = run("shakespeare", p, interpreter);
         check_losses(&what, &r.losses, &f64s(&j[p.name()]["losses"]), LOSS_TOL);
         if p == Precision::Fp16 {
             check_scaling(&what, &r, &j["fp16"]);

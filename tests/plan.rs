@@ -547,13 +547,13 @@ fn fit_searches_precision_and_optimizer_unless_pinned() {
 }
 
 /// On CUDA a plan gets a device's memory less what the process holds outside the executor's
-/// allocations (the context and the BLAS workspace, `Device::reserved_bytes`): `--fit` and
+/// allocations (the context and the BLAS workspace, `Target::reserved_bytes`): `--fit` and
 /// `--memory` say so and plan within the rest; the CPU keeps no reserve.
 #[test]
 fn cuda_plans_leave_room_for_the_context_and_the_blas_workspace() {
-    let reserve = qatc_runtime::exec::Device::Cuda.reserved_bytes() as u64;
+    let reserve = qatc_driver::Target::cuda(None, Default::default()).reserved_bytes as u64;
     assert_eq!(reserve, (512 + 32) << 20, "the context's estimate and cuBLAS's workspace");
-    assert_eq!(qatc_runtime::exec::Device::Cpu.reserved_bytes(), 0);
+    assert_eq!(qatc_driver::Target::cpu().reserved_bytes, 0);
     let base = ["plan", "124M", "--seq", "256", "--bits", "4", "--lora", "r=16", "--memory", "l4", "--fit", "--max-batch", "2"];
     for (device, kept) in [("cuda", reserve), ("cpu", 0)] {
         let r = qatc(&[&base[..], &["--device", device, "--json"]].concat());

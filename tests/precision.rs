@@ -10,13 +10,12 @@ use qatc::cli::train::Trainer;
 use qatc::data::TokenFile;
 use qatc::frontend::config::Gpt2Config;
 use qatc::model::Model;
-use qatc::runner::Engine;
 use qatc::step::{self, StepOptions};
 use qatc_ir::{print, DType, Graph, InputKind, NodeId, Op, QuantScheme, QuantSpec};
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::precision::{LossScaling, Precision, GRADS_FINITE, LOSS_SCALE};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::{CpuOptions, Value};
+use qatc_runtime::Value;
 
 fn one_layer() -> Gpt2Config {
     Gpt2Config { n_embd: 8, n_layer: 1, n_head: 2, n_positions: 8, vocab_size: 11, layer_norm_epsilon: 1e-5 }
@@ -141,7 +140,7 @@ fn fp16_trainer(interval: usize) -> (Trainer, TokenFile) {
     let data = TokenFile::load(&common::fixture("tiny/tokens.bin")).unwrap();
     let mut o = qlora(2, 16, Precision::Fp16);
     o.loss_scaling = LossScaling { interval, ..Default::default() };
-    (Trainer::with_engine(&m, o, None, 0, Engine::Interpreter, &CpuOptions::default()).unwrap(), data)
+    (Trainer::new(&m, o, None, 0).unwrap(), data)
 }
 
 /// The scale state [scale, good steps], read back from the executor.
@@ -202,7 +201,7 @@ fn the_loss_scale_is_saved_and_restored_with_the_run() {
 
 /// The most activation bytes the executed plan (`qatc plan`'s, for the CPU) holds at once.
 fn activations_at_most(cfg: &Gpt2Config, o: &StepOptions) -> usize {
-    let (_, e) = qatc::cli::plan::build(cfg, o, qatc_runtime::exec::Device::Cpu, &CpuOptions::default()).unwrap();
+    let (_, e) = qatc::cli::plan::build(cfg, o, &qatc_driver::Target::cpu(), &qatc_driver::Options::default()).unwrap();
     e.plan.max_of(qatc_ir::Category::Activations)
 }
 
@@ -233,10 +232,10 @@ fn the_cpu_executor_holds_what_the_bf16_plan_says() {
     o.model.quant = Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 }));
     o.model.lora = Some(LoraOptions::new(16));
     o.fuse = Some(Default::default());
-    let cpu = CpuOptions::default();
-    let (_, e) = qatc::cli::plan::build(&m.cfg, &o, qatc_runtime::exec::Device::Cpu, &cpu).unwrap();
+    let options = qatc_driver::Options::default();
+    let (_, e) = qatc::cli::plan::build(&m.cfg, &o, &qatc_driver::Target::cpu(), &options).unwrap();
     let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
-    let (exec, _) = qatc::memory::compile_cpu(&g, &cpu).unwrap();
+    let (exec, _) = qatc_driver::cpu_program(&g, &options).unwrap();
     eprintln!("bf16 demo step: executor holds {} B, planned peak {} B", exec.held_bytes(), e.plan.peak_bytes());
     assert_eq!(exec.held_bytes(), e.plan.peak_bytes());
 }

@@ -177,7 +177,7 @@ fn the_gpu_settings_are_saved_with_the_run() {
     v["step"].as_object_mut().unwrap().remove("cuda");
     std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
     let read = qatc::config::RunConfig::read(&out).unwrap();
-    assert_eq!(read.step.as_ref().unwrap().cuda, qatc::runner::CudaSettings::default());
+    assert_eq!(read.step.as_ref().unwrap().cuda, qatc_driver::CudaSettings::default());
     // on --resume, the flag against the saved run
     let o = out.to_str().unwrap();
     let e = failed(qatc(&["train", "--resume", o, "--tf32", "--out", o]));

@@ -1,6 +1,6 @@
 //! Rows per chunk of the chunked linear + cross-entropy, chosen by the planner: memory against
 //! speed. This is the rule's one home; the plan (`qatc plan`, `memory_plan.json`, `memory.svg`)
-//! and the executors built from it (`super::compile_cpu`) run what it chooses.
+//! and the executors built from it (`crate::compile`) run what it chooses.
 //!
 //! The floor is the fusion rule's choice, written in the kernel's family (`chunk=R`,
 //! `qatc_passes::fusion::rules::cross_entropy::chunk_rows`: the largest power of two whose
@@ -15,13 +15,12 @@
 //! scratch is one 8 MiB tile whatever R, so R grows to every row: the head weight is then read
 //! once per step.
 
-use anyhow::Context;
 use qatc_ir::Graph;
-use qatc_kernels::{LowerOptions, Program};
+use qatc_kernels::{LowerOptions, Program, Target};
 use qatc_passes::plan::units::human;
-use qatc_runtime::exec::{Device, ExecPlan, MemoryPlan};
-use qatc_runtime::CpuOptions;
 use serde::Serialize;
+
+use crate::{DriverError, Options};
 
 /// The planner's choice and why.
 #[derive(Clone, Debug, Serialize)]
@@ -51,30 +50,21 @@ impl ChunkChoice {
     }
 }
 
-/// `g` lowered for `device` in `schedule`'s order with `rows` per chunk (None: the fusion rule's).
-pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>, device: Device) -> anyhow::Result<Program> {
-    let options = LowerOptions { ce_chunk_rows: rows, order: Some(schedule.to_vec()), ..super::lower_options(device) };
-    qatc_kernels::lower_with(g, &options).context("lowering the step to kernels")
+/// `g` lowered for `target` in `schedule`'s order with `rows` per chunk (None: the fusion rule's).
+pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>, target: &Target) -> Result<Program, DriverError> {
+    let options = LowerOptions { ce_chunk_rows: rows, order: Some(schedule.to_vec()), ..target.lower_options() };
+    Ok(qatc_kernels::lower_with(g, &options)?)
 }
 
-/// The executed plan's peak of `prog` on `device` (the CPU's rewrites applied first).
-fn peak(prog: &Program, device: Device, cpu: &CpuOptions) -> anyhow::Result<usize> {
-    let mut prog = prog.clone();
-    if device == Device::Cpu {
-        qatc_runtime::cpu::prepare(&mut prog, cpu);
-    }
-    let exec = ExecPlan::new(&prog, device.exec_options()).context("planning the program's execution")?;
-    Ok(MemoryPlan::new(&prog, &exec).peak_bytes())
-}
-
-/// `g` lowered in `schedule`'s order for `device` with the rows per chunk of its chunked
-/// cross-entropy chosen (see the module doc; None when the step has none), before the device's
+/// `g` lowered in `schedule`'s order for `target` with the rows per chunk of its chunked
+/// cross-entropy chosen (see the module doc; None when the step has none), before the target's
 /// rewrites.
-pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], device: Device, cpu: &CpuOptions) -> anyhow::Result<(Program, Option<ChunkChoice>)> {
-    let first = lower(g, schedule, None, device)?;
+pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], target: &Target, options: &Options) -> Result<(Program, Option<ChunkChoice>), DriverError> {
+    let peak = |p: &Program| crate::lower::peak(p, target, options);
+    let first = lower(g, schedule, None, target)?;
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None)) };
     let (floor, n) = (c.chunk_rows, c.rows);
-    let base = peak(&first, device, cpu)?;
+    let base = peak(&first)?;
     // a rise this small is the per-row statistics' few KiB, not a larger scratch
     let keeps = |p: usize| p <= base + base / 1000;
     let mut scratch_of = std::collections::HashMap::from([(floor, c.scratch_bytes())]);
@@ -85,12 +75,12 @@ pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], device: Device, cpu: &Cpu
     let mut r = floor;
     while r < n {
         r = (r * 2).min(n);
-        let prog = lower(g, schedule, Some(r), device)?;
+        let prog = lower(g, schedule, Some(r), target)?;
         // the lowering caps the chunk count: a size it does not take is not a choice
         if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {
             continue;
         }
-        let p = peak(&prog, device, cpu)?;
+        let p = peak(&prog)?;
         tried.push((r, p));
         scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
         if !keeps(p) {

@@ -20,6 +20,7 @@ pub mod lower;
 pub mod nvrtc;
 pub mod panels;
 pub mod program;
+pub mod target;
 
 use std::path::Path;
 
@@ -27,13 +28,14 @@ pub use cuda::CudaKernel;
 pub use error::KernelError;
 pub use lower::{lower, lower_with, LowerOptions};
 pub use program::{Gemm, GemmTypes, Program, Step, View};
+pub use target::{CudaSettings, Hoist, Target, TargetKind};
 
-/// Lowers a graph as the CUDA executor runs it (attention reading and writing the stored 16-bit
-/// type, `LowerOptions::attention_reads_stored`) and writes every distinct kernel as CUDA C: the
-/// program and its kernels, in the program's kernel order.
-pub fn cuda_kernels(g: &qatc_ir::Graph) -> Result<(Program, Vec<CudaKernel>), KernelError> {
-    let prog = lower_with(g, &LowerOptions { attention_reads_stored: true, ..Default::default() })?;
-    let kernels = prog.kernels.iter().map(cuda::emit).collect::<Result<Vec<_>, _>>()?;
+/// Lowers a graph as `target`'s executor runs it (a CUDA target's attention reading and writing
+/// the stored 16-bit type) and writes every distinct kernel as CUDA C with the target's variants:
+/// the program and its kernels, in the program's kernel order.
+pub fn cuda_kernels(g: &qatc_ir::Graph, target: &Target) -> Result<(Program, Vec<CudaKernel>), KernelError> {
+    let prog = lower_with(g, &target.lower_options())?;
+    let kernels = prog.kernels.iter().map(|k| cuda::emit_with(k, &target.cuda)).collect::<Result<Vec<_>, _>>()?;
     Ok((prog, kernels))
 }
 

@@ -63,10 +63,6 @@ impl Buffer {
     }
 }
 
-/// The alignment every device buffer starts at: enough for any element type's loads, and for
-/// `store_i4`'s word-wide updates (cudaMalloc gives 256).
-pub const DEVICE_ALIGN: usize = 256;
-
 /// A strided window on a buffer: element (c0, .., cr) is element `offset + sum c_d * strides[d]`
 /// of the buffer. Stride 0 repeats (a broadcast dim).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

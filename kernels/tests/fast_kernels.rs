@@ -1,4 +1,4 @@
-//! The generator's fast variants (`cuda::CudaCodegen`) compiled by NVRTC for sm_80 and sm_90,
+//! The generator's fast variants (`cuda::codegen`, allowed by a target's `CudaSettings`) compiled by NVRTC for sm_80 and sm_90,
 //! with ptxas' report: at most a few bytes spilled, within the static shared memory. Their
 //! numbers are checked on a GPU by `tests/gpu_step.rs` (each kernel against the kernel-IR
 //! evaluator); here, with no GPU, that they build and how large they are.
@@ -9,7 +9,8 @@ mod common;
 mod nvrtc;
 
 use qatc_ir::DType;
-use qatc_kernels::cuda::{emit_with, CudaCodegen};
+use qatc_kernels::cuda::{emit_with, Variant};
+use qatc_kernels::CudaSettings;
 use qatc_kernels::nvrtc::Arch;
 use qatc_kernels::CudaKernel;
 
@@ -40,7 +41,7 @@ impl Part {
 
 /// The attention kernels (families `attention*`) of `part` over `dtype` values, T `t`, `nh`
 /// heads of `hs`, as `cg` writes them.
-fn attention_kernels(part: Part, dtype: DType, t: usize, nh: usize, hs: usize, cg: &CudaCodegen) -> Vec<CudaKernel> {
+fn attention_kernels(part: Part, dtype: DType, t: usize, nh: usize, hs: usize, cg: &CudaSettings) -> Vec<CudaKernel> {
     let g = match part {
         Part::Forward => common::attention_of(dtype, t, nh, hs),
         Part::Backward => common::attention_backward_of(dtype, t, nh, hs),
@@ -63,7 +64,7 @@ fn the_tensor_core_attention_kernels_compile_for_sm80_and_sm90() {
     for part in [Part::Forward, Part::Backward, Part::Dv] {
         for dtype in [DType::BF16, DType::F16] {
             for (t, hs) in [(100, 64), (100, 32), (100, 48), (1, 64)] {
-                let ks = attention_kernels(part, dtype, t, 2, hs, &CudaCodegen::default());
+                let ks = attention_kernels(part, dtype, t, 2, hs, &CudaSettings::default());
                 assert!(ks.iter().all(|k| k.source.contains("_mma<")), "{part:?} {dtype} {t} {hs}");
                 kernels.extend(ks);
             }
@@ -89,13 +90,13 @@ fn the_tensor_core_attention_kernels_compile_for_sm80_and_sm90() {
 /// Each switch turns its kernels back into the fp32 templates, and only its own.
 #[test]
 fn each_switch_forces_the_general_attention_kernels() {
-    let only_forward = CudaCodegen { tensor_core_attention_backward: false, ..CudaCodegen::default() };
-    let only_backward = CudaCodegen { tensor_core_attention: false, ..CudaCodegen::default() };
+    let only_forward = CudaSettings::default().without(Variant::TensorCoreAttentionBackward);
+    let only_backward = CudaSettings::default().without(Variant::TensorCoreAttention);
     for (cg, forward, backward) in [
-        (CudaCodegen::default(), true, true),
+        (CudaSettings::default(), true, true),
         (only_forward, true, false),
         (only_backward, false, true),
-        (CudaCodegen::GENERAL, false, false),
+        (CudaSettings::GENERAL, false, false),
     ] {
         for (part, on) in [(Part::Forward, forward), (Part::Backward, backward), (Part::Dv, backward)] {
             for k in attention_kernels(part, DType::BF16, 100, 2, 64, &cg) {
@@ -105,7 +106,7 @@ fn each_switch_forces_the_general_attention_kernels() {
     }
     // f32 values never: rounding them to 16 bits would change the result
     for part in [Part::Forward, Part::Backward, Part::Dv] {
-        assert!(attention_kernels(part, DType::F32, 100, 2, 64, &CudaCodegen::default()).iter().all(|k| !k.source.contains("mma")));
+        assert!(attention_kernels(part, DType::F32, 100, 2, 64, &CudaSettings::default()).iter().all(|k| !k.source.contains("mma")));
     }
 }
 
@@ -124,10 +125,10 @@ fn short_rows_are_one_warp_each_where_the_switch_allows() {
     for (g, warp) in [(common::residual_layernorm(), true), (softmax(WARP_ROW_MAX), true), (softmax(WARP_ROW_MAX + 1), false)] {
         let prog = qatc_kernels::lower(&g).expect("lowers");
         let k = &prog.kernels[0];
-        let fast = emit_with(k, &CudaCodegen::default()).expect("emits");
-        let general = emit_with(k, &CudaCodegen::GENERAL).expect("emits");
-        assert_eq!(fast.launch, launch_dims_with(k, &CudaCodegen::default()));
-        assert_eq!(general.launch, launch_dims_with(k, &CudaCodegen::GENERAL));
+        let fast = emit_with(k, &CudaSettings::default()).expect("emits");
+        let general = emit_with(k, &CudaSettings::GENERAL).expect("emits");
+        assert_eq!(fast.launch, launch_dims_with(k, &CudaSettings::default()));
+        assert_eq!(general.launch, launch_dims_with(k, &CudaSettings::GENERAL));
         assert!(general.source.contains("qatc::block_") && !general.source.contains("warp_"), "{}", general.source);
         if warp {
             assert!(fast.source.contains("qatc::warp_sum") && !fast.source.contains("__shared__"), "{}", fast.source);
@@ -153,8 +154,8 @@ fn long_column_sums_are_split_over_warps_where_the_switch_allows() {
     for (n, split) in [(4099, true), (SPLIT_MIN, true), (SPLIT_MIN - 1, false)] {
         let prog = qatc_kernels::lower(&bias_grad(n)).expect("lowers");
         let k = &prog.kernels[0];
-        let fast = emit_with(k, &CudaCodegen::default()).expect("emits");
-        let general = emit_with(k, &CudaCodegen::GENERAL).expect("emits");
+        let fast = emit_with(k, &CudaSettings::default()).expect("emits");
+        let general = emit_with(k, &CudaSettings::GENERAL).expect("emits");
         assert!(general.source.contains("one thread per row") && general.launch.block == 256, "{}", general.source);
         if split {
             assert_eq!((fast.launch.grid[0], fast.launch.block), (3, 256), "{}", fast.source);

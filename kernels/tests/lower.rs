@@ -61,14 +61,14 @@ fn an_epilogue_after_a_row_op_shares_its_kernel() {
 
 #[test]
 fn layers_share_kernels_and_names_are_stable() {
-    let (_, a) = cuda_kernels(&common::residual_layernorm()).unwrap();
-    let (_, b) = cuda_kernels(&common::residual_layernorm()).unwrap();
+    let (_, a) = cuda_kernels(&common::residual_layernorm(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
+    let (_, b) = cuda_kernels(&common::residual_layernorm(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert_eq!(a, b, "deterministic");
     let name = &a[0].name;
     let hash = name.strip_prefix("fused_layernorm_").expect("fused_{family}_{hash8}");
     assert!(hash.len() == 8 && hash.chars().all(|c| c.is_ascii_hexdigit()), "{name}");
     // one identity: the name carries the hash that deduplicates the launches
-    let (prog, _) = cuda_kernels(&common::residual_layernorm()).unwrap();
+    let (prog, _) = cuda_kernels(&common::residual_layernorm(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert_eq!(format!("{:08x}", prog.kernels[0].identity() >> 32), hash);
     assert_eq!(prog.kernels[0].name(), *name);
     let ids: std::collections::HashSet<u64> = prog.kernels.iter().map(|k| k.identity()).collect();
@@ -93,7 +93,7 @@ fn the_fused_qlora_step_lowers() {
     let text = include_str!("../../tests/snapshots/snapshots_fusion__fused_qlora.snap");
     let body = text.splitn(3, "---").nth(2).expect("insta header");
     let g = qatc_ir::parse(body.trim_start()).unwrap();
-    let (prog, kernels) = cuda_kernels(&g).unwrap();
+    let (prog, kernels) = cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert!(kernels.iter().any(|k| k.source.contains("qatc::attention_forward<")), "{prog}");
     assert!(kernels.iter().any(|k| k.source.contains("qatc::attention_backward_q<")), "{prog}");
 }

@@ -6,7 +6,7 @@ mod common;
 use qatc_kernels::{cuda_kernels, Step};
 
 fn cuda_of(g: &qatc_ir::Graph) -> String {
-    let (prog, kernels) = cuda_kernels(g).unwrap();
+    let (prog, kernels) = cuda_kernels(g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     let mut text = format!("// {}", prog);
     for k in &kernels {
         text.push_str(&format!("\n// ---- {} ----\n{}", k.name, k.source));
@@ -16,14 +16,14 @@ fn cuda_of(g: &qatc_ir::Graph) -> String {
 
 #[test]
 fn elementwise_chain_is_one_kernel() {
-    let (prog, _) = cuda_kernels(&common::elementwise_chain()).unwrap();
+    let (prog, _) = cuda_kernels(&common::elementwise_chain(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert_eq!(prog.steps.len(), 1);
     insta::assert_snapshot!(cuda_of(&common::elementwise_chain()));
 }
 
 #[test]
 fn residual_add_is_the_layernorm_prologue() {
-    let (prog, _) = cuda_kernels(&common::residual_layernorm()).unwrap();
+    let (prog, _) = cuda_kernels(&common::residual_layernorm(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert_eq!(prog.steps.len(), 1);
     insta::assert_snapshot!(cuda_of(&common::residual_layernorm()));
 }
@@ -35,7 +35,7 @@ fn causal_softmax() {
 
 #[test]
 fn attention_never_writes_the_scores() {
-    let (prog, kernels) = cuda_kernels(&common::attention()).unwrap();
+    let (prog, kernels) = cuda_kernels(&common::attention(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert_eq!(prog.steps.len(), 1, "{prog}");
     assert!(prog.buffers.iter().all(|b| b.shape.iter().rev().take(2).ne([64, 64].iter())), "no [.., T, T] buffer");
     assert!(kernels[0].name.starts_with("fused_attention_"));
@@ -44,7 +44,7 @@ fn attention_never_writes_the_scores() {
 
 #[test]
 fn adamw_is_one_kernel() {
-    let (prog, _) = cuda_kernels(&common::adamw()).unwrap();
+    let (prog, _) = cuda_kernels(&common::adamw(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert_eq!(prog.steps.len(), 1);
     insta::assert_snapshot!(cuda_of(&common::adamw()));
 }
@@ -54,7 +54,7 @@ fn adamw_is_one_kernel() {
 #[test]
 fn adamw8bit_moment_kernels() {
     let g = common::adamw8bit_moment();
-    let (prog, kernels) = cuda_kernels(&g).unwrap();
+    let (prog, kernels) = cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     assert_eq!(prog.steps.len(), 4, "{prog}");
     assert!(kernels.iter().any(|k| k.source.contains("qatc::dyn_nearest(qatc::DYN_SIGNED")));
     insta::assert_snapshot!(cuda_of(&g));
@@ -62,7 +62,7 @@ fn adamw8bit_moment_kernels() {
 
 #[test]
 fn dequant_prologue_and_bias_epilogue() {
-    let (prog, _) = cuda_kernels(&common::dequant_gemm()).unwrap();
+    let (prog, _) = cuda_kernels(&common::dequant_gemm(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     let gemms: Vec<_> = prog.gemms().collect();
     assert_eq!(gemms.len(), 1);
     assert!(gemms[0].bias.is_some(), "the bias rides on the GEMM");
@@ -73,7 +73,7 @@ fn dequant_prologue_and_bias_epilogue() {
 
 #[test]
 fn attention_backward_recomputes_instead_of_storing() {
-    let (prog, kernels) = cuda_kernels(&common::attention_backward()).unwrap();
+    let (prog, kernels) = cuda_kernels(&common::attention_backward(), &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap();
     // lse, delta, dq, dk+dv: each written into its slice of the result, no [T, T] buffer
     assert_eq!(prog.steps.len(), 4, "{prog}");
     assert!(prog.buffers.iter().all(|b| b.shape.iter().rev().take(2).ne([64, 64].iter())));
@@ -83,26 +83,27 @@ fn attention_backward_recomputes_instead_of_storing() {
 
 /// `--precision bf16|fp16` attention (GPT-2's hs 64, T 100: a partial last tile): the forward
 /// picks the tensor-core template (`qatc_attention_mma.cuh`) for sm_80+, with the fp32 template
-/// behind `#if` for older architectures; `CudaCodegen::GENERAL` and f32 values keep the fp32
+/// behind `#if` for older architectures; `CudaSettings::GENERAL` and f32 values keep the fp32
 /// template alone. Same name, params and launch dims either way (the executor cannot tell).
 #[test]
 fn attention_forward_on_tensor_cores_for_16_bit_values() {
     use qatc_ir::DType;
-    use qatc_kernels::cuda::{emit_with, CudaCodegen};
-    let forward = |d: DType, cg: &CudaCodegen| {
+    use qatc_kernels::cuda::emit_with;
+use qatc_kernels::CudaSettings;
+    let forward = |d: DType, cg: &CudaSettings| {
         let prog = qatc_kernels::lower(&common::attention_of(d, 100, 2, 64)).unwrap();
         let k = prog.kernels.iter().find(|k| k.family == "attention").expect("the attention kernel");
         emit_with(k, cg).unwrap()
     };
-    let bf16 = forward(DType::BF16, &CudaCodegen::default());
+    let bf16 = forward(DType::BF16, &CudaSettings::default());
     assert!(bf16.source.contains("qatc::attention_forward_mma<64, qatc::MmaBf16>"), "{}", bf16.source);
     assert!(bf16.source.contains("#include \"qatc_attention_mma.cuh\""));
-    let fp16 = forward(DType::F16, &CudaCodegen::default());
+    let fp16 = forward(DType::F16, &CudaSettings::default());
     assert!(fp16.source.contains("qatc::attention_forward_mma<64, qatc::MmaF16>"), "{}", fp16.source);
-    let general = forward(DType::BF16, &CudaCodegen::GENERAL);
+    let general = forward(DType::BF16, &CudaSettings::GENERAL);
     assert!(!general.source.contains("mma") && general.source.contains("qatc::attention_forward<64, 64, 32>"), "{}", general.source);
     assert_eq!((&general.name, &general.launch), (&bf16.name, &bf16.launch));
-    let f32 = forward(DType::F32, &CudaCodegen::default());
+    let f32 = forward(DType::F32, &CudaSettings::default());
     assert!(!f32.source.contains("mma"), "{}", f32.source);
     insta::assert_snapshot!(format!("// ---- {} ----\n{}", bf16.name, bf16.source));
 }

@@ -75,18 +75,20 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // the memory plan: the program the device's executor runs, as it lays it out
     let memory = a.step.memory;
     let cpu = qatc_runtime::CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..Default::default() };
-    let executed = crate::memory::execute_plan(&train, super::plan::plan_device(a.cuda.device), &cpu)?;
+    let options = qatc_driver::Options { cpu, ..qatc_driver::Options::default() };
+    let executed = qatc_driver::plan(&train, &super::plan::plan_target(a.cuda.device), &options)?;
     let (plan_json, plan_svg) = super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, &executed, memory)?;
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
     opts.deadline.check("code generation")?;
-    // the program `qatc train --device cuda` runs (`memory::lower_cuda`: the planner's schedule and
-    // chunk size, attention reading 16-bit operands as they are stored), which the plan already is
-    // when it was made for CUDA; `--emit-llvm` writes the CPU's, whose attention reads f32 copies
-    let lower = |device| qatc_kernels::lower_with(&train, &crate::memory::lower_options(device)).context("code generation");
-    let program = match executed.device {
-        qatc_runtime::exec::Device::Cuda => executed.program.clone(),
-        qatc_runtime::exec::Device::Cpu => crate::memory::lower_cuda(&train)?,
+    // the program `qatc train --device cuda` runs (`qatc_driver::lower` for a CUDA target: the
+    // planner's schedule and chunk size, attention reading 16-bit operands as they are stored),
+    // which the plan already is when it was made for CUDA; `--emit-llvm` writes the CPU's, whose
+    // attention reads f32 copies
+    let cuda = qatc_driver::Target::cuda(None, qatc_driver::CudaSettings::default());
+    let program = match executed.target.kind {
+        qatc_driver::TargetKind::Cuda => executed.program.clone(),
+        qatc_driver::TargetKind::Cpu => qatc_driver::lower(&train, &cuda, &options)?.program,
     };
     let kernels = program.kernels.iter().map(qatc_kernels::cuda::emit).collect::<Result<Vec<_>, _>>().context("code generation")?;
     opts.deadline.check("code generation")?;
@@ -128,7 +130,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         super::cubin::write(&out.path().join("kernels"), cubins, report)?;
     }
     if a.emit_llvm {
-        emit_llvm(&out.path().join("kernels"), &lower(qatc_runtime::exec::Device::Cpu)?)?;
+        let cpu_program = qatc_kernels::lower_with(&train, &qatc_driver::Target::cpu().lower_options()).context("code generation")?;
+        emit_llvm(&out.path().join("kernels"), &cpu_program)?;
     }
     let dir = out.commit().with_context(|| format!("{}", a.out.display()))?;
 

@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use qatc_kernels::nvrtc::{self, Arch, BuildOptions, BuildReport, CompiledKernel, KernelCache, Nvrtc};
 use qatc_kernels::CudaKernel;
 
-use crate::runner::Device;
+use crate::config::DeviceFlag as Device;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct CubinArgs {

@@ -7,14 +7,15 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use qatc_passes::precision::Precision;
-use qatc_runtime::{IntTensor, Interpreter, RuntimeError, Value};
+use qatc_driver::{CudaSettings, Target};
+use qatc_runtime::{CpuOptions, IntTensor, RuntimeError, Value};
 
 use super::options;
 use crate::adapter::Adapter;
 use crate::config::ScaleInit;
 use crate::data::TokenFile;
 use crate::model::{Model, Trained};
-use crate::runner::{CudaSettings, Device};
+use crate::config::DeviceFlag as Device;
 use crate::step::{self, ModelOptions};
 
 #[derive(clap::Args, Debug)]
@@ -64,7 +65,6 @@ pub struct EvalResult {
 }
 
 /// What to evaluate: the model options (quantization, LoRA) and the adapter's tensors; where.
-#[derive(Default)]
 pub struct EvalSetup {
     pub model: ModelOptions,
     pub adapter: Option<Adapter>,
@@ -72,17 +72,31 @@ pub struct EvalSetup {
     pub precision: Precision,
     /// How learned scales start when no adapter has them.
     pub scale_init: ScaleInit,
-    /// On the GPU (the CUDA executor) rather than the CPU's reference interpreter.
-    pub cuda: bool,
+    /// Where the forward runs: the CPU (on the reference interpreter) or a GPU (the CUDA
+    /// executor, the weights uploaded once).
+    pub target: Target,
 }
 
-/// Whether `--device` puts an evaluation on the GPU: `auto` where CUDA is usable (silently: the
-/// CPU is what eval always ran on), `cuda` or an error saying why not.
-pub fn on_cuda(device: Device) -> anyhow::Result<bool> {
+impl Default for EvalSetup {
+    fn default() -> EvalSetup {
+        EvalSetup {
+            model: ModelOptions::default(),
+            adapter: None,
+            precision: Precision::default(),
+            scale_init: ScaleInit::default(),
+            target: Target::cpu(),
+        }
+    }
+}
+
+/// The target `--device` puts an evaluation on: the GPU for `auto` where CUDA is usable
+/// (silently: the CPU is what eval always ran on), for `cuda` or an error saying why not.
+pub fn eval_target(device: Device) -> anyhow::Result<Target> {
+    let gpu = || Target::cuda(None, CudaSettings::default());
     match device {
-        Device::Cpu => Ok(false),
-        Device::Auto => Ok(crate::runner::cuda_ready().is_ok()),
-        Device::Cuda => crate::runner::cuda_ready().map(|()| true).map_err(|why| anyhow::anyhow!("--device cuda: {why}")),
+        Device::Cpu => Ok(Target::cpu()),
+        Device::Auto => Ok(if qatc_driver::cuda_ready().is_ok() { gpu() } else { Target::cpu() }),
+        Device::Cuda => qatc_driver::cuda_ready().map(|()| gpu()).map_err(|why| anyhow::anyhow!("--device cuda: {why}")),
     }
 }
 
@@ -142,30 +156,23 @@ fn run_eval(
     show: bool,
 ) -> anyhow::Result<EvalResult> {
     let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
-    let mut inputs = match state {
+    let inputs = match state {
         Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
         None => match &setup.adapter {
             Some(a) => m.bind_trained::<f32>(&g, &Trained::Adapter(a))?,
             None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
         },
     };
-    // on the GPU the weights go to the device once; per batch only the ids and targets
-    let mut gpu = match setup.cuda {
-        true => {
-            let prog = qatc_kernels::lower(&g).context("lowering the model to kernels")?;
-            let mut p = crate::runner::cuda_program(prog, CudaSettings::default())?;
-            for (name, v) in &inputs {
-                match p.set_input(name, v) {
-                    // an input no step reads (lowering dropped its use) is not in the program
-                    Err(RuntimeError::UnknownInput(_)) => {}
-                    r => r.with_context(|| format!("binding {name}"))?,
-                }
-            }
-            Some(p)
+    // the weights go to the executor once; per batch only the ids and targets
+    let interpreter = !setup.target.is_cuda();
+    let mut step = qatc_driver::compile(&g, &setup.target, &super::driver_options(interpreter, CpuOptions::default()))?.step;
+    for (name, v) in &inputs {
+        match step.set_input(name, v) {
+            // an input no step reads (lowering dropped its use) is not in the program
+            Err(RuntimeError::UnknownInput(_)) => {}
+            r => r.with_context(|| format!("binding {name}"))?,
         }
-        false => None,
-    };
-    let interp = if gpu.is_none() { Some(Interpreter::<f32>::new(&g)?) } else { None };
+    }
     let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
     if !show {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -175,20 +182,10 @@ fn run_eval(
         let (ids, tgt) = data.batch(s, b, t)?;
         let ids = Value::Int(IntTensor { shape: vec![b, t], data: ids });
         let tgt = Value::Int(IntTensor { shape: vec![b, t], data: tgt });
-        let out = match (gpu.as_mut(), &interp) {
-            (Some(p), _) => {
-                p.set_input("ids", &ids)?;
-                p.set_input("targets", &tgt)?;
-                p.execute()?;
-                HashMap::from([("loss".to_string(), p.output("loss")?)])
-            }
-            (None, Some(interp)) => {
-                inputs.insert("ids".into(), ids);
-                inputs.insert("targets".into(), tgt);
-                interp.run(&inputs)?
-            }
-            (None, None) => anyhow::bail!("internal: no evaluator"),
-        };
+        step.set_input("ids", &ids)?;
+        step.set_input("targets", &tgt)?;
+        step.run()?;
+        let out = HashMap::from([("loss".to_string(), step.output("loss")?)]);
         let loss = scalar(&out, "loss")?;
         if !loss.is_finite() {
             // never a NaN result: say where it appeared and what can cause it
@@ -249,7 +246,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         setup.scale_init = init;
     }
-    setup.cuda = on_cuda(a.device)?;
+    setup.target = eval_target(a.device)?;
     let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
     if a.json {
         // a perplexity past f64 (a mean loss over 709) is null, as JSON has no infinity

@@ -9,6 +9,7 @@ pub mod eval;
 pub mod export;
 pub mod options;
 pub mod plan;
+pub mod profile;
 pub mod prt;
 pub mod resume;
 pub mod train;
@@ -21,7 +22,7 @@ use qatc_passes::remat::Checkpoint;
 
 use crate::config::{self, OptimConfig, Optimizer, Precision, PrecisionConfig, RunConfig, StepConfig};
 use crate::model::Model;
-use crate::runner::Device;
+use crate::config::DeviceFlag;
 
 /// How inputs are read (every command that reads a checkpoint, adapter or resume state).
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -114,8 +115,9 @@ pub struct StepArgs {
     /// Clip the global gradient norm to X.
     #[arg(long)]
     pub clip: Option<f64>,
-    /// The optimizer: adamw (f32 moments) or adamw8bit (8-bit blockwise moments, a quarter of
-    /// the optimizer's memory).
+    /// The optimizer: adamw (f32 moments) or adamw8bit (8-bit blockwise moments for tensors of
+    /// 4096 elements or more, embedding tables kept in f32: 0.25x AdamW's optimizer memory with
+    /// LoRA, 0.48x for a full fine-tune of GPT-2 124M, whose embeddings are a third of it).
     #[arg(long, value_enum, default_value_t = Optimizer::Adamw)]
     pub optim: Optimizer,
     /// AdamW's decoupled weight decay.
@@ -171,13 +173,20 @@ fn parse_memory(s: &str) -> Result<usize, String> {
     qatc_passes::plan::units::parse_memory(s)
 }
 
+/// What the driver builds with beyond the target: the interpreter or compiled kernels, the CPU
+/// executor's settings, and the kernel cache (`$XDG_CACHE_HOME/qatc`, `~/.cache/qatc`: NVRTC's
+/// CUBINs, with their sources in `sources/`).
+pub fn driver_options(interpreter: bool, cpu: qatc_runtime::CpuOptions) -> qatc_driver::Options {
+    qatc_driver::Options { interpreter, cpu, kernel_cache: cubin::default_cache_dir() }
+}
+
 /// Where and how the step runs (train's `--device`, `--interpreter` and GPU settings; the
 /// defaults elsewhere).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Placement {
-    pub device: Device,
+    pub device: DeviceFlag,
     pub interpreter: bool,
-    pub cuda: crate::runner::CudaSettings,
+    pub cuda: qatc_driver::CudaSettings,
 }
 
 impl StepArgs {
@@ -216,12 +225,12 @@ impl StepArgs {
 
     /// The step's options for these flags (through `config`).
     pub fn options(&self, model: &Path) -> anyhow::Result<crate::step::StepOptions> {
-        self.options_on(model, crate::runner::Device::Auto)
+        self.options_on(model, DeviceFlag::Auto)
     }
 
     /// The step's options for these flags, for a step that runs on `device` (what `--checkpoint
     /// auto` plans within: `--memory` less the device's reserve).
-    pub fn options_on(&self, model: &Path, device: crate::runner::Device) -> anyhow::Result<crate::step::StepOptions> {
+    pub fn options_on(&self, model: &Path, device: DeviceFlag) -> anyhow::Result<crate::step::StepOptions> {
         let mut o = self.config(model, Placement { device, ..Placement::default() })?.step_options().map_err(anyhow::Error::msg)?;
         options::name_bit_map(&mut o.model, &self.quant);
         o.deadline = self.compile_budget()?;
@@ -236,12 +245,12 @@ impl StepArgs {
 
     /// The checkpoint policy: `--checkpoint`, else `auto` when `--memory` is given, else none.
     /// `auto` plans within what `--memory` leaves on the device the step runs on
-    /// (`memory::step_budget`: on CUDA, less the context and the BLAS workspace).
+    /// (`Target::step_budget`: on CUDA, less the context and the BLAS workspace).
     pub fn checkpoint_policy(&self, placement: Placement) -> anyhow::Result<Checkpoint> {
-        let device = if placement.interpreter { qatc_runtime::exec::Device::Cpu } else { crate::runner::exec_device(placement.device) };
+        let target = qatc_driver::planned_target(placement.device.kind(), placement.interpreter);
         match (self.checkpoint, self.memory) {
             (Some(CheckpointArg::Policy(p)), _) => Ok(p),
-            (Some(CheckpointArg::Auto) | None, Some(m)) => Ok(Checkpoint::Auto(crate::memory::step_budget(m, device))),
+            (Some(CheckpointArg::Auto) | None, Some(m)) => Ok(Checkpoint::Auto(target.step_budget(m))),
             (Some(CheckpointArg::Auto), None) => anyhow::bail!("--checkpoint auto needs --memory SIZE (the device memory to fit)"),
             (None, None) => Ok(Checkpoint::None),
         }

@@ -13,7 +13,7 @@ use anyhow::Context;
 use qatc_ir::Category;
 use qatc_passes::plan::units::{flag, flops, human};
 use qatc_passes::PassReport;
-use qatc_runtime::exec::Device;
+use qatc_driver::{Options, Target};
 use qatc_runtime::CpuOptions;
 use serde_json::json;
 
@@ -30,8 +30,8 @@ pub struct Args {
     pub step: StepArgs,
     /// The device whose executor the plan is for: auto (the one `qatc train` would run on), cpu,
     /// cuda. A plan needs no GPU.
-    #[arg(long, value_enum, default_value_t = crate::runner::Device::Auto)]
-    pub device: crate::runner::Device,
+    #[arg(long, value_enum, default_value_t = crate::config::DeviceFlag::Auto)]
+    pub device: crate::config::DeviceFlag,
     /// The CPU executor's dequantized weight panels, in KiB (as `qatc train --panel-kib`).
     #[arg(long, default_value_t = CpuOptions::default().panel_bytes / 1024)]
     pub panel_kib: usize,
@@ -121,13 +121,13 @@ pub fn context(
         "config": cfg,
         "batch": opts.batch,
         "seq": opts.seq,
-        "device": e.device.name(),
+        "device": e.target.kind.name(),
         "options": options,
         "checkpoint": opts.checkpoint.describe(),
         "remat": remat.map(|r| json!({ "counters": r.counters, "notes": r.notes })),
         "memory_limit": memory,
-        "reserved": memory.map(|_| e.device.reserved_bytes()),
-        "fits": memory.map(|m| e.plan.peak_bytes() <= memory::step_budget(m, e.device)),
+        "reserved": memory.map(|_| e.target.reserved_bytes),
+        "fits": memory.map(|m| e.plan.peak_bytes() <= e.target.step_budget(m)),
     });
     let title = format!(
         "{name} ({} layers, C {}), B {} T {}, {}, checkpoint {}",
@@ -141,10 +141,10 @@ pub fn context(
     (ctx, title)
 }
 
-/// The step built as `opts` says and planned for `device`.
-pub fn build(cfg: &Gpt2Config, opts: &StepOptions, device: Device, cpu: &CpuOptions) -> anyhow::Result<(Vec<PassReport>, Executed)> {
+/// The step built as `opts` says and planned for `target`.
+pub fn build(cfg: &Gpt2Config, opts: &StepOptions, target: &Target, options: &Options) -> anyhow::Result<(Vec<PassReport>, Executed)> {
     let (g, reports) = step::train(cfg, opts, |_, _| {})?;
-    let e = memory::execute_plan(&g, device, cpu)?;
+    let e = qatc_driver::plan(&g, target, options)?;
     Ok((reports, e))
 }
 
@@ -169,7 +169,7 @@ pub fn table(e: &Executed, title: &str, memory: Option<usize>) -> String {
     o += &format!("qatc plan: {title}\n");
     o += &format!(
         "  {} executor: {} steps ({} kernel launches, {} GEMMs, {} run once), {} buffers\n",
-        e.device.name(),
+        e.target.kind.name(),
         e.program.steps.len(),
         e.program.launches(),
         e.program.gemms().count(),
@@ -208,16 +208,16 @@ pub fn table(e: &Executed, title: &str, memory: Option<usize>) -> String {
     );
     o += &format!("  inputs {} (persistent {}, data {})\n", human(p.input_bytes()), human(p.persistent_bytes), human(p.data_bytes));
     if let Some(m) = memory {
-        let budget = memory::step_budget(m, e.device);
+        let budget = e.target.step_budget(m);
         let verdict = if p.peak_bytes() <= budget { format!("yes, {} to spare", human(budget - p.peak_bytes())) } else { "no".into() };
-        o += &format!("  fits in {}: {verdict}\n", memory::fit::budget_words(m, e.device));
+        o += &format!("  fits in {}: {verdict}\n", memory::fit::budget_words(m, &e.target));
     }
     o
 }
 
-/// The device a plan is for: what `qatc train --device` would run on.
-pub fn plan_device(d: crate::runner::Device) -> Device {
-    crate::runner::exec_device(d)
+/// The target a plan is for: what `qatc train --device` would run on.
+pub fn plan_target(d: crate::config::DeviceFlag) -> Target {
+    qatc_driver::planned_target(d.kind(), false)
 }
 
 /// `given`: which options the command line gave (a `--precision` or `--optim` given pins it for
@@ -230,21 +230,22 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
     let (cfg, name) = config(&a.model, &a.step)?;
     let opts = a.step.options_on(std::path::Path::new(&a.model), a.device)?;
     let memory = a.step.memory;
-    let device = plan_device(a.device);
+    let target = plan_target(a.device);
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
+    let options = Options { cpu, ..Options::default() };
     if a.fit {
         let pinned = memory::fit::Pinned { precision: given.has("precision"), optim: given.has("optim") };
-        return fit(a, &cfg, &name, &opts, pinned, memory, device, &cpu);
+        return fit(a, &cfg, &name, &opts, pinned, memory, &target, &options);
     }
-    let (reports, e) = build(&cfg, &opts, device, &cpu)?;
+    let (reports, e) = build(&cfg, &opts, &target, &options)?;
     if let Some(m) = memory {
-        if e.plan.peak_bytes() > memory::step_budget(m, device) {
+        if e.plan.peak_bytes() > target.step_budget(m) {
             anyhow::bail!(
                 "the plan with --checkpoint {} needs {}, more than --memory {} leaves ({}); --checkpoint auto (the default with --memory) finds the fastest plan that fits, --fit the batch sizes that do",
                 opts.checkpoint.describe(),
                 human(e.plan.peak_bytes()),
                 flag(m),
-                memory::fit::budget_words(m, device)
+                memory::fit::budget_words(m, &target)
             );
         }
     }
@@ -278,14 +279,14 @@ fn fit(
     opts: &StepOptions,
     pinned: memory::fit::Pinned,
     memory: Option<usize>,
-    device: Device,
-    cpu: &CpuOptions,
+    target: &Target,
+    options: &Options,
 ) -> anyhow::Result<()> {
     let Some(memory) = memory else { anyhow::bail!("--fit needs --memory (a size such as 24GiB, or a GPU's name such as h100)") };
     if a.max_batch == 0 {
         anyhow::bail!("--max-batch must be at least 1");
     }
-    let f = memory::fit::search(cfg, opts, pinned, memory, a.max_batch, device, cpu)?;
+    let f = memory::fit::search(cfg, opts, pinned, memory, a.max_batch, target, options)?;
     let (_, words) = describe_options(opts);
     let title = format!("{name} ({} layers, C {}), T {}, {words}", cfg.n_layer, cfg.n_embd, opts.seq);
     if let (Some(path), Some((o, e))) = (&a.svg, &f.best) {
@@ -304,10 +305,10 @@ fn fit(
     }
     if a.json {
         let (options, _) = describe_options(opts);
-        let ctx = json!({ "qatc_version": env!("CARGO_PKG_VERSION"), "model": name, "config": cfg, "seq": opts.seq, "device": device.name(), "options": options });
-        println!("{}", memory::fit::to_json(&f, ctx, memory, device)?);
+        let ctx = json!({ "qatc_version": env!("CARGO_PKG_VERSION"), "model": name, "config": cfg, "seq": opts.seq, "device": target.kind.name(), "options": options });
+        println!("{}", memory::fit::to_json(&f, ctx, memory, target)?);
     } else {
-        print!("{}", memory::fit::table(&f, &title, memory, device));
+        print!("{}", memory::fit::table(&f, &title, memory, target));
         if let (Some(path), Some(_)) = (&a.svg, &f.best) {
             println!("  wrote {} (the first row's plan)", path.display());
         }

@@ -64,8 +64,8 @@ pub struct Args {
     pub measurements: Option<PathBuf>,
     /// Where the evaluations run: auto (a CUDA GPU when qatc can use one, else the CPU's
     /// reference interpreter), cpu, cuda.
-    #[arg(long, value_enum, default_value_t = crate::runner::Device::Auto)]
-    pub device: crate::runner::Device,
+    #[arg(long, value_enum, default_value_t = crate::config::DeviceFlag::Auto)]
+    pub device: crate::config::DeviceFlag,
     #[command(flatten)]
     pub read: super::ReadArgs,
 }
@@ -146,17 +146,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         _ => Measurements { version: 1, settings, ..Default::default() },
     };
-    let cuda = super::eval::on_cuda(a.device)?;
+    let target = super::eval::eval_target(a.device)?;
     let base = match cache.full_precision_loss {
         l if l != 0.0 => l,
-        _ => evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup { cuda, ..EvalSetup::default() }, false)?.loss,
+        _ => evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup { target, ..EvalSetup::default() }, false)?.loss,
     };
     cache.full_precision_loss = base;
     let limit = base * (1.0 + a.threshold);
     // the loss with `map` (module -> spec) quantized, the rest at full precision
     let eval_map = |map: BTreeMap<String, Option<QuantSpec>>| -> anyhow::Result<f64> {
         let spec = QuantSpec { bits: 8, group: a.group, scheme: sch };
-        let mut setup = EvalSetup { cuda, ..EvalSetup::default() };
+        let mut setup = EvalSetup { target, ..EvalSetup::default() };
         setup.model.quant =
             Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false, per_module_source: None });
         Ok(evaluate(&m, &data, a.batch, a.seq, n, &setup, false)?.loss)

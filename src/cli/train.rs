@@ -28,7 +28,7 @@ use crate::config::{self, RunConfig, ScaleInit, Scales, TrainConfig};
 use crate::data::TokenFile;
 
 use crate::model::Model;
-use crate::runner::Device;
+use crate::config::DeviceFlag as Device;
 use crate::schedule::{DataOrder, Schedule};
 pub use crate::trainer::{weights_safetensors, Trainer};
 use qatc_passes::precision::GRADS_FINITE;
@@ -168,7 +168,7 @@ impl Args {
     /// (`StepArgs::config`) and this run's, for the checkpoint `model` and the data `data`.
     pub fn config(&self, model: &Path, data: &Path) -> anyhow::Result<RunConfig> {
         let no_variants = self.no_variant.iter().copied().collect();
-        let cuda = crate::runner::CudaSettings {
+        let cuda = qatc_driver::CudaSettings {
             tf32: self.tf32,
             no_graph: self.no_cuda_graph,
             general_kernels: self.general_kernels,
@@ -323,8 +323,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let sched = train.lr_schedule();
     let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
     // the run's GPU settings: the command line's, or on --resume the saved run's
-    let (engine, notice) = crate::runner::resolve(step.device, step.interpreter, step.cuda)?;
-    if let Some(n) = notice {
+    let resolved = qatc_driver::resolve(step.device.kind(), step.interpreter, step.cuda)?;
+    if let Some(n) = &resolved.notice {
         eprintln!("qatc: {n}");
     }
     let m = super::open_model(&model_path, &a.step.read)?;
@@ -358,7 +358,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
-    let mut tr = Trainer::with_engine(&m, opts, init.as_ref(), train.seed, engine, &cpu)?;
+    let build = super::driver_options(resolved.interpreter, cpu);
+    let mut tr = Trainer::with_target(&m, opts, init.as_ref(), train.seed, &resolved.target, &build)?;
     tr.set_profile(a.profile);
     eprintln!("qatc: the step runs {}", tr.describe());
     let (start, mut skipped) = match (resume_at.as_ref(), &a.resume) {
@@ -406,7 +407,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         adapter: None,
         precision: tr.opts.precision,
         // validation runs where the step runs
-        cuda: matches!(engine, crate::runner::Engine::Cuda(_)),
+        target: resolved.target,
         ..Default::default()
     };
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
@@ -491,7 +492,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     pb.finish_and_clear();
     if a.profile {
         match tr.profile() {
-            Some(rows) => eprint!("{}", crate::runner::profile_table(&rows, 40)),
+            Some(rows) => eprint!("{}", super::profile::profile_table(&rows, 40)),
             None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first step is not timed)"),
         }
     }

@@ -1,6 +1,6 @@
 //! `qatc plan MODEL --memory SIZE --fit`: which configurations of the step fit a memory size, the
-//! fastest first. Every candidate is planned as it would run (`super::execute_plan`: the fused,
-//! lowered program laid out for the device), so "fits" means the executor's allocations fit.
+//! fastest first. Every candidate is planned as it would run (`qatc_driver::plan`: the fused,
+//! lowered program laid out for the target), so "fits" means the executor's allocations fit.
 //!
 //! The search: batch sizes 1, 2, 4, ... up to `--max-batch`; at each, every precision of
 //! [`precisions`] and optimizer of [`optimizers`] (fp32 and bf16, adamw and adamw8bit, unless the
@@ -19,12 +19,11 @@ use qatc_passes::optim::Moments;
 use qatc_passes::plan::units::{flops, human};
 use qatc_passes::precision::Precision;
 use qatc_passes::remat::Checkpoint;
-use qatc_runtime::exec::Device;
-use qatc_runtime::CpuOptions;
+use qatc_driver::{Options, Target, TargetKind};
 use serde::Serialize;
 use serde_json::json;
 
-use super::{execute_plan, Executed};
+use super::Executed;
 use crate::frontend::config::Gpt2Config;
 use crate::step::{self, StepOptions};
 
@@ -67,22 +66,22 @@ pub fn precisions(base: &StepOptions, pinned: Pinned) -> Vec<Precision> {
 /// model, 2x for bf16/fp16 (tensor cores; half the bytes for the memory-bound kernels; the GEMMs
 /// alone gain more against f32 without TF32, the row kernels less), not a measurement: the CUDA
 /// step has not run on a GPU yet.
-pub fn precision_speedup(device: Device, p: Precision) -> f64 {
-    match (device, p) {
+pub fn precision_speedup(target: &Target, p: Precision) -> f64 {
+    match (target.kind, p) {
         (_, Precision::Fp32) => 1.0,
-        (Device::Cpu, Precision::Bf16) => 339.0 / 409.0,
-        (Device::Cpu, Precision::Fp16) => 339.0 / 465.0,
-        (Device::Cuda, Precision::Bf16 | Precision::Fp16) => 2.0,
+        (TargetKind::Cpu, Precision::Bf16) => 339.0 / 409.0,
+        (TargetKind::Cpu, Precision::Fp16) => 339.0 / 465.0,
+        (TargetKind::Cuda, Precision::Bf16 | Precision::Fp16) => 2.0,
     }
 }
 
 /// What one launch costs, in FLOPs of the device's GEMM throughput: about 5 us of launch and
 /// synchronization at ~50 TFLOP/s on a GPU, about 2 us of dispatch at ~100 GFLOP/s on the CPU.
 /// Only the ranking uses it: more rows per launch is faster, by this much.
-pub fn launch_cost_flops(device: Device) -> f64 {
-    match device {
-        Device::Cuda => 2.5e8,
-        Device::Cpu => 2e5,
+pub fn launch_cost_flops(target: &Target) -> f64 {
+    match target.kind {
+        TargetKind::Cuda => 2.5e8,
+        TargetKind::Cpu => 2e5,
     }
 }
 
@@ -109,10 +108,10 @@ pub struct Candidate {
     score: f64,
 }
 
-fn candidate(o: &StepOptions, e: &Executed, memory: usize, device: Device) -> Candidate {
+fn candidate(o: &StepOptions, e: &Executed, memory: usize, target: &Target) -> Candidate {
     let tokens = o.batch * o.seq * o.grad_accum.max(1);
     let launches = e.program.launches();
-    let work = e.total_flops as f64 / precision_speedup(device, o.precision) + launches as f64 * launch_cost_flops(device);
+    let work = e.total_flops as f64 / precision_speedup(target, o.precision) + launches as f64 * launch_cost_flops(target);
     Candidate {
         batch: o.batch,
         seq: o.seq,
@@ -143,14 +142,14 @@ pub struct Fit {
     pub tried: usize,
 }
 
-fn plan_of(cfg: &Gpt2Config, o: &StepOptions, device: Device, cpu: &CpuOptions) -> anyhow::Result<Executed> {
+fn plan_of(cfg: &Gpt2Config, o: &StepOptions, target: &Target, options: &Options) -> anyhow::Result<Executed> {
     let (g, _) = step::train(cfg, o, |_, _| {})?;
-    execute_plan(&g, device, cpu)
+    Ok(qatc_driver::plan(&g, target, options)?)
 }
 
 /// Searches the configurations of `base` (its model options; batch, policy, and the precision and
 /// optimizer unless `pinned`, varied) for those that fit a device of `memory` bytes: plans within
-/// what the device's reserve leaves (`super::step_budget`).
+/// what the target's reserve leaves (`Target::step_budget`).
 #[allow(clippy::too_many_arguments)]
 pub fn search(
     cfg: &Gpt2Config,
@@ -158,15 +157,15 @@ pub fn search(
     pinned: Pinned,
     memory: usize,
     max_batch: usize,
-    device: Device,
-    cpu: &CpuOptions,
+    target: &Target,
+    options: &Options,
 ) -> anyhow::Result<Fit> {
     let mut fits: Vec<(Candidate, StepOptions)> = Vec::new();
     let mut best: Option<(f64, StepOptions, Executed)> = None;
     let mut smallest: Option<(Candidate, Executed)> = None;
     let mut tried = 0;
     let mut batch = 1;
-    let memory = super::step_budget(memory, device);
+    let memory = target.step_budget(memory);
     while batch <= max_batch.max(1) {
         let mut any = false;
         let kinds = precisions(base, pinned).into_iter().flat_map(|p| optimizers(base, pinned).into_iter().map(move |m| (p, m)));
@@ -180,8 +179,8 @@ pub fn search(
                 tried += 1;
                 // auto fails when no plan of its model (the graph-level planner's, which
                 // overstates the executed program) fits: blocks and sqrt are still tried
-                let Ok(e) = plan_of(cfg, &o, device, cpu) else { continue };
-                let c = candidate(&o, &e, memory, device);
+                let Ok(e) = plan_of(cfg, &o, target, options) else { continue };
+                let c = candidate(&o, &e, memory, target);
                 if c.fits {
                     consider(&mut best, &mut fits, c, o, e);
                     any = true;
@@ -238,12 +237,12 @@ pub fn why_not(c: &Candidate, e: &Executed, memory: usize) -> String {
 }
 
 /// What a device of `memory` bytes leaves a plan, in words: the size, and on CUDA the reserve.
-pub fn budget_words(memory: usize, device: Device) -> String {
-    match device.reserved_bytes() {
+pub fn budget_words(memory: usize, target: &Target) -> String {
+    match target.reserved_bytes {
         0 => human(memory),
         r => format!(
             "{} ({} less {} for the CUDA context and the BLAS workspace)",
-            human(super::step_budget(memory, device)),
+            human(target.step_budget(memory)),
             human(memory),
             human(r)
         ),
@@ -251,16 +250,16 @@ pub fn budget_words(memory: usize, device: Device) -> String {
 }
 
 /// The table `qatc plan --fit` prints.
-pub fn table(f: &Fit, title: &str, memory: usize, device: Device) -> String {
+pub fn table(f: &Fit, title: &str, memory: usize, target: &Target) -> String {
     let mut o = format!(
         "qatc plan --fit: {title}\n  fits in {} on the {} executor ({} plans tried)\n",
-        budget_words(memory, device),
-        device.name(),
+        budget_words(memory, target),
+        target.kind.name(),
         f.tried
     );
     if f.fits.is_empty() {
         if let Some((c, e)) = &f.smallest {
-            o += &format!("  {}\n", why_not(c, e, super::step_budget(memory, device)));
+            o += &format!("  {}\n", why_not(c, e, target.step_budget(memory)));
         }
         return o;
     }
@@ -288,8 +287,8 @@ pub fn table(f: &Fit, title: &str, memory: usize, device: Device) -> String {
 }
 
 /// The JSON `qatc plan --fit --json` prints (schema `qatc.fit`, version 1, `docs/memory_plan.md`).
-pub fn to_json(f: &Fit, context: serde_json::Value, memory: usize, device: Device) -> anyhow::Result<String> {
-    let budget = super::step_budget(memory, device);
+pub fn to_json(f: &Fit, context: serde_json::Value, memory: usize, target: &Target) -> anyhow::Result<String> {
+    let budget = target.step_budget(memory);
     let why = f.smallest.as_ref().map(|(c, e)| {
         let by: serde_json::Map<String, serde_json::Value> =
             Category::ALL.iter().map(|&k| (k.name().to_string(), json!(e.plan.at_peak(k)))).collect();
@@ -300,7 +299,7 @@ pub fn to_json(f: &Fit, context: serde_json::Value, memory: usize, device: Devic
         "version": 1,
         "context": context,
         "memory_limit": memory,
-        "reserved": device.reserved_bytes(),
+        "reserved": target.reserved_bytes,
         "plan_budget": budget,
         "plans_tried": f.tried,
         "fits": f.fits,

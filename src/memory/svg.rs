@@ -140,7 +140,7 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
     );
     let sub = format!(
         "{} executor: peak {} = inputs {} + arena {} (lower bound {}, ratio {:.3}); {} steps, {} buffers",
-        e.device.name(),
+        e.target.kind.name(),
         human(p.peak_bytes()),
         human(p.input_bytes()),
         human(p.arena_bytes),
@@ -264,10 +264,10 @@ pub fn render(e: &Executed, title: &str, limit: Option<usize>) -> String {
     }
     if let Some(m) = limit {
         // the line is what the plan may use: on CUDA, the device less the context's reserve
-        let l = super::step_budget(m, e.device);
+        let l = e.target.step_budget(m);
         let yl = y(l as f64);
         let _ = writeln!(o, r##"<line class="limit" x1="{X0}" y1="{yl:.1}" x2="{X1}" y2="{yl:.1}" stroke="#ff7f0e" stroke-width="2"/>"##);
-        let label = match e.device.reserved_bytes() {
+        let label = match e.target.reserved_bytes {
             0 => format!("--memory {}", human(m)),
             r => format!("--memory {} less {} reserved: {}", human(m), human(r), human(l)),
         };

@@ -146,7 +146,7 @@ pub fn init(b: &Buffer, values: DType) -> Option<Vec<u8>> {
 /// The attention kernels over 16-bit params (`program`'s `stored`: q, k, v strided views into one
 /// [B, T, 3C] bf16 or f16 buffer, dout, out, dq, dk and the dv of the dv kernel 16-bit, the dk/dv
 /// kernel's dv f32), as CUDA's lowering hands them over: the tensor-core templates (the shim's
-/// sm_80 branch) and the fp32 general template (`CudaCodegen::GENERAL`), every part, against the
+/// sm_80 branch) and the fp32 general template (`CudaSettings::GENERAL`), every part, against the
 /// evaluator (which loads them widened and rounds its stores, as the templates' element types
 /// do). Tolerances as `the_tensor_core_attention`'s (norm-wise for the mma's rounded results) and,
 /// for the general template, a 16-bit result's own (a rounding apart at most: the f32 sums in
@@ -159,8 +159,8 @@ fn the_attention_over_16bit_params() {
         let tag = if values == DType::BF16 { "qatc::ElemBf16" } else { "qatc::ElemF16" };
         for d in shapes {
             let prog = program(d, values, true);
-            for (codegen, how) in [(CudaCodegen::default(), "tensor cores"), (CudaCodegen::GENERAL, "general template")] {
-                let mma = codegen.tensor_core_attention;
+            for (codegen, how) in [(CudaSettings::default(), "tensor cores"), (CudaSettings::GENERAL, "general template")] {
+                let mma = codegen.allows(qatc_kernels::cuda::Variant::TensorCoreAttention);
                 for k in &prog.kernels {
                     let source = qatc_kernels::cuda::emit_with(k, &codegen).expect("emits").source;
                     assert_eq!(source.contains("_mma<"), mma, "{} ({how}):\n{source}", k.note);

@@ -2,7 +2,7 @@
 //! with every kernel's first launch also run as CUDA C, compiled by the system C++ compiler against
 //! `tests/cxx/cuda_on_cpu.h`, on the same bytes, and compared.
 
-use qatc_kernels::cuda::CudaCodegen;
+use qatc_kernels::CudaSettings;
 use qatc_kernels::kir::{AttentionPart, Body};
 
 use super::*;
@@ -145,8 +145,8 @@ pub struct OnCpu<'c> {
     pub checked: HashSet<String>,
     pub dir: tempfile::TempDir,
     pub found: Findings,
-    /// The variants the CUDA writer may use (`CudaCodegen::GENERAL` runs the general kernels).
-    pub codegen: CudaCodegen,
+    /// The variants the CUDA writer may use (`CudaSettings::GENERAL` runs the general kernels).
+    pub codegen: CudaSettings,
 }
 
 impl<'c> OnCpu<'c> {
@@ -160,7 +160,7 @@ impl<'c> OnCpu<'c> {
             checked: HashSet::new(),
             dir: tempfile::tempdir().expect("a scratch directory"),
             found: Findings::default(),
-            codegen: CudaCodegen::default(),
+            codegen: CudaSettings::default(),
         }
     }
 

@@ -1,13 +1,14 @@
 //! The attention kernels: a specialization of the tiled templates in `qatc_attention.cuh` to one
 //! shape and layout (sizes, scale and strides become constants the compiler folds). Where the
-//! operands' values are 16-bit and `CudaCodegen` allows it, the forward, delta, dq and dk/dv
+//! operands' values are 16-bit and the target's `CudaSettings` allow it, the forward, delta, dq and dk/dv
 //! kernels are `qatc_attention_mma.cuh`'s tensor-core templates instead (same params, grid and
 //! block), with the fp32 template kept for architectures before sm_80. Either reads and writes
 //! each view in its param's element type (`qatc::AttnElems`, from the params' dtypes).
 
 use qatc_ir::DType;
 
-use super::codegen::CudaCodegen;
+use super::codegen::Variant;
+use crate::target::CudaSettings;
 use super::emit::{float_lit, params, LaunchDims};
 use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
@@ -16,14 +17,14 @@ use crate::kir::{Attention, AttentionPart, Kernel, Ty};
 /// `a`, where `cg` allows it and it applies: every part (the forward; the backward's lse, delta,
 /// dq, dk/dv and dv), f16/bf16 values, hs 32, 48 or 64 (the tiles' shared
 /// memory), and 64 threads per block (the templates' two warps).
-pub fn tensor_cores(a: &Attention, cg: &CudaCodegen) -> Option<&'static str> {
+pub fn tensor_cores(a: &Attention, cg: &CudaSettings) -> Option<&'static str> {
     let part = match a.part {
-        AttentionPart::Forward => cg.tensor_core_attention,
+        AttentionPart::Forward => cg.allows(Variant::TensorCoreAttention),
         AttentionPart::Lse
         | AttentionPart::BackwardDelta
         | AttentionPart::BackwardQ
         | AttentionPart::BackwardKV
-        | AttentionPart::BackwardV => cg.tensor_core_attention_backward,
+        | AttentionPart::BackwardV => cg.allows(Variant::TensorCoreAttentionBackward),
     };
     let applies = part && a.hs.is_multiple_of(16) && (32..=64).contains(&a.hs) && BQ == 64;
     match a.values {
@@ -44,7 +45,7 @@ pub fn launch_dims(a: &Attention) -> LaunchDims {
     LaunchDims { grid: [rows(BQ), bh, 1], block: BQ }
 }
 
-pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32, cg: &CudaCodegen) {
+pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32, cg: &CudaSettings) {
     let (what, func) = match a.part {
         AttentionPart::Forward => ("forward: out = softmax(scale q k^T, causal) v, and the row log-sum-exp", "attention_forward"),
         AttentionPart::BackwardDelta => ("backward, delta_i = sum_j P_ij (dout_i . v_j)", "attention_backward_delta"),

@@ -4,66 +4,31 @@
 //! A variant computes what the kernel IR says (the same semantics, a different fixed order of
 //! float sums at most), under the kernel's own name and params. Attention's tensor-core form
 //! keeps the general launch dims; the row variants do not, so launch dims come from
-//! `emit::launch_dims_with(kernel, codegen)` and an executor launches a kernel with the dims of
-//! the text it loaded (`CudaKernel::launch`).
+//! `emit::launch_dims_with(kernel, settings)` and an executor launches a kernel with the dims of
+//! the text it loaded (`CudaKernel::launch`). Which variants the writer may pick is a target's
+//! setting (`crate::target::CudaSettings::allows`): each only where it applies; off forces the
+//! general kernel, so a GPU session can turn off a variant that fails.
+//!
+//! The variants:
+//! - `tensor-core-attention`: the causal attention forward on 16-bit tensor cores
+//!   (`qatc_attention_mma.cuh`) where the operands' values are f16/bf16
+//!   (`kir::Attention::values`) and hs is 32, 48 or 64 (at 16 ptxas spills), on sm_80 and later;
+//!   else the fp32 template (`qatc_attention.cuh`).
+//! - `tensor-core-attention-backward`: the same for the backward's kernels: lse (where the
+//!   forward's is not kept), delta, dq, dk/dv and dv.
+//! - `warp-rows`: a `RowMapping::Block` row kernel whose loops are at most `WARP_ROW_MAX` long
+//!   (layernorm and its gradient over C, softmax over T, ...) as one warp per row instead of one
+//!   block.
+//! - `split-columns`: a `RowMapping::Thread` kernel that sums over a loop of at least
+//!   `SPLIT_MIN` (bias and gamma gradients: a column of [B*T, C] per thread, C threads in all, a
+//!   few SMs busy) with each row's loop split over `SPLIT_SLICES` warps, 32 rows per block, the
+//!   slices' parts summed in slice order: `SPLIT_SLICES` times the threads, and a fixed order.
 
 use crate::kir::{Body, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty};
 
 use super::launch::{max_loop, MAX_GRID};
+use crate::target::CudaSettings;
 use super::loop_nest::stores;
-
-/// Which of the writer's kernel variants it may pick (a value passed in: the CUDA executor's
-/// `CudaOptions::codegen`; `qatc train --general-kernels` is `GENERAL`). Each switch only allows
-/// a variant where it applies; off forces the general kernel, so a GPU session can turn off a
-/// variant that fails.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CudaCodegen {
-    /// The causal attention forward on 16-bit tensor cores (`qatc_attention_mma.cuh`) where the
-    /// operands' values are f16/bf16 (`kir::Attention::values`) and hs is 32, 48 or 64 (at 16
-    /// ptxas spills), on sm_80 and later; else the fp32 template (`qatc_attention.cuh`).
-    pub tensor_core_attention: bool,
-    /// The same for the backward's kernels: lse (where the forward's is not kept), delta, dq,
-    /// dk/dv and dv.
-    pub tensor_core_attention_backward: bool,
-    /// A `RowMapping::Block` row kernel whose loops are at most `WARP_ROW_MAX` long (layernorm
-    /// and its gradient over C, softmax over T, ...) as one warp per row instead of one block.
-    pub warp_rows: bool,
-    /// A `RowMapping::Thread` kernel that sums over a loop of at least `SPLIT_MIN` (bias and
-    /// gamma gradients: a column of [B*T, C] per thread, C threads in all, a few SMs busy) with
-    /// each row's loop split over `SPLIT_SLICES` warps, 32 rows per block, the slices' parts
-    /// summed in slice order: `SPLIT_SLICES` times the threads, and a fixed order.
-    pub split_columns: bool,
-}
-
-impl Default for CudaCodegen {
-    fn default() -> CudaCodegen {
-        CudaCodegen { tensor_core_attention: true, tensor_core_attention_backward: true, warp_rows: true, split_columns: true }
-    }
-}
-
-impl CudaCodegen {
-    /// Every variant off: the general kernels only.
-    pub const GENERAL: CudaCodegen =
-        CudaCodegen { tensor_core_attention: false, tensor_core_attention_backward: false, warp_rows: false, split_columns: false };
-
-    /// The switch of one variant.
-    fn switch(&mut self, v: Variant) -> &mut bool {
-        match v {
-            Variant::TensorCoreAttention => &mut self.tensor_core_attention,
-            Variant::TensorCoreAttentionBackward => &mut self.tensor_core_attention_backward,
-            Variant::WarpRows => &mut self.warp_rows,
-            Variant::SplitColumns => &mut self.split_columns,
-        }
-    }
-
-    /// These switches with the variants of `off` turned off (`qatc train --no-variant`).
-    pub fn without(mut self, off: Variants) -> CudaCodegen {
-        for v in off.iter() {
-            *self.switch(v) = false;
-        }
-        self
-    }
-}
 
 /// A set of variants, a value (`Copy`) that a run's `qatc.json` saves as their names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -71,8 +36,14 @@ impl CudaCodegen {
 pub struct Variants(u8);
 
 impl Variants {
+    pub const EMPTY: Variants = Variants(0);
+
     pub fn is_empty(&self) -> bool {
         self.0 == 0
+    }
+
+    pub fn contains(&self, v: Variant) -> bool {
+        self.0 & v.bit() != 0
     }
 
     /// The variants in the set, in `Variant::ALL`'s order.
@@ -133,37 +104,39 @@ impl Variant {
     }
 }
 
-/// The longest row loop a warp takes on (`CudaCodegen::warp_rows`): 32 elements per lane, GPT-2
+/// The longest row loop a warp takes on (`warp-rows`): 32 elements per lane, GPT-2
 /// XL's C = 1600 not (a block's threads share it better), 124M's 768 yes.
 pub const WARP_ROW_MAX: usize = 1024;
 /// Rows (warps) per block of a warp-per-row kernel.
 pub const WARP_ROWS: u32 = 4;
 
-/// The shortest summed loop that `CudaCodegen::split_columns` splits (the tiny test model's
+/// The shortest summed loop that `split-columns` splits (the tiny test model's
 /// B*T = 32 is split, so the GPU tests see the variant).
 pub const SPLIT_MIN: usize = 32;
 /// Warps (slices of the loop) per block of a split kernel; each block takes 32 rows.
 pub const SPLIT_SLICES: u32 = 8;
 
-/// Whether `cg` writes `k` one warp per row.
-pub fn warp_rows(k: &Kernel, cg: &CudaCodegen) -> bool {
+/// Whether the writer writes `k` one warp per row under `cg`.
+pub fn warp_rows(k: &Kernel, cg: &CudaSettings) -> bool {
     match &k.body {
-        Body::Loops { space: Space::Rows { mapping: RowMapping::Block, .. }, stmts } => cg.warp_rows && max_loop(stmts) <= WARP_ROW_MAX,
+        Body::Loops { space: Space::Rows { mapping: RowMapping::Block, .. }, stmts } => {
+            cg.allows(Variant::WarpRows) && max_loop(stmts) <= WARP_ROW_MAX
+        }
         _ => false,
     }
 }
 
-/// Whether `cg` writes `k` with its sums split over slices: a thread-per-row kernel with at least
+/// Whether the writer writes `k` under `cg` with its sums split over slices: a thread-per-row kernel with at least
 /// one row, a top-level sum over a loop of at least `SPLIT_MIN`, every top-level reduction a sum
 /// of a number (a sequential one, such as `FirstAbsMax`, cannot be split) that stores nothing.
-pub fn split_columns(k: &Kernel, cg: &CudaCodegen) -> bool {
+pub fn split_columns(k: &Kernel, cg: &CudaSettings) -> bool {
     let Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Thread }, stmts } = &k.body else { return false };
     let long = stmts.iter().any(|s| matches!(s, Stmt::Reduce { lp, .. } if lp.max >= SPLIT_MIN));
     let splittable = stmts.iter().all(|s| match s {
         Stmt::Reduce { op, ty, body, .. } => *op == ReduceOp::Sum && *ty != Ty::Bool && stores(body).is_empty(),
         _ => true,
     });
-    cg.split_columns && *rows > 0 && (*rows as u64).div_ceil(32) <= MAX_GRID[0] && long && splittable
+    cg.allows(Variant::SplitColumns) && *rows > 0 && (*rows as u64).div_ceil(32) <= MAX_GRID[0] && long && splittable
 }
 
 #[cfg(test)]
@@ -176,14 +149,11 @@ mod tests {
             assert_eq!(Variant::from_name(v.name()), Some(v));
             // the serde name (a run's qatc.json) is the command line's
             assert_eq!(serde_json::to_string(&v).expect("serializes"), format!("\"{}\"", v.name()));
-            let off = CudaCodegen::default().without([v].into_iter().collect());
-            let mut on = off;
-            *on.switch(v) = true;
-            assert_eq!(on, CudaCodegen::default(), "{v:?} turns off more than its own switch");
-            assert_ne!(off, CudaCodegen::default(), "{v:?} turns off nothing");
+            let off = CudaSettings::default().without(v);
+            assert!(Variant::ALL.iter().all(|&w| off.allows(w) == (w != v)), "{v:?} turns off exactly its own variant");
         }
         let all: Variants = Variant::ALL.into_iter().collect();
-        assert_eq!(CudaCodegen::default().without(all), CudaCodegen::GENERAL);
+        assert!(Variant::ALL.iter().all(|&v| !CudaSettings { no_variants: all, ..CudaSettings::default() }.allows(v)));
         assert_eq!(all.iter().collect::<Vec<_>>(), Variant::ALL);
         // a set saves as its names, in a fixed order, and reads back
         let two: Variants = [Variant::SplitColumns, Variant::WarpRows, Variant::WarpRows].into_iter().collect();

@@ -5,7 +5,7 @@
 //! Mapping: an Elements space is one thread per element (`idx`, coordinates `i0, i1, ..` where
 //! used); a Rows space with `RowMapping::Block` is one block per row whose threads stride over the
 //! row, reductions ending in `qatc::block_sum` / `block_max` (or, for rows of up to
-//! `WARP_ROW_MAX` where `CudaCodegen::warp_rows` allows, one warp per row, `WARP_ROWS` rows per
+//! `WARP_ROW_MAX` where the `warp-rows` variant is allowed, one warp per row, `WARP_ROWS` rows per
 //! block, reductions by `qatc::warp_sum` / `warp_max`: no shared memory, no block barrier);
 //! `RowMapping::Thread` is one thread per row with plain loops.
 //!
@@ -15,7 +15,8 @@ use std::collections::BTreeSet;
 
 use qatc_ir::DType;
 
-use super::codegen::{split_columns, warp_rows, CudaCodegen, SPLIT_SLICES, WARP_ROWS};
+use super::codegen::{split_columns, warp_rows, SPLIT_SLICES, WARP_ROWS};
+use crate::target::CudaSettings;
 use super::writer::Writer;
 use crate::error::KernelError;
 use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Kernel, RowMapping, Space, Ty, UnOp};
@@ -43,13 +44,13 @@ pub const HEADERS: [(&str, &str); 6] = [
     ("qatc_attention_mma.cuh", include_str!("include/qatc_attention_mma.cuh")),
 ];
 
-/// `k` as CUDA C, with the default variants (`CudaCodegen::default`).
+/// `k` as CUDA C, with the default variants (`CudaSettings::default`).
 pub fn emit(k: &Kernel) -> Result<CudaKernel, KernelError> {
-    emit_with(k, &CudaCodegen::default())
+    emit_with(k, &CudaSettings::default())
 }
 
 /// `k` as CUDA C, with the variants `cg` allows where they apply.
-pub fn emit_with(k: &Kernel, cg: &CudaCodegen) -> Result<CudaKernel, KernelError> {
+pub fn emit_with(k: &Kernel, cg: &CudaSettings) -> Result<CudaKernel, KernelError> {
     let name = k.name();
     let launch = launch_dims_with(k, cg);
     check_grid(k, &launch)?;
@@ -90,7 +91,7 @@ pub fn params(w: &mut Writer, k: &Kernel) {
     w.dedent();
 }
 
-fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelError> {
+fn render(k: &Kernel, name: &str, cg: &CudaSettings) -> Result<String, KernelError> {
     let mut w = Writer::new();
     let dims = launch_dims_with(k, cg);
     let warp = warp_rows(k, cg);
@@ -135,7 +136,7 @@ fn render(k: &Kernel, name: &str, cg: &CudaCodegen) -> Result<String, KernelErro
     Ok(text)
 }
 
-fn headers_needed(k: &Kernel, cg: &CudaCodegen) -> BTreeSet<&'static str> {
+fn headers_needed(k: &Kernel, cg: &CudaSettings) -> BTreeSet<&'static str> {
     let mut h = BTreeSet::new();
     match &k.body {
         Body::Attention(a) => {

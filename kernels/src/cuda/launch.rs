@@ -1,7 +1,8 @@
 //! A kernel's launch: the grid and block each kernel IR space maps to (see `emit`'s module doc
 //! for the mapping), and the limits a grid must keep.
 
-use super::codegen::{split_columns, warp_rows, CudaCodegen, SPLIT_SLICES, WARP_ROWS};
+use super::codegen::{split_columns, warp_rows, SPLIT_SLICES, WARP_ROWS};
+use crate::target::CudaSettings;
 use crate::error::KernelError;
 use crate::kir::{Body, Kernel, RowMapping, Space, Stmt};
 
@@ -64,13 +65,13 @@ pub(super) fn max_loop(stmts: &[Stmt]) -> usize {
 /// The grid and block of a kernel. Every grid has at least one block (CUDA launches none with
 /// zero): a kernel with nothing to do returns at once (its guards see every index out of range).
 /// Grids past CUDA's limits are rejected by `emit`, so the clamp here never drops work. With the
-/// default variants (`CudaCodegen::default`), as `emit` writes the kernel.
+/// default variants (`CudaSettings::default`), as `emit` writes the kernel.
 pub fn launch_dims(k: &Kernel) -> LaunchDims {
-    launch_dims_with(k, &CudaCodegen::default())
+    launch_dims_with(k, &CudaSettings::default())
 }
 
 /// The grid and block of `k` as `emit_with(k, cg)` writes it.
-pub fn launch_dims_with(k: &Kernel, cg: &CudaCodegen) -> LaunchDims {
+pub fn launch_dims_with(k: &Kernel, cg: &CudaSettings) -> LaunchDims {
     let blocks = |n: usize, per: u32| n.div_ceil(per as usize).clamp(1, MAX_GRID[0] as usize) as u32;
     if let Body::Loops { space: Space::Rows { rows, .. }, .. } = &k.body {
         if warp_rows(k, cg) {

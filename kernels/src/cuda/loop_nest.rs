@@ -47,7 +47,7 @@ fn scratch(t: Ty) -> &'static str {
     }
 }
 
-/// The shared parts of a split kernel's sums of type `t` (`CudaCodegen::split_columns`).
+/// The shared parts of a split kernel's sums of type `t` (`split-columns`).
 fn part(t: Ty) -> &'static str {
     match t {
         Ty::F64 => "part_f64",
@@ -96,10 +96,10 @@ pub(super) struct LoopNestWriter<'k> {
     parallel: bool,
     /// Inside a Block-mapped row: a group of threads shares each row.
     block_rows: bool,
-    /// The group is a warp (`CudaCodegen::warp_rows`), not the block.
+    /// The group is a warp (`warp-rows`), not the block.
     warp: bool,
     /// A thread-per-row kernel whose top-level sums are split over warps
-    /// (`CudaCodegen::split_columns`): top-level stores by the row's first warp (`owner`).
+    /// (`split-columns`): top-level stores by the row's first warp (`owner`).
     split: bool,
 }
 

@@ -9,7 +9,7 @@ mod launch;
 mod loop_nest;
 pub mod writer;
 
-pub use codegen::{CudaCodegen, Variant, Variants};
+pub use codegen::{Variant, Variants};
 pub use emit::{emit, emit_with, CudaKernel, LaunchDims, HEADERS};
 
 #[cfg(test)]

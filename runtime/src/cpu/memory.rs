@@ -10,9 +10,9 @@ use qatc_kernels::program::BufId;
 use crate::error::RuntimeError;
 use crate::exec::{MemoryLayout, Place, Region};
 
-/// The CPU's alignment: a cache line, so no two buffers share a line and vector loads of any
-/// width are aligned.
-pub const ALIGN: usize = 64;
+/// The CPU's alignment (`Target::cpu`'s): a cache line, so no two buffers share a line and
+/// vector loads of any width are aligned.
+pub use qatc_kernels::target::CPU_ALIGN as ALIGN;
 
 /// What `zeroed` asks the allocator for: std's `alloc_zeroed` of a larger alignment is
 /// `posix_memalign` plus a memset that touches every page at once, while at this one it is

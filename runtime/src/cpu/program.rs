@@ -106,7 +106,8 @@ impl CpuProgram {
             super::CpuAttention::Gemm => Box::new(super::GemmAttention::new(jit, &prog.kernels)),
             super::CpuAttention::Kernels => Box::new(jit),
         };
-        Ok((CpuProgram::with_options(prog, launcher, crate::exec::Device::Cpu.exec_options(), cpu)?, panels))
+        let exec = ExecOptions::for_target(&qatc_kernels::Target::cpu());
+        Ok((CpuProgram::with_options(prog, launcher, exec, cpu)?, panels))
     }
 
     pub fn program(&self) -> &Program {

@@ -8,10 +8,12 @@ use std::path::Path;
 
 use qatc_arena::aligned;
 use qatc_kernels::cuda::blas::{self, BlasMode, BlasPlan};
-use qatc_kernels::cuda::{CudaCodegen, CudaKernel};
+use qatc_kernels::cuda::CudaKernel;
+use qatc_kernels::CudaSettings;
 use qatc_kernels::kir::Kernel;
 use qatc_kernels::nvrtc::{self, Arch, BuildOptions, BuildReport, KernelCache, Nvrtc};
-use qatc_kernels::program::{Program, Step, DEVICE_ALIGN};
+use qatc_kernels::program::{Program, Step};
+use qatc_kernels::target::CUDA_ALIGN;
 
 use super::{FuncId, GpuApi, KernelImage, PlanFuncs};
 use crate::error::RuntimeError;
@@ -64,7 +66,7 @@ pub fn plan_gemms(prog: &Program, mode: BlasMode) -> Result<Plans, RuntimeError>
                     .iter()
                     .map(|(t, n)| {
                         let o = at;
-                        at += aligned(t.bytes() * n, DEVICE_ALIGN);
+                        at += aligned(t.bytes() * n, CUDA_ALIGN);
                         o
                     })
                     .collect();
@@ -96,7 +98,7 @@ pub fn load_kernels<A: GpuApi>(
     plans: &mut Plans,
     arch: Arch,
     build: Option<&KernelBuild>,
-    codegen: &CudaCodegen,
+    codegen: &CudaSettings,
 ) -> Result<Loaded, RuntimeError> {
     let emit = |k: &Kernel| {
         qatc_kernels::cuda::emit_with(k, codegen)

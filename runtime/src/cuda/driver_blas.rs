@@ -17,7 +17,7 @@ use qatc_kernels::cuda::blas::{BlasCall, Compute, ElemType, Matrix, Op};
 use super::driver::drv;
 use super::{DevPtr, GemmPtrs, GpuError, Result};
 
-use super::BLAS_WORKSPACE as WORKSPACE;
+use qatc_kernels::cuda::blas::WORKSPACE_BYTES as WORKSPACE;
 
 pub struct Blas {
     handle: bsys::cublasHandle_t,

@@ -13,7 +13,7 @@ use super::{DevPtr, GpuError, Result};
 
 /// Where the fake addresses start: far from anything a test would mistake for a real pointer.
 const BASE: DevPtr = 0x7f00_0000_0000;
-pub const ALIGN: u64 = 256;
+pub const ALIGN: u64 = qatc_kernels::target::CUDA_ALIGN as u64;
 
 struct Alloc {
     bytes: usize,

@@ -39,18 +39,7 @@ pub use build::KernelBuild;
 pub use driver::{probe_libraries, CudaDriver};
 pub use error::GpuError;
 pub use host::HostGpu;
-pub use program::{CudaOptions, CudaProgram, DeviceBytes};
-
-/// The workspace the executor gives cuBLAS and cuBLASLt, one allocation for both (cuBLAS
-/// recommends 32 MiB on Hopper), so a GEMM captured into a graph allocates nothing.
-pub const BLAS_WORKSPACE: usize = 32 << 20;
-
-/// What the CUDA context holds on the device before the executor allocates anything: the
-/// driver's and runtime's state, the kernel modules (qatc's CUBINs are a few MiB) and cuBLAS's
-/// own buffers. An estimate: about 500 MiB on an H100 with CUDA 12-13 (NVIDIA's figure varies
-/// with the driver, lazy module loading and the libraries loaded); `bench/gpu.sh fit` reads the
-/// device's use beside the plan (`DeviceBytes::device_used`), which is where to correct it.
-pub const CONTEXT_BYTES: usize = 512 << 20;
+pub use program::{CudaProgram, DeviceBytes};
 
 /// A device address (`CUdeviceptr`).
 pub type DevPtr = u64;
@@ -91,7 +80,7 @@ pub struct KernelImage {
     pub cubin: Vec<u8>,
     pub kernel: Kernel,
     /// The grid and block its CUDA C was written for (`CudaKernel::launch`: a variant of the
-    /// writer, `CudaCodegen::warp_rows`, may map the same kernel IR to other dims).
+    /// writer, `warp-rows`, may map the same kernel IR to other dims).
     pub launch: LaunchDims,
 }
 

@@ -22,43 +22,19 @@ use std::collections::HashMap;
 use qatc_ir::InputKind;
 use qatc_kernels::cuda::blas::{BlasMode, Mem};
 use qatc_kernels::cuda::emit::launch_dims_with;
-use qatc_kernels::cuda::{CudaCodegen, LaunchDims};
+use qatc_kernels::cuda::LaunchDims;
 use qatc_kernels::nvrtc::BuildReport;
-use qatc_kernels::program::{BufId, Program, Step, View, DEVICE_ALIGN};
+use qatc_kernels::program::{BufId, Program, Step, View};
+use qatc_kernels::Target;
 
 use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
 use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
 use crate::exec::{
-    gemm_label, kernel_label, step_cost, Device, ExecOptions, ExecPlan, Hoist, MemoryLayout, PartCost, Region, TimedPart, TrainStep,
+    gemm_label, kernel_label, step_cost, ExecOptions, ExecPlan, MemoryLayout, PartCost, Region, TimedPart, TrainStep,
 };
 use crate::value::Value;
-
-/// How a program runs on the GPU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CudaOptions {
-    /// fp32 GEMMs strict IEEE (comparable with the CPU) or on TF32 tensor cores.
-    pub blas: BlasMode,
-    /// Capture the step once as a CUDA graph and replay it; else every launch and GEMM is
-    /// submitted on every run and waited for, so that an asynchronous error (an illegal address)
-    /// names the kernel or GEMM that caused it (slower: for finding faults).
-    pub graph: bool,
-    /// Which steps that read only frozen inputs run once, not every run. `Device::Cuda`'s by
-    /// default (`Hoist::Shrinking`, what `qatc plan --device cuda` plans): casts of frozen f32
-    /// weights to the compute type once, never a dequantization (which would keep a whole
-    /// 16/32-bit copy of every 4-bit weight for the run, what storing them in 4 bits avoids).
-    pub hoist: Hoist,
-    /// Which fast kernel variants the CUDA C may use where they apply (`CudaCodegen::GENERAL`:
-    /// none, to rule one out when a kernel is suspect).
-    pub codegen: CudaCodegen,
-}
-
-impl Default for CudaOptions {
-    fn default() -> CudaOptions {
-        CudaOptions { blas: BlasMode::Strict, graph: true, hoist: Device::Cuda.exec_options().hoist, codegen: CudaCodegen::default() }
-    }
-}
 
 /// One step on the device, its pointers resolved.
 enum DeviceStep {
@@ -94,7 +70,7 @@ impl DeviceBytes {
 pub struct CudaProgram<A: GpuApi> {
     prog: Program,
     plan: ExecPlan,
-    options: CudaOptions,
+    target: Target,
     api: RefCell<A>,
     /// Region bases, in `Region` order: arena, persistent, data; and the GEMM scratch.
     allocations: Vec<DevPtr>,
@@ -151,22 +127,24 @@ impl Parts {
 }
 
 impl<A: GpuApi> CudaProgram<A> {
-    /// Plans `prog` (alignment 256, buffers sharing the arena by lifetime), builds its kernels
-    /// for the device (`build`: NVRTC through the cache; None where the emulation needs no
-    /// machine code), plans its GEMMs, allocates and zeroes its memory and loads everything.
-    pub fn new(prog: Program, mut api: A, options: CudaOptions, build: Option<&KernelBuild>) -> Result<CudaProgram<A>, RuntimeError> {
-        // laid out as `qatc plan --device cuda` plans it (the one home of how this executor allocates)
-        let exec = ExecOptions { hoist: options.hoist, ..Device::Cuda.exec_options() };
+    /// Plans `prog` for `target` (a CUDA target: its alignment, hoisting, variants, TF32 and
+    /// graph replay; buffers sharing the arena by lifetime), builds its kernels for the device
+    /// (`build`: NVRTC through the cache; None where the emulation needs no machine code), plans
+    /// its GEMMs, allocates and zeroes its memory and loads everything.
+    pub fn new(prog: Program, mut api: A, target: &Target, build: Option<&KernelBuild>) -> Result<CudaProgram<A>, RuntimeError> {
+        // laid out as `qatc plan --device cuda` plans it (the one home of how an executor allocates)
+        let exec = ExecOptions::for_target(target);
         let plan = ExecPlan::new(&prog, exec)?;
-        let mut plans = plan_gemms(&prog, options.blas)?;
+        let mut plans = plan_gemms(&prog, BlasMode::of(&target.cuda))?;
         let arch = api.device().arch;
-        let loaded = load_kernels(&mut api, &prog, &mut plans, arch, build, &options.codegen)?;
+        let loaded = load_kernels(&mut api, &prog, &mut plans, arch, build, &target.cuda)?;
+        let align = target.align;
         let l = &plan.layout;
         let sizes = [l.arena_bytes, l.persistent_bytes, l.data_bytes, plans.scratch_bytes];
         let mut allocations = Vec::with_capacity(4);
         for (what, &n) in ["the arena", "the persistent inputs", "the data inputs", "the GEMM scratch"].iter().zip(&sizes) {
             // one alignment at least: an empty region still has an address
-            let n = n.max(DEVICE_ALIGN);
+            let n = n.max(align);
             let p = api.alloc(n).map_err(device_err(format!("allocating {what} ({n} bytes)")))?;
             allocations.push(p);
             // zeroed, as the CPU's: a buffer read before written in a run holds zeros the first time
@@ -186,7 +164,7 @@ impl<A: GpuApi> CudaProgram<A> {
                     let k = &prog.kernels[*kernel];
                     DeviceStep::Launch {
                         func: loaded.funcs[*kernel],
-                        dims: launch_dims_with(k, &options.codegen),
+                        dims: launch_dims_with(k, &target.cuda),
                         args: args.iter().map(|&b| ptrs[b]).collect(),
                         label: kernel_label(k),
                     }
@@ -207,22 +185,22 @@ impl<A: GpuApi> CudaProgram<A> {
         let readback = api.alloc_pinned(out_bytes).map_err(device_err("pinned memory for the outputs"))?;
         let (free, total) = api.memory().map_err(device_err("asking the device for its free memory"))?;
         let bytes = DeviceBytes {
-            arena: sizes[0].max(DEVICE_ALIGN),
-            persistent: sizes[1].max(DEVICE_ALIGN),
-            data: sizes[2].max(DEVICE_ALIGN),
-            scratch: sizes[3].max(DEVICE_ALIGN),
+            arena: sizes[0].max(align),
+            persistent: sizes[1].max(align),
+            data: sizes[2].max(align),
+            scratch: sizes[3].max(align),
             pinned: l.data_bytes + out_bytes,
             device_used: total.saturating_sub(free),
         };
         let nb = prog.buffers.len();
         let mut frozen = vec![false; nb];
-        for i in plan.inputs.iter().filter(|i| i.kind == InputKind::Frozen && options.hoist.any()) {
+        for i in plan.inputs.iter().filter(|i| i.kind == InputKind::Frozen && target.hoist.any()) {
             frozen[i.buf] = true;
         }
         Ok(CudaProgram {
             prog,
             plan,
-            options,
+            target: *target,
             api: RefCell::new(api),
             allocations,
             bytes,
@@ -256,8 +234,9 @@ impl<A: GpuApi> CudaProgram<A> {
         &self.plan.layout
     }
 
-    pub fn options(&self) -> CudaOptions {
-        self.options
+    /// The target it was built for.
+    pub fn target(&self) -> &Target {
+        &self.target
     }
 
     /// What the program holds on the device and in pinned host memory.
@@ -338,7 +317,7 @@ impl<A: GpuApi> CudaProgram<A> {
     /// Submits step `i` (run now, or recorded while capturing); without the graph, waits for it.
     fn submit_step(&self, api: &mut A, i: usize) -> Result<(), RuntimeError> {
         self.submit_one(api, i)?;
-        if self.options.graph {
+        if self.target.cuda.graph() {
             return Ok(());
         }
         api.synchronize().map_err(|e| match &self.steps[i] {
@@ -470,7 +449,7 @@ impl<A: GpuApi> CudaProgram<A> {
         // first library calls (cuBLAS loading its kernels, first-call setup) then run outside a
         // capture, where anything a capture forbids is an error naming its call, not a broken
         // capture (what frameworks do too: warm up, then capture).
-        let replay = self.options.graph && (self.graph.is_some() || self.ran);
+        let replay = self.target.cuda.graph() && (self.graph.is_some() || self.ran);
         if replay {
             let g = match self.graph {
                 Some(g) => g,

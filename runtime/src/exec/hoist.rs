@@ -3,30 +3,9 @@
 //! run, and again only after a frozen input is set anew, not every step. Their results must then
 //! keep their bytes between runs: the layout makes them live the whole run.
 
-use serde::Serialize;
-
 use super::access::Access;
 
-/// Which of the steps that read only frozen weights run once (`ExecOptions::hoist`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Hoist {
-    /// None: each runs every step (only steps that read nothing at all run once).
-    Nothing,
-    /// Those that write no more bytes than they read (a cast of a frozen f32 weight to bf16,
-    /// every step the same, is kept; a 4-bit weight's dequantization, four times its codes' bytes
-    /// in bf16, is not: holding it for the run is what storing 4 bits avoids). CUDA's.
-    Shrinking,
-    /// Every one (the CPU's: its GEMMs dequantize panel by panel, so nothing large is hoisted).
-    Everything,
-}
-
-impl Hoist {
-    /// Whether any frozen input may be read by a hoisted step.
-    pub fn any(self) -> bool {
-        self != Hoist::Nothing
-    }
-}
+pub use qatc_kernels::target::Hoist;
 
 /// Which steps qualify, given what each reads and writes, which buffers are frozen inputs and
 /// each buffer's bytes: a step qualifies when everything it reads is frozen or written by

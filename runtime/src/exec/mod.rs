@@ -3,14 +3,14 @@
 //! the CUDA executor.
 //!
 //! ```text
-//! Program --ExecPlan::new(prog, ExecOptions { align, layout, hoist })--> ExecPlan
+//! Program --ExecPlan::new(prog, ExecOptions::for_target(&target))--> ExecPlan
 //!   check.rs    every launch, GEMM, output and update checked against the buffers, once
 //!   access.rs   what each step reads and writes
 //!   hoist.rs    the steps that read only frozen weights: run once, not every step
 //!   layout.rs   each buffer's lifetime, and its place: the arena (offsets by qatc_arena, shared
 //!               by lifetime), the persistent inputs, the per-step data inputs
-//!   plan.rs     the plan itself, and the updates' write-backs into their inputs; Device: each
-//!               device's layout parameters
+//!   plan.rs     the plan itself, and the updates' write-backs into their inputs; a target's
+//!               layout parameters (`ExecOptions::for_target`)
 //!   memory_plan.rs  what an executor holds, buffer by buffer and step by step (`qatc plan`)
 //!   cost.rs     what a step moves and computes (a profile's rates)
 //! values.rs       host bytes <-> interpreter values (inputs in, outputs out)
@@ -33,5 +33,5 @@ pub use cost::{step_cost, PartCost, TimedPart};
 pub use hoist::Hoist;
 pub use layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout, Place, Region};
 pub use memory_plan::{MemoryPlan, PlannedBuffer, PlannedStep};
-pub use plan::{Device, ExecOptions, ExecPlan, InputBuf, WriteBack, CUDA_ALIGN};
+pub use plan::{ExecOptions, ExecPlan, InputBuf, WriteBack};
 pub use train_step::{InterpretedStep, TrainStep};

@@ -3,6 +3,7 @@
 
 use qatc_ir::{DType, InputKind};
 use qatc_kernels::program::{BufId, BufKind, Program, Step};
+use qatc_kernels::Target;
 use serde::Serialize;
 
 use super::access::{self, Access};
@@ -15,7 +16,7 @@ use crate::error::RuntimeError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ExecOptions {
     /// Every buffer's offset and size in its region is a multiple of this many bytes (the
-    /// device's: 64 on the CPU, 256 for CUDA).
+    /// target's: `Target::align`).
     pub align: usize,
     pub layout: BufferLayout,
     /// Which steps that read only frozen inputs run once, not every step (`hoist.rs`).
@@ -30,71 +31,13 @@ impl ExecOptions {
     pub fn new(align: usize) -> ExecOptions {
         ExecOptions { align, layout: BufferLayout::Shared, hoist: Hoist::Nothing, data_region: true }
     }
-}
 
-/// The devices qatc lays programs out for, with their executors' parameters: the one place
-/// that says how a device's executor allocates, so that `qatc plan` shows exactly that.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Device {
-    /// `crate::cpu`: three allocations (arena, persistent inputs, data inputs) at a cache line's
-    /// alignment; the steps that read only frozen weights (the GEMM panels' dequantization
-    /// aside) run once and keep their results.
-    Cpu,
-    /// The CUDA executor (`crate::cuda`): three allocations (arena, persistent inputs, the
-    /// per-step data inputs that pinned staging fills in one copy) at cudaMalloc's 256-byte
-    /// alignment; only the frozen steps that shrink what they read are hoisted
-    /// (`Hoist::Shrinking`: a frozen f32 weight's cast to bf16 runs once), so a dequantized
-    /// weight lives only around its GEMMs (a 4-bit weight costs its codes, never a whole
-    /// 16/32-bit copy for the run).
-    Cuda,
-}
-
-/// cudaMalloc's alignment, which every CUDA buffer keeps (any element type's loads, and
-/// word-wide 4-bit stores).
-pub const CUDA_ALIGN: usize = 256;
-
-impl Device {
-    pub fn name(self) -> &'static str {
-        match self {
-            Device::Cpu => "cpu",
-            Device::Cuda => "cuda",
-        }
-    }
-
-    /// Whether this device's executor runs each row of a row kernel on one thread, its
-    /// statements in order (the CPU's LLVM kernels: rows split over threads, a row's loops run
-    /// one after another), rather than a block or warp of threads sharing a row (CUDA). The
-    /// lowering may then rewrite a row between its passes (`LowerOptions::sequential_rows`).
-    pub fn sequential_rows(self) -> bool {
-        matches!(self, Device::Cpu)
-    }
-
-    /// Whether this device's attention kernels read q, k, v and dout in their buffers' type and
-    /// write their results in it, rounded once at the store (CUDA's templates,
-    /// `qatc_attention*.cuh`), rather than reading f32 copies (the CPU's LLVM kernels and its
-    /// attention GEMMs, `cpu/attn_gemm.rs`): `LowerOptions::attention_reads_stored`.
-    pub fn attention_reads_stored(self) -> bool {
-        matches!(self, Device::Cuda)
-    }
-
-    /// What a process running a step holds on this device outside the executor's planned
-    /// allocations, so a plan for a device of some size (`--memory`) must leave it free: nothing
-    /// on the CPU (the host's other memory is not the step's to plan); on CUDA the context and the
-    /// BLAS workspace (`crate::cuda::CONTEXT_BYTES`, `crate::cuda::BLAS_WORKSPACE`).
-    pub fn reserved_bytes(self) -> usize {
-        match self {
-            Device::Cpu => 0,
-            Device::Cuda => crate::cuda::CONTEXT_BYTES + crate::cuda::BLAS_WORKSPACE,
-        }
-    }
-
-    /// How this device's executor lays a program out.
-    pub fn exec_options(self) -> ExecOptions {
-        match self {
-            Device::Cpu => ExecOptions { hoist: Hoist::Everything, ..ExecOptions::new(crate::cpu::ALIGN) },
-            Device::Cuda => ExecOptions { hoist: Hoist::Shrinking, ..ExecOptions::new(CUDA_ALIGN) },
-        }
+    /// How `target`'s executor lays a program out: three allocations (arena, persistent inputs,
+    /// per-step data inputs) at the target's alignment, buffers sharing the arena by lifetime,
+    /// its frozen steps hoisted as it says. The one place a layout follows from a device, so
+    /// that `qatc plan` shows exactly what the executor allocates.
+    pub fn for_target(target: &Target) -> ExecOptions {
+        ExecOptions { hoist: target.hoist, ..ExecOptions::new(target.align) }
     }
 }
 

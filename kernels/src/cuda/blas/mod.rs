@@ -26,6 +26,10 @@ use crate::program::BufId;
 pub use moves::{move_kernels, MoveKernel};
 pub use plan::{plan, BlasMode};
 
+/// The workspace a CUDA executor gives cuBLAS and cuBLASLt, one allocation for both (cuBLAS
+/// recommends 32 MiB on Hopper), so a GEMM captured into a graph allocates nothing.
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
 /// Element types of GEMM operands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ElemType {

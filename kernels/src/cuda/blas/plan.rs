@@ -30,6 +30,17 @@ pub enum BlasMode {
     Tf32,
 }
 
+impl BlasMode {
+    /// The mode a target's settings ask for (`--tf32`).
+    pub fn of(settings: &crate::target::CudaSettings) -> BlasMode {
+        if settings.tf32 {
+            BlasMode::Tf32
+        } else {
+            BlasMode::Strict
+        }
+    }
+}
+
 fn elem_type(d: DType) -> Option<ElemType> {
     match d {
         DType::F32 => Some(ElemType::F32),

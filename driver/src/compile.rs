@@ -1,0 +1,96 @@
+//! [`compile`]: a step graph and a target in, the executor that runs the step out, with what it
+//! is in one line. Each executor is a `TrainStep`: the step's state stays on it between steps.
+//!
+//! | target | executor | kernels | GEMMs |
+//! |---|---|---|---|
+//! | CPU, `interpreter` | `InterpretedStep`: the reference interpreter, node by node | none | f64-summed loops |
+//! | CPU | `CpuProgram` | LLVM, JIT for this CPU | OpenBLAS or the gemm crate, fed panel by panel |
+//! | CUDA | `CudaProgram` on device 0 | NVRTC for the device, through the kernel cache | cuBLAS(Lt) |
+
+use std::path::PathBuf;
+
+use qatc_ir::Graph;
+use qatc_kernels::{Target, TargetKind};
+use qatc_runtime::{CpuOptions, InterpretedStep, TrainStep};
+
+use crate::describe;
+use crate::lower::lower;
+use crate::DriverError;
+
+/// How to build the executor, beyond what the target says.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// The reference interpreter instead of compiled kernels (`--interpreter`; the CPU only).
+    pub interpreter: bool,
+    /// The CPU executor's settings (its panel size changes the program it runs).
+    pub cpu: CpuOptions,
+    /// Where compiled kernels are kept between runs (CUBINs by NVRTC, under `DIR/` with their
+    /// sources in `DIR/sources/`); None: compile everything, keep nothing.
+    pub kernel_cache: Option<PathBuf>,
+}
+
+/// A step ready to run.
+pub struct Executable {
+    pub step: Box<dyn TrainStep>,
+    /// What runs it, in one line: the device, its kernels, and what it holds against the plan.
+    pub description: String,
+    /// The target it was built for (a CUDA target with the device's architecture and memory).
+    pub target: Target,
+}
+
+/// Builds the executor of step graph `g` for `target`: the program `qatc plan` plans for it (the
+/// same schedule, chunk size and rewrites), compiled and loaded.
+pub fn compile(g: &Graph, target: &Target, options: &Options) -> Result<Executable, DriverError> {
+    if options.interpreter {
+        if target.kind != TargetKind::Cpu {
+            return Err(DriverError::Unsupported("--interpreter runs on the CPU; it excludes --device cuda".into()));
+        }
+        let step = Box::new(InterpretedStep::new(g)?);
+        return Ok(Executable { step, description: "the reference interpreter".into(), target: *target });
+    }
+    match target.kind {
+        TargetKind::Cpu => compile_cpu(g, target, options),
+        TargetKind::Cuda => compile_cuda(g, target, options),
+    }
+}
+
+#[cfg(feature = "llvm")]
+fn compile_cpu(g: &Graph, target: &Target, options: &Options) -> Result<Executable, DriverError> {
+    let (p, panels) = cpu_program(g, options)?;
+    let description = describe::compiled(&p, &panels);
+    Ok(Executable { step: Box::new(p), description, target: *target })
+}
+
+/// The CPU executor of step graph `g`, as `compile` builds it for `Target::cpu()` (the program
+/// `plan` plans for the CPU: the executor applies the same rewrites and the same layout), and
+/// what its panel rewrite did; for callers that look inside the executor.
+#[cfg(feature = "llvm")]
+pub fn cpu_program(g: &Graph, options: &Options) -> Result<(qatc_runtime::CpuProgram, qatc_kernels::panels::PanelReport), DriverError> {
+    let program = lower(g, &Target::cpu(), options)?.program;
+    Ok(qatc_runtime::CpuProgram::compile(program, &options.cpu)?)
+}
+
+#[cfg(not(feature = "llvm"))]
+fn compile_cpu(_: &Graph, _: &Target, _: &Options) -> Result<Executable, DriverError> {
+    Err(DriverError::Unsupported("this qatc was built without LLVM; the compiled CPU runtime needs it".into()))
+}
+
+/// A lowered program on CUDA device 0: its kernels built by NVRTC for the device through the
+/// kernel cache, their sources written beside it so that a compile error names a file.
+fn compile_cuda(g: &Graph, target: &Target, options: &Options) -> Result<Executable, DriverError> {
+    use qatc_kernels::nvrtc::{KernelCache, Nvrtc};
+    use qatc_runtime::cuda::{CudaDriver, CudaProgram, GpuApi, KernelBuild};
+    let program = lower(g, target, options)?.program;
+    let driver = CudaDriver::open(0)?;
+    let nv = Nvrtc::open().map_err(|e| DriverError::Unsupported(format!("--device cuda compiles kernels with NVRTC: {e}")))?;
+    let cache = options.kernel_cache.as_ref().map(KernelCache::new);
+    let sources = options.kernel_cache.as_ref().map(|d| d.join("sources"));
+    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let build = KernelBuild { nvrtc: &nv, cache: cache.as_ref(), jobs, source_dir: sources.as_deref() };
+    // the device's own architecture and memory, whatever the target guessed
+    let d = driver.device().clone();
+    let target = Target { arch: Some(d.arch), memory: Some(d.total_memory), ..*target };
+    let p = CudaProgram::new(program, driver, &target, Some(&build))?;
+    let description = describe::cuda(&p);
+    Ok(Executable { step: Box::new(p), description, target })
+}

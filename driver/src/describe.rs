@@ -1,0 +1,78 @@
+//! What runs a step, in one line: the device, its kernels, and what it holds against the
+//! executor's plan (`ExecPlan`'s layout, which `qatc plan` prints too).
+
+use qatc_runtime::cuda::{CudaDriver, CudaProgram};
+
+/// One line: the GPU, what the step is there, and what it holds on the device against the
+/// executor's plan (`ExecPlan`'s layout, which `qatc plan` prints too).
+pub fn cuda(p: &CudaProgram<CudaDriver>) -> String {
+    let human = qatc_passes::plan::units::human;
+    let d = p.device();
+    let (launches, calls) = p.per_step();
+    let built = match p.build_report() {
+        Some(r) => format!("{} from the NVRTC cache, {} compiled in {:.1} s", r.cached, r.compiled, r.wall_s),
+        None => "no machine code built".into(),
+    };
+    let b = p.bytes();
+    let l = p.layout();
+    let o = p.target();
+    format!(
+        "on CUDA: {} ({}, {} SMs, {}; {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
+        d.name,
+        d.arch,
+        d.multiprocessors,
+        human(d.total_memory),
+        d.libraries,
+        p.distinct_kernels(),
+        if o.cuda.graph() { " replayed as one CUDA graph" } else { "" },
+        p.plan().hoisted_steps(),
+        if o.cuda.tf32 { "TF32" } else { "strict fp32" },
+        human(b.device_total()),
+        human(b.arena),
+        human(l.placed_bytes),
+        human(l.lower_bound),
+        human(b.persistent),
+        human(b.data),
+        human(b.scratch),
+        human(b.pinned),
+        human(b.device_used),
+        human(b.device_used.saturating_sub(b.device_total())),
+        human(o.reserved_bytes)
+    )
+}
+
+/// One line: what the compiled step is and the memory it holds.
+#[cfg(feature = "llvm")]
+pub fn compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels::PanelReport) -> String {
+    let human = qatc_passes::plan::units::human;
+    let prog = p.program();
+    let fed = if panels.lines.is_empty() {
+        String::new()
+    } else {
+        format!(
+            ", {} quantized weights computed into GEMM panels ({} of dequantized copies never made)",
+            panels.lines.len(),
+            human(panels.bytes_saved)
+        )
+    };
+    let gemms = match p.blas_name() {
+        Some(b) => format!("large ones by OpenBLAS ({b})"),
+        None => "by the gemm crate".into(),
+    };
+    // what the plan says (the executed plan is this program's layout) against what the executor
+    // allocated
+    let plan = qatc_runtime::exec::MemoryPlan::new(prog, p.plan());
+    format!(
+        "compiled for this CPU: {} LLVM kernels, {} launches and {} GEMMs per step ({gemms}), {} threads{fed}; memory: planned peak {} (arena {}, at least {} live at once; inputs {}), held {}",
+        prog.kernels.len(),
+        prog.launches(),
+        prog.gemms().count(),
+        rayon::current_num_threads(),
+        human(plan.peak_bytes()),
+        human(plan.arena_bytes),
+        human(plan.lower_bound),
+        human(plan.input_bytes()),
+        human(p.held_bytes())
+    )
+}
+

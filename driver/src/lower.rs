@@ -1,0 +1,82 @@
+//! A step graph lowered for a target, and the memory plan of what its executor holds: the
+//! program the executor runs, laid out by the executor core's own layout function with the
+//! target's parameters, so the buffers `qatc plan` lists are the ones the executor allocates, at
+//! the same offsets.
+
+use qatc_ir::{Graph, Phase, Roles};
+use qatc_kernels::{Program, Target, TargetKind};
+use qatc_passes::plan::cost::node_flops;
+use qatc_runtime::exec::{ExecOptions, ExecPlan, MemoryPlan};
+
+use crate::chunk::{self, ChunkChoice};
+use crate::{DriverError, Options};
+
+/// A step lowered for a target, before the target's own rewrites.
+pub struct Lowered {
+    pub program: Program,
+    /// The rows per chunk of the chunked cross-entropy, and why (`chunk`).
+    pub chunk: Option<ChunkChoice>,
+}
+
+/// The program step graph `g` runs as on `target`, before that target's rewrites: lowered in the
+/// order of the graph-level planner's memory-aware schedule (`qatc_passes::plan`), so that a
+/// value runs when the schedule says (a recomputed one just before the backward step that reads
+/// it, a weight gradient's GEMM as soon as it can) and the executor holds what that schedule
+/// holds; the chunked cross-entropy's rows per chunk chosen by [`chunk::choose`].
+pub fn lower(g: &Graph, target: &Target, options: &Options) -> Result<Lowered, DriverError> {
+    let schedule = qatc_passes::plan::schedule(g)?;
+    let (program, chunk) = chunk::choose(g, &schedule, target, options)?;
+    Ok(Lowered { program, chunk })
+}
+
+/// The target's own rewrites of a lowered program, before it is laid out (what its executor
+/// runs): on the CPU, 4-bit weights fed to their GEMMs in dequantized panels; none on CUDA.
+pub fn prepare(program: &mut Program, target: &Target, options: &Options) {
+    if target.kind == TargetKind::Cpu {
+        qatc_runtime::cpu::prepare(program, &options.cpu);
+    }
+}
+
+/// The executed plan's peak of `program` on `target` (the target's rewrites applied first).
+pub fn peak(program: &Program, target: &Target, options: &Options) -> Result<usize, DriverError> {
+    let mut program = program.clone();
+    prepare(&mut program, target, options);
+    let exec = ExecPlan::new(&program, ExecOptions::for_target(target))?;
+    Ok(MemoryPlan::new(&program, &exec).peak_bytes())
+}
+
+/// A step as a target's executor would run it, and what it holds.
+pub struct Executed {
+    pub target: Target,
+    /// The lowered program after the target's rewrites.
+    pub program: Program,
+    pub exec: ExecPlan,
+    pub plan: MemoryPlan,
+    /// FLOPs of the whole step (every node of the graph, a fused kernel its body's), and of the
+    /// values recomputed in the backward (`remat`).
+    pub total_flops: u64,
+    pub recompute_flops: u64,
+    pub recomputed_nodes: usize,
+    /// The rows per chunk of the chunked cross-entropy, and why (`chunk`).
+    pub chunk: Option<ChunkChoice>,
+}
+
+/// Lowers `g` for `target` and lays it out as that target's executor does (`options.cpu`: the
+/// CPU executor's settings, whose panel size changes the program).
+pub fn plan(g: &Graph, target: &Target, options: &Options) -> Result<Executed, DriverError> {
+    let Lowered { mut program, chunk } = lower(g, target, options)?;
+    prepare(&mut program, target, options);
+    let exec = ExecPlan::new(&program, ExecOptions::for_target(target))?;
+    let plan = MemoryPlan::new(&program, &exec);
+    let roles = Roles::of(g);
+    let (mut total_flops, mut recompute_flops, mut recomputed_nodes) = (0u64, 0u64, 0usize);
+    for n in g.node_ids() {
+        let f = node_flops(g, n);
+        total_flops += f;
+        if roles.phase(g, n) == Phase::Recompute {
+            recompute_flops += f;
+            recomputed_nodes += 1;
+        }
+    }
+    Ok(Executed { target: *target, program, exec, plan, total_flops, recompute_flops, recomputed_nodes, chunk })
+}
