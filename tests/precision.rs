@@ -38,7 +38,7 @@ fn qlora(b: usize, t: usize, p: Precision) -> StepOptions {
 fn stage(cfg: &Gpt2Config, o: &StepOptions, name: &str) -> Option<Graph> {
     let mut found = None;
     step::train(cfg, o, |n, g| {
-        if n == name {
+        if n.name() == name {
             found = Some(g.clone());
         }
     })
@@ -71,7 +71,7 @@ fn the_table_holds_on_whole_steps() {
         for (what, o) in [("qlora", qlora(2, 8, p)), ("full fine-tune", full)] {
             let (g, reports) = step::train(&two_layers(), &o, |_, _| {}).unwrap();
             let what = format!("{what} {p}");
-            let report = reports.iter().find(|r| r.pass == "precision").expect("a report");
+            let report = reports.iter().find(|r| r.pass == qatc::step::Stage::Precision).expect("a report");
             assert!(report.counters["casts"] > 0 && report.counters["values_in_compute_type"] > 0, "{what}: {report}");
             let mut casts_of: HashMap<NodeId, Vec<DType>> = HashMap::new();
             for n in g.node_ids() {

@@ -1,6 +1,6 @@
 //! qatc's passes. A pass is a function over the graph that returns a [`PassReport`]; the
-//! pipeline ([`pipeline::run`]) runs a list of them top to bottom and verifies the graph after
-//! each, naming the pass that broke an invariant.
+//! pipeline ([`pipeline::STAGES`], run by [`pipeline::run`]) is one table of them, top to
+//! bottom, and verifies the graph after each, naming the stage that broke an invariant.
 //!
 //! Passes of the training step, in pipeline order:
 //! - [`quant::fake_quant`]: FakeQuant on targeted weights (straight-through estimator);
@@ -28,4 +28,4 @@ mod rebuild;
 pub mod remat;
 
 pub use error::PassError;
-pub use pipeline::{Pass, PassReport};
+pub use pipeline::{PassReport, PipelineOptions, Stage};

@@ -14,8 +14,8 @@ use serde::Serialize;
 use crate::error::{InPass, PassError};
 use crate::linears::{self, matches};
 use crate::pipeline::PassReport;
+use crate::pipeline::Stage;
 
-const PASS: &str = "lora";
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LoraOptions {
@@ -80,32 +80,32 @@ pub fn lora_names(module: &str) -> (String, String) {
 pub const DROPOUT_SEED: &str = "dropout.seed";
 
 pub fn lora(mut g: Graph, o: &LoraOptions) -> Result<(Graph, PassReport), PassError> {
-    let mut rep = PassReport::new(PASS);
-    let bad = |msg: String| PassError::Invalid { pass: PASS, msg };
+    let mut rep = PassReport::new(Stage::Lora);
+    let bad = |msg: String| PassError::Invalid { pass: Stage::Lora, msg };
     o.check().map_err(bad)?;
     let lins: Vec<_> = linears::find(&g).into_iter().filter(|l| o.targets.iter().any(|t| matches(&l.module, t))).collect();
     let seed =
-        if o.dropout > 0.0 { Some(g.input(DROPOUT_SEED, InputKind::Data, DType::I32, Shape::scalar()).in_pass(PASS)?) } else { None };
+        if o.dropout > 0.0 { Some(g.input(DROPOUT_SEED, InputKind::Data, DType::I32, Shape::scalar()).in_pass(Stage::Lora)?) } else { None };
     let s = o.scaling();
     for (stream, lin) in lins.iter().enumerate() {
         if o.r > lin.n_in.min(lin.n_out) {
             return Err(bad(format!("LoRA rank {} exceeds min(in, out) = {} of {}", o.r, lin.n_in.min(lin.n_out), lin.module)));
         }
         let (an, bn) = lora_names(&lin.module);
-        let a = g.input(an, InputKind::Trainable, DType::F32, [o.r, lin.n_in]).in_pass(PASS)?; // [r, in]
-        let b = g.input(bn, InputKind::Trainable, DType::F32, [lin.n_out, o.r]).in_pass(PASS)?; // [out, r]
+        let a = g.input(an, InputKind::Trainable, DType::F32, [o.r, lin.n_in]).in_pass(Stage::Lora)?; // [r, in]
+        let b = g.input(bn, InputKind::Trainable, DType::F32, [lin.n_out, o.r]).in_pass(Stage::Lora)?; // [out, r]
         if o.merged {
             merge(&mut g, lin, a, b, s)?;
         } else {
             // u [N, r] = dropout(x) A^T ; v [N, out] = u B^T ; y += scaling v
             let x = match seed {
-                Some(sd) => g.add(Op::Dropout { p: o.dropout, stream }, &[lin.x, sd]).in_pass(PASS)?,
+                Some(sd) => g.add(Op::Dropout { p: o.dropout, stream }, &[lin.x, sd]).in_pass(Stage::Lora)?,
                 None => lin.x,
             };
-            let u = g.add_named(Op::MatMul { ta: false, tb: true }, &[x, a], format!("{}.lora_u", lin.module)).in_pass(PASS)?;
-            let v = g.add(Op::MatMul { ta: false, tb: true }, &[u, b]).in_pass(PASS)?;
-            let sv = g.add(Op::Affine { mul: s, add: 0.0 }, &[v]).in_pass(PASS)?;
-            let y = g.add_named(Op::Binary(BinaryOp::Add), &[lin.out, sv], format!("{}.lora", lin.module)).in_pass(PASS)?;
+            let u = g.add_named(Op::MatMul { ta: false, tb: true }, &[x, a], format!("{}.lora_u", lin.module)).in_pass(Stage::Lora)?;
+            let v = g.add(Op::MatMul { ta: false, tb: true }, &[u, b]).in_pass(Stage::Lora)?;
+            let sv = g.add(Op::Affine { mul: s, add: 0.0 }, &[v]).in_pass(Stage::Lora)?;
+            let y = g.add_named(Op::Binary(BinaryOp::Add), &[lin.out, sv], format!("{}.lora", lin.module)).in_pass(Stage::Lora)?;
             g.replace_all_uses(lin.out, y);
         }
         rep.count("modules", 1);
@@ -119,9 +119,9 @@ pub fn lora(mut g: Graph, o: &LoraOptions) -> Result<(Graph, PassReport), PassEr
 
 /// W_eff = W + scaling (B A)^T, placed under the linear's FakeQuant (or directly as its weight).
 fn merge(g: &mut Graph, lin: &linears::Linear, a: NodeId, b: NodeId, s: f64) -> Result<(), PassError> {
-    let ba_t = g.add(Op::MatMul { ta: true, tb: true }, &[a, b]).in_pass(PASS)?; // A^T B^T = (B A)^T [in, out]
-    let d = g.add(Op::Affine { mul: s, add: 0.0 }, &[ba_t]).in_pass(PASS)?;
-    let w_eff = g.add_named(Op::Binary(BinaryOp::Add), &[lin.weight, d], format!("{}.weight.merged", lin.module)).in_pass(PASS)?;
+    let ba_t = g.add(Op::MatMul { ta: true, tb: true }, &[a, b]).in_pass(Stage::Lora)?; // A^T B^T = (B A)^T [in, out]
+    let d = g.add(Op::Affine { mul: s, add: 0.0 }, &[ba_t]).in_pass(Stage::Lora)?;
+    let w_eff = g.add_named(Op::Binary(BinaryOp::Add), &[lin.weight, d], format!("{}.weight.merged", lin.module)).in_pass(Stage::Lora)?;
     g.replace_all_uses(lin.weight, w_eff);
     Ok(())
 }

@@ -16,6 +16,7 @@ use serde::Serialize;
 use crate::autodiff::grad_name;
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
+use crate::pipeline::Stage;
 
 /// Elements per block of an 8-bit moment (one absmax per block), bitsandbytes' optimizer block.
 pub const BLOCK_8BIT: usize = 2048;
@@ -77,7 +78,7 @@ pub fn is_blockwise(g: &Graph, p: NodeId, moments: Moments) -> bool {
 }
 
 /// The trainable inputs with their gradient outputs, in name order.
-fn grads(g: &Graph, pass: &'static str) -> Result<Vec<(String, NodeId, NodeId)>, PassError> {
+fn grads(g: &Graph, pass: Stage) -> Result<Vec<(String, NodeId, NodeId)>, PassError> {
     let mut v = Vec::new();
     for p in g.inputs() {
         if g.input_kind(p) != Some(InputKind::Trainable) {
@@ -93,7 +94,7 @@ fn grads(g: &Graph, pass: &'static str) -> Result<Vec<(String, NodeId, NodeId)>,
 }
 
 /// Replaces the gradient outputs with a copy of the given name-to-node map, keeping the rest.
-fn rewire_outputs(g: &mut Graph, new: &[(String, NodeId)], pass: &'static str) -> Result<(), PassError> {
+fn rewire_outputs(g: &mut Graph, new: &[(String, NodeId)], pass: Stage) -> Result<(), PassError> {
     let keep: Vec<_> = g.outputs().iter().filter(|o| !new.iter().any(|(n, _)| *n == o.name && !o.update)).cloned().collect();
     g.clear_outputs();
     for o in keep {
@@ -112,34 +113,33 @@ fn rewire_outputs(g: &mut Graph, new: &[(String, NodeId)], pass: &'static str) -
 /// torch.nn.utils.clip_grad_norm_: total = sqrt(sum of every gradient's squares);
 /// every gradient is scaled by min(1, max_norm / (total + 1e-6)). Adds output `grad_norm`.
 pub fn clip(mut g: Graph, max_norm: f64) -> Result<(Graph, PassReport), PassError> {
-    const PASS: &str = "clip";
-    let mut report = PassReport::new(PASS);
-    let gs = grads(&g, PASS)?;
+    let mut report = PassReport::new(Stage::Clip);
+    let gs = grads(&g, Stage::Clip)?;
     let mut total: Option<NodeId> = None;
     for (_, _, gr) in &gs {
-        let sq = g.add(Op::Unary(UnaryOp::Square), &[*gr]).in_pass(PASS)?;
-        let s = g.add(Op::SumTo { shape: Shape::scalar() }, &[sq]).in_pass(PASS)?;
+        let sq = g.add(Op::Unary(UnaryOp::Square), &[*gr]).in_pass(Stage::Clip)?;
+        let s = g.add(Op::SumTo { shape: Shape::scalar() }, &[sq]).in_pass(Stage::Clip)?;
         total = Some(match total {
             None => s,
-            Some(t) => g.add(Op::Binary(BinaryOp::Add), &[t, s]).in_pass(PASS)?,
+            Some(t) => g.add(Op::Binary(BinaryOp::Add), &[t, s]).in_pass(Stage::Clip)?,
         });
     }
-    let total = total.ok_or(PassError::Invalid { pass: PASS, msg: "no gradients to clip".into() })?;
-    let norm = g.add_named(Op::Unary(UnaryOp::Sqrt), &[total], "grad_norm").in_pass(PASS)?;
-    let den = g.add(Op::Affine { mul: 1.0, add: 1e-6 }, &[norm]).in_pass(PASS)?;
-    let inv = g.add(Op::Unary(UnaryOp::Recip), &[den]).in_pass(PASS)?;
-    let coef = g.add(Op::Affine { mul: max_norm, add: 0.0 }, &[inv]).in_pass(PASS)?;
-    let one = g.constant(1.0, g.ty(coef).dtype, Shape::scalar()).in_pass(PASS)?;
-    let coef = g.add_named(Op::Binary(BinaryOp::Min), &[coef, one], "clip_coef").in_pass(PASS)?;
+    let total = total.ok_or(PassError::Invalid { pass: Stage::Clip, msg: "no gradients to clip".into() })?;
+    let norm = g.add_named(Op::Unary(UnaryOp::Sqrt), &[total], "grad_norm").in_pass(Stage::Clip)?;
+    let den = g.add(Op::Affine { mul: 1.0, add: 1e-6 }, &[norm]).in_pass(Stage::Clip)?;
+    let inv = g.add(Op::Unary(UnaryOp::Recip), &[den]).in_pass(Stage::Clip)?;
+    let coef = g.add(Op::Affine { mul: max_norm, add: 0.0 }, &[inv]).in_pass(Stage::Clip)?;
+    let one = g.constant(1.0, g.ty(coef).dtype, Shape::scalar()).in_pass(Stage::Clip)?;
+    let coef = g.add_named(Op::Binary(BinaryOp::Min), &[coef, one], "clip_coef").in_pass(Stage::Clip)?;
     let mut new = Vec::new();
     for (name, _, gr) in &gs {
         let shape = g.ty(*gr).shape.clone();
-        let c = g.add(Op::Broadcast { shape }, &[coef]).in_pass(PASS)?;
-        let clipped = g.add_named(Op::Binary(BinaryOp::Mul), &[*gr, c], grad_name(name)).in_pass(PASS)?;
+        let c = g.add(Op::Broadcast { shape }, &[coef]).in_pass(Stage::Clip)?;
+        let clipped = g.add_named(Op::Binary(BinaryOp::Mul), &[*gr, c], grad_name(name)).in_pass(Stage::Clip)?;
         new.push((grad_name(name), clipped));
     }
     new.push(("grad_norm".to_string(), norm));
-    rewire_outputs(&mut g, &new, PASS)?;
+    rewire_outputs(&mut g, &new, Stage::Clip)?;
     report.set("clipped_tensors", gs.len() as i64);
     Ok((g, report))
 }
@@ -148,14 +148,13 @@ pub fn clip(mut g: Graph, max_norm: f64) -> Result<(Graph, PassReport), PassErro
 /// (parity tests read them); otherwise they are dropped so gradients die as soon as the update
 /// has consumed them.
 pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassReport), PassError> {
-    const PASS: &str = "adamw";
-    let mut report = PassReport::new(PASS);
-    let gs = grads(&g, PASS)?;
-    let lr = g.input("lr", InputKind::Data, DType::F32, Shape::scalar()).in_pass(PASS)?;
-    let step = g.input("step", InputKind::State, DType::F32, Shape::scalar()).in_pass(PASS)?;
+    let mut report = PassReport::new(Stage::Adamw);
+    let gs = grads(&g, Stage::Adamw)?;
+    let lr = g.input("lr", InputKind::Data, DType::F32, Shape::scalar()).in_pass(Stage::Adamw)?;
+    let step = g.input("step", InputKind::State, DType::F32, Shape::scalar()).in_pass(Stage::Adamw)?;
     // t = step + 1: bias correction uses the step number after this step, as torch does.
-    let t = g.add_named(Op::Affine { mul: 1.0, add: 1.0 }, &[step], "step.next").in_pass(PASS)?;
-    g.set_update("step", t).in_pass(PASS)?;
+    let t = g.add_named(Op::Affine { mul: 1.0, add: 1.0 }, &[step], "step.next").in_pass(Stage::Adamw)?;
+    g.set_update("step", t).in_pass(Stage::Adamw)?;
     let mut elems = 0i64;
     let mut scale_lr = None;
     let mut blockwise = 0i64;
@@ -166,7 +165,7 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
             (false, _) => lr,
             (true, Some(l)) => l,
             (true, None) => {
-                let l = g.add_named(Op::Affine { mul: h.scale_lr_mul, add: 0.0 }, &[lr], "lr.scales").in_pass(PASS)?;
+                let l = g.add_named(Op::Affine { mul: h.scale_lr_mul, add: 0.0 }, &[lr], "lr.scales").in_pass(Stage::Adamw)?;
                 scale_lr = Some(l);
                 l
             }
@@ -177,36 +176,36 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
         let (m, v) = if eight {
             let [mc, ma, vc, va] = blockwise_moment_names(name);
             let nb = Shape::new([qmap::blocks(ty.numel())]);
-            let mc = g.input(&mc, InputKind::State, DType::U8, ty.shape.clone()).in_pass(PASS)?;
-            let ma = g.input(&ma, InputKind::State, DType::F32, nb.clone()).in_pass(PASS)?;
-            let vc = g.input(&vc, InputKind::State, DType::U8, ty.shape.clone()).in_pass(PASS)?;
-            let va = g.input(&va, InputKind::State, DType::F32, nb).in_pass(PASS)?;
-            let m = g.add(Op::BlockDequant { map: DynMap::Signed }, &[mc, ma]).in_pass(PASS)?;
-            let v = g.add(Op::BlockDequant { map: DynMap::Unsigned }, &[vc, va]).in_pass(PASS)?;
+            let mc = g.input(&mc, InputKind::State, DType::U8, ty.shape.clone()).in_pass(Stage::Adamw)?;
+            let ma = g.input(&ma, InputKind::State, DType::F32, nb.clone()).in_pass(Stage::Adamw)?;
+            let vc = g.input(&vc, InputKind::State, DType::U8, ty.shape.clone()).in_pass(Stage::Adamw)?;
+            let va = g.input(&va, InputKind::State, DType::F32, nb).in_pass(Stage::Adamw)?;
+            let m = g.add(Op::BlockDequant { map: DynMap::Signed }, &[mc, ma]).in_pass(Stage::Adamw)?;
+            let v = g.add(Op::BlockDequant { map: DynMap::Unsigned }, &[vc, va]).in_pass(Stage::Adamw)?;
             blockwise += 1;
             (m, v)
         } else {
-            let m = g.input(&mn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
-            let v = g.input(&vn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(PASS)?;
+            let m = g.input(&mn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(Stage::Adamw)?;
+            let v = g.input(&vn, InputKind::State, ty.dtype, ty.shape.clone()).in_pass(Stage::Adamw)?;
             (m, v)
         };
-        let m1 = g.add_named(Op::AdamM { beta1: h.beta1 }, &[m, *gr], mn.clone()).in_pass(PASS)?;
-        let v1 = g.add_named(Op::AdamV { beta2: h.beta2 }, &[v, *gr], vn.clone()).in_pass(PASS)?;
+        let m1 = g.add_named(Op::AdamM { beta1: h.beta1 }, &[m, *gr], mn.clone()).in_pass(Stage::Adamw)?;
+        let v1 = g.add_named(Op::AdamV { beta2: h.beta2 }, &[v, *gr], vn.clone()).in_pass(Stage::Adamw)?;
         let op = Op::AdamParam { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay };
-        let p1 = g.add_named(op, &[*p, m1, v1, lr, t], format!("{name}.next")).in_pass(PASS)?;
-        g.set_update(name.clone(), p1).in_pass(PASS)?;
+        let p1 = g.add_named(op, &[*p, m1, v1, lr, t], format!("{name}.next")).in_pass(Stage::Adamw)?;
+        g.set_update(name.clone(), p1).in_pass(Stage::Adamw)?;
         if eight {
             // requantized with each block's new absmax (the update above used the f32 values)
             let [mc, ma, vc, va] = blockwise_moment_names(name);
             for (x, map, codes, absmax) in [(m1, DynMap::Signed, mc, ma), (v1, DynMap::Unsigned, vc, va)] {
-                let a = g.add_named(Op::BlockAbsMax, &[x], absmax.clone()).in_pass(PASS)?;
-                let c = g.add_named(Op::BlockQuant { map }, &[x, a], codes.clone()).in_pass(PASS)?;
-                g.set_update(codes, c).in_pass(PASS)?;
-                g.set_update(absmax, a).in_pass(PASS)?;
+                let a = g.add_named(Op::BlockAbsMax, &[x], absmax.clone()).in_pass(Stage::Adamw)?;
+                let c = g.add_named(Op::BlockQuant { map }, &[x, a], codes.clone()).in_pass(Stage::Adamw)?;
+                g.set_update(codes, c).in_pass(Stage::Adamw)?;
+                g.set_update(absmax, a).in_pass(Stage::Adamw)?;
             }
         } else {
-            g.set_update(mn, m1).in_pass(PASS)?;
-            g.set_update(vn, v1).in_pass(PASS)?;
+            g.set_update(mn, m1).in_pass(Stage::Adamw)?;
+            g.set_update(vn, v1).in_pass(Stage::Adamw)?;
         }
         elems += ty.numel() as i64;
     }
@@ -215,9 +214,9 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
         g.clear_outputs();
         for o in keep {
             if o.update {
-                g.set_update(o.name, o.node).in_pass(PASS)?;
+                g.set_update(o.name, o.node).in_pass(Stage::Adamw)?;
             } else {
-                g.set_output(o.name, o.node).in_pass(PASS)?;
+                g.set_output(o.name, o.node).in_pass(Stage::Adamw)?;
             }
         }
     }

@@ -21,6 +21,7 @@ use serde::Serialize;
 use crate::error::{InPass, PassError};
 use crate::linears::{self, matches};
 use crate::pipeline::PassReport;
+use crate::pipeline::Stage;
 
 /// Which weights are quantized, and how.
 #[derive(Clone, Debug, Serialize)]
@@ -87,27 +88,25 @@ pub fn learned_storage_names(weight: &str) -> (String, String, String) {
 /// The fake-quant node of weight `w` (named `weight`, [in, out]): FakeQuant, or FakeQuantLearned
 /// with new trainable scales (and zero points).
 fn quantize(g: &mut Graph, w: NodeId, weight: &str, spec: QuantSpec, learned: bool, name: String) -> Result<NodeId, PassError> {
-    const PASS: &str = "fake_quant";
     if !learned {
-        return g.add_named(Op::FakeQuant { spec }, &[w], name).in_pass(PASS);
+        return g.add_named(Op::FakeQuant { spec }, &[w], name).in_pass(Stage::FakeQuant);
     }
     let dims = g.ty(w).shape.dims().to_vec();
     let shape = Shape::new([dims[0] / spec.group_for(dims[0]), dims[1]]);
     let (sn, zn) = learned_names(weight);
-    let mut ops = vec![w, g.input(sn, InputKind::Trainable, DType::F32, shape.clone()).in_pass(PASS)?];
+    let mut ops = vec![w, g.input(sn, InputKind::Trainable, DType::F32, shape.clone()).in_pass(Stage::FakeQuant)?];
     if spec.scheme.has_zero_point() {
-        ops.push(g.input(zn, InputKind::Trainable, DType::F32, shape).in_pass(PASS)?);
+        ops.push(g.input(zn, InputKind::Trainable, DType::F32, shape).in_pass(Stage::FakeQuant)?);
     }
-    g.add_named(Op::FakeQuantLearned { spec }, &ops, name).in_pass(PASS)
+    g.add_named(Op::FakeQuantLearned { spec }, &ops, name).in_pass(Stage::FakeQuant)
 }
 
 pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport), PassError> {
-    const PASS: &str = "fake_quant";
-    let mut r = PassReport::new(PASS);
+    let mut r = PassReport::new(Stage::FakeQuant);
     for t in &o.targets {
         if !(linears::is_known_target(t) || t == "lm_head" || t == "wte") {
             return Err(PassError::Invalid {
-                pass: PASS,
+                pass: Stage::FakeQuant,
                 msg: format!("unknown quant target `{t}`; targets: {}, lm_head, wte", linears::described()),
             });
         }
@@ -115,7 +114,7 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
     let lins = linears::find(&g);
     // every per-module entry must name a linear of this model, and fit it
     let entry = |module: &str, why: String| PassError::Invalid {
-        pass: PASS,
+        pass: Stage::FakeQuant,
         msg: match &o.per_module_source {
             Some(src) => format!("{src}: entry {module:?}: {why}"),
             None => format!("{module}: {why}"),
@@ -134,7 +133,7 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
             if o.per_module.contains_key(&lin.module) {
                 entry(&lin.module, m)
             } else {
-                PassError::Invalid { pass: PASS, msg: format!("{}: {m}", lin.module) }
+                PassError::Invalid { pass: Stage::FakeQuant, msg: format!("{}: {m}", lin.module) }
             }
         })?;
         let weight = g.node(lin.weight).name.clone().unwrap_or_else(|| format!("{}.weight", lin.module));
@@ -143,11 +142,11 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
         r.count("weights", 1);
         r.count("elements", (lin.n_in * lin.n_out) as i64);
         if let Some(bits) = o.act_bits {
-            let aq = g.add_named(Op::ActQuant { bits }, &[lin.x], format!("{}.input.aq", lin.module)).in_pass(PASS)?;
+            let aq = g.add_named(Op::ActQuant { bits }, &[lin.x], format!("{}.input.aq", lin.module)).in_pass(Stage::FakeQuant)?;
             // only this linear's use of x is quantized (x also feeds other linears and residuals)
             let mm_ops = g.operands(lin.matmul);
             let mm = g.node(lin.matmul).clone();
-            let new = g.add_node(mm.op, &[aq, mm_ops[1]], mm.name).in_pass(PASS)?;
+            let new = g.add_node(mm.op, &[aq, mm_ops[1]], mm.name).in_pass(Stage::FakeQuant)?;
             g.replace_all_uses(lin.matmul, new);
             r.count("activations", 1);
         }
@@ -157,10 +156,10 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
     let embed_targets: Vec<&str> = ["lm_head", "wte"].into_iter().filter(|t| o.targets.iter().any(|x| x == t)).collect();
     if let Some(wte) = g.find_input("wte.weight").filter(|_| !embed_targets.is_empty()) {
         let dims = g.ty(wte).shape.dims().to_vec();
-        o.spec.check(dims[1]).map_err(|m| PassError::Invalid { pass: PASS, msg: format!("wte: {m}") })?;
-        let t = g.add(Op::Transpose { perm: vec![1, 0] }, &[wte]).in_pass(PASS)?; // [C, V]
+        o.spec.check(dims[1]).map_err(|m| PassError::Invalid { pass: Stage::FakeQuant, msg: format!("wte: {m}") })?;
+        let t = g.add(Op::Transpose { perm: vec![1, 0] }, &[wte]).in_pass(Stage::FakeQuant)?; // [C, V]
         let fq = quantize(&mut g, t, "wte.weight", o.spec, o.learned_scales, "wte.weight.fq".into())?;
-        let back = g.add(Op::Transpose { perm: vec![1, 0] }, &[fq]).in_pass(PASS)?; // [V, C]
+        let back = g.add(Op::Transpose { perm: vec![1, 0] }, &[fq]).in_pass(Stage::FakeQuant)?; // [V, C]
         for u in g.users(wte) {
             if u == t {
                 continue;
@@ -169,7 +168,7 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
             if (is_head && embed_targets.contains(&"lm_head")) || (!is_head && embed_targets.contains(&"wte")) {
                 let node = g.node(u).clone();
                 let ops: Vec<_> = g.operands(u).into_iter().map(|o| if o == wte { back } else { o }).collect();
-                let new = g.add_node(node.op, &ops, node.name).in_pass(PASS)?;
+                let new = g.add_node(node.op, &ops, node.name).in_pass(Stage::FakeQuant)?;
                 g.replace_all_uses(u, new);
                 r.count("embedding_uses", 1);
             }
@@ -183,8 +182,7 @@ pub fn fake_quant(mut g: Graph, o: &QuantOptions) -> Result<(Graph, PassReport),
 /// Folds FakeQuant(frozen weight), and FakeQuantLearned(frozen weight, frozen scales[, frozen zero
 /// points]), into Dequantize(codes, scales[, zero points]).
 pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
-    const PASS: &str = "fold";
-    let mut r = PassReport::new(PASS);
+    let mut r = PassReport::new(Stage::Fold);
     for id in g.node_ids() {
         let (spec, learned) = match g.node(id).op {
             Op::FakeQuant { spec } => (spec, false),
@@ -201,13 +199,13 @@ pub fn fold(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         let (n_in, n_out) = (dims[0], dims[1]);
         let groups = n_in / spec.group_for(n_in);
         let (cn, sn, zn) = if learned { learned_storage_names(&name) } else { storage_names(&name) };
-        let codes = g.input(cn, InputKind::Frozen, spec.code_dtype(), [n_in, n_out]).in_pass(PASS)?;
-        let scales = g.input(sn, InputKind::Frozen, spec.scale_dtype(), [groups, n_out]).in_pass(PASS)?;
+        let codes = g.input(cn, InputKind::Frozen, spec.code_dtype(), [n_in, n_out]).in_pass(Stage::Fold)?;
+        let scales = g.input(sn, InputKind::Frozen, spec.scale_dtype(), [groups, n_out]).in_pass(Stage::Fold)?;
         let mut ops = vec![codes, scales];
         if let Some(zd) = spec.zero_dtype() {
-            ops.push(g.input(zn, InputKind::Frozen, zd, Shape::new([groups, n_out])).in_pass(PASS)?);
+            ops.push(g.input(zn, InputKind::Frozen, zd, Shape::new([groups, n_out])).in_pass(Stage::Fold)?);
         }
-        let dq = g.add_node(Op::Dequantize { spec, to: DType::F32 }, &ops, g.node(id).name.clone()).in_pass(PASS)?;
+        let dq = g.add_node(Op::Dequantize { spec, to: DType::F32 }, &ops, g.node(id).name.clone()).in_pass(Stage::Fold)?;
         g.replace_all_uses(id, dq);
         r.count(if learned { "learned_weights" } else { "weights" }, 1);
         r.count("bytes_before", operands.iter().map(|&o| g.ty(o).bytes()).sum::<usize>() as i64);

@@ -190,7 +190,7 @@ fn unused_trainable_gets_a_zero_gradient_and_a_note() {
 fn autodiff_rejects_graphs_it_cannot_differentiate() {
     let invalid = |g: Graph, what: &str| match autodiff(g) {
         Err(PassError::Invalid { pass, msg }) => {
-            assert_eq!(pass, "autodiff");
+            assert_eq!(pass, qatc_passes::Stage::Autodiff);
             assert!(msg.contains(what), "{msg}");
         }
         Err(e) => panic!("expected Invalid({what}), got {e}"),

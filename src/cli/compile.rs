@@ -58,10 +58,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut fwd_text = String::new();
     let mut unfused: Option<qatc_ir::Graph> = None;
     let (train, reports) = step::train(&m.cfg, &opts, |stage, g| {
-        if stage == "lower" {
+        if stage == step::Stage::Lower {
             fwd_text = print(g);
         }
-        if stage != "fuse" {
+        if stage != step::Stage::Fuse {
             unfused = Some(g.clone());
         }
     })?;

@@ -32,7 +32,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let opts = a.step.options(&a.model)?;
     let mut found: Option<Graph> = None;
     step::train(&m.cfg, &opts, |name, g| {
-        if name == a.after.name() {
+        if name == a.after {
             found = Some(g.clone());
         }
     })?;

@@ -114,7 +114,7 @@ pub fn context(
     e: &Executed,
 ) -> (serde_json::Value, String) {
     let (options, words) = describe_options(opts);
-    let remat = reports.iter().find(|r| r.pass == "remat");
+    let remat = reports.iter().find(|r| r.pass == crate::step::Stage::Remat);
     let ctx = json!({
         "qatc_version": env!("CARGO_PKG_VERSION"),
         "model": name,
@@ -257,7 +257,7 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
         print!("{}", plan_json::to_json(&e, ctx)?);
     } else {
         print!("{}", table(&e, &title, memory));
-        if let Some(r) = reports.iter().find(|r| r.pass == "remat") {
+        if let Some(r) = reports.iter().find(|r| r.pass == crate::step::Stage::Remat) {
             for n in &r.notes {
                 println!("  remat: {n}");
             }

@@ -13,8 +13,8 @@ use qatc_ir::{BinaryOp, Graph, InputKind, NodeId, Op, Shape};
 
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
+use crate::pipeline::Stage;
 
-const PASS: &str = "autodiff";
 
 /// The name of the backward's seed, d loss / d loss = 1 (loss scaling replaces it by the scale).
 pub const LOSS_GRAD: &str = qatc_ir::role::GRADIENT_SEED;
@@ -26,16 +26,16 @@ pub fn grad_name(param: &str) -> String {
 
 /// Differentiates output `loss` with respect to every `Trainable` input.
 pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
-    let mut report = PassReport::new(PASS);
-    let loss = g.output("loss").ok_or(PassError::Invalid { pass: PASS, msg: "the graph has no `loss` output".into() })?;
+    let mut report = PassReport::new(Stage::Autodiff);
+    let loss = g.output("loss").ok_or(PassError::Invalid { pass: Stage::Autodiff, msg: "the graph has no `loss` output".into() })?;
     if g.ty(loss).shape.rank() != 0 {
-        return Err(PassError::Invalid { pass: PASS, msg: format!("loss must be a scalar, got {}", g.ty(loss)) });
+        return Err(PassError::Invalid { pass: Stage::Autodiff, msg: format!("loss must be a scalar, got {}", g.ty(loss)) });
     }
     let trainable: Vec<NodeId> = g.inputs().into_iter().filter(|&i| g.input_kind(i) == Some(InputKind::Trainable)).collect();
     if trainable.is_empty() {
-        return Err(PassError::Invalid { pass: PASS, msg: "no trainable inputs: nothing to differentiate".into() });
+        return Err(PassError::Invalid { pass: Stage::Autodiff, msg: "no trainable inputs: nothing to differentiate".into() });
     }
-    let order = g.topo_order().in_pass(PASS)?;
+    let order = g.topo_order().in_pass(Stage::Autodiff)?;
 
     // needs[n]: n depends on a trainable input, so its gradient can reach one.
     let mut needs: HashMap<NodeId, bool> = HashMap::new();
@@ -49,7 +49,7 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
 
     // Gradient contributions per node, summed when the node is first visited in reverse order.
     let mut pending: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
-    let seed = g.constant(1.0, g.ty(loss).dtype, Shape::scalar()).in_pass(PASS)?;
+    let seed = g.constant(1.0, g.ty(loss).dtype, Shape::scalar()).in_pass(Stage::Autodiff)?;
     g.set_name(seed, LOSS_GRAD);
     pending.insert(loss, vec![seed]);
     let mut grads: HashMap<NodeId, NodeId> = HashMap::new();
@@ -63,7 +63,7 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         parts.reverse();
         let mut dy = parts[0];
         for &p in &parts[1..] {
-            dy = g.add(Op::Binary(BinaryOp::Add), &[dy, p]).in_pass(PASS)?;
+            dy = g.add(Op::Binary(BinaryOp::Add), &[dy, p]).in_pass(Stage::Autodiff)?;
             report.count("grad_sums", 1);
         }
         grads.insert(n, dy);
@@ -92,11 +92,11 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
                 // Trainable but unused by the loss: its gradient is zero.
                 report.notes.push(format!("{name} does not reach the loss; its gradient is zero"));
                 let ty = g.ty(p).clone();
-                g.constant(0.0, ty.dtype, ty.shape).in_pass(PASS)?
+                g.constant(0.0, ty.dtype, ty.shape).in_pass(Stage::Autodiff)?
             }
         };
         g.set_name(gr, grad_name(&name));
-        g.set_output(grad_name(&name), gr).in_pass(PASS)?;
+        g.set_output(grad_name(&name), gr).in_pass(Stage::Autodiff)?;
     }
     report.set("trainable", trainable.len() as i64);
     report.set("forward_nodes", forward_nodes as i64);

@@ -6,6 +6,7 @@
 use qatc_ir::{BinaryOp as B, Graph, IrError, NodeId, Op, QuantParam, Shape, UnaryOp as U};
 
 use crate::error::PassError;
+use crate::pipeline::Stage;
 
 pub(crate) struct Ctx<'a> {
     pub g: &'a mut Graph,
@@ -39,7 +40,7 @@ impl Ctx<'_> {
         (0..self.x.len())
             .map(|i| if self.wants[i] { f(self, i).map(Some) } else { Ok(None) })
             .collect::<Result<Grads, IrError>>()
-            .map_err(|source| PassError::Ir { pass: "autodiff", error: source })
+            .map_err(|source| PassError::Ir { pass: Stage::Autodiff, error: source })
     }
 }
 

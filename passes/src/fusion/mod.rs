@@ -58,9 +58,9 @@ use serde::Serialize;
 
 use crate::error::PassError;
 use crate::pipeline::PassReport;
+use crate::pipeline::Stage;
 pub use report::FusionReport;
 
-const PASS: &str = "fuse";
 
 #[derive(Debug, thiserror::Error)]
 pub enum FusionError {
@@ -81,9 +81,9 @@ pub enum FusionError {
 impl From<FusionError> for PassError {
     fn from(e: FusionError) -> PassError {
         match e {
-            FusionError::Ir(source) => PassError::Ir { pass: PASS, error: source },
+            FusionError::Ir(source) => PassError::Ir { pass: Stage::Fuse, error: source },
             FusionError::Expired(x) => PassError::Expired(x),
-            e => PassError::Invalid { pass: PASS, msg: e.to_string() },
+            e => PassError::Invalid { pass: Stage::Fuse, msg: e.to_string() },
         }
     }
 }
@@ -198,7 +198,7 @@ pub fn fuse_graph_within(g: &Graph, o: &FuseOptions, deadline: &Deadline) -> Res
 /// the whole report attached.
 pub fn fuse(g: Graph, o: &FuseOptions, deadline: &Deadline) -> Result<(Graph, PassReport), PassError> {
     let Fused { graph, report } = fuse_graph_within(&g, o, deadline)?;
-    let mut r = PassReport::new(PASS);
+    let mut r = PassReport::new(Stage::Fuse);
     r.set("kernels_before", report.kernels_before as i64);
     r.set("kernels_after", report.kernels_after as i64);
     r.set("bytes_before", report.bytes_before as i64);

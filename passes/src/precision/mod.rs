@@ -28,11 +28,11 @@ use serde::Serialize;
 use crate::autodiff::{grad_name, LOSS_GRAD};
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
+use crate::pipeline::Stage;
 
 pub use rules::{convertible, rule, Rule};
 pub use scaling::{LossScaling, GRADS_FINITE, LOSS_SCALE};
 
-const PASS: &str = "precision";
 
 /// `--precision`: the storage type of activations, gradients and GEMM operands.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
@@ -105,7 +105,7 @@ fn raw_gradients(g: &Graph, order: &[NodeId]) -> Result<Vec<NodeId>, PassError> 
             Some(n) => grads.push(n),
             // a forward graph for evaluation has trainable weights but no gradients
             None if !g.outputs().iter().any(|o| o.update) => {}
-            None => return Err(PassError::Invalid { pass: PASS, msg: format!("no node {name:?}: the pass runs after autodiff") }),
+            None => return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("no node {name:?}: the pass runs after autodiff") }),
         }
     }
     Ok(grads)
@@ -156,16 +156,16 @@ impl Rewrite<'_> {
             return Ok(c);
         }
         let c = match node.op {
-            Op::Const { value, shape, .. } => self.dst.add(Op::Const { value, dtype: to, shape }, &[]).in_pass(PASS)?,
+            Op::Const { value, shape, .. } => self.dst.add(Op::Const { value, dtype: to, shape }, &[]).in_pass(Stage::Precision)?,
             Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Broadcast { .. } => {
                 let src = self.dst.operands(n)[0];
                 let inner = self.convert(src, to)?;
-                self.dst.add(node.op.clone(), &[inner]).in_pass(PASS)?
+                self.dst.add(node.op.clone(), &[inner]).in_pass(Stage::Precision)?
             }
             _ => {
                 self.report.count("casts", 1);
                 let name = node.name.as_ref().map(|s| format!("{s}.{to}"));
-                self.dst.add_node(Op::Cast { to }, &[n], name).in_pass(PASS)?
+                self.dst.add_node(Op::Cast { to }, &[n], name).in_pass(Stage::Precision)?
             }
         };
         self.casts.insert((n, to), c);
@@ -195,7 +195,7 @@ impl Rewrite<'_> {
             }
             Rule::Master => (node.op.clone(), Some(DType::F32)),
             Rule::Refuse => {
-                return Err(PassError::Invalid { pass: PASS, msg: format!("{} must come after this pass", self.src.describe(n)) })
+                return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("{} must come after this pass", self.src.describe(n)) })
             }
         };
         let mut args = Vec::with_capacity(ops.len());
@@ -205,7 +205,7 @@ impl Rewrite<'_> {
                 _ => o,
             });
         }
-        let id = self.dst.add_node(op, &args, node.name.clone()).in_pass(PASS)?;
+        let id = self.dst.add_node(op, &args, node.name.clone()).in_pass(Stage::Precision)?;
         if self.dst.ty(id).dtype == c {
             self.report.count("values_in_compute_type", 1);
         }
@@ -216,9 +216,9 @@ impl Rewrite<'_> {
 /// The pass: retypes the step for `p` (a no-op for fp32), with `scaling` for fp16.
 pub fn precision(g: Graph, p: Precision, scaling: &LossScaling) -> Result<(Graph, PassReport), PassError> {
     if p == Precision::Fp32 {
-        return Ok((g, PassReport::new(PASS)));
+        return Ok((g, PassReport::new(Stage::Precision)));
     }
-    let order = g.topo_order().in_pass(PASS)?;
+    let order = g.topo_order().in_pass(Stage::Precision)?;
     let grads = raw_gradients(&g, &order)?;
     let optimizer = optimizer_region(&g, &order, &grads);
     let scale_loss = p.loss_scaling() && !grads.is_empty();
@@ -228,7 +228,7 @@ pub fn precision(g: Graph, p: Precision, scaling: &LossScaling) -> Result<(Graph
         map: HashMap::new(),
         casts: HashMap::new(),
         compute: p.compute(),
-        report: PassReport::new(PASS),
+        report: PassReport::new(Stage::Precision),
     };
     // with loss scaling the backward starts from S: dloss = S instead of 1
     let scale = if scale_loss { Some(scaling::scale_input(&mut rw.dst)?) } else { None };
@@ -247,10 +247,10 @@ pub fn precision(g: Graph, p: Precision, scaling: &LossScaling) -> Result<(Graph
                     v
                 });
             }
-            rw.dst.add_node(node.op.clone(), &args, node.name.clone()).in_pass(PASS)?
+            rw.dst.add_node(node.op.clone(), &args, node.name.clone()).in_pass(Stage::Precision)?
         } else if let (Some((_, s)), Some(LOSS_GRAD)) = (scale, g.node(n).name.as_deref()) {
             if !matches!(g.node(n).op, Op::Const { .. }) {
-                return Err(PassError::Invalid { pass: PASS, msg: format!("{LOSS_GRAD:?} is not autodiff's seed") });
+                return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("{LOSS_GRAD:?} is not autodiff's seed") });
             }
             s
         } else {
@@ -266,9 +266,9 @@ pub fn precision(g: Graph, p: Precision, scaling: &LossScaling) -> Result<(Graph
             rw.map[&o.node]
         };
         if o.update {
-            rw.dst.set_update(o.name.clone(), v).in_pass(PASS)?;
+            rw.dst.set_update(o.name.clone(), v).in_pass(Stage::Precision)?;
         } else {
-            rw.dst.set_output(o.name.clone(), v).in_pass(PASS)?;
+            rw.dst.set_output(o.name.clone(), v).in_pass(Stage::Precision)?;
         }
     }
     if let Some((state, _)) = scale {
@@ -301,7 +301,7 @@ fn enter_optimizer(
     }
     if !grads.contains(&o) {
         let what = rw.src.describe(o);
-        return Err(PassError::Invalid { pass: PASS, msg: format!("{what} reaches the optimizer in a lower type but is not a gradient") });
+        return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("{what} reaches the optimizer in a lower type but is not a gradient") });
     }
     let v = rw.convert(rw.map[&o], DType::F32)?;
     let v = match scale {

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use crate::error::{InPass, PassError};
 
-use super::PASS;
+use crate::pipeline::Stage;
 
 /// The state input (and update output) holding [scale, good steps].
 pub const LOSS_SCALE: &str = "loss_scale";
@@ -51,22 +51,22 @@ impl LossScaling {
 
 /// The scale S as a scalar of `g`, read from the state input (created here).
 pub(crate) fn scale_input(g: &mut Graph) -> Result<(NodeId, NodeId), PassError> {
-    let state = g.input(LOSS_SCALE, InputKind::State, DType::F32, [2]).in_pass(PASS)?;
-    let s = g.add(Op::Slice { axis: 0, start: 0, end: 1 }, &[state]).in_pass(PASS)?;
-    let s = g.add_named(Op::Reshape { shape: Shape::scalar() }, &[s], "loss_scale.scale").in_pass(PASS)?;
+    let state = g.input(LOSS_SCALE, InputKind::State, DType::F32, [2]).in_pass(Stage::Precision)?;
+    let s = g.add(Op::Slice { axis: 0, start: 0, end: 1 }, &[state]).in_pass(Stage::Precision)?;
+    let s = g.add_named(Op::Reshape { shape: Shape::scalar() }, &[s], "loss_scale.scale").in_pass(Stage::Precision)?;
     Ok((state, s))
 }
 
 /// g * (1 / S), g an f32 gradient.
 pub(crate) fn unscale(g: &mut Graph, grad: NodeId, inv: NodeId, name: Option<String>) -> Result<NodeId, PassError> {
     let shape = g.ty(grad).shape.clone();
-    let inv = if shape.rank() == 0 { inv } else { g.add(Op::Broadcast { shape }, &[inv]).in_pass(PASS)? };
-    g.add_node(Op::Binary(BinaryOp::Mul), &[grad, inv], name).in_pass(PASS)
+    let inv = if shape.rank() == 0 { inv } else { g.add(Op::Broadcast { shape }, &[inv]).in_pass(Stage::Precision)? };
+    g.add_node(Op::Binary(BinaryOp::Mul), &[grad, inv], name).in_pass(Stage::Precision)
 }
 
 /// 1 / S (exact: S is a power of two).
 pub(crate) fn inverse(g: &mut Graph, s: NodeId) -> Result<NodeId, PassError> {
-    g.add_named(Op::Unary(UnaryOp::Recip), &[s], "loss_scale.inv").in_pass(PASS)
+    g.add_named(Op::Unary(UnaryOp::Recip), &[s], "loss_scale.inv").in_pass(Stage::Precision)
 }
 
 /// The product of every gradient's finiteness flag, as output [`GRADS_FINITE`]; then every update
@@ -74,15 +74,15 @@ pub(crate) fn inverse(g: &mut Graph, s: NodeId) -> Result<NodeId, PassError> {
 pub(crate) fn gate_updates(g: &mut Graph, grads: &[NodeId], state: NodeId, h: &LossScaling) -> Result<usize, PassError> {
     let mut finite: Option<NodeId> = None;
     for &gr in grads {
-        let f = g.add(Op::AllFinite, &[gr]).in_pass(PASS)?;
+        let f = g.add(Op::AllFinite, &[gr]).in_pass(Stage::Precision)?;
         finite = Some(match finite {
             None => f,
-            Some(prev) => g.add(Op::Binary(BinaryOp::Mul), &[prev, f]).in_pass(PASS)?,
+            Some(prev) => g.add(Op::Binary(BinaryOp::Mul), &[prev, f]).in_pass(Stage::Precision)?,
         });
     }
     let finite = match finite {
         Some(f) => f,
-        None => return Err(PassError::Invalid { pass: PASS, msg: "loss scaling needs gradients: run autodiff first".into() }),
+        None => return Err(PassError::Invalid { pass: Stage::Precision, msg: "loss scaling needs gradients: run autodiff first".into() }),
     };
     g.set_name(finite, GRADS_FINITE);
     let outputs = g.outputs().to_vec();
@@ -90,21 +90,21 @@ pub(crate) fn gate_updates(g: &mut Graph, grads: &[NodeId], state: NodeId, h: &L
     let mut gated = 0;
     for o in outputs {
         if !o.update {
-            g.set_output(o.name, o.node).in_pass(PASS)?;
+            g.set_output(o.name, o.node).in_pass(Stage::Precision)?;
             continue;
         }
         let old =
-            g.find_input(&o.name).ok_or_else(|| PassError::Invalid { pass: PASS, msg: format!("update {:?} has no input", o.name) })?;
+            g.find_input(&o.name).ok_or_else(|| PassError::Invalid { pass: Stage::Precision, msg: format!("update {:?} has no input", o.name) })?;
         let ty: TensorType = g.ty(old).clone();
-        let cond = if ty.shape.rank() == 0 { finite } else { g.add(Op::Broadcast { shape: ty.shape.clone() }, &[finite]).in_pass(PASS)? };
-        let kept = g.add_named(Op::Select, &[cond, o.node, old], format!("{}.if_finite", o.name)).in_pass(PASS)?;
-        g.set_update(o.name, kept).in_pass(PASS)?;
+        let cond = if ty.shape.rank() == 0 { finite } else { g.add(Op::Broadcast { shape: ty.shape.clone() }, &[finite]).in_pass(Stage::Precision)? };
+        let kept = g.add_named(Op::Select, &[cond, o.node, old], format!("{}.if_finite", o.name)).in_pass(Stage::Precision)?;
+        g.set_update(o.name, kept).in_pass(Stage::Precision)?;
         gated += 1;
     }
     let next = g
         .add_named(Op::LossScale { interval: h.interval, growth: h.growth, backoff: h.backoff }, &[state, finite], "loss_scale.next")
-        .in_pass(PASS)?;
-    g.set_update(LOSS_SCALE, next).in_pass(PASS)?;
-    g.set_output(GRADS_FINITE, finite).in_pass(PASS)?;
+        .in_pass(Stage::Precision)?;
+    g.set_update(LOSS_SCALE, next).in_pass(Stage::Precision)?;
+    g.set_output(GRADS_FINITE, finite).in_pass(Stage::Precision)?;
     Ok(gated)
 }

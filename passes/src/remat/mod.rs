@@ -30,8 +30,8 @@ use crate::pipeline::PassReport;
 use crate::plan::region::Dense;
 use crate::plan::units::{flag, flops, human, parse_size};
 use crate::plan::{self, PlanOptions};
+use crate::pipeline::Stage;
 
-const PASS: &str = "remat";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -85,7 +85,7 @@ struct Candidate {
 }
 
 fn err(msg: String) -> PassError {
-    PassError::Invalid { pass: PASS, msg }
+    PassError::Invalid { pass: Stage::Remat, msg }
 }
 
 /// A planner error as this pass's, the compile budget's kept as such.
@@ -116,7 +116,7 @@ fn keep_segments(d: &Dense, ch: &chain::Chains, seg: usize) -> Vec<bool> {
 }
 
 fn candidate(g: &Graph, d: &Dense, keep: &[bool], policy: String, po: &PlanOptions) -> Result<Candidate, PassError> {
-    let (graph, rw) = apply::rewrite(g, d, keep).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
+    let (graph, rw) = apply::rewrite(g, d, keep).map_err(|source| PassError::Ir { pass: Stage::Remat, error: source })?;
     let peak = peak(&graph, po)?;
     Ok(Candidate { policy, graph, rw, peak })
 }
@@ -159,7 +159,7 @@ fn solve_budget(
         let Some(sol) = model.solve(target) else { break };
         let keep = model.keep_vector(d, &sol.keep);
         let masks = sol.keep.clone();
-        let (graph, rw) = apply::rewrite(g, d, &keep).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
+        let (graph, rw) = apply::rewrite(g, d, &keep).map_err(|source| PassError::Ir { pass: Stage::Remat, error: source })?;
         // the estimate (schedule and lifetimes, no offsets) bounds the real peak from below;
         // offsets are assigned only for plans that may fit
         let est = plan::estimate(&graph, po).map_err(plan_err)?;
@@ -267,7 +267,7 @@ fn cheapest_fit(
 
 /// The pass.
 pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, PassReport), PassError> {
-    let mut report = PassReport::new(PASS);
+    let mut report = PassReport::new(Stage::Remat);
     let d = Dense::new(&g).map_err(|e| err(e.to_string()))?;
     let chosen = match policy {
         Checkpoint::None => {
@@ -281,7 +281,7 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
                 report.notes.push(format!("sqrt: {} blocks in segments of {seg}", ch.layers));
             }
             let (graph, rw) =
-                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: PASS, error: source })?;
+                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: Stage::Remat, error: source })?;
             Candidate { policy: policy.describe(), graph, rw, peak: 0 }
         }
         Checkpoint::Budget(m) => match cheapest_fit(&g, &d, m, None, po, &mut report.notes)? {
