@@ -1,6 +1,7 @@
 //! `qatc eval MODEL --data FILE`: mean loss and perplexity over the first N batches of a token
-//! file, on the reference interpreter, or on the GPU (`--device cuda`, or `auto` where one is
-//! usable: the forward graph through the CUDA executor, the weights uploaded once).
+//! file: the forward compiled like the training step (`qatc_driver::compile`: LLVM kernels on the
+//! CPU, the CUDA executor with `--device cuda` or `auto` where a GPU is usable), the weights
+//! uploaded once; `--interpreter` runs the reference interpreter instead.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -49,10 +50,13 @@ pub struct Args {
     /// post-training quantization at searched scales is measured by itself.
     #[arg(long, value_enum)]
     pub scale_init: Option<ScaleInit>,
-    /// Where the model runs: auto (a CUDA GPU when qatc can use one, else the CPU's reference
-    /// interpreter), cpu, cuda.
+    /// Where the model runs: auto (a CUDA GPU when qatc can use one, else the CPU), cpu, cuda.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
+    /// Run the reference interpreter, node by node (the numerical oracle; slower), instead of
+    /// the compiled forward.
+    #[arg(long)]
+    pub interpreter: bool,
     #[command(flatten)]
     pub read: super::ReadArgs,
 }
@@ -72,9 +76,11 @@ pub struct EvalSetup {
     pub precision: Precision,
     /// How learned scales start when no adapter has them.
     pub scale_init: ScaleInit,
-    /// Where the forward runs: the CPU (on the reference interpreter) or a GPU (the CUDA
-    /// executor, the weights uploaded once).
+    /// Where the forward runs: the CPU (compiled by LLVM) or a GPU (the CUDA executor), the
+    /// weights uploaded once.
     pub target: Target,
+    /// On the reference interpreter instead (`--interpreter`, or a build without LLVM).
+    pub interpreter: bool,
 }
 
 impl Default for EvalSetup {
@@ -85,19 +91,18 @@ impl Default for EvalSetup {
             precision: Precision::default(),
             scale_init: ScaleInit::default(),
             target: Target::cpu(),
+            interpreter: !cfg!(feature = "llvm"),
         }
     }
 }
 
-/// The target `--device` puts an evaluation on: the GPU for `auto` where CUDA is usable
-/// (silently: the CPU is what eval always ran on), for `cuda` or an error saying why not.
-pub fn eval_target(device: Device) -> anyhow::Result<Target> {
-    let gpu = || Target::cuda(None, CudaSettings::default());
-    match device {
-        Device::Cpu => Ok(Target::cpu()),
-        Device::Auto => Ok(if qatc_driver::cuda_ready().is_ok() { gpu() } else { Target::cpu() }),
-        Device::Cuda => qatc_driver::cuda_ready().map(|()| gpu()).map_err(|why| anyhow::anyhow!("--device cuda: {why}")),
-    }
+/// Where `--device` and `--interpreter` put an evaluation (as `qatc train` resolves them): the
+/// GPU for `auto` where CUDA is usable, else the CPU, compiled by LLVM unless `--interpreter` (or
+/// a build without LLVM) says the reference interpreter; `cuda` or an error saying why not. The
+/// evaluation says in one line what ran it.
+pub fn placement(device: Device, interpreter: bool) -> anyhow::Result<(Target, bool)> {
+    let r = qatc_driver::resolve(device.kind(), interpreter, CudaSettings::default())?;
+    Ok((r.target, r.interpreter))
 }
 
 impl EvalSetup {
@@ -127,85 +132,112 @@ impl EvalSetup {
 
 /// Evaluates `model` on the first `n` batches of `data`.
 pub fn evaluate(m: &Model, data: &TokenFile, b: usize, t: usize, n: usize, setup: &EvalSetup, show: bool) -> anyhow::Result<EvalResult> {
-    run_eval(m, data, b, t, n, setup, None, show)
+    Evaluator::new(m, b, t, setup, None)?.run(data, n, show)
 }
 
-/// Evaluates with weights taken from a training run's state where it has them (validation
-/// during training: LoRA, learned scales, a full fine-tune's weights).
-pub fn evaluate_with(
-    m: &Model,
-    data: &TokenFile,
-    b: usize,
-    t: usize,
-    n: usize,
-    setup: &EvalSetup,
-    state: &HashMap<String, Value<f32>>,
-) -> anyhow::Result<EvalResult> {
-    run_eval(m, data, b, t, n, setup, Some(state), false)
+/// The engine an evaluation runs on, in a word (`qatc eval --json`'s `engine`).
+pub fn engine_name(setup: &EvalSetup) -> &'static str {
+    match (setup.interpreter, setup.target.is_cuda()) {
+        (true, _) => "interpreter",
+        (false, true) => "cuda",
+        (false, false) => "llvm",
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_eval(
-    m: &Model,
-    data: &TokenFile,
+/// The forward of a model compiled once for its target (the executor holding its weights), run
+/// over batches as often as asked: `qatc eval`, `prt`, and validation during training, which
+/// builds one and gives it the trained weights before each validation.
+pub struct Evaluator {
+    graph: qatc_ir::Graph,
+    step: Box<dyn qatc_runtime::TrainStep>,
+    /// What runs it, in one line.
+    pub description: String,
     b: usize,
     t: usize,
-    n: usize,
-    setup: &EvalSetup,
-    state: Option<&HashMap<String, Value<f32>>>,
-    show: bool,
-) -> anyhow::Result<EvalResult> {
-    let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
-    let inputs = match state {
-        Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
-        None => match &setup.adapter {
-            Some(a) => m.bind_trained::<f32>(&g, &Trained::Adapter(a))?,
-            None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
-        },
-    };
-    // the weights go to the executor once; per batch only the ids and targets
-    let interpreter = !setup.target.is_cuda();
-    let mut step = qatc_driver::compile(&g, &setup.target, &super::driver_options(interpreter, CpuOptions::default()))?.step;
-    for (name, v) in &inputs {
-        match step.set_input(name, v) {
-            // an input no step reads (lowering dropped its use) is not in the program
-            Err(RuntimeError::UnknownInput(_)) => {}
-            r => r.with_context(|| format!("binding {name}"))?,
+    /// The adapter's scaling, for the message when a loss overflows.
+    lora_scaling: Option<(f64, f64)>,
+}
+
+impl Evaluator {
+    /// Builds the forward of `m` (B `b`, T `t`) as `setup` says, compiled for `setup.target` (or
+    /// the reference interpreter), with its weights bound: from `state` where a training run's
+    /// state has them, else the adapter's, else fresh ones.
+    pub fn new(m: &Model, b: usize, t: usize, setup: &EvalSetup, state: Option<&HashMap<String, Value<f32>>>) -> anyhow::Result<Evaluator> {
+        let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
+        let inputs = match state {
+            Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
+            None => match &setup.adapter {
+                Some(a) => m.bind_trained::<f32>(&g, &Trained::Adapter(a))?,
+                None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
+            },
+        };
+        // the weights go to the executor once; per batch only the ids and targets
+        let exe = qatc_driver::compile(&g, &setup.target, &super::driver_options(setup.interpreter, CpuOptions::default()))?;
+        let mut e = Evaluator {
+            graph: g,
+            step: exe.step,
+            description: exe.description,
+            b,
+            t,
+            lora_scaling: setup.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
+        };
+        e.set(&inputs)?;
+        Ok(e)
+    }
+
+    /// Binds a training run's state anew (before a validation): every input, since a frozen one
+    /// may be derived from a trained weight (a full fine-tune's quantized codes).
+    pub fn set_state(&mut self, m: &Model, state: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
+        let inputs = m.bind_trained::<f32>(&self.graph, &Trained::State(state))?;
+        self.set(&inputs)
+    }
+
+    /// Gives the executor these inputs' values; an input no step reads (lowering dropped its
+    /// use) is not in the program.
+    fn set(&mut self, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
+        for (name, v) in inputs {
+            match self.step.set_input(name, v) {
+                Err(RuntimeError::UnknownInput(_)) => {}
+                r => r.with_context(|| format!("binding {name}"))?,
+            }
         }
+        Ok(())
     }
-    let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
-    if !show {
-        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-    }
-    let mut sum = 0.0f64;
-    for s in 0..n {
-        let (ids, tgt) = data.batch(s, b, t)?;
-        let ids = Value::Int(IntTensor { shape: vec![b, t], data: ids });
-        let tgt = Value::Int(IntTensor { shape: vec![b, t], data: tgt });
-        step.set_input("ids", &ids)?;
-        step.set_input("targets", &tgt)?;
-        step.run()?;
-        let out = HashMap::from([("loss".to_string(), step.output("loss")?)]);
-        let loss = scalar(&out, "loss")?;
-        if !loss.is_finite() {
-            // never a NaN result: say where it appeared and what can cause it
-            let lora =
-                setup.model.lora.as_ref().map(|l| format!(", or the adapter's scaling alpha/r = {}", l.scaling())).unwrap_or_default();
-            anyhow::bail!(
-                "{}: batch {s} gives a loss of {loss}: the model overflows on it (finite but huge weights{lora}, or non-finite ones let in by --allow-nonfinite); no result",
-                data.path().display()
-            );
+
+    /// The mean loss over the first `n` batches of `data`.
+    pub fn run(&mut self, data: &TokenFile, n: usize, show: bool) -> anyhow::Result<EvalResult> {
+        let (b, t) = (self.b, self.t);
+        let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
+        if !show {
+            pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
         }
-        sum += loss;
-        pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
-        pb.inc(1);
+        let mut sum = 0.0f64;
+        for s in 0..n {
+            let (ids, tgt) = data.batch(s, b, t)?;
+            self.step.set_input("ids", &Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
+            self.step.set_input("targets", &Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
+            self.step.run()?;
+            let out = HashMap::from([("loss".to_string(), self.step.output("loss")?)]);
+            let loss = scalar(&out, "loss")?;
+            if !loss.is_finite() {
+                // never a NaN result: say where it appeared and what can cause it
+                let lora = self.lora_scaling.map(|(_, s)| format!(", or the adapter's scaling alpha/r = {s}")).unwrap_or_default();
+                anyhow::bail!(
+                    "{}: batch {s} gives a loss of {loss}: the model overflows on it (finite but huge weights{lora}, or non-finite ones let in by --allow-nonfinite); no result",
+                    data.path().display()
+                );
+            }
+            sum += loss;
+            pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
+        if n == 0 {
+            anyhow::bail!("internal: evaluating 0 batches");
+        }
+        let loss = sum / n as f64;
+        Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
     }
-    pb.finish_and_clear();
-    if n == 0 {
-        anyhow::bail!("internal: evaluating 0 batches");
-    }
-    let loss = sum / n as f64;
-    Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
 }
 
 /// Reads a scalar output.
@@ -246,11 +278,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         setup.scale_init = init;
     }
-    setup.target = eval_target(a.device)?;
-    let r = evaluate(&m, &data, a.batch, a.seq, n, &setup, !a.json)?;
+    (setup.target, setup.interpreter) = placement(a.device, a.interpreter)?;
+    let mut e = Evaluator::new(&m, a.batch, a.seq, &setup, None)?;
+    eprintln!("qatc: eval runs {}", e.description);
+    let r = e.run(&data, n, !a.json)?;
     if a.json {
         // a perplexity past f64 (a mean loss over 709) is null, as JSON has no infinity
-        println!("{}", serde_json::to_string(&r)?);
+        let mut v = serde_json::to_value(r)?;
+        v["engine"] = engine_name(&setup).into();
+        println!("{}", serde_json::to_string(&v)?);
     } else if r.ppl.is_finite() {
         println!("loss {:.6}  ppl {:.3}  ({} batches x B {} x T {} = {} tokens)", r.loss, r.ppl, n, a.batch, a.seq, r.tokens);
     } else {

@@ -17,7 +17,7 @@ use qatc_ir::{QuantScheme, QuantSpec};
 use qatc_passes::linears::{self, MODULES};
 use qatc_passes::quant::QuantOptions;
 
-use super::eval::{evaluate, EvalSetup};
+use super::eval::EvalSetup;
 use super::options::{BitMap, DEFAULT_GROUP};
 use crate::artifacts::write_atomic;
 use crate::bitalloc;
@@ -62,10 +62,13 @@ pub struct Args {
     /// Measure with the largest budget first: a module's curve stops where it exceeds the budget.
     #[arg(long)]
     pub measurements: Option<PathBuf>,
-    /// Where the evaluations run: auto (a CUDA GPU when qatc can use one, else the CPU's
-    /// reference interpreter), cpu, cuda.
+    /// Where the evaluations run: auto (a CUDA GPU when qatc can use one, else the CPU), cpu,
+    /// cuda; each compiled like the training step.
     #[arg(long, value_enum, default_value_t = crate::config::DeviceFlag::Auto)]
     pub device: crate::config::DeviceFlag,
+    /// Run the evaluations on the reference interpreter (slower) instead of compiled.
+    #[arg(long)]
+    pub interpreter: bool,
     #[command(flatten)]
     pub read: super::ReadArgs,
 }
@@ -146,20 +149,29 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         _ => Measurements { version: 1, settings, ..Default::default() },
     };
-    let target = super::eval::eval_target(a.device)?;
+    let (target, interpreter) = super::eval::placement(a.device, a.interpreter)?;
+    let first = std::cell::Cell::new(true);
+    // each evaluation is its own compiled forward (another module quantized): the first says what runs them
+    let evaluate = |setup: &EvalSetup| -> anyhow::Result<f64> {
+        let mut e = super::eval::Evaluator::new(&m, a.batch, a.seq, setup, None)?;
+        if first.replace(false) {
+            eprintln!("qatc: prt's evaluations run {}", e.description);
+        }
+        Ok(e.run(&data, n, false)?.loss)
+    };
     let base = match cache.full_precision_loss {
         l if l != 0.0 => l,
-        _ => evaluate(&m, &data, a.batch, a.seq, n, &EvalSetup { target, ..EvalSetup::default() }, false)?.loss,
+        _ => evaluate(&EvalSetup { target, interpreter, ..EvalSetup::default() })?,
     };
     cache.full_precision_loss = base;
     let limit = base * (1.0 + a.threshold);
     // the loss with `map` (module -> spec) quantized, the rest at full precision
     let eval_map = |map: BTreeMap<String, Option<QuantSpec>>| -> anyhow::Result<f64> {
         let spec = QuantSpec { bits: 8, group: a.group, scheme: sch };
-        let mut setup = EvalSetup { target, ..EvalSetup::default() };
+        let mut setup = EvalSetup { target, interpreter, ..EvalSetup::default() };
         setup.model.quant =
             Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false, per_module_source: None });
-        Ok(evaluate(&m, &data, a.batch, a.seq, n, &setup, false)?.loss)
+        evaluate(&setup)
     };
     let spec_of = |bits: u8| QuantSpec { bits, group: a.group, scheme: sch };
     let pb = super::progress(modules.len() as u64, "prt {bar:30} {pos}/{len} modules  {msg}  eta {eta}");

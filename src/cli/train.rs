@@ -11,6 +11,7 @@
 //! (or absent before the first), and `--resume OUT` continues exactly, its options read from
 //! the saved `qatc.json` (`cli::resume`).
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -20,7 +21,7 @@ use qatc_kernels::cuda::Variant;
 use qatc_passes::quant::is_learned_name;
 use qatc_runtime::{CpuOptions, Value};
 
-use super::eval::{evaluate_with, EvalSetup};
+use super::eval::{EvalSetup, Evaluator};
 use super::resume::{self, Given, PROGRESS, STATE};
 use super::{Placement, StepArgs};
 use crate::artifacts::{self, write_atomic, Faults, OutDir};
@@ -406,10 +407,13 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         },
         adapter: None,
         precision: tr.opts.precision,
-        // validation runs where the step runs
+        // validation runs where the step runs, as the step does
         target: resolved.target,
+        interpreter: resolved.interpreter,
         ..Default::default()
     };
+    // compiled at the first validation, given the trained weights before each one
+    let mut validator: Option<Evaluator> = None;
     let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
@@ -449,8 +453,15 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == train.steps => {
                 let n = a.val_batches.min(v.num_batches(tr.opts.batch, tr.opts.seq)).max(1);
                 // the trained weights, read back from the executor
-                let weights = tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
-                Some(evaluate_with(&m, v, tr.opts.batch, tr.opts.seq, n, &val_setup, &weights)?.loss)
+                let weights: HashMap<String, Value<f32>> = tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
+                let e = match validator.as_mut() {
+                    Some(e) => {
+                        e.set_state(&m, &weights)?;
+                        e
+                    }
+                    None => validator.insert(Evaluator::new(&m, tr.opts.batch, tr.opts.seq, &val_setup, Some(&weights))?),
+                };
+                Some(e.run(v, n, false)?.loss)
             }
             _ => None,
         };
