@@ -112,7 +112,7 @@ fn run_program(gpu: &mut OnCpu, prog: &Program, init: &dyn Fn(&Buffer) -> Option
 /// Every distinct kernel of one step (`o` on `model`), its CUDA C run on the CPU at its first
 /// launch against the evaluator. Prints one line; fails listing every kernel that disagrees.
 fn case(what: &str, (model, tokens): (&str, &str), o: StepOptions) {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let start = Instant::now();
     let (prog, tr, data) = setup(model, tokens, o.clone());
     let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
@@ -266,7 +266,7 @@ fn the_demo_step() {
 /// buffers of arbitrary values.
 #[test]
 fn the_gemm_plans_data_moves() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let view = |buf: usize, offset: usize, shape: &[usize], strides: &[usize]| View {
         buf,
         offset,
@@ -320,7 +320,7 @@ fn the_gemm_plans_data_moves() {
 /// dq 11, lse 0.29, delta 7.1.
 #[test]
 fn the_tensor_core_attention() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let shapes = [
         attention::Dims { b: 2, nh: 2, t: 100, hs: 64 },
         attention::Dims { b: 1, nh: 3, t: 77, hs: 32 },
@@ -389,7 +389,7 @@ fn bytes_of<T: Copy, const N: usize>(v: &[T], to: impl Fn(T) -> [u8; N]) -> Vec<
 /// computes; the misparsed one is killed at the time limit and reported as such.
 #[test]
 fn an_endless_loop_bound_is_caught() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let kernel = |bound: &str| {
         format!(
             "#include \"qatc_common.cuh\"\n\
@@ -414,7 +414,7 @@ fn an_endless_loop_bound_is_caught() {
 /// (ascending, descending) see. And threads stuck at different barriers.
 #[test]
 fn a_missing_barrier_is_caught() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let kernel = |sync: &str| {
         format!(
             "extern \"C\" __global__ void fused_barrier_test(const float* __restrict__ x, float* __restrict__ y) {{\n\
@@ -449,7 +449,7 @@ fn a_missing_barrier_is_caught() {
 /// index arithmetic stops the kernel.
 #[test]
 fn out_of_bounds_and_overflow_are_caught() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let oob = "extern \"C\" __global__ void fused_oob_test(const float* __restrict__ x, float* __restrict__ y) {\n\
                const int idx = blockIdx.x * blockDim.x + threadIdx.x;\n\
                if (idx > 16) return;\n\
@@ -480,7 +480,7 @@ fn out_of_bounds_and_overflow_are_caught() {
 /// stops the run, naming the first missing lane.
 #[test]
 fn the_shims_mma_needs_the_whole_warp() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let kernel = |live: u32| {
         format!(
             "#include \"qatc_common.cuh\"\n#include \"qatc_attention.cuh\"\n#include \"qatc_attention_mma.cuh\"\n\
@@ -509,7 +509,7 @@ fn the_shims_mma_needs_the_whole_warp() {
 /// does.
 #[test]
 fn the_shim_has_cudas_semantics() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let source = "#include \"qatc_common.cuh\"\n#include \"qatc_reduce.cuh\"\n\
         extern \"C\" __global__ void __launch_bounds__(128) fused_semantics_test(const float* __restrict__ x, int* __restrict__ out, \
         unsigned char* __restrict__ codes, float* __restrict__ sums) {\n\
@@ -543,4 +543,26 @@ fn the_shim_has_cudas_semantics() {
     assert_eq!(after[2], codes);
     let sum = |r: std::ops::Range<i32>| r.map(|i| i as f32).sum::<f32>();
     assert_eq!(floats(&after[3]), [sum(0..128), sum(32..64), 127.0, sum(128..256), sum(160..192), 255.0]);
+}
+
+/// The tables of the generated `qatc_tables.cuh` (NF4, the 8-bit maps) read back in C as the IR's
+/// constants, bit for bit: the C compiler parses every literal to the f32 the IR holds.
+#[test]
+fn the_generated_tables_read_back_in_c_as_the_irs() {
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
+    let source = "#include \"qatc_common.cuh\"\n#include \"qatc_quant.cuh\"\n\
+        extern \"C\" __global__ void __launch_bounds__(256) fused_tables_test(float* __restrict__ out) {\n\
+        const int t = threadIdx.x;\n\
+        if (t < 16) out[t] = qatc::nf4_value(t);\n\
+        out[16 + t] = qatc::dyn_value(qatc::DYN_SIGNED, t);\n\
+        out[272 + t] = qatc::dyn_value(qatc::DYN_UNSIGNED, t);\n}\n";
+    let (o, after) = run_hand(&cxx, "fused_tables_test", source, &[vec![0u8; 528 * 4]], 1, 256, TIME_LIMIT);
+    assert!(matches!(o, Outcome::Ok), "{o:?}");
+    let want: Vec<f32> =
+        qatc_ir::NF4.iter().chain(qatc_ir::DynMap::Signed.values()).chain(qatc_ir::DynMap::Unsigned.values()).copied().collect();
+    let got = floats(&after[0]);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "element {i}: {g} vs {w}");
+    }
 }

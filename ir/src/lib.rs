@@ -26,6 +26,7 @@ pub use error::IrError;
 pub use graph::{Graph, Node, NodeId, Output};
 pub use op::{Attr, BinaryOp, InputKind, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp, NF4};
 pub use qmap::DynMap;
+pub use quant::{Grid, Points, ScaleRule};
 pub use role::{Category, Phase, Role, Roles};
 pub use text::{parse, print};
 pub use types::{DType, Shape, TensorType};

@@ -180,7 +180,7 @@ pub enum Op {
     /// (w [in, out], scales [in/G, out] f32[, zero points [in/G, out] f32 for asym]) -> f32 [in, out]:
     /// w rounded to the grid of GIVEN scales, which training learns (LSQ, Esser et al. 2020). Each
     /// scale is used as its fp16 value s (as deployment formats store it); x = w / s, and the grid
-    /// point is x rounded and clamped to the scheme's range (`QuantSpec::lsq_range`; nf4: the
+    /// point is x rounded and clamped to the grid's range (`quant::Grid::range`; nf4: the
     /// nearest code), times s. A group whose s is 0 is 0. Equals Dequantize of
     /// `quant::quantize_learned` bit for bit.
     FakeQuantLearned {

@@ -8,7 +8,8 @@
 //! fraction.
 //!
 //! This module is the one home of the maps and of the block size; the interpreter's
-//! quantizer (`qatc_runtime::quant`) and the code generators read them from here, and
+//! quantizer (`qatc_runtime::quant`) and the code generators read them from here (the CUDA
+//! header's copy is written from them, `qatc_kernels::cuda::tables`), and
 //! `tests/fixtures/gen_adamw8bit_fixtures.py` writes the same values from NumPy (tested equal).
 
 use std::sync::OnceLock;

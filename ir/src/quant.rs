@@ -1,30 +1,14 @@
 //! Quantization as the IR states it: the schemes (`QuantScheme`), a weight's quantization
-//! (`QuantSpec`: bits, group, scheme), which parameter a fake-quant gradient is for
-//! (`QuantParam`), and NF4's code table. The ops that use them are in `op.rs`.
+//! (`QuantSpec`: bits, group, scheme), each scheme's grid (`grid`: codes, points, NF4's table,
+//! the scale rule) and which parameter a fake-quant gradient is for (`QuantParam`). The ops that
+//! use them are in `op.rs`.
+
+use std::ops::RangeInclusive;
 
 use crate::types::DType;
 
-/// QLoRA / bitsandbytes NormalFloat4 code values, the one table every backend reads (the
-/// interpreter's `quant`, the LLVM backend; `qatc_quant.cuh` spells the same literals, tested equal).
-#[allow(clippy::excessive_precision)]
-pub const NF4: [f32; 16] = [
-    -1.0,
-    -0.696_192_800_998_687_7,
-    -0.525_073_051_452_636_7,
-    -0.394_917_488_098_144_53,
-    -0.284_441_381_692_886_35,
-    -0.184_773_430_228_233_34,
-    -0.091_050_036_251_544_95,
-    0.0,
-    0.079_580_299_556_255_34,
-    0.160_930_201_411_247_25,
-    0.246_112_301_945_686_34,
-    0.337_915_241_718_292_24,
-    0.440_709_829_330_444_34,
-    0.562_617_003_917_694_1,
-    0.722_956_836_223_602_3,
-    1.0,
-];
+mod grid;
+pub use grid::{Grid, Points, ScaleRule, NF4};
 
 /// Which operand of FakeQuantLearned a FakeQuantLearnedGrad differentiates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -48,7 +32,8 @@ impl QuantParam {
     }
 }
 
-/// How weights are quantized (see `FakeQuant`).
+/// How weights are quantized (see `FakeQuant`). The numbers in these formulas are each scheme's
+/// `Grid` (`QuantSpec::grid`), where every site reads them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QuantScheme {
     /// S = absmax / qmax, qmax = 2^(b-1) - 1; q = clamp(round(w / S), -qmax, qmax); w' = q S.
@@ -79,6 +64,13 @@ impl QuantScheme {
     /// Whether the scheme stores a zero-point per group.
     pub fn has_zero_point(self) -> bool {
         self == QuantScheme::Asym
+    }
+    /// The bit widths the scheme takes: nf4's table and llama.cpp's Q4_0 are 4-bit formats.
+    pub fn widths(self) -> RangeInclusive<u8> {
+        match self {
+            QuantScheme::Sym | QuantScheme::Asym => 2..=8,
+            QuantScheme::Nf4 | QuantScheme::Q4_0 => 4..=4,
+        }
     }
 }
 
@@ -163,42 +155,19 @@ impl QuantSpec {
             + self.scale_dtype().bytes_for(groups)
             + self.zero_dtype().map_or(0, |d| d.bytes_for(groups))
     }
-    /// The largest symmetric code magnitude, 2^(bits-1) - 1 (codes are stored offset by it,
-    /// so that they are unsigned: 0 ..= 2 qmax).
-    pub fn sym_qmax(bits: u8) -> u32 {
-        (1u32 << (bits - 1)) - 1
+    /// The grid of the scheme at these bits (the spec must have been checked).
+    pub fn grid(&self) -> Grid {
+        Grid::of(self.scheme, self.bits)
     }
-    /// The largest asymmetric code, 2^bits - 1.
-    pub fn asym_levels(bits: u8) -> u32 {
-        (1u32 << bits) - 1
-    }
-    /// LSQ's Q_P: the grid's largest positive point in units of the scale (nf4's codes span
-    /// [-1, 1], so 1; asym's codes q - z reach 2^b - 1 when z = 0).
+    /// LSQ's Q_P: the grid's highest point in units of the scale (at zero point 0: asym's codes
+    /// q - z reach 2^b - 1 when z = 0; nf4's table spans [-1, 1], so 1).
     pub fn lsq_qp(&self) -> f64 {
-        match self.scheme {
-            QuantScheme::Sym => Self::sym_qmax(self.bits) as f64,
-            QuantScheme::Asym => Self::asym_levels(self.bits) as f64,
-            QuantScheme::Nf4 => 1.0,
-            QuantScheme::Q4_0 => 7.0,
-        }
+        self.grid().range(0.0).1
     }
     /// LSQ's gradient scale 1 / sqrt(n Q_P) for a weight with `n_in` input features, n the
     /// elements that share a scale (the group).
     pub fn lsq_grad_scale(&self, n_in: usize) -> f64 {
         1.0 / ((self.group_for(n_in) as f64) * self.lsq_qp()).sqrt()
-    }
-    /// The grid's range in units of the scale for zero point `z` (already rounded; 0 unless
-    /// asym): q = clamp(round(x), lo, hi) for the integer grids, the nearest code for nf4.
-    pub fn lsq_range(&self, z: f64) -> (f64, f64) {
-        match self.scheme {
-            QuantScheme::Sym => {
-                let q = Self::sym_qmax(self.bits) as f64;
-                (-q, q)
-            }
-            QuantScheme::Asym => (-z, Self::asym_levels(self.bits) as f64 - z),
-            QuantScheme::Nf4 => (-1.0, 1.0),
-            QuantScheme::Q4_0 => (-8.0, 7.0),
-        }
     }
     /// Checks the combination for a weight with `n_in` input features.
     pub fn check(&self, n_in: usize) -> Result<(), String> {
@@ -206,8 +175,8 @@ impl QuantSpec {
             return Err(format!("bits must be 2..8, got {}", self.bits));
         }
         match self.scheme {
-            QuantScheme::Nf4 if self.bits != 4 => return Err("scheme nf4 needs 4 bits".into()),
-            QuantScheme::Q4_0 if self.bits != 4 || self.group != 32 => {
+            QuantScheme::Nf4 if !self.scheme.widths().contains(&self.bits) => return Err("scheme nf4 needs 4 bits".into()),
+            QuantScheme::Q4_0 if !self.scheme.widths().contains(&self.bits) || self.group != 32 => {
                 return Err("scheme q4_0 needs 4 bits and group 32 (llama.cpp's block)".into())
             }
             _ => {}

@@ -1,4 +1,5 @@
-//! Weight quantization, exactly as `Op::FakeQuant` defines it (see `qatc_ir::QuantScheme`).
+//! Weight quantization, exactly as `Op::FakeQuant` defines it (see `qatc_ir::QuantScheme`), with
+//! each scheme's constants from its grid (`qatc_ir::Grid`).
 //!
 //! A weight is a Conv1D matrix w [in, out], row-major. Group g of output column j is the `G`
 //! consecutive rows g*G .. (g+1)*G of that column; scales (and zero points) are [in/G, out].
@@ -10,7 +11,7 @@
 //! (packed codes + Dequantize) equals the unfolded one (FakeQuant) bit for bit by construction.
 
 use half::f16;
-use qatc_ir::{qmap, DynMap, QuantScheme, QuantSpec};
+use qatc_ir::{qmap, DynMap, Grid, Points, QuantScheme, QuantSpec};
 
 pub use qatc_ir::NF4;
 
@@ -21,17 +22,22 @@ pub use learned::{
     fake_quant_learned, fake_quant_learned_grad, init_learned, init_learned_searched, point, quantize_learned, zero_point, Point,
 };
 
-/// The nearest NF4 code to x (a value already divided by the group's scale), the first one on
-/// ties; codes saturate at -1 and 1.
-pub fn nf4_nearest<T: Float>(x: T) -> u8 {
-    let code = |k: usize| T::from_f64(NF4[k] as f64);
+/// The code of a table grid's entry nearest to x (a value already divided by the group's scale),
+/// the first one on ties; codes saturate at the table's ends.
+pub fn table_nearest<T: Float>(table: &[f32; 16], x: T) -> u8 {
+    let code = |k: usize| T::from_f64(table[k] as f64);
     let mut best = 0usize;
-    for k in 1..NF4.len() {
+    for k in 1..table.len() {
         if (x - code(k)).abs() < (x - code(best)).abs() {
             best = k;
         }
     }
     best as u8
+}
+
+/// The nearest NF4 code to x (`table_nearest` of `NF4`).
+pub fn nf4_nearest<T: Float>(x: T) -> u8 {
+    table_nearest(&NF4, x)
 }
 
 /// A quantized weight: one code per element (unpacked; see `pack_i4` for storage), scales and,
@@ -59,14 +65,6 @@ impl Quantized {
     }
 }
 
-fn qmax_sym(bits: u8) -> f32 {
-    QuantSpec::sym_qmax(bits) as f32
-}
-
-fn levels(bits: u8) -> f32 {
-    QuantSpec::asym_levels(bits) as f32
-}
-
 /// Quantizes w [n_in, n_out]. The spec must have been checked (`QuantSpec::check`). A group
 /// holding a NaN or an infinity gets a NaN scale: all its values dequantize to NaN.
 pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quantized {
@@ -80,6 +78,11 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
         scales: vec![0.0; groups * n_out],
         zeros: if spec.scheme.has_zero_point() { vec![0.0; groups * n_out] } else { Vec::new() },
     };
+    let grid = spec.grid();
+    // the grid's constants as the f32 operands of the arithmetic below
+    let (lo, hi) = grid.range(0.0);
+    let (lo, hi, divisor, max_code) = (lo as f32, hi as f32, grid.scale_divisor() as f32, grid.max_code as f32);
+    let offset = grid.offset().unwrap_or(0) as f32;
     let mut col = vec![0f32; gsz];
     for g in 0..groups {
         for j in 0..n_out {
@@ -96,23 +99,21 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
             let mut put = |r: usize, code: u8| q.codes[(g * gsz + r) * n_out + j] = code;
             match spec.scheme {
                 QuantScheme::Sym => {
-                    let qmax = qmax_sym(spec.bits);
                     let absmax = col.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let s = absmax / qmax;
+                    let s = absmax / divisor;
                     for (r, &v) in col.iter().enumerate() {
-                        let k = if s == 0.0 { 0.0 } else { (v / s).round_ties_even().clamp(-qmax, qmax) };
-                        put(r, (k + qmax) as u8);
+                        let k = if s == 0.0 { 0.0 } else { (v / s).round_ties_even().clamp(lo, hi) };
+                        put(r, (k + offset) as u8);
                     }
                     q.scales[si] = s;
                 }
                 QuantScheme::Asym => {
-                    let top = levels(spec.bits);
                     let rmin = col.iter().fold(0f32, |m, &v| m.min(v));
                     let rmax = col.iter().fold(0f32, |m, &v| m.max(v));
-                    let s = (rmax - rmin) / top;
-                    let z = if s == 0.0 { 0.0 } else { (-rmin / s).round_ties_even().clamp(0.0, top) };
+                    let s = (rmax - rmin) / divisor;
+                    let z = if s == 0.0 { 0.0 } else { (-rmin / s).round_ties_even().clamp(0.0, max_code) };
                     for (r, &v) in col.iter().enumerate() {
-                        let k = if s == 0.0 { z } else { ((v / s).round_ties_even() + z).clamp(0.0, top) };
+                        let k = if s == 0.0 { z } else { ((v / s).round_ties_even() + z).clamp(0.0, max_code) };
                         put(r, k as u8);
                     }
                     q.scales[si] = s;
@@ -135,11 +136,12 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
                             m = v;
                         }
                     }
-                    let d = m / -8.0;
+                    let d = m / divisor;
                     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    let bias = grid.trunc_bias() as f32;
                     for (r, &v) in col.iter().enumerate() {
                         // (int8_t) truncates toward zero; x * id + 8.5 is >= 0.5 here
-                        let k = ((v * id + 8.5) as i8).min(15);
+                        let k = ((v * id + bias) as i8).min(grid.max_code as i8);
                         put(r, k as u8);
                     }
                     q.scales[si] = f16::from_f32(d).to_f32();
@@ -150,14 +152,13 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
     q
 }
 
-/// The value code `c` stands for in group `si`.
+/// The value code `c` stands for in a group with this scale (and zero point, asym).
 #[inline]
 pub fn dequant_one(spec: QuantSpec, c: u8, scale: f32, zero: f32) -> f32 {
-    match spec.scheme {
-        QuantScheme::Sym => (c as f32 - qmax_sym(spec.bits)) * scale,
-        QuantScheme::Asym => scale * (c as f32 - zero),
-        QuantScheme::Nf4 => NF4[(c & 15) as usize] * scale,
-        QuantScheme::Q4_0 => (c as f32 - 8.0) * scale,
+    match spec.grid().points {
+        Points::Offset(o) => (c as f32 - o as f32) * scale,
+        Points::ZeroPoint => scale * (c as f32 - zero),
+        Points::Table(t) => t[usize::from(c) % t.len()] * scale,
     }
 }
 
@@ -187,7 +188,7 @@ pub fn fake_quant(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Vec<
 
 /// Dynamic per-row symmetric fake-quant of activations x [rows, c].
 pub fn act_quant(x: &[f32], c: usize, bits: u8) -> Vec<f32> {
-    let qmax = qmax_sym(bits);
+    let qmax = Grid::of(QuantScheme::Sym, bits).range(0.0).1 as f32;
     let mut out = vec![0f32; x.len()];
     for (row, o) in x.chunks(c.max(1)).zip(out.chunks_mut(c.max(1))) {
         let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -320,6 +321,65 @@ mod tests {
                 for (i, v) in out.iter().enumerate() {
                     let (row, col) = (i / 2, i % 2);
                     assert_eq!(v.is_nan(), col == 1 && row < 32, "{s:?} {bad}: element [{row}, {col}] = {v}");
+                }
+            }
+        }
+    }
+
+    /// Each scheme's grid (`qatc_ir::Grid`) is what the quantizer does at the edges: the largest
+    /// magnitude on the end point the scale rule puts it on, the other end saturating, zero on the
+    /// code of point 0, ties rounded as the scheme rounds them; and learned scales clamp to the
+    /// grid's range at both ends.
+    #[test]
+    fn each_grid_is_what_the_quantizer_does_at_the_edges() {
+        for scheme in QuantScheme::ALL {
+            for bits in scheme.widths() {
+                let sp = spec(bits, 32, scheme);
+                let grid = sp.grid();
+                // (value, expected code) in a group whose scale comes out as 1
+                let cases: Vec<(f32, u32)> = match scheme {
+                    QuantScheme::Sym => {
+                        let (o, hi) = (grid.offset().unwrap_or(0), grid.range(0.0).1 as f32);
+                        let mut c = vec![(hi, grid.max_code), (-hi, 0), (0.0, o), (0.5, o), (-0.5, o)];
+                        if hi >= 2.0 {
+                            c.push((1.5, o + 2)); // half to even
+                        }
+                        c
+                    }
+                    // rmin -1, rmax max_code - 1: S = 1, z = 1
+                    QuantScheme::Asym => {
+                        let top = grid.max_code as f32;
+                        vec![(-1.0, 0), (top - 1.0, grid.max_code), (0.0, 1), (0.5, 1), (1.5, 3)]
+                    }
+                    // NF4[6] / 2 lies exactly halfway between codes 6 and 7: the first wins
+                    QuantScheme::Nf4 => vec![(1.0, grid.max_code), (-1.0, 0), (0.0, 7), (NF4[6] / 2.0, 6)],
+                    // m = -8 (the first of largest magnitude): d = 1; +8 saturates at 7; half up
+                    QuantScheme::Q4_0 => {
+                        let o = grid.offset().unwrap_or(0);
+                        vec![(-8.0, 0), (8.0, grid.max_code), (0.0, o), (0.5, o + 1), (-0.5, o), (-1.5, o - 1), (7.4, grid.max_code)]
+                    }
+                };
+                let mut w = vec![0f32; 32];
+                for (i, &(v, _)) in cases.iter().enumerate() {
+                    w[i] = v;
+                }
+                let q = quantize(&w, 32, 1, sp);
+                assert_eq!(q.scales[0], 1.0, "{scheme} {bits}: the scale rule");
+                for (i, &(v, want)) in cases.iter().enumerate() {
+                    assert_eq!(u32::from(q.codes[i]), want, "{scheme} {bits}: the code of {v}");
+                }
+                assert!(q.codes.iter().all(|&c| u32::from(c) <= grid.max_code), "{scheme} {bits}");
+                let z = q.zeros.first().copied().unwrap_or(0.0);
+                let (zlo, zhi) = grid.range(f64::from(z));
+                let out = dequantize(&q);
+                assert_eq!(out.iter().fold(f32::INFINITY, |m, &v| m.min(v)), zlo as f32, "{scheme} {bits}: the lowest point");
+                assert_eq!(out.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)), zhi as f32, "{scheme} {bits}: the highest point");
+                // a learned scale of 1 clamps far values to the range's ends, codes 0 and max_code
+                let z = if scheme.has_zero_point() { 2.0 } else { 0.0 };
+                let (lo_z, hi_z) = grid.range(z);
+                for (v, end, code) in [(-1000.0, lo_z, 0), (1000.0, hi_z, grid.max_code)] {
+                    let p = point(sp, v, 1.0, z as f32);
+                    assert_eq!((p.q, u32::from(p.code), p.inside), (end as f32, code, false), "{scheme} {bits}: learned {v}");
                 }
             }
         }

@@ -540,7 +540,11 @@ fn a_launch_passing_its_written_buffer_twice_is_refused() {
     };
     let k = &prog.kernels[*kernel];
     let w = k.params.iter().position(|p| p.write).expect("a written param");
-    let r = k.params.iter().position(|p| !p.write && p.dtype == k.params[w].dtype && p.shape == k.params[w].shape).expect("a read param like it");
+    let r = k
+        .params
+        .iter()
+        .position(|p| !p.write && p.dtype == k.params[w].dtype && p.shape == k.params[w].shape)
+        .expect("a read param like it");
     args[r] = args[w];
     let err = CpuProgram::with_kir_eval(prog).err().expect("refused").to_string();
     assert!(err.contains("__restrict__"), "{err}");

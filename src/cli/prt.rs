@@ -106,10 +106,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         data.batch(0, a.batch, a.seq)?;
     }
     let sch = a.scheme;
-    let widths: Vec<u8> = match sch {
-        QuantScheme::Nf4 | QuantScheme::Q4_0 => vec![4],
-        _ => (2..=8).collect(),
-    };
+    let widths: Vec<u8> = sch.widths().collect();
     let targets = a.targets.clone().unwrap_or_else(QuantOptions::default_targets);
     let mut modules = Vec::new();
     for l in 0..m.cfg.n_layer {

@@ -8,6 +8,7 @@
 //! sum of the sizes before it, and reads the padded size of the last tensor too).
 
 use half::f16;
+use qatc_ir::{Grid, QuantScheme};
 
 pub const MAGIC: [u8; 4] = *b"GGUF";
 pub const VERSION: u32 = 3;
@@ -481,6 +482,18 @@ pub fn encode_f16(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect()
 }
 
+/// Q4_0's grid: llama.cpp's block format is qatc's `q4_0` scheme, codes 0..=15 standing for the
+/// points code - 8.
+pub fn q4_0_grid() -> Grid {
+    Grid::of(QuantScheme::Q4_0, 4)
+}
+
+/// Q8_0's grid: int8 points -127..=127 with d = amax / 127, the points and scale rule of qatc's
+/// 8-bit `sym` grid (Q8_0 rounds ties away from zero and stores d as fp16).
+fn q8_0_grid() -> Grid {
+    Grid::of(QuantScheme::Sym, 8)
+}
+
 /// One Q4_0 block: the f16 scale, then byte l = element l (low nibble) | element l + 16 (high).
 pub fn q4_0_block(d: f16, codes: &[u8; 32]) -> [u8; 18] {
     let mut b = [0u8; 18];
@@ -498,7 +511,7 @@ pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(x.len() / 32 * 34);
     for blk in x.chunks_exact(32) {
         let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
+        let d = amax / q8_0_grid().scale_divisor() as f32;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         out.extend(f16::from_f32(d).to_le_bytes());
         out.extend(blk.iter().map(|v| ((v * id).round() as i8) as u8));
@@ -532,11 +545,12 @@ pub fn decode(ty: GgmlType, data: &[u8]) -> Option<Vec<f32>> {
         GgmlType::F16 => data.chunks_exact(2).map(h).collect(),
         GgmlType::Q4_0 => {
             let (ds, qs) = q4_0_unpack(data)?;
+            let offset = q4_0_grid().offset().unwrap_or(0) as f32;
             qs.chunks_exact(32)
                 .zip(ds)
                 .flat_map(|(q, d)| {
                     let d = f16::from_bits(d).to_f32();
-                    q.iter().map(move |&c| (c as f32 - 8.0) * d).collect::<Vec<_>>()
+                    q.iter().map(move |&c| (c as f32 - offset) * d).collect::<Vec<_>>()
                 })
                 .collect()
         }

@@ -17,7 +17,7 @@
 //!   token_embd, which llama.cpp's gpt2 loader falls back to.
 
 use half::f16;
-use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_ir::QuantScheme;
 use qatc_runtime::{quant, Tensor};
 
 use super::gguf::{self, GgmlType, Gguf, TensorData, Value, ValueType};
@@ -130,10 +130,11 @@ fn learned_tensor(l: &LinearExport, ty: GgmlType, qat_merged: bool) -> Result<Ve
     if l.on_grid(qat_merged) && quant::dequantize(&q) != l.trained {
         return Err(ExportError::Internal(format!("{}: the learned codes do not reproduce the trained weight", l.module)));
     }
-    let offset = match spec.scheme {
-        QuantScheme::Sym => QuantSpec::sym_qmax(spec.bits) as i32,
-        _ => 8,
+    // the trained codes' grid (sym or q4_0) has a fixed point 0; Q4_0 blocks store points + 8
+    let (Some(offset), Some(q4_0_offset)) = (spec.grid().offset(), gguf::q4_0_grid().offset()) else {
+        return Err(ExportError::Internal(format!("{}: learned {} scales have no GGUF block type", l.module, spec.scheme)));
     };
+    let (offset, q4_0_offset) = (offset as i32, q4_0_offset as i32);
     let gsz = spec.group_for(n_in);
     let mut out = Vec::with_capacity(n_in / 32 * n_out * ty.block().1);
     for j in 0..n_out {
@@ -142,7 +143,7 @@ fn learned_tensor(l: &LinearExport, ty: GgmlType, qat_merged: bool) -> Result<Ve
             let d = f16::from_f32(q.scales[(32 * k / gsz) * n_out + j]);
             let point = |r: usize| q.codes[(32 * k + r) * n_out + j] as i32 - offset;
             if ty == GgmlType::Q4_0 {
-                let codes: [u8; 32] = std::array::from_fn(|r| (point(r) + 8) as u8);
+                let codes: [u8; 32] = std::array::from_fn(|r| (point(r) + q4_0_offset) as u8);
                 out.extend(gguf::q4_0_block(d, &codes));
             } else {
                 out.extend(d.to_le_bytes());

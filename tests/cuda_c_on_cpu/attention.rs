@@ -153,7 +153,7 @@ pub fn init(b: &Buffer, values: DType) -> Option<Vec<u8>> {
 /// another order). Each kernel's text is checked to read the params in their types.
 #[test]
 fn the_attention_over_16bit_params() {
-    let Some(cxx) = Cxx::find(&qatc_kernels::cuda::HEADERS) else { return };
+    let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let shapes = [Dims { b: 2, nh: 2, t: 100, hs: 64 }, Dims { b: 1, nh: 3, t: 77, hs: 32 }];
     for values in [DType::BF16, DType::F16] {
         let tag = if values == DType::BF16 { "qatc::ElemBf16" } else { "qatc::ElemF16" };

@@ -12,6 +12,7 @@
 //! `launch.rs` says how each space is launched; `loop_nest.rs` writes a loop nest's body.
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
 use qatc_ir::DType;
 
@@ -24,6 +25,7 @@ use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Kernel, RowMapping, 
 use super::launch::check_grid;
 pub use super::launch::{launch_dims, launch_dims_with, LaunchDims, BLOCK, MAX_GRID};
 use super::loop_nest::{has_reduce, LoopNestWriter};
+use super::tables::{tables_header, TABLES_HEADER};
 
 /// A kernel as CUDA C, ready for NVRTC.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,15 +36,23 @@ pub struct CudaKernel {
     pub launch: LaunchDims,
 }
 
-/// The helper headers, embedded: (file name, text). Generated sources include them by name.
-pub const HEADERS: [(&str, &str); 6] = [
-    ("qatc_common.cuh", include_str!("include/qatc_common.cuh")),
-    ("qatc_math.cuh", include_str!("include/qatc_math.cuh")),
-    ("qatc_reduce.cuh", include_str!("include/qatc_reduce.cuh")),
-    ("qatc_quant.cuh", include_str!("include/qatc_quant.cuh")),
-    ("qatc_attention.cuh", include_str!("include/qatc_attention.cuh")),
-    ("qatc_attention_mma.cuh", include_str!("include/qatc_attention_mma.cuh")),
-];
+/// The helper headers: (file name, text). Generated sources include them by name. All are
+/// files embedded from `include/` but `qatc_tables.cuh`, which `tables.rs` writes from the IR's
+/// constants (`qatc_quant.cuh` includes it).
+pub fn headers() -> &'static [(&'static str, &'static str)] {
+    static HEADERS: OnceLock<[(&str, &str); 7]> = OnceLock::new();
+    HEADERS.get_or_init(|| {
+        [
+            ("qatc_common.cuh", include_str!("include/qatc_common.cuh")),
+            ("qatc_math.cuh", include_str!("include/qatc_math.cuh")),
+            ("qatc_reduce.cuh", include_str!("include/qatc_reduce.cuh")),
+            (TABLES_HEADER, tables_header()),
+            ("qatc_quant.cuh", include_str!("include/qatc_quant.cuh")),
+            ("qatc_attention.cuh", include_str!("include/qatc_attention.cuh")),
+            ("qatc_attention_mma.cuh", include_str!("include/qatc_attention_mma.cuh")),
+        ]
+    })
+}
 
 /// `k` as CUDA C, with the default variants (`CudaSettings::default`).
 pub fn emit(k: &Kernel) -> Result<CudaKernel, KernelError> {
@@ -188,12 +198,4 @@ pub fn float_lit(v: f64, t: Ty) -> String {
         s.push('f');
     }
     s
-}
-
-/// The name of a dynamic map's table in `qatc_quant.cuh`.
-pub fn dyn_table(m: qatc_ir::DynMap) -> &'static str {
-    match m {
-        qatc_ir::DynMap::Signed => "DYN_SIGNED",
-        qatc_ir::DynMap::Unsigned => "DYN_UNSIGNED",
-    }
 }

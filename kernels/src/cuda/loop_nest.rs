@@ -7,7 +7,8 @@ use std::slice;
 use qatc_ir::DType;
 
 use super::codegen::{SPLIT_SLICES, WARP_ROWS};
-use super::emit::{dyn_table, float_lit, scalar};
+use super::emit::{float_lit, scalar};
+use super::tables::dyn_table;
 use super::writer::Writer;
 use crate::error::KernelError;
 use crate::kir::{visit_exprs, BinOp, Expr, Intrinsic, Ix, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty, TypeEnv, UnOp, VarId};

@@ -2,7 +2,7 @@
 //! become index arithmetic, nodes in memory become loads. This is what makes a chain of ops one
 //! pass over memory. Each op follows its doc in `qatc_ir::op` and the interpreter's kernel.
 
-use qatc_ir::{BinaryOp, DType, DynMap, NodeId, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp};
+use qatc_ir::{BinaryOp, DType, DynMap, NodeId, Op, Points, QuantParam, QuantSpec, UnaryOp};
 
 use super::builder::{compute_ty, pos_key, round_to, KernelBuilder, Pos};
 use crate::error::KernelError;
@@ -35,11 +35,6 @@ pub fn inlinable(op: &Op) -> bool {
             | Op::BlockDequant { .. }
             | Op::BlockQuant { .. }
     )
-}
-
-/// qmax of symmetric `bits`-bit codes (`QuantSpec::sym_qmax`), as a kernel constant.
-pub fn qmax_sym(bits: u8) -> f64 {
-    f64::from(qatc_ir::QuantSpec::sym_qmax(bits))
 }
 
 fn int_range(d: DType) -> (i64, i64) {
@@ -262,15 +257,15 @@ impl KernelBuilder<'_> {
         let code = self.value(ops[0], pos)?;
         let scale = self.value(ops[1], &group)?;
         let c = Expr::cast(Ty::F32, code.clone());
-        Ok(match spec.scheme {
-            QuantScheme::Sym => Expr::bin(BinOp::Mul, Expr::bin(BinOp::Sub, c, f(qmax_sym(spec.bits))), scale),
-            QuantScheme::Asym => {
+        Ok(match spec.grid().points {
+            Points::Offset(o) => Expr::bin(BinOp::Mul, Expr::bin(BinOp::Sub, c, f(f64::from(o))), scale),
+            Points::ZeroPoint => {
                 let zp = *ops.get(2).ok_or_else(|| KernelError::Internal("asym dequantize without zero points".into()))?;
                 let z = self.value(zp, &group)?;
                 Expr::bin(BinOp::Mul, scale, Expr::bin(BinOp::Sub, c, z))
             }
-            QuantScheme::Nf4 => Expr::bin(BinOp::Mul, Expr::Call(Intrinsic::Nf4Value, vec![code]), scale),
-            QuantScheme::Q4_0 => Expr::bin(BinOp::Mul, Expr::bin(BinOp::Sub, c, f(8.0)), scale),
+            // the one table grid, NF4, which every backend's `Nf4Value` reads
+            Points::Table(_) => Expr::bin(BinOp::Mul, Expr::Call(Intrinsic::Nf4Value, vec![code]), scale),
         })
     }
 
@@ -311,22 +306,26 @@ impl KernelBuilder<'_> {
         let w = self.value(ops[0], pos)?;
         let scale = self.value(ops[1], &group)?;
         let s = self.bind(Ty::F32, Expr::Call(Intrinsic::F16Round, vec![scale]));
-        let (lo, hi) = if spec.scheme.has_zero_point() {
+        let grid = spec.grid();
+        let (lo, hi) = if grid.points == Points::ZeroPoint {
             let zp = *ops.get(2).ok_or_else(|| KernelError::Internal("asym learned fake-quant without zero points".into()))?;
             let z = self.value(zp, &group)?;
-            let top = ((1u32 << spec.bits) - 1) as f64;
+            let top = f64::from(grid.max_code);
+            // `quant::zero_point` and `Grid::range`, with z a kernel value
             let z = self.bind(Ty::F32, Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, Expr::un(UnOp::RoundEven, z), f(0.0)), f(top)));
             (Expr::un(UnOp::Neg, z.clone()), Expr::bin(BinOp::Sub, f(top), z))
         } else {
-            let (lo, hi) = spec.lsq_range(0.0);
+            let (lo, hi) = grid.range(0.0);
             (f(lo), f(hi))
         };
         let (lo, hi) = (self.bind(Ty::F32, lo), self.bind(Ty::F32, hi));
         let zero_scale = self.bind(Ty::Bool, Expr::bin(BinOp::Eq, s.clone(), f(0.0)));
         let x = self.bind(Ty::F32, Expr::bin(BinOp::Div, w, s.clone()));
-        let q = match spec.scheme {
-            QuantScheme::Nf4 => Expr::Call(Intrinsic::Nf4Value, vec![Expr::Call(Intrinsic::Nf4Nearest, vec![x.clone()])]),
-            _ => Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, Expr::un(UnOp::RoundEven, x.clone()), lo.clone()), hi.clone()),
+        let q = match grid.points {
+            Points::Table(_) => Expr::Call(Intrinsic::Nf4Value, vec![Expr::Call(Intrinsic::Nf4Nearest, vec![x.clone()])]),
+            Points::Offset(_) | Points::ZeroPoint => {
+                Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, Expr::un(UnOp::RoundEven, x.clone()), lo.clone()), hi.clone())
+            }
         };
         // a zero scale: q = 0 and nothing inside (x is not a number there)
         let q = self.bind(Ty::F32, Expr::select(zero_scale.clone(), f(0.0), q));

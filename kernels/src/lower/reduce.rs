@@ -7,7 +7,6 @@
 use qatc_ir::{DType, Op, QuantScheme, QuantSpec};
 
 use super::builder::{KernelBuilder, Pos};
-use super::inline::qmax_sym;
 use super::rows::{clamp, emit_out, Anchor};
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
@@ -148,23 +147,25 @@ fn fake_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, spec: QuantSpec, shape: &[
         kb.close_foreach(lp);
         Ok(())
     };
+    // the grid's constants (`qatc_ir::Grid`), as `quant::quantize` reads them
+    let grid = spec.grid();
+    let (lo, hi) = grid.range(0.0);
+    let (divisor, top, offset) = (grid.scale_divisor(), f64::from(grid.max_code), f64::from(grid.offset().unwrap_or(0)));
     match spec.scheme {
         QuantScheme::Sym => {
-            let qmax = qmax_sym(spec.bits);
             let absmax = fold(&mut kb, ReduceOp::Max, &abs)?;
-            let s = kb.bind(Ty::F32, div(absmax, f(qmax)));
+            let s = kb.bind(Ty::F32, div(absmax, f(divisor)));
             out(&mut kb, &|_, v| {
-                let k = clamp(Expr::un(UnOp::RoundEven, div(v, s.clone())), -qmax, qmax);
+                let k = clamp(Expr::un(UnOp::RoundEven, div(v, s.clone())), lo, hi);
                 Expr::select(is_zero(s.clone()), f(0.0), mul(k, s.clone()))
             })?;
         }
         QuantScheme::Asym => {
-            let top = f64::from(qatc_ir::QuantSpec::asym_levels(spec.bits));
             let rmin = fold(&mut kb, ReduceOp::Max, &|v| Expr::un(UnOp::Neg, v))?;
             let rmin = kb.bind(Ty::F32, Expr::bin(BinOp::Min, f(0.0), Expr::un(UnOp::Neg, rmin)));
             let rmax = fold(&mut kb, ReduceOp::Max, &|v| v)?;
             let rmax = kb.bind(Ty::F32, Expr::bin(BinOp::Max, f(0.0), rmax));
-            let s = kb.bind(Ty::F32, div(Expr::bin(BinOp::Sub, rmax, rmin.clone()), f(top)));
+            let s = kb.bind(Ty::F32, div(Expr::bin(BinOp::Sub, rmax, rmin.clone()), f(divisor)));
             let z = clamp(Expr::un(UnOp::RoundEven, div(Expr::un(UnOp::Neg, rmin), s.clone())), 0.0, top);
             let z = kb.bind(Ty::F32, Expr::select(is_zero(s.clone()), f(0.0), z));
             out(&mut kb, &|_, v| {
@@ -184,13 +185,13 @@ fn fake_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, spec: QuantSpec, shape: &[
         QuantScheme::Q4_0 => {
             // llama.cpp quantize_row_q4_0_ref: d = m / -8, q = min(15, trunc(x / d + 8.5))
             let m = fold(&mut kb, ReduceOp::FirstAbsMax, &|v| v)?;
-            let d = kb.bind(Ty::F32, div(m, f(-8.0)));
+            let d = kb.bind(Ty::F32, div(m, f(divisor)));
             let id = kb.bind(Ty::F32, Expr::select(Expr::bin(BinOp::Ne, d.clone(), f(0.0)), div(f(1.0), d.clone()), f(0.0)));
             let d16 = kb.bind(Ty::F32, Expr::Call(Intrinsic::F16Round, vec![d]));
             out(&mut kb, &|_, v| {
-                let q = Expr::un(UnOp::Trunc, Expr::bin(BinOp::Add, mul(v, id.clone()), f(8.5)));
-                let q = Expr::bin(BinOp::Min, q, f(15.0));
-                mul(Expr::bin(BinOp::Sub, q, f(8.0)), d16.clone())
+                let q = Expr::un(UnOp::Trunc, Expr::bin(BinOp::Add, mul(v, id.clone()), f(grid.trunc_bias())));
+                let q = Expr::bin(BinOp::Min, q, f(top));
+                mul(Expr::bin(BinOp::Sub, q, f(offset)), d16.clone())
             })?;
         }
     }

@@ -5,10 +5,9 @@
 //! The arithmetic follows the interpreter (`runtime/src/kernels/{norm,softmax}.rs`) operation for
 //! operation: the same association, f32 throughout, biased variance.
 
-use qatc_ir::{qmap, NodeId, Op};
+use qatc_ir::{qmap, Grid, NodeId, Op, QuantScheme};
 
 use super::builder::{pos_key, KernelBuilder, Pos};
-use super::inline::qmax_sym;
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
@@ -259,7 +258,7 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             // per-row symmetric fake-quant: S = absmax / qmax
             let c = shape.last().copied().unwrap_or(1);
             let rows = node.ty.numel() / c.max(1);
-            let qmax = qmax_sym(bits);
+            let qmax = Grid::of(QuantScheme::Sym, bits).range(0.0).1;
             let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
             let x = ops[0];
             let absmax = reduce(&mut kb, ReduceOp::Max, c, Expr::Int(c as i64), |kb, j| {

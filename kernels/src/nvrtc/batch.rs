@@ -221,7 +221,16 @@ mod tests {
     use super::*;
 
     fn entry(name: &str, resources: Option<Resources>) -> KernelEntry {
-        KernelEntry { name: name.into(), family: "f".into(), resources, block: 128, grid: [1, 1, 1], cubin_bytes: 8, cached: false, compile_ms: 1.0 }
+        KernelEntry {
+            name: name.into(),
+            family: "f".into(),
+            resources,
+            block: 128,
+            grid: [1, 1, 1],
+            cubin_bytes: 8,
+            cached: false,
+            compile_ms: 1.0,
+        }
     }
 
     /// A ptxas whose wording qatc cannot read costs the report its figures, not the build: the
@@ -242,7 +251,11 @@ mod tests {
             entries: vec![entry("a", Some(known)), entry("b", None)],
             warnings: vec!["b: ptxas' resource report did not parse".into()],
         };
-        assert!(r.summary().contains("at most 40 registers") && r.summary().contains("1 without a readable ptxas report"), "{}", r.summary());
+        assert!(
+            r.summary().contains("at most 40 registers") && r.summary().contains("1 without a readable ptxas report"),
+            "{}",
+            r.summary()
+        );
         assert!(r.table().lines().any(|l| l.starts_with("b ") && l.contains(" ? ")), "{}", r.table());
         let json = serde_json::to_value(&r).expect("serializable");
         assert_eq!(json["entries"][0]["registers"], 40);

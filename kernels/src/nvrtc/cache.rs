@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use super::Arch;
-use crate::cuda::emit::HEADERS;
+use crate::cuda::emit::headers;
 use crate::error::KernelError;
 
 /// A cache directory.
@@ -53,7 +53,7 @@ impl KernelCache {
         for o in options {
             field(o.as_bytes());
         }
-        for (name, text) in HEADERS {
+        for (name, text) in headers() {
             field(name.as_bytes());
             field(text.as_bytes());
         }

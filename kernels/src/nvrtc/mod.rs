@@ -24,7 +24,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use crate::cuda::emit::{CudaKernel, HEADERS};
+use crate::cuda::emit::{headers, CudaKernel};
 use crate::error::KernelError;
 
 pub use batch::{compile_cubins, BuildOptions, BuildReport, CompiledKernel};
@@ -219,7 +219,7 @@ impl Nvrtc {
 pub fn write_headers(dir: &Path) -> Result<(), KernelError> {
     let io = |source| KernelError::Io { path: dir.to_path_buf(), error: source };
     std::fs::create_dir_all(dir).map_err(io)?;
-    for (name, text) in HEADERS {
+    for (name, text) in headers() {
         let p = dir.join(name);
         std::fs::write(&p, text).map_err(|source| KernelError::Io { path: p.clone(), error: source })?;
     }

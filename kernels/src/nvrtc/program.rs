@@ -9,7 +9,7 @@ use std::path::Path;
 use cudarc::nvrtc::sys::{self, nvrtcProgram, nvrtcResult};
 
 use super::Arch;
-use crate::cuda::emit::{CudaKernel, HEADERS};
+use crate::cuda::emit::{headers, CudaKernel};
 use crate::error::KernelError;
 
 /// What a successful compile gives: the image (PTX text or CUBIN bytes) and the log (warnings,
@@ -109,18 +109,18 @@ impl Program {
 pub fn compile(k: &CudaKernel, options: &[String], cubin: bool) -> Result<Output, Failure> {
     let src = cstring(&k.source, "the generated source")?;
     let name = cstring(&format!("{}.cu", k.name), "the kernel name")?;
-    let header_texts: Vec<CString> = HEADERS.iter().map(|(_, t)| cstring(t, "a header")).collect::<Result<_, _>>()?;
-    let header_names: Vec<CString> = HEADERS.iter().map(|(n, _)| cstring(n, "a header name")).collect::<Result<_, _>>()?;
+    let header_texts: Vec<CString> = headers().iter().map(|(_, t)| cstring(t, "a header")).collect::<Result<_, _>>()?;
+    let header_names: Vec<CString> = headers().iter().map(|(n, _)| cstring(n, "a header name")).collect::<Result<_, _>>()?;
     let text_ptrs: Vec<*const c_char> = header_texts.iter().map(|c| c.as_ptr()).collect();
     let name_ptrs: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
     let opts: Vec<CString> = options.iter().map(|o| cstring(o, "an option")).collect::<Result<_, _>>()?;
     let opt_ptrs: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
     let mut raw: nvrtcProgram = std::ptr::null_mut();
     // SAFETY: every pointer is to a NUL-terminated string owned by a local that outlives the
-    // program's creation (NVRTC copies them); the arrays have HEADERS.len() entries each.
+    // program's creation (NVRTC copies them); the arrays have headers().len() entries each.
     rc(
         unsafe {
-            sys::nvrtcCreateProgram(&mut raw, src.as_ptr(), name.as_ptr(), HEADERS.len() as i32, text_ptrs.as_ptr(), name_ptrs.as_ptr())
+            sys::nvrtcCreateProgram(&mut raw, src.as_ptr(), name.as_ptr(), headers().len() as i32, text_ptrs.as_ptr(), name_ptrs.as_ptr())
         },
         "nvrtcCreateProgram",
     )?;

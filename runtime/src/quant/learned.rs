@@ -6,8 +6,8 @@
 //! Per element, with the group's scale and zero point (asym only):
 //!
 //!   s = fp16(scale)                     the scale as deployment formats store it
-//!   z = clamp(round(zero), 0, 2^b - 1)  an integer zero point (0 unless asym)
-//!   x = w / s;  [lo, hi] = QuantSpec::lsq_range(z)
+//!   z = clamp(round(zero), 0, max_code) an integer zero point (0 unless asym)
+//!   x = w / s;  [lo, hi] = Grid::range(z)
 //!   q = clamp(round(x), lo, hi)         (nf4: the nearest NF4 code of x, which saturates at +-1)
 //!   w' = q s
 //!
@@ -22,9 +22,9 @@
 //! float type: f32 as device code, f64 for the gradient checks.
 
 use half::f16;
-use qatc_ir::{QuantParam, QuantScheme, QuantSpec, NF4};
+use qatc_ir::{Points, QuantParam, QuantSpec, ScaleRule};
 
-use super::{nf4_nearest, Quantized};
+use super::{table_nearest, Quantized};
 use crate::float::Float;
 
 /// One element of a learned fake-quant.
@@ -59,10 +59,10 @@ fn clamp<T: Float>(x: T, lo: T, hi: T) -> T {
     }
 }
 
-/// The zero point as used: rounded half to even into [0, 2^b - 1]; 0 for the schemes without one.
+/// The zero point as used: rounded half to even into [0, max_code]; 0 for the schemes without one.
 pub fn zero_point<T: Float>(spec: QuantSpec, zero: T) -> T {
     if spec.scheme.has_zero_point() {
-        clamp(zero.round_ties_even(), T::ZERO, T::from_f64(((1u32 << spec.bits) - 1) as f64))
+        clamp(zero.round_ties_even(), T::ZERO, T::from_f64(f64::from(spec.grid().max_code)))
     } else {
         T::ZERO
     }
@@ -70,11 +70,10 @@ pub fn zero_point<T: Float>(spec: QuantSpec, zero: T) -> T {
 
 /// The code of grid point `q` (in units of the scale) for zero point `z`.
 fn code_of(spec: QuantSpec, q: f64, z: f64) -> u8 {
-    let c = match spec.scheme {
-        QuantScheme::Sym => q + ((1u32 << (spec.bits - 1)) - 1) as f64,
-        QuantScheme::Asym => q + z,
-        QuantScheme::Q4_0 => q + 8.0,
-        QuantScheme::Nf4 => return nf4_nearest(q as f32),
+    let c = match spec.grid().points {
+        Points::Offset(o) => q + f64::from(o),
+        Points::ZeroPoint => q + z,
+        Points::Table(t) => return table_nearest(t, q as f32),
     };
     c as u8
 }
@@ -86,13 +85,14 @@ pub fn point<T: Float>(spec: QuantSpec, w: T, scale: T, zero: T) -> Point<T> {
     if s == T::ZERO {
         return Point { s, x: T::ZERO, q: T::ZERO, inside: false, code: code_of(spec, 0.0, z.to_f64()) };
     }
-    let (lo, hi) = spec.lsq_range(z.to_f64());
+    let grid = spec.grid();
+    let (lo, hi) = grid.range(z.to_f64());
     let (lo, hi) = (T::from_f64(lo), T::from_f64(hi));
     let x = w / s;
     let inside = lo <= x && x <= hi;
-    if spec.scheme == QuantScheme::Nf4 {
-        let code = nf4_nearest(x);
-        return Point { s, x, q: T::from_f64(NF4[code as usize] as f64), inside, code };
+    if let Points::Table(t) = grid.points {
+        let code = table_nearest(t, x);
+        return Point { s, x, q: T::from_f64(t[code as usize] as f64), inside, code };
     }
     let q = clamp(x.round_ties_even(), lo, hi);
     Point { s, x, q, inside, code: code_of(spec, q.to_f64(), z.to_f64()) }
@@ -181,7 +181,8 @@ fn f16_away_from_zero(v: f32) -> f32 {
 pub fn init_learned(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> (Vec<f32>, Vec<f32>) {
     let gsz = spec.group_for(n_in);
     let groups = n_in / gsz;
-    let top = ((1u32 << spec.bits) - 1) as f32;
+    let grid = spec.grid();
+    let (divisor, top) = (grid.scale_divisor() as f32, grid.max_code as f32);
     let (mut scales, mut zeros) = (vec![0f32; groups * n_out], Vec::new());
     if spec.scheme.has_zero_point() {
         zeros = vec![0f32; groups * n_out];
@@ -190,13 +191,13 @@ pub fn init_learned(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> (V
         for j in 0..n_out {
             let col = (0..gsz).map(|r| w[(g * gsz + r) * n_out + j]);
             let si = g * n_out + j;
-            scales[si] = f16_away_from_zero(match spec.scheme {
-                QuantScheme::Sym | QuantScheme::Nf4 => col.fold(0f32, |m, v| m.max(v.abs())) / spec.lsq_qp() as f32,
+            scales[si] = f16_away_from_zero(match grid.scale {
+                ScaleRule::AbsMax => col.fold(0f32, |m, v| m.max(v.abs())) / divisor,
                 // llama.cpp's d = m / -8, m the first element of largest magnitude, sign kept
-                QuantScheme::Q4_0 => col.fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m }) / -8.0,
-                QuantScheme::Asym => {
+                ScaleRule::SignedMax => col.fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m }) / divisor,
+                ScaleRule::MinMax => {
                     let (lo, hi) = col.fold((0f32, 0f32), |(lo, hi), v| (lo.min(v), hi.max(v)));
-                    let s = f16_away_from_zero((hi - lo) / top);
+                    let s = f16_away_from_zero((hi - lo) / divisor);
                     zeros[si] = if s == 0.0 { 0.0 } else { (-lo / s).round_ties_even().clamp(0.0, top) };
                     s
                 }
@@ -251,6 +252,7 @@ pub fn init_learned_searched(w: &[f32], n_in: usize, n_out: usize, spec: QuantSp
 mod tests {
     use super::*;
     use crate::quant::{dequantize, fake_quant};
+    use qatc_ir::QuantScheme;
 
     fn spec(bits: u8, group: usize, scheme: QuantScheme) -> QuantSpec {
         QuantSpec { bits, group, scheme }
