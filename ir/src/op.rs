@@ -4,6 +4,7 @@
 //!
 //! Shapes below use llm.c's vocabulary: B batch, T sequence, C channels, NH heads, V vocab.
 
+use crate::family::KernelFamily;
 use crate::kind::OpKind;
 use crate::qmap::DynMap;
 pub use crate::quant::{QuantParam, QuantScheme, QuantSpec, NF4};
@@ -229,7 +230,7 @@ pub enum Op {
     /// memory. The body's inputs are `in0`, `in1`, ... (operand order, kind data) and its one
     /// output is `out`; intermediates inside it are never written to device memory.
     Kernel {
-        family: String,
+        family: KernelFamily,
         body: Box<crate::graph::Graph>,
     },
 
@@ -426,7 +427,7 @@ impl Op {
             }
             Op::ActQuant { bits } => vec![("bits", Int(*bits as usize))],
             Op::Dropout { p, stream } => vec![("p", Float(*p)), ("stream", Int(*stream))],
-            Op::Kernel { family, .. } => vec![("family", Str(family.clone()))],
+            Op::Kernel { family, .. } => vec![("family", Str(family.to_string()))],
             Op::AdamM { beta1 } => vec![("beta1", Float(*beta1))],
             Op::AdamV { beta2 } => vec![("beta2", Float(*beta2))],
             Op::AdamParam { beta1, beta2, eps, weight_decay } => {

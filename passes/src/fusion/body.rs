@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use egg::Id;
-use qatc_ir::{infer::infer, DType, Op, Shape, TensorType};
+use qatc_ir::{infer::infer, DType, KernelFamily, Op, OpKind, Shape, TensorType};
 
 use super::lang::{ENode, Entry, Kernel, EG, FUSED};
 
@@ -37,23 +37,12 @@ pub struct Body {
     pub n_in: usize,
 }
 
-/// The family of a primitive op when it is the core of a kernel. Pointwise ops (elementwise,
-/// layout and indexing ops, the AdamW updates) all fit in one loop over the output.
-pub fn prim_family(kind: &str) -> &'static str {
-    match kind {
-        "matmul" => "gemm",
-        "dequantize" => "dequant",
-        "fake_quant" => "fake_quant",
-        "layernorm" => "layernorm",
-        "layernorm_grad_x" => "layernorm_bwd",
-        "layernorm_grad_gamma" => "layernorm_bwd_gamma",
-        "softmax" => "softmax",
-        "softmax_grad" => "softmax_bwd",
-        "cross_entropy" => "cross_entropy",
-        "cross_entropy_grad" => "cross_entropy_grad",
-        k if is_pointwise(k) => "pointwise",
-        _ => "other",
-    }
+/// The family of a kernel of primitive op `kind` alone (`OpKind::family`, from `qatc_ir`'s op
+/// table): `pointwise` for the pointwise ops (elementwise, layout and indexing ops, the AdamW
+/// updates: all fit in one loop over the output), the anchored family for the ops kernels are
+/// built around, None for the ops fusion leaves alone.
+pub fn prim_family(kind: &str) -> Option<KernelFamily> {
+    OpKind::from_mnemonic(kind)?.family()
 }
 
 /// Ops whose every output element depends on a fixed set of input elements (no reductions; a
@@ -114,25 +103,11 @@ pub fn is_layout(kind: &str) -> bool {
     matches!(kind, "broadcast" | "reshape" | "transpose" | "slice" | "const")
 }
 
-/// The base of a family name: `gemm` for `gemm.dequant.bias`.
-pub fn base(family: &str) -> &str {
-    family.split('.').next().unwrap_or(family)
-}
-
-/// `family` with `tag` appended, unless it already ends with it.
-pub fn extend(family: &str, tag: &str) -> String {
-    if tag.is_empty() || family.ends_with(&format!(".{tag}")) {
-        family.to_string()
-    } else {
-        format!("{family}.{tag}")
-    }
-}
-
 /// One way to compute an e-class as a kernel body.
 #[derive(Clone, Debug)]
 pub struct Frag {
     pub class: Id,
-    pub family: String,
+    pub family: KernelFamily,
     pub body: Arc<Body>,
     pub args: Vec<Id>,
     /// The e-node's op index (tie-breaks and memo keys).
@@ -204,7 +179,9 @@ fn frag_of(eg: &EG, c: Id, n: &ENode) -> Option<Frag> {
                 refs.push(BRef::In(i as u32));
             }
             let body = Body { n_in: args.len(), nodes: vec![BNode { op: n.op, args: refs, origin: Some(c) }] };
-            Some(Frag { class: c, family: prim_family(n.kind).to_string(), body: Arc::new(body), args, op: n.op, fused: false })
+            // an op fusion leaves alone is no fragment: no rule absorbs it
+            let family = prim_family(n.kind)?;
+            Some(Frag { class: c, family, body: Arc::new(body), args, op: n.op, fused: false })
         }
         Entry::Fused(k) => {
             if !k.pack.is_empty() {
@@ -357,7 +334,7 @@ impl Builder {
     }
 
     /// Finishes a single-result kernel whose result is `root` (it must be the last node).
-    pub fn finish(self, eg: &EG, root: BRef, family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+    pub fn finish(self, eg: &EG, root: BRef, family: KernelFamily, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
         // the IR's kernels read at least one operand: a body of constants alone (the loss
         // gradient's seed scaled by 1/K under --grad-accum) stays unfused
         if self.failed || self.nodes.is_empty() || self.args.is_empty() || root != BRef::Node(self.nodes.len() as u32 - 1) {
@@ -372,7 +349,7 @@ impl Builder {
     /// Finishes a kernel with several results: they are written, flattened, into one buffer
     /// (`concat` along axis 0 of `reshape(r, [numel])`), and each result is a view of it. The
     /// results share one element type.
-    pub fn finish_pack(self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+    pub fn finish_pack(self, eg: &mut EG, outs: &[(Id, BRef)], family: KernelFamily, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
         self.finish_pack_as(eg, outs, family, rule, false)
     }
 
@@ -381,7 +358,7 @@ impl Builder {
     /// and its view narrowed back (`add_pack`), so it keeps its value and type. For results that
     /// are small beside what the kernel saves (the chunked cross-entropy's dh beside the logits it
     /// never writes): a widened part is written at twice its bytes.
-    pub fn finish_pack_widened(self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+    pub fn finish_pack_widened(self, eg: &mut EG, outs: &[(Id, BRef)], family: KernelFamily, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
         self.finish_pack_as(eg, outs, family, rule, true)
     }
 
@@ -389,7 +366,7 @@ impl Builder {
         mut self,
         eg: &mut EG,
         outs: &[(Id, BRef)],
-        family: String,
+        family: KernelFamily,
         rule: &'static str,
         widen: bool,
     ) -> Option<(Kernel, Vec<Id>)> {

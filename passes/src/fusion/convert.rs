@@ -172,7 +172,7 @@ fn build(eg: &EG, c: Id, n: &ENode, args: &[NodeId], g: &mut Graph) -> Result<No
 
 /// The IR graph of a kernel body: inputs `in0..inN` (kind data), result `out`.
 pub fn body_graph(eg: &EG, k: &Kernel, arg_tys: Vec<qatc_ir::TensorType>) -> Result<Graph, FusionError> {
-    let mut b = Graph::new(k.family.clone());
+    let mut b = Graph::new(k.family.to_string());
     let mut ins = Vec::new();
     for (i, t) in arg_tys.into_iter().enumerate() {
         ins.push(b.input(format!("in{i}"), InputKind::Data, t.dtype, t.shape).map_err(FusionError::Ir)?);

@@ -122,7 +122,7 @@ pub fn graph_traffic(g: &Graph) -> (Traffic, BTreeMap<String, Traffic>) {
         let t = match &node.op {
             Op::Kernel { family, body } => {
                 let tr = kernel_traffic(g, &ops, body, &node.ty);
-                let e = by_family.entry(family.clone()).or_default();
+                let e = by_family.entry(family.to_string()).or_default();
                 e.launches += tr.launches;
                 e.bytes += tr.bytes;
                 tr

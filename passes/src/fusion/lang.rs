@@ -16,7 +16,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use egg::{Analysis, DidMerge, EGraph, FromOp, Id, Language};
-use qatc_ir::{infer::infer, Op, TensorType};
+use qatc_ir::{infer::infer, KernelFamily, Op, TensorType};
 
 use super::body::Body;
 
@@ -133,7 +133,7 @@ impl FromOp for ENode {
 /// A fused kernel: its family (`gemm.dequant.bias`, ...), body, result type and traffic.
 #[derive(Clone, Debug)]
 pub struct Kernel {
-    pub family: String,
+    pub family: KernelFamily,
     pub body: Arc<Body>,
     pub ty: TensorType,
     /// Bytes read from device memory: each operand once, or only the part its slices or gathers
@@ -162,7 +162,7 @@ pub enum Entry {
 pub struct OpTable {
     entries: Vec<Entry>,
     prims: HashMap<String, u32>,
-    fused: HashMap<(String, Arc<Body>), u32>,
+    fused: HashMap<(KernelFamily, Arc<Body>), u32>,
 }
 
 /// The interning key of a primitive op: its mnemonic and attributes, plus name and type for leaves
@@ -171,7 +171,7 @@ fn prim_key(op: &Op, name: Option<&str>) -> String {
     match op {
         Op::Input { dtype, shape, .. } => format!("input {:?} {dtype}{shape}", name.unwrap_or("")),
         Op::Const { value, dtype, shape } => format!("const {value:?} {dtype}{shape}"),
-        Op::Kernel { family, body } => format!("kernel {family:?} {}", qatc_ir::print(body)),
+        Op::Kernel { family, body } => format!("kernel {:?} {}", family.to_string(), qatc_ir::print(body)),
         _ => format!("{}{:?}", op.mnemonic(), op.attrs()),
     }
 }

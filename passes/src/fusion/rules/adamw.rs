@@ -11,9 +11,10 @@
 //! allocation) or the rule is disabled (`FuseOptions::disabled`).
 
 use egg::Id;
+use qatc_ir::KernelFamily;
 
 use super::{consumers_inside, first_time, Custom, Rule};
-use crate::fusion::body::{self, add_pack, base, BRef, Builder};
+use crate::fusion::body::{self, add_pack, BRef, Builder};
 use crate::fusion::lang::{ENode, EG};
 
 pub fn rules() -> Vec<Rule> {
@@ -46,7 +47,7 @@ fn multi_tensor(eg: &mut EG, _class: Id, index: usize) -> Vec<Id> {
         if eg.find(av.args[1]) != g {
             continue;
         }
-        let gr = match body::best(eg, g, |f| base(&f.family) == "pointwise") {
+        let gr = match body::best(eg, g, |f| f.family == KernelFamily::Pointwise) {
             Some(f) if consumers_inside(eg, g, &[m1, v1]) => b.splice(eg, &f, &[]),
             _ => b.input(eg, g),
         };
@@ -58,7 +59,7 @@ fn multi_tensor(eg: &mut EG, _class: Id, index: usize) -> Vec<Id> {
         let pr = b.node(eg, ap.op, vec![p, mr, vr, lr, t], Some(p1));
         outs.extend([(p1, pr), (m1, mr), (v1, vr)]);
     }
-    match b.finish_pack(eg, &outs, "adamw.multi_tensor".into(), "adamw-multi-tensor") {
+    match b.finish_pack(eg, &outs, KernelFamily::AdamWMultiTensor, "adamw-multi-tensor") {
         Some((k, args)) => add_pack(eg, k, args, "adamw"),
         None => vec![],
     }

@@ -9,6 +9,7 @@
 //! weight and the hidden states, before the next chunk (Liger/Cut Cross-Entropy).
 
 use egg::Id;
+use qatc_ir::KernelFamily;
 
 use super::{consumers_inside, first_time, Custom, Rule};
 use crate::fusion::body::{self, add_kernel, add_pack, BRef, Builder};
@@ -75,7 +76,7 @@ fn softmax_fused(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let lo = b.node(eg, ce.op, vec![lr, tr], Some(loss));
     let gr = b.node(eg, g.op, vec![lr, tr, dr], Some(root));
     let name = eg[root].data.name.clone().unwrap_or_else(|| "cross_entropy".into());
-    match b.finish_pack(eg, &[(loss, lo), (root, gr)], "cross_entropy.softmax.inplace".into(), "xent-softmax-fused") {
+    match b.finish_pack(eg, &[(loss, lo), (root, gr)], KernelFamily::CrossEntropySoftmaxInPlace, "xent-softmax-fused") {
         Some((k, args)) => add_pack(eg, k, args, &name),
         None => vec![],
     }
@@ -119,7 +120,7 @@ fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let name = eg[loss].data.name.clone().unwrap_or_else(|| "loss".into());
     // under --precision bf16|fp16 the loss is f32 and the gradient products 16-bit: widened into
     // an f32 pack (dh at twice its bytes, where the logits and their gradient are never written)
-    match b.finish_pack_widened(eg, &outs, format!("cross_entropy.linear.chunk={rows}"), "xent-linear") {
+    match b.finish_pack_widened(eg, &outs, KernelFamily::CrossEntropyLinear { chunk_rows: rows }, "xent-linear") {
         Some((k, args)) => add_pack(eg, k, args, &name),
         None => vec![],
     }
@@ -139,7 +140,7 @@ fn linear_fwd(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let tr = cheap(eg, &mut b, t);
     let out = b.node(eg, ce.op, vec![lr, tr], Some(root));
     let rows = eg[l].data.ty.as_ref().map(|t| chunk_rows(t.shape.last(), t.shape.dims()[0])).unwrap_or(1);
-    match b.finish(eg, out, format!("cross_entropy.linear.chunk={rows}"), "xent-linear-fwd") {
+    match b.finish(eg, out, KernelFamily::CrossEntropyLinear { chunk_rows: rows }, "xent-linear-fwd") {
         Some((k, args)) => add_kernel(eg, root, k, args).into_iter().collect(),
         None => vec![],
     }

@@ -3,9 +3,10 @@
 //! any chain of them is one loop over the last op's output: one launch, intermediates in registers.
 
 use egg::Id;
+use qatc_ir::KernelFamily;
 
 use super::{consumers_inside, first_time, Custom, Family, Fuse, Rule, Take};
-use crate::fusion::body::{self, add_kernel, base, Builder};
+use crate::fusion::body::{self, add_kernel, Builder};
 use crate::fusion::lang::{Entry, EG};
 
 /// Every pointwise op kind (see `body::is_pointwise`).
@@ -55,7 +56,7 @@ pub fn rules() -> Vec<Rule> {
             name: "reduce-prologue",
             lhs: "(sum_to ?x)",
             absorb: &[("x", Take::Pointwise)],
-            family: Family::New("reduce.sum"),
+            family: Family::New(KernelFamily::ReduceSum),
             check: |_| true,
             aux: false,
         }),
@@ -79,7 +80,7 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         for &a in &n.args {
             let c = eg.find(a);
             let frag =
-                body::best(eg, c, |f| base(&f.family) == "pointwise").filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
+                body::best(eg, c, |f| f.family == KernelFamily::Pointwise).filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
             match frag {
                 Some(f) => {
                     key.push(f.op as usize);
@@ -96,7 +97,7 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
             continue;
         }
         let out = b.node(eg, n.op, args, Some(root));
-        if let Some((k, args)) = b.finish(eg, out, "pointwise".into(), "pointwise-chain") {
+        if let Some((k, args)) = b.finish(eg, out, KernelFamily::Pointwise, "pointwise-chain") {
             changed.extend(add_kernel(eg, root, k, args));
         }
     }

@@ -2,6 +2,7 @@
 //! `fused_residual_forward` and `layernorm_backward`).
 
 use egg::Id;
+use qatc_ir::{Anchor, Epilogue, KernelFamily};
 
 use super::{first_time, Custom, Family, Fuse, Match, Rule, Take};
 use crate::fusion::body::{add_pack, Builder};
@@ -21,7 +22,7 @@ pub fn rules() -> Vec<Rule> {
             name: "layernorm-residual",
             lhs: "(layernorm (add ?x ?r) ?g ?b)",
             absorb: &[],
-            family: Family::New("layernorm.residual"),
+            family: Family::New(KernelFamily::LayerNorm { residual: true, aux: false }),
             check: |m| same_types(m, "x", "r") && !m.has("x", "broadcast") && !m.has("r", "broadcast"),
             aux: true,
         }),
@@ -31,7 +32,7 @@ pub fn rules() -> Vec<Rule> {
             name: "layernorm-bwd-prologue",
             lhs: "(layernorm_grad_x ?x ?g ?dy)",
             absorb: &[("dy", Take::Pointwise)],
-            family: Family::New("layernorm_bwd"),
+            family: Family::New(KernelFamily::LayerNormBwd { residual: false }),
             check: |m| same_types(m, "x", "dy"),
             aux: false,
         }),
@@ -40,8 +41,8 @@ pub fn rules() -> Vec<Rule> {
         Rule::Fuse(Fuse {
             name: "layernorm-bwd-residual",
             lhs: "(add ?d ?l)",
-            absorb: &[("l", Take::Must(&["layernorm_bwd"]))],
-            family: Family::Extend { var: "l", tag: "residual" },
+            absorb: &[("l", Take::Must(&[Anchor::LayerNormBwd]))],
+            family: Family::Extend { var: "l", tag: Epilogue::Residual },
             check: |m| matches!((m.ty("d"), m.root()), (Some(a), Some(b)) if a == b),
             aux: false,
         }),
@@ -49,8 +50,8 @@ pub fn rules() -> Vec<Rule> {
         Rule::Fuse(Fuse {
             name: "layernorm-bwd-residual-lhs",
             lhs: "(add ?l ?d)",
-            absorb: &[("l", Take::Must(&["layernorm_bwd"]))],
-            family: Family::Extend { var: "l", tag: "residual" },
+            absorb: &[("l", Take::Must(&[Anchor::LayerNormBwd]))],
+            family: Family::Extend { var: "l", tag: Epilogue::Residual },
             check: |m| matches!((m.ty("d"), m.root()), (Some(a), Some(b)) if a == b),
             aux: false,
         }),
@@ -95,7 +96,7 @@ fn bwd_all(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         }
     }
     let name = eg[root].data.name.clone().unwrap_or_else(|| "layernorm_bwd".into());
-    match b.finish_pack(eg, &outs, "layernorm_bwd.all".into(), "layernorm-bwd-all") {
+    match b.finish_pack(eg, &outs, KernelFamily::LayerNormBwdAll, "layernorm-bwd-all") {
         Some((k, args)) => add_pack(eg, k, args, &name),
         None => vec![],
     }

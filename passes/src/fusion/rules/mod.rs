@@ -29,23 +29,23 @@ pub mod layernorm;
 pub mod lora;
 
 use egg::{Applier, ENodeOrVar, Id, Pattern, PatternAst, Rewrite, SearchMatches, Searcher, Subst, Symbol, Var};
-use qatc_ir::{Op, TensorType};
+use qatc_ir::{Anchor, Epilogue, GemmFamily, GemmPrologue, KernelFamily, Op, TensorType};
 
-use super::body::{self, add_kernel, add_pack, base, extend, BRef, Builder, Frag};
+use super::body::{self, add_kernel, add_pack, BRef, Builder, Frag};
 use super::lang::{ENode, Entry, FusionAnalysis, EG};
 use super::FusionError;
 
 /// How an absorbed variable's e-class is inlined.
 #[derive(Clone, Copy, Debug)]
 pub enum Take {
-    /// The largest fragment whose family has one of these bases; the rule needs it.
-    Must(&'static [&'static str]),
+    /// The largest fragment whose family has one of these anchors; the rule needs it.
+    Must(&'static [Anchor]),
     /// Like `Must`, but the variable is read from memory when no such fragment can be inlined.
-    May(&'static [&'static str]),
+    May(&'static [Anchor]),
     /// Both alternatives: read the variable, or recompute it in this kernel from one of its
     /// fragments of these families even though other kernels read it too (FlashAttention's
     /// recomputation of the probabilities); extraction decides which pays.
-    Recompute(&'static [&'static str]),
+    Recompute(&'static [Anchor]),
     /// The largest fragment of ops cheap to recompute (transpose, reshape, slice, broadcast,
     /// constants, scale-and-shift), if any: the kernel reads the operand strided, or scales it on
     /// load, instead of reading a materialized copy.
@@ -55,17 +55,17 @@ pub enum Take {
 }
 
 /// The family of the kernel a rule builds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum Family {
-    New(&'static str),
-    /// The absorbed variable's family plus a tag (`gemm.dequant` + `bias`).
+    New(KernelFamily),
+    /// The absorbed variable's family with an epilogue (`gemm.dequant` + `bias`).
     Extend {
         var: &'static str,
-        tag: &'static str,
+        tag: Epilogue,
     },
-    /// A base family tagged by what its cheap prologues do: `.strided` (transpose, reshape,
-    /// slice, broadcast) and/or `.scaled` (scale-and-shift).
-    Prologue(&'static str),
+    /// A GEMM tagged by what its cheap prologues do: `.strided` (transpose, reshape, slice,
+    /// broadcast) and/or `.scaled` (scale-and-shift).
+    GemmPrologue,
 }
 
 /// A rule from a pattern.
@@ -163,7 +163,7 @@ impl Rule {
                 }
                 let fam_var = match f.family {
                     Family::Extend { var, .. } => Some(format!("?{var}").parse::<Var>().map_err(|e| bad(format!("{e:?}")))?),
-                    Family::New(_) | Family::Prologue(_) => None,
+                    Family::New(_) | Family::GemmPrologue => None,
                 };
                 let ast = pat.ast.clone();
                 Rewrite::new(name, pat, FuseApplier { rule: f, ast, absorb, fam_var, index }).map_err(bad)
@@ -280,9 +280,11 @@ impl FuseApplier {
             return vec![];
         }
         let mut v = match take {
-            Take::Must(fams) | Take::May(fams) | Take::Recompute(fams) => body::ranked(eg, c, |f| fams.contains(&base(&f.family))),
-            Take::Cheap => body::ranked(eg, c, |f| base(&f.family) == "pointwise" && f.cheap(eg)),
-            Take::Pointwise => body::ranked(eg, c, |f| base(&f.family) == "pointwise"),
+            Take::Must(anchors) | Take::May(anchors) | Take::Recompute(anchors) => {
+                body::ranked(eg, c, |f| anchors.contains(&f.family.anchor()))
+            }
+            Take::Cheap => body::ranked(eg, c, |f| f.family == KernelFamily::Pointwise && f.cheap(eg)),
+            Take::Pointwise => body::ranked(eg, c, |f| f.family == KernelFamily::Pointwise),
         };
         v.truncate(MAX_ALTERNATIVES);
         v
@@ -399,21 +401,19 @@ impl FuseApplier {
                 chosen.retain(|(v, _)| !drop.contains(v));
                 continue;
             }
-            let family = match self.rule.family {
-                Family::New(s) => s.to_string(),
-                Family::Prologue(s) => {
+            let family = match &self.rule.family {
+                Family::New(f) => f.clone(),
+                Family::GemmPrologue => {
                     let kinds: Vec<&str> = chosen.iter().flat_map(|(_, f)| f.kinds(eg).collect::<Vec<_>>()).collect();
-                    let mut fam = s.to_string();
-                    if kinds.iter().any(|k| body::is_layout(k) && *k != "const") {
-                        fam = extend(&fam, "strided");
-                    }
-                    if kinds.contains(&"affine") {
-                        fam = extend(&fam, "scaled");
-                    }
-                    fam
+                    let strided = kinds.iter().any(|k| body::is_layout(k) && *k != "const");
+                    let scaled = kinds.contains(&"affine");
+                    KernelFamily::Gemm(GemmFamily::with_prologue(GemmPrologue::of_cheap(strided, scaled)))
                 }
                 Family::Extend { tag, .. } => match self.fam_var.and_then(|fv| chosen.iter().find(|(v, _)| *v == fv)) {
-                    Some((_, f)) => extend(&f.family, tag),
+                    Some((_, f)) => match f.family.with_epilogue(*tag) {
+                        Some(family) => family,
+                        None => return vec![],
+                    },
                     None => return vec![],
                 },
             };
@@ -434,8 +434,9 @@ impl FuseApplier {
                 let Some(r) = b.result_of(eg, a) else { return vec![] };
                 outs.push((a, r));
             }
-            let name = eg[root].data.name.clone().unwrap_or_else(|| family.clone());
-            let Some((k, args)) = b.finish_pack(eg, &outs, format!("{family}.aux"), self.rule.name) else { return vec![] };
+            let name = eg[root].data.name.clone().unwrap_or_else(|| family.to_string());
+            let Some(family) = family.with_aux() else { return vec![] };
+            let Some((k, args)) = b.finish_pack(eg, &outs, family, self.rule.name) else { return vec![] };
             return add_pack(eg, k, args, &name);
         }
         vec![]
