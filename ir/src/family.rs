@@ -259,9 +259,9 @@ impl KernelFamily {
             KernelFamily::SoftmaxBwd => Anchor::SoftmaxBwd,
             KernelFamily::AttentionScores | KernelFamily::AttentionFlash => Anchor::Attention,
             KernelFamily::AttentionBwdScores | KernelFamily::AttentionBwdFlash => Anchor::AttentionBwd,
-            KernelFamily::CrossEntropy
-            | KernelFamily::CrossEntropySoftmaxInPlace
-            | KernelFamily::CrossEntropyLinear { .. } => Anchor::CrossEntropy,
+            KernelFamily::CrossEntropy | KernelFamily::CrossEntropySoftmaxInPlace | KernelFamily::CrossEntropyLinear { .. } => {
+                Anchor::CrossEntropy
+            }
             KernelFamily::CrossEntropyGrad => Anchor::CrossEntropyGrad,
             KernelFamily::AdamWMultiTensor => Anchor::AdamW,
         }
@@ -346,12 +346,9 @@ impl fmt::Display for KernelFamily {
         f.write_str(self.anchor().name())?;
         match self {
             KernelFamily::Gemm(g) => {
-                let flags = [(g.aux, "aux"), (g.lora_down, "lora_down")];
-                let epilogues = g.epilogues.iter().map(|e| e.name());
-                for w in g.prologue.words().iter().copied().chain(epilogues).chain(flags.into_iter().filter_map(|(on, w)| on.then_some(w))) {
-                    write!(f, ".{w}")?;
-                }
-                Ok(())
+                let flags = [(g.aux, "aux"), (g.lora_down, "lora_down")].into_iter().filter_map(|(on, w)| on.then_some(w));
+                let mut words = g.prologue.words().iter().copied().chain(g.epilogues.iter().map(|e| e.name())).chain(flags);
+                words.try_for_each(|w| write!(f, ".{w}"))
             }
             KernelFamily::CrossEntropyLinear { chunk_rows } => write!(f, ".linear.chunk={chunk_rows}"),
             _ => self.fixed_words().iter().try_for_each(|w| write!(f, ".{w}")),

@@ -147,7 +147,9 @@ fn short_rows_are_one_warp_each_where_the_switch_allows() {
 fn long_column_sums_are_split_over_warps_where_the_switch_allows() {
     use qatc_kernels::cuda::codegen::SPLIT_MIN;
     let bias_grad = |n: usize| {
-        common::fused(qatc_ir::KernelFamily::ReduceSum, &[common::f32s(&[n, 96])], |b, i| b.add(qatc_ir::Op::SumTo { shape: [96].into() }, &[i[0]]).unwrap())
+        common::fused(qatc_ir::KernelFamily::ReduceSum, &[common::f32s(&[n, 96])], |b, i| {
+            b.add(qatc_ir::Op::SumTo { shape: [96].into() }, &[i[0]]).unwrap()
+        })
     };
     let mut all = Vec::new();
     for (n, split) in [(4099, true), (SPLIT_MIN, true), (SPLIT_MIN - 1, false)] {

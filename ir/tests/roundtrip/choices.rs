@@ -138,9 +138,8 @@ impl Choices {
 /// an example of each number.
 pub fn families() -> Vec<KernelFamily> {
     use KernelFamily as F;
-    let gemm = |prologue, epilogues: &[Epilogue], aux, lora_down| {
-        F::Gemm(GemmFamily { prologue, epilogues: epilogues.to_vec(), aux, lora_down })
-    };
+    let gemm =
+        |prologue, epilogues: &[Epilogue], aux, lora_down| F::Gemm(GemmFamily { prologue, epilogues: epilogues.to_vec(), aux, lora_down });
     let mut v = vec![
         F::Pointwise,
         F::ReduceSum,

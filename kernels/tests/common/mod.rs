@@ -40,10 +40,14 @@ pub fn elementwise_chain() -> Graph {
 
 /// residual add -> layernorm: the prologue is read inside the row kernel.
 pub fn residual_layernorm() -> Graph {
-    fused(KernelFamily::LayerNorm { residual: false, aux: false }, &[f32s(&[8, 768]), f32s(&[8, 768]), f32s(&[768]), f32s(&[768])], |b, i| {
-        let r = b.add(Op::Binary(BinaryOp::Add), &[i[0], i[1]]).unwrap();
-        b.add(Op::LayerNorm { eps: 1e-5 }, &[r, i[2], i[3]]).unwrap()
-    })
+    fused(
+        KernelFamily::LayerNorm { residual: false, aux: false },
+        &[f32s(&[8, 768]), f32s(&[8, 768]), f32s(&[768]), f32s(&[768])],
+        |b, i| {
+            let r = b.add(Op::Binary(BinaryOp::Add), &[i[0], i[1]]).unwrap();
+            b.add(Op::LayerNorm { eps: 1e-5 }, &[r, i[2], i[3]]).unwrap()
+        },
+    )
 }
 
 /// causal softmax over [B, NH, T, T] scores.
