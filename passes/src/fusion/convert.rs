@@ -50,7 +50,7 @@ pub fn to_egraph(g: &Graph) -> Result<(EG, Roots), FusionError> {
         };
         let op = eg.analysis.table.unique(node.op.clone(), leaf_name);
         let args = g.operands(n).iter().map(|o| class[o]).collect();
-        let id = eg.add(ENode { kind: node.op.mnemonic(), op, args });
+        let id = eg.add(ENode { kind: node.op.kind().into(), op, args });
         let d = &mut eg[id].data;
         d.original = true;
         if d.name.is_none() {

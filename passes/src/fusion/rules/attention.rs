@@ -12,11 +12,11 @@
 //! FlashAttention.
 
 use egg::Id;
-use qatc_ir::{Anchor, KernelFamily};
+use qatc_ir::{Anchor, KernelFamily, OpKind};
 
 use super::{consumers_inside, first_time, Custom, Family, Fuse, Rule, Take};
 use crate::fusion::body::{self, add_pack, BRef, Builder};
-use crate::fusion::lang::{ENode, EG};
+use crate::fusion::lang::{ENode, Kind, EG};
 
 /// The forward's score kernels (softmax of a GEMM): the fragments attention rules recompute.
 const SCORES: &[Anchor] = &[Anchor::Attention];
@@ -55,7 +55,7 @@ pub fn rules() -> Vec<Rule> {
         }),
         // { matmul(dS, k), matmul(dS^T, q) } with dS = attention_bwd.scores(..)
         //   =>  attention_bwd.flash(..)       one kernel writes dQ and dK; dS stays in registers
-        Rule::Custom(Custom { name: "attention-bwd-dqdk", roots: &["softmax_grad"], global: false, apply: dq_dk }),
+        Rule::Custom(Custom { name: "attention-bwd-dqdk", roots: &[Kind::Op(OpKind::SoftmaxGrad)], global: false, apply: dq_dk }),
     ]
 }
 
@@ -65,7 +65,7 @@ fn dq_dk(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let mut consumers: Vec<(Id, ENode)> = Vec::new();
     for &u in &eg[ds].data.users {
         let u = eg.find(u);
-        match eg[u].nodes.iter().find(|n| n.kind == "matmul").cloned() {
+        match eg[u].nodes.iter().find(|n| n.is(OpKind::MatMul)).cloned() {
             Some(m) => consumers.push((u, m)),
             None => return vec![],
         }

@@ -5,7 +5,7 @@
 //! Every epilogue rule absorbs the largest GEMM fragment of its operand, so they stack:
 //! `gemm.dequant` + bias + lora + gelu.
 
-use qatc_ir::{Anchor, Epilogue, TensorType};
+use qatc_ir::{Anchor, Epilogue, OpKind, TensorType};
 
 use super::{Family, Fuse, Match, Rule, Take};
 
@@ -69,7 +69,7 @@ pub fn rules() -> Vec<Rule> {
             lhs: "(add ?y ?r)",
             absorb: &[("y", Take::Must(GEMM))],
             family: Family::Extend { var: "y", tag: Epilogue::Residual },
-            check: |m| same_as_root(m, "r") && !m.has("r", "broadcast"),
+            check: |m| same_as_root(m, "r") && !m.has("r", OpKind::Broadcast),
             aux: false,
         }),
         // add(r, gemm(..))  =>  gemm[+residual](.., r)
@@ -78,7 +78,7 @@ pub fn rules() -> Vec<Rule> {
             lhs: "(add ?r ?y)",
             absorb: &[("y", Take::Must(GEMM))],
             family: Family::Extend { var: "y", tag: Epilogue::Residual },
-            check: |m| same_as_root(m, "r") && !m.has("r", "broadcast"),
+            check: |m| same_as_root(m, "r") && !m.has("r", OpKind::Broadcast),
             aux: false,
         }),
         // affine[s](gemm(..))  =>  gemm[*s](..)                 alpha scaling (LoRA's alpha / r)

@@ -8,7 +8,7 @@
 //!   once.
 
 use egg::Id;
-use qatc_ir::{Anchor, Epilogue};
+use qatc_ir::{Anchor, Epilogue, OpKind};
 
 use super::{first_time, Custom, Family, Fuse, Match, Rule, Take};
 use crate::fusion::body::{add_pack, Builder, Frag};
@@ -79,7 +79,7 @@ fn shared_input(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         let args: Vec<Id> = n.args.iter().map(|&a| eg.find(a)).collect();
         for &u in &args {
             // u's class computes matmul(x, A) with x also read by the kernel and u of low rank
-            let Some(mm) = eg[u].nodes.iter().find(|m| m.kind == "matmul").cloned() else { continue };
+            let Some(mm) = eg[u].nodes.iter().find(|m| m.is(OpKind::MatMul)).cloned() else { continue };
             let (x, a) = (eg.find(mm.args[0]), eg.find(mm.args[1]));
             let rank_ok = eg[u].data.ty.as_ref().is_some_and(|t| t.shape.last() <= MAX_RANK);
             if !rank_ok || !args.contains(&x) {

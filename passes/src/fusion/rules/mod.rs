@@ -9,7 +9,7 @@
 //! Rules are directional (primitive ops -> kernel) and never commute or reassociate: where order
 //! matters (`add(gemm, r)` and `add(r, gemm)`) the catalogue lists both. A value may be inlined
 //! only when every consumer it had in the input graph is inside the kernel, or when it is cheap to
-//! recompute (layout ops, dequantization; see `body::is_recomputable`); rules marked `aux` may
+//! recompute (layout ops, dequantization; see `OpKind::is_recomputable`); rules marked `aux` may
 //! instead write such a value as an extra result of the kernel (a packed multi-result kernel).
 //!
 //! Rules that do not fit a single pattern (a chain of any pointwise ops, the multi-result kernels
@@ -29,10 +29,10 @@ pub mod layernorm;
 pub mod lora;
 
 use egg::{Applier, ENodeOrVar, Id, Pattern, PatternAst, Rewrite, SearchMatches, Searcher, Subst, Symbol, Var};
-use qatc_ir::{Anchor, Epilogue, GemmFamily, GemmPrologue, KernelFamily, Op, TensorType};
+use qatc_ir::{Anchor, Epilogue, GemmFamily, GemmPrologue, KernelFamily, Op, OpKind, TensorType};
 
 use super::body::{self, add_kernel, add_pack, BRef, Builder, Frag};
-use super::lang::{ENode, Entry, FusionAnalysis, EG};
+use super::lang::{ENode, Entry, FusionAnalysis, Kind, EG};
 use super::FusionError;
 
 /// How an absorbed variable's e-class is inlined.
@@ -86,8 +86,8 @@ pub struct Fuse {
 /// A rule that is a function of a root e-class.
 pub struct Custom {
     pub name: &'static str,
-    /// The op kinds whose e-classes the rule looks at.
-    pub roots: &'static [&'static str],
+    /// The e-node kinds whose e-classes the rule looks at.
+    pub roots: &'static [Kind],
     /// Apply once per iteration, at the first matching class (rules over the whole graph).
     pub global: bool,
     pub apply: fn(&mut EG, Id, usize) -> Vec<Id>,
@@ -118,13 +118,13 @@ impl Match<'_> {
         self.eg[self.root].data.ty.as_ref()
     }
     /// The first matched op of kind `kind`, in pattern order (root last).
-    pub fn op(&self, kind: &str) -> Option<&Op> {
-        self.ops.iter().copied().find(|o| o.mnemonic() == kind)
+    pub fn op(&self, kind: OpKind) -> Option<&Op> {
+        self.ops.iter().copied().find(|o| o.kind() == kind)
     }
     /// Whether variable `v`'s class holds a primitive op of kind `kind`.
-    pub fn has(&self, v: &str, kind: &str) -> bool {
+    pub fn has(&self, v: &str, kind: OpKind) -> bool {
         let Ok(var) = format!("?{v}").parse::<Var>() else { return false };
-        self.subst.get(var).is_some_and(|c| self.eg[*c].nodes.iter().any(|n| n.kind == kind))
+        self.subst.get(var).is_some_and(|c| self.eg[*c].nodes.iter().any(|n| n.is(kind)))
     }
 }
 
@@ -175,9 +175,9 @@ impl Rule {
     }
 }
 
-/// Finds the e-classes holding a primitive op of one of `roots`.
+/// Finds the e-classes holding an e-node of one of `roots`.
 struct KindSearcher {
-    roots: &'static [&'static str],
+    roots: &'static [Kind],
     global: bool,
 }
 
@@ -253,15 +253,15 @@ fn resolve(eg: &EG, ast: &[ENodeOrVar<ENode>], i: usize, class: Id, subst: &Subs
 }
 
 /// The ops a match resolved to (pattern order, root last) and their classes with their kinds.
-fn collect_ops<'a>(eg: &'a EG, r: &Res, out: &mut Vec<&'a Op>, classes: &mut Vec<(Id, &'static str)>) {
+fn collect_ops<'a>(eg: &'a EG, r: &Res, out: &mut Vec<&'a Op>, classes: &mut Vec<(Id, OpKind)>) {
     if let Res::Op { class, node, kids } = r {
         for k in kids {
             collect_ops(eg, k, out, classes);
         }
-        if let Some(op) = eg.analysis.table.op(node.op) {
-            out.push(op);
-        }
-        classes.push((*class, node.kind));
+        // a pattern's op nodes resolve to primitive ops only (`resolve`)
+        let op = eg.analysis.table.op(node.op);
+        out.extend(op);
+        classes.push((*class, op.map_or(OpKind::Kernel, Op::kind)));
     }
 }
 
@@ -361,7 +361,7 @@ impl FuseApplier {
         eg: &mut EG,
         root: Id,
         res: &Res,
-        internal: &[(Id, &'static str)],
+        internal: &[(Id, OpKind)],
         has_internal: bool,
         mut chosen: Vec<(Var, Frag)>,
     ) -> Vec<Id> {
@@ -375,7 +375,7 @@ impl FuseApplier {
             inside.push(root);
             aux.clear();
             for &(c, kind) in internal {
-                if !consumers_inside(eg, c, &inside) && !body::is_recomputable(kind) {
+                if !consumers_inside(eg, c, &inside) && !kind.is_recomputable() {
                     if !self.rule.aux {
                         return vec![];
                     }
@@ -404,9 +404,9 @@ impl FuseApplier {
             let family = match &self.rule.family {
                 Family::New(f) => f.clone(),
                 Family::GemmPrologue => {
-                    let kinds: Vec<&str> = chosen.iter().flat_map(|(_, f)| f.kinds(eg).collect::<Vec<_>>()).collect();
-                    let strided = kinds.iter().any(|k| body::is_layout(k) && *k != "const");
-                    let scaled = kinds.contains(&"affine");
+                    let kinds: Vec<OpKind> = chosen.iter().flat_map(|(_, f)| f.kinds(eg).collect::<Vec<_>>()).collect();
+                    let strided = kinds.iter().any(|k| k.is_layout() && *k != OpKind::Const);
+                    let scaled = kinds.contains(&OpKind::Affine);
                     KernelFamily::Gemm(GemmFamily::with_prologue(GemmPrologue::of_cheap(strided, scaled)))
                 }
                 Family::Extend { tag, .. } => match self.fam_var.and_then(|fv| chosen.iter().find(|(v, _)| *v == fv)) {
