@@ -1,7 +1,8 @@
 //! Cross-entropy over the vocabulary: the largest tensor of a GPT-2 step is the [B*T, V] logits
 //! (V = 50257), so these kernels either read it once or never write it at all.
 //!
-//! The `linear` kernels compute the logits chunk by chunk of rows, `chunk=R` in the family: R is
+//! The `linear` kernels compute the logits chunk by chunk of rows, the family's `chunk_rows` R
+//! (`KernelFamily::CrossEntropyLinear`, printed `chunk=R`): R is
 //! the largest power of two whose [R, V] f32 tile fits in 32 MiB (on-chip L2 on an H100 with room
 //! for the weight tiles), 128 rows for GPT-2's vocabulary: the floor from which the memory planner
 //! chooses the rows the step runs with (`src/memory/chunk.rs`). A code generator loops over row chunks:
