@@ -164,7 +164,10 @@ op_kinds! {
     // chains; they stay alone because the blockwise AdamW (`qatc_kernels`' `lower/adamw8.rs`)
     // takes the unfused dequantization, update and requantization of a tensor's moments into one
     // kernel over their own storage, which a pointwise chain through them would hide from it.
-    // block_absmax is a reduction over a block.
+    // (Marked pointwise, today's rules happen to fuse them into nothing: the tiny model's fused
+    // step and plan are the same under adamw8bit with full fine-tune, bf16, LoRA 4-bit, clipping,
+    // grad-accum 2 and block checkpoints. Alone keeps it so by construction, not by extraction's
+    // choice.) block_absmax is a reduction over a block.
     BlockDequant       = "block_dequant",           Alone,                                          No,        Launch;
     BlockAbsMax        = "block_absmax",            Alone,                                          No,        Launch;
     BlockQuant         = "block_quant",             Alone,                                          No,        Launch;
