@@ -2,7 +2,8 @@
 //! speed. This is the rule's one home; the plan (`qatc plan`, `memory_plan.json`, `memory.svg`)
 //! and the executors built from it (`crate::compile`) run what it chooses.
 //!
-//! The floor is the fusion rule's choice, written in the kernel's family (`chunk=R`,
+//! The floor is the fusion rule's choice, a field of the kernel's family
+//! (`KernelFamily::CrossEntropyLinear`'s `chunk_rows`, printed `chunk=R`;
 //! `qatc_passes::fusion::rules::cross_entropy::chunk_rows`: the largest power of two whose
 //! [R, V] f32 tile fits 32 MiB, 128 rows for GPT-2's vocabulary), below which the chunks' GEMMs
 //! get too thin to run at full speed. Above it, more rows per chunk are fewer launches and

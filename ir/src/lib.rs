@@ -1,7 +1,8 @@
 //! qatc's intermediate representation: a graph of tensor ops with static shapes.
 //!
 //! - [`types`]: element types, shapes.
-//! - [`op`]: the closed op set.
+//! - [`op`]: the closed op set; [`kind`]: op kinds and the one table of their properties
+//!   (fusion's language and lists are derived from it); [`family`]: fused kernels' families.
 //! - [`qmap`]: the 8-bit blockwise dynamic quantization maps (8-bit AdamW's moments).
 //! - [`graph`]: the graph (on petgraph, kept private) and its builder.
 //! - [`infer`] / [`verify`]: type inference and the verifier.
@@ -11,8 +12,10 @@
 
 pub mod deadline;
 pub mod error;
+pub mod family;
 pub mod graph;
 pub mod infer;
+pub mod kind;
 pub mod op;
 pub mod qmap;
 pub mod quant;
@@ -23,7 +26,9 @@ pub mod verify;
 
 pub use deadline::{Deadline, Expired};
 pub use error::IrError;
+pub use family::{Anchor, Epilogue, GemmFamily, GemmPrologue, KernelFamily, UnknownFamily};
 pub use graph::{Graph, Node, NodeId, Output};
+pub use kind::{CostClass, Fusion, OpKind, OpProps, Recompute};
 pub use op::{Attr, BinaryOp, InputKind, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp, NF4};
 pub use qmap::DynMap;
 pub use quant::{Grid, Points, ScaleRule};

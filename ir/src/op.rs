@@ -4,6 +4,8 @@
 //!
 //! Shapes below use llm.c's vocabulary: B batch, T sequence, C channels, NH heads, V vocab.
 
+use crate::family::KernelFamily;
+use crate::kind::OpKind;
 use crate::qmap::DynMap;
 pub use crate::quant::{QuantParam, QuantScheme, QuantSpec, NF4};
 use crate::types::{DType, Shape};
@@ -228,7 +230,7 @@ pub enum Op {
     /// memory. The body's inputs are `in0`, `in1`, ... (operand order, kind data) and its one
     /// output is `out`; intermediates inside it are never written to device memory.
     Kernel {
-        family: String,
+        family: KernelFamily,
         body: Box<crate::graph::Graph>,
     },
 
@@ -279,63 +281,68 @@ pub enum Attr {
 impl Op {
     /// The op's name in the text format.
     pub fn mnemonic(&self) -> &'static str {
+        self.kind().mnemonic()
+    }
+
+    /// The op without its attributes, whose properties `crate::kind`'s table gives.
+    pub fn kind(&self) -> OpKind {
         match self {
-            Op::Input { .. } => "input",
-            Op::Const { .. } => "const",
+            Op::Input { .. } => OpKind::Input,
+            Op::Const { .. } => OpKind::Const,
             Op::Unary(u) => match u {
-                UnaryOp::Neg => "neg",
-                UnaryOp::Exp => "exp",
-                UnaryOp::Log => "log",
-                UnaryOp::Sqrt => "sqrt",
-                UnaryOp::Rsqrt => "rsqrt",
-                UnaryOp::Recip => "recip",
-                UnaryOp::Tanh => "tanh",
-                UnaryOp::Square => "square",
-                UnaryOp::Gelu => "gelu",
+                UnaryOp::Neg => OpKind::Neg,
+                UnaryOp::Exp => OpKind::Exp,
+                UnaryOp::Log => OpKind::Log,
+                UnaryOp::Sqrt => OpKind::Sqrt,
+                UnaryOp::Rsqrt => OpKind::Rsqrt,
+                UnaryOp::Recip => OpKind::Recip,
+                UnaryOp::Tanh => OpKind::Tanh,
+                UnaryOp::Square => OpKind::Square,
+                UnaryOp::Gelu => OpKind::Gelu,
             },
             Op::Binary(b) => match b {
-                BinaryOp::Add => "add",
-                BinaryOp::Sub => "sub",
-                BinaryOp::Mul => "mul",
-                BinaryOp::Div => "div",
-                BinaryOp::Max => "max",
-                BinaryOp::Min => "min",
-                BinaryOp::GeluGrad => "gelu_grad",
+                BinaryOp::Add => OpKind::Add,
+                BinaryOp::Sub => OpKind::Sub,
+                BinaryOp::Mul => OpKind::Mul,
+                BinaryOp::Div => OpKind::Div,
+                BinaryOp::Max => OpKind::Max,
+                BinaryOp::Min => OpKind::Min,
+                BinaryOp::GeluGrad => OpKind::GeluGrad,
             },
-            Op::Affine { .. } => "affine",
-            Op::Cast { .. } => "cast",
-            Op::Broadcast { .. } => "broadcast",
-            Op::SumTo { .. } => "sum_to",
-            Op::Reshape { .. } => "reshape",
-            Op::Transpose { .. } => "transpose",
-            Op::Slice { .. } => "slice",
-            Op::Concat { .. } => "concat",
-            Op::MatMul { .. } => "matmul",
-            Op::Gather => "gather",
-            Op::ScatterAdd { .. } => "scatter_add",
-            Op::LayerNorm { .. } => "layernorm",
-            Op::LayerNormGradX { .. } => "layernorm_grad_x",
-            Op::LayerNormGradGamma { .. } => "layernorm_grad_gamma",
-            Op::Softmax { .. } => "softmax",
-            Op::SoftmaxGrad { .. } => "softmax_grad",
-            Op::CrossEntropy => "cross_entropy",
-            Op::CrossEntropyGrad => "cross_entropy_grad",
-            Op::FakeQuant { .. } => "fake_quant",
-            Op::Dequantize { .. } => "dequantize",
-            Op::FakeQuantLearned { .. } => "fake_quant_learned",
-            Op::FakeQuantLearnedGrad { .. } => "fake_quant_learned_grad",
-            Op::ActQuant { .. } => "act_quant",
-            Op::Dropout { .. } => "dropout",
-            Op::AllFinite => "all_finite",
-            Op::Select => "select",
-            Op::LossScale { .. } => "loss_scale",
-            Op::Kernel { .. } => "kernel",
-            Op::AdamM { .. } => "adam_m",
-            Op::AdamV { .. } => "adam_v",
-            Op::AdamParam { .. } => "adam_param",
-            Op::BlockDequant { .. } => "block_dequant",
-            Op::BlockAbsMax => "block_absmax",
-            Op::BlockQuant { .. } => "block_quant",
+            Op::Affine { .. } => OpKind::Affine,
+            Op::Cast { .. } => OpKind::Cast,
+            Op::Broadcast { .. } => OpKind::Broadcast,
+            Op::SumTo { .. } => OpKind::SumTo,
+            Op::Reshape { .. } => OpKind::Reshape,
+            Op::Transpose { .. } => OpKind::Transpose,
+            Op::Slice { .. } => OpKind::Slice,
+            Op::Concat { .. } => OpKind::Concat,
+            Op::MatMul { .. } => OpKind::MatMul,
+            Op::Gather => OpKind::Gather,
+            Op::ScatterAdd { .. } => OpKind::ScatterAdd,
+            Op::LayerNorm { .. } => OpKind::LayerNorm,
+            Op::LayerNormGradX { .. } => OpKind::LayerNormGradX,
+            Op::LayerNormGradGamma { .. } => OpKind::LayerNormGradGamma,
+            Op::Softmax { .. } => OpKind::Softmax,
+            Op::SoftmaxGrad { .. } => OpKind::SoftmaxGrad,
+            Op::CrossEntropy => OpKind::CrossEntropy,
+            Op::CrossEntropyGrad => OpKind::CrossEntropyGrad,
+            Op::FakeQuant { .. } => OpKind::FakeQuant,
+            Op::Dequantize { .. } => OpKind::Dequantize,
+            Op::FakeQuantLearned { .. } => OpKind::FakeQuantLearned,
+            Op::FakeQuantLearnedGrad { .. } => OpKind::FakeQuantLearnedGrad,
+            Op::ActQuant { .. } => OpKind::ActQuant,
+            Op::Dropout { .. } => OpKind::Dropout,
+            Op::AllFinite => OpKind::AllFinite,
+            Op::Select => OpKind::Select,
+            Op::LossScale { .. } => OpKind::LossScale,
+            Op::Kernel { .. } => OpKind::Kernel,
+            Op::AdamM { .. } => OpKind::AdamM,
+            Op::AdamV { .. } => OpKind::AdamV,
+            Op::AdamParam { .. } => OpKind::AdamParam,
+            Op::BlockDequant { .. } => OpKind::BlockDequant,
+            Op::BlockAbsMax => OpKind::BlockAbsMax,
+            Op::BlockQuant { .. } => OpKind::BlockQuant,
         }
     }
 
@@ -420,7 +427,7 @@ impl Op {
             }
             Op::ActQuant { bits } => vec![("bits", Int(*bits as usize))],
             Op::Dropout { p, stream } => vec![("p", Float(*p)), ("stream", Int(*stream))],
-            Op::Kernel { family, .. } => vec![("family", Str(family.clone()))],
+            Op::Kernel { family, .. } => vec![("family", Str(family.to_string()))],
             Op::AdamM { beta1 } => vec![("beta1", Float(*beta1))],
             Op::AdamV { beta2 } => vec![("beta2", Float(*beta2))],
             Op::AdamParam { beta1, beta2, eps, weight_decay } => {

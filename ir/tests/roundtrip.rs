@@ -30,10 +30,10 @@ use std::collections::{BTreeSet, HashMap};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use qatc_ir::{parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, UnaryOp};
+use qatc_ir::{parse, print, verify, BinaryOp, DType, Graph, InputKind, IrError, KernelFamily, NodeId, Op, OpKind, UnaryOp};
 
 use builder::{every_op_graph, random_graph};
-use choices::{Choices, FLOATS, NAMES};
+use choices::{families, variant, Choices, FAMILY_VARIANTS, FLOATS, NAMES};
 use ops::{op_slot, N_SLOTS, UNARY};
 
 // ---------------------------------------------------------------------------------------------
@@ -186,6 +186,104 @@ fn floats_round_trip_exactly() {
         }
         assert!(add.to_bits() == (-v).to_bits() || (v.is_nan() && add.is_nan()), "{:?} came back as {add:?}", -v);
     }
+}
+
+/// Every kernel family variant prints as a kernel node's family and parses back to the same
+/// value; the texts fusion prints today read as the families that print them; texts that name
+/// no family are refused with the line.
+#[test]
+fn every_kernel_family_round_trips() {
+    let all = families();
+    let numbered: BTreeSet<usize> = all.iter().map(variant).collect();
+    assert_eq!(numbered, (0..FAMILY_VARIANTS).collect::<BTreeSet<_>>(), "a family variant has no example");
+    for family in all {
+        let mut body = Graph::new(family.to_string());
+        let a = body.input("in0", InputKind::Data, DType::F32, [2, 3]).expect("input");
+        let y = body.add(Op::Unary(UnaryOp::Neg), &[a]).expect("neg");
+        body.set_output("out", y).expect("out");
+        let mut g = Graph::new("families");
+        let x = g.input("x", InputKind::Data, DType::F32, [2, 3]).expect("input");
+        let k = g.add(Op::Kernel { family: family.clone(), body: Box::new(body) }, &[x]).expect("kernel");
+        g.set_output("y", k).expect("output");
+        let text = print(&g);
+        assert!(text.contains(&format!("family={:?}", family.to_string())), "{text}");
+        let h = parse(&text).unwrap_or_else(|e| panic!("{family}: {e}\n{text}"));
+        let Op::Kernel { family: back, .. } = &h.node(h.output("y").expect("y")).op else { panic!("not a kernel") };
+        assert_eq!(back, &family, "{text}");
+        assert_eq!(print(&h), text);
+    }
+    // the families fusion built on GPT-2 (the fused snapshots, and kernel names) read back as text
+    for text in [
+        "pointwise",
+        "reduce.sum",
+        "gemm",
+        "gemm.scaled",
+        "gemm.strided",
+        "gemm.strided.scaled",
+        "gemm.strided.permute",
+        "gemm.bias",
+        "gemm.residual",
+        "gemm.dgelu",
+        "gemm.bias.gelu.aux",
+        "gemm.dequant.lora",
+        "gemm.dequant.bias.lora",
+        "gemm.dequant.lora.dgelu",
+        "gemm.dequant.bias.lora.lora_down",
+        "gemm.dequant.bias.lora.gelu.aux.lora_down",
+        "gemm.fake_quant",
+        "layernorm.residual.aux",
+        "layernorm_bwd",
+        "layernorm_bwd.residual",
+        "layernorm_bwd.all",
+        "attention.scores",
+        "attention.flash",
+        "attention_bwd.scores",
+        "attention_bwd.flash",
+        "cross_entropy.softmax.inplace",
+        "cross_entropy.linear.chunk=4",
+        "cross_entropy.linear.chunk=128",
+        "adamw.multi_tensor",
+    ] {
+        let f: KernelFamily = text.parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(f.to_string(), text);
+    }
+    let fam = |t: &str| t.parse::<KernelFamily>();
+    assert_eq!(fam("cross_entropy.linear.chunk=128"), Ok(KernelFamily::CrossEntropyLinear { chunk_rows: 128 }));
+    for bad in [
+        "",
+        "elementwise",
+        "gemm.",
+        "gemm.bias.strided",
+        "gemm.aux.bias",
+        "gemm.lora_down.aux",
+        "gemm.scaled.strided",
+        "layernorm.aux.residual",
+        "attention",
+        "cross_entropy.linear",
+        "cross_entropy.linear.chunk=",
+        "cross_entropy.linear.chunk=x",
+        "cross_entropy.linear.chunk=007",
+        "adamw",
+        "pointwise.bias",
+    ] {
+        assert!(fam(bad).is_err(), "{bad:?} parsed as {:?}", fam(bad));
+    }
+    let text = "graph \"g\" {\n  %0 = input[kind=data] : f32[2] \"x\"\n  %1 = kernel[family=\"elementwise\"](%0) : f32[2] {\n    %0 = input[kind=data] : f32[2] \"in0\"\n    output \"out\" = %0\n  }\n  output \"y\" = %1\n}\n";
+    let e = parse(text).expect_err("an unknown family");
+    assert_eq!(e, IrError::Parse { line: 3, msg: "unknown kernel family `elementwise`".into() });
+}
+
+/// Every op kind has one row of the op table (`OpKind::ALL` and the rows are one list, and
+/// `Op::kind` is an exhaustive match: a kind without a row does not compile); here: the
+/// mnemonics are distinct and name their kinds.
+#[test]
+fn op_kinds_have_distinct_mnemonics() {
+    for &k in OpKind::ALL {
+        assert_eq!(OpKind::from_mnemonic(k.mnemonic()), Some(k));
+        assert_eq!(k.props().mnemonic, k.mnemonic());
+    }
+    let names: BTreeSet<&str> = OpKind::ALL.iter().map(|k| k.mnemonic()).collect();
+    assert_eq!(names.len(), OpKind::ALL.len());
 }
 
 /// Odd names survive the round trip exactly, as graph, input, node, output and update names.

@@ -398,7 +398,9 @@ pub enum Body {
 /// One generated kernel.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Kernel {
-    /// The fusion family (`elementwise`, `layernorm`, `gemm_epilogue`, ...): part of the name.
+    /// What the kernel is, as text: part of its name. A fused node's family as printed
+    /// (`qatc_ir::KernelFamily`: `gemm.dequant.bias`), an unfused op's mnemonic (`layernorm`), or
+    /// a lowering's own helper (`cross_entropy.chunk_rows`, `dequant.panel`).
     pub family: String,
     pub params: Vec<Param>,
     /// I32 when every extent and buffer fits, else I64.

@@ -118,7 +118,7 @@ fn short_rows_are_one_warp_each_where_the_switch_allows() {
     use qatc_kernels::cuda::codegen::WARP_ROW_MAX;
     use qatc_kernels::cuda::emit::launch_dims_with;
     let softmax = |len: usize| {
-        common::fused("softmax", &[common::f32s(&[3, len])], |b, i| {
+        common::fused(qatc_ir::KernelFamily::Softmax, &[common::f32s(&[3, len])], |b, i| {
             b.add(qatc_ir::Op::Softmax { scale: 1.0, causal: false }, &[i[0]]).unwrap()
         })
     };
@@ -148,7 +148,9 @@ fn short_rows_are_one_warp_each_where_the_switch_allows() {
 fn long_column_sums_are_split_over_warps_where_the_switch_allows() {
     use qatc_kernels::cuda::codegen::SPLIT_MIN;
     let bias_grad = |n: usize| {
-        common::fused("sum_to", &[common::f32s(&[n, 96])], |b, i| b.add(qatc_ir::Op::SumTo { shape: [96].into() }, &[i[0]]).unwrap())
+        common::fused(qatc_ir::KernelFamily::ReduceSum, &[common::f32s(&[n, 96])], |b, i| {
+            b.add(qatc_ir::Op::SumTo { shape: [96].into() }, &[i[0]]).unwrap()
+        })
     };
     let mut all = Vec::new();
     for (n, split) in [(4099, true), (SPLIT_MIN, true), (SPLIT_MIN - 1, false)] {

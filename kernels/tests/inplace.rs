@@ -32,7 +32,7 @@ fn in_place(prog: &Program) -> Vec<(String, String)> {
 /// x @ w^T -> logits; loss = cross_entropy(logits); dx = cross_entropy_grad(logits) @ w, fused as
 /// qatc's fusion makes the chunked linear + cross-entropy (the loss first, then the gradient).
 fn linear_ce(loss_first: bool, logits_out: bool) -> Graph {
-    common::fused("cross_entropy", &[common::f32s(&[6, 8]), common::f32s(&[50, 8]), (DType::I32, vec![6])], |b, i| {
+    common::fused(qatc_ir::KernelFamily::CrossEntropy, &[common::f32s(&[6, 8]), common::f32s(&[50, 8]), (DType::I32, vec![6])], |b, i| {
         let logits = b.add(Op::MatMul { ta: false, tb: true }, &[i[0], i[1]]).unwrap();
         let one = b.add(Op::Const { value: 1.0, dtype: DType::F32, shape: qatc_ir::Shape(vec![]) }, &[]).unwrap();
         let grad = |b: &mut Graph| {

@@ -30,13 +30,14 @@ fn shape_ops_are_views_and_matmuls_are_gemms() {
 
 #[test]
 fn a_concat_of_gemms_writes_each_into_its_slice() {
-    let g = common::fused("gemm", &[common::f32s(&[8, 16]), common::f32s(&[16, 4]), common::f32s(&[16, 4])], |b, i| {
-        let y0 = b.add(Op::MatMul { ta: false, tb: false }, &[i[0], i[1]]).unwrap();
-        let y1 = b.add(Op::MatMul { ta: false, tb: false }, &[i[0], i[2]]).unwrap();
-        let y0 = b.add(Op::Reshape { shape: [32].into() }, &[y0]).unwrap();
-        let y1 = b.add(Op::Reshape { shape: [32].into() }, &[y1]).unwrap();
-        b.add(Op::Concat { axis: 0 }, &[y0, y1]).unwrap()
-    });
+    let g =
+        common::fused(qatc_ir::KernelFamily::GEMM, &[common::f32s(&[8, 16]), common::f32s(&[16, 4]), common::f32s(&[16, 4])], |b, i| {
+            let y0 = b.add(Op::MatMul { ta: false, tb: false }, &[i[0], i[1]]).unwrap();
+            let y1 = b.add(Op::MatMul { ta: false, tb: false }, &[i[0], i[2]]).unwrap();
+            let y0 = b.add(Op::Reshape { shape: [32].into() }, &[y0]).unwrap();
+            let y1 = b.add(Op::Reshape { shape: [32].into() }, &[y1]).unwrap();
+            b.add(Op::Concat { axis: 0 }, &[y0, y1]).unwrap()
+        });
     let prog = lower(&g).unwrap();
     let gemms: Vec<_> = prog.gemms().collect();
     assert_eq!((prog.steps.len(), gemms.len()), (2, 2), "{prog}");
@@ -48,7 +49,7 @@ fn a_concat_of_gemms_writes_each_into_its_slice() {
 fn an_epilogue_after_a_row_op_shares_its_kernel() {
     // gelu(layernorm(x)) + y: one row kernel, the epilogue applied before the store
     let tys = [common::f32s(&[4, 64]), common::f32s(&[64]), common::f32s(&[64]), common::f32s(&[4, 64])];
-    let g = common::fused("layernorm", &tys, |b, i| {
+    let g = common::fused(qatc_ir::KernelFamily::LayerNorm { residual: false, aux: false }, &tys, |b, i| {
         let ln = b.add(Op::LayerNorm { eps: 1e-5 }, &[i[0], i[1], i[2]]).unwrap();
         let ge = b.add(Op::Unary(qatc_ir::UnaryOp::Gelu), &[ln]).unwrap();
         b.add(Op::Binary(BinaryOp::Add), &[ge, i[3]]).unwrap()

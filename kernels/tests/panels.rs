@@ -53,10 +53,11 @@ fn a_dequantized_weight_becomes_panels_of_its_rows() {
 #[test]
 fn a_transposed_weight_is_fed_by_output_columns() {
     let spec = QuantSpec { bits: 4, group: 64, scheme: QuantScheme::Sym };
-    let g = common::fused("gemm_epilogue", &[common::f32s(&[8, 128]), (DType::I4, vec![384, 128]), common::f32s(&[6, 128])], |b, i| {
-        let w = b.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[i[1], i[2]]).unwrap();
-        b.add(Op::MatMul { ta: false, tb: true }, &[i[0], w]).unwrap()
-    });
+    let g =
+        common::fused(common::dequant_bias(), &[common::f32s(&[8, 128]), (DType::I4, vec![384, 128]), common::f32s(&[6, 128])], |b, i| {
+            let w = b.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[i[1], i[2]]).unwrap();
+            b.add(Op::MatMul { ta: false, tb: true }, &[i[0], w]).unwrap()
+        });
     let mut prog = lower(&g).unwrap();
     feed_panels(&mut prog, 100 * 128 * 4);
     let Some(gm) = prog.gemms().next() else { panic!("{prog}") };

@@ -92,7 +92,7 @@ fn attention_forward_on_tensor_cores_for_16_bit_values() {
 use qatc_kernels::CudaSettings;
     let forward = |d: DType, cg: &CudaSettings| {
         let prog = qatc_kernels::lower(&common::attention_of(d, 100, 2, 64)).unwrap();
-        let k = prog.kernels.iter().find(|k| k.family == "attention").expect("the attention kernel");
+        let k = prog.kernels.iter().find(|k| k.family == "attention.flash").expect("the attention kernel");
         emit_with(k, cg).unwrap()
     };
     let bf16 = forward(DType::BF16, &CudaSettings::default());
@@ -115,7 +115,7 @@ fn attention_backward_on_tensor_cores_for_16_bit_values() {
     let prog = qatc_kernels::lower(&common::attention_backward_of(qatc_ir::DType::BF16, 100, 2, 64)).unwrap();
     let mut text = String::new();
     let mut mma = 0;
-    for k in prog.kernels.iter().filter(|k| k.family == "attention_bwd") {
+    for k in prog.kernels.iter().filter(|k| k.family == "attention_bwd.flash") {
         let c = qatc_kernels::cuda::emit(k).unwrap();
         mma += usize::from(c.source.contains("_mma<64, qatc::MmaBf16>"));
         text.push_str(&format!("// ---- {} ----\n{}\n", c.name, c.source));

@@ -1,6 +1,7 @@
 use std::collections::HashMap;
 
 use crate::error::IrError;
+use crate::family::KernelFamily;
 use crate::graph::{Graph, NodeId};
 use crate::op::{BinaryOp, InputKind, Op, QuantParam, QuantScheme, QuantSpec, UnaryOp, BINARY_OPS, UNARY_OPS};
 use crate::qmap::DynMap;
@@ -215,7 +216,10 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "select" => Op::Select,
         "loss_scale" => Op::LossScale { interval: a.u("interval")?, growth: a.f("growth")?, backoff: a.f("backoff")? },
         // the body is parsed from the lines that follow and put in place by `parse`
-        "kernel" => Op::Kernel { family: a.raw("family")?.to_string(), body: Box::new(Graph::new(a.raw("family")?)) },
+        "kernel" => {
+            let family: KernelFamily = a.raw("family")?.parse().map_err(|e: crate::family::UnknownFamily| e.to_string())?;
+            Op::Kernel { body: Box::new(Graph::new(family.to_string())), family }
+        }
         "adam_m" => Op::AdamM { beta1: a.f("beta1")? },
         "adam_v" => Op::AdamV { beta2: a.f("beta2")? },
         "adam_param" => Op::AdamParam { beta1: a.f("beta1")?, beta2: a.f("beta2")?, eps: a.f("eps")?, weight_decay: a.f("weight_decay")? },
@@ -334,7 +338,7 @@ fn parse_body(lines: &[(usize, &str)], pos: &mut usize, name: String) -> Result<
             Line::Node { num, mut op, operands, ty, name, body } => {
                 let ops = operands.into_iter().map(lookup).collect::<Result<Vec<_>, _>>()?;
                 match (&mut op, body) {
-                    (Op::Kernel { family, body }, true) => **body = parse_body(lines, pos, family.clone())?,
+                    (Op::Kernel { family, body }, true) => **body = parse_body(lines, pos, family.to_string())?,
                     (Op::Kernel { .. }, false) => return Err(err(ln, "a kernel needs a body: `{` ... `}`".into())),
                     (_, true) => return Err(err(ln, "only kernels have a body".into())),
                     _ => {}

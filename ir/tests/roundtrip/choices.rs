@@ -1,6 +1,6 @@
 //! The choice sequence the generator reads, and the odd names and floats it draws from.
 
-use qatc_ir::DType;
+use qatc_ir::{DType, Epilogue, GemmFamily, GemmPrologue, KernelFamily};
 
 /// Names with characters the printer must escape and the parser must unescape: quotes,
 /// backslashes, whitespace, control characters, non-ASCII, a leading combining mark (which
@@ -129,5 +129,82 @@ impl Choices {
             p.swap(i, j);
         }
         p
+    }
+}
+
+/// Every kernel family variant at least once, every GEMM prologue, epilogue and flag, and the
+/// texts fusion prints on GPT-2's steps. `variant` (below) is an exhaustive match: a new family
+/// fails to compile here until it is numbered, and `every_kernel_family_round_trips` asks for
+/// an example of each number.
+pub fn families() -> Vec<KernelFamily> {
+    use KernelFamily as F;
+    let gemm =
+        |prologue, epilogues: &[Epilogue], aux, lora_down| F::Gemm(GemmFamily { prologue, epilogues: epilogues.to_vec(), aux, lora_down });
+    let mut v = vec![
+        F::Pointwise,
+        F::ReduceSum,
+        F::GEMM,
+        F::Dequant,
+        F::FakeQuant,
+        F::LayerNorm { residual: false, aux: false },
+        F::LayerNorm { residual: true, aux: false },
+        F::LayerNorm { residual: false, aux: true },
+        F::LayerNorm { residual: true, aux: true },
+        F::LayerNormBwd { residual: false },
+        F::LayerNormBwd { residual: true },
+        F::LayerNormBwdAll,
+        F::LayerNormBwdGamma,
+        F::Softmax,
+        F::SoftmaxBwd,
+        F::AttentionScores,
+        F::AttentionFlash,
+        F::AttentionBwdScores,
+        F::AttentionBwdFlash,
+        F::CrossEntropy,
+        F::CrossEntropyGrad,
+        F::CrossEntropySoftmaxInPlace,
+        F::CrossEntropyLinear { chunk_rows: 1 },
+        F::CrossEntropyLinear { chunk_rows: 128 },
+        F::AdamWMultiTensor,
+        gemm(GemmPrologue::Dequant, &[Epilogue::Bias, Epilogue::Lora, Epilogue::Gelu], true, true),
+        gemm(GemmPrologue::StridedScaled, &[Epilogue::Permute, Epilogue::Scale, Epilogue::Scale], false, false),
+        gemm(GemmPrologue::FakeQuant, &[Epilogue::DGelu, Epilogue::Residual], true, false),
+    ];
+    for p in [GemmPrologue::None, GemmPrologue::Strided, GemmPrologue::Scaled] {
+        for e in Epilogue::ALL {
+            v.push(gemm(p, &[e], false, false));
+            v.push(gemm(p, &[e, Epilogue::Lora], false, true));
+        }
+    }
+    v
+}
+
+/// The number of kernel family variants.
+pub const FAMILY_VARIANTS: usize = 20;
+
+/// A kernel family's variant, numbered 0..FAMILY_VARIANTS.
+pub fn variant(f: &KernelFamily) -> usize {
+    use KernelFamily as F;
+    match f {
+        F::Pointwise => 0,
+        F::ReduceSum => 1,
+        F::Gemm(_) => 2,
+        F::Dequant => 3,
+        F::FakeQuant => 4,
+        F::LayerNorm { .. } => 5,
+        F::LayerNormBwd { .. } => 6,
+        F::LayerNormBwdAll => 7,
+        F::LayerNormBwdGamma => 8,
+        F::Softmax => 9,
+        F::SoftmaxBwd => 10,
+        F::AttentionScores => 11,
+        F::AttentionFlash => 12,
+        F::AttentionBwdScores => 13,
+        F::AttentionBwdFlash => 14,
+        F::CrossEntropy => 15,
+        F::CrossEntropyGrad => 16,
+        F::CrossEntropySoftmaxInPlace => 17,
+        F::CrossEntropyLinear { .. } => 18,
+        F::AdamWMultiTensor => 19,
     }
 }

@@ -7,7 +7,7 @@ use qatc_ir::{
 };
 
 use crate::builder::Builder;
-use crate::choices::NAMES;
+use crate::choices::families;
 
 pub const UNARY: [UnaryOp; 9] = [
     UnaryOp::Neg,
@@ -378,8 +378,8 @@ impl Builder<'_> {
                 let x = self.float_operand(0, 4)?;
                 let ty = self.g.ty(x).clone();
                 let two = self.ch.flip();
-                let family = self.ch.pick(&NAMES).to_string();
-                let mut body = Graph::new(family.clone());
+                let family = self.ch.pick(&families());
+                let mut body = Graph::new(family.to_string());
                 let a = body.input("in0", InputKind::Data, ty.dtype, ty.shape.clone())?;
                 let mut y = body.add(Op::Unary(UnaryOp::Gelu), &[a])?;
                 let mut operands = vec![x];

@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use qatc_ir::{qmap, DynMap, Graph, NodeId, Op};
+use qatc_ir::{qmap, DynMap, Graph, KernelFamily, NodeId, Op};
 
 use super::builder::{pos_key, KernelBuilder, Pos};
 use super::inline::{block_dequant, block_quant};
@@ -45,7 +45,7 @@ pub struct Moment8 {
 /// otherwise.
 pub fn deferred(g: &Graph, id: NodeId) -> bool {
     matches!(g.node(id).op, Op::BlockDequant { .. })
-        && g.users(id).iter().all(|&u| matches!(&g.node(u).op, Op::Kernel { family, .. } if family.starts_with("adamw")))
+        && g.users(id).iter().all(|&u| matches!(&g.node(u).op, Op::Kernel { family: KernelFamily::AdamWMultiTensor, .. }))
 }
 
 fn only_user(g: &Graph, n: NodeId, user: NodeId) -> bool {

@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use qatc_ir::{Graph, NodeId, Op};
+use qatc_ir::{Graph, KernelFamily, NodeId, Op};
 
 use super::inline::inlinable;
 use super::rows::{self, Anchor};
@@ -17,12 +17,13 @@ use super::{elementwise, pack_parts, unreshaped, Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
 
-/// Lowers `Op::Kernel { family, body }` with its operands in `operands` into `dest`.
+/// Lowers `Op::Kernel { family, body }` with its operands in `operands` into `dest`; its kernels
+/// are named after the family.
 pub fn lower_kernel_node(
     lw: &mut Lowerer,
     g: &Graph,
     id: NodeId,
-    family: &str,
+    family: &KernelFamily,
     body: &Graph,
     operands: &[View],
     dest: View,
@@ -38,6 +39,7 @@ pub fn lower_kernel_node(
     }
     let root =
         body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
+    let family = &family.to_string();
     let before = lw.prog.steps.len();
     if cx.leaves.contains_key(&root) {
         // the body returns an operand as is: a copy
@@ -103,8 +105,9 @@ pub fn lower_kernel_parts(
     let under = |p: NodeId, q: NodeId| p != q && nodes_under(body, inner(q)).contains(&inner(p));
     let mut order: Vec<usize> = (0..parts.len()).collect();
     order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));
+    let family = family.to_string();
     for i in order {
-        lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), family)?;
+        lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), &family)?;
     }
     Ok(())
 }

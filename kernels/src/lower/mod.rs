@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role, Roles};
+use qatc_ir::{DType, Graph, KernelFamily, NodeId, Op, Phase, Role, Roles};
 
 use crate::error::KernelError;
 use crate::kir::{Kernel, Space, Ty};
@@ -345,15 +345,18 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
             values.insert(id, v);
             continue;
         }
-        // fused nodes whose results get buffers of their own: the chunked cross-entropy
-        if let Op::Kernel { family, body } = &n.op {
-            if family.starts_with("cross_entropy.linear") {
+        // fused nodes whose results get buffers of their own: the chunked cross-entropy, and
+        // AdamW written over its inputs, tensor by tensor; where their bodies are not the
+        // pattern these lowerings know, they fall through to the general lowering below
+        match &n.op {
+            Op::Kernel { family: KernelFamily::CrossEntropyLinear { chunk_rows: rule_rows }, body } => {
                 let mut operand_views = Vec::new();
                 for &o in &ops {
                     operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
                 }
-                let chunk_rows = lw.options.ce_chunk_rows;
-                match xent::lower(&mut lw, g, id, family, body, &operand_views, chunk_rows)? {
+                // the planner's rows per chunk, else the fusion rule's
+                let chunk_rows = lw.options.ce_chunk_rows.unwrap_or(*rule_rows);
+                match xent::lower(&mut lw, g, id, body, &operand_views, chunk_rows)? {
                     Some(xent::Lowered::Value(v)) => {
                         values.insert(id, v);
                         continue;
@@ -365,10 +368,7 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
                     None => {}
                 }
             }
-        }
-        // AdamW written over its inputs, tensor by tensor
-        if let Op::Kernel { family, body } = &n.op {
-            if family.starts_with("adamw") && !lw.options.adamw_packed {
+            Op::Kernel { family: family @ KernelFamily::AdamWMultiTensor, body } if !lw.options.adamw_packed => {
                 let mut operand_views = Vec::new();
                 for &o in &ops {
                     let deferred = !values.contains_key(&o) && adamw8::deferred(g, o);
@@ -378,11 +378,12 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
                 let lowered = |u: NodeId| done.contains(&u);
                 let known = values.clone();
                 let view_of = |u: NodeId| known.get(&u).cloned();
-                if let Some(placed) = adamw::lower(&mut lw, g, id, family, body, &operand_views, &view_of, &lowered)? {
+                if let Some(placed) = adamw::lower(&mut lw, g, id, &family.to_string(), body, &operand_views, &view_of, &lowered)? {
                     lw.packs.insert(id, placed);
                     continue;
                 }
             }
+            _ => {}
         }
         // a packed kernel whose parts are computed one by one: a buffer per part
         if let Op::Kernel { body, .. } = &n.op {

@@ -34,9 +34,10 @@
 //! once whatever the chunk count (the last chunk, when shorter, is a second kernel).
 //!
 //! Rows per chunk are the lowering options' (`ce_chunk_rows`: the memory planner's choice,
-//! `src/memory/chunk.rs`), else the fusion rule's (`chunk=R` in the family: the largest power of
-//! two whose [R, V] f32 scratch fits 32 MiB, 128 rows for GPT-2's vocabulary: a GEMM of that many
-//! rows runs at full speed on either device; the planner's floor); at most [`MAX_CHUNKS`] chunks.
+//! `src/memory/chunk.rs`), else the fusion rule's (the family's `chunk_rows`, printed `chunk=R`:
+//! the largest power of two whose [R, V] f32 scratch fits 32 MiB, 128 rows for GPT-2's
+//! vocabulary: a GEMM of that many rows runs at full speed on either device; the planner's
+//! floor); at most [`MAX_CHUNKS`] chunks.
 
 use std::collections::HashMap;
 
@@ -132,28 +133,26 @@ pub enum Lowered {
     Parts(Vec<(usize, usize, View)>),
 }
 
-/// Rows per chunk from the family (`chunk=R`), or the override.
-fn rows_per_chunk(family: &str, rows: usize, chunk_rows: Option<usize>) -> usize {
-    let from_family = family.split('.').find_map(|p| p.strip_prefix("chunk=")).and_then(|r| r.parse::<usize>().ok());
-    let r = chunk_rows.or(from_family).unwrap_or(rows).clamp(1, rows.max(1));
-    r.max(rows.div_ceil(MAX_CHUNKS))
+/// The rows per chunk of `rows` when `chunk_rows` are asked for: within [1, rows], and no more
+/// than `MAX_CHUNKS` chunks.
+fn rows_per_chunk(rows: usize, chunk_rows: usize) -> usize {
+    chunk_rows.clamp(1, rows.max(1)).max(rows.div_ceil(MAX_CHUNKS))
 }
 
 fn f(v: f64) -> Expr {
     Expr::f32(v)
 }
 
-/// Lowers a `cross_entropy.linear` node chunk by chunk; None when its body is not the pattern
-/// (it is then lowered as any fused node, with its logits materialized).
-#[allow(clippy::too_many_arguments)]
+/// Lowers a `cross_entropy.linear` node chunk by chunk, `chunk_rows` rows at a time (the
+/// planner's choice, or the family's); None when its body is not the pattern (it is then lowered
+/// as any fused node, with its logits materialized).
 pub fn lower(
     lw: &mut Lowerer,
     g: &Graph,
     id: NodeId,
-    family: &str,
     body: &Graph,
     operands: &[View],
-    chunk_rows: Option<usize>,
+    chunk_rows: usize,
 ) -> Result<Option<Lowered>, KernelError> {
     let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
     for (i, v) in operands.iter().enumerate() {
@@ -180,7 +179,7 @@ pub fn lower(
         return Ok(None);
     }
     let (n, v) = (body.ty(head.logits).shape.0[0], body.ty(head.logits).shape.0[1]);
-    let r = rows_per_chunk(family, n, chunk_rows);
+    let r = rows_per_chunk(n, chunk_rows);
     let chunks = n.div_ceil(r);
     let with_grad = head.grad.is_some();
     let phase = if with_grad { Phase::Backward } else { Phase::Forward };

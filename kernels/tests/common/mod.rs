@@ -2,11 +2,16 @@
 //! or a few plain ops.
 #![allow(dead_code)]
 
-use qatc_ir::{BinaryOp, DType, Graph, InputKind, NodeId, Op, UnaryOp};
+use qatc_ir::{BinaryOp, DType, Epilogue, GemmFamily, GemmPrologue, Graph, InputKind, KernelFamily, NodeId, Op, UnaryOp};
+
+/// `gemm.dequant.bias`: a 4-bit weight's GEMM with a bias epilogue.
+pub fn dequant_bias() -> KernelFamily {
+    KernelFamily::Gemm(GemmFamily { epilogues: vec![Epilogue::Bias], ..GemmFamily::with_prologue(GemmPrologue::Dequant) })
+}
 
 /// Wraps `build(body, inputs)` as one `Op::Kernel { family }` node over inputs of `tys`.
-pub fn fused(family: &str, tys: &[(DType, Vec<usize>)], build: impl FnOnce(&mut Graph, &[NodeId]) -> NodeId) -> Graph {
-    let mut body = Graph::new(family);
+pub fn fused(family: KernelFamily, tys: &[(DType, Vec<usize>)], build: impl FnOnce(&mut Graph, &[NodeId]) -> NodeId) -> Graph {
+    let mut body = Graph::new(family.to_string());
     let ins: Vec<NodeId> =
         tys.iter().enumerate().map(|(i, (d, s))| body.input(format!("in{i}"), InputKind::Data, *d, s.clone()).unwrap()).collect();
     let out = build(&mut body, &ins);
@@ -14,7 +19,7 @@ pub fn fused(family: &str, tys: &[(DType, Vec<usize>)], build: impl FnOnce(&mut 
     let mut g = Graph::new("step");
     let outer: Vec<NodeId> =
         tys.iter().enumerate().map(|(i, (d, s))| g.input(format!("x{i}"), InputKind::Data, *d, s.clone()).unwrap()).collect();
-    let k = g.add(Op::Kernel { family: family.into(), body: Box::new(body) }, &outer).unwrap();
+    let k = g.add(Op::Kernel { family, body: Box::new(body) }, &outer).unwrap();
     g.set_output("y", k).unwrap();
     g
 }
@@ -25,7 +30,7 @@ pub fn f32s(shape: &[usize]) -> (DType, Vec<usize>) {
 
 /// x + broadcast(bias) -> gelu -> * 2: the MLP's elementwise chain after c_fc.
 pub fn elementwise_chain() -> Graph {
-    fused("elementwise", &[f32s(&[8, 512]), f32s(&[512])], |b, i| {
+    fused(KernelFamily::Pointwise, &[f32s(&[8, 512]), f32s(&[512])], |b, i| {
         let bias = b.add(Op::Broadcast { shape: [8, 512].into() }, &[i[1]]).unwrap();
         let s = b.add(Op::Binary(BinaryOp::Add), &[i[0], bias]).unwrap();
         let g = b.add(Op::Unary(UnaryOp::Gelu), &[s]).unwrap();
@@ -35,15 +40,19 @@ pub fn elementwise_chain() -> Graph {
 
 /// residual add -> layernorm: the prologue is read inside the row kernel.
 pub fn residual_layernorm() -> Graph {
-    fused("layernorm", &[f32s(&[8, 768]), f32s(&[8, 768]), f32s(&[768]), f32s(&[768])], |b, i| {
-        let r = b.add(Op::Binary(BinaryOp::Add), &[i[0], i[1]]).unwrap();
-        b.add(Op::LayerNorm { eps: 1e-5 }, &[r, i[2], i[3]]).unwrap()
-    })
+    fused(
+        KernelFamily::LayerNorm { residual: false, aux: false },
+        &[f32s(&[8, 768]), f32s(&[8, 768]), f32s(&[768]), f32s(&[768])],
+        |b, i| {
+            let r = b.add(Op::Binary(BinaryOp::Add), &[i[0], i[1]]).unwrap();
+            b.add(Op::LayerNorm { eps: 1e-5 }, &[r, i[2], i[3]]).unwrap()
+        },
+    )
 }
 
 /// causal softmax over [B, NH, T, T] scores.
 pub fn causal_softmax() -> Graph {
-    fused("softmax", &[f32s(&[1, 4, 64, 64])], |b, i| b.add(Op::Softmax { scale: 0.125, causal: true }, &[i[0]]).unwrap())
+    fused(KernelFamily::Softmax, &[f32s(&[1, 4, 64, 64])], |b, i| b.add(Op::Softmax { scale: 0.125, causal: true }, &[i[0]]).unwrap())
 }
 
 /// q, k, v sliced out of qkv [T, 3C] by shape ops, then softmax(q k^T) v.
@@ -55,7 +64,7 @@ pub fn attention() -> Graph {
 /// heads of `hs`.
 pub fn attention_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Graph {
     let c = nh * hs;
-    fused("attention", &[(dtype, vec![t, 3 * c])], |b, i| {
+    fused(KernelFamily::AttentionFlash, &[(dtype, vec![t, 3 * c])], |b, i| {
         let head = |b: &mut Graph, k: usize| {
             let s = b.add(Op::Slice { axis: 1, start: k * c, end: (k + 1) * c }, &[i[0]]).unwrap();
             let r = b.add(Op::Reshape { shape: [1, t, nh, hs].into() }, &[s]).unwrap();
@@ -72,7 +81,7 @@ pub fn attention_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Graph {
 pub fn adamw() -> Graph {
     let w = vec![384, 4];
     let tys = [f32s(&w), f32s(&w), f32s(&w), f32s(&w), (DType::F32, vec![]), (DType::F32, vec![])];
-    fused("adamw", &tys, |b, i| {
+    fused(KernelFamily::AdamWMultiTensor, &tys, |b, i| {
         let m = b.add(Op::AdamM { beta1: 0.9 }, &[i[2], i[1]]).unwrap();
         let v = b.add(Op::AdamV { beta2: 0.999 }, &[i[3], i[1]]).unwrap();
         b.add(Op::AdamParam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }, &[i[0], m, v, i[4], i[5]]).unwrap()
@@ -84,7 +93,7 @@ pub fn dequant_gemm() -> Graph {
     use qatc_ir::{QuantScheme, QuantSpec};
     let spec = QuantSpec { bits: 4, group: 64, scheme: QuantScheme::Sym };
     let tys = [f32s(&[8, 128]), (DType::I4, vec![128, 384]), f32s(&[2, 384]), f32s(&[384])];
-    fused("gemm_epilogue", &tys, |b, i| {
+    fused(dequant_bias(), &tys, |b, i| {
         let w = b.add(Op::Dequantize { spec, to: qatc_ir::DType::F32 }, &[i[1], i[2]]).unwrap();
         let y = b.add(Op::MatMul { ta: false, tb: false }, &[i[0], w]).unwrap();
         let bias = b.add(Op::Broadcast { shape: [8, 384].into() }, &[i[3]]).unwrap();
@@ -102,7 +111,7 @@ pub fn attention_backward() -> Graph {
 pub fn attention_backward_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Graph {
     let c = nh * hs;
     let scale = 1.0 / (hs as f64).sqrt();
-    fused("attention_bwd", &[(dtype, vec![t, 3 * c]), (dtype, vec![1, t, nh, hs])], |b, i| {
+    fused(KernelFamily::AttentionBwdFlash, &[(dtype, vec![t, 3 * c]), (dtype, vec![1, t, nh, hs])], |b, i| {
         let head = |b: &mut Graph, k: usize| {
             let s = b.add(Op::Slice { axis: 1, start: k * c, end: (k + 1) * c }, &[i[0]]).unwrap();
             let r = b.add(Op::Reshape { shape: [1, t, nh, hs].into() }, &[s]).unwrap();
@@ -127,7 +136,7 @@ pub fn attention_backward_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Gr
 /// then dv.
 pub fn attention_dv_of(dtype: DType, t: usize, nh: usize, hs: usize) -> Graph {
     let c = nh * hs;
-    fused("attention_dv", &[(dtype, vec![t, 3 * c]), (dtype, vec![1, t, nh, hs])], |b, i| {
+    fused(KernelFamily::AttentionFlash, &[(dtype, vec![t, 3 * c]), (dtype, vec![1, t, nh, hs])], |b, i| {
         let head = |b: &mut Graph, k: usize| {
             let s = b.add(Op::Slice { axis: 1, start: k * c, end: (k + 1) * c }, &[i[0]]).unwrap();
             let r = b.add(Op::Reshape { shape: [1, t, nh, hs].into() }, &[s]).unwrap();

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use egg::Id;
-use qatc_ir::{infer::infer, DType, Op, Shape, TensorType};
+use qatc_ir::{infer::infer, DType, KernelFamily, Op, OpKind, Shape, TensorType};
 
 use super::lang::{ENode, Entry, Kernel, EG, FUSED};
 
@@ -37,102 +37,11 @@ pub struct Body {
     pub n_in: usize,
 }
 
-/// The family of a primitive op when it is the core of a kernel. Pointwise ops (elementwise,
-/// layout and indexing ops, the AdamW updates) all fit in one loop over the output.
-pub fn prim_family(kind: &str) -> &'static str {
-    match kind {
-        "matmul" => "gemm",
-        "dequantize" => "dequant",
-        "fake_quant" => "fake_quant",
-        "layernorm" => "layernorm",
-        "layernorm_grad_x" => "layernorm_bwd",
-        "layernorm_grad_gamma" => "layernorm_bwd_gamma",
-        "softmax" => "softmax",
-        "softmax_grad" => "softmax_bwd",
-        "cross_entropy" => "cross_entropy",
-        "cross_entropy_grad" => "cross_entropy_grad",
-        k if is_pointwise(k) => "pointwise",
-        _ => "other",
-    }
-}
-
-/// Ops whose every output element depends on a fixed set of input elements (no reductions; a
-/// learned fake-quant reads its element and its group's scale).
-pub fn is_pointwise(kind: &str) -> bool {
-    matches!(
-        kind,
-        "neg"
-            | "exp"
-            | "log"
-            | "sqrt"
-            | "rsqrt"
-            | "recip"
-            | "tanh"
-            | "square"
-            | "gelu"
-            | "add"
-            | "sub"
-            | "mul"
-            | "div"
-            | "max"
-            | "min"
-            | "gelu_grad"
-            | "affine"
-            | "cast"
-            | "broadcast"
-            | "reshape"
-            | "transpose"
-            | "slice"
-            | "concat"
-            | "const"
-            | "gather"
-            | "dropout"
-            | "select"
-            | "fake_quant_learned"
-            | "fake_quant_learned_grad"
-            | "adam_m"
-            | "adam_v"
-            | "adam_param"
-    )
-}
-
-/// Ops a kernel may recompute from their inputs even when other kernels also need the value:
-/// layout ops and fills (a strided read costs what reading the materialized copy would), a scale
-/// and shift (reading x costs what reading a x + b would), and weight dequantization (reading
-/// 4-bit codes costs an eighth of reading the f32 weight).
-pub fn is_recomputable(kind: &str) -> bool {
-    is_cheap(kind) || matches!(kind, "dequantize" | "fake_quant")
-}
-
-/// Ops that only move, replicate, scale or fill data.
-pub fn is_cheap(kind: &str) -> bool {
-    matches!(kind, "broadcast" | "reshape" | "transpose" | "slice" | "const" | "affine")
-}
-
-/// Ops that only move or replicate data.
-pub fn is_layout(kind: &str) -> bool {
-    matches!(kind, "broadcast" | "reshape" | "transpose" | "slice" | "const")
-}
-
-/// The base of a family name: `gemm` for `gemm.dequant.bias`.
-pub fn base(family: &str) -> &str {
-    family.split('.').next().unwrap_or(family)
-}
-
-/// `family` with `tag` appended, unless it already ends with it.
-pub fn extend(family: &str, tag: &str) -> String {
-    if tag.is_empty() || family.ends_with(&format!(".{tag}")) {
-        family.to_string()
-    } else {
-        format!("{family}.{tag}")
-    }
-}
-
 /// One way to compute an e-class as a kernel body.
 #[derive(Clone, Debug)]
 pub struct Frag {
     pub class: Id,
-    pub family: String,
+    pub family: KernelFamily,
     pub body: Arc<Body>,
     pub args: Vec<Id>,
     /// The e-node's op index (tie-breaks and memo keys).
@@ -141,37 +50,30 @@ pub struct Frag {
 }
 
 impl Frag {
-    /// Every op in it is recomputable (see [`is_recomputable`]).
+    /// Every op in it may be recomputed by any kernel (`OpKind::is_recomputable`: layout ops,
+    /// constants, scale-and-shift, a weight's quantization).
     pub fn recomputable(&self, eg: &EG) -> bool {
-        self.kinds(eg).all(is_recomputable)
+        self.kinds(eg).all(OpKind::is_recomputable)
     }
 
-    /// Every op in it is cheap to recompute (see [`is_cheap`]).
+    /// Every op in it is cheap to recompute (`OpKind::is_cheap`).
     pub fn cheap(&self, eg: &EG) -> bool {
-        self.kinds(eg).all(is_cheap)
+        self.kinds(eg).all(OpKind::is_cheap)
     }
 
-    /// Every op in it is a layout op.
+    /// Every op in it is a layout op (`OpKind::is_layout`).
     pub fn layout_only(&self, eg: &EG) -> bool {
-        self.kinds(eg).all(is_layout)
+        self.kinds(eg).all(OpKind::is_layout)
     }
 
-    pub fn kinds<'a>(&'a self, eg: &'a EG) -> impl Iterator<Item = &'static str> + 'a {
-        self.body.nodes.iter().map(|n| eg.analysis.table.op(n.op).map(|o| o.mnemonic()).unwrap_or("kernel"))
-    }
-
-    pub fn contains(&self, eg: &EG, kind: &str) -> bool {
-        self.kinds(eg).any(|k| k == kind)
-    }
-
-    /// The op at the fragment's root.
-    pub fn root_kind(&self, eg: &EG) -> &'static str {
-        self.body.nodes.last().and_then(|n| eg.analysis.table.op(n.op)).map(|o| o.mnemonic()).unwrap_or("kernel")
+    /// The kinds of its ops (a body holds primitive ops only).
+    pub fn kinds<'a>(&'a self, eg: &'a EG) -> impl Iterator<Item = OpKind> + 'a {
+        self.body.nodes.iter().map(|n| eg.analysis.table.op(n.op).map_or(OpKind::Kernel, Op::kind))
     }
 }
 
-/// The fragments of e-class `c`: its primitive e-nodes (not leaves, not packed views) and the
-/// single-result fused kernels in it.
+/// The fragments of e-class `c`: its primitive e-nodes (not inputs, nor ops that fusion leaves
+/// alone, which no rule absorbs) and the single-result fused kernels in it.
 pub fn frags(eg: &EG, c: Id) -> Vec<Frag> {
     let c = eg.find(c);
     let mut out = Vec::new();
@@ -204,7 +106,9 @@ fn frag_of(eg: &EG, c: Id, n: &ENode) -> Option<Frag> {
                 refs.push(BRef::In(i as u32));
             }
             let body = Body { n_in: args.len(), nodes: vec![BNode { op: n.op, args: refs, origin: Some(c) }] };
-            Some(Frag { class: c, family: prim_family(n.kind).to_string(), body: Arc::new(body), args, op: n.op, fused: false })
+            // the family of a kernel of the op alone, from the op table
+            let family = op.kind().family()?;
+            Some(Frag { class: c, family, body: Arc::new(body), args, op: n.op, fused: false })
         }
         Entry::Fused(k) => {
             if !k.pack.is_empty() {
@@ -357,7 +261,7 @@ impl Builder {
     }
 
     /// Finishes a single-result kernel whose result is `root` (it must be the last node).
-    pub fn finish(self, eg: &EG, root: BRef, family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+    pub fn finish(self, eg: &EG, root: BRef, family: KernelFamily, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
         // the IR's kernels read at least one operand: a body of constants alone (the loss
         // gradient's seed scaled by 1/K under --grad-accum) stays unfused
         if self.failed || self.nodes.is_empty() || self.args.is_empty() || root != BRef::Node(self.nodes.len() as u32 - 1) {
@@ -372,7 +276,7 @@ impl Builder {
     /// Finishes a kernel with several results: they are written, flattened, into one buffer
     /// (`concat` along axis 0 of `reshape(r, [numel])`), and each result is a view of it. The
     /// results share one element type.
-    pub fn finish_pack(self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+    pub fn finish_pack(self, eg: &mut EG, outs: &[(Id, BRef)], family: KernelFamily, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
         self.finish_pack_as(eg, outs, family, rule, false)
     }
 
@@ -381,7 +285,13 @@ impl Builder {
     /// and its view narrowed back (`add_pack`), so it keeps its value and type. For results that
     /// are small beside what the kernel saves (the chunked cross-entropy's dh beside the logits it
     /// never writes): a widened part is written at twice its bytes.
-    pub fn finish_pack_widened(self, eg: &mut EG, outs: &[(Id, BRef)], family: String, rule: &'static str) -> Option<(Kernel, Vec<Id>)> {
+    pub fn finish_pack_widened(
+        self,
+        eg: &mut EG,
+        outs: &[(Id, BRef)],
+        family: KernelFamily,
+        rule: &'static str,
+    ) -> Option<(Kernel, Vec<Id>)> {
         self.finish_pack_as(eg, outs, family, rule, true)
     }
 
@@ -389,7 +299,7 @@ impl Builder {
         mut self,
         eg: &mut EG,
         outs: &[(Id, BRef)],
-        family: String,
+        family: KernelFamily,
         rule: &'static str,
         widen: bool,
     ) -> Option<(Kernel, Vec<Id>)> {
@@ -469,13 +379,13 @@ pub fn add_pack(eg: &mut EG, k: Kernel, args: Vec<Id>, name: &str) -> Vec<Id> {
     for ((c, _), (shape, dtype)) in pack.iter().zip(tys) {
         let n = shape.numel();
         let s = eg.analysis.table.prim(Op::Slice { axis: 0, start, end: start + n }, None);
-        let sl = eg.add(ENode { kind: "slice", op: s, args: vec![buf] });
+        let sl = eg.add(ENode { kind: OpKind::Slice.into(), op: s, args: vec![buf] });
         let r = eg.analysis.table.prim(Op::Reshape { shape }, None);
-        let mut view = eg.add(ENode { kind: "reshape", op: r, args: vec![sl] });
+        let mut view = eg.add(ENode { kind: OpKind::Reshape.into(), op: r, args: vec![sl] });
         // a part widened into the pack (`finish_pack_widened`) narrowed back to its own type
         if let Some(to) = dtype.filter(|&d| d != packed) {
             let cast = eg.analysis.table.prim(Op::Cast { to }, None);
-            view = eg.add(ENode { kind: "cast", op: cast, args: vec![view] });
+            view = eg.add(ENode { kind: OpKind::Cast.into(), op: cast, args: vec![view] });
         }
         if eg.union(*c, view) {
             changed.push(*c);

@@ -50,7 +50,7 @@ pub fn to_egraph(g: &Graph) -> Result<(EG, Roots), FusionError> {
         };
         let op = eg.analysis.table.unique(node.op.clone(), leaf_name);
         let args = g.operands(n).iter().map(|o| class[o]).collect();
-        let id = eg.add(ENode { kind: node.op.mnemonic(), op, args });
+        let id = eg.add(ENode { kind: node.op.kind().into(), op, args });
         let d = &mut eg[id].data;
         d.original = true;
         if d.name.is_none() {
@@ -172,7 +172,7 @@ fn build(eg: &EG, c: Id, n: &ENode, args: &[NodeId], g: &mut Graph) -> Result<No
 
 /// The IR graph of a kernel body: inputs `in0..inN` (kind data), result `out`.
 pub fn body_graph(eg: &EG, k: &Kernel, arg_tys: Vec<qatc_ir::TensorType>) -> Result<Graph, FusionError> {
-    let mut b = Graph::new(k.family.clone());
+    let mut b = Graph::new(k.family.to_string());
     let mut ins = Vec::new();
     for (i, t) in arg_tys.into_iter().enumerate() {
         ins.push(b.input(format!("in{i}"), InputKind::Data, t.dtype, t.shape).map_err(FusionError::Ir)?);

@@ -21,23 +21,29 @@
 use std::collections::BTreeMap;
 
 use egg::Id;
-use qatc_ir::{Graph, Op, TensorType};
+use qatc_ir::{CostClass, Graph, Op, TensorType};
 
 use super::body::{BRef, Body};
 use super::lang::{ENode, Entry, EG};
 
 /// The bytes an op reads from operand `slot` when that operand has `full` bytes and the op
-/// produces `out` bytes: slices and gathered rows touch only what they return.
+/// produces `out` bytes: slices and gathered rows touch only what they return
+/// ([`CostClass::Partial`], from `qatc_ir`'s op table).
 pub fn footprint(op: &Op, slot: usize, full: u64, out: u64) -> u64 {
-    match (op, slot) {
-        (Op::Slice { .. }, 0) | (Op::Gather, 0) => full.min(out),
+    match (op.kind().props().cost, slot) {
+        (CostClass::Partial, 0) => full.min(out),
         _ => full,
     }
 }
 
-/// Whether `op` is a view of its operand (no launch, no bytes).
+/// Whether `op` is a view of its operand (no launch, no bytes): a [`CostClass::View`], or a
+/// slice along axis 0 (a contiguous sub-buffer).
 pub fn is_view(op: &Op) -> bool {
-    matches!(op, Op::Reshape { .. } | Op::Slice { axis: 0, .. })
+    match op.kind().props().cost {
+        CostClass::View => true,
+        CostClass::Partial => matches!(op, Op::Slice { axis: 0, .. }),
+        CostClass::Free | CostClass::Fill | CostClass::Launch => false,
+    }
 }
 
 /// Bytes a kernel body reads: per input, the sum of its uses' footprints, at most its size.
@@ -78,13 +84,14 @@ pub type Cost = i128;
 /// The cost of what cannot be computed (a class with no usable e-node).
 pub const INF: Cost = 1 << 100;
 
-/// Traffic of an unfused op: one launch, distinct operands read once, result written once.
+/// Traffic of an unfused op, by its [`CostClass`]: one launch, distinct operands read once
+/// (their footprints), result written once.
 pub fn prim_traffic(op: &Op, args: &[(Id, &TensorType)], out: &TensorType) -> Traffic {
-    match op {
-        Op::Input { .. } => Traffic::default(),
+    match op.kind().props().cost {
+        CostClass::Free => Traffic::default(),
         _ if is_view(op) => Traffic::default(),
-        Op::Const { .. } => Traffic { launches: 1, bytes: out.bytes() as u64 },
-        _ => {
+        CostClass::Fill => Traffic { launches: 1, bytes: out.bytes() as u64 },
+        CostClass::View | CostClass::Partial | CostClass::Launch => {
             let mut seen: Vec<(Id, u64)> = Vec::new();
             for (slot, (id, t)) in args.iter().enumerate() {
                 let f = footprint(op, slot, t.bytes() as u64, out.bytes() as u64);
@@ -122,7 +129,7 @@ pub fn graph_traffic(g: &Graph) -> (Traffic, BTreeMap<String, Traffic>) {
         let t = match &node.op {
             Op::Kernel { family, body } => {
                 let tr = kernel_traffic(g, &ops, body, &node.ty);
-                let e = by_family.entry(family.clone()).or_default();
+                let e = by_family.entry(family.to_string()).or_default();
                 e.launches += tr.launches;
                 e.bytes += tr.bytes;
                 tr

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use egg::Id;
+use qatc_ir::OpKind;
 
 use super::cost::{enode_traffic, Cost, INF};
 use super::lang::{ENode, EG, FUSED};
@@ -124,7 +125,7 @@ fn pack_views(eg: &EG, cls: &[ClassInfo], index: &BTreeMap<Id, usize>) -> Vec<Ve
     }
     let mut slice_of: BTreeMap<usize, usize> = BTreeMap::new();
     for (si, c) in cls.iter().enumerate() {
-        for n in c.nodes.iter().filter(|n| n.kind == "slice") {
+        for n in c.nodes.iter().filter(|n| n.is(OpKind::Slice)) {
             if let Some(&k) = index.get(&eg.find(n.args[0])).and_then(|pi| pack_of.get(pi)) {
                 slice_of.insert(si, k);
             }
@@ -132,7 +133,7 @@ fn pack_views(eg: &EG, cls: &[ClassInfo], index: &BTreeMap<Id, usize>) -> Vec<Ve
     }
     let mut out = vec![Vec::new(); pack_of.len()];
     for (ci, c) in cls.iter().enumerate() {
-        for (j, n) in c.nodes.iter().enumerate().filter(|(_, n)| n.kind == "reshape") {
+        for (j, n) in c.nodes.iter().enumerate().filter(|(_, n)| n.is(OpKind::Reshape)) {
             if let Some(&k) = index.get(&eg.find(n.args[0])).and_then(|si| slice_of.get(si)) {
                 out[k].push((ci, j));
             }

@@ -1,97 +1,106 @@
 //! The egg language of qatc's ops and its analysis.
 //!
-//! An e-node is `(kind, op, args)`: `kind` is the op's mnemonic (`matmul`, `gelu`, ... or
-//! [`FUSED`] for a kernel built by the rules), `op` indexes the [`OpTable`] entry that holds the
-//! full op with its attributes (or a fused kernel's family and body), and `args` are the operand
-//! e-classes in slot order. Patterns name kinds only (`(add ?y (broadcast ?b))`): a pattern node
-//! carries [`ANY`] and matches every op of its kind whatever the attributes, so rule conditions
-//! look at attributes and types in Rust, where they can be shape-checked.
+//! An e-node is `(kind, op, args)`: `kind` is the op's [`OpKind`] (or [`Kind::Fused`] for a
+//! kernel built by the rules), `op` indexes the [`OpTable`] entry that holds the full op with its
+//! attributes (or a fused kernel's family and body), and `args` are the operand e-classes in slot
+//! order. The kinds are `qatc_ir`'s op table's, so the language has every op: an op added to the
+//! IR is in it, under its mnemonic. Patterns name kinds by mnemonic (`(add ?y (broadcast ?b))`):
+//! a pattern node carries [`ANY`] and matches every op of its kind whatever the attributes, so
+//! rule conditions look at attributes and types in Rust, where they can be shape-checked.
 //!
 //! The analysis gives every e-class its tensor type (by `qatc_ir::infer`, the same inference the
 //! verifier runs), the checkpoint name it carries, and the consumers it had in the input graph:
 //! a rule may inline a value into a kernel only when every consumer is inside that kernel.
 
+use std::cmp::Ordering;
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use egg::{Analysis, DidMerge, EGraph, FromOp, Id, Language};
-use qatc_ir::{infer::infer, Op, TensorType};
+use qatc_ir::{infer::infer, KernelFamily, Op, OpKind, TensorType};
 
 use super::body::Body;
 
+/// The kind of an e-node: a qatc op's, or a fused kernel's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Op(OpKind),
+    /// A kernel built by the rules (`fused` in patterns).
+    Fused,
+}
+
 /// The kind of the e-nodes that stand for fused kernels.
-pub const FUSED: &str = "fused";
+pub const FUSED: Kind = Kind::Fused;
+
+impl Kind {
+    /// The name patterns use: the op's mnemonic, or `fused`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Op(k) => k.mnemonic(),
+            Kind::Fused => "fused",
+        }
+    }
+
+    /// The kind named `name` in a pattern.
+    pub fn from_name(name: &str) -> Option<Kind> {
+        match name {
+            "fused" => Some(Kind::Fused),
+            _ => OpKind::from_mnemonic(name).map(Kind::Op),
+        }
+    }
+}
+
+impl From<OpKind> for Kind {
+    fn from(k: OpKind) -> Kind {
+        Kind::Op(k)
+    }
+}
+
+// Hashed and ordered by name, as when kinds were their mnemonics: egg orders a class's e-nodes by
+// them (and hashes them in its tables), and extraction breaks ties by that order, so typing the
+// kinds moves no fusion decision.
+impl Hash for Kind {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.name().hash(h)
+    }
+}
+
+impl Ord for Kind {
+    fn cmp(&self, other: &Kind) -> Ordering {
+        self.name().cmp(other.name())
+    }
+}
+
+impl PartialOrd for Kind {
+    fn partial_cmp(&self, other: &Kind) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
 
 /// The `op` of a pattern node: any op of the node's kind.
 pub const ANY: u32 = u32::MAX;
 
-/// Every kind an e-node can have: the mnemonics of `qatc_ir::Op` and [`FUSED`].
-pub const KINDS: &[&str] = &[
-    "input",
-    "const",
-    "neg",
-    "exp",
-    "log",
-    "sqrt",
-    "rsqrt",
-    "recip",
-    "tanh",
-    "square",
-    "gelu",
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "max",
-    "min",
-    "gelu_grad",
-    "affine",
-    "cast",
-    "broadcast",
-    "sum_to",
-    "reshape",
-    "transpose",
-    "slice",
-    "concat",
-    "matmul",
-    "gather",
-    "scatter_add",
-    "layernorm",
-    "layernorm_grad_x",
-    "layernorm_grad_gamma",
-    "softmax",
-    "softmax_grad",
-    "cross_entropy",
-    "cross_entropy_grad",
-    "fake_quant",
-    "dequantize",
-    "fake_quant_learned",
-    "fake_quant_learned_grad",
-    "act_quant",
-    "dropout",
-    "all_finite",
-    "select",
-    "loss_scale",
-    "kernel",
-    "adam_m",
-    "adam_v",
-    "adam_param",
-    FUSED,
-];
-
 /// An e-node: an op (by table index) applied to operand e-classes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ENode {
-    pub kind: &'static str,
+    pub kind: Kind,
     pub op: u32,
     pub args: Vec<Id>,
 }
 
-impl Language for ENode {
-    type Discriminant = &'static str;
+impl ENode {
+    /// Whether it is an op of kind `k`.
+    pub fn is(&self, k: OpKind) -> bool {
+        self.kind == Kind::Op(k)
+    }
+}
 
-    fn discriminant(&self) -> &'static str {
+impl Language for ENode {
+    type Discriminant = Kind;
+
+    fn discriminant(&self) -> Kind {
         self.kind
     }
 
@@ -111,7 +120,7 @@ impl Language for ENode {
 
 impl fmt::Display for ENode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.kind)
+        f.write_str(self.kind.name())
     }
 }
 
@@ -123,7 +132,7 @@ impl FromOp for ENode {
     type Error = UnknownKind;
 
     fn from_op(op: &str, args: Vec<Id>) -> Result<Self, Self::Error> {
-        match KINDS.iter().find(|k| **k == op) {
+        match Kind::from_name(op) {
             Some(kind) => Ok(ENode { kind, op: ANY, args }),
             None => Err(UnknownKind(op.to_string())),
         }
@@ -133,7 +142,7 @@ impl FromOp for ENode {
 /// A fused kernel: its family (`gemm.dequant.bias`, ...), body, result type and traffic.
 #[derive(Clone, Debug)]
 pub struct Kernel {
-    pub family: String,
+    pub family: KernelFamily,
     pub body: Arc<Body>,
     pub ty: TensorType,
     /// Bytes read from device memory: each operand once, or only the part its slices or gathers
@@ -162,7 +171,7 @@ pub enum Entry {
 pub struct OpTable {
     entries: Vec<Entry>,
     prims: HashMap<String, u32>,
-    fused: HashMap<(String, Arc<Body>), u32>,
+    fused: HashMap<(KernelFamily, Arc<Body>), u32>,
 }
 
 /// The interning key of a primitive op: its mnemonic and attributes, plus name and type for leaves
@@ -171,7 +180,7 @@ fn prim_key(op: &Op, name: Option<&str>) -> String {
     match op {
         Op::Input { dtype, shape, .. } => format!("input {:?} {dtype}{shape}", name.unwrap_or("")),
         Op::Const { value, dtype, shape } => format!("const {value:?} {dtype}{shape}"),
-        Op::Kernel { family, body } => format!("kernel {family:?} {}", qatc_ir::print(body)),
+        Op::Kernel { family, body } => format!("kernel {:?} {}", family.to_string(), qatc_ir::print(body)),
         _ => format!("{}{:?}", op.mnemonic(), op.attrs()),
     }
 }

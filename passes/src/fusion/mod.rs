@@ -7,14 +7,16 @@
 //!
 //! ## Design
 //!
-//! - [`lang`]: the egg language. An e-node is an op kind (its mnemonic), an index into an op table
-//!   holding the op with its attributes, and operand e-classes; the analysis gives each class its
-//!   type (by the IR's own inference), name and input-graph consumers. Patterns name kinds only
-//!   (`(add ?y (broadcast ?b))`); attributes and shapes are checked in Rust by each rule.
+//! - [`lang`]: the egg language. An e-node is an op kind (`qatc_ir::OpKind`), an index into an op
+//!   table holding the op with its attributes, and operand e-classes; the analysis gives each class
+//!   its type (by the IR's own inference), name and input-graph consumers. Patterns name kinds only
+//!   (`(add ?y (broadcast ?b))`); attributes and shapes are checked in Rust by each rule. Which
+//!   ops are pointwise, cheap to recompute or the anchor of a family, and how the cost model
+//!   counts an unfused op, is `qatc_ir`'s op table (`qatc_ir::kind`), not a list here.
 //! - [`convert`]: IR -> e-graph (the whole step, a DAG: shared nodes stay shared, one class per
 //!   value) and extraction -> IR.
 //! - Fused kernels are e-nodes of kind `fused` whose table entry holds a family
-//!   (`gemm.dequant.bias.lora`) and a body ([`body::Body`]): the primitive ops it computes over its
+//!   (`qatc_ir::KernelFamily`, printed `gemm.dequant.bias.lora`) and a body ([`body::Body`]): the primitive ops it computes over its
 //!   operands. A rule adds such an e-node to the class of the value it computes, so the class holds
 //!   both the primitive op and every kernel that can produce it; kernels grow by absorbing the
 //!   fragments already in their operands' classes, iteration after iteration (dequant prologue,

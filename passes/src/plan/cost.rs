@@ -110,7 +110,7 @@ mod tests {
         body.set_output("out", z).unwrap();
         let mut h = Graph::new("h");
         let x = h.input("x", InputKind::Data, DType::F32, [4]).unwrap();
-        let k = h.add(Op::Kernel { family: "gelu_add".into(), body: Box::new(body) }, &[x]).unwrap();
+        let k = h.add(Op::Kernel { family: qatc_ir::KernelFamily::Pointwise, body: Box::new(body) }, &[x]).unwrap();
         assert_eq!(node_flops(&h, k), 4 * 8 + 4);
     }
 }

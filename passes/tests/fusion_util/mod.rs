@@ -28,7 +28,7 @@ pub fn families(g: &Graph) -> Vec<String> {
         .node_ids()
         .into_iter()
         .filter_map(|n| match &g.node(n).op {
-            Op::Kernel { family, .. } => Some(family.clone()),
+            Op::Kernel { family, .. } => Some(family.to_string()),
             _ => None,
         })
         .collect();

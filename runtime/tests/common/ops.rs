@@ -117,7 +117,7 @@ pub fn gelu_mul_kernel() -> Op {
     let g = b.add(Op::Unary(UnaryOp::Gelu), &[a]).unwrap();
     let y = b.add(Op::Binary(BinaryOp::Mul), &[g, c]).unwrap();
     b.set_output("out", y).unwrap();
-    Op::Kernel { family: "gelu_mul".into(), body: Box::new(b) }
+    Op::Kernel { family: qatc_ir::KernelFamily::Pointwise, body: Box::new(b) }
 }
 
 pub fn all_ops() -> Vec<Op> {

@@ -12,13 +12,14 @@
 //! FlashAttention.
 
 use egg::Id;
+use qatc_ir::{Anchor, KernelFamily, OpKind};
 
 use super::{consumers_inside, first_time, Custom, Family, Fuse, Rule, Take};
-use crate::fusion::body::{self, add_pack, base, BRef, Builder};
-use crate::fusion::lang::{ENode, EG};
+use crate::fusion::body::{self, add_pack, BRef, Builder};
+use crate::fusion::lang::{ENode, Kind, EG};
 
 /// The forward's score kernels (softmax of a GEMM): the fragments attention rules recompute.
-const SCORES: &[&str] = &["attention"];
+const SCORES: &[Anchor] = &[Anchor::Attention];
 
 pub fn rules() -> Vec<Rule> {
     vec![
@@ -27,8 +28,8 @@ pub fn rules() -> Vec<Rule> {
         Rule::Fuse(Fuse {
             name: "attention-scores",
             lhs: "(softmax ?s)",
-            absorb: &[("s", Take::Must(&["gemm"]))],
-            family: Family::New("attention.scores"),
+            absorb: &[("s", Take::Must(&[Anchor::Gemm]))],
+            family: Family::New(KernelFamily::AttentionScores),
             check: |m| m.root().is_some_and(|t| t.shape.rank() >= 3),
             aux: false,
         }),
@@ -38,7 +39,7 @@ pub fn rules() -> Vec<Rule> {
             name: "attention-flash",
             lhs: "(matmul ?p ?v)",
             absorb: &[("p", Take::Recompute(SCORES)), ("v", Take::Cheap)],
-            family: Family::New("attention.flash"),
+            family: Family::New(KernelFamily::AttentionFlash),
             check: |m| m.root().is_some_and(|t| t.shape.rank() >= 3),
             aux: false,
         }),
@@ -47,14 +48,14 @@ pub fn rules() -> Vec<Rule> {
         Rule::Fuse(Fuse {
             name: "attention-scores-bwd",
             lhs: "(softmax_grad ?p ?dp)",
-            absorb: &[("dp", Take::Must(&["gemm"])), ("p", Take::Recompute(SCORES))],
-            family: Family::New("attention_bwd.scores"),
+            absorb: &[("dp", Take::Must(&[Anchor::Gemm])), ("p", Take::Recompute(SCORES))],
+            family: Family::New(KernelFamily::AttentionBwdScores),
             check: |m| matches!((m.ty("p"), m.root()), (Some(a), Some(b)) if a == b && a.shape.rank() >= 3),
             aux: false,
         }),
         // { matmul(dS, k), matmul(dS^T, q) } with dS = attention_bwd.scores(..)
         //   =>  attention_bwd.flash(..)       one kernel writes dQ and dK; dS stays in registers
-        Rule::Custom(Custom { name: "attention-bwd-dqdk", roots: &["softmax_grad"], global: false, apply: dq_dk }),
+        Rule::Custom(Custom { name: "attention-bwd-dqdk", roots: &[Kind::Op(OpKind::SoftmaxGrad)], global: false, apply: dq_dk }),
     ]
 }
 
@@ -64,7 +65,7 @@ fn dq_dk(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let mut consumers: Vec<(Id, ENode)> = Vec::new();
     for &u in &eg[ds].data.users {
         let u = eg.find(u);
-        match eg[u].nodes.iter().find(|n| n.kind == "matmul").cloned() {
+        match eg[u].nodes.iter().find(|n| n.is(OpKind::MatMul)).cloned() {
             Some(m) => consumers.push((u, m)),
             None => return vec![],
         }
@@ -72,7 +73,7 @@ fn dq_dk(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     if consumers.len() < 2 || eg[ds].data.output {
         return vec![];
     }
-    let cands = body::ranked(eg, ds, |f| base(&f.family) == "attention_bwd");
+    let cands = body::ranked(eg, ds, |f| f.family.anchor() == Anchor::AttentionBwd);
     let mut changed = Vec::new();
     for f in cands.into_iter().take(3) {
         if !first_time(eg, index, vec![usize::from(ds), f.op as usize]) {
@@ -91,7 +92,7 @@ fn dq_dk(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
             continue;
         }
         let name = eg[ds].data.name.clone().unwrap_or_else(|| "attention_bwd".into());
-        if let Some((k, args)) = b.finish_pack(eg, &outs, "attention_bwd.flash".into(), "attention-bwd-dqdk") {
+        if let Some((k, args)) = b.finish_pack(eg, &outs, KernelFamily::AttentionBwdFlash, "attention-bwd-dqdk") {
             changed.extend(add_pack(eg, k, args, &name));
         }
     }

@@ -1,7 +1,8 @@
 //! Cross-entropy over the vocabulary: the largest tensor of a GPT-2 step is the [B*T, V] logits
 //! (V = 50257), so these kernels either read it once or never write it at all.
 //!
-//! The `linear` kernels compute the logits chunk by chunk of rows, `chunk=R` in the family: R is
+//! The `linear` kernels compute the logits chunk by chunk of rows, the family's `chunk_rows` R
+//! (`KernelFamily::CrossEntropyLinear`, printed `chunk=R`): R is
 //! the largest power of two whose [R, V] f32 tile fits in 32 MiB (on-chip L2 on an H100 with room
 //! for the weight tiles), 128 rows for GPT-2's vocabulary: the floor from which the memory planner
 //! chooses the rows the step runs with (`src/memory/chunk.rs`). A code generator loops over row chunks:
@@ -9,10 +10,11 @@
 //! weight and the hidden states, before the next chunk (Liger/Cut Cross-Entropy).
 
 use egg::Id;
+use qatc_ir::{KernelFamily, OpKind};
 
 use super::{consumers_inside, first_time, Custom, Rule};
 use crate::fusion::body::{self, add_kernel, add_pack, BRef, Builder};
-use crate::fusion::lang::{ENode, EG};
+use crate::fusion::lang::{ENode, Kind, EG};
 
 /// Rows per chunk for a vocabulary of `v` (see the module docs).
 pub fn chunk_rows(v: usize, n: usize) -> usize {
@@ -29,13 +31,18 @@ pub fn rules() -> Vec<Rule> {
         // { cross_entropy(L, t), cross_entropy_grad(L, t, d) }  =>  pack[loss, dL](L, t, d)
         //   one pass over the logits: softmax, loss and gradient per row, the gradient written
         //   over the logits it was computed from (in place: L dies here)
-        Rule::Custom(Custom { name: "xent-softmax-fused", roots: &["cross_entropy_grad"], global: false, apply: softmax_fused }),
+        Rule::Custom(Custom {
+            name: "xent-softmax-fused",
+            roots: &[Kind::Op(OpKind::CrossEntropyGrad)],
+            global: false,
+            apply: softmax_fused,
+        }),
         // { cross_entropy(matmul(h, W^T), t), matmul(cross_entropy_grad(matmul(h, W^T), t, d), ..) }
         //   =>  pack[loss, dh, dW](h, W, t)       the [B*T, V] logits and their gradient are
         //   never written: each row chunk's logits are computed once and consumed in registers
-        Rule::Custom(Custom { name: "xent-linear", roots: &["cross_entropy_grad"], global: false, apply: linear }),
+        Rule::Custom(Custom { name: "xent-linear", roots: &[Kind::Op(OpKind::CrossEntropyGrad)], global: false, apply: linear }),
         // cross_entropy(matmul(h, W^T), t)  =>  cross_entropy.linear(h, W, t)     (evaluation)
-        Rule::Custom(Custom { name: "xent-linear-fwd", roots: &["cross_entropy"], global: false, apply: linear_fwd }),
+        Rule::Custom(Custom { name: "xent-linear-fwd", roots: &[Kind::Op(OpKind::CrossEntropy)], global: false, apply: linear_fwd }),
     ]
 }
 
@@ -43,15 +50,15 @@ pub fn rules() -> Vec<Rule> {
 fn loss_of(eg: &EG, l: Id, t: Id) -> Option<(Id, ENode)> {
     for &u in &eg[l].data.users {
         let u = eg.find(u);
-        if let Some(n) = eg[u].nodes.iter().find(|n| n.kind == "cross_entropy" && eg.find(n.args[0]) == l && eg.find(n.args[1]) == t) {
+        if let Some(n) = eg[u].nodes.iter().find(|n| n.is(OpKind::CrossEntropy) && eg.find(n.args[0]) == l && eg.find(n.args[1]) == t) {
             return Some((u, n.clone()));
         }
     }
     None
 }
 
-fn node(eg: &EG, c: Id, kind: &str) -> Option<ENode> {
-    eg[c].nodes.iter().find(|n| n.kind == kind).cloned()
+fn node(eg: &EG, c: Id, kind: OpKind) -> Option<ENode> {
+    eg[c].nodes.iter().find(|n| n.is(kind)).cloned()
 }
 
 /// Inlines `c` when it is a layout op or constant (targets reshaped, the loss seed), else reads it.
@@ -64,7 +71,7 @@ fn cheap(eg: &EG, b: &mut Builder, c: Id) -> BRef {
 
 fn softmax_fused(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let root = eg.find(class);
-    let Some(g) = node(eg, root, "cross_entropy_grad") else { return vec![] };
+    let Some(g) = node(eg, root, OpKind::CrossEntropyGrad) else { return vec![] };
     let (l, t, d) = (eg.find(g.args[0]), eg.find(g.args[1]), eg.find(g.args[2]));
     let Some((loss, ce)) = loss_of(eg, l, t) else { return vec![] };
     if !first_time(eg, index, vec![usize::from(root)]) {
@@ -75,7 +82,7 @@ fn softmax_fused(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let lo = b.node(eg, ce.op, vec![lr, tr], Some(loss));
     let gr = b.node(eg, g.op, vec![lr, tr, dr], Some(root));
     let name = eg[root].data.name.clone().unwrap_or_else(|| "cross_entropy".into());
-    match b.finish_pack(eg, &[(loss, lo), (root, gr)], "cross_entropy.softmax.inplace".into(), "xent-softmax-fused") {
+    match b.finish_pack(eg, &[(loss, lo), (root, gr)], KernelFamily::CrossEntropySoftmaxInPlace, "xent-softmax-fused") {
         Some((k, args)) => add_pack(eg, k, args, &name),
         None => vec![],
     }
@@ -83,15 +90,15 @@ fn softmax_fused(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
 
 fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let root = eg.find(class);
-    let Some(g) = node(eg, root, "cross_entropy_grad") else { return vec![] };
+    let Some(g) = node(eg, root, OpKind::CrossEntropyGrad) else { return vec![] };
     let (l, t, d) = (eg.find(g.args[0]), eg.find(g.args[1]), eg.find(g.args[2]));
-    let Some(mm) = node(eg, l, "matmul") else { return vec![] };
+    let Some(mm) = node(eg, l, OpKind::MatMul) else { return vec![] };
     let Some((loss, ce)) = loss_of(eg, l, t) else { return vec![] };
     // the gradient's consumers are GEMMs (dh = dL W, dW = dL^T h) that the kernel absorbs
     let mut consumers = Vec::new();
     for &u in &eg[root].data.users {
         let u = eg.find(u);
-        match node(eg, u, "matmul") {
+        match node(eg, u, OpKind::MatMul) {
             Some(m) => consumers.push((u, m)),
             None => return vec![],
         }
@@ -119,7 +126,7 @@ fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let name = eg[loss].data.name.clone().unwrap_or_else(|| "loss".into());
     // under --precision bf16|fp16 the loss is f32 and the gradient products 16-bit: widened into
     // an f32 pack (dh at twice its bytes, where the logits and their gradient are never written)
-    match b.finish_pack_widened(eg, &outs, format!("cross_entropy.linear.chunk={rows}"), "xent-linear") {
+    match b.finish_pack_widened(eg, &outs, KernelFamily::CrossEntropyLinear { chunk_rows: rows }, "xent-linear") {
         Some((k, args)) => add_pack(eg, k, args, &name),
         None => vec![],
     }
@@ -127,9 +134,9 @@ fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
 
 fn linear_fwd(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let root = eg.find(class);
-    let Some(ce) = node(eg, root, "cross_entropy") else { return vec![] };
+    let Some(ce) = node(eg, root, OpKind::CrossEntropy) else { return vec![] };
     let (l, t) = (eg.find(ce.args[0]), eg.find(ce.args[1]));
-    let Some(mm) = node(eg, l, "matmul") else { return vec![] };
+    let Some(mm) = node(eg, l, OpKind::MatMul) else { return vec![] };
     if !consumers_inside(eg, l, &[root]) || !first_time(eg, index, vec![usize::from(root)]) {
         return vec![];
     }
@@ -139,7 +146,7 @@ fn linear_fwd(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let tr = cheap(eg, &mut b, t);
     let out = b.node(eg, ce.op, vec![lr, tr], Some(root));
     let rows = eg[l].data.ty.as_ref().map(|t| chunk_rows(t.shape.last(), t.shape.dims()[0])).unwrap_or(1);
-    match b.finish(eg, out, format!("cross_entropy.linear.chunk={rows}"), "xent-linear-fwd") {
+    match b.finish(eg, out, KernelFamily::CrossEntropyLinear { chunk_rows: rows }, "xent-linear-fwd") {
         Some((k, args)) => add_kernel(eg, root, k, args).into_iter().collect(),
         None => vec![],
     }

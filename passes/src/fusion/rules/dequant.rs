@@ -3,6 +3,8 @@
 //! may be recomputed by every GEMM that reads the weight (forward and input-gradient): reading
 //! the codes costs an eighth of reading the f32 weight.
 
+use qatc_ir::{GemmFamily, GemmPrologue, KernelFamily};
+
 use super::{Family, Fuse, Rule, Take};
 
 pub fn rules() -> Vec<Rule> {
@@ -13,7 +15,7 @@ pub fn rules() -> Vec<Rule> {
             name: "dequant-prologue",
             lhs: "(matmul ?x (dequantize ?c ?s))",
             absorb: &[("x", Take::Cheap)],
-            family: Family::New("gemm.dequant"),
+            family: Family::New(KernelFamily::Gemm(GemmFamily::with_prologue(GemmPrologue::Dequant))),
             check: |m| m.root().is_some_and(|t| t.shape.rank() == 2),
             aux: false,
         }),
@@ -23,7 +25,7 @@ pub fn rules() -> Vec<Rule> {
             name: "dequant-prologue-zp",
             lhs: "(matmul ?x (dequantize ?c ?s ?z))",
             absorb: &[("x", Take::Cheap)],
-            family: Family::New("gemm.dequant"),
+            family: Family::New(KernelFamily::Gemm(GemmFamily::with_prologue(GemmPrologue::Dequant))),
             check: |m| m.root().is_some_and(|t| t.shape.rank() == 2),
             aux: false,
         }),
@@ -33,7 +35,7 @@ pub fn rules() -> Vec<Rule> {
             name: "fake-quant-prologue",
             lhs: "(matmul ?x (fake_quant ?w))",
             absorb: &[("x", Take::Cheap)],
-            family: Family::New("gemm.fake_quant"),
+            family: Family::New(KernelFamily::Gemm(GemmFamily::with_prologue(GemmPrologue::FakeQuant))),
             check: |m| m.root().is_some_and(|t| t.shape.rank() == 2),
             aux: false,
         }),

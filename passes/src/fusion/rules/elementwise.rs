@@ -2,60 +2,35 @@
 //! constants and gathers all compute each output element from a fixed set of input elements, so
 //! any chain of them is one loop over the last op's output: one launch, intermediates in registers.
 
+use std::sync::OnceLock;
+
 use egg::Id;
+use qatc_ir::{KernelFamily, OpKind};
 
 use super::{consumers_inside, first_time, Custom, Family, Fuse, Rule, Take};
-use crate::fusion::body::{self, add_kernel, base, Builder};
-use crate::fusion::lang::{Entry, EG};
+use crate::fusion::body::{self, add_kernel, Builder};
+use crate::fusion::lang::{Entry, Kind, EG};
 
-/// Every pointwise op kind (see `body::is_pointwise`).
-pub const POINTWISE: &[&str] = &[
-    "neg",
-    "exp",
-    "log",
-    "sqrt",
-    "rsqrt",
-    "recip",
-    "tanh",
-    "square",
-    "gelu",
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "max",
-    "min",
-    "gelu_grad",
-    "affine",
-    "cast",
-    "broadcast",
-    "reshape",
-    "transpose",
-    "slice",
-    "concat",
-    "gather",
-    "dropout",
-    "select",
-    "fake_quant_learned",
-    "fake_quant_learned_grad",
-    "adam_m",
-    "adam_v",
-    "adam_param",
-];
+/// The kinds a pointwise chain is rooted at: every op the op table calls pointwise
+/// (`OpKind::is_pointwise`) that has operands.
+pub fn pointwise_roots() -> &'static [Kind] {
+    static ROOTS: OnceLock<Vec<Kind>> = OnceLock::new();
+    ROOTS.get_or_init(|| OpKind::ALL.iter().filter(|k| k.is_pointwise() && !k.is_leaf()).map(|&k| Kind::Op(k)).collect())
+}
 
 pub fn rules() -> Vec<Rule> {
     vec![
         // f(.., g(..), ..)  =>  pointwise[f . g](.., ..)      f, g pointwise; g's value has no
         //   consumer but f (or g is a layout op or a constant, cheap to recompute): g is computed
         //   in f's loop instead of being written and read back
-        Rule::Custom(Custom { name: "pointwise-chain", roots: POINTWISE, global: false, apply: chain }),
+        Rule::Custom(Custom { name: "pointwise-chain", roots: pointwise_roots(), global: false, apply: chain }),
         // sum_to(pointwise(..))  =>  reduce.sum(..)      the reduction reads the chain's inputs
         //   (gradient clipping's sum of squares, a bias gradient's sum over rows)
         Rule::Fuse(Fuse {
             name: "reduce-prologue",
             lhs: "(sum_to ?x)",
             absorb: &[("x", Take::Pointwise)],
-            family: Family::New("reduce.sum"),
+            family: Family::New(KernelFamily::ReduceSum),
             check: |_| true,
             aux: false,
         }),
@@ -68,7 +43,7 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let nodes: Vec<_> = eg[root]
         .nodes
         .iter()
-        .filter(|n| POINTWISE.contains(&n.kind) && matches!(eg.analysis.table.get(n.op), Some(Entry::Prim { .. })))
+        .filter(|n| pointwise_roots().contains(&n.kind) && matches!(eg.analysis.table.get(n.op), Some(Entry::Prim { .. })))
         .cloned()
         .collect();
     for n in nodes {
@@ -78,8 +53,8 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         let mut absorbed = 0;
         for &a in &n.args {
             let c = eg.find(a);
-            let frag =
-                body::best(eg, c, |f| base(&f.family) == "pointwise").filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
+            let frag = body::best(eg, c, |f| f.family == KernelFamily::Pointwise)
+                .filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
             match frag {
                 Some(f) => {
                     key.push(f.op as usize);
@@ -96,7 +71,7 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
             continue;
         }
         let out = b.node(eg, n.op, args, Some(root));
-        if let Some((k, args)) = b.finish(eg, out, "pointwise".into(), "pointwise-chain") {
+        if let Some((k, args)) = b.finish(eg, out, KernelFamily::Pointwise, "pointwise-chain") {
             changed.extend(add_kernel(eg, root, k, args));
         }
     }

@@ -5,11 +5,11 @@
 //! Every epilogue rule absorbs the largest GEMM fragment of its operand, so they stack:
 //! `gemm.dequant` + bias + lora + gelu.
 
-use qatc_ir::TensorType;
+use qatc_ir::{Anchor, Epilogue, OpKind, TensorType};
 
 use super::{Family, Fuse, Match, Rule, Take};
 
-const GEMM: &[&str] = &["gemm"];
+const GEMM: &[Anchor] = &[Anchor::Gemm];
 
 /// `r` has exactly the GEMM result's type (elementwise with it, no broadcast).
 fn same_as_root(m: &Match, r: &str) -> bool {
@@ -30,7 +30,7 @@ pub fn rules() -> Vec<Rule> {
             name: "gemm-prologue",
             lhs: "(matmul ?a ?b)",
             absorb: &[("a", Take::Cheap), ("b", Take::Cheap)],
-            family: Family::Prologue("gemm"),
+            family: Family::GemmPrologue,
             check: |_| true,
             aux: false,
         }),
@@ -39,7 +39,7 @@ pub fn rules() -> Vec<Rule> {
             name: "epilogue-bias",
             lhs: "(add ?y (broadcast ?b))",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "bias" },
+            family: Family::Extend { var: "y", tag: Epilogue::Bias },
             check: |m| column_vector(m.ty("b"), m.root()),
             aux: false,
         }),
@@ -50,7 +50,7 @@ pub fn rules() -> Vec<Rule> {
             name: "epilogue-gelu",
             lhs: "(gelu ?y)",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "gelu" },
+            family: Family::Extend { var: "y", tag: Epilogue::Gelu },
             check: |m| m.root().is_some_and(|t| t.shape.rank() >= 2),
             aux: true,
         }),
@@ -59,7 +59,7 @@ pub fn rules() -> Vec<Rule> {
             name: "epilogue-dgelu",
             lhs: "(gelu_grad ?x ?y)",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "dgelu" },
+            family: Family::Extend { var: "y", tag: Epilogue::DGelu },
             check: |m| same_as_root(m, "x"),
             aux: false,
         }),
@@ -68,8 +68,8 @@ pub fn rules() -> Vec<Rule> {
             name: "epilogue-residual",
             lhs: "(add ?y ?r)",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "residual" },
-            check: |m| same_as_root(m, "r") && !m.has("r", "broadcast"),
+            family: Family::Extend { var: "y", tag: Epilogue::Residual },
+            check: |m| same_as_root(m, "r") && !m.has("r", OpKind::Broadcast),
             aux: false,
         }),
         // add(r, gemm(..))  =>  gemm[+residual](.., r)
@@ -77,8 +77,8 @@ pub fn rules() -> Vec<Rule> {
             name: "epilogue-residual-lhs",
             lhs: "(add ?r ?y)",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "residual" },
-            check: |m| same_as_root(m, "r") && !m.has("r", "broadcast"),
+            family: Family::Extend { var: "y", tag: Epilogue::Residual },
+            check: |m| same_as_root(m, "r") && !m.has("r", OpKind::Broadcast),
             aux: false,
         }),
         // affine[s](gemm(..))  =>  gemm[*s](..)                 alpha scaling (LoRA's alpha / r)
@@ -86,7 +86,7 @@ pub fn rules() -> Vec<Rule> {
             name: "epilogue-scale",
             lhs: "(affine ?y)",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "scale" },
+            family: Family::Extend { var: "y", tag: Epilogue::Scale },
             check: |m| m.root().is_some_and(|t| t.shape.rank() >= 2),
             aux: false,
         }),
@@ -96,7 +96,7 @@ pub fn rules() -> Vec<Rule> {
             name: "epilogue-permute",
             lhs: "(transpose ?y)",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "permute" },
+            family: Family::Extend { var: "y", tag: Epilogue::Permute },
             check: |m| m.root().is_some_and(|t| t.shape.rank() >= 2),
             aux: false,
         }),

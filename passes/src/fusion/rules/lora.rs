@@ -8,15 +8,16 @@
 //!   once.
 
 use egg::Id;
+use qatc_ir::{Anchor, Epilogue, OpKind};
 
 use super::{first_time, Custom, Family, Fuse, Match, Rule, Take};
-use crate::fusion::body::{add_pack, extend, Builder, Frag};
+use crate::fusion::body::{add_pack, Builder, Frag};
 use crate::fusion::lang::{ENode, EG, FUSED};
 
 /// The largest rank treated as LoRA's (PEFT's common ranks are 4..64).
 pub const MAX_RANK: usize = 64;
 
-const GEMM: &[&str] = &["gemm"];
+const GEMM: &[Anchor] = &[Anchor::Gemm];
 
 /// `v` is [N, r] with r at most [`MAX_RANK`] and at most a quarter of the result's width.
 fn low_rank(m: &Match, v: &str) -> bool {
@@ -38,7 +39,7 @@ pub fn rules() -> Vec<Rule> {
             name: "lora-up-epilogue",
             lhs: "(add ?y (affine (matmul ?u ?b)))",
             absorb: &[("y", Take::Must(GEMM)), ("u", Take::May(GEMM))],
-            family: Family::Extend { var: "y", tag: "lora" },
+            family: Family::Extend { var: "y", tag: Epilogue::Lora },
             check: |m| low_rank(m, "u"),
             aux: false,
         }),
@@ -48,7 +49,7 @@ pub fn rules() -> Vec<Rule> {
             name: "lora-dx-epilogue",
             lhs: "(add (matmul ?t ?a) ?y)",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "lora" },
+            family: Family::Extend { var: "y", tag: Epilogue::Lora },
             check: |m| low_rank(m, "t"),
             aux: false,
         }),
@@ -57,7 +58,7 @@ pub fn rules() -> Vec<Rule> {
             name: "lora-dx-epilogue-rhs",
             lhs: "(add ?y (matmul ?t ?a))",
             absorb: &[("y", Take::Must(GEMM))],
-            family: Family::Extend { var: "y", tag: "lora" },
+            family: Family::Extend { var: "y", tag: Epilogue::Lora },
             check: |m| low_rank(m, "t"),
             aux: false,
         }),
@@ -74,13 +75,11 @@ fn shared_input(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let mut changed = Vec::new();
     for n in fused {
         let Some(k) = eg.analysis.table.kernel(n.op).cloned() else { continue };
-        if k.family.contains("lora_down") || !k.family.contains("lora") {
-            continue;
-        }
+        let Some(family) = k.family.with_lora_down() else { continue };
         let args: Vec<Id> = n.args.iter().map(|&a| eg.find(a)).collect();
         for &u in &args {
             // u's class computes matmul(x, A) with x also read by the kernel and u of low rank
-            let Some(mm) = eg[u].nodes.iter().find(|m| m.kind == "matmul").cloned() else { continue };
+            let Some(mm) = eg[u].nodes.iter().find(|m| m.is(OpKind::MatMul)).cloned() else { continue };
             let (x, a) = (eg.find(mm.args[0]), eg.find(mm.args[1]));
             let rank_ok = eg[u].data.ty.as_ref().is_some_and(|t| t.shape.last() <= MAX_RANK);
             if !rank_ok || !args.contains(&x) {
@@ -103,8 +102,8 @@ fn shared_input(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
                 k.pack.iter().map(|&(c, i)| (c, map[i as usize])).collect()
             };
             outs.push((u, ur));
-            let name = eg[root].data.name.clone().unwrap_or_else(|| k.family.clone());
-            if let Some((kk, kargs)) = b.finish_pack(eg, &outs, extend(&k.family, "lora_down"), "lora-shared-input") {
+            let name = eg[root].data.name.clone().unwrap_or_else(|| k.family.to_string());
+            if let Some((kk, kargs)) = b.finish_pack(eg, &outs, family.clone(), "lora-shared-input") {
                 changed.extend(add_pack(eg, kk, kargs, &name));
             }
         }

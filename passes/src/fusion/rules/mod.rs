@@ -9,7 +9,7 @@
 //! Rules are directional (primitive ops -> kernel) and never commute or reassociate: where order
 //! matters (`add(gemm, r)` and `add(r, gemm)`) the catalogue lists both. A value may be inlined
 //! only when every consumer it had in the input graph is inside the kernel, or when it is cheap to
-//! recompute (layout ops, dequantization; see `body::is_recomputable`); rules marked `aux` may
+//! recompute (layout ops, dequantization; see `OpKind::is_recomputable`); rules marked `aux` may
 //! instead write such a value as an extra result of the kernel (a packed multi-result kernel).
 //!
 //! Rules that do not fit a single pattern (a chain of any pointwise ops, the multi-result kernels
@@ -29,23 +29,23 @@ pub mod layernorm;
 pub mod lora;
 
 use egg::{Applier, ENodeOrVar, Id, Pattern, PatternAst, Rewrite, SearchMatches, Searcher, Subst, Symbol, Var};
-use qatc_ir::{Op, TensorType};
+use qatc_ir::{Anchor, Epilogue, GemmFamily, GemmPrologue, KernelFamily, Op, OpKind, TensorType};
 
-use super::body::{self, add_kernel, add_pack, base, extend, BRef, Builder, Frag};
-use super::lang::{ENode, Entry, FusionAnalysis, EG};
+use super::body::{self, add_kernel, add_pack, BRef, Builder, Frag};
+use super::lang::{ENode, Entry, FusionAnalysis, Kind, EG};
 use super::FusionError;
 
 /// How an absorbed variable's e-class is inlined.
 #[derive(Clone, Copy, Debug)]
 pub enum Take {
-    /// The largest fragment whose family has one of these bases; the rule needs it.
-    Must(&'static [&'static str]),
+    /// The largest fragment whose family has one of these anchors; the rule needs it.
+    Must(&'static [Anchor]),
     /// Like `Must`, but the variable is read from memory when no such fragment can be inlined.
-    May(&'static [&'static str]),
+    May(&'static [Anchor]),
     /// Both alternatives: read the variable, or recompute it in this kernel from one of its
     /// fragments of these families even though other kernels read it too (FlashAttention's
     /// recomputation of the probabilities); extraction decides which pays.
-    Recompute(&'static [&'static str]),
+    Recompute(&'static [Anchor]),
     /// The largest fragment of ops cheap to recompute (transpose, reshape, slice, broadcast,
     /// constants, scale-and-shift), if any: the kernel reads the operand strided, or scales it on
     /// load, instead of reading a materialized copy.
@@ -55,17 +55,17 @@ pub enum Take {
 }
 
 /// The family of the kernel a rule builds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum Family {
-    New(&'static str),
-    /// The absorbed variable's family plus a tag (`gemm.dequant` + `bias`).
+    New(KernelFamily),
+    /// The absorbed variable's family with an epilogue (`gemm.dequant` + `bias`).
     Extend {
         var: &'static str,
-        tag: &'static str,
+        tag: Epilogue,
     },
-    /// A base family tagged by what its cheap prologues do: `.strided` (transpose, reshape,
-    /// slice, broadcast) and/or `.scaled` (scale-and-shift).
-    Prologue(&'static str),
+    /// A GEMM tagged by what its cheap prologues do: `.strided` (transpose, reshape, slice,
+    /// broadcast) and/or `.scaled` (scale-and-shift).
+    GemmPrologue,
 }
 
 /// A rule from a pattern.
@@ -86,8 +86,8 @@ pub struct Fuse {
 /// A rule that is a function of a root e-class.
 pub struct Custom {
     pub name: &'static str,
-    /// The op kinds whose e-classes the rule looks at.
-    pub roots: &'static [&'static str],
+    /// The e-node kinds whose e-classes the rule looks at.
+    pub roots: &'static [Kind],
     /// Apply once per iteration, at the first matching class (rules over the whole graph).
     pub global: bool,
     pub apply: fn(&mut EG, Id, usize) -> Vec<Id>,
@@ -118,13 +118,13 @@ impl Match<'_> {
         self.eg[self.root].data.ty.as_ref()
     }
     /// The first matched op of kind `kind`, in pattern order (root last).
-    pub fn op(&self, kind: &str) -> Option<&Op> {
-        self.ops.iter().copied().find(|o| o.mnemonic() == kind)
+    pub fn op(&self, kind: OpKind) -> Option<&Op> {
+        self.ops.iter().copied().find(|o| o.kind() == kind)
     }
     /// Whether variable `v`'s class holds a primitive op of kind `kind`.
-    pub fn has(&self, v: &str, kind: &str) -> bool {
+    pub fn has(&self, v: &str, kind: OpKind) -> bool {
         let Ok(var) = format!("?{v}").parse::<Var>() else { return false };
-        self.subst.get(var).is_some_and(|c| self.eg[*c].nodes.iter().any(|n| n.kind == kind))
+        self.subst.get(var).is_some_and(|c| self.eg[*c].nodes.iter().any(|n| n.is(kind)))
     }
 }
 
@@ -163,7 +163,7 @@ impl Rule {
                 }
                 let fam_var = match f.family {
                     Family::Extend { var, .. } => Some(format!("?{var}").parse::<Var>().map_err(|e| bad(format!("{e:?}")))?),
-                    Family::New(_) | Family::Prologue(_) => None,
+                    Family::New(_) | Family::GemmPrologue => None,
                 };
                 let ast = pat.ast.clone();
                 Rewrite::new(name, pat, FuseApplier { rule: f, ast, absorb, fam_var, index }).map_err(bad)
@@ -175,9 +175,9 @@ impl Rule {
     }
 }
 
-/// Finds the e-classes holding a primitive op of one of `roots`.
+/// Finds the e-classes holding an e-node of one of `roots`.
 struct KindSearcher {
-    roots: &'static [&'static str],
+    roots: &'static [Kind],
     global: bool,
 }
 
@@ -253,15 +253,15 @@ fn resolve(eg: &EG, ast: &[ENodeOrVar<ENode>], i: usize, class: Id, subst: &Subs
 }
 
 /// The ops a match resolved to (pattern order, root last) and their classes with their kinds.
-fn collect_ops<'a>(eg: &'a EG, r: &Res, out: &mut Vec<&'a Op>, classes: &mut Vec<(Id, &'static str)>) {
+fn collect_ops<'a>(eg: &'a EG, r: &Res, out: &mut Vec<&'a Op>, classes: &mut Vec<(Id, OpKind)>) {
     if let Res::Op { class, node, kids } = r {
         for k in kids {
             collect_ops(eg, k, out, classes);
         }
-        if let Some(op) = eg.analysis.table.op(node.op) {
-            out.push(op);
-        }
-        classes.push((*class, node.kind));
+        // a pattern's op nodes resolve to primitive ops only (`resolve`)
+        let op = eg.analysis.table.op(node.op);
+        out.extend(op);
+        classes.push((*class, op.map_or(OpKind::Kernel, Op::kind)));
     }
 }
 
@@ -280,9 +280,11 @@ impl FuseApplier {
             return vec![];
         }
         let mut v = match take {
-            Take::Must(fams) | Take::May(fams) | Take::Recompute(fams) => body::ranked(eg, c, |f| fams.contains(&base(&f.family))),
-            Take::Cheap => body::ranked(eg, c, |f| base(&f.family) == "pointwise" && f.cheap(eg)),
-            Take::Pointwise => body::ranked(eg, c, |f| base(&f.family) == "pointwise"),
+            Take::Must(anchors) | Take::May(anchors) | Take::Recompute(anchors) => {
+                body::ranked(eg, c, |f| anchors.contains(&f.family.anchor()))
+            }
+            Take::Cheap => body::ranked(eg, c, |f| f.family == KernelFamily::Pointwise && f.cheap(eg)),
+            Take::Pointwise => body::ranked(eg, c, |f| f.family == KernelFamily::Pointwise),
         };
         v.truncate(MAX_ALTERNATIVES);
         v
@@ -359,7 +361,7 @@ impl FuseApplier {
         eg: &mut EG,
         root: Id,
         res: &Res,
-        internal: &[(Id, &'static str)],
+        internal: &[(Id, OpKind)],
         has_internal: bool,
         mut chosen: Vec<(Var, Frag)>,
     ) -> Vec<Id> {
@@ -373,7 +375,7 @@ impl FuseApplier {
             inside.push(root);
             aux.clear();
             for &(c, kind) in internal {
-                if !consumers_inside(eg, c, &inside) && !body::is_recomputable(kind) {
+                if !consumers_inside(eg, c, &inside) && !kind.is_recomputable() {
                     if !self.rule.aux {
                         return vec![];
                     }
@@ -399,21 +401,19 @@ impl FuseApplier {
                 chosen.retain(|(v, _)| !drop.contains(v));
                 continue;
             }
-            let family = match self.rule.family {
-                Family::New(s) => s.to_string(),
-                Family::Prologue(s) => {
-                    let kinds: Vec<&str> = chosen.iter().flat_map(|(_, f)| f.kinds(eg).collect::<Vec<_>>()).collect();
-                    let mut fam = s.to_string();
-                    if kinds.iter().any(|k| body::is_layout(k) && *k != "const") {
-                        fam = extend(&fam, "strided");
-                    }
-                    if kinds.contains(&"affine") {
-                        fam = extend(&fam, "scaled");
-                    }
-                    fam
+            let family = match &self.rule.family {
+                Family::New(f) => f.clone(),
+                Family::GemmPrologue => {
+                    let kinds: Vec<OpKind> = chosen.iter().flat_map(|(_, f)| f.kinds(eg).collect::<Vec<_>>()).collect();
+                    let strided = kinds.iter().any(|k| k.is_layout() && *k != OpKind::Const);
+                    let scaled = kinds.contains(&OpKind::Affine);
+                    KernelFamily::Gemm(GemmFamily::with_prologue(GemmPrologue::of_cheap(strided, scaled)))
                 }
                 Family::Extend { tag, .. } => match self.fam_var.and_then(|fv| chosen.iter().find(|(v, _)| *v == fv)) {
-                    Some((_, f)) => extend(&f.family, tag),
+                    Some((_, f)) => match f.family.with_epilogue(*tag) {
+                        Some(family) => family,
+                        None => return vec![],
+                    },
                     None => return vec![],
                 },
             };
@@ -434,8 +434,9 @@ impl FuseApplier {
                 let Some(r) = b.result_of(eg, a) else { return vec![] };
                 outs.push((a, r));
             }
-            let name = eg[root].data.name.clone().unwrap_or_else(|| family.clone());
-            let Some((k, args)) = b.finish_pack(eg, &outs, format!("{family}.aux"), self.rule.name) else { return vec![] };
+            let name = eg[root].data.name.clone().unwrap_or_else(|| family.to_string());
+            let Some(family) = family.with_aux() else { return vec![] };
+            let Some((k, args)) = b.finish_pack(eg, &outs, family, self.rule.name) else { return vec![] };
             return add_pack(eg, k, args, &name);
         }
         vec![]
