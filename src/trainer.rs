@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::Context;
+use qatc_driver::{Options, Target};
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
 use qatc_passes::precision::LOSS_SCALE;
-use qatc_driver::{Options, Target};
 use qatc_runtime::{IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;

@@ -354,8 +354,7 @@ fn the_executor_builds_its_kernels_with_nvrtc_through_the_cache() {
     // the bf16 and fp16 steps' kernels (16-bit loads and stores, loss scaling) and data moves
     for p in [Precision::Bf16, Precision::Fp16] {
         let (prog, _, _) = setup(TINY.0, TINY.1, &options16(p, true));
-        let built =
-            CudaProgram::new(prog, HostGpu::new(1 << 30), &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{p}: {e}"));
+        let built = CudaProgram::new(prog, HostGpu::new(1 << 30), &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{p}: {e}"));
         let r = built.build_report().expect("a report");
         eprintln!("{p}: {}", r.summary());
         assert_eq!(r.kernels, built.distinct_kernels(), "{p}");
@@ -433,8 +432,7 @@ fn ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu() {
                 Some(d) => d,
                 None => CudaDriver::open(0).expect("the GPU again"),
             };
-            let mut gpu =
-                CudaProgram::new(prog.clone(), api, &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let mut gpu = CudaProgram::new(prog.clone(), api, &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
             let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 10);
             judge16(&what, p, &worst, &losses);
         }
