@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::Context;
+use qatc_driver::{Options, Target};
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch::micro_name;
 use qatc_passes::precision::LOSS_SCALE;
-use qatc_driver::{Options, Target};
 use qatc_runtime::{IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
@@ -43,12 +43,34 @@ pub struct ProfileRow {
     pub flops: f64,
 }
 
+/// How long building a step (or a forward) took, from the options to an executor ready to run:
+/// the graph's passes, the lowering, and the kernels (`kernels`: from the kernel cache or
+/// compiled; None on the interpreter). `qatc train` and `eval` print it in one line and write it
+/// in their JSON as `build`.
+#[derive(serde::Serialize, Debug, Clone, Default)]
+pub struct Built {
+    pub seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<qatc_driver::KernelsBuilt>,
+}
+
+impl std::fmt::Display for Built {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.2} s", self.seconds)?;
+        match &self.kernels {
+            Some(k) => write!(f, ", of which {k}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The training loop: the step graph and its executor, which holds every input that persists
 /// across steps.
 pub struct Trainer {
     pub graph: Graph,
     step: Box<dyn TrainStep>,
     description: String,
+    built: Built,
     pub opts: step::StepOptions,
     seed: u64,
     /// The graph's input names: per-step inputs it does not have (a dropout seed without
@@ -77,8 +99,11 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
+        let start = std::time::Instant::now();
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
-        Self::with_graph(m, graph, opts, adapter, seed, target, options)
+        let mut tr = Self::with_graph(m, graph, opts, adapter, seed, target, options)?;
+        tr.built.seconds = start.elapsed().as_secs_f64();
+        Ok(tr)
     }
 
     /// As `with_target`, on a step graph built by the caller from `opts` (tests graft nodes into
@@ -92,7 +117,8 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
-        let qatc_driver::Executable { mut step, description, .. } = qatc_driver::compile(&graph, target, options)?;
+        let start = std::time::Instant::now();
+        let qatc_driver::Executable { mut step, description, kernels, .. } = qatc_driver::compile(&graph, target, options)?;
         opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         let trained = match adapter {
@@ -120,7 +146,8 @@ impl Trainer {
             }
             inputs.insert(name);
         }
-        Ok(Trainer { graph, step, description, opts, seed, inputs, runs: 0, profile: None })
+        let built = Built { seconds: start.elapsed().as_secs_f64(), kernels };
+        Ok(Trainer { graph, step, description, built, opts, seed, inputs, runs: 0, profile: None })
     }
 
     /// Gives the step an input's value (a weight, a moment, data): it stays until set again.
@@ -226,6 +253,12 @@ impl Trainer {
     /// What runs the step, in words.
     pub fn describe(&self) -> &str {
         &self.description
+    }
+
+    /// How long building the step took (from the options, with `with_target`; from the graph,
+    /// with `with_graph`) and where its kernels came from.
+    pub fn built(&self) -> &Built {
+        &self.built
     }
 
     /// The inputs of these kinds, read back from the executor, in the graph's input order.
