@@ -10,9 +10,8 @@ use qatc_ir::{BinaryOp, Graph, InputKind, Op};
 
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
-use crate::rebuild::copy_nodes;
 use crate::pipeline::Stage;
-
+use crate::rebuild::copy_nodes;
 
 /// The most nodes unrolling may make. A step graph takes about 1.3 KB per node once
 /// differentiated (2.2 nodes per unrolled one), so this is a few gigabytes: the embedded model

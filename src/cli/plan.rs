@@ -10,10 +10,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use qatc_driver::{Options, Target};
 use qatc_ir::Category;
 use qatc_passes::plan::units::{flag, flops, human};
 use qatc_passes::PassReport;
-use qatc_driver::{Options, Target};
 use qatc_runtime::CpuOptions;
 use serde_json::json;
 

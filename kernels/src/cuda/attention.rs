@@ -8,10 +8,10 @@
 use qatc_ir::DType;
 
 use super::codegen::Variant;
-use crate::target::CudaSettings;
 use super::emit::{float_lit, params, LaunchDims};
 use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
+use crate::target::CudaSettings;
 
 /// The 16-bit operand type (`qatc::MmaBf16` / `qatc::MmaF16`) of the tensor-core variant of
 /// `a`, where `cg` allows it and it applies: every part (the forward; the backward's lse, delta,

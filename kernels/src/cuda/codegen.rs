@@ -27,8 +27,8 @@
 use crate::kir::{Body, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty};
 
 use super::launch::{max_loop, MAX_GRID};
-use crate::target::CudaSettings;
 use super::loop_nest::stores;
+use crate::target::CudaSettings;
 
 /// A set of variants, a value (`Copy`) that a run's `qatc.json` saves as their names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

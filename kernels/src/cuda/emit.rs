@@ -17,10 +17,10 @@ use std::sync::OnceLock;
 use qatc_ir::DType;
 
 use super::codegen::{split_columns, warp_rows, SPLIT_SLICES, WARP_ROWS};
-use crate::target::CudaSettings;
 use super::writer::Writer;
 use crate::error::KernelError;
 use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Kernel, RowMapping, Space, Ty, UnOp};
+use crate::target::CudaSettings;
 
 use super::launch::check_grid;
 pub use super::launch::{launch_dims, launch_dims_with, LaunchDims, BLOCK, MAX_GRID};

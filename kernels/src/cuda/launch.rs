@@ -2,9 +2,9 @@
 //! for the mapping), and the limits a grid must keep.
 
 use super::codegen::{split_columns, warp_rows, SPLIT_SLICES, WARP_ROWS};
-use crate::target::CudaSettings;
 use crate::error::KernelError;
 use crate::kir::{Body, Kernel, RowMapping, Space, Stmt};
+use crate::target::CudaSettings;
 
 /// Threads per block of elementwise and thread-per-row kernels.
 pub const BLOCK: u32 = 256;

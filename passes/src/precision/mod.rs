@@ -33,7 +33,6 @@ use crate::pipeline::Stage;
 pub use rules::{convertible, rule, Rule};
 pub use scaling::{LossScaling, GRADS_FINITE, LOSS_SCALE};
 
-
 /// `--precision`: the storage type of activations, gradients and GEMM operands.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -105,7 +104,9 @@ fn raw_gradients(g: &Graph, order: &[NodeId]) -> Result<Vec<NodeId>, PassError> 
             Some(n) => grads.push(n),
             // a forward graph for evaluation has trainable weights but no gradients
             None if !g.outputs().iter().any(|o| o.update) => {}
-            None => return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("no node {name:?}: the pass runs after autodiff") }),
+            None => {
+                return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("no node {name:?}: the pass runs after autodiff") })
+            }
         }
     }
     Ok(grads)
@@ -195,7 +196,10 @@ impl Rewrite<'_> {
             }
             Rule::Master => (node.op.clone(), Some(DType::F32)),
             Rule::Refuse => {
-                return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("{} must come after this pass", self.src.describe(n)) })
+                return Err(PassError::Invalid {
+                    pass: Stage::Precision,
+                    msg: format!("{} must come after this pass", self.src.describe(n)),
+                })
             }
         };
         let mut args = Vec::with_capacity(ops.len());
@@ -301,7 +305,10 @@ fn enter_optimizer(
     }
     if !grads.contains(&o) {
         let what = rw.src.describe(o);
-        return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("{what} reaches the optimizer in a lower type but is not a gradient") });
+        return Err(PassError::Invalid {
+            pass: Stage::Precision,
+            msg: format!("{what} reaches the optimizer in a lower type but is not a gradient"),
+        });
     }
     let v = rw.convert(rw.map[&o], DType::F32)?;
     let v = match scale {

@@ -93,10 +93,15 @@ pub(crate) fn gate_updates(g: &mut Graph, grads: &[NodeId], state: NodeId, h: &L
             g.set_output(o.name, o.node).in_pass(Stage::Precision)?;
             continue;
         }
-        let old =
-            g.find_input(&o.name).ok_or_else(|| PassError::Invalid { pass: Stage::Precision, msg: format!("update {:?} has no input", o.name) })?;
+        let old = g
+            .find_input(&o.name)
+            .ok_or_else(|| PassError::Invalid { pass: Stage::Precision, msg: format!("update {:?} has no input", o.name) })?;
         let ty: TensorType = g.ty(old).clone();
-        let cond = if ty.shape.rank() == 0 { finite } else { g.add(Op::Broadcast { shape: ty.shape.clone() }, &[finite]).in_pass(Stage::Precision)? };
+        let cond = if ty.shape.rank() == 0 {
+            finite
+        } else {
+            g.add(Op::Broadcast { shape: ty.shape.clone() }, &[finite]).in_pass(Stage::Precision)?
+        };
         let kept = g.add_named(Op::Select, &[cond, o.node, old], format!("{}.if_finite", o.name)).in_pass(Stage::Precision)?;
         g.set_update(o.name, kept).in_pass(Stage::Precision)?;
         gated += 1;
