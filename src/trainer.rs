@@ -43,22 +43,41 @@ pub struct ProfileRow {
     pub flops: f64,
 }
 
-/// How long building a step (or a forward) took, from the options to an executor ready to run:
-/// the graph's passes, the lowering, and the kernels (`kernels`: from the kernel cache or
-/// compiled; None on the interpreter). `qatc train` and `eval` print it in one line and write it
-/// in their JSON as `build`.
+/// How long building a step (or a forward) took, from the options to an executor ready to run,
+/// by part, and where its kernels came from (`kernels`: the kernel cache or the compiler; None on
+/// the interpreter). `qatc train` and `eval` print it in one line and write it in their JSON as
+/// `build`.
 #[derive(serde::Serialize, Debug, Clone, Default)]
 pub struct Built {
+    /// The whole build, in seconds: the three parts below.
     pub seconds: f64,
+    /// The graph's passes, from the checkpoint's model to the fused step (0 where the caller
+    /// built the graph).
+    pub passes_s: f64,
+    /// The driver's part: the lowering, the kernels, the executor.
+    pub compile_s: f64,
+    /// Giving the executor its weights (quantized where the step keeps them quantized) and state.
+    pub bind_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kernels: Option<qatc_driver::KernelsBuilt>,
 }
 
+impl Built {
+    /// A build of `compile_s` and `bind_s` seconds, on a graph built in `passes_s`.
+    pub fn new(passes_s: f64, compile_s: f64, bind_s: f64, kernels: Option<qatc_driver::KernelsBuilt>) -> Built {
+        Built { seconds: passes_s + compile_s + bind_s, passes_s, compile_s, bind_s, kernels }
+    }
+}
+
 impl std::fmt::Display for Built {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:.2} s", self.seconds)?;
+        write!(
+            f,
+            "{:.2} s (graph passes {:.2} s, lowering and kernels {:.2} s, weights bound {:.2} s)",
+            self.seconds, self.passes_s, self.compile_s, self.bind_s
+        )?;
         match &self.kernels {
-            Some(k) => write!(f, ", of which {k}"),
+            Some(k) => write!(f, "; {k}"),
             None => Ok(()),
         }
     }
@@ -101,8 +120,9 @@ impl Trainer {
     ) -> anyhow::Result<Trainer> {
         let start = std::time::Instant::now();
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
+        let passes_s = start.elapsed().as_secs_f64();
         let mut tr = Self::with_graph(m, graph, opts, adapter, seed, target, options)?;
-        tr.built.seconds = start.elapsed().as_secs_f64();
+        tr.built = Built::new(passes_s, tr.built.compile_s, tr.built.bind_s, tr.built.kernels.take());
         Ok(tr)
     }
 
@@ -119,6 +139,7 @@ impl Trainer {
     ) -> anyhow::Result<Trainer> {
         let start = std::time::Instant::now();
         let qatc_driver::Executable { mut step, description, kernels, .. } = qatc_driver::compile(&graph, target, options)?;
+        let compile_s = start.elapsed().as_secs_f64();
         opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         let trained = match adapter {
@@ -146,7 +167,7 @@ impl Trainer {
             }
             inputs.insert(name);
         }
-        let built = Built { seconds: start.elapsed().as_secs_f64(), kernels };
+        let built = Built::new(0.0, compile_s, start.elapsed().as_secs_f64() - compile_s, kernels);
         Ok(Trainer { graph, step, description, built, opts, seed, inputs, runs: 0, profile: None })
     }
 

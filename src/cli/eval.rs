@@ -172,6 +172,11 @@ impl Evaluator {
     pub fn new(m: &Model, b: usize, t: usize, setup: &EvalSetup, state: Option<&HashMap<String, Value<f32>>>) -> anyhow::Result<Evaluator> {
         let start = std::time::Instant::now();
         let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
+        let passes_s = start.elapsed().as_secs_f64();
+        let options = super::driver_options(setup.interpreter, CpuOptions::default(), setup.kernel_cache.clone());
+        let exe = qatc_driver::compile(&g, &setup.target, &options)?;
+        let compile_s = start.elapsed().as_secs_f64() - passes_s;
+        // the weights go to the executor once; per batch only the ids and targets
         let inputs = match state {
             Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
             None => match &setup.adapter {
@@ -179,19 +184,17 @@ impl Evaluator {
                 None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
             },
         };
-        // the weights go to the executor once; per batch only the ids and targets
-        let options = super::driver_options(setup.interpreter, CpuOptions::default(), setup.kernel_cache.clone());
-        let exe = qatc_driver::compile(&g, &setup.target, &options)?;
         let mut e = Evaluator {
             graph: g,
             step: exe.step,
             description: exe.description,
-            built: crate::trainer::Built { seconds: start.elapsed().as_secs_f64(), kernels: exe.kernels },
+            built: crate::trainer::Built::default(),
             b,
             t,
             lora_scaling: setup.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
         };
         e.set(&inputs)?;
+        e.built = crate::trainer::Built::new(passes_s, compile_s, start.elapsed().as_secs_f64() - passes_s - compile_s, exe.kernels);
         Ok(e)
     }
 
