@@ -43,12 +43,53 @@ pub struct ProfileRow {
     pub flops: f64,
 }
 
+/// How long building a step (or a forward) took, from the options to an executor ready to run,
+/// by part, and where its kernels came from (`kernels`: the kernel cache or the compiler; None on
+/// the interpreter). `qatc train` and `eval` print it in one line and write it in their JSON as
+/// `build`.
+#[derive(serde::Serialize, Debug, Clone, Default)]
+pub struct Built {
+    /// The whole build, in seconds: the three parts below.
+    pub seconds: f64,
+    /// The graph's passes, from the checkpoint's model to the fused step (0 where the caller
+    /// built the graph).
+    pub passes_s: f64,
+    /// The driver's part: the lowering, the kernels, the executor.
+    pub compile_s: f64,
+    /// Giving the executor its weights (quantized where the step keeps them quantized) and state.
+    pub bind_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<qatc_driver::KernelsBuilt>,
+}
+
+impl Built {
+    /// A build of `compile_s` and `bind_s` seconds, on a graph built in `passes_s`.
+    pub fn new(passes_s: f64, compile_s: f64, bind_s: f64, kernels: Option<qatc_driver::KernelsBuilt>) -> Built {
+        Built { seconds: passes_s + compile_s + bind_s, passes_s, compile_s, bind_s, kernels }
+    }
+}
+
+impl std::fmt::Display for Built {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.2} s (graph passes {:.2} s, lowering and kernels {:.2} s, weights bound {:.2} s)",
+            self.seconds, self.passes_s, self.compile_s, self.bind_s
+        )?;
+        match &self.kernels {
+            Some(k) => write!(f, "; {k}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The training loop: the step graph and its executor, which holds every input that persists
 /// across steps.
 pub struct Trainer {
     pub graph: Graph,
     step: Box<dyn TrainStep>,
     description: String,
+    built: Built,
     pub opts: step::StepOptions,
     seed: u64,
     /// The graph's input names: per-step inputs it does not have (a dropout seed without
@@ -77,8 +118,12 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
+        let start = std::time::Instant::now();
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
-        Self::with_graph(m, graph, opts, adapter, seed, target, options)
+        let passes_s = start.elapsed().as_secs_f64();
+        let mut tr = Self::with_graph(m, graph, opts, adapter, seed, target, options)?;
+        tr.built = Built::new(passes_s, tr.built.compile_s, tr.built.bind_s, tr.built.kernels.take());
+        Ok(tr)
     }
 
     /// As `with_target`, on a step graph built by the caller from `opts` (tests graft nodes into
@@ -92,7 +137,9 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
-        let qatc_driver::Executable { mut step, description, .. } = qatc_driver::compile(&graph, target, options)?;
+        let start = std::time::Instant::now();
+        let qatc_driver::Executable { mut step, description, kernels, .. } = qatc_driver::compile(&graph, target, options)?;
+        let compile_s = start.elapsed().as_secs_f64();
         opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         let trained = match adapter {
@@ -120,7 +167,8 @@ impl Trainer {
             }
             inputs.insert(name);
         }
-        Ok(Trainer { graph, step, description, opts, seed, inputs, runs: 0, profile: None })
+        let built = Built::new(0.0, compile_s, start.elapsed().as_secs_f64() - compile_s, kernels);
+        Ok(Trainer { graph, step, description, built, opts, seed, inputs, runs: 0, profile: None })
     }
 
     /// Gives the step an input's value (a weight, a moment, data): it stays until set again.
@@ -223,6 +271,12 @@ impl Trainer {
     /// What runs the step, in words.
     pub fn describe(&self) -> &str {
         &self.description
+    }
+
+    /// How long building the step took (from the options, with `with_target`; from the graph,
+    /// with `with_graph`) and where its kernels came from.
+    pub fn built(&self) -> &Built {
+        &self.built
     }
 
     /// The inputs of these kinds, read back from the executor, in the graph's input order.

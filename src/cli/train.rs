@@ -73,7 +73,8 @@ pub struct Args {
     /// Where the adapter (or weights) and the resume state go.
     #[arg(long)]
     pub out: PathBuf,
-    /// One JSON object per step: {"step", "loss", "lr", "tokens_per_s"} (and "val_loss").
+    /// One JSON object per step: {"step", "loss", "lr", "tokens_per_s"} (and "val_loss"; the
+    /// first step of a process: "build", how long building the step took).
     #[arg(long)]
     pub log_json: Option<PathBuf>,
     /// Start LoRA from this PEFT adapter instead of a fresh initialisation.
@@ -133,6 +134,8 @@ pub struct Args {
     /// time the step without it or rule it out.
     #[arg(long = "no-variant", value_name = "VARIANT", value_parser = variant_name)]
     pub no_variant: Vec<Variant>,
+    #[command(flatten)]
+    pub cache: super::kernel_cache::KernelCacheArgs,
 }
 
 /// `--no-variant`'s value: a variant's name, or an error listing them.
@@ -158,6 +161,10 @@ pub struct StepLog {
     pub loss_scale: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<usize>,
+    /// On the first step this process runs: how long building the step took, and where its
+    /// kernels came from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub build: Option<crate::trainer::Built>,
 }
 
 /// What marks a directory as a training output qatc may replace: `qatc.json`, or the
@@ -355,10 +362,11 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let k = opts.grad_accum;
     let tokens_per_step = opts.batch * opts.seq * k;
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
-    let build = super::driver_options(resolved.interpreter, cpu);
+    let build = super::driver_options(resolved.interpreter, cpu, a.cache.dir());
     let mut tr = Trainer::with_target(&m, opts, init.as_ref(), train.seed, &resolved.target, &build)?;
     tr.set_profile(a.profile);
     eprintln!("qatc: the step runs {}", tr.describe());
+    eprintln!("qatc: built the step in {}", tr.built());
     let (start, mut skipped) = match (resume_at.as_ref(), &a.resume) {
         (Some(done), Some(dir)) => {
             let state = dir.join(STATE);
@@ -406,6 +414,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         // validation runs where the step runs, as the step does
         target: resolved.target,
         interpreter: resolved.interpreter,
+        kernel_cache: build.kernel_cache.clone(),
         ..Default::default()
     };
     // compiled at the first validation, given the trained weights before each one
@@ -466,7 +475,16 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             writeln!(
                 w,
                 "{}",
-                serde_json::to_string(&StepLog { step: s, loss, lr, tokens_per_s: tps, val_loss, loss_scale: scale, skipped })?
+                serde_json::to_string(&StepLog {
+                    step: s,
+                    loss,
+                    lr,
+                    tokens_per_s: tps,
+                    val_loss,
+                    loss_scale: scale,
+                    skipped,
+                    build: (s == start).then(|| tr.built().clone()),
+                })?
             )?;
             w.flush()?;
         }
