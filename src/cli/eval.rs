@@ -164,25 +164,9 @@ impl Evaluator {
     /// state has them, else the adapter's, else fresh ones.
     pub fn new(m: &Model, b: usize, t: usize, setup: &EvalSetup, state: Option<&HashMap<String, Value<f32>>>) -> anyhow::Result<Evaluator> {
         let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
-        let inputs = match state {
-            Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
-            None => match &setup.adapter {
-                Some(a) => m.bind_trained::<f32>(&g, &Trained::Adapter(a))?,
-                None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
-            },
-        };
         // the weights go to the executor once; per batch only the ids and targets
-        let exe = qatc_driver::compile(&g, &setup.target, &super::driver_options(setup.interpreter, CpuOptions::default()))?;
-        let mut e = Evaluator {
-            graph: g,
-            step: exe.step,
-            description: exe.description,
-            b,
-            t,
-            lora_scaling: setup.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
-        };
-        e.set(&inputs)?;
-        Ok(e)
+        let (step, description) = compile_bound(m, &g, setup, state)?;
+        Ok(Evaluator { graph: g, step, description, b, t, lora_scaling: setup.model.lora.as_ref().map(|l| (l.alpha, l.scaling())) })
     }
 
     /// Binds a training run's state anew (before a validation): every input, since a frozen one
@@ -192,16 +176,8 @@ impl Evaluator {
         self.set(&inputs)
     }
 
-    /// Gives the executor these inputs' values; an input no step reads (lowering dropped its
-    /// use) is not in the program.
     fn set(&mut self, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
-        for (name, v) in inputs {
-            match self.step.set_input(name, v) {
-                Err(RuntimeError::UnknownInput(_)) => {}
-                r => r.with_context(|| format!("binding {name}"))?,
-            }
-        }
-        Ok(())
+        give(self.step.as_mut(), inputs)
     }
 
     /// The mean loss over the first `n` batches of `data`.
@@ -238,6 +214,39 @@ impl Evaluator {
         let loss = sum / n as f64;
         Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
     }
+}
+
+/// Graph `g` of model `m` compiled for `setup`'s target (or the reference interpreter), its
+/// weights bound as an evaluation binds them: from `state` where a training run's state has them,
+/// else the adapter's, else fresh ones. Returns the executor and what it is, in one line.
+pub fn compile_bound(
+    m: &Model,
+    g: &qatc_ir::Graph,
+    setup: &EvalSetup,
+    state: Option<&HashMap<String, Value<f32>>>,
+) -> anyhow::Result<(Box<dyn qatc_runtime::TrainStep>, String)> {
+    let inputs = match state {
+        Some(st) => m.bind_trained::<f32>(g, &Trained::State(st))?,
+        None => match &setup.adapter {
+            Some(a) => m.bind_trained::<f32>(g, &Trained::Adapter(a))?,
+            None => m.bind_trained::<f32>(g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
+        },
+    };
+    let mut exe = qatc_driver::compile(g, &setup.target, &super::driver_options(setup.interpreter, CpuOptions::default()))?;
+    give(exe.step.as_mut(), &inputs)?;
+    Ok((exe.step, exe.description))
+}
+
+/// Gives an executor these inputs' values; an input no step reads (lowering dropped its use) is
+/// not in the program.
+pub fn give(step: &mut dyn qatc_runtime::TrainStep, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
+    for (name, v) in inputs {
+        match step.set_input(name, v) {
+            Err(RuntimeError::UnknownInput(_)) => {}
+            r => r.with_context(|| format!("binding {name}"))?,
+        }
+    }
+    Ok(())
 }
 
 /// Reads a scalar output.

@@ -277,6 +277,36 @@ impl Gpt2Config {
     }
 }
 
+/// transformers' GPT2Config default for `eos_token_id`: `<|endoftext|>`.
+const GPT2_EOS: u64 = 50256;
+
+/// The tokens that end a text (`qatc generate` stops at one): `eos_token_id` of the `config.json`
+/// beside the checkpoint (a number, a list, or null for none), else transformers' GPT-2 default
+/// 50256 where the vocabulary has it. Ids outside the vocabulary can never be generated and are
+/// dropped.
+pub fn eos_tokens(ckpt: &Checkpoint, vocab_size: usize) -> Result<Vec<usize>, LoadError> {
+    let path = config_path(ckpt.path());
+    let bad = |why: String| LoadError::BadConfig { path: path.clone(), why };
+    let ids = match read_small(&path) {
+        Ok(bytes) => {
+            let text = crate::input::text(&bytes).map_err(|why| bad(format!("not a JSON text file: {why}")))?;
+            let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+            match v.get("eos_token_id") {
+                None => vec![GPT2_EOS],
+                Some(Value::Null) => vec![],
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|x| x.as_u64().ok_or_else(|| bad(format!("eos_token_id holds {x}, not a token id"))))
+                    .collect::<Result<_, _>>()?,
+                Some(x) => vec![x.as_u64().ok_or_else(|| bad(format!("eos_token_id is {x}, not a token id")))?],
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![GPT2_EOS],
+        Err(e) => return Err(LoadError::io(path, e)),
+    };
+    Ok(ids.into_iter().filter(|&t| t < vocab_size as u64).map(|t| t as usize).collect())
+}
+
 /// Rejects config options under which HF's GPT-2 computes something other than what qatc lowers.
 fn check_options(m: &Map<String, Value>, cfg: &Gpt2Config) -> Result<(), String> {
     if let Some(t) = m.get("model_type").filter(|t| t.as_str() != Some("gpt2")) {
