@@ -63,7 +63,7 @@ fn greedy_tokens_equal_transformers_generate() {
         args.extend(["--max-new-tokens".to_string(), n]);
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = generated(&a);
-        assert_eq!(out["engine"], "llvm", "{name}");
+        assert_eq!(out["engine"], if cfg!(feature = "llvm") { "llvm" } else { "interpreter" }, "{name}");
         assert_eq!(ids(&out["prompt_tokens"]), ids(&c["prompt_tokens"]), "{name}: the prompt's ids");
         assert_eq!(ids(&out["tokens"]), ids(&c["tokens"]), "{name}: the new tokens");
         assert_eq!(out["stop"], c["stop"], "{name}");
@@ -241,4 +241,61 @@ fn bad_input_is_one_line() {
     assert!(e.contains("--top-p"), "{e}");
     let e = refused(&qatc(&["generate", "/nonexistent/model.safetensors", "--prompt", "A"]));
     assert!(e.contains("/nonexistent/model.safetensors"), "{e}");
+}
+
+/// The passes on the CUDA executor, on its host emulation (`HostGpu`: no GPU is needed): the
+/// tiny model 4-bit quantized, a prompt's pass and then one-position steps, the caches moved from
+/// the first to the second through the host as `Decoder` does, against the compiled CPU.
+#[test]
+fn the_cached_passes_run_on_the_cuda_executor() {
+    use qatc::cli::generate::decoder::run;
+    use qatc::frontend::gpt2::cache_names;
+    use qatc::model::Trained;
+    use qatc_driver::{CudaSettings, Target};
+    use qatc_runtime::cuda::{CudaProgram, HostGpu};
+    use qatc_runtime::TrainStep;
+
+    let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
+    let spec = qatc_ir::QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Sym };
+    let mo = qatc::step::ModelOptions { quant: Some(qatc_passes::quant::QuantOptions::all_linears(spec)), ..Default::default() };
+    let (capacity, prompt, fed) = (9, [5u32, 17, 42], [3u32, 88, 61, 0, 96]);
+    let pass = |tokens: usize, cuda: bool| -> Box<dyn TrainStep> {
+        let (g, _) = qatc::step::cached(&m.cfg, tokens, capacity, &mo, |_, _| {}).unwrap();
+        let inputs = m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: Default::default() }).unwrap();
+        let mut exe: Box<dyn TrainStep> = if cuda {
+            let target = Target::cuda(None, CudaSettings::default());
+            let prog = qatc_driver::lower(&g, &target, &Default::default()).unwrap().program;
+            Box::new(CudaProgram::new(prog, HostGpu::new(1 << 30), &target, None).unwrap())
+        } else {
+            let cpu = qatc_driver::Options { interpreter: !cfg!(feature = "llvm"), ..Default::default() };
+            qatc_driver::compile(&g, &Target::cpu(), &cpu).unwrap().step
+        };
+        for (n, v) in &inputs {
+            match exe.set_input(n, v) {
+                Err(qatc_runtime::RuntimeError::UnknownInput(_)) => {}
+                r => r.unwrap(),
+            }
+        }
+        exe
+    };
+    let logits = |cuda: bool| -> Vec<Vec<f32>> {
+        let mut first = pass(prompt.len(), cuda);
+        let c = m.cfg.n_embd;
+        let zeros = Value::Float(qatc_runtime::Tensor { shape: vec![capacity, c], data: vec![0.0; capacity * c] });
+        let names: Vec<String> = (0..m.cfg.n_layer).flat_map(cache_names).collect();
+        names.iter().for_each(|n| first.set_input(n, &zeros).unwrap());
+        let mut out = vec![run(first.as_mut(), &prompt, 0, capacity, None).unwrap()];
+        let mut one = pass(1, cuda);
+        names.iter().for_each(|n| one.set_input(n, &first.read_input(n).unwrap()).unwrap());
+        for (i, &t) in fed.iter().enumerate() {
+            out.push(run(one.as_mut(), &[t], prompt.len() + i, capacity, None).unwrap());
+        }
+        out
+    };
+    let (cpu, gpu) = (logits(false), logits(true));
+    for (i, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
+        let (a, b): (Vec<f64>, Vec<f64>) = (a.iter().map(|&x| x as f64).collect(), b.iter().map(|&x| x as f64).collect());
+        let e = common::rel_err(&a, &b);
+        assert!(e < 1e-5, "position {}: the emulated GPU's logits differ from the CPU's by {e:.2e}", prompt.len() - 1 + i);
+    }
 }

@@ -134,9 +134,15 @@ impl<'a> Decoder<'a> {
     }
 }
 
-/// One pass over `tokens` at positions `start..`: the ids, their positions and the mask in, the
-/// last position's logits out.
-fn run(pass: &mut dyn TrainStep, tokens: &[u32], start: usize, capacity: usize, profile: Option<&mut Profile>) -> anyhow::Result<Vec<f32>> {
+/// One pass over `tokens` at positions `start..` of a cache of `capacity`: the ids, their
+/// positions and the mask in, the last position's logits out (timed into `profile` when given).
+pub fn run(
+    pass: &mut dyn TrainStep,
+    tokens: &[u32],
+    start: usize,
+    capacity: usize,
+    profile: Option<&mut Profile>,
+) -> anyhow::Result<Vec<f32>> {
     let s = tokens.len();
     let int = |data: Vec<i32>| Value::Int(IntTensor { shape: vec![1, s], data });
     let ids = tokens.iter().map(|&t| i32::try_from(t)).collect::<Result<Vec<_>, _>>().context("a token id past i32")?;
