@@ -15,7 +15,7 @@ use anyhow::Context;
 use qatc_driver::{Options, Target};
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
-use qatc_passes::microbatch::micro_name;
+use qatc_passes::microbatch;
 use qatc_passes::precision::LOSS_SCALE;
 use qatc_runtime::{IntTensor, Tensor, TrainStep, Value};
 
@@ -34,9 +34,10 @@ pub struct Profile {
 }
 
 impl Profile {
-    /// Adds one step's timed parts.
-    pub fn add(&mut self, times: Vec<qatc_runtime::exec::TimedPart>) {
-        self.steps += 1;
+    /// Adds the timed parts of one run of the executor, which `ends_step` when it is a step's
+    /// last (a step of K micro-batches runs it K times).
+    pub fn add(&mut self, times: Vec<qatc_runtime::exec::TimedPart>, ends_step: bool) {
+        self.steps += usize::from(ends_step);
         for t in times {
             let e = self.by.entry(t.what).or_default();
             e.0 += 1;
@@ -188,29 +189,26 @@ impl Trainer {
         if batches.len() != k {
             anyhow::bail!("internal: {} micro-batches for --grad-accum {k}", batches.len());
         }
-        for (i, &s) in batches.iter().enumerate() {
-            let (ids, tgt) = data.batch(s, b, t)?;
-            let (ni, nt) =
-                if k == 1 { ("ids".to_string(), "targets".to_string()) } else { (micro_name("ids", i), micro_name("targets", i)) };
-            self.give(&ni, Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
-            self.give(&nt, Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
-        }
         self.give("lr", Value::scalar(lr))?;
         // a fresh dropout mask every step, reproducible from the seed and the step's first batch
         let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(salt as i64) as i32;
-        // micro-batching renames per-step data inputs (`dropout.seed.0`, ..): a mask of its own each
-        let names: Vec<String> = if k == 1 { vec![DROPOUT_SEED.into()] } else { (0..k).map(|i| micro_name(DROPOUT_SEED, i)).collect() };
-        for (i, n) in names.into_iter().enumerate() {
-            self.give(&n, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }))?;
-        }
-        // the first run also computes what is hoisted out of later ones: not profiled
-        match self.profile.as_mut() {
-            Some(p) if self.runs > 0 => {
-                if let Some(times) = self.step.run_timed()? {
-                    p.add(times);
+        // the step is one micro-batch's, run K times: the last run applies the optimizer's update
+        for (i, &s) in batches.iter().enumerate() {
+            let (ids, tgt) = data.batch(s, b, t)?;
+            self.give("ids", Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
+            self.give("targets", Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
+            // a mask of its own for each micro-batch
+            self.give(DROPOUT_SEED, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }))?;
+            self.give(microbatch::APPLY, Value::scalar(if i + 1 == k { 1.0 } else { 0.0 }))?;
+            // the first run also computes what is hoisted out of later ones: not profiled
+            match self.profile.as_mut() {
+                Some(p) if self.runs > 0 => {
+                    if let Some(times) = self.step.run_timed()? {
+                        p.add(times, i + 1 == k);
+                    }
                 }
+                _ => self.step.run()?,
             }
-            _ => self.step.run()?,
         }
         self.runs += 1;
         Ok(self.step.outputs()?)
@@ -267,9 +265,11 @@ impl Trainer {
             .collect()
     }
 
-    /// The persistent state, read back: trainable weights, Adam moments and the step count.
+    /// The persistent state, read back: trainable weights, Adam moments and the step count (not
+    /// the gradient accumulation's sums, which are 0 between optimizer steps).
     pub fn persistent(&self) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
-        Self::tensors(self.read(&[InputKind::Trainable, InputKind::State])?)
+        let all = self.read(&[InputKind::Trainable, InputKind::State])?;
+        Self::tensors(all.into_iter().filter(|(n, _)| !microbatch::is_sum(n)).collect())
     }
 
     /// The trainable weights, read back.
@@ -298,6 +298,7 @@ impl Trainer {
             .into_iter()
             .filter(|&id| matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)))
             .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).shape.dims().to_vec()))
+            .filter(|(name, _)| !microbatch::is_sum(name))
             .collect();
         let floats: HashMap<String, bool> = self
             .graph

@@ -278,10 +278,25 @@ pub fn precision(g: Graph, p: Precision, scaling: &LossScaling) -> Result<(Graph
     if let Some((state, _)) = scale {
         // the finiteness test reads every gradient as the optimizer does: f32 and unscaled
         let mut checked = Vec::new();
-        for &gr in &grads {
-            checked.push(enter_optimizer(&mut rw, gr, &grads, scale, &mut inv, &mut entering)?);
+        let apply = g.find_input(crate::microbatch::APPLY);
+        if apply.is_some() {
+            // accumulating: the optimizer reads the sums, so a non-finite micro-batch makes the
+            // whole step non-finite and it is skipped, as GradScaler skips it
+            for o in g.outputs().iter().filter(|o| o.update && o.name != crate::microbatch::LOSS_SUM && crate::microbatch::is_sum(&o.name))
+            {
+                let next = g.operands(o.node).get(2).copied().ok_or_else(|| PassError::Invalid {
+                    pass: Stage::Precision,
+                    msg: format!("update {:?} is not accumulate's select", o.name),
+                })?;
+                checked.push(rw.map[&next]);
+            }
+        } else {
+            for &gr in &grads {
+                checked.push(enter_optimizer(&mut rw, gr, &grads, scale, &mut inv, &mut entering)?);
+            }
         }
-        let gated = scaling::gate_updates(&mut rw.dst, &checked, state, scaling)?;
+        let apply = apply.map(|a| rw.map[&a]);
+        let gated = scaling::gate_updates(&mut rw.dst, &checked, state, scaling, apply)?;
         rw.report.set("updates_gated", gated as i64);
     }
     rw.report.set("gradients", grads.len() as i64);

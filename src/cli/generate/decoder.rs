@@ -153,7 +153,7 @@ pub fn run(
     match profile {
         Some(p) => {
             if let Some(times) = pass.run_timed()? {
-                p.add(times);
+                p.add(times, true);
             }
         }
         None => pass.run()?,
