@@ -280,31 +280,36 @@ impl Gpt2Config {
 /// transformers' GPT2Config default for `eos_token_id`: `<|endoftext|>`.
 const GPT2_EOS: u64 = 50256;
 
-/// The tokens that end a text (`qatc generate` stops at one): `eos_token_id` of the `config.json`
-/// beside the checkpoint (a number, a list, or null for none), else transformers' GPT-2 default
-/// 50256 where the vocabulary has it. Ids outside the vocabulary can never be generated and are
-/// dropped.
+/// The tokens that end a text (`qatc generate` stops at one), as transformers' `generate` finds
+/// them: `eos_token_id` of the `generation_config.json` beside the checkpoint, else of its
+/// `config.json` (a number, a list, or null for none), else GPT-2's default 50256. Ids outside
+/// the vocabulary can never be generated and are dropped.
 pub fn eos_tokens(ckpt: &Checkpoint, vocab_size: usize) -> Result<Vec<usize>, LoadError> {
-    let path = config_path(ckpt.path());
-    let bad = |why: String| LoadError::BadConfig { path: path.clone(), why };
-    let ids = match read_small(&path) {
-        Ok(bytes) => {
-            let text = crate::input::text(&bytes).map_err(|why| bad(format!("not a JSON text file: {why}")))?;
-            let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-            match v.get("eos_token_id") {
-                None => vec![GPT2_EOS],
-                Some(Value::Null) => vec![],
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|x| x.as_u64().ok_or_else(|| bad(format!("eos_token_id holds {x}, not a token id"))))
-                    .collect::<Result<_, _>>()?,
-                Some(x) => vec![x.as_u64().ok_or_else(|| bad(format!("eos_token_id is {x}, not a token id")))?],
-            }
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![GPT2_EOS],
-        Err(e) => return Err(LoadError::io(path, e)),
+    let generation = ckpt.path().with_file_name("generation_config.json");
+    let ids = match eos_in(&generation)? {
+        Some(ids) => ids,
+        None => eos_in(&config_path(ckpt.path()))?.unwrap_or(vec![GPT2_EOS]),
     };
     Ok(ids.into_iter().filter(|&t| t < vocab_size as u64).map(|t| t as usize).collect())
+}
+
+/// `eos_token_id` of a JSON file; None when there is no such file or no such key.
+fn eos_in(path: &Path) -> Result<Option<Vec<u64>>, LoadError> {
+    let bad = |why: String| LoadError::BadConfig { path: path.into(), why };
+    let bytes = match read_small(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(LoadError::io(path, e)),
+    };
+    let text = crate::input::text(&bytes).map_err(|why| bad(format!("not a JSON text file: {why}")))?;
+    let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let id = |x: &Value| x.as_u64().ok_or_else(|| bad(format!("eos_token_id holds {x}, not a token id")));
+    Ok(match v.get("eos_token_id") {
+        None => None,
+        Some(Value::Null) => Some(vec![]),
+        Some(Value::Array(a)) => Some(a.iter().map(id).collect::<Result<_, _>>()?),
+        Some(x) => Some(vec![id(x)?]),
+    })
 }
 
 /// Rejects config options under which HF's GPT-2 computes something other than what qatc lowers.
