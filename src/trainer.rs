@@ -24,12 +24,49 @@ use crate::data::TokenFile;
 use crate::model::{Model, Trained};
 use crate::step;
 
-/// Where the steps' time went (`Trainer::set_profile`), summed over the profiled steps.
+/// Where the steps' time went (`Trainer::set_profile`, `qatc generate --profile`), summed over
+/// the profiled steps.
 #[derive(Default)]
-struct Profile {
+pub struct Profile {
     steps: usize,
     /// what -> (times run, seconds, bytes moved, FLOPs)
     by: BTreeMap<String, (usize, f64, u64, u64)>,
+}
+
+impl Profile {
+    /// Adds the timed parts of one run of the executor, which `ends_step` when it is a step's
+    /// last (a step of K micro-batches runs it K times).
+    pub fn add(&mut self, times: Vec<qatc_runtime::exec::TimedPart>, ends_step: bool) {
+        self.steps += usize::from(ends_step);
+        for t in times {
+            let e = self.by.entry(t.what).or_default();
+            e.0 += 1;
+            e.1 += t.secs;
+            e.2 += t.cost.bytes;
+            e.3 += t.cost.flops;
+        }
+    }
+
+    /// A row per kind of step, per step, largest time first; None when no step was added.
+    pub fn rows(&self) -> Option<Vec<ProfileRow>> {
+        if self.steps == 0 {
+            return None;
+        }
+        let n = self.steps as f64;
+        let mut v: Vec<ProfileRow> = self
+            .by
+            .iter()
+            .map(|(k, &(c, s, b, f))| ProfileRow {
+                what: k.clone(),
+                count: c as f64 / n,
+                secs: s / n,
+                bytes: b as f64 / n,
+                flops: f as f64 / n,
+            })
+            .collect();
+        v.sort_by(|a, b| b.secs.total_cmp(&a.secs));
+        Some(v)
+    }
 }
 
 /// One kind of step in a profile (`Trainer::profile`): per step, how many ran, their seconds,
@@ -215,14 +252,7 @@ impl Trainer {
             match self.profile.as_mut() {
                 Some(p) if self.runs > 0 => {
                     if let Some(times) = self.step.run_timed()? {
-                        p.steps += usize::from(i + 1 == k);
-                        for t in times {
-                            let e = p.by.entry(t.what).or_default();
-                            e.0 += 1;
-                            e.1 += t.secs;
-                            e.2 += t.cost.bytes;
-                            e.3 += t.cost.flops;
-                        }
+                        p.add(times, i + 1 == k);
                     }
                 }
                 _ => self.step.run()?,
@@ -241,20 +271,7 @@ impl Trainer {
     /// step, per step, largest time first. None when nothing was profiled (the interpreter does
     /// not time its parts; the first step is not profiled).
     pub fn profile(&self) -> Option<Vec<ProfileRow>> {
-        let p = self.profile.as_ref().filter(|p| p.steps > 0)?;
-        let n = p.steps as f64;
-        let mut v: Vec<ProfileRow> =
-            p.by.iter()
-                .map(|(k, &(c, s, b, f))| ProfileRow {
-                    what: k.clone(),
-                    count: c as f64 / n,
-                    secs: s / n,
-                    bytes: b as f64 / n,
-                    flops: f as f64 / n,
-                })
-                .collect();
-        v.sort_by(|a, b| b.secs.total_cmp(&a.secs));
-        Some(v)
+        self.profile.as_ref()?.rows()
     }
 
     /// The loss scale the next step uses (fp16 with loss scaling), read back; else None.

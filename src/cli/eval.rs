@@ -173,29 +173,17 @@ impl Evaluator {
         let start = std::time::Instant::now();
         let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
         let passes_s = start.elapsed().as_secs_f64();
-        let options = super::driver_options(setup.interpreter, CpuOptions::default(), setup.kernel_cache.clone());
-        let exe = qatc_driver::compile(&g, &setup.target, &options)?;
-        let compile_s = start.elapsed().as_secs_f64() - passes_s;
         // the weights go to the executor once; per batch only the ids and targets
-        let inputs = match state {
-            Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
-            None => match &setup.adapter {
-                Some(a) => m.bind_trained::<f32>(&g, &Trained::Adapter(a))?,
-                None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
-            },
-        };
-        let mut e = Evaluator {
+        let bound = compile_bound(m, &g, setup, state)?;
+        Ok(Evaluator {
             graph: g,
-            step: exe.step,
-            description: exe.description,
-            built: crate::trainer::Built::default(),
+            step: bound.step,
+            description: bound.description,
+            built: crate::trainer::Built::new(passes_s, bound.compile_s, bound.bind_s, bound.kernels),
             b,
             t,
             lora_scaling: setup.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
-        };
-        e.set(&inputs)?;
-        e.built = crate::trainer::Built::new(passes_s, compile_s, start.elapsed().as_secs_f64() - passes_s - compile_s, exe.kernels);
-        Ok(e)
+        })
     }
 
     /// Binds a training run's state anew (before a validation): every input, since a frozen one
@@ -205,16 +193,8 @@ impl Evaluator {
         self.set(&inputs)
     }
 
-    /// Gives the executor these inputs' values; an input no step reads (lowering dropped its
-    /// use) is not in the program.
     fn set(&mut self, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
-        for (name, v) in inputs {
-            match self.step.set_input(name, v) {
-                Err(RuntimeError::UnknownInput(_)) => {}
-                r => r.with_context(|| format!("binding {name}"))?,
-            }
-        }
-        Ok(())
+        give(self.step.as_mut(), inputs)
     }
 
     /// The mean loss over the first `n` batches of `data`.
@@ -251,6 +231,58 @@ impl Evaluator {
         let loss = sum / n as f64;
         Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
     }
+}
+
+/// An executor with its weights bound, and how long building it took.
+pub struct Bound {
+    pub step: Box<dyn qatc_runtime::TrainStep>,
+    /// What runs it, in one line.
+    pub description: String,
+    pub kernels: Option<qatc_driver::KernelsBuilt>,
+    pub compile_s: f64,
+    pub bind_s: f64,
+}
+
+/// Graph `g` of model `m` compiled for `setup`'s target (or the reference interpreter, with the
+/// kernel cache `setup` names), its weights bound as an evaluation binds them: from `state` where
+/// a training run's state has them, else the adapter's, else fresh ones.
+pub fn compile_bound(
+    m: &Model,
+    g: &qatc_ir::Graph,
+    setup: &EvalSetup,
+    state: Option<&HashMap<String, Value<f32>>>,
+) -> anyhow::Result<Bound> {
+    let start = std::time::Instant::now();
+    let options = super::driver_options(setup.interpreter, CpuOptions::default(), setup.kernel_cache.clone());
+    let mut exe = qatc_driver::compile(g, &setup.target, &options)?;
+    let compile_s = start.elapsed().as_secs_f64();
+    let inputs = match state {
+        Some(st) => m.bind_trained::<f32>(g, &Trained::State(st))?,
+        None => match &setup.adapter {
+            Some(a) => m.bind_trained::<f32>(g, &Trained::Adapter(a))?,
+            None => m.bind_trained::<f32>(g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
+        },
+    };
+    give(exe.step.as_mut(), &inputs)?;
+    Ok(Bound {
+        step: exe.step,
+        description: exe.description,
+        kernels: exe.kernels,
+        compile_s,
+        bind_s: start.elapsed().as_secs_f64() - compile_s,
+    })
+}
+
+/// Gives an executor these inputs' values; an input no step reads (lowering dropped its use) is
+/// not in the program.
+pub fn give(step: &mut dyn qatc_runtime::TrainStep, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
+    for (name, v) in inputs {
+        match step.set_input(name, v) {
+            Err(RuntimeError::UnknownInput(_)) => {}
+            r => r.with_context(|| format!("binding {name}"))?,
+        }
+    }
+    Ok(())
 }
 
 /// Reads a scalar output.

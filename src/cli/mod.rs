@@ -7,6 +7,7 @@ pub mod diverge;
 pub mod dump;
 pub mod eval;
 pub mod export;
+pub mod generate;
 pub mod kernel_cache;
 pub mod options;
 pub mod plan;
