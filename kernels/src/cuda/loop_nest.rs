@@ -7,11 +7,12 @@ use std::slice;
 use qatc_ir::DType;
 
 use super::codegen::{SPLIT_SLICES, WARP_ROWS};
-use super::emit::{float_lit, scalar};
+use super::stmts::{loads, stores};
+use super::syntax::{float_lit, scalar};
 use super::tables::dyn_table;
 use super::writer::Writer;
 use crate::error::KernelError;
-use crate::kir::{visit_exprs, BinOp, Expr, Intrinsic, Ix, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
+use crate::kir::{BinOp, Expr, Intrinsic, Ix, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
 
 /// Every variable a statement list defines, in order, and whether a reduction defines it.
 fn defined(stmts: &[Stmt], out: &mut Vec<(VarId, bool)>) {
@@ -26,10 +27,6 @@ fn defined(stmts: &[Stmt], out: &mut Vec<(VarId, bool)>) {
             Stmt::Store { .. } | Stmt::AtomicAdd { .. } => {}
         }
     }
-}
-
-pub(super) fn has_reduce(stmts: &[Stmt]) -> bool {
-    stmts.iter().any(|s| matches!(s, Stmt::Reduce { .. }))
 }
 
 /// The types of a Block-mapped kernel's block reductions (its top-level `Reduce`s), each needing
@@ -56,32 +53,6 @@ fn part(t: Ty) -> &'static str {
         Ty::I64 => "part_i64",
         Ty::F32 => "part",
     }
-}
-
-/// The params a statement list loads (loop extents included).
-fn loads(stmts: &[Stmt]) -> BTreeSet<usize> {
-    let mut out = BTreeSet::new();
-    visit_exprs(stmts, &mut |e| {
-        if let Expr::Load { param, .. } = e {
-            out.insert(*param);
-        }
-    });
-    out
-}
-
-/// The params a statement list stores into (atomics included).
-pub(super) fn stores(stmts: &[Stmt]) -> BTreeSet<usize> {
-    let mut out = BTreeSet::new();
-    for s in stmts {
-        match s {
-            Stmt::Store { param, .. } | Stmt::AtomicAdd { param, .. } => {
-                out.insert(*param);
-            }
-            Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => out.extend(stores(body)),
-            Stmt::Let { .. } => {}
-        }
-    }
-    out
 }
 
 /// Emission state for one loop-nest kernel.
