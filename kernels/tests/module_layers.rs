@@ -9,7 +9,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 /// The folders that must state their layers (relative to `kernels/src`).
-const REQUIRED: [&str; 1] = ["cuda"];
+const REQUIRED: [&str; 2] = ["cuda", "lower"];
 
 /// A folder's files (stem -> source outside its `#[cfg(test)]` part), `mod.rs` apart.
 fn files(dir: &Path) -> BTreeMap<String, String> {

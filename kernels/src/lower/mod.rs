@@ -10,6 +10,19 @@
 //!   kernel. What cannot share a kernel is split into several, recorded in `Program::splits`.
 //! - Any other node is lowered as if it were a fused node of one op, so everything runs before
 //!   fusion exists.
+//!
+//! This file is the folder's root: it holds what the others share (`Lowerer`, `Ctx`,
+//! `elementwise`) and dispatches to them. The others read in one direction, each using only files
+//! to its left (`a <- b`: b uses a; `kernels/tests/module_layers.rs` checks this line against
+//! their `super::` paths):
+//!
+//! Layers: tidy/hoist/inplace <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused
+//!
+//! `builder` builds one kernel (`tidy` and `hoist` clean its body); `inline` computes a node's
+//! value at an index; `anchor` is an op lowered into a kernel of its own, which `rows`, `reduce`
+//! and `scatter` lower; `fused` splits a fused node at its anchors and routes each to its file
+//! (`lower_anchor`), or to `attention`, which gets its operands' views through the function
+//! `fused` passes it.
 
 use std::collections::HashMap;
 
@@ -35,6 +48,7 @@ macro_rules! launch {
 
 mod adamw;
 mod adamw8;
+mod anchor;
 mod attention;
 pub mod builder;
 mod fused;

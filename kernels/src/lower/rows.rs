@@ -7,20 +7,12 @@
 
 use qatc_ir::{qmap, Grid, NodeId, Op, QuantScheme};
 
-use super::builder::{pos_key, KernelBuilder, Pos};
+use super::anchor::{emit_out, Anchor};
+use super::builder::{clamp, KernelBuilder, Pos};
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
 use crate::program::View;
-
-/// One op computed by a kernel of its own: where it stores, and the elementwise epilogue (a node
-/// of the same shape reading this one at the same position) applied before the store.
-pub struct Anchor {
-    pub node: NodeId,
-    pub dest: View,
-    pub epilogue: Option<NodeId>,
-    pub family: String,
-}
 
 fn f(v: f64) -> Expr {
     Expr::f32(v)
@@ -36,21 +28,6 @@ fn mul(a: Expr, b: Expr) -> Expr {
 }
 fn div(a: Expr, b: Expr) -> Expr {
     Expr::bin(BinOp::Div, a, b)
-}
-
-/// Stores `y`, the anchor's value at `pos`, through the epilogue if there is one.
-pub fn emit_out(kb: &mut KernelBuilder, a: &Anchor, pos: Pos, y: Expr) -> Result<(), KernelError> {
-    let v = match a.epilogue {
-        Some(root) => {
-            // the epilogue reads the anchor's value as the interpreter holds it: rounded to its type
-            let y = super::builder::round_to(kb.src.g.ty(a.node).dtype, y);
-            kb.subst.insert(pos_key(a.node, &pos), y);
-            kb.value(root, &pos)?
-        }
-        None => y,
-    };
-    kb.store_view(&a.dest, &pos, v);
-    Ok(())
 }
 
 /// Element (row, j) of a tensor with rows of `c`.
@@ -294,13 +271,12 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             emit_out(&mut kb, a, Pos::Lin(Expr::Ix(Ix::Row)), absmax)?;
             launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
         }
-        _ => super::reduce::lower(lw, cx, a),
+        other => Err(KernelError::Internal(format!(
+            "{}: {} is not a row op (fused::lower_anchor routes it)",
+            g.describe(a.node),
+            other.mnemonic()
+        ))),
     }
-}
-
-/// f32 clamp as Rust's `f32::clamp(lo, hi)`.
-pub fn clamp(x: Expr, lo: f64, hi: f64) -> Expr {
-    Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, x, f(lo)), f(hi))
 }
 
 /// Scratch rows for the (max, sum) statistics of materialized logits, and whether another
