@@ -517,7 +517,7 @@ fn gemm_into(
     let note = lw.note(cx, mm, None);
     let dtype = |v: &View| lw.prog.buffers[v.buf].dtype;
     let types = GemmTypes { a: dtype(&a), b: dtype(&b), c: dtype(&c), bias: bias.as_ref().map(dtype) };
-    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha, accumulate, bias, types, note, feed: None });
+    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha, accumulate, bias, types, note });
     Ok(())
 }
 

@@ -290,7 +290,6 @@ pub fn lower(
                 accumulate: false,
                 bias: None,
                 note: format!("logits of rows {r0}..{r1} (chunk {c} of {chunks})"),
-                feed: None,
                 types: GemmTypes::F32,
             },
         ));
@@ -312,7 +311,6 @@ pub fn lower(
                     accumulate: c > 0,
                     bias: None,
                     note: format!("dW += dlogits^T h, rows {r0}..{r1}"),
-                    feed: None,
                     types: GemmTypes::F32,
                 }
             } else {
@@ -331,7 +329,6 @@ pub fn lower(
                     accumulate: false,
                     bias: None,
                     note: format!("dh = dlogits W, rows {r0}..{r1}"),
-                    feed: None,
                     types: GemmTypes::F32,
                 }
             };

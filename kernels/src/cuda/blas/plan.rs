@@ -118,9 +118,6 @@ impl Planner {
 /// Plans `g` over the program's `buffers` (for the element types).
 pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, KernelError> {
     let bad = |why: String| KernelError::Unsupported { node: format!("GEMM {}", g.note), why };
-    if g.feed.is_some() {
-        return Err(bad("its operand b is fed in panels, a CPU rewrite (panels.rs) the CUDA path does not take".into()));
-    }
     let ty = |v: &View, what: &str| -> Result<ElemType, KernelError> {
         let b = buffers.get(v.buf).ok_or_else(|| bad(format!("{what} is buffer {} of {}", v.buf, buffers.len())))?;
         elem_type(b.dtype).ok_or_else(|| bad(format!("{what} is {}, not a float type cuBLAS multiplies", b.dtype)))
