@@ -163,7 +163,8 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
     // each as `CpuProgram::new` makes it, with the GEMMs the rewrite feeds
     let fed = |launcher: Box<dyn qatc_runtime::Launcher>| {
         let exec = ExecOptions::new(qatc_runtime::cpu::ALIGN);
-        CpuProgram::with_panels(prog.clone(), panels.clone(), launcher, exec, &CpuOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"))
+        CpuProgram::with_panels(prog.clone(), panels.clone(), launcher, exec, &CpuOptions::default())
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
     };
     #[cfg(feature = "llvm")]
     {

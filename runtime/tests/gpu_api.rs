@@ -451,7 +451,10 @@ fn the_cuda_driver_opens_or_says_why_not() {
             assert!(matches!(e, GpuError::Unavailable(_) | GpuError::Driver { .. }), "{e}");
             // bench/gpu.sh sets QATC_REQUIRE_GPU=1 on the GPU machine: there a driver or cuBLAS
             // that does not load fails this test rather than passing it as a skip
-            assert!(std::env::var_os("QATC_REQUIRE_GPU").is_none_or(|v| v != "1"), "QATC_REQUIRE_GPU=1, but the CUDA driver did not open: {e}");
+            assert!(
+                std::env::var_os("QATC_REQUIRE_GPU").is_none_or(|v| v != "1"),
+                "QATC_REQUIRE_GPU=1, but the CUDA driver did not open: {e}"
+            );
             eprintln!("SKIPPED (no GPU): {e}");
         }
         Ok(mut gpu) => {

@@ -322,7 +322,14 @@ impl<'k> LoopNestWriter<'k> {
 
     /// `var = op over lp of value`: a loop, then the sum or max across the group sharing the
     /// row, or the split kernel's slices added in slice order.
-    fn reduce(&mut self, w: &mut Writer, (var, op, ty): (VarId, ReduceOp, Ty), lp: &Loop, body: &[Stmt], value: &Expr) -> Result<(), KernelError> {
+    fn reduce(
+        &mut self,
+        w: &mut Writer,
+        (var, op, ty): (VarId, ReduceOp, Ty),
+        lp: &Loop,
+        body: &[Stmt],
+        value: &Expr,
+    ) -> Result<(), KernelError> {
         let t = scalar(ty);
         let float = matches!(ty, Ty::F32 | Ty::F64);
         if !float && op != ReduceOp::Sum {

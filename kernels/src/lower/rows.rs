@@ -173,8 +173,7 @@ fn softmax(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, scale: f64, causal: bool) -> 
     let rows = node.ty.numel() / s.max(1);
     let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
     // a causal row i of each [T, S] matrix sees columns j <= i
-    let valid =
-        if causal { kb.bind(Ty::I32, add(kb.bounds.rem(Expr::Ix(Ix::Row), t as i64), Expr::Int(1))) } else { Expr::Int(s as i64) };
+    let valid = if causal { kb.bind(Ty::I32, add(kb.bounds.rem(Expr::Ix(Ix::Row), t as i64), Expr::Int(1))) } else { Expr::Int(s as i64) };
     kb.name(&valid, "valid");
     let x = ops[0];
     let max = reduce(&mut kb, ReduceOp::Max, s, valid.clone(), |kb, j| {
@@ -233,8 +232,7 @@ fn cross_entropy_grad(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), Kern
     let (logits, targets, dloss) = (ops[0], ops[1], ops[2]);
     let (n, v) = (shape[0], shape[1]);
     let stats = ce_stats(lw, cx, logits, n);
-    let touched: Vec<&View> =
-        [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+    let touched: Vec<&View> = [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
     let mut kb = lw.kb_rows(cx, n, &touched);
     let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
     let k = kb.bind(Ty::F32, div(dl, f(n as f64)));
@@ -260,8 +258,7 @@ fn cross_entropy(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelErr
     let (n, v) = (lt[0], lt[1]);
     let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
     let stats = ce_stats(lw, cx, logits, n);
-    let touched: Vec<&View> =
-        [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+    let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
     let mut kb = lw.kb_rows(cx, n, &touched);
     let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
     let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;

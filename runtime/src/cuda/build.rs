@@ -9,11 +9,11 @@ use std::path::Path;
 use qatc_arena::aligned;
 use qatc_kernels::cuda::blas::{self, BlasMode, BlasPlan};
 use qatc_kernels::cuda::CudaKernel;
-use qatc_kernels::CudaSettings;
 use qatc_kernels::kir::Kernel;
 use qatc_kernels::nvrtc::{self, Arch, BuildOptions, BuildReport, KernelCache, Nvrtc};
 use qatc_kernels::program::{Program, Step};
 use qatc_kernels::target::CUDA_ALIGN;
+use qatc_kernels::CudaSettings;
 
 use super::{FuncId, GpuApi, KernelImage, PlanFuncs};
 use crate::error::RuntimeError;

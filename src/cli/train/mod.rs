@@ -165,12 +165,8 @@ impl Args {
     /// (`StepArgs::config`) and this run's, for the checkpoint `model` and the data `data`.
     pub fn config(&self, model: &Path, data: &Path) -> anyhow::Result<RunConfig> {
         let no_variants = self.no_variant.iter().copied().collect();
-        let cuda = qatc_driver::CudaSettings {
-            tf32: self.tf32,
-            no_graph: self.no_cuda_graph,
-            general_kernels: self.general_kernels,
-            no_variants,
-        };
+        let cuda =
+            qatc_driver::CudaSettings { tf32: self.tf32, no_graph: self.no_cuda_graph, general_kernels: self.general_kernels, no_variants };
         let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter, cuda })?;
         let learned = c.model.quant.as_ref().is_some_and(|q| q.scales == Scales::Learned);
         let train = TrainConfig {

@@ -102,7 +102,8 @@ impl<'r> Run<'r> {
             }
             None => None,
         };
-        let init = train.init_adapter.as_deref().map(|p| crate::adapter::read_with(Path::new(p), a.step.read.allow_nonfinite)).transpose()?;
+        let init =
+            train.init_adapter.as_deref().map(|p| crate::adapter::read_with(Path::new(p), a.step.read.allow_nonfinite)).transpose()?;
         let k = opts.grad_accum;
         let tokens_per_step = opts.batch * opts.seq * k;
         let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
