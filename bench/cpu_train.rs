@@ -22,11 +22,11 @@
 use std::time::Instant;
 
 use qatc::cli::options::{model_options, QuantArgs};
+use qatc::cli::profile::profile_table;
 use qatc::data::TokenFile;
 use qatc::frontend::checkpoint::write_synthetic;
 use qatc::frontend::config::Gpt2Config;
 use qatc::model::Model;
-use qatc::cli::profile::profile_table;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::DType;

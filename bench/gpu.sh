@@ -46,8 +46,10 @@
 #   executor   qatc train --device cuda, 10 steps (tiny 4-bit + LoRA, tiny full fine-tune,
 #              Shakespeare GPT-2 4-bit + LoRA: tests/fixtures/gpu/executor_cases.json): the losses
 #              against the committed ones of the compiled CPU step (LLVM, the same lowered
-#              program; 1e-5) and against this bundle's CPU side, the reference interpreter (1e-4);
-#              the step's device memory as qatc states it
+#              program; 1e-5) and against this bundle's CPU side, the reference interpreter (1e-5:
+#              it sums in f64 and gives LLVM's losses within 1.1e-7 over the 10 steps, where its
+#              f32 sums were 2-3.5e-5 off; tests/fidelity.rs); the step's device memory as qatc
+#              states it
 #   sanitizer  compute-sanitizer memcheck and racecheck: every kernel of the demo step launched
 #              once (the tests' plain driver), and the executor's own work (qatc train --device
 #              cuda --no-cuda-graph, tiny, 2 steps: launches, cuBLAS calls, copies; its racecheck
@@ -659,18 +661,20 @@ for c in d["cases"]:
       done
     done
     report_executor() {
-      say "== qatc train --device cuda, 10 steps: against the compiled CPU step's committed losses (1e-5; tests/fixtures/gpu/executor_cases.json, the same lowered program on LLVM) and against this bundle's CPU side, the reference interpreter (1e-4)"
+      say "== qatc train --device cuda, 10 steps: against the compiled CPU step's committed losses (1e-5; tests/fixtures/gpu/executor_cases.json, the same lowered program on LLVM) and against this bundle's CPU side, the reference interpreter (1e-5)"
       local c name r ok rc_cpu rc_cuda
       for c in "${exec_cases[@]}"; do
         IFS='|' read -r name _ <<<"$c"
         rc_cpu=$(rc_of "train-$name-cpu") rc_cuda=$(rc_of "train-$name-cuda")
         if [ $dry = 1 ]; then
           # no GPU here: the CUDA arm must have failed with one line and exit code 2, and the
-          # interpreter must be within 1e-4 of the committed losses, as the GPU run will need
+          # interpreter must give the committed losses within 1e-6 (measured 1.1e-7 on this
+          # VM; the bound tests/gpu_executor_cases.rs holds LLVM to), so that the GPU run's
+          # 1e-5 against it judges the GPU alone
           [ "$name" = shakespeare ] && { line "train $name" dry ""; continue; }
           [ "$rc_cpu" = 0 ] && [ "$rc_cuda" = 2 ] && [ "$(grep -c . "$logs/train-$name-cuda.log")" = 1 ] && ok=0 || ok=1
           line "train $name" $ok "cpu rc $rc_cpu; cuda rc $rc_cuda: $(head -1 "$logs/train-$name-cuda.log" | cut -c1-100)"
-          r=$(compare_losses "$work/train-$name-cpu.jsonl" "committed:$name" 1e-4)
+          r=$(compare_losses "$work/train-$name-cpu.jsonl" "committed:$name" 1e-6)
           [[ $r == *PASS* ]] && ok=0 || ok=1
           line "interpreter $name vs LLVM" $ok "$r"
           continue
@@ -685,7 +689,7 @@ for c in d["cases"]:
         if [ "$rc_cpu" = skipped ]; then
           line "train $name cuda vs interp" skipped "the interpreter arm: $(cat "$logs/train-$name-cpu.log")"
         else
-          r=$(compare_losses "$work/train-$name-cuda.jsonl" "$work/train-$name-cpu.jsonl" 1e-4)
+          r=$(compare_losses "$work/train-$name-cuda.jsonl" "$work/train-$name-cpu.jsonl" 1e-5)
           [[ $r == *PASS* ]] && ok=0 || ok=1
           line "train $name cuda vs interp" "$ok" "$r"
         fi

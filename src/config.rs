@@ -25,9 +25,9 @@ use qatc_passes::remat::Checkpoint;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use qatc_driver::{CudaSettings, TargetKind};
 use crate::schedule::Schedule;
 use crate::step::{ModelOptions, StepOptions};
+use qatc_driver::{CudaSettings, TargetKind};
 
 /// The file's name in an adapter, export or training output directory.
 pub const FILE: &str = "qatc.json";

@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::Context;
+use qatc_driver::{Options, Target};
 use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
-use qatc_passes::microbatch::micro_name;
+use qatc_passes::microbatch;
 use qatc_passes::precision::LOSS_SCALE;
-use qatc_driver::{Options, Target};
 use qatc_runtime::{IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
@@ -152,36 +152,33 @@ impl Trainer {
         if batches.len() != k {
             anyhow::bail!("internal: {} micro-batches for --grad-accum {k}", batches.len());
         }
-        for (i, &s) in batches.iter().enumerate() {
-            let (ids, tgt) = data.batch(s, b, t)?;
-            let (ni, nt) =
-                if k == 1 { ("ids".to_string(), "targets".to_string()) } else { (micro_name("ids", i), micro_name("targets", i)) };
-            self.give(&ni, Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
-            self.give(&nt, Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
-        }
         self.give("lr", Value::scalar(lr))?;
         // a fresh dropout mask every step, reproducible from the seed and the step's first batch
         let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(salt as i64) as i32;
-        // micro-batching renames per-step data inputs (`dropout.seed.0`, ..): a mask of its own each
-        let names: Vec<String> = if k == 1 { vec![DROPOUT_SEED.into()] } else { (0..k).map(|i| micro_name(DROPOUT_SEED, i)).collect() };
-        for (i, n) in names.into_iter().enumerate() {
-            self.give(&n, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }))?;
-        }
-        // the first run also computes what is hoisted out of later ones: not profiled
-        match self.profile.as_mut() {
-            Some(p) if self.runs > 0 => {
-                if let Some(times) = self.step.run_timed()? {
-                    p.steps += 1;
-                    for t in times {
-                        let e = p.by.entry(t.what).or_default();
-                        e.0 += 1;
-                        e.1 += t.secs;
-                        e.2 += t.cost.bytes;
-                        e.3 += t.cost.flops;
+        // the step is one micro-batch's, run K times: the last run applies the optimizer's update
+        for (i, &s) in batches.iter().enumerate() {
+            let (ids, tgt) = data.batch(s, b, t)?;
+            self.give("ids", Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
+            self.give("targets", Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
+            // a mask of its own for each micro-batch
+            self.give(DROPOUT_SEED, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }))?;
+            self.give(microbatch::APPLY, Value::scalar(if i + 1 == k { 1.0 } else { 0.0 }))?;
+            // the first run also computes what is hoisted out of later ones: not profiled
+            match self.profile.as_mut() {
+                Some(p) if self.runs > 0 => {
+                    if let Some(times) = self.step.run_timed()? {
+                        p.steps += usize::from(i + 1 == k);
+                        for t in times {
+                            let e = p.by.entry(t.what).or_default();
+                            e.0 += 1;
+                            e.1 += t.secs;
+                            e.2 += t.cost.bytes;
+                            e.3 += t.cost.flops;
+                        }
                     }
                 }
+                _ => self.step.run()?,
             }
-            _ => self.step.run()?,
         }
         self.runs += 1;
         Ok(self.step.outputs()?)
@@ -251,9 +248,11 @@ impl Trainer {
             .collect()
     }
 
-    /// The persistent state, read back: trainable weights, Adam moments and the step count.
+    /// The persistent state, read back: trainable weights, Adam moments and the step count (not
+    /// the gradient accumulation's sums, which are 0 between optimizer steps).
     pub fn persistent(&self) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
-        Self::tensors(self.read(&[InputKind::Trainable, InputKind::State])?)
+        let all = self.read(&[InputKind::Trainable, InputKind::State])?;
+        Self::tensors(all.into_iter().filter(|(n, _)| !microbatch::is_sum(n)).collect())
     }
 
     /// The trainable weights, read back.
@@ -282,6 +281,7 @@ impl Trainer {
             .into_iter()
             .filter(|&id| matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)))
             .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).shape.dims().to_vec()))
+            .filter(|(name, _)| !microbatch::is_sum(name))
             .collect();
         let floats: HashMap<String, bool> = self
             .graph

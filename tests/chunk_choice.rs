@@ -13,10 +13,10 @@ use qatc::frontend::config::Gpt2Config;
 use qatc::memory::Executed;
 use qatc::model::Model;
 use qatc::step::{self, StepOptions};
+use qatc_driver::{Options, Target};
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::LoraOptions;
 use qatc_passes::remat::Checkpoint;
-use qatc_driver::{Options, Target};
 
 fn options(b: usize, t: usize, lora: Option<(&str, usize)>) -> StepOptions {
     let mut o = StepOptions::new(b, t);

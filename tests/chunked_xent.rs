@@ -179,7 +179,8 @@ fn the_planners_chunk_size_equals_the_unchunked_step() {
         let what = if lora { "4-bit + LoRA" } else { "full fine-tune" };
         let (tr, _) = step(lora, true);
         let (plain, _) = step(lora, false);
-        let qatc_driver::Lowered { program: prog, chunk: choice } = qatc_driver::lower(&tr.graph, &Target::cpu(), &Options::default()).unwrap();
+        let qatc_driver::Lowered { program: prog, chunk: choice } =
+            qatc_driver::lower(&tr.graph, &Target::cpu(), &Options::default()).unwrap();
         let choice = choice.unwrap_or_else(|| panic!("{what}: no chunk choice"));
         assert_eq!(prog.cross_entropy[0].chunk_rows, choice.rows, "{what}: the program runs the choice");
         eprintln!("{what}: {}", choice.why);

@@ -312,8 +312,10 @@ fn a_timed_step_is_the_same_step_and_names_its_parts() {
     eprintln!("{} parts, {:.1} ms on the emulated GPU", parts.len(), parts.iter().map(|p| p.secs).sum::<f64>() * 1e3);
 }
 
-/// A forward-only graph (what `qatc eval` builds) through the executor: the loss within 1e-6 of
-/// the interpreter's.
+/// A forward-only graph (what `qatc eval` builds) through the executor: the loss within two f32
+/// ulps (2.5e-7) of the interpreter's. Equal on this machine: the emulated GPU's kernels (the
+/// evaluator) and its cuBLAS model sum in f64 and round once, as the interpreter does since
+/// issue 34 (its f32 sums set the bound at 1e-6 before).
 #[test]
 fn a_forward_graph_through_the_cuda_executor_equals_the_interpreter() {
     let m = Model::open(&common::root().join(TINY.0)).expect("the model");
@@ -330,7 +332,7 @@ fn a_forward_graph_through_the_cuda_executor_equals_the_interpreter() {
     let got = gpu.run(&inputs).expect("runs")["loss"].clone();
     let e = common::rel_err(&floats(&got), &floats(&want));
     eprintln!("eval loss {:?} against {:?}: {e:.1e}", floats(&got), floats(&want));
-    assert!(e <= 1e-6, "off by {e:e}");
+    assert!(e <= 2.5e-7, "off by {e:e}");
 }
 
 /// The executor's build through NVRTC: every kernel it loads (the program's and the GEMM plans'
@@ -354,8 +356,7 @@ fn the_executor_builds_its_kernels_with_nvrtc_through_the_cache() {
     // the bf16 and fp16 steps' kernels (16-bit loads and stores, loss scaling) and data moves
     for p in [Precision::Bf16, Precision::Fp16] {
         let (prog, _, _) = setup(TINY.0, TINY.1, &options16(p, true));
-        let built =
-            CudaProgram::new(prog, HostGpu::new(1 << 30), &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{p}: {e}"));
+        let built = CudaProgram::new(prog, HostGpu::new(1 << 30), &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{p}: {e}"));
         let r = built.build_report().expect("a report");
         eprintln!("{p}: {}", r.summary());
         assert_eq!(r.kernels, built.distinct_kernels(), "{p}");
@@ -433,8 +434,7 @@ fn ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu() {
                 Some(d) => d,
                 None => CudaDriver::open(0).expect("the GPU again"),
             };
-            let mut gpu =
-                CudaProgram::new(prog.clone(), api, &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let mut gpu = CudaProgram::new(prog.clone(), api, &cuda(), Some(&build)).unwrap_or_else(|e| panic!("{what}: {e}"));
             let (worst, losses) = lockstep(&mut gpu, &mut cpu, &prog, &state, &data, &o, 10);
             judge16(&what, p, &worst, &losses);
         }

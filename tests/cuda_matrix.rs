@@ -56,7 +56,8 @@ fn every_configuration_the_cli_accepts_compiles_for_sm_90() {
                 let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{what}: the CLI refuses {argv:?}: {e}"));
                 let o = cli.step.options(m.ckpt.path()).unwrap_or_else(|e| panic!("{what}: {e}"));
                 let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap_or_else(|e| panic!("{what}: the step: {e}"));
-                let (prog, ks) = qatc_kernels::cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).unwrap_or_else(|e| panic!("{what}: code generation: {e}"));
+                let (prog, ks) = qatc_kernels::cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda))
+                    .unwrap_or_else(|e| panic!("{what}: code generation: {e}"));
                 launches += prog.launches();
                 configs += 1;
                 for k in ks {

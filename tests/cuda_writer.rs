@@ -21,12 +21,12 @@ use std::collections::BTreeMap;
 
 use qatc_ir::DType;
 use qatc_kernels::cuda::{emit, emit_with, CudaKernel};
-use qatc_kernels::CudaSettings;
 use qatc_kernels::kir::{
     Attention, AttentionPart, BinOp, Body, Expr, Ix, Kernel, Loop, Param, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp,
 };
 use qatc_kernels::nvrtc::Arch;
 use qatc_kernels::program::{BufKind, Buffer};
+use qatc_kernels::CudaSettings;
 
 fn param(name: &str, dtype: DType, n: usize, write: bool) -> Param {
     Param { name: name.into(), dtype, shape: vec![n], write }

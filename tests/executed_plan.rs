@@ -14,9 +14,9 @@ mod common;
 fn the_plan_is_what_the_cuda_executor_lays_out() {
     use qatc::model::Model;
     use qatc::step::{self, StepOptions};
+    use qatc_driver::{Options, Target};
     use qatc_passes::fusion::FuseOptions;
     use qatc_passes::remat::Checkpoint;
-    use qatc_driver::{Options, Target};
     use qatc_runtime::cuda::{CudaProgram, HostGpu};
     let cuda = Target::cuda(None, Default::default());
     let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();

@@ -6,6 +6,7 @@
 //! - GGUF after `--qat merged --scheme q4_0`: Q4_0 codes and f16 scales bit-equal to
 //!   `quant::quantize(W + s (BA)^T)`, the dequantized weights bit-equal to what training used;
 //! - GGUF after 8-bit `--qat merged` sym g32: Q8_0, with qatc's codes and fp16-rounded scales;
+//! - GGUF of a full-precision adapter with `--bits 4 --scheme q4_0`: merged, then quantized;
 //! - bad input: one line, exit 2, nothing written.
 //!
 //! The GGUF container and block codecs are checked on their own at the end.
@@ -208,6 +209,69 @@ fn gguf_q4_0_export_after_merged_qat_holds_exactly_the_trained_codes() {
     // the same weights, so in fact the same loss to the last bits of f32 accumulation
     assert!((got - want).abs() <= 1e-6, "GGUF {got} vs trained {want}");
     check_gguf_metadata(&f, 2);
+}
+
+/// A LoRA adapter trained at full precision, then `--format gguf --bits 4 --scheme q4_0`: merged
+/// first and quantized after (post-training quantization, said in one note), the Q4_0 codes are
+/// those of W + s (BA)^T; flags that only describe training are refused, and a quantization that
+/// contradicts a QAT adapter's stays refused.
+#[test]
+fn a_full_precision_adapter_is_quantized_after_merging() {
+    use qatc::cli::options::model_config;
+    use qatc::config::{RunConfig, VERSION};
+    let tmp = tempfile::tempdir().unwrap();
+    let ad_dir = tmp.path().join("adapter");
+    std::fs::create_dir(&ad_dir).unwrap();
+    let ad = train(&QuantArgs::default(), &ad_dir);
+    let fp = model_config(&QuantArgs::default(), Some(&ad.options()), false, &common::fixture(MODEL)).unwrap();
+    std::fs::write(ad_dir.join("qatc.json"), RunConfig { version: VERSION, model: fp, step: None, train: None }.to_json()).unwrap();
+    let q = ["--bits", "4", "--group", "32", "--scheme", "q4_0"].map(String::from);
+    let out = tmp.path().join("gguf");
+    let stderr = export(&ad_dir, &out, "gguf", &q);
+    let notes: Vec<&str> = stderr.lines().filter(|l| l.starts_with("note:")).collect();
+    assert_eq!(notes.len(), 1, "{stderr}");
+    assert!(notes[0].contains("full-precision adapter") && notes[0].contains("4-bit q4_0 g32"), "{}", notes[0]);
+    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("export.json")).unwrap()).unwrap();
+    assert_eq!(summary["post_training_quantization"], serde_json::json!({ "bits": 4, "group": 32, "scheme": "q4_0" }));
+    let f = gguf::read(&std::fs::read(out.join("model.gguf")).unwrap()).unwrap();
+    let spec = QuantSpec { bits: 4, group: 32, scheme: QuantScheme::Q4_0 };
+    let m = model();
+    for l in 0..2 {
+        for module in MODULES {
+            let hf_mod = format!("h.{l}.{module}");
+            let t = f.tensor(&llama::gguf_name(&format!("{hf_mod}.weight")).unwrap()).unwrap();
+            assert_eq!(t.ty, GgmlType::Q4_0, "{hf_mod}");
+            let (w, n_in, n_out) = w_eff(&m, &ad, &hf_mod);
+            let ours = quant::quantize(&w, n_in, n_out, spec);
+            let (_, codes) = gguf::q4_0_unpack(&t.data).unwrap();
+            for j in 0..n_out {
+                for k in 0..n_in {
+                    let c = codes[(j * (n_in / 32) + k / 32) * 32 + k % 32];
+                    assert_eq!(c, ours.codes[k * n_out + j], "{hf_mod}: code ({k}, {j})");
+                }
+            }
+        }
+    }
+    let model_arg = common::fixture(MODEL).display().to_string();
+    let ad_arg = ad_dir.display().to_string();
+    let base = ["--adapter", &ad_arg, "--format", "gguf", "--bits", "4", "--group", "32", "--scheme", "q4_0"];
+    for (extra, name) in
+        [(["--scales", "learned"], "--scales learned"), (["--qat", "base"], "--qat base"), (["--act-bits", "8"], "--act-bits")]
+    {
+        let fresh = tmp.path().join("refused");
+        let mut args = vec![model_arg.as_str()];
+        args.extend(base);
+        args.extend(["--out", fresh.to_str().unwrap()]);
+        args.extend(extra);
+        fails(tmp.path(), &args, &[name, "full-precision adapter"]);
+    }
+    // a QAT adapter's recorded quantization still wins over the flags
+    let qat = quant_args(4, 32, "q4_0", "merged");
+    let trained = model_config(&qat, Some(&ad.options()), false, &common::fixture(MODEL)).unwrap();
+    std::fs::write(ad_dir.join("qatc.json"), RunConfig { version: VERSION, model: trained, step: None, train: None }.to_json()).unwrap();
+    let fresh = tmp.path().join("refused");
+    let args = vec![model_arg.as_str(), "--adapter", &ad_arg, "--format", "gguf", "--bits", "8", "--out", fresh.to_str().unwrap()];
+    fails(tmp.path(), &args, &["--bits 8 contradicts", "which has 4"]);
 }
 
 /// KVs llama.cpp's gpt2 loader reads, for the tiny model; `ftype` is general.file_type.

@@ -31,7 +31,8 @@ fn qlora(b: usize, t: usize, r: usize) -> StepOptions {
 /// launches, chunked cross-entropies).
 fn compile_all(nv: &Nvrtc, name: &str, cfg: &Gpt2Config, o: &StepOptions, archs: &[Arch]) -> (usize, usize, usize) {
     let (g, _) = step::train(cfg, o, |_, _| {}).expect("the step builds");
-    let (prog, kernels) = qatc_kernels::cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).expect("the step lowers");
+    let (prog, kernels) =
+        qatc_kernels::cuda_kernels(&g, &qatc_kernels::Target::of(qatc_kernels::TargetKind::Cuda)).expect("the step lowers");
     for &arch in archs {
         let (_, report) = build(nv, name, &kernels, arch, Some(&test_cache()));
         eprintln!("{name}: {}", report.summary());

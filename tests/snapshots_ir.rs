@@ -69,13 +69,20 @@ fn after(o: &StepOptions, stage: &str) -> String {
     found.unwrap_or_else(|| panic!("stage {stage} did not run"))
 }
 
-/// Gradient accumulation: two micro-batches share the weights (`ids.0`, `ids.1`, ...) and the
-/// loss is their mean.
+/// Gradient accumulation as a loop (K = 2): one micro-batch's graph whose loss is scaled by 1/K
+/// (`loss.share`); after autodiff the gradients and the loss are added to the sums `accum.*`,
+/// which clipping and AdamW read; after AdamW every other update waits for `accum.apply`.
 #[test]
-fn microbatch_stage_with_two_micro_batches() {
+fn microbatch_stages_with_two_micro_batches() {
     let mut o = StepOptions::new(1, 4);
     o.grad_accum = 2;
     insta::assert_snapshot!("microbatch_k2", after(&o, "microbatch"));
+    let accumulated = after(&o, "accumulate");
+    assert!(accumulated.contains("\"accum.grad:wte.weight\"") && accumulated.contains("\"accum.loss.kept\""));
+    insta::assert_snapshot!("accumulate_k2", accumulated);
+    let gated = after(&o, "apply_gate");
+    assert!(gated.contains("\"wte.weight.if_applied\"") && gated.contains("\"step.if_applied\""));
+    insta::assert_snapshot!("apply_gate_k2", gated);
 }
 
 /// Checkpointing by blocks: the block's inner values are recomputed in the backward

@@ -60,7 +60,12 @@ pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>, targe
 /// `g` lowered in `schedule`'s order for `target` with the rows per chunk of its chunked
 /// cross-entropy chosen (see the module doc; None when the step has none), before the target's
 /// rewrites.
-pub fn choose(g: &Graph, schedule: &[qatc_ir::NodeId], target: &Target, options: &Options) -> Result<(Program, Option<ChunkChoice>), DriverError> {
+pub fn choose(
+    g: &Graph,
+    schedule: &[qatc_ir::NodeId],
+    target: &Target,
+    options: &Options,
+) -> Result<(Program, Option<ChunkChoice>), DriverError> {
     let peak = |p: &Program| crate::lower::peak(p, target, options);
     let first = lower(g, schedule, None, target)?;
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None)) };

@@ -75,4 +75,3 @@ pub fn compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels::Pan
         human(p.held_bytes())
     )
 }
-

@@ -223,6 +223,9 @@ mod tests {
         assert!(s.tf32 && !s.allows(Variant::WarpRows) && s.allows(Variant::SplitColumns));
         assert_eq!(serde_json::from_str::<CudaSettings>("{}").expect("reads"), CudaSettings::default());
         assert!(Variant::ALL.iter().all(|&v| !CudaSettings::GENERAL.allows(v) && CudaSettings::default().allows(v)));
-        assert_eq!(serde_json::to_string(&CudaSettings::default()).expect("writes"), r#"{"tf32":false,"no_graph":false,"general_kernels":false}"#);
+        assert_eq!(
+            serde_json::to_string(&CudaSettings::default()).expect("writes"),
+            r#"{"tf32":false,"no_graph":false,"general_kernels":false}"#
+        );
     }
 }

@@ -10,9 +10,9 @@ mod nvrtc;
 
 use qatc_ir::DType;
 use qatc_kernels::cuda::{emit_with, Variant};
-use qatc_kernels::CudaSettings;
 use qatc_kernels::nvrtc::Arch;
 use qatc_kernels::CudaKernel;
+use qatc_kernels::CudaSettings;
 
 /// The repository's root (what `nvrtc` finds the NVRTC wheel and its cache under).
 fn root() -> std::path::PathBuf {

@@ -89,7 +89,7 @@ fn attention_backward_recomputes_instead_of_storing() {
 fn attention_forward_on_tensor_cores_for_16_bit_values() {
     use qatc_ir::DType;
     use qatc_kernels::cuda::emit_with;
-use qatc_kernels::CudaSettings;
+    use qatc_kernels::CudaSettings;
     let forward = |d: DType, cg: &CudaSettings| {
         let prog = qatc_kernels::lower(&common::attention_of(d, 100, 2, 64)).unwrap();
         let k = prog.kernels.iter().find(|k| k.family == "attention.flash").expect("the attention kernel");

@@ -16,7 +16,6 @@ use crate::linears::{self, matches};
 use crate::pipeline::PassReport;
 use crate::pipeline::Stage;
 
-
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LoraOptions {
     pub r: usize,
@@ -84,8 +83,11 @@ pub fn lora(mut g: Graph, o: &LoraOptions) -> Result<(Graph, PassReport), PassEr
     let bad = |msg: String| PassError::Invalid { pass: Stage::Lora, msg };
     o.check().map_err(bad)?;
     let lins: Vec<_> = linears::find(&g).into_iter().filter(|l| o.targets.iter().any(|t| matches(&l.module, t))).collect();
-    let seed =
-        if o.dropout > 0.0 { Some(g.input(DROPOUT_SEED, InputKind::Data, DType::I32, Shape::scalar()).in_pass(Stage::Lora)?) } else { None };
+    let seed = if o.dropout > 0.0 {
+        Some(g.input(DROPOUT_SEED, InputKind::Data, DType::I32, Shape::scalar()).in_pass(Stage::Lora)?)
+    } else {
+        None
+    };
     let s = o.scaling();
     for (stream, lin) in lins.iter().enumerate() {
         if o.r > lin.n_in.min(lin.n_out) {

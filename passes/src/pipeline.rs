@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! lower -> fake_quant -> lora -> trainable -> fold            the model (eval stops here)
-//!       -> microbatch -> autodiff -> clip -> adamw            the training step
+//!       -> microbatch -> autodiff -> accumulate -> clip      the training step
+//!       -> adamw -> apply_gate
 //!       -> precision -> remat -> fuse                         how it is stored, saved, fused
 //! ```
 //!
@@ -34,8 +35,10 @@ pub enum Stage {
     Fold,
     Microbatch,
     Autodiff,
+    Accumulate,
     Clip,
     Adamw,
+    ApplyGate,
     Precision,
     Remat,
     Fuse,
@@ -62,7 +65,7 @@ fn unchanged(g: Graph, stage: Stage) -> Result<(Graph, PassReport), PassError> {
 }
 
 /// The pipeline, in order: the one home of each stage's name, description and pass.
-pub const STAGES: [StageRow; 12] = [
+pub const STAGES: [StageRow; 14] = [
     StageRow {
         stage: Stage::Lower,
         name: "lower",
@@ -108,9 +111,9 @@ pub const STAGES: [StageRow; 12] = [
     StageRow {
         stage: Stage::Microbatch,
         name: "microbatch",
-        about: "unrolls --grad-accum K micro-batches sharing the weights",
+        about: "the loss of one of --grad-accum K micro-batches, scaled by 1/K (the step runs K times)",
         on: |_| true,
-        run: Some(|g, o| crate::microbatch::microbatch(g, o.grad_accum)),
+        run: Some(|g, o| crate::microbatch::scale_loss(g, o.grad_accum)),
     },
     StageRow {
         stage: Stage::Autodiff,
@@ -118,6 +121,13 @@ pub const STAGES: [StageRow; 12] = [
         about: "reverse-mode gradients of the loss for the trainable weights",
         on: |_| true,
         run: Some(|g, _| crate::autodiff::autodiff(g)),
+    },
+    StageRow {
+        stage: Stage::Accumulate,
+        name: "accumulate",
+        about: "gradients and loss summed over the micro-batches in state accum.* (--grad-accum K)",
+        on: |o| o.grad_accum > 1,
+        run: Some(|g, o| crate::microbatch::accumulate(g, o.grad_accum)),
     },
     StageRow {
         stage: Stage::Clip,
@@ -135,6 +145,13 @@ pub const STAGES: [StageRow; 12] = [
         about: "the AdamW update with its moments and step count as state",
         on: |_| true,
         run: Some(|g, o| crate::optim::adamw(g, &o.adamw, o.keep_grads)),
+    },
+    StageRow {
+        stage: Stage::ApplyGate,
+        name: "apply_gate",
+        about: "the optimizer's updates take effect on the last micro-batch only (input accum.apply)",
+        on: |o| o.grad_accum > 1,
+        run: Some(|g, _| crate::microbatch::gate(g)),
     },
     StageRow {
         stage: Stage::Precision,
@@ -163,10 +180,10 @@ pub const STAGES: [StageRow; 12] = [
 ];
 
 impl Stage {
-    pub const ALL: [Stage; 12] = {
-        let mut all = [Stage::Lower; 12];
+    pub const ALL: [Stage; 14] = {
+        let mut all = [Stage::Lower; 14];
         let mut i = 0;
-        while i < 12 {
+        while i < 14 {
             all[i] = STAGES[i].stage;
             i += 1;
         }

@@ -9,7 +9,9 @@ use crate::step::{self, Stage};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    pub model: PathBuf,
+    /// The checkpoint (not needed with --list).
+    #[arg(required_unless_present = "list")]
+    pub model: Option<PathBuf>,
     /// The stage after which to print.
     #[arg(long, value_enum, default_value_t = Stage::Lower)]
     pub after: Stage,
@@ -27,9 +29,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let m = super::open_model(&a.model, &a.step.read)?;
+    let Some(model) = &a.model else { anyhow::bail!("qatc dump needs MODEL (or --list)") };
+    let m = super::open_model(model, &a.step.read)?;
     super::check_seq(&m, a.step.batch, a.step.seq)?;
-    let opts = a.step.options(&a.model)?;
+    let opts = a.step.options(model)?;
     let mut found: Option<Graph> = None;
     step::train(&m.cfg, &opts, |name, g| {
         if name == a.after {

@@ -7,16 +7,16 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use qatc_passes::precision::Precision;
 use qatc_driver::{CudaSettings, Target};
+use qatc_passes::precision::Precision;
 use qatc_runtime::{CpuOptions, IntTensor, RuntimeError, Value};
 
 use super::options;
 use crate::adapter::Adapter;
+use crate::config::DeviceFlag as Device;
 use crate::config::ScaleInit;
 use crate::data::TokenFile;
 use crate::model::{Model, Trained};
-use crate::config::DeviceFlag as Device;
 use crate::step::{self, ModelOptions};
 
 #[derive(clap::Args, Debug)]

@@ -20,9 +20,9 @@ use anyhow::Context;
 use qatc_passes::optim::AdamW;
 use qatc_passes::remat::Checkpoint;
 
+use crate::config::DeviceFlag;
 use crate::config::{self, OptimConfig, Optimizer, Precision, PrecisionConfig, RunConfig, StepConfig};
 use crate::model::Model;
-use crate::config::DeviceFlag;
 
 /// How inputs are read (every command that reads a checkpoint, adapter or resume state).
 #[derive(clap::Args, Debug, Clone, Default)]

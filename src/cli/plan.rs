@@ -10,10 +10,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use qatc_driver::{Options, Target};
 use qatc_ir::Category;
 use qatc_passes::plan::units::{flag, flops, human};
 use qatc_passes::PassReport;
-use qatc_driver::{Options, Target};
 use qatc_runtime::CpuOptions;
 use serde_json::json;
 
@@ -257,6 +257,14 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
         print!("{}", plan_json::to_json(&e, ctx)?);
     } else {
         print!("{}", table(&e, &title, memory));
+        if opts.grad_accum > 1 {
+            let sums: usize = e.plan.buffers.iter().filter(|b| b.name.starts_with("accum.")).map(|b| b.bytes).sum();
+            println!(
+                "  grad-accum: the step is one micro-batch's, run {} times per optimizer step; its gradient and loss sums (accum.*) hold {} of the optimizer states",
+                opts.grad_accum,
+                human(sums)
+            );
+        }
         if let Some(r) = reports.iter().find(|r| r.pass == crate::step::Stage::Remat) {
             for n in &r.notes {
                 println!("  remat: {n}");

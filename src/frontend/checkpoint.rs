@@ -1,30 +1,36 @@
-//! A memory-mapped safetensors checkpoint, validated in full when opened.
+//! A checkpoint in any of the layouts GPT-2 checkpoints come in on the Hub, validated in full
+//! when opened, its tensors read from memory mappings on demand:
 //!
-//! The reference reader (`SafeTensors::deserialize`) is strict about layout but lets through
-//! duplicate keys, aliased zero-size tensors, unknown entry fields and absurd shapes, and its
-//! size error does not name the tensor (37 malformed files tried against safetensors 0.8). So `open` parses the
-//! header itself and checks every entry before any tensor is read, with errors that name the file
-//! and the tensor. The limits below are about 19x the largest GPT-2 header (gpt2-xl, 54 KB, 580
-//! tensors), so a hostile header is rejected in milliseconds instead of allocating gigabytes.
+//! - a single `model.safetensors` (`safetensors.rs`: every header entry checked);
+//! - sharded safetensors or PyTorch shards, through `model.safetensors.index.json` /
+//!   `pytorch_model.bin.index.json` (`sharded.rs`: each shard read whole, each tensor where the
+//!   index says, no shard missing or extra);
+//! - `pytorch_model.bin`, PyTorch's zip of a pickled state dict (`torch.rs`, `pickle.rs`: only
+//!   the opcodes and five callables a state dict uses are understood, so no pickle code runs;
+//!   views of shared storages, tied weights among them, read in place or gathered).
 //!
-//! Names: the file's keys are canonicalised by stripping one leading `transformer.` (Hub files
-//! have none, other GPT-2-architecture checkpoints have one) and by skipping the causal-mask
-//! buffers `*.attn.bias` / `*.attn.masked_bias`, which older transformers versions saved and newer
-//! ones do not. `lm_head.weight` is listed only when the file has it: it is tied to `wte.weight`.
+//! `open` takes any of those files, or a directory holding one (in that order of preference).
+//!
+//! Names: keys are canonicalised by stripping one leading `transformer.` (Hub files have none,
+//! other GPT-2-architecture checkpoints have one) and by skipping the causal-mask buffers
+//! `*.attn.bias` / `*.attn.masked_bias`, which older transformers versions saved and newer ones
+//! do not. `lm_head.weight` is listed only when the file has it: it is tied to `wte.weight`.
 
+mod pickle;
+mod safetensors;
+mod sharded;
 mod synthetic;
 #[cfg(test)]
 mod tests;
+mod torch;
 
-use std::collections::{BTreeMap, HashSet};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use qatc_ir::DType;
-use serde::de::{MapAccess, Visitor};
-use serde_json::Value;
 
 use super::error::LoadError;
 
@@ -39,6 +45,19 @@ pub const MAX_DIM: u64 = 1 << 31;
 
 const PREFIX: &str = "transformer.";
 
+/// The file names `open` looks for in a directory, in order.
+pub const LAYOUTS: [&str; 4] = ["model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"];
+
+/// A key without its `transformer.` prefix.
+fn canonical_name(key: &str) -> String {
+    key.strip_prefix(PREFIX).unwrap_or(key).to_string()
+}
+
+/// The causal-mask buffers older checkpoints carry: not model tensors.
+fn is_buffer(canonical: &str) -> bool {
+    canonical.ends_with(".attn.bias") || canonical.ends_with(".attn.masked_bias")
+}
+
 /// One tensor of the checkpoint, under its canonical name.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorInfo {
@@ -49,20 +68,47 @@ pub struct TensorInfo {
     pub key: String,
 }
 
+/// Where a tensor's bytes are in its file's mapping, checked against it when opened.
+#[derive(Clone, Debug, PartialEq)]
+enum Layout {
+    /// Row-major, these bytes.
+    Contiguous { begin: usize, end: usize },
+    /// A strided view (PyTorch's): element `i` of dim `d` is `strides[d]` elements further, from
+    /// element `offset` of the storage that starts at byte `storage`.
+    Strided { storage: usize, offset: usize, strides: Vec<usize> },
+}
+
+/// A tensor as a reader found it, before the checkpoint merges readers' tensors.
+struct Raw {
+    key: String,
+    canonical: String,
+    /// None for a tensor that is not a model tensor: a buffer (skipped) or an unsupported dtype
+    /// (refused unless it is a buffer).
+    dtype: Option<DType>,
+    buffer: bool,
+    shape: Vec<usize>,
+    layout: Layout,
+}
+
 #[derive(Debug)]
 struct Entry {
     info: TensorInfo,
-    /// Byte range relative to the start of the data section, checked against it in `open`.
-    begin: usize,
-    end: usize,
+    /// Which file's mapping holds it.
+    file: usize,
+    layout: Layout,
 }
 
-/// An opened, validated safetensors file. Tensors are read from the mapping on demand.
-pub struct Checkpoint {
+/// One file of the checkpoint.
+struct Source {
     path: PathBuf,
     mmap: Mmap,
-    /// 8 + header length: where the data section starts in the file.
-    data_start: usize,
+}
+
+/// An opened, validated checkpoint. Tensors are read from the mappings on demand.
+pub struct Checkpoint {
+    /// What was opened (a file, or the directory that holds it), for messages.
+    path: PathBuf,
+    files: Vec<Source>,
     tensors: BTreeMap<String, Entry>,
     prefixed: bool,
 }
@@ -73,278 +119,75 @@ impl fmt::Debug for Checkpoint {
     }
 }
 
-/// The header as written: keys in file order, duplicates kept (a map would silently keep one).
-struct RawHeader(Vec<(String, Value)>);
-
-impl<'de> serde::Deserialize<'de> for RawHeader {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawHeader, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = RawHeader;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object mapping tensor names to entries")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<RawHeader, A::Error> {
-                let mut v = Vec::new();
-                while let Some(kv) = m.next_entry::<String, Value>()? {
-                    v.push(kv);
-                }
-                Ok(RawHeader(v))
-            }
-        }
-        d.deserialize_map(V)
-    }
-}
-
-/// One entry after the schema checks, before the range checks.
-struct Parsed {
-    key: String,
-    canonical: String,
-    buffer: bool,
-    dtype: Option<DType>,
-    st_dtype: String,
-    shape: Vec<usize>,
-    begin: u64,
-    end: u64,
-}
-
-fn is_buffer(canonical: &str) -> bool {
-    canonical.ends_with(".attn.bias") || canonical.ends_with(".attn.masked_bias")
-}
-
-/// Bits per element of a safetensors dtype name; `None` for names the format does not define.
-fn st_bits(dtype: &str) -> Option<u32> {
-    Some(match dtype {
-        "F4" => 4,
-        "F6_E2M3" | "F6_E3M2" => 6,
-        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" | "F8_E4M3FNUZ" | "F8_E5M2FNUZ" => 8,
-        "I16" | "U16" | "F16" | "BF16" => 16,
-        "I32" | "U32" | "F32" => 32,
-        "C64" | "F64" | "I64" | "U64" => 64,
-        _ => return None,
-    })
-}
-
-fn model_dtype(dtype: &str) -> Option<DType> {
-    match dtype {
-        "F32" => Some(DType::F32),
-        "F16" => Some(DType::F16),
-        "BF16" => Some(DType::BF16),
-        _ => None,
-    }
-}
-
-fn parse_entry(path: &Path, key: &str, v: &Value) -> Result<Parsed, LoadError> {
-    let bad = |why: String| LoadError::BadEntry { path: path.into(), tensor: key.into(), why };
-    if key.is_empty() {
-        return Err(bad("a tensor has an empty name".into()));
-    }
-    let obj = v.as_object().ok_or_else(|| bad(format!("entry is {v}, not an object")))?;
-    for k in obj.keys() {
-        if !matches!(k.as_str(), "dtype" | "shape" | "data_offsets") {
-            return Err(bad(format!("unknown field {k:?} (expected dtype, shape, data_offsets)")));
-        }
-    }
-    let field = |name: &str| obj.get(name).ok_or_else(|| bad(format!("missing field {name:?}")));
-    let st_dtype = field("dtype")?.as_str().ok_or_else(|| bad("dtype is not a string".into()))?.to_string();
-    let shape_v = field("shape")?.as_array().ok_or_else(|| bad("shape is not an array".into()))?;
-    if shape_v.len() > MAX_RANK {
-        return Err(bad(format!("rank {} is over the limit of {MAX_RANK}", shape_v.len())));
-    }
-    let mut shape = Vec::with_capacity(shape_v.len());
-    for d in shape_v {
-        match d.as_u64() {
-            Some(x) if x <= MAX_DIM => shape.push(x as usize),
-            Some(x) => return Err(bad(format!("dimension {x} is over the limit of 2^31"))),
-            None => return Err(bad(format!("shape holds {d}, not a non-negative integer"))),
-        }
-    }
-    let offs = field("data_offsets")?.as_array().ok_or_else(|| bad("data_offsets is not an array".into()))?;
-    let (begin, end) = match offs.as_slice() {
-        [b, e] => match (b.as_u64(), e.as_u64()) {
-            (Some(b), Some(e)) => (b, e),
-            _ => return Err(bad(format!("data_offsets {} are not two non-negative integers", Value::Array(offs.clone())))),
-        },
-        _ => return Err(bad(format!("data_offsets has {} values, expected [begin, end]", offs.len()))),
-    };
-    let canonical = key.strip_prefix(PREFIX).unwrap_or(key).to_string();
-    let buffer = is_buffer(&canonical);
-    Ok(Parsed { key: key.into(), canonical, buffer, dtype: model_dtype(&st_dtype), st_dtype, shape, begin, end })
-}
-
-/// Checks the entry's own dtype, range direction and byte count (not yet its place in the file).
-fn check_entry(path: &Path, p: &Parsed) -> Result<(), LoadError> {
-    let tensor = || p.key.clone();
-    let bits = match (p.buffer, p.dtype, st_bits(&p.st_dtype)) {
-        (false, None, _) | (true, _, None) => {
-            return Err(LoadError::UnsupportedDtype { path: path.into(), tensor: tensor(), dtype: p.st_dtype.clone() })
-        }
-        (_, _, Some(bits)) => bits,
-        // A listed tensor has a model dtype, which `st_bits` knows.
-        (false, Some(d), None) => 8 * d.bytes_for(1) as u32,
-    };
-    if p.end < p.begin {
-        return Err(LoadError::BadOffsets {
-            path: path.into(),
-            tensor: tensor(),
-            why: format!("data_offsets [{}, {}) end before they begin", p.begin, p.end),
-        });
-    }
-    // rank <= 4 and dims <= 2^31 keep numel under 2^124, so bytes (at most 8 per element) and
-    // bits of sub-byte types (at most 6 per element) stay under 2^127: no overflow in u128.
-    let numel = p.shape.iter().fold(1u128, |a, &d| a.saturating_mul(d as u128));
-    let (needed, whole) = if bits % 8 == 0 {
-        (numel.saturating_mul((bits / 8) as u128), true)
-    } else {
-        let total = numel.saturating_mul(bits as u128);
-        (total.div_ceil(8), total % 8 == 0)
-    };
-    let holds = p.end - p.begin;
-    if !whole || needed != holds as u128 {
-        return Err(LoadError::SizeMismatch {
-            path: path.into(),
-            tensor: tensor(),
-            what: format!(
-                "{} x {}",
-                super::error::dims(&p.shape),
-                p.dtype.map(|d| d.name().to_string()).unwrap_or_else(|| p.st_dtype.to_lowercase())
-            ),
-            needed,
-            holds,
-        });
-    }
-    Ok(())
-}
-
-/// Range checks over all entries in offset order: within the data section, no overlap, no
-/// zero-size model tensor aliasing another's offset, and no bytes after the last tensor. Gaps are
-/// accepted (the reference reader rejects them; they are harmless to a reader that seeks).
-fn check_ranges(path: &Path, entries: &[Parsed], data_len: u64) -> Result<(), LoadError> {
-    let mut order: Vec<&Parsed> = entries.iter().collect();
-    order.sort_by(|a, b| (a.begin, a.end, &a.key).cmp(&(b.begin, b.end, &b.key)));
-    let bad = |p: &Parsed, why: String| LoadError::BadOffsets { path: path.into(), tensor: p.key.clone(), why };
-    let mut covered: Option<(&Parsed, u64)> = None; // the tensor that reaches furthest so far
-    for (i, p) in order.iter().enumerate() {
-        if p.end > data_len {
-            let what = if p.begin >= data_len { "lies beyond" } else { "is cut by" };
-            return Err(bad(
-                p,
-                format!(
-                    "byte range [{}, {}) {what} the end of the data section ({data_len} bytes): truncated or bad offsets",
-                    p.begin, p.end
-                ),
-            ));
-        }
-        if p.begin == p.end {
-            if !p.buffer {
-                let prev_shares = i > 0 && order[i - 1].begin == p.begin;
-                let next_shares = order.get(i + 1).is_some_and(|n| n.begin == p.begin);
-                let inside = covered.is_some_and(|(_, e)| p.begin < e);
-                if prev_shares || next_shares || inside {
-                    return Err(bad(p, format!("zero-size tensor at offset {} aliases another tensor's bytes", p.begin)));
-                }
-            }
-            continue;
-        }
-        if let Some((owner, e)) = covered {
-            if p.begin < e {
-                return Err(bad(p, format!("byte range [{}, {}) overlaps {:?} (which ends at {e})", p.begin, p.end, owner.key)));
-            }
-        }
-        if covered.is_none_or(|(_, e)| p.end > e) {
-            covered = Some((p, p.end));
-        }
-    }
-    let end = covered.map_or(0, |(_, e)| e);
-    if end < data_len {
-        return Err(LoadError::TrailingBytes { path: path.into(), extra: data_len - end });
-    }
-    Ok(())
-}
-
-fn not_st(path: &Path, why: String) -> LoadError {
-    LoadError::NotSafetensors { path: path.into(), why }
-}
-
 impl Checkpoint {
+    /// Opens a checkpoint in any layout `LAYOUTS` names: the file itself, or a directory that
+    /// holds one (the first found, in `LAYOUTS`' order).
     pub fn open(path: &Path) -> Result<Checkpoint, LoadError> {
-        // Checked before opening: opening a FIFO for reading would block until a writer came.
-        let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
-        if !meta.is_file() {
-            return Err(not_st(path, "not a regular file".into()));
+        let file = if path.is_dir() {
+            LAYOUTS.iter().map(|n| path.join(n)).find(|p| p.is_file()).ok_or_else(|| LoadError::NotCheckpoint {
+                path: path.into(),
+                why: format!("a directory without a checkpoint (looked for {})", LAYOUTS.join(", ")),
+            })?
+        } else {
+            path.to_path_buf()
+        };
+        let name = file.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let mut c = Checkpoint { path: file.clone(), files: Vec::new(), tensors: BTreeMap::new(), prefixed: false };
+        if name.ends_with(".index.json") {
+            sharded::read(&mut c, &file)?;
+        } else if name.ends_with(".bin") || name.ends_with(".pt") || name.ends_with(".pth") {
+            c.add_bin(&file, None)?;
+        } else {
+            c.add_safetensors(&file, None)?;
         }
-        let file = File::open(path).map_err(|e| LoadError::io(path, e))?;
-        let meta = file.metadata().map_err(|e| LoadError::io(path, e))?;
-        let file_len = meta.len();
-        if file_len < 8 {
-            return Err(not_st(path, format!("{file_len} bytes, shorter than the 8-byte header length")));
+        if c.tensors.is_empty() {
+            return Err(LoadError::NoTensors { path: c.path });
         }
-        // SAFETY: the mapping is read-only and private to this process. Another process could
-        // still truncate or rewrite the file underneath it (the same caveat as every mmap-based
-        // loader); qatc never writes a checkpoint in place (its writers rename a temp file over
-        // the target), and every range we read was checked against the length we mapped.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
-        let file_len = mmap.len() as u64;
-        let mut len8 = [0u8; 8];
-        len8.copy_from_slice(mmap.get(..8).ok_or_else(|| not_st(path, "file shrank while opening".into()))?);
-        let n = u64::from_le_bytes(len8);
-        if n > MAX_HEADER_BYTES {
-            return Err(LoadError::HeaderTooLarge { path: path.into(), len: n, max: MAX_HEADER_BYTES });
-        }
-        if n.checked_add(8).is_none_or(|e| e > file_len) {
-            return Err(LoadError::HeaderBeyondFile { path: path.into(), len: n, file_len });
-        }
-        let data_start = 8 + n as usize;
-        let header = std::str::from_utf8(&mmap[8..data_start]).map_err(|e| not_st(path, format!("header is not UTF-8: {e}")))?;
-        let RawHeader(raw) =
-            serde_json::from_str(header).map_err(|e| not_st(path, format!("header is not a JSON object of tensor entries: {e}")))?;
-        let data_len = file_len - data_start as u64;
+        Ok(c)
+    }
 
-        let mut seen = HashSet::new();
-        let mut entries = Vec::new();
-        for (key, v) in &raw {
-            if !seen.insert(key.as_str()) {
-                return Err(LoadError::DuplicateTensor { path: path.into(), tensor: key.clone() });
+    /// Reads one safetensors file into the checkpoint; `only`: the names it must hold (a shard).
+    fn add_safetensors(&mut self, path: &Path, only: Option<&[String]>) -> Result<(), LoadError> {
+        let (mmap, raws) = safetensors::read(path)?;
+        self.add(path, mmap, raws, only)
+    }
+
+    /// Reads one PyTorch zip into the checkpoint; `only` as in `add_safetensors`.
+    fn add_bin(&mut self, path: &Path, only: Option<&[String]>) -> Result<(), LoadError> {
+        let (mmap, raws) = torch::read(path)?;
+        self.add(path, mmap, raws, only)
+    }
+
+    fn add(&mut self, path: &Path, mmap: Mmap, raws: Vec<Raw>, only: Option<&[String]>) -> Result<(), LoadError> {
+        let file = self.files.len();
+        if let Some(names) = only {
+            // a shard holds exactly what its index places in it
+            let held: std::collections::HashSet<&str> = raws.iter().map(|r| r.key.as_str()).collect();
+            if let Some(r) = raws.iter().find(|r| !names.contains(&r.key)) {
+                let why = "the shard holds a tensor its index does not place there".into();
+                return Err(LoadError::BadEntry { path: path.into(), tensor: r.key.clone(), why });
             }
-            if key == "__metadata__" {
-                let ok = v.as_object().is_some_and(|m| m.values().all(Value::is_string));
-                if !ok {
-                    return Err(not_st(path, "__metadata__ must map strings to strings".into()));
-                }
+            if let Some(n) = names.iter().find(|n| !held.contains(n.as_str())) {
+                return Err(LoadError::MissingTensor { path: path.into(), tensor: n.clone() });
+            }
+        }
+        for r in raws {
+            self.prefixed |= r.canonical.len() != r.key.len();
+            if r.buffer {
                 continue;
             }
-            entries.push((key, v));
-        }
-        if entries.is_empty() {
-            return Err(LoadError::NoTensors { path: path.into() });
-        }
-        if entries.len() > MAX_TENSORS {
-            return Err(LoadError::TooManyTensors { path: path.into(), count: entries.len(), max: MAX_TENSORS });
-        }
-        let parsed = entries.into_iter().map(|(k, v)| parse_entry(path, k, v)).collect::<Result<Vec<_>, _>>()?;
-        for p in &parsed {
-            check_entry(path, p)?;
-        }
-        check_ranges(path, &parsed, data_len)?;
-
-        let mut tensors = BTreeMap::new();
-        let mut prefixed = false;
-        for p in parsed {
-            prefixed |= p.canonical.len() != p.key.len();
-            let Some(dtype) = p.dtype.filter(|_| !p.buffer) else { continue };
-            if tensors.contains_key(&p.canonical) {
-                // Both `x` and `transformer.x`: which one the model means is anyone's guess.
-                return Err(LoadError::DuplicateTensor { path: path.into(), tensor: p.key });
+            // the readers refuse a non-buffer without a model dtype
+            let Some(dtype) = r.dtype else { continue };
+            if self.tensors.contains_key(&r.canonical) {
+                // Both `x` and `transformer.x`, or one tensor in two shards: which one the model
+                // means is anyone's guess.
+                return Err(LoadError::DuplicateTensor { path: path.into(), tensor: r.key });
             }
-            // Both fit in usize: they are at most data_len, which is within the mapping.
-            let (begin, end) = (p.begin as usize, p.end as usize);
-            let info = TensorInfo { dtype, shape: p.shape, key: p.key };
-            tensors.insert(p.canonical, Entry { info, begin, end });
+            let info = TensorInfo { dtype, shape: r.shape, key: r.key };
+            self.tensors.insert(r.canonical, Entry { info, file, layout: r.layout });
         }
-        if tensors.is_empty() {
-            return Err(LoadError::NoTensors { path: path.into() });
-        }
-        Ok(Checkpoint { path: path.into(), mmap, data_start, tensors, prefixed })
+        self.files.push(Source { path: path.into(), mmap });
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
@@ -378,15 +221,36 @@ impl Checkpoint {
         self.tensors.get(name).ok_or_else(|| LoadError::MissingTensor { path: self.path.clone(), tensor: self.key_of(name) })
     }
 
-    /// The tensor's bytes as stored (little-endian).
-    pub fn raw_bytes(&self, name: &str) -> Result<&[u8], LoadError> {
+    /// The tensor's bytes, row-major and little-endian: borrowed from the mapping where the file
+    /// stores it so, gathered from a strided view otherwise.
+    pub fn raw_bytes(&self, name: &str) -> Result<Cow<'_, [u8]>, LoadError> {
         let e = self.entry(name)?;
-        // `open` checked the range against this mapping; `get` keeps a bug here from panicking.
-        self.mmap.get(self.data_start + e.begin..self.data_start + e.end).ok_or_else(|| LoadError::BadOffsets {
-            path: self.path.clone(),
+        let src = &self.files[e.file];
+        // `open` checked every range against this mapping; `get` keeps a bug here from panicking.
+        let outside = || LoadError::BadOffsets {
+            path: src.path.clone(),
             tensor: e.info.key.clone(),
             why: "byte range outside the mapped file".into(),
-        })
+        };
+        match &e.layout {
+            Layout::Contiguous { begin, end } => src.mmap.get(*begin..*end).map(Cow::Borrowed).ok_or_else(outside),
+            Layout::Strided { storage, offset, strides } => {
+                let size = e.info.dtype.bytes_for(1);
+                let numel: usize = e.info.shape.iter().product();
+                let mut out = Vec::with_capacity(numel * size);
+                for i in 0..numel {
+                    // element i's multi-index, last dim fastest, against the view's strides
+                    let (mut rest, mut at) = (i, *offset);
+                    for (d, s) in e.info.shape.iter().zip(strides).rev() {
+                        at += (rest % d) * s;
+                        rest /= d;
+                    }
+                    let b = storage + at * size;
+                    out.extend_from_slice(src.mmap.get(b..b + size).ok_or_else(outside)?);
+                }
+                Ok(Cow::Owned(out))
+            }
+        }
     }
 
     /// The tensor converted to f32 (F16 and BF16 widen exactly).
@@ -410,7 +274,7 @@ impl Checkpoint {
     /// name order) and its first bad element. One pass over the stored bits, nothing converted.
     pub fn check_finite(&self) -> Result<(), LoadError> {
         for (name, e) in &self.tensors {
-            if let Some((index, value)) = crate::finite::first_in_bytes(self.raw_bytes(name)?, e.info.dtype) {
+            if let Some((index, value)) = crate::finite::first_in_bytes(&self.raw_bytes(name)?, e.info.dtype) {
                 let coords = crate::finite::coords(&e.info.shape, index);
                 return Err(crate::finite::NonFinite { path: self.path.clone(), tensor: e.info.key.clone(), index, coords, value }.into());
             }
@@ -418,8 +282,9 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Bytes of the listed tensors as stored (buffers not counted).
+    /// Bytes of the listed tensors (buffers not counted; a tensor sharing another's storage, as a
+    /// tied head does in a PyTorch file, counted apart).
     pub fn stored_bytes(&self) -> usize {
-        self.tensors.values().map(|e| e.end - e.begin).sum()
+        self.tensors.values().map(|e| e.info.dtype.bytes_for(e.info.shape.iter().product())).sum()
     }
 }

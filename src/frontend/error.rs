@@ -19,6 +19,11 @@ pub enum LoadError {
     #[error("{}: not a safetensors file: {why}", path.display())]
     NotSafetensors { path: PathBuf, why: String },
 
+    /// A PyTorch file or a shard index qatc does not read (a pickle that calls anything but a
+    /// state dict's constructors among them), or a layout it cannot place.
+    #[error("{}: {why}", path.display())]
+    NotCheckpoint { path: PathBuf, why: String },
+
     #[error("{}: not a safetensors file (or not a GPT-2 one): header length {len} is over the {max}-byte limit", path.display())]
     HeaderTooLarge { path: PathBuf, len: u64, max: u64 },
 

@@ -14,12 +14,12 @@
 //! plan still holds, by category.
 
 use anyhow::Context;
+use qatc_driver::{Options, Target, TargetKind};
 use qatc_ir::Category;
 use qatc_passes::optim::Moments;
 use qatc_passes::plan::units::{flops, human};
 use qatc_passes::precision::Precision;
 use qatc_passes::remat::Checkpoint;
-use qatc_driver::{Options, Target, TargetKind};
 use serde::Serialize;
 use serde_json::json;
 

@@ -2,8 +2,8 @@
 //! with every kernel's first launch also run as CUDA C, compiled by the system C++ compiler against
 //! `tests/cxx/cuda_on_cpu.h`, on the same bytes, and compared.
 
-use qatc_kernels::CudaSettings;
 use qatc_kernels::kir::{AttentionPart, Body};
+use qatc_kernels::CudaSettings;
 
 use super::*;
 

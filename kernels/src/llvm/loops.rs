@@ -19,6 +19,10 @@ const REDUCE_FMF: u32 = 1 | 8;
 /// Independent accumulators of a long Max reduction (one AVX2 vector of f32).
 const MAX_LANES: usize = 8;
 
+/// The terms of an f32 `Sum` added in f32 before their partial sum joins the f64 total
+/// (`Scope::wide_sum`).
+const WIDE_CHUNK: u64 = 64;
+
 pub fn emit(f: &mut FnBuilder, space: &Space, stmts: &[Stmt]) -> R<()> {
     let it = f.index_ty();
     let start = f.b.build_int_truncate_or_bit_cast(f.start, it, "start")?;
@@ -207,6 +211,11 @@ impl<'ctx> Scope<'ctx> {
                 let v = f.b.build_load(ity, acc, "reduced")?;
                 self.vars.insert(*var, v);
             }
+            Stmt::Reduce { var, op: ReduceOp::Sum, ty: Ty::F32, lp, body, value } => {
+                let n = self.index(f, &lp.extent)?;
+                let v = self.wide_sum(f, lp, body, value, n)?;
+                self.vars.insert(*var, v.into());
+            }
             Stmt::Reduce { var, op, ty, lp, body, value } => {
                 let fty = f.llty(*ty).into_float_type();
                 let acc = f.alloca(fty.into(), 1, "acc")?;
@@ -253,6 +262,56 @@ impl<'ctx> Scope<'ctx> {
             }
         }
         Ok(())
+    }
+
+    /// An f32 `Sum` as the reference sums (`qatc_runtime::WideSum`: f64, rounded once at the end),
+    /// at f32's vector width: partial sums of WIDE_CHUNK terms in f32 (their adds `reassoc`, so
+    /// LLVM vectorizes them 8 lanes wide), each added to an f64 total, the total rounded once.
+    /// A long row summed in f32 lanes drops the terms that are small against its running sum: a
+    /// cross-entropy row's 50,257 exponentials put the loss ~1e-6 low, a column of 512
+    /// gradients ~1e-4 off; widened element by element, the exponentials ran at half the width.
+    #[allow(clippy::too_many_arguments)]
+    fn wide_sum(
+        &mut self,
+        f: &mut FnBuilder<'_, 'ctx>,
+        lp: &crate::kir::Loop,
+        body: &[Stmt],
+        value: &Expr,
+        n: IntValue<'ctx>,
+    ) -> R<FloatValue<'ctx>> {
+        let (it, f32t, f64t) = (n.get_type(), f.f32t(), f.cx.f64_type());
+        let total = f.alloca(f64t.into(), 1, "total")?;
+        f.b.build_store(total, f64t.const_float(0.0))?;
+        let part = f.alloca(f32t.into(), 1, "part")?;
+        let chunk = it.const_int(WIDE_CHUNK, false);
+        let n1 = f.b.build_int_add(n, it.const_int(WIDE_CHUNK - 1, false), "n1")?;
+        let chunks = f.b.build_int_unsigned_div(n1, chunk, "chunks")?;
+        f.for_range(it.const_int(0, false), chunks, &mut |f, c| {
+            let lo = f.b.build_int_mul(c, chunk, "lo")?;
+            let hi = f.b.build_int_add(lo, chunk, "hi")?;
+            let last = f.b.build_int_compare(IntPredicate::SLT, n, hi, "last")?;
+            let hi = f.b.build_select(last, n, hi, "hi")?.into_int_value();
+            f.b.build_store(part, f32t.const_float(0.0))?;
+            f.for_range(lo, hi, &mut |f, j| {
+                self.ix.insert(Ix::Loop(lp.var), j);
+                self.stmts(f, body)?;
+                let x = self.typed(f, value, Ty::F32)?.into_float_value();
+                let a = f.b.build_load(f32t, part, "a")?.into_float_value();
+                let s = f.b.build_float_add(a, x, "sum")?;
+                if let Some(ins) = s.as_instruction_value() {
+                    ins.set_fast_math_flags(REDUCE_FMF);
+                }
+                f.b.build_store(part, s)?;
+                Ok(())
+            })?;
+            let p = f.b.build_load(f32t, part, "p")?.into_float_value();
+            let p = f.b.build_float_ext(p, f64t, "wide")?;
+            let t = f.b.build_load(f64t, total, "t")?.into_float_value();
+            f.b.build_store(total, f.b.build_float_add(t, p, "t")?)?;
+            Ok(())
+        })?;
+        let t = f.b.build_load(f64t, total, "t")?.into_float_value();
+        Ok(f.b.build_float_trunc(t, f32t, "rounded")?)
     }
 
     /// Folds positions 0 .. n - n % MAX_LANES of a Max reduction into `acc` with MAX_LANES

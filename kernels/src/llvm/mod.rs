@@ -18,7 +18,9 @@
 //! parameters are `noalias` (a launch never passes one buffer twice; the runtime checks), so
 //! LLVM may vectorize elementwise loops. Floating point is strict except where the kernel IR
 //! allows otherwise: the adds of a `Reduce` `Sum` carry `reassoc` (the IR lets a backend fold in
-//! any order), which lets LLVM vectorize row reductions; a long `Max` reduction folds 8
+//! any order), which lets LLVM vectorize row reductions; an f32 sum adds partial sums of 64 terms
+//! in f64 and rounds the total once (nearly the kernel evaluator's and the interpreter's rule,
+//! f64 throughout, at f32's vector width); a long `Max` reduction folds 8
 //! independent lanes (max is exactly associative; LLVM will not vectorize `maxnum` reductions
 //! without `nnan`). f32 `exp` and `tanh` are inline, vectorizable Cephes polynomials within 2 ulp
 //! of libm's; log and pow, and f64 math, call libm (bound to Rust's implementations, `jit.rs`).

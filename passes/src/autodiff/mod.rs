@@ -15,7 +15,6 @@ use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
 use crate::pipeline::Stage;
 
-
 /// The name of the backward's seed, d loss / d loss = 1 (loss scaling replaces it by the scale).
 pub const LOSS_GRAD: &str = qatc_ir::role::GRADIENT_SEED;
 

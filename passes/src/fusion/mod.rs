@@ -63,7 +63,6 @@ use crate::pipeline::PassReport;
 use crate::pipeline::Stage;
 pub use report::FusionReport;
 
-
 #[derive(Debug, thiserror::Error)]
 pub enum FusionError {
     #[error("{0}")]

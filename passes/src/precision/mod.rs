@@ -33,7 +33,6 @@ use crate::pipeline::Stage;
 pub use rules::{convertible, rule, Rule};
 pub use scaling::{LossScaling, GRADS_FINITE, LOSS_SCALE};
 
-
 /// `--precision`: the storage type of activations, gradients and GEMM operands.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -105,7 +104,9 @@ fn raw_gradients(g: &Graph, order: &[NodeId]) -> Result<Vec<NodeId>, PassError> 
             Some(n) => grads.push(n),
             // a forward graph for evaluation has trainable weights but no gradients
             None if !g.outputs().iter().any(|o| o.update) => {}
-            None => return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("no node {name:?}: the pass runs after autodiff") }),
+            None => {
+                return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("no node {name:?}: the pass runs after autodiff") })
+            }
         }
     }
     Ok(grads)
@@ -195,7 +196,10 @@ impl Rewrite<'_> {
             }
             Rule::Master => (node.op.clone(), Some(DType::F32)),
             Rule::Refuse => {
-                return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("{} must come after this pass", self.src.describe(n)) })
+                return Err(PassError::Invalid {
+                    pass: Stage::Precision,
+                    msg: format!("{} must come after this pass", self.src.describe(n)),
+                })
             }
         };
         let mut args = Vec::with_capacity(ops.len());
@@ -274,10 +278,25 @@ pub fn precision(g: Graph, p: Precision, scaling: &LossScaling) -> Result<(Graph
     if let Some((state, _)) = scale {
         // the finiteness test reads every gradient as the optimizer does: f32 and unscaled
         let mut checked = Vec::new();
-        for &gr in &grads {
-            checked.push(enter_optimizer(&mut rw, gr, &grads, scale, &mut inv, &mut entering)?);
+        let apply = g.find_input(crate::microbatch::APPLY);
+        if apply.is_some() {
+            // accumulating: the optimizer reads the sums, so a non-finite micro-batch makes the
+            // whole step non-finite and it is skipped, as GradScaler skips it
+            for o in g.outputs().iter().filter(|o| o.update && o.name != crate::microbatch::LOSS_SUM && crate::microbatch::is_sum(&o.name))
+            {
+                let next = g.operands(o.node).get(2).copied().ok_or_else(|| PassError::Invalid {
+                    pass: Stage::Precision,
+                    msg: format!("update {:?} is not accumulate's select", o.name),
+                })?;
+                checked.push(rw.map[&next]);
+            }
+        } else {
+            for &gr in &grads {
+                checked.push(enter_optimizer(&mut rw, gr, &grads, scale, &mut inv, &mut entering)?);
+            }
         }
-        let gated = scaling::gate_updates(&mut rw.dst, &checked, state, scaling)?;
+        let apply = apply.map(|a| rw.map[&a]);
+        let gated = scaling::gate_updates(&mut rw.dst, &checked, state, scaling, apply)?;
         rw.report.set("updates_gated", gated as i64);
     }
     rw.report.set("gradients", grads.len() as i64);
@@ -301,7 +320,10 @@ fn enter_optimizer(
     }
     if !grads.contains(&o) {
         let what = rw.src.describe(o);
-        return Err(PassError::Invalid { pass: Stage::Precision, msg: format!("{what} reaches the optimizer in a lower type but is not a gradient") });
+        return Err(PassError::Invalid {
+            pass: Stage::Precision,
+            msg: format!("{what} reaches the optimizer in a lower type but is not a gradient"),
+        });
     }
     let v = rw.convert(rw.map[&o], DType::F32)?;
     let v = match scale {

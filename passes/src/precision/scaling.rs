@@ -70,8 +70,16 @@ pub(crate) fn inverse(g: &mut Graph, s: NodeId) -> Result<NodeId, PassError> {
 }
 
 /// The product of every gradient's finiteness flag, as output [`GRADS_FINITE`]; then every update
-/// output is kept only when it is 1, and the scale's own update is added.
-pub(crate) fn gate_updates(g: &mut Graph, grads: &[NodeId], state: NodeId, h: &LossScaling) -> Result<usize, PassError> {
+/// output is kept only when it is 1, and the scale's own update is added. Accumulating
+/// (`apply`: the last micro-batch's flag), the running sums are not kept back (the last
+/// micro-batch zeroes them whatever the step did) and the scale moves once per step.
+pub(crate) fn gate_updates(
+    g: &mut Graph,
+    grads: &[NodeId],
+    state: NodeId,
+    h: &LossScaling,
+    apply: Option<NodeId>,
+) -> Result<usize, PassError> {
     let mut finite: Option<NodeId> = None;
     for &gr in grads {
         let f = g.add(Op::AllFinite, &[gr]).in_pass(Stage::Precision)?;
@@ -89,14 +97,23 @@ pub(crate) fn gate_updates(g: &mut Graph, grads: &[NodeId], state: NodeId, h: &L
     g.clear_outputs();
     let mut gated = 0;
     for o in outputs {
-        if !o.update {
-            g.set_output(o.name, o.node).in_pass(Stage::Precision)?;
+        if !o.update || crate::microbatch::is_sum(&o.name) {
+            if o.update {
+                g.set_update(o.name, o.node).in_pass(Stage::Precision)?;
+            } else {
+                g.set_output(o.name, o.node).in_pass(Stage::Precision)?;
+            }
             continue;
         }
-        let old =
-            g.find_input(&o.name).ok_or_else(|| PassError::Invalid { pass: Stage::Precision, msg: format!("update {:?} has no input", o.name) })?;
+        let old = g
+            .find_input(&o.name)
+            .ok_or_else(|| PassError::Invalid { pass: Stage::Precision, msg: format!("update {:?} has no input", o.name) })?;
         let ty: TensorType = g.ty(old).clone();
-        let cond = if ty.shape.rank() == 0 { finite } else { g.add(Op::Broadcast { shape: ty.shape.clone() }, &[finite]).in_pass(Stage::Precision)? };
+        let cond = if ty.shape.rank() == 0 {
+            finite
+        } else {
+            g.add(Op::Broadcast { shape: ty.shape.clone() }, &[finite]).in_pass(Stage::Precision)?
+        };
         let kept = g.add_named(Op::Select, &[cond, o.node, old], format!("{}.if_finite", o.name)).in_pass(Stage::Precision)?;
         g.set_update(o.name, kept).in_pass(Stage::Precision)?;
         gated += 1;
@@ -104,6 +121,13 @@ pub(crate) fn gate_updates(g: &mut Graph, grads: &[NodeId], state: NodeId, h: &L
     let next = g
         .add_named(Op::LossScale { interval: h.interval, growth: h.growth, backoff: h.backoff }, &[state, finite], "loss_scale.next")
         .in_pass(Stage::Precision)?;
+    let next = match apply {
+        Some(a) => {
+            let cond = g.add(Op::Broadcast { shape: g.ty(state).shape.clone() }, &[a]).in_pass(Stage::Precision)?;
+            g.add_named(Op::Select, &[cond, next, state], "loss_scale.if_applied").in_pass(Stage::Precision)?
+        }
+        None => next,
+    };
     g.set_update(LOSS_SCALE, next).in_pass(Stage::Precision)?;
     g.set_output(GRADS_FINITE, finite).in_pass(Stage::Precision)?;
     Ok(gated)

@@ -27,11 +27,10 @@ pub use apply::Rewrite;
 
 use crate::error::PassError;
 use crate::pipeline::PassReport;
+use crate::pipeline::Stage;
 use crate::plan::region::Dense;
 use crate::plan::units::{flag, flops, human, parse_size};
 use crate::plan::{self, PlanOptions};
-use crate::pipeline::Stage;
-
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -280,8 +279,8 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
             if policy == Checkpoint::Sqrt {
                 report.notes.push(format!("sqrt: {} blocks in segments of {seg}", ch.layers));
             }
-            let (graph, rw) =
-                apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg)).map_err(|source| PassError::Ir { pass: Stage::Remat, error: source })?;
+            let (graph, rw) = apply::rewrite(&g, &d, &keep_segments(&d, &ch, seg))
+                .map_err(|source| PassError::Ir { pass: Stage::Remat, error: source })?;
             Candidate { policy: policy.describe(), graph, rw, peak: 0 }
         }
         Checkpoint::Budget(m) => match cheapest_fit(&g, &d, m, None, po, &mut report.notes)? {

@@ -18,6 +18,7 @@ use super::scalar::{self, int_as, Scalar, R};
 use super::Launcher;
 use crate::error::RuntimeError;
 use crate::exec::kernel_label;
+use crate::float::WideSum;
 
 /// A kernel prepared for evaluation.
 struct Prepared {
@@ -314,18 +315,16 @@ impl Frame<'_> {
                         (ReduceOp::Sum, Ty::I32 | Ty::I64) => int_as(0, *ty)?,
                         _ => return Err(format!("{op:?} reduction of type {ty:?}")),
                     };
-                    // An f32 sum is accumulated in f64 and rounded once, at its end. The IR lets a
-                    // sum fold in any order; added in order in f32, a long row (a cross-entropy
-                    // row of 50,257 logits) drifts by up to ~1e-3, where a GPU's tree of partial
-                    // sums or the CPU's vector lanes stay near 1e-6: the reference must not be the
-                    // least precise of the orders it judges.
-                    let mut wide = (*op == ReduceOp::Sum && *ty == Ty::F32).then_some(0.0f64);
+                    // An f32 sum is the reference's ([`WideSum`]: f64, rounded once at its end);
+                    // the IR lets a sum fold in any order, and the evaluator judges the orders
+                    // the devices choose.
+                    let mut wide = (*op == ReduceOp::Sum && *ty == Ty::F32).then(WideSum::default);
                     for j in 0..self.extent(lp)? {
                         self.set_loop(lp, Some(j))?;
                         self.stmts(body)?;
                         let x = scalar::cast(*ty, self.eval(value)?)?;
                         if let (Some(w), Scalar::F32(x)) = (wide.as_mut(), x) {
-                            *w += f64::from(x);
+                            w.add(x);
                             continue;
                         }
                         acc = match (op, acc, x) {
@@ -342,7 +341,7 @@ impl Frame<'_> {
                     }
                     self.set_loop(lp, None)?;
                     if let Some(w) = wide {
-                        acc = Scalar::F32(w as f32);
+                        acc = Scalar::F32(w.round());
                     }
                     self.def(*var, acc)?;
                 }

@@ -31,9 +31,7 @@ use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
 use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{
-    gemm_label, kernel_label, step_cost, ExecOptions, ExecPlan, MemoryLayout, PartCost, Region, TimedPart, TrainStep,
-};
+use crate::exec::{gemm_label, kernel_label, step_cost, ExecOptions, ExecPlan, MemoryLayout, PartCost, Region, TimedPart, TrainStep};
 use crate::value::Value;
 
 /// One step on the device, its pointers resolved.

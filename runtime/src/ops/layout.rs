@@ -2,7 +2,7 @@
 //! generic over the element, so they serve float and integer tensors alike.
 
 use super::expect_len;
-use crate::float::Float;
+use crate::float::{Float, WideSum};
 
 /// Row-major strides in elements.
 pub fn strides(shape: &[usize]) -> Vec<usize> {
@@ -84,15 +84,15 @@ pub fn broadcast<E: Copy>(in_shape: &[usize], x: &[E], out_shape: &[usize]) -> R
 }
 
 /// Broadcast's adjoint: every input element is added into the output element it was broadcast
-/// from. Accumulates in `T`, in input order.
+/// from, in input order, in f64 ([`WideSum`]), each sum rounded once to `T`.
 pub fn sum_to<T: Float>(in_shape: &[usize], x: &[T], out_shape: &[usize]) -> Result<Vec<T>, String> {
     expect_len("operand", x.len(), in_shape.iter().product())?;
     // Walking the input in order with the output's broadcast strides maps each input element to
     // the output element it sums into.
     let s = broadcast_strides(out_shape, in_shape)?;
-    let mut out = vec![T::ZERO; out_shape.iter().product()];
-    for_each_strided(in_shape, &s, 0, |i, o| out[o] += x[i]);
-    Ok(out)
+    let mut out = vec![WideSum::default(); out_shape.iter().product()];
+    for_each_strided(in_shape, &s, 0, |i, o| out[o].add(x[i]));
+    Ok(out.into_iter().map(WideSum::round).collect())
 }
 
 /// `out.dims[i] = in.dims[perm[i]]`

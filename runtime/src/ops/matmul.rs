@@ -1,5 +1,6 @@
-//! Batched matmul on matrixmultiply's sgemm/dgemm. A transposed operand is the same buffer read
-//! with its row and column strides swapped, so `ta`/`tb` cost nothing.
+//! Batched matmul on matrixmultiply's dgemm ([`Float::gemm`]: f32 operands widened, each result
+//! rounded once). A transposed operand is the same buffer read with its row and column strides
+//! swapped, so `ta`/`tb` cost no copy.
 
 use crate::float::Float;
 

@@ -1,7 +1,9 @@
-//! Softmax (attention) and cross-entropy (the loss), each with its backward.
+//! Softmax (attention) and cross-entropy (the loss), each with its backward. Exponentials, sums,
+//! log-sum-exp and each result's arithmetic are f64 ([`WideSum`]), each result rounded once to
+//! `T`.
 
 use super::{expect_len, par_chunks};
-use crate::float::Float;
+use crate::float::{Float, WideSum};
 
 /// Row-wise softmax of `scale * x` over the last dim S, with max subtraction. With `causal`, row
 /// i of each trailing [T, S] matrix keeps only columns j <= i; the others are exactly 0.
@@ -19,31 +21,31 @@ pub fn softmax<T: Float>(shape: &[usize], x: &[T], scale: f64, causal: bool) -> 
     } else {
         1
     };
-    let scale = T::from_f64(scale);
     let mut out = vec![T::ZERO; x.len()];
     if s == 0 {
         return Ok(out);
     }
     par_chunks(&mut out, s, |start, chunk| {
+        // a row's exponentials, unrounded until divided by their sum
+        let mut e = vec![0f64; s];
         for (k, orow) in chunk.chunks_exact_mut(s).enumerate() {
             let row_idx = start / s + k;
             let row = &x[row_idx * s..(row_idx + 1) * s];
             let valid = if causal { row_idx % t + 1 } else { s };
-            let mut max = T::NEG_INFINITY;
+            let mut max = f64::NEG_INFINITY;
             for &v in &row[..valid] {
-                let z = scale * v;
+                let z = scale * v.to_f64();
                 if z > max {
                     max = z;
                 }
             }
-            let mut sum = T::ZERO;
+            let mut sum = WideSum::default();
             for j in 0..valid {
-                let e = (scale * row[j] - max).exp();
-                orow[j] = e;
-                sum += e;
+                e[j] = (scale * row[j].to_f64() - max).exp();
+                sum.add(e[j]);
             }
-            for o in &mut orow[..valid] {
-                *o /= sum;
+            for (o, &e) in orow[..valid].iter_mut().zip(&e) {
+                *o = T::from_f64(e / sum.wide());
             }
             // orow[valid..] stays exactly 0.
         }
@@ -54,7 +56,6 @@ pub fn softmax<T: Float>(shape: &[usize], x: &[T], scale: f64, causal: bool) -> 
 /// dx = scale * y * (dy - sum_j dy_j y_j), row-wise over the last dim.
 pub fn softmax_grad<T: Float>(s: usize, y: &[T], dy: &[T], scale: f64) -> Result<Vec<T>, String> {
     expect_len("dy", dy.len(), y.len())?;
-    let scale = T::from_f64(scale);
     let mut out = vec![T::ZERO; y.len()];
     if s == 0 {
         return Ok(out);
@@ -63,12 +64,12 @@ pub fn softmax_grad<T: Float>(s: usize, y: &[T], dy: &[T], scale: f64) -> Result
         for (k, orow) in chunk.chunks_exact_mut(s).enumerate() {
             let base = start + k * s;
             let (yr, dr) = (&y[base..base + s], &dy[base..base + s]);
-            let mut dot = T::ZERO;
+            let mut dot = WideSum::default();
             for j in 0..s {
-                dot += dr[j] * yr[j];
+                dot.add_product(dr[j], yr[j]);
             }
             for j in 0..s {
-                orow[j] = scale * yr[j] * (dr[j] - dot);
+                orow[j] = T::from_f64(scale * yr[j].to_f64() * (dr[j].to_f64() - dot.wide()));
             }
         }
     });
@@ -81,18 +82,18 @@ fn target_of(t: i32, v: usize) -> Result<usize, String> {
 
 /// (max, sum of exp(x - max)) of one row: logsumexp = max + ln(sum).
 #[inline]
-fn max_sumexp<T: Float>(row: &[T]) -> (T, T) {
-    let mut max = T::NEG_INFINITY;
+fn max_sumexp<T: Float>(row: &[T]) -> (f64, f64) {
+    let mut max = f64::NEG_INFINITY;
     for &v in row {
-        if v > max {
-            max = v;
+        if v.to_f64() > max {
+            max = v.to_f64();
         }
     }
-    let mut sum = T::ZERO;
+    let mut sum = WideSum::default();
     for &v in row {
-        sum += (v - max).exp();
+        sum.add((v.to_f64() - max).exp());
     }
-    (max, sum)
+    (max, sum.wide())
 }
 
 fn check_nv<T>(logits: &[T], targets: &[i32], v: usize) -> Result<(), String> {
@@ -105,13 +106,13 @@ pub fn cross_entropy<T: Float>(logits: &[T], targets: &[i32], v: usize) -> Resul
     if v == 0 || targets.is_empty() {
         return Err(format!("cross_entropy over {} rows of {v} classes", targets.len()));
     }
-    let mut total = T::ZERO;
+    let mut total = WideSum::default();
     for (row, &t) in logits.chunks_exact(v).zip(targets) {
         let c = target_of(t, v)?;
         let (max, sum) = max_sumexp(row);
-        total += max + sum.ln() - row[c];
+        total.add(max + sum.ln() - row[c].to_f64());
     }
-    Ok(total / T::from_f64(targets.len() as f64))
+    Ok(T::from_f64(total.wide() / targets.len() as f64))
 }
 
 /// dlogits = dloss / N * (softmax(row) - onehot(target)).
@@ -124,19 +125,20 @@ pub fn cross_entropy_grad<T: Float>(logits: &[T], targets: &[i32], v: usize, dlo
     for &t in targets {
         target_of(t, v)?;
     }
-    let k = dloss / T::from_f64(targets.len() as f64);
+    let k = dloss.to_f64() / targets.len() as f64;
     let mut out = vec![T::ZERO; logits.len()];
     par_chunks(&mut out, v, |start, chunk| {
         for (r, orow) in chunk.chunks_exact_mut(v).enumerate() {
             let n = start / v + r;
             let row = &logits[n * v..(n + 1) * v];
             let (max, sum) = max_sumexp(row);
-            for j in 0..v {
-                orow[j] = k * ((row[j] - max).exp() / sum);
+            let p = |j: usize| k * ((row[j].to_f64() - max).exp() / sum);
+            for (j, o) in orow.iter_mut().enumerate() {
+                *o = T::from_f64(p(j));
             }
             // In range: checked above.
             if let Ok(c) = usize::try_from(targets[n]) {
-                orow[c] -= k;
+                orow[c] = T::from_f64(p(c) - k);
             }
         }
     });

@@ -65,7 +65,7 @@ fn shorter_than_eight_bytes() {
 fn a_directory() {
     let dir = tempfile::tempdir().unwrap();
     let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
-    assert!(e.contains("not a regular file"), "{e}");
+    assert!(e.contains("a directory without a checkpoint (looked for model.safetensors"), "{e}");
 }
 
 #[test]
