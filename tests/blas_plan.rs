@@ -325,7 +325,7 @@ fn gemm(a: View, b: View, c: View, alpha: f64, accumulate: bool, bias: Option<Vi
     let (m, n, k) = (c.shape[r - 2], c.shape[r - 1], a.shape[r - 1]);
     let types =
         qatc_kernels::program::GemmTypes { bias: bias.as_ref().map(|_| qatc_ir::DType::F32), ..qatc_kernels::program::GemmTypes::F32 };
-    Gemm { a, b, c, m, n, k, alpha, accumulate, bias, types, note: "hand-made".into(), feed: None }
+    Gemm { a, b, c, m, n, k, alpha, accumulate, bias, types, note: "hand-made".into() }
 }
 
 /// What a case's plan must look like.

@@ -129,6 +129,7 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
     let tr = Trainer::new(&m, o.clone(), None, 3).unwrap();
     let interp = Interpreter::<f32>::new(&tr.graph).unwrap();
     let mut prog = qatc_kernels::lower(&tr.graph).unwrap_or_else(|e| panic!("{what}: lower: {e}"));
+    let mut panels = qatc_kernels::panels::PanelTable::default();
     if panel_bytes > 0 {
         // unfused, one dequantized value per 4-bit weight, read by its forward and backward
         // GEMMs; fused, one materialized per GEMM (the report counts them)
@@ -141,12 +142,13 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
                 .count()
         };
         let before: usize = prog.buffers.iter().map(|b| b.bytes()).sum();
-        let r = qatc_kernels::panels::feed_panels(&mut prog, panel_bytes);
+        let r;
+        (panels, r) = qatc_kernels::panels::feed_panels(&mut prog, panel_bytes);
         let after: usize = prog.buffers.iter().map(|b| b.bytes()).sum();
         eprintln!("{what}: {}", r.lines.join("; "));
         assert!(dequants > 0 && r.lines.len() == dequants, "{what}: {} of {dequants} dequantized weights fed in panels", r.lines.len());
         assert_eq!(before - after, r.bytes_saved - r.scratch_bytes, "{what}: the buffers shrank by what the report says");
-        let fed: Vec<_> = prog.gemms().filter_map(|g| g.feed.as_ref()).collect();
+        let fed: Vec<_> = panels.iter().map(|(_, f)| f).collect();
         assert!(fed.iter().any(|f| f.rows_are_k) && fed.iter().any(|f| !f.rows_are_k), "{what}: both b = W and b = W^T are fed");
         assert!(fed.iter().any(|f| f.rows % f.panel != 0 && f.rows > f.panel), "{what}: some weight ends in a short panel");
     }
@@ -160,19 +162,22 @@ fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<
         })
         .collect();
     let mut runners = Vec::new();
+    // each as `CpuProgram::new` makes it, with the GEMMs the rewrite feeds
+    let fed = |launcher: Box<dyn qatc_runtime::Launcher>| {
+        let exec = ExecOptions::new(qatc_runtime::cpu::ALIGN);
+        CpuProgram::with_panels(prog.clone(), panels.clone(), launcher, exec, &CpuOptions::default())
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
     #[cfg(feature = "llvm")]
     {
         let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap_or_else(|e| panic!("{what}: {e}"));
-        runners.push(("LLVM", CpuProgram::new(prog.clone(), Box::new(jit)).unwrap_or_else(|e| panic!("{what}: {e}"))));
+        runners.push(("LLVM", fed(Box::new(jit))));
         // as `qatc train` runs it: attention as GEMMs, the rest by LLVM
         let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).unwrap_or_else(|e| panic!("{what}: {e}"));
         let gemm_attention = qatc_runtime::cpu::GemmAttention::new(jit, &prog.kernels);
-        runners.push((
-            "LLVM + GEMM attention",
-            CpuProgram::new(prog.clone(), Box::new(gemm_attention)).unwrap_or_else(|e| panic!("{what}: {e}")),
-        ));
+        runners.push(("LLVM + GEMM attention", fed(Box::new(gemm_attention))));
     }
-    runners.push(("KIR evaluator", CpuProgram::with_kir_eval(prog).unwrap_or_else(|e| panic!("{what}: {e}"))));
+    runners.push(("KIR evaluator", fed(Box::new(qatc_runtime::KirEval::new(&prog.kernels)))));
     let mut state = tr.state().unwrap();
     let updates: Vec<String> = tr.graph.outputs().iter().filter(|o| o.update).map(|o| o.name.clone()).collect();
     assert!(!updates.is_empty());
@@ -358,11 +363,11 @@ fn the_cpu_executor_lays_buffers_out_as_the_plan_says() {
     let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
     let tr = Trainer::new(&m, o, None, 3).unwrap();
     let mut prog = qatc_kernels::lower(&tr.graph).unwrap();
-    qatc_kernels::panels::feed_panels(&mut prog, 5000);
+    let (panels, _) = qatc_kernels::panels::feed_panels(&mut prog, 5000);
     let exec = ExecOptions { hoist: Hoist::Everything, ..ExecOptions::new(qatc_runtime::cpu::ALIGN) };
-    let cp =
-        CpuProgram::with_options(prog.clone(), Box::new(qatc_runtime::KirEval::new(&prog.kernels)), exec, &CpuOptions::default()).unwrap();
-    let plan = ExecPlan::new(&prog, exec).unwrap();
+    let eval = Box::new(qatc_runtime::KirEval::new(&prog.kernels));
+    let cp = CpuProgram::with_panels(prog.clone(), panels.clone(), eval, exec, &CpuOptions::default()).unwrap();
+    let plan = ExecPlan::with_panels(&prog, &panels, exec).unwrap();
     assert!(plan == *cp.plan(), "the executor's plan is the core's");
     let (mut regions, mut shared) = (std::collections::HashSet::new(), 0);
     for (b, place) in plan.layout.places.iter().enumerate() {

@@ -277,7 +277,7 @@ fn the_gemm_plans_data_moves() {
         let r = c.shape.len();
         let (m, n, k) = (c.shape[r - 2], c.shape[r - 1], a.shape[r - 1]);
         let types = GemmTypes { bias: bias.as_ref().map(|_| DType::F32), ..GemmTypes::F32 };
-        Gemm { a, b, c, m, n, k, alpha: 0.5, accumulate, bias, types, note: "hand-made".into(), feed: None }
+        Gemm { a, b, c, m, n, k, alpha: 0.5, accumulate, bias, types, note: "hand-made".into() }
     };
     let gemms = vec![
         // a packed operand (no unit stride) and a broadcast one (stride 0)

@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! Graph --lower(g, &target, &options)--> Lowered { program, chunk }     schedule, chunk size
-//!       --plan(...)-------------------> Executed { program, exec, plan } the target's rewrites,
-//!                                                                        its executor's layout
+//!       --plan(...)-------------------> Executed { program, panels,     the target's rewrites,
+//!                                                  exec, plan }          its executor's layout
 //!       --compile(...)----------------> Executable { step: TrainStep }   LLVM / NVRTC, loaded
 //! ```
 //!

@@ -4,6 +4,7 @@
 //! the same offsets.
 
 use qatc_ir::{Graph, Phase, Roles};
+use qatc_kernels::panels::PanelTable;
 use qatc_kernels::{Program, Target, TargetKind};
 use qatc_passes::plan::cost::node_flops;
 use qatc_runtime::exec::{ExecOptions, ExecPlan, MemoryPlan};
@@ -30,18 +31,20 @@ pub fn lower(g: &Graph, target: &Target, options: &Options) -> Result<Lowered, D
 }
 
 /// The target's own rewrites of a lowered program, before it is laid out (what its executor
-/// runs): on the CPU, 4-bit weights fed to their GEMMs in dequantized panels; none on CUDA.
-pub fn prepare(program: &mut Program, target: &Target, options: &Options) {
-    if target.kind == TargetKind::Cpu {
-        qatc_runtime::cpu::prepare(program, &options.cpu);
+/// runs): on the CPU, 4-bit weights fed to their GEMMs in dequantized panels, those GEMMs in the
+/// table returned; none on CUDA (an empty table).
+pub fn prepare(program: &mut Program, target: &Target, options: &Options) -> PanelTable {
+    match target.kind {
+        TargetKind::Cpu => qatc_runtime::cpu::prepare(program, &options.cpu).0,
+        TargetKind::Cuda => PanelTable::default(),
     }
 }
 
 /// The executed plan's peak of `program` on `target` (the target's rewrites applied first).
 pub fn peak(program: &Program, target: &Target, options: &Options) -> Result<usize, DriverError> {
     let mut program = program.clone();
-    prepare(&mut program, target, options);
-    let exec = ExecPlan::new(&program, ExecOptions::for_target(target))?;
+    let panels = prepare(&mut program, target, options);
+    let exec = ExecPlan::with_panels(&program, &panels, ExecOptions::for_target(target))?;
     Ok(MemoryPlan::new(&program, &exec).peak_bytes())
 }
 
@@ -50,6 +53,8 @@ pub struct Executed {
     pub target: Target,
     /// The lowered program after the target's rewrites.
     pub program: Program,
+    /// The GEMMs the CPU executor feeds panel by panel (empty on CUDA).
+    pub panels: PanelTable,
     pub exec: ExecPlan,
     pub plan: MemoryPlan,
     /// FLOPs of the whole step (every node of the graph, a fused kernel its body's), and of the
@@ -65,8 +70,8 @@ pub struct Executed {
 /// CPU executor's settings, whose panel size changes the program).
 pub fn plan(g: &Graph, target: &Target, options: &Options) -> Result<Executed, DriverError> {
     let Lowered { mut program, chunk } = lower(g, target, options)?;
-    prepare(&mut program, target, options);
-    let exec = ExecPlan::new(&program, ExecOptions::for_target(target))?;
+    let panels = prepare(&mut program, target, options);
+    let exec = ExecPlan::with_panels(&program, &panels, ExecOptions::for_target(target))?;
     let plan = MemoryPlan::new(&program, &exec);
     let roles = Roles::of(g);
     let (mut total_flops, mut recompute_flops, mut recomputed_nodes) = (0u64, 0u64, 0usize);
@@ -78,5 +83,5 @@ pub fn plan(g: &Graph, target: &Target, options: &Options) -> Result<Executed, D
             recomputed_nodes += 1;
         }
     }
-    Ok(Executed { target: *target, program, exec, plan, total_flops, recompute_flops, recomputed_nodes, chunk })
+    Ok(Executed { target: *target, program, panels, exec, plan, total_flops, recompute_flops, recomputed_nodes, chunk })
 }

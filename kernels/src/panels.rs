@@ -17,16 +17,18 @@
 //! `(row mod P) * S + col` of the scratch instead of `row * S + col` of W. Its loads still read
 //! the whole codes and scales at the global row, so a launch over the element range of one panel
 //! fills that panel. This is a CPU rewrite: the CUDA backend keeps the materialized operand,
-//! since cuBLAS reads only dense f32/bf16 matrices.
+//! since cuBLAS reads only dense f32/bf16 matrices. The program it leaves is still a plain one
+//! (every GEMM reads its operands whole, as the other backends do); which GEMMs are fed, and by
+//! what, is a [`PanelTable`] beside it, which the CPU executor holds.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::kir::{BinOp, Body, Expr, Ix, Kernel, Space, Stmt};
 use qatc_ir::DType;
 
 use crate::program::{BufId, BufKind, Buffer, Gemm, Program, Step, View};
 
-/// How a GEMM gets operand b: `kernel` writes rows `r .. r + panel` of the logical weight
+/// How a fed GEMM gets operand b: `kernel` writes rows `r .. r + panel` of the logical weight
 /// [rows, cols] into the front of the scratch buffer (`b.buf`, shared by every fed GEMM, at
 /// least [panel, cols] long, and the size of the kernel's param) when launched over elements `r * cols .. (r + panel) * cols`; the
 /// GEMM then consumes that panel. `b` keeps describing the whole logical weight.
@@ -42,6 +44,33 @@ pub struct PanelFeed {
     pub panel: usize,
     /// W's rows are the GEMM's K dimension (b = W) rather than its N (b = W^T).
     pub rows_are_k: bool,
+}
+
+/// The GEMMs fed panel by panel, by step index in the rewritten program, and how each is fed:
+/// the CPU executor's own table (the program's GEMMs stay plain, so no other backend sees a feed).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PanelTable {
+    feeds: BTreeMap<usize, PanelFeed>,
+}
+
+impl PanelTable {
+    /// How step `step` is fed, if it is a fed GEMM.
+    pub fn get(&self, step: usize) -> Option<&PanelFeed> {
+        self.feeds.get(&step)
+    }
+
+    /// The fed steps and their feeds, in step order.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &PanelFeed)> {
+        self.feeds.iter().map(|(&s, f)| (s, f))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.feeds.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.feeds.len()
+    }
 }
 
 /// What the rewrite did, one line per fed weight (for `qatc train`'s description and tests).
@@ -136,13 +165,50 @@ fn panel_rows(rows: usize, cols: usize, dtype: DType, max_bytes: usize) -> usize
 /// Feeds every qualifying GEMM operand from a panel kernel instead of a materialized weight:
 /// the Launch step that writes a buffer W (no graph input or output) by a dequant-like kernel,
 /// from graph inputs only, with W read by nothing but later GEMMs as their whole operand b, is
-/// removed; W is left empty; each of those GEMMs gets a [`PanelFeed`] writing into one scratch
-/// buffer, `dequant_panel`, which all of them share. Anything else is left as it was, and
-/// everything when `max_panel_bytes` is 0.
-pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
+/// removed; W is left empty; each of those GEMMs reads one scratch buffer, `dequant_panel`, which
+/// all of them share, and gets a [`PanelFeed`] writing into it, in the table returned. Anything
+/// else is left as it was, and everything when `max_panel_bytes` is 0.
+pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> (PanelTable, PanelReport) {
     if max_panel_bytes == 0 {
-        return PanelReport::default();
+        return (PanelTable::default(), PanelReport::default());
     }
+    let found = find(prog, max_panel_bytes);
+    let mut report = PanelReport::default();
+    let scratches = add_scratches(prog, &found, &mut report);
+    let mut panel_ids: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut drop_step = vec![false; prog.steps.len()];
+    // by step index before the dequant launches are dropped
+    let mut feeds: BTreeMap<usize, PanelFeed> = BTreeMap::new();
+    for Found { step: si, kernel, out, w, rows, cols, panel, users } in found {
+        let Some(&(scratch, scratch_elems)) = scratches.get(&prog.buffers[w].dtype) else { continue };
+        let next = prog.kernels.len();
+        let pid = *panel_ids.entry((kernel, panel)).or_insert(next);
+        if pid == next {
+            let pk = panel_kernel(&prog.kernels[kernel], out, cols, panel, scratch_elems);
+            prog.kernels.push(pk);
+        }
+        let Step::Launch { args, .. } = &prog.steps[si] else { continue };
+        let mut args = args.clone();
+        args[out] = scratch;
+        let name = prog.buffers[w].name.clone();
+        report.bytes_saved += prog.buffers[w].bytes();
+        // nothing refers to W any more: it keeps its number, holding nothing
+        prog.buffers[w].shape = vec![0];
+        for &(j, rows_are_k) in &users {
+            if let Step::Gemm(g) = &mut prog.steps[j] {
+                g.b.buf = scratch;
+                feeds.insert(j, PanelFeed { kernel: pid, args: args.clone(), rows, cols, panel, rows_are_k });
+            }
+        }
+        drop_step[si] = true;
+        report.lines.push(format!("{name}: {rows}x{cols} dequantized {panel} rows at a time for {} GEMMs", users.len()));
+    }
+    (drop_steps(prog, &drop_step, feeds), report)
+}
+
+/// Per buffer: how many steps write it, and whether anything else uses it (a launch reads it, a
+/// GEMM reads it as a, c or bias, or it is an output or an update).
+fn writers_and_other_uses(prog: &Program) -> (Vec<usize>, Vec<bool>) {
     let nb = prog.buffers.len();
     let mut writers = vec![0usize; nb];
     let mut other_use = vec![false; nb]; // read by a launch, or as a GEMM's a / c / bias
@@ -168,7 +234,13 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
     for (_, v) in prog.outputs.iter().chain(&prog.updates) {
         other_use[v.buf] = true;
     }
-    let mut report = PanelReport::default();
+    (writers, other_use)
+}
+
+/// The dequant launches whose weight W can be fed in panels (see [`feed_panels`]), with their
+/// GEMM users and the rows per panel.
+fn find(prog: &Program, max_panel_bytes: usize) -> Vec<Found> {
+    let (writers, other_use) = writers_and_other_uses(prog);
     let mut found: Vec<Found> = Vec::new();
     for si in 0..prog.steps.len() {
         let Step::Launch { kernel, args, .. } = &prog.steps[si] else { continue };
@@ -181,9 +253,7 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
         }
         let users: Vec<(usize, bool)> = (0..prog.steps.len())
             .filter_map(|j| match &prog.steps[j] {
-                Step::Gemm(g) if g.b.buf == w => {
-                    Some((j, if g.batch() == 1 && g.feed.is_none() && j > si { weight_view(&g.b, rows, cols) } else { None }))
-                }
+                Step::Gemm(g) if g.b.buf == w => Some((j, if g.batch() == 1 && j > si { weight_view(&g.b, rows, cols) } else { None })),
                 _ => None,
             })
             .map(|(j, form)| form.map(|f| (j, f)).ok_or(()))
@@ -201,9 +271,14 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
             found.push(Found { step: si, kernel: *kernel, out, w, rows, cols, panel, users });
         }
     }
-    // one scratch for every fed GEMM of a type: only one panel is live at a time
+    found
+}
+
+/// One scratch buffer per element type of the weights found, as long as their longest panel
+/// (only one panel is live at a time): type -> (buffer, elements). Counted in the report.
+fn add_scratches(prog: &mut Program, found: &[Found], report: &mut PanelReport) -> HashMap<DType, (usize, usize)> {
     let mut scratches: HashMap<DType, (usize, usize)> = HashMap::new();
-    for f in &found {
+    for f in found {
         let e = scratches.entry(prog.buffers[f.w].dtype).or_insert((0, 0));
         e.1 = e.1.max(f.panel * f.cols);
     }
@@ -216,68 +291,53 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> PanelReport {
         prog.buffers.push(Buffer::new(&name, d, &[s.1], BufKind::Temp));
         report.scratch_bytes += prog.buffers[s.0].bytes();
     }
-    let mut panel_ids: HashMap<(usize, usize), usize> = HashMap::new();
-    let mut drop_step = vec![false; prog.steps.len()];
-    for Found { step: si, kernel, out, w, rows, cols, panel, users } in found {
-        let Some(&(scratch, scratch_elems)) = scratches.get(&prog.buffers[w].dtype) else { continue };
-        let next = prog.kernels.len();
-        let pid = *panel_ids.entry((kernel, panel)).or_insert(next);
-        if pid == next {
-            let pk = panel_kernel(&prog.kernels[kernel], out, cols, panel, scratch_elems);
-            prog.kernels.push(pk);
-        }
-        let Step::Launch { args, .. } = &prog.steps[si] else { continue };
-        let mut args = args.clone();
-        args[out] = scratch;
-        let name = prog.buffers[w].name.clone();
-        report.bytes_saved += prog.buffers[w].bytes();
-        // nothing refers to W any more: it keeps its number, holding nothing
-        prog.buffers[w].shape = vec![0];
-        for &(j, rows_are_k) in &users {
-            if let Step::Gemm(g) = &mut prog.steps[j] {
-                g.b.buf = scratch;
-                g.feed = Some(PanelFeed { kernel: pid, args: args.clone(), rows, cols, panel, rows_are_k });
-            }
-        }
-        drop_step[si] = true;
-        report.lines.push(format!("{name}: {rows}x{cols} dequantized {panel} rows at a time for {} GEMMs", users.len()));
+    scratches
+}
+
+/// Drops the steps marked in `drop_step` and returns the feeds by the steps' new indices (a
+/// step's index less the dropped steps before it).
+fn drop_steps(prog: &mut Program, drop_step: &[bool], feeds: BTreeMap<usize, PanelFeed>) -> PanelTable {
+    let mut dropped_before = Vec::with_capacity(drop_step.len());
+    let mut dropped = 0;
+    for &d in drop_step {
+        dropped_before.push(dropped);
+        dropped += usize::from(d);
     }
     let mut i = 0;
     prog.steps.retain(|_| {
         i += 1;
         !drop_step[i - 1]
     });
-    report
+    PanelTable { feeds: feeds.into_iter().map(|(j, f)| (j - dropped_before[j], f)).collect() }
 }
 
-impl Gemm {
-    /// The GEMMs that together compute this one when its operand b comes from a [`PanelFeed`],
-    /// each with the element range of the feed launch that must run before it: over K, partial
-    /// products accumulate into c (the bias is added by the last); over N, each writes its own
-    /// columns of c (and of the bias).
-    pub fn panels(&self) -> Vec<((usize, usize), Gemm)> {
-        let Some(f) = &self.feed else { return Vec::new() };
+impl PanelFeed {
+    /// The GEMMs that together compute `g` (a GEMM this feeds: operand b the scratch), each with
+    /// the element range of the feed launch that must run before it: over K, partial products
+    /// accumulate into c (the bias is added by the last); over N, each writes its own columns of c
+    /// (and of the bias).
+    pub fn panels(&self, g: &Gemm) -> Vec<((usize, usize), Gemm)> {
         let mut out = Vec::new();
         let mut r = 0;
-        while r < f.rows {
-            let e = (r + f.panel).min(f.rows);
-            let scratch = View { buf: self.b.buf, offset: 0, shape: vec![e - r, f.cols], strides: vec![f.cols, 1] };
-            let mut g = Gemm { feed: None, ..self.clone() };
-            if f.rows_are_k {
-                g.a = self.a.slice(1, r, e);
-                g.b = scratch;
-                g.k = e - r;
-                g.accumulate = self.accumulate || r > 0;
-                if e < f.rows {
-                    g.bias = None;
+        while r < self.rows {
+            let e = (r + self.panel).min(self.rows);
+            let scratch = View { buf: g.b.buf, offset: 0, shape: vec![e - r, self.cols], strides: vec![self.cols, 1] };
+            let mut part = g.clone();
+            if self.rows_are_k {
+                part.a = g.a.slice(1, r, e);
+                part.b = scratch;
+                part.k = e - r;
+                part.accumulate = g.accumulate || r > 0;
+                if e < self.rows {
+                    part.bias = None;
                 }
             } else {
-                g.b = scratch.transpose(&[1, 0]);
-                g.c = self.c.slice(1, r, e);
-                g.n = e - r;
-                g.bias = self.bias.as_ref().map(|b| b.slice(0, r, e));
+                part.b = scratch.transpose(&[1, 0]);
+                part.c = g.c.slice(1, r, e);
+                part.n = e - r;
+                part.bias = g.bias.as_ref().map(|b| b.slice(0, r, e));
             }
-            out.push(((r * f.cols, e * f.cols), g));
+            out.push(((r * self.cols, e * self.cols), part));
             r = e;
         }
         out

@@ -196,9 +196,6 @@ pub struct Gemm {
     /// The element types of a, b, c and the bias.
     pub types: GemmTypes,
     pub note: String,
-    /// Operand b is computed a panel at a time rather than read whole (a CPU rewrite,
-    /// `panels::feed_panels`); `lower` never sets it.
-    pub feed: Option<crate::panels::PanelFeed>,
 }
 
 impl Gemm {
@@ -337,9 +334,6 @@ impl Program {
                     }
                     if let Some(b) = &g.bias {
                         line += &format!(" + bias {}", view(b));
-                    }
-                    if g.feed.is_some() {
-                        line += " (b fed in panels)";
                     }
                     o += &format!("{line}  // {}\n", g.note);
                 }

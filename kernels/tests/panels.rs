@@ -14,12 +14,13 @@ fn a_dequantized_weight_becomes_panels_of_its_rows() {
     let mut prog = lower(&common::dequant_gemm()).unwrap();
     assert_eq!(prog.steps.len(), 2, "{prog}");
     // 50 rows of 384 f32 are 76800 bytes: panels of 50, 50 and 28 rows
-    let r = feed_panels(&mut prog, 76_800);
+    let (table, r) = feed_panels(&mut prog, 76_800);
     assert_eq!(r.lines.len(), 1, "{r:?}");
     assert_eq!((r.bytes_saved, r.scratch_bytes), (128 * 384 * 4, 50 * 384 * 4));
     assert_eq!(prog.steps.len(), 1, "the dequant launch is gone: {prog}");
     let Step::Gemm(g) = &prog.steps[0] else { panic!("{prog}") };
-    let f = g.feed.as_ref().expect("fed");
+    let f = table.get(0).expect("fed");
+    assert_eq!(table.len(), 1, "{table:?}");
     assert_eq!((f.rows, f.cols, f.panel, f.rows_are_k), (128, 384, 50, true));
     assert_eq!(
         (prog.buffers[g.b.buf].name.as_str(), &prog.buffers[g.b.buf].shape[..]),
@@ -39,7 +40,7 @@ fn a_dequantized_weight_becomes_panels_of_its_rows() {
     });
     assert!(uses.contains(&Expr::Ix(Ix::Coord(0))) && uses.contains(&Expr::Int(50)) && !uses.contains(&Expr::Ix(Ix::Elem)), "{store:?}");
     // the partial GEMMs cover K once, accumulate after the first, and add the bias once, last
-    let parts = g.panels();
+    let parts = f.panels(g);
     let ks: Vec<usize> = parts.iter().map(|(_, p)| p.k).collect();
     assert_eq!(ks, [50, 50, 28]);
     let ranges: Vec<(usize, usize)> = parts.iter().map(|(r, _)| *r).collect();
@@ -59,11 +60,13 @@ fn a_transposed_weight_is_fed_by_output_columns() {
             b.add(Op::MatMul { ta: false, tb: true }, &[i[0], w]).unwrap()
         });
     let mut prog = lower(&g).unwrap();
-    feed_panels(&mut prog, 100 * 128 * 4);
-    let Some(gm) = prog.gemms().next() else { panic!("{prog}") };
-    let f = gm.feed.as_ref().unwrap_or_else(|| panic!("not fed: {prog}"));
+    let (table, _) = feed_panels(&mut prog, 100 * 128 * 4);
+    let Some((i, gm)) = prog.steps.iter().enumerate().find_map(|(i, s)| if let Step::Gemm(g) = s { Some((i, g)) } else { None }) else {
+        panic!("{prog}")
+    };
+    let f = table.get(i).unwrap_or_else(|| panic!("not fed: {prog}"));
     assert!(!f.rows_are_k);
-    let parts = gm.panels();
+    let parts = f.panels(gm);
     assert_eq!(
         parts.iter().map(|(_, p)| (p.n, p.c.offset, p.k)).collect::<Vec<_>>(),
         [(100, 0, 128), (100, 100, 128), (100, 200, 128), (84, 300, 128)]
@@ -86,10 +89,12 @@ fn weights_read_otherwise_stay_materialized() {
     g.set_output("w", w).unwrap();
     let mut prog = lower(&g).unwrap();
     let before = prog.clone();
-    assert!(feed_panels(&mut prog, 4096).lines.is_empty());
+    let (table, r) = feed_panels(&mut prog, 4096);
+    assert!(r.lines.is_empty() && table.is_empty());
     assert_eq!(prog, before);
     let mut prog = lower(&common::dequant_gemm()).unwrap();
     let before = prog.clone();
-    assert!(feed_panels(&mut prog, 0).lines.is_empty());
+    let (table, r) = feed_panels(&mut prog, 0);
+    assert!(r.lines.is_empty() && table.is_empty());
     assert_eq!(prog, before);
 }

@@ -453,7 +453,6 @@ fn a_buffer_read_before_it_is_written_keeps_its_bytes() {
             accumulate,
             bias: None,
             types: qatc_kernels::GemmTypes::F32,
-            feed: None,
             note: format!("{c} = {a} @ {b}"),
         }))
     };

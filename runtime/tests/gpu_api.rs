@@ -158,7 +158,7 @@ fn plan_cases() -> Vec<Gemm> {
         let r = c.shape.len();
         let (m, n, k) = (c.shape[r - 2], c.shape[r - 1], a.shape[r - 1]);
         let types = qatc_kernels::program::GemmTypes { bias: bias.as_ref().map(|_| DType::F32), ..qatc_kernels::program::GemmTypes::F32 };
-        Gemm { a, b, c, m, n, k, alpha: 0.5, accumulate, bias, types, note: "test".into(), feed: None }
+        Gemm { a, b, c, m, n, k, alpha: 0.5, accumulate, bias, types, note: "test".into() }
     };
     vec![
         gemm(view(0, 0, &[3, 5], &[5, 1]), view(1, 0, &[5, 4], &[4, 1]), view(2, 0, &[3, 4], &[4, 1]), true, Some(view(3, 1, &[4], &[1]))),

@@ -22,6 +22,7 @@ use super::options::{BitMap, DEFAULT_GROUP};
 use crate::artifacts::write_atomic;
 use crate::bitalloc;
 use crate::data::TokenFile;
+use crate::model::Model;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -107,21 +108,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if n == 0 {
         data.batch(0, a.batch, a.seq)?;
     }
-    let sch = a.scheme;
-    let widths: Vec<u8> = sch.widths().collect();
-    let targets = a.targets.clone().unwrap_or_else(QuantOptions::default_targets);
-    let mut modules = Vec::new();
-    for l in 0..m.cfg.n_layer {
-        for mm in MODULES {
-            let name = format!("h.{l}.{mm}");
-            if targets.iter().any(|t| linears::matches(&name, t)) {
-                modules.push(name);
-            }
-        }
-    }
-    if modules.is_empty() {
-        anyhow::bail!("no module matches --targets {}", targets.join(","));
-    }
+    let modules = modules_tested(a, &m)?;
     if a.budget.is_some_and(|b| !(b >= 0.0 && b.is_finite())) {
         anyhow::bail!("--budget must be a number of nats >= 0");
     }
@@ -137,17 +124,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         a.group,
         a.scheme
     );
-    let mut cache = match &a.measurements {
-        Some(p) if p.exists() => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?;
-            let c: Measurements = serde_json::from_str(&text).with_context(|| format!("{}: not qatc prt measurements", p.display()))?;
-            if c.version != 1 || c.settings != settings {
-                anyhow::bail!("{}: measured with other settings ({}); now {settings}", p.display(), c.settings);
-            }
-            c
-        }
-        _ => Measurements { version: 1, settings, ..Default::default() },
-    };
+    let mut cache = read_measurements(a, settings)?;
     let (target, interpreter) = super::eval::placement(a.device, a.interpreter)?;
     let kernel_cache = a.cache.dir();
     let first = std::cell::Cell::new(true);
@@ -167,16 +144,87 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let limit = base * (1.0 + a.threshold);
     // the loss with `map` (module -> spec) quantized, the rest at full precision
     let eval_map = |map: BTreeMap<String, Option<QuantSpec>>| -> anyhow::Result<f64> {
-        let spec = QuantSpec { bits: 8, group: a.group, scheme: sch };
+        let spec = QuantSpec { bits: 8, group: a.group, scheme: a.scheme };
         let mut setup = EvalSetup { target, interpreter, kernel_cache: kernel_cache.clone(), ..EvalSetup::default() };
         setup.model.quant =
             Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false, per_module_source: None });
         evaluate(&setup)
     };
-    let spec_of = |bits: u8| QuantSpec { bits, group: a.group, scheme: sch };
+    let mut results = sweep(a, &modules, &mut cache, base, limit, &eval_map)?;
+    if let Some(p) = &a.measurements {
+        write_atomic(p, (serde_json::to_string_pretty(&cache)? + "\n").as_bytes()).with_context(|| format!("{}", p.display()))?;
+    }
+    let budgeted = match a.budget {
+        Some(budget) => fit_budget(a, &m, &mut results, base, budget, &eval_map)?,
+        None => None,
+    };
+    let map = BitMap {
+        version: super::options::BIT_MAP_VERSION,
+        modules: results.iter().map(|r| (r.module.clone(), r.bits.map(|bits| spec_of(a, bits)))).collect(),
+    };
+    write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes())
+        .with_context(|| format!("{}", a.bits_map.display()))?;
+    report(a, &m, &results, base, limit, budgeted)
+}
+
+/// The loss of the model with the modules of a map (module -> spec) quantized, the rest at full
+/// precision.
+type EvalMap<'e> = dyn Fn(BTreeMap<String, Option<QuantSpec>>) -> anyhow::Result<f64> + 'e;
+
+/// The quantization tried at `bits`.
+fn spec_of(a: &Args, bits: u8) -> QuantSpec {
+    QuantSpec { bits, group: a.group, scheme: a.scheme }
+}
+
+/// The modules `--targets` names in the model, layer by layer.
+fn modules_tested(a: &Args, m: &Model) -> anyhow::Result<Vec<String>> {
+    let targets = a.targets.clone().unwrap_or_else(QuantOptions::default_targets);
+    let mut modules = Vec::new();
+    for l in 0..m.cfg.n_layer {
+        for mm in MODULES {
+            let name = format!("h.{l}.{mm}");
+            if targets.iter().any(|t| linears::matches(&name, t)) {
+                modules.push(name);
+            }
+        }
+    }
+    if modules.is_empty() {
+        anyhow::bail!("no module matches --targets {}", targets.join(","));
+    }
+    Ok(modules)
+}
+
+/// `--measurements`' file where it exists (refused when measured with other `settings`), else an
+/// empty one.
+fn read_measurements(a: &Args, settings: String) -> anyhow::Result<Measurements> {
+    match &a.measurements {
+        Some(p) if p.exists() => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?;
+            let c: Measurements = serde_json::from_str(&text).with_context(|| format!("{}: not qatc prt measurements", p.display()))?;
+            if c.version != 1 || c.settings != settings {
+                anyhow::bail!("{}: measured with other settings ({}); now {settings}", p.display(), c.settings);
+            }
+            Ok(c)
+        }
+        _ => Ok(Measurements { version: 1, settings, ..Default::default() }),
+    }
+}
+
+/// Each module quantized alone at the scheme's widths: from the widest down to where it alone
+/// exceeds `--budget`, or from the narrowest up to the first within `limit`. A module in `cache`
+/// is not measured again; every module's curve is kept there.
+fn sweep(
+    a: &Args,
+    modules: &[String],
+    cache: &mut Measurements,
+    base: f64,
+    limit: f64,
+    eval_map: &EvalMap,
+) -> anyhow::Result<Vec<ModuleResult>> {
+    let widths: Vec<u8> = a.scheme.widths().collect();
     let pb = super::progress(modules.len() as u64, "prt {bar:30} {pos}/{len} modules  {msg}  eta {eta}");
     let mut results = Vec::new();
-    for module in &modules {
+    for module in modules {
         if let Some(tried) = cache.modules.get(module) {
             pb.inc(1);
             results.push(ModuleResult { module: module.clone(), bits: None, loss: base, tried: tried.clone() });
@@ -187,7 +235,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         // a budget needs each module's whole curve, from the top until it alone is over budget
         let order: Vec<u8> = if a.budget.is_some() { widths.iter().rev().copied().collect() } else { widths.clone() };
         for bits in order {
-            let loss = eval_map(BTreeMap::from([(module.clone(), Some(spec_of(bits)))])).with_context(|| module.clone())?;
+            let loss = eval_map(BTreeMap::from([(module.clone(), Some(spec_of(a, bits)))])).with_context(|| module.clone())?;
             tried.push((bits, loss));
             pb.set_message(format!("{module} {bits}-bit loss {loss:.4}"));
             match a.budget {
@@ -205,53 +253,56 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         results.push(ModuleResult { module: module.clone(), bits: found.map(|f| f.0), loss: found.map(|f| f.1).unwrap_or(base), tried });
     }
     pb.finish_and_clear();
-    if let Some(p) = &a.measurements {
-        write_atomic(p, (serde_json::to_string_pretty(&cache)? + "\n").as_bytes()).with_context(|| format!("{}", p.display()))?;
-    }
-    let mut budgeted = None;
-    if let Some(budget) = a.budget {
-        let curves: Vec<bitalloc::Curve> = results
-            .iter()
-            .map(|r| {
-                let info = m.ckpt.info(&format!("{}.weight", r.module));
-                let elems = info.map_or(0, |i| i.shape.iter().product());
-                let full_bits = info.map_or(16, |i| 8 * i.dtype.bytes_for(1) as u32);
-                bitalloc::Curve { elems, full_bits, tried: r.tried.iter().map(|&(b, l)| (b, l - base)).collect() }
-            })
-            .collect();
-        // penalties do not add exactly: tighten until the whole map is measured within budget
-        let mut target = budget;
-        let mut best: Option<(Vec<Option<u8>>, f64, f64)> = None;
-        for _ in 0..6 {
-            let (bits, predicted) = bitalloc::allocate(&curves, target);
-            let map = results.iter().zip(&bits).map(|(r, b)| (r.module.clone(), b.map(spec_of))).collect();
-            let measured = eval_map(map)? - base;
-            let fits = measured <= budget;
-            best = Some((bits, predicted, measured));
-            if fits || target <= 0.0 {
-                break;
-            }
-            target *= 0.9 * budget / measured.max(1e-12);
-        }
-        if let Some((bits, predicted, measured)) = best {
-            for (r, b) in results.iter_mut().zip(&bits) {
-                r.bits = *b;
-                r.loss = b.and_then(|b| r.tried.iter().find(|t| t.0 == b).map(|t| t.1)).unwrap_or(base);
-            }
-            budgeted = Some((budget, predicted, measured));
-        }
-    }
+    Ok(results)
+}
 
-    let map = BitMap {
-        version: super::options::BIT_MAP_VERSION,
-        modules: results.iter().map(|r| (r.module.clone(), r.bits.map(|bits| QuantSpec { bits, group: a.group, scheme: sch }))).collect(),
-    };
-    write_atomic(&a.bits_map, (serde_json::to_string_pretty(&map)? + "\n").as_bytes())
-        .with_context(|| format!("{}", a.bits_map.display()))?;
+/// `--budget`: the widths `bitalloc::allocate` picks from the modules' curves, the whole map
+/// measured and the allocation redone on a tighter budget while it exceeds the budget; the
+/// results' bits set to it. Returns (the budget, the predicted penalty, the measured one).
+fn fit_budget(
+    a: &Args,
+    m: &Model,
+    results: &mut [ModuleResult],
+    base: f64,
+    budget: f64,
+    eval_map: &EvalMap,
+) -> anyhow::Result<Option<(f64, f64, f64)>> {
+    let curves: Vec<bitalloc::Curve> = results
+        .iter()
+        .map(|r| {
+            let info = m.ckpt.info(&format!("{}.weight", r.module));
+            let elems = info.map_or(0, |i| i.shape.iter().product());
+            let full_bits = info.map_or(16, |i| 8 * i.dtype.bytes_for(1) as u32);
+            bitalloc::Curve { elems, full_bits, tried: r.tried.iter().map(|&(b, l)| (b, l - base)).collect() }
+        })
+        .collect();
+    // penalties do not add exactly: tighten until the whole map is measured within budget
+    let mut target = budget;
+    let mut best: Option<(Vec<Option<u8>>, f64, f64)> = None;
+    for _ in 0..6 {
+        let (bits, predicted) = bitalloc::allocate(&curves, target);
+        let map = results.iter().zip(&bits).map(|(r, b)| (r.module.clone(), b.map(|b| spec_of(a, b)))).collect();
+        let measured = eval_map(map)? - base;
+        let fits = measured <= budget;
+        best = Some((bits, predicted, measured));
+        if fits || target <= 0.0 {
+            break;
+        }
+        target *= 0.9 * budget / measured.max(1e-12);
+    }
+    let Some((bits, predicted, measured)) = best else { return Ok(None) };
+    for (r, b) in results.iter_mut().zip(&bits) {
+        r.bits = *b;
+        r.loss = b.and_then(|b| r.tried.iter().find(|t| t.0 == b).map(|t| t.1)).unwrap_or(base);
+    }
+    Ok(Some((budget, predicted, measured)))
+}
 
-    // summary: average bits over the tested weights' elements, bytes against the checkpoint
+/// The summary: each module's width and loss, the average bits over the tested weights'
+/// elements and the bytes against the checkpoint's (as JSON with `--json`).
+fn report(a: &Args, m: &Model, results: &[ModuleResult], base: f64, limit: f64, budgeted: Option<(f64, f64, f64)>) -> anyhow::Result<()> {
     let (mut elems, mut bit_elems, mut stored, mut quant_bytes) = (0usize, 0usize, 0usize, 0usize);
-    for r in &results {
+    for r in results {
         let Some(info) = m.ckpt.info(&format!("{}.weight", r.module)) else { continue };
         let (n_in, n_out) = (info.shape[0], info.shape[1]);
         let e = n_in * n_out;
@@ -260,7 +311,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         match r.bits {
             Some(bits) => {
                 bit_elems += e * bits as usize;
-                quant_bytes += QuantSpec { bits, group: a.group, scheme: sch }.stored_bytes(n_in, n_out);
+                quant_bytes += spec_of(a, bits).stored_bytes(n_in, n_out);
             }
             None => {
                 bit_elems += e * info.dtype.bytes_for(1) * 8;
@@ -281,25 +332,25 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             j["measured_penalty"] = serde_json::json!(measured);
         }
         println!("{}", serde_json::to_string(&j)?);
-    } else {
-        match budgeted {
-            Some((budget, predicted, measured)) => println!(
-                "full precision loss {base:.5}; budget {budget} nats: the map's penalty {measured:.5} measured (sum of the modules alone {predicted:.5})"
-            ),
-            None => println!("full precision loss {base:.5}; limit {limit:.5} (+{:.1}%)", a.threshold * 100.0),
-        }
-        println!("{:<22} {:>5} {:>10}", "module", "bits", "loss");
-        for r in &results {
-            let b = r.bits.map(|b| b.to_string()).unwrap_or_else(|| "full".into());
-            println!("{:<22} {:>5} {:>10.5}", r.module, b, r.loss);
-        }
-        println!(
-            "average {avg_bits:.2} bits per weight; {} -> {} ({:.1}% saved); bit map in {}",
-            super::compile::human_bytes(stored),
-            super::compile::human_bytes(quant_bytes),
-            100.0 * (1.0 - quant_bytes as f64 / stored.max(1) as f64),
-            a.bits_map.display()
-        );
+        return Ok(());
     }
+    match budgeted {
+        Some((budget, predicted, measured)) => println!(
+            "full precision loss {base:.5}; budget {budget} nats: the map's penalty {measured:.5} measured (sum of the modules alone {predicted:.5})"
+        ),
+        None => println!("full precision loss {base:.5}; limit {limit:.5} (+{:.1}%)", a.threshold * 100.0),
+    }
+    println!("{:<22} {:>5} {:>10}", "module", "bits", "loss");
+    for r in results {
+        let b = r.bits.map(|b| b.to_string()).unwrap_or_else(|| "full".into());
+        println!("{:<22} {:>5} {:>10.5}", r.module, b, r.loss);
+    }
+    println!(
+        "average {avg_bits:.2} bits per weight; {} -> {} ({:.1}% saved); bit map in {}",
+        super::compile::human_bytes(stored),
+        super::compile::human_bytes(quant_bytes),
+        100.0 * (1.0 - quant_bytes as f64 / stored.max(1) as f64),
+        a.bits_map.display()
+    );
     Ok(())
 }

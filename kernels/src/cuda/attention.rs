@@ -8,7 +8,8 @@
 use qatc_ir::DType;
 
 use super::codegen::Variant;
-use super::emit::{float_lit, params, LaunchDims};
+use super::launch::{attention_dims, BQ};
+use super::syntax::{float_lit, params};
 use super::writer::Writer;
 use crate::kir::{Attention, AttentionPart, Kernel, Ty};
 use crate::target::CudaSettings;
@@ -34,16 +35,8 @@ pub fn tensor_cores(a: &Attention, cg: &CudaSettings) -> Option<&'static str> {
     }
 }
 
-/// Query rows per block (one thread each) and key rows per shared-memory tile.
-pub const BQ: u32 = 64;
+/// Key rows per shared-memory tile (query rows per block, `BQ`, are the launch's).
 const BK: u32 = 32;
-
-pub fn launch_dims(a: &Attention) -> LaunchDims {
-    let rows = |per: u32| (a.t as u32).div_ceil(per).max(1);
-    let bh = (a.b * a.nh).max(1) as u32;
-    // every part puts 64 rows (query rows, or key rows for the key/value gradients) in a block
-    LaunchDims { grid: [rows(BQ), bh, 1], block: BQ }
-}
 
 pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32, cg: &CudaSettings) {
     let (what, func) = match a.part {
@@ -54,7 +47,7 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32,
         AttentionPart::Lse => ("statistics: the row log-sum-exp of scale q k^T", "attention_lse"),
         AttentionPart::BackwardV => ("backward, dv = P^T dout", "attention_backward_v"),
     };
-    let dims = launch_dims(a);
+    let dims = attention_dims(a);
     w.line(format!("// causal attention {what}"));
     w.line(format!(
         "// B {}, NH {}, T {}, hs {}: grid ({}, {}), {} threads per block",

@@ -26,8 +26,7 @@
 
 use crate::kir::{Body, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty};
 
-use super::launch::{max_loop, MAX_GRID};
-use super::loop_nest::stores;
+use super::stmts::{max_loop, stores};
 use crate::target::CudaSettings;
 
 /// A set of variants, a value (`Copy`) that a run's `qatc.json` saves as their names.
@@ -103,6 +102,11 @@ impl Variant {
         1 << self as u8
     }
 }
+
+/// The most blocks a grid may have along x (2^31 - 1) and along y or z (65535). Here, the lowest
+/// file that reads it: a variant applies only where its grid fits (`split_columns`), and
+/// `launch::check_grid` rejects a kernel whose grid does not.
+pub const MAX_GRID: [u64; 3] = [(1 << 31) - 1, 65535, 65535];
 
 /// The longest row loop a warp takes on (`warp-rows`): 32 elements per lane, GPT-2
 /// XL's C = 1600 not (a block's threads share it better), 124M's 768 yes.

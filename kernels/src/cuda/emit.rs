@@ -14,18 +14,20 @@
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
 
-use qatc_ir::DType;
-
+use super::attention;
 use super::codegen::{split_columns, warp_rows, SPLIT_SLICES, WARP_ROWS};
+use super::launch::check_grid;
+use super::loop_nest::LoopNestWriter;
+use super::stmts::has_reduce;
+use super::syntax::params;
+use super::tables::{tables_header, TABLES_HEADER};
 use super::writer::Writer;
 use crate::error::KernelError;
-use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Kernel, RowMapping, Space, Ty, UnOp};
+use crate::kir::{visit_exprs, BinOp, Body, Expr, Intrinsic, Kernel, RowMapping, Space, UnOp};
 use crate::target::CudaSettings;
 
-use super::launch::check_grid;
-pub use super::launch::{launch_dims, launch_dims_with, LaunchDims, BLOCK, MAX_GRID};
-use super::loop_nest::{has_reduce, LoopNestWriter};
-use super::tables::{tables_header, TABLES_HEADER};
+// where callers find a kernel's launch, beside its text (`launch.rs` computes it)
+pub use super::launch::{launch_dims, launch_dims_with, LaunchDims, BLOCK};
 
 /// A kernel as CUDA C, ready for NVRTC.
 #[derive(Clone, Debug, PartialEq)]
@@ -68,39 +70,6 @@ pub fn emit_with(k: &Kernel, cg: &CudaSettings) -> Result<CudaKernel, KernelErro
     Ok(CudaKernel { name, family: k.family.clone(), source, launch })
 }
 
-pub fn c_type(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "float",
-        DType::F16 => "qatc::f16_t",
-        DType::BF16 => "qatc::bf16_t",
-        DType::I32 => "int",
-        DType::U8 | DType::I4 => "unsigned char",
-    }
-}
-
-pub(super) fn scalar(t: Ty) -> &'static str {
-    match t {
-        Ty::F32 => "float",
-        Ty::F64 => "double",
-        Ty::I32 => "int",
-        Ty::I64 => "long long",
-        Ty::Bool => "bool",
-    }
-}
-
-/// The parameter list: read-only buffers `const T* __restrict__`, shapes in comments.
-pub fn params(w: &mut Writer, k: &Kernel) {
-    w.indent();
-    let n = k.params.len();
-    for (i, p) in k.params.iter().enumerate() {
-        let cst = if p.write { "" } else { "const " };
-        let sep = if i + 1 < n { "," } else { ")" };
-        let shape: Vec<String> = p.shape.iter().map(|d| d.to_string()).collect();
-        w.line(format!("{cst}{}* __restrict__ {}{sep}  // {}[{}]", c_type(p.dtype), p.name, p.dtype, shape.join(", ")));
-    }
-    w.dedent();
-}
-
 fn render(k: &Kernel, name: &str, cg: &CudaSettings) -> Result<String, KernelError> {
     let mut w = Writer::new();
     let dims = launch_dims_with(k, cg);
@@ -137,7 +106,7 @@ fn render(k: &Kernel, name: &str, cg: &CudaSettings) -> Result<String, KernelErr
             LoopNestWriter::new(k, stmts, warp, split).kernel(&mut w, space, stmts)?;
             w.close();
         }
-        Body::Attention(a) => super::attention::render(&mut w, k, a, name, dims.block, cg),
+        Body::Attention(a) => attention::render(&mut w, k, a, name, dims.block, cg),
     }
     let text = w.finish();
     if text.contains('\0') {
@@ -151,7 +120,7 @@ fn headers_needed(k: &Kernel, cg: &CudaSettings) -> BTreeSet<&'static str> {
     match &k.body {
         Body::Attention(a) => {
             h.insert("qatc_attention.cuh");
-            if super::attention::tensor_cores(a, cg).is_some() {
+            if attention::tensor_cores(a, cg).is_some() {
                 h.insert("qatc_attention_mma.cuh");
             }
         }
@@ -178,24 +147,4 @@ fn headers_needed(k: &Kernel, cg: &CudaSettings) -> BTreeSet<&'static str> {
         }
     }
     h
-}
-
-/// A literal that reads back as the same value: the shortest round-trip form, with `f` for f32.
-pub fn float_lit(v: f64, t: Ty) -> String {
-    let single = t != Ty::F64;
-    if v.is_nan() {
-        return if single { "__int_as_float(0x7fffffff)".into() } else { "__longlong_as_double(0x7fffffffffffffffll)".into() };
-    }
-    if v.is_infinite() {
-        let s = if single { "INFINITY" } else { "(double)INFINITY" };
-        return if v < 0.0 { format!("-{s}") } else { s.into() };
-    }
-    let mut s = if single { format!("{:?}", v as f32) } else { format!("{v:?}") };
-    if !s.contains(['.', 'e', 'E']) {
-        s.push_str(".0");
-    }
-    if single {
-        s.push('f');
-    }
-    s
 }

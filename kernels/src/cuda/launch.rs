@@ -1,22 +1,23 @@
 //! A kernel's launch: the grid and block each kernel IR space maps to (see `emit`'s module doc
-//! for the mapping), and the limits a grid must keep.
+//! for the mapping), the attention kernels' too, and the limits a grid must keep.
 
-use super::codegen::{split_columns, warp_rows, SPLIT_SLICES, WARP_ROWS};
+use super::codegen::{split_columns, warp_rows, MAX_GRID, SPLIT_SLICES, WARP_ROWS};
+use super::stmts::max_loop;
 use crate::error::KernelError;
-use crate::kir::{Body, Kernel, RowMapping, Space, Stmt};
+use crate::kir::{Attention, Body, Kernel, RowMapping, Space};
 use crate::target::CudaSettings;
 
 /// Threads per block of elementwise and thread-per-row kernels.
 pub const BLOCK: u32 = 256;
+
+/// Query rows per block of an attention kernel (one thread each).
+pub const BQ: u32 = 64;
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct LaunchDims {
     pub grid: [u32; 3],
     pub block: u32,
 }
-
-/// The most blocks a grid may have along x (2^31 - 1) and along y or z (65535).
-pub const MAX_GRID: [u64; 3] = [(1 << 31) - 1, 65535, 65535];
 
 /// A kernel whose grid the hardware cannot launch is an error here, not a silently clamped
 /// launch that skips work.
@@ -40,26 +41,13 @@ fn grid_wanted(k: &Kernel) -> [u64; 3] {
         Body::Loops { space: Space::Elements { shape }, .. } => [n(shape.iter().product::<usize>()).div_ceil(u64::from(BLOCK)), 1, 1],
         Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Thread }, .. } => [n(*rows).div_ceil(u64::from(BLOCK)), 1, 1],
         Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Block }, .. } => [n(*rows), 1, 1],
-        Body::Attention(a) => [n(a.t).div_ceil(u64::from(super::attention::BQ)), n(a.b * a.nh), 1],
+        Body::Attention(a) => [n(a.t).div_ceil(u64::from(BQ)), n(a.b * a.nh), 1],
     }
 }
 
 /// Threads per block for a Block-mapped row of up to `len` elements: about four per thread.
 fn row_block(len: usize) -> u32 {
     (len.div_ceil(4)).next_power_of_two().clamp(32, 1024) as u32
-}
-
-/// The longest loop a Block-mapped row shares among its threads: its top-level loops (the
-/// loops nested in them run sequentially in each thread).
-pub(super) fn max_loop(stmts: &[Stmt]) -> usize {
-    stmts
-        .iter()
-        .map(|s| match s {
-            Stmt::Reduce { lp, .. } | Stmt::ForEach { lp, .. } => lp.max,
-            _ => 0,
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 /// The grid and block of a kernel. Every grid has at least one block (CUDA launches none with
@@ -91,6 +79,14 @@ pub fn launch_dims_with(k: &Kernel, cg: &CudaSettings) -> LaunchDims {
         Body::Loops { space: Space::Rows { rows, mapping: RowMapping::Block }, stmts } => {
             LaunchDims { grid: [blocks(*rows, 1), 1, 1], block: row_block(max_loop(stmts)) }
         }
-        Body::Attention(a) => super::attention::launch_dims(a),
+        Body::Attention(a) => attention_dims(a),
     }
+}
+
+/// The grid and block of an attention kernel: every part puts 64 rows (query rows, or key rows for
+/// the key/value gradients) in a block, one block row per (batch, head).
+pub fn attention_dims(a: &Attention) -> LaunchDims {
+    let rows = |per: u32| (a.t as u32).div_ceil(per).max(1);
+    let bh = (a.b * a.nh).max(1) as u32;
+    LaunchDims { grid: [rows(BQ), bh, 1], block: BQ }
 }

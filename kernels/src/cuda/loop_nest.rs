@@ -7,11 +7,12 @@ use std::slice;
 use qatc_ir::DType;
 
 use super::codegen::{SPLIT_SLICES, WARP_ROWS};
-use super::emit::{float_lit, scalar};
+use super::stmts::{loads, stores};
+use super::syntax::{float_lit, scalar};
 use super::tables::dyn_table;
 use super::writer::Writer;
 use crate::error::KernelError;
-use crate::kir::{visit_exprs, BinOp, Expr, Intrinsic, Ix, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
+use crate::kir::{BinOp, Expr, Intrinsic, Ix, Kernel, Loop, ReduceOp, RowMapping, Space, Stmt, Ty, TypeEnv, UnOp, VarId};
 
 /// Every variable a statement list defines, in order, and whether a reduction defines it.
 fn defined(stmts: &[Stmt], out: &mut Vec<(VarId, bool)>) {
@@ -26,10 +27,6 @@ fn defined(stmts: &[Stmt], out: &mut Vec<(VarId, bool)>) {
             Stmt::Store { .. } | Stmt::AtomicAdd { .. } => {}
         }
     }
-}
-
-pub(super) fn has_reduce(stmts: &[Stmt]) -> bool {
-    stmts.iter().any(|s| matches!(s, Stmt::Reduce { .. }))
 }
 
 /// The types of a Block-mapped kernel's block reductions (its top-level `Reduce`s), each needing
@@ -56,32 +53,6 @@ fn part(t: Ty) -> &'static str {
         Ty::I64 => "part_i64",
         Ty::F32 => "part",
     }
-}
-
-/// The params a statement list loads (loop extents included).
-fn loads(stmts: &[Stmt]) -> BTreeSet<usize> {
-    let mut out = BTreeSet::new();
-    visit_exprs(stmts, &mut |e| {
-        if let Expr::Load { param, .. } = e {
-            out.insert(*param);
-        }
-    });
-    out
-}
-
-/// The params a statement list stores into (atomics included).
-pub(super) fn stores(stmts: &[Stmt]) -> BTreeSet<usize> {
-    let mut out = BTreeSet::new();
-    for s in stmts {
-        match s {
-            Stmt::Store { param, .. } | Stmt::AtomicAdd { param, .. } => {
-                out.insert(*param);
-            }
-            Stmt::Reduce { body, .. } | Stmt::ForEach { body, .. } => out.extend(stores(body)),
-            Stmt::Let { .. } => {}
-        }
-    }
-    out
 }
 
 /// Emission state for one loop-nest kernel.
@@ -275,117 +246,142 @@ impl<'k> LoopNestWriter<'k> {
             Stmt::Let { var, ty, value } => {
                 let v = self.expr(value, 0)?;
                 w.line(format!("const {} {} = {v};", scalar(*ty), self.var(*var)));
+                Ok(())
             }
-            Stmt::Store { param, index, value } => {
-                let p = &self.k.params[*param];
-                let (i, v) = (self.expr(index, 0)?, self.expr(value, 0)?);
-                let guard = self.guard();
-                // a float stored into an integer param converts as a Cast to I32 does (C's
-                // implicit conversion is undefined out of range)
-                let v = if !p.dtype.is_float() && matches!(self.ty(value), Ty::F32 | Ty::F64) {
-                    f2i(self.ty(value), Ty::I32, &self.expr(value, 0)?)
-                } else {
-                    v
-                };
-                let line = match p.dtype {
-                    DType::F32 | DType::I32 => format!("{}[{i}] = {v};", p.name),
-                    DType::F16 => format!("{}[{i}] = qatc::float_to_f16({v});", p.name),
-                    DType::BF16 => format!("{}[{i}] = qatc::float_to_bf16({v});", p.name),
-                    DType::U8 => format!("{}[{i}] = (unsigned char)({v});", p.name),
-                    DType::I4 => format!("qatc::store_i4({}, {i}, {v});", p.name),
-                };
-                w.line(format!("{guard}{line}"));
+            Stmt::Store { param, index, value } => self.store(w, *param, index, value),
+            Stmt::AtomicAdd { param, index, value } => self.atomic_add(w, *param, index, value),
+            Stmt::ForEach { lp, body } => self.for_each(w, lp, body),
+            Stmt::Reduce { var, op, ty, lp, body, value } => self.reduce(w, (*var, *op, *ty), lp, body, value),
+        }
+    }
+
+    /// `param[index] = value`, converted to the param's element type.
+    fn store(&mut self, w: &mut Writer, param: usize, index: &Expr, value: &Expr) -> Result<(), KernelError> {
+        let p = &self.k.params[param];
+        let (i, v) = (self.expr(index, 0)?, self.expr(value, 0)?);
+        let guard = self.guard();
+        // a float stored into an integer param converts as a Cast to I32 does (C's
+        // implicit conversion is undefined out of range)
+        let v = if !p.dtype.is_float() && matches!(self.ty(value), Ty::F32 | Ty::F64) {
+            f2i(self.ty(value), Ty::I32, &self.expr(value, 0)?)
+        } else {
+            v
+        };
+        let line = match p.dtype {
+            DType::F32 | DType::I32 => format!("{}[{i}] = {v};", p.name),
+            DType::F16 => format!("{}[{i}] = qatc::float_to_f16({v});", p.name),
+            DType::BF16 => format!("{}[{i}] = qatc::float_to_bf16({v});", p.name),
+            DType::U8 => format!("{}[{i}] = (unsigned char)({v});", p.name),
+            DType::I4 => format!("qatc::store_i4({}, {i}, {v});", p.name),
+        };
+        w.line(format!("{guard}{line}"));
+        Ok(())
+    }
+
+    /// `param[index] += value`: integer counts only (kernels stay deterministic).
+    fn atomic_add(&mut self, w: &mut Writer, param: usize, index: &Expr, value: &Expr) -> Result<(), KernelError> {
+        let p = &self.k.params[param];
+        if p.dtype != DType::I32 || !matches!(self.ty(value), Ty::I32 | Ty::I64 | Ty::Bool) {
+            return Err(KernelError::Internal(format!(
+                "atomic add of a {:?} into {} {}: atomics are for integer counts only (kir)",
+                self.ty(value),
+                p.dtype,
+                p.name
+            )));
+        }
+        // as a store: once per row in a Block-mapped row, not once per thread
+        let guard = self.guard();
+        w.line(format!("{guard}atomicAdd(&{}[{}], (int)({}));", p.name, self.expr(index, 0)?, self.expr(value, 0)?));
+        Ok(())
+    }
+
+    /// A loop over `lp` running `body`: shared by the group that shares the row where it can be,
+    /// a split kernel's top-level loop run by the row's owner.
+    fn for_each(&mut self, w: &mut Writer, lp: &Loop, body: &[Stmt]) -> Result<(), KernelError> {
+        // a split kernel's row owner runs its top-level loops (they store)
+        let owned = self.split && self.depth == 0;
+        let was = self.parallel;
+        if owned {
+            w.open("if (owner)");
+            w.open(format!("for ({} j = 0; j < {}; ++j)", scalar(self.k.index_ty), self.expr(&lp.extent, 61)?));
+            self.loops.insert(lp.var, "j".into());
+            self.depth += 1;
+        } else {
+            let shared = self.loop_head(w, lp.var, &lp.extent)?;
+            self.parallel |= shared;
+        }
+        self.stmts(w, body)?;
+        self.parallel = was;
+        self.depth -= 1;
+        w.close();
+        if owned {
+            w.close();
+        }
+        Ok(())
+    }
+
+    /// `var = op over lp of value`: a loop, then the sum or max across the group sharing the
+    /// row, or the split kernel's slices added in slice order.
+    fn reduce(
+        &mut self,
+        w: &mut Writer,
+        (var, op, ty): (VarId, ReduceOp, Ty),
+        lp: &Loop,
+        body: &[Stmt],
+        value: &Expr,
+    ) -> Result<(), KernelError> {
+        let t = scalar(ty);
+        let float = matches!(ty, Ty::F32 | Ty::F64);
+        if !float && op != ReduceOp::Sum {
+            return Err(KernelError::Internal(format!("a {op:?} reduction of {ty:?}: integer reductions are sums")));
+        }
+        let init = match (op, ty) {
+            (ReduceOp::Sum | ReduceOp::FirstAbsMax, Ty::F32) => "0.0f",
+            (ReduceOp::Sum | ReduceOp::FirstAbsMax, Ty::F64) => "0.0",
+            (ReduceOp::Sum, _) => "0",
+            (_, _) => "-INFINITY",
+        };
+        let (fmax, fabs) = if ty == Ty::F64 { ("fmax", "fabs") } else { ("fmaxf", "fabsf") };
+        let acc = self.var(var);
+        w.line(format!("{t} {acc} = {init};"));
+        let sliced = self.split && self.depth == 0;
+        let shared = self.loop_head(w, lp.var, &lp.extent)?;
+        if shared && op == ReduceOp::FirstAbsMax {
+            return Err(KernelError::Internal("FirstAbsMax needs a sequential (thread-per-row) reduction".into()));
+        }
+        let was = self.parallel;
+        self.parallel |= shared;
+        self.stmts(w, body)?;
+        let v = self.expr(value, 0)?;
+        match op {
+            ReduceOp::Sum => w.line(format!("{acc} += {v};")),
+            ReduceOp::Max => w.line(format!("{acc} = {fmax}({acc}, {v});")),
+            ReduceOp::FirstAbsMax => {
+                // a local name no param or variable of the kernel has (a param may be `x`)
+                let x = self.fresh("x");
+                w.line(format!("const {t} {x} = {v};"));
+                w.line(format!("if ({fabs}({x}) > {fabs}({acc})) {acc} = {x};  // the first of largest magnitude"));
             }
-            Stmt::AtomicAdd { param, index, value } => {
-                let p = &self.k.params[*param];
-                if p.dtype != DType::I32 || !matches!(self.ty(value), Ty::I32 | Ty::I64 | Ty::Bool) {
-                    return Err(KernelError::Internal(format!(
-                        "atomic add of a {:?} into {} {}: atomics are for integer counts only (kir)",
-                        self.ty(value),
-                        p.dtype,
-                        p.name
-                    )));
-                }
-                // as a store: once per row in a Block-mapped row, not once per thread
-                let guard = self.guard();
-                w.line(format!("{guard}atomicAdd(&{}[{}], (int)({}));", p.name, self.expr(index, 0)?, self.expr(value, 0)?));
-            }
-            Stmt::ForEach { lp, body } => {
-                // a split kernel's row owner runs its top-level loops (they store)
-                let owned = self.split && self.depth == 0;
-                let was = self.parallel;
-                if owned {
-                    w.open("if (owner)");
-                    w.open(format!("for ({} j = 0; j < {}; ++j)", scalar(self.k.index_ty), self.expr(&lp.extent, 61)?));
-                    self.loops.insert(lp.var, "j".into());
-                    self.depth += 1;
-                } else {
-                    let shared = self.loop_head(w, lp.var, &lp.extent)?;
-                    self.parallel |= shared;
-                }
-                self.stmts(w, body)?;
-                self.parallel = was;
-                self.depth -= 1;
-                w.close();
-                if owned {
-                    w.close();
-                }
-            }
-            Stmt::Reduce { var, op, ty, lp, body, value } => {
-                let t = scalar(*ty);
-                let float = matches!(ty, Ty::F32 | Ty::F64);
-                if !float && *op != ReduceOp::Sum {
-                    return Err(KernelError::Internal(format!("a {op:?} reduction of {ty:?}: integer reductions are sums")));
-                }
-                let init = match (op, ty) {
-                    (ReduceOp::Sum | ReduceOp::FirstAbsMax, Ty::F32) => "0.0f",
-                    (ReduceOp::Sum | ReduceOp::FirstAbsMax, Ty::F64) => "0.0",
-                    (ReduceOp::Sum, _) => "0",
-                    (_, _) => "-INFINITY",
-                };
-                let (fmax, fabs) = if *ty == Ty::F64 { ("fmax", "fabs") } else { ("fmaxf", "fabsf") };
-                let acc = self.var(*var);
-                w.line(format!("{t} {acc} = {init};"));
-                let sliced = self.split && self.depth == 0;
-                let shared = self.loop_head(w, lp.var, &lp.extent)?;
-                if shared && *op == ReduceOp::FirstAbsMax {
-                    return Err(KernelError::Internal("FirstAbsMax needs a sequential (thread-per-row) reduction".into()));
-                }
-                let was = self.parallel;
-                self.parallel |= shared;
-                self.stmts(w, body)?;
-                let v = self.expr(value, 0)?;
-                match op {
-                    ReduceOp::Sum => w.line(format!("{acc} += {v};")),
-                    ReduceOp::Max => w.line(format!("{acc} = {fmax}({acc}, {v});")),
-                    ReduceOp::FirstAbsMax => {
-                        // a local name no param or variable of the kernel has (a param may be `x`)
-                        let x = self.fresh("x");
-                        w.line(format!("const {t} {x} = {v};"));
-                        w.line(format!("if ({fabs}({x}) > {fabs}({acc})) {acc} = {x};  // the first of largest magnitude"));
-                    }
-                }
-                self.parallel = was;
-                self.depth -= 1;
-                w.close();
-                let sc = scratch(*ty);
-                match (shared, op) {
-                    (true, ReduceOp::Sum) if self.warp => w.line(format!("{acc} = qatc::warp_sum({acc});")),
-                    (true, _) if self.warp => w.line(format!("{acc} = qatc::warp_max({acc});")),
-                    (true, ReduceOp::Sum) => w.line(format!("{acc} = qatc::block_sum({acc}, {sc});")),
-                    (true, _) => w.line(format!("{acc} = qatc::block_max({acc}, {sc});")),
-                    (false, _) => {}
-                }
-                if sliced {
-                    // `split_columns` admits sums only: the slices' parts, added in slice order
-                    let p = part(*ty);
-                    w.line(format!("{p}[slice][lane] = {acc};"));
-                    w.line("__syncthreads();");
-                    let parts: Vec<String> = (0..SPLIT_SLICES).map(|i| format!("{p}[{i}][lane]")).collect();
-                    w.line(format!("{acc} = {};", parts.join(" + ")));
-                    w.line(format!("__syncthreads();  // every slice has read {p} before it is written again"));
-                }
-            }
+        }
+        self.parallel = was;
+        self.depth -= 1;
+        w.close();
+        let sc = scratch(ty);
+        match (shared, op) {
+            (true, ReduceOp::Sum) if self.warp => w.line(format!("{acc} = qatc::warp_sum({acc});")),
+            (true, _) if self.warp => w.line(format!("{acc} = qatc::warp_max({acc});")),
+            (true, ReduceOp::Sum) => w.line(format!("{acc} = qatc::block_sum({acc}, {sc});")),
+            (true, _) => w.line(format!("{acc} = qatc::block_max({acc}, {sc});")),
+            (false, _) => {}
+        }
+        if sliced {
+            // `split_columns` admits sums only: the slices' parts, added in slice order
+            let p = part(ty);
+            w.line(format!("{p}[slice][lane] = {acc};"));
+            w.line("__syncthreads();");
+            let parts: Vec<String> = (0..SPLIT_SLICES).map(|i| format!("{p}[{i}][lane]")).collect();
+            w.line(format!("{acc} = {};", parts.join(" + ")));
+            w.line(format!("__syncthreads();  // every slice has read {p} before it is written again"));
         }
         Ok(())
     }

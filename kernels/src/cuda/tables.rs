@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use qatc_ir::{DynMap, NF4};
 
-use super::emit::float_lit;
+use super::syntax::float_lit;
 use super::writer::Writer;
 use crate::kir::Ty;
 

@@ -22,11 +22,15 @@ use std::collections::HashMap;
 
 use qatc_ir::{DType, Graph, NodeId, Op};
 
-use super::fused::operand_view;
 use super::{elementwise, Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::kir::{Attention, AttentionPart, Body, Kernel, Param, Ty};
 use crate::program::View;
+
+/// A view of an operand's value, lowered into a scratch first where it is not a view of a leaf:
+/// `fused::operand_view`, which lowers the rest of a fused node and calls this file, passed in so
+/// that this file does not use it back.
+pub type OperandView = fn(&mut Lowerer, &mut Ctx, NodeId, &str) -> Result<View, KernelError>;
 
 #[derive(Clone, Copy, Debug)]
 pub enum Match {
@@ -107,7 +111,7 @@ fn direct(lw: &Lowerer, d: DType) -> bool {
 /// identifies the value, for `attn_stats`; the view the kernels get, copied out when it is
 /// strided or of a type they do not read: into the value's own type where they read it stored,
 /// else f32).
-fn head_view(lw: &mut Lowerer, cx: &mut Ctx, n: NodeId, family: &str) -> Result<(View, View), KernelError> {
+fn head_view(lw: &mut Lowerer, cx: &mut Ctx, n: NodeId, family: &str, operand_view: OperandView) -> Result<(View, View), KernelError> {
     let v = operand_view(lw, cx, n, family)?;
     if v.strides[3] == 1 && direct(lw, lw.prog.buffers[v.buf].dtype) {
         return Ok((v.clone(), v));
@@ -226,7 +230,15 @@ fn delta(lw: &mut Lowerer, l: &Launch, key: Vec<View>, qkvd: [&View; 4], lse: &V
     Ok(out)
 }
 
-pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View, family: &str) -> Result<(), KernelError> {
+pub fn lower(
+    lw: &mut Lowerer,
+    cx: &mut Ctx,
+    m: Match,
+    root: NodeId,
+    dest: View,
+    family: &str,
+    operand_view: OperandView,
+) -> Result<(), KernelError> {
     let shape = cx.g.ty(root).shape.0.clone();
     let dims = [shape[0], shape[1], shape[2], shape[3]];
     let note = lw.note(cx, root, None);
@@ -239,7 +251,7 @@ pub fn lower(lw: &mut Lowerer, cx: &mut Ctx, m: Match, root: NodeId, dest: View,
         keys.clear();
         let mut vs = Vec::new();
         for &n in ns {
-            let (key, v) = head_view(lw, cx, n, family)?;
+            let (key, v) = head_view(lw, cx, n, family, operand_view)?;
             keys.push(key);
             vs.push(v);
         }

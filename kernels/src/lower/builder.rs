@@ -7,7 +7,7 @@ use qatc_ir::{DType, Graph, NodeId};
 
 use crate::error::KernelError;
 use crate::index::{self, Bounds};
-use crate::kir::{Body, Expr, Ix, Kernel, Loop, Param, ParamId, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp, VarId};
+use crate::kir::{BinOp, Body, Expr, Ix, Kernel, Loop, Param, ParamId, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp, VarId};
 use crate::program::{BufId, Buffer, View};
 
 /// A position in a tensor: a linear index or one coordinate per dim.
@@ -303,6 +303,11 @@ pub fn round_to(d: DType, e: Expr) -> Expr {
         DType::BF16 => Expr::un(UnOp::RoundBf16, e),
         DType::F32 | DType::I32 | DType::U8 | DType::I4 => e,
     }
+}
+
+/// f32 clamp as Rust's `f32::clamp(lo, hi)`.
+pub fn clamp(x: Expr, lo: f64, hi: f64) -> Expr {
+    Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, x, Expr::f32(lo)), Expr::f32(hi))
 }
 
 /// The scalar type computations on a tensor of `d` run in.

@@ -11,8 +11,9 @@ use std::collections::{HashMap, HashSet};
 
 use qatc_ir::{Graph, KernelFamily, NodeId, Op};
 
+use super::anchor::Anchor;
 use super::inline::inlinable;
-use super::rows::{self, Anchor};
+use super::{attention, reduce, rows, scatter};
 use super::{elementwise, pack_parts, unreshaped, Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
@@ -227,8 +228,8 @@ fn reaches_only_elementwise(
 /// Lowers `root` into `dest`.
 pub fn lower_root(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, dest: View, family: &str) -> Result<(), KernelError> {
     let g = cx.g;
-    if let Some(m) = super::attention::matches(g, root, &cx.leaves) {
-        return super::attention::lower(lw, cx, m, root, dest, family);
+    if let Some(m) = attention::matches(g, root, &cx.leaves) {
+        return attention::lower(lw, cx, m, root, dest, family, operand_view);
     }
     if let Some((mm, bias)) = gemm_bias(g, root, &cx.leaves) {
         let b = operand_view(lw, cx, bias, family)?;
@@ -272,7 +273,24 @@ pub fn lower_root(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, dest: View, fami
     match fused {
         None => elementwise(lw, cx, root, &dest, family),
         Some(a) if is_matmul(&g.node(a).op) => gemm(lw, cx, a, dest, None, family),
-        Some(a) => rows::lower(lw, cx, &Anchor { node: a, dest, epilogue: (a != root).then_some(root), family: family.to_string() }),
+        Some(a) => lower_anchor(lw, cx, &Anchor { node: a, dest, epilogue: (a != root).then_some(root), family: family.to_string() }),
+    }
+}
+
+/// Lowers an anchor by the file that lowers its op: the row ops by `rows.rs`, scatter_add by
+/// `scatter.rs`, the other reductions by `reduce.rs` (which names an op no file lowers).
+fn lower_anchor(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
+    match cx.g.node(a.node).op {
+        Op::LayerNorm { .. }
+        | Op::LayerNormGradX { .. }
+        | Op::Softmax { .. }
+        | Op::SoftmaxGrad { .. }
+        | Op::CrossEntropyGrad
+        | Op::CrossEntropy
+        | Op::ActQuant { .. }
+        | Op::BlockAbsMax => rows::lower(lw, cx, a),
+        Op::ScatterAdd { rows } => scatter::lower(lw, cx, a, rows),
+        _ => reduce::lower(lw, cx, a),
     }
 }
 
@@ -499,7 +517,7 @@ fn gemm_into(
     let note = lw.note(cx, mm, None);
     let dtype = |v: &View| lw.prog.buffers[v.buf].dtype;
     let types = GemmTypes { a: dtype(&a), b: dtype(&b), c: dtype(&c), bias: bias.as_ref().map(dtype) };
-    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha, accumulate, bias, types, note, feed: None });
+    lw.push_gemm(Gemm { a, b, c, m, n, k, alpha, accumulate, bias, types, note });
     Ok(())
 }
 

@@ -10,10 +10,24 @@
 //!   kernel. What cannot share a kernel is split into several, recorded in `Program::splits`.
 //! - Any other node is lowered as if it were a fused node of one op, so everything runs before
 //!   fusion exists.
+//!
+//! This file is the folder's root: it holds what the others share (`Lowerer`, `Ctx`,
+//! `elementwise`) and dispatches to them. The others read in one direction, each using only files
+//! to its left (`a <- b`: b uses a; `kernels/tests/module_layers.rs` checks this line against
+//! their `super::` paths):
+//!
+//! Layers: tidy/hoist/inplace <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
+//!
+//! `builder` builds one kernel (`tidy` and `hoist` clean its body); `inline` computes a node's
+//! value at an index; `anchor` is an op lowered into a kernel of its own, which `rows`, `reduce`
+//! and `scatter` lower; `fused` splits a fused node at its anchors and routes each to its file
+//! (`lower_anchor`), or to `attention`, which gets its operands' views through the function
+//! `fused` passes it. `node` lowers one node of the step graph in `lower_with`'s order, handing a
+//! fused node to its family's file.
 
 use std::collections::HashMap;
 
-use qatc_ir::{DType, Graph, KernelFamily, NodeId, Op, Phase, Role, Roles};
+use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role, Roles};
 
 use crate::error::KernelError;
 use crate::kir::{Kernel, Space, Ty};
@@ -35,12 +49,14 @@ macro_rules! launch {
 
 mod adamw;
 mod adamw8;
+mod anchor;
 mod attention;
 pub mod builder;
 mod fused;
 mod hoist;
 pub mod inline;
 pub(crate) mod inplace;
+mod node;
 mod reduce;
 mod rows;
 mod scatter;
@@ -305,136 +321,7 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
     let mut values: HashMap<NodeId, View> = HashMap::new();
     let node_roles = Roles::of(g);
     for id in lowering_order(g, options.order.as_deref())? {
-        let n = g.node(id);
-        let role = node_roles.role(g, id);
-        lw.phase = role.phase;
-        let ops = g.operands(id);
-        let shape = n.ty.shape.0.clone();
-        if let Some(v) = lw.absorbed.get(&id) {
-            if let Some(v) = v {
-                values.insert(id, v.clone());
-            }
-            continue;
-        }
-        // left for the blockwise AdamW, lowered on demand (`materialize`) when it is not
-        if !lw.options.adamw_packed && adamw8::deferred(g, id) {
-            continue;
-        }
-        if let Op::Slice { axis: 0, start, end } = &n.op {
-            if let Some(v) = ops.first().and_then(|&p| pack_part(&lw, p, *start, *end)) {
-                values.insert(id, v);
-                continue;
-            }
-        }
-        let view_of = |i: usize| ops.get(i).and_then(|o| values.get(o));
-        let as_view = match &n.op {
-            Op::Input { kind, .. } => {
-                let v = lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Input(buffer_name(g, id), *kind), role);
-                values.insert(id, v);
-                continue;
-            }
-            // read inline by their users; materialized on demand below
-            Op::Const { .. } => continue,
-            Op::Reshape { shape } => view_of(0).and_then(|v| v.reshape(&shape.0)),
-            Op::Transpose { perm } => view_of(0).map(|v| v.transpose(perm)),
-            Op::Slice { axis, start, end } => view_of(0).map(|v| v.slice(*axis, *start, *end)),
-            Op::Broadcast { shape } => view_of(0).map(|v| v.broadcast(&shape.0)),
-            _ => None,
-        };
-        if let Some(v) = as_view {
-            values.insert(id, v);
-            continue;
-        }
-        // fused nodes whose results get buffers of their own: the chunked cross-entropy, and
-        // AdamW written over its inputs, tensor by tensor; where their bodies are not the
-        // pattern these lowerings know, they fall through to the general lowering below
-        match &n.op {
-            Op::Kernel { family: KernelFamily::CrossEntropyLinear { chunk_rows: rule_rows }, body } => {
-                let mut operand_views = Vec::new();
-                for &o in &ops {
-                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
-                }
-                // the planner's rows per chunk, else the fusion rule's
-                let chunk_rows = lw.options.ce_chunk_rows.unwrap_or(*rule_rows);
-                match xent::lower(&mut lw, g, id, body, &operand_views, chunk_rows)? {
-                    Some(xent::Lowered::Value(v)) => {
-                        values.insert(id, v);
-                        continue;
-                    }
-                    Some(xent::Lowered::Parts(parts)) => {
-                        lw.packs.insert(id, parts);
-                        continue;
-                    }
-                    None => {}
-                }
-            }
-            Op::Kernel { family: family @ KernelFamily::AdamWMultiTensor, body } if !lw.options.adamw_packed => {
-                let mut operand_views = Vec::new();
-                for &o in &ops {
-                    let deferred = !values.contains_key(&o) && adamw8::deferred(g, o);
-                    operand_views.push(if deferred { None } else { Some(materialize(&mut lw, g, o, &mut values, &node_roles)?) });
-                }
-                let done: std::collections::HashSet<NodeId> = values.keys().chain(lw.packs.keys()).copied().collect();
-                let lowered = |u: NodeId| done.contains(&u);
-                let known = values.clone();
-                let view_of = |u: NodeId| known.get(&u).cloned();
-                if let Some(placed) = adamw::lower(&mut lw, g, id, &family.to_string(), body, &operand_views, &view_of, &lowered)? {
-                    lw.packs.insert(id, placed);
-                    continue;
-                }
-            }
-            _ => {}
-        }
-        // a packed kernel whose parts are computed one by one: a buffer per part
-        if let Op::Kernel { body, .. } = &n.op {
-            if let Some(parts) = fused::separate_parts(body, ops.len()).filter(|p| read_by_parts(g, id, p)) {
-                let mut operand_views = Vec::new();
-                for &o in &ops {
-                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
-                }
-                let mut dests = Vec::new();
-                let mut placed = Vec::new();
-                for &(part, start, len) in &parts {
-                    let inner = match body.node(part).op {
-                        Op::Reshape { .. } => body.operands(part)[0],
-                        _ => part,
-                    };
-                    // the role of what reads this part: the pack's slice
-                    let reader = g.users(id).into_iter().find(|&u| matches!(g.node(u).op, Op::Slice { start: s, .. } if s == start));
-                    let part_role = reader.map_or(role, |u| node_roles.role(g, u));
-                    let name = body.node(inner).name.clone().unwrap_or_else(|| format!("{}.part{}", buffer_name(g, id), dests.len()));
-                    let t = body.ty(inner);
-                    let buf = lw.buffer(name, t.dtype, &t.shape.0, BufKind::Value, part_role);
-                    let flat = buf.reshape(&[len]).ok_or_else(|| KernelError::Internal("a part's buffer is not contiguous".into()))?;
-                    dests.push(flat.clone());
-                    placed.push((start, len, flat));
-                }
-                fused::lower_kernel_parts(&mut lw, g, id, &operand_views, &parts, &dests)?;
-                lw.packs.insert(id, placed);
-                continue;
-            }
-        }
-        // the cross-entropy gradient over its logits, when they die here (inplace.rs)
-        let over = inplace::over_logits(&lw, g, id, ops.first().and_then(|o| values.get(o)));
-        let first_step = lw.prog.steps.len();
-        let dest = match &over {
-            Some(v) => v.clone(),
-            None => lw.buffer(buffer_name(g, id), n.ty.dtype, &shape, BufKind::Value, role),
-        };
-        match &n.op {
-            Op::Kernel { family, body } => {
-                let mut operand_views = Vec::new();
-                for &o in &ops {
-                    operand_views.push(materialize(&mut lw, g, o, &mut values, &node_roles)?);
-                }
-                fused::lower_kernel_node(&mut lw, g, id, family, body, &operand_views, dest.clone())?;
-            }
-            _ => lower_op(&mut lw, g, id, dest.clone(), &mut values, &node_roles)?,
-        }
-        if let Some(v) = &over {
-            inplace::verify(&lw.prog, first_step, v.buf)?;
-        }
-        values.insert(id, dest);
+        node::lower(&mut lw, g, id, &mut values, &node_roles)?;
     }
     for o in g.outputs() {
         lw.phase = node_roles.phase(g, o.node);

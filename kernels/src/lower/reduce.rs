@@ -1,13 +1,13 @@
 //! Reductions that are not along the last dim: sum_to (bias gradients), LayerNorm's gamma
-//! gradient and fake-quant (per group of a weight column); scatter_add is `scatter.rs`. A "row"
-//! here is the set of input elements one output element reduces, addressed through index expressions; where
-//! those elements are far apart in memory (a column), one thread takes a row and neighbouring
-//! threads take neighbouring columns, so loads stay coalesced.
+//! gradient, fake-quant (per group of a weight column) and the all-finite test; scatter_add is
+//! `scatter.rs`. A "row" here is the set of input elements one output element reduces, addressed
+//! through index expressions; where those elements are far apart in memory (a column), one thread
+//! takes a row and neighbouring threads take neighbouring columns, so loads stay coalesced.
 
 use qatc_ir::{DType, Op, QuantScheme, QuantSpec};
 
-use super::builder::{KernelBuilder, Pos};
-use super::rows::{clamp, emit_out, Anchor};
+use super::anchor::{emit_out, Anchor};
+use super::builder::{clamp, KernelBuilder, Pos};
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::index::delinearize;
@@ -103,7 +103,6 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
             emit_out(&mut kb, a, Pos::Coords(vec![]), Expr::bin(BinOp::Sub, f(1.0), bad))?;
             launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, note)
         }
-        Op::ScatterAdd { rows } => super::scatter::lower(lw, cx, a, rows, note),
         other => Err(KernelError::Unsupported { node: g.describe(a.node), why: format!("no kernel lowering for {}", other.mnemonic()) }),
     }
 }

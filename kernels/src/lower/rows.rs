@@ -5,22 +5,14 @@
 //! The arithmetic follows the interpreter (`runtime/src/kernels/{norm,softmax}.rs`) operation for
 //! operation: the same association, f32 throughout, biased variance.
 
-use qatc_ir::{qmap, Grid, NodeId, Op, QuantScheme};
+use qatc_ir::{qmap, Graph, Grid, Node, NodeId, Op, QuantScheme};
 
-use super::builder::{pos_key, KernelBuilder, Pos};
+use super::anchor::{emit_out, Anchor};
+use super::builder::{clamp, KernelBuilder, Pos};
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
 use crate::program::View;
-
-/// One op computed by a kernel of its own: where it stores, and the elementwise epilogue (a node
-/// of the same shape reading this one at the same position) applied before the store.
-pub struct Anchor {
-    pub node: NodeId,
-    pub dest: View,
-    pub epilogue: Option<NodeId>,
-    pub family: String,
-}
 
 fn f(v: f64) -> Expr {
     Expr::f32(v)
@@ -36,21 +28,6 @@ fn mul(a: Expr, b: Expr) -> Expr {
 }
 fn div(a: Expr, b: Expr) -> Expr {
     Expr::bin(BinOp::Div, a, b)
-}
-
-/// Stores `y`, the anchor's value at `pos`, through the epilogue if there is one.
-pub fn emit_out(kb: &mut KernelBuilder, a: &Anchor, pos: Pos, y: Expr) -> Result<(), KernelError> {
-    let v = match a.epilogue {
-        Some(root) => {
-            // the epilogue reads the anchor's value as the interpreter holds it: rounded to its type
-            let y = super::builder::round_to(kb.src.g.ty(a.node).dtype, y);
-            kb.subst.insert(pos_key(a.node, &pos), y);
-            kb.value(root, &pos)?
-        }
-        None => y,
-    };
-    kb.store_view(&a.dest, &pos, v);
-    Ok(())
 }
 
 /// Element (row, j) of a tensor with rows of `c`.
@@ -97,210 +74,254 @@ fn ln_stats(kb: &mut KernelBuilder, x: NodeId, c: usize, eps: f64) -> Result<(Ex
 
 /// Lowers a row op (with its prologue inlined and `a.epilogue` fused) into one or two kernels.
 pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
-    let g = cx.g;
-    let node = g.node(a.node);
-    let ops = g.operands(a.node);
-    let shape = node.ty.shape.0.clone();
-    let note = lw.note(cx, a.node, a.epilogue);
-    match node.op.clone() {
-        Op::LayerNorm { eps } => {
-            let c = shape.last().copied().unwrap_or(1);
-            let rows = node.ty.numel() / c.max(1);
-            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
-            let (mean, rstd) = ln_stats(&mut kb, ops[0], c, eps)?;
-            let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
-            let p = at(&kb, c, &j);
-            let xv = kb.value(ops[0], &p)?;
-            let gamma = kb.value(ops[1], &Pos::Lin(j.clone()))?;
-            let beta = kb.value(ops[2], &Pos::Lin(j))?;
-            let y = add(mul(mul(sub(xv, mean), rstd), gamma), beta);
-            emit_out(&mut kb, a, p, y)?;
-            kb.close_foreach(lp);
-            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
-        }
-        Op::LayerNormGradX { eps } => {
-            // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma
-            let c = shape.last().copied().unwrap_or(1);
-            let rows = node.ty.numel() / c.max(1);
-            let (x, gamma, dy) = (ops[0], ops[1], ops[2]);
-            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
-            let (mean, rstd) = ln_stats(&mut kb, x, c, eps)?;
-            let gj = |kb: &mut KernelBuilder, j: &Expr| -> Result<Expr, KernelError> {
-                let p = at(kb, c, j);
-                let d = kb.value(dy, &p)?;
-                let w = kb.value(gamma, &Pos::Lin(j.clone()))?;
-                Ok(kb.bind(Ty::F32, mul(d, w)))
-            };
-            let mg = reduce(&mut kb, ReduceOp::Sum, c, Expr::Int(c as i64), gj)?;
-            let mgx = reduce(&mut kb, ReduceOp::Sum, c, Expr::Int(c as i64), |kb, j| {
-                let gv = gj(kb, j)?;
-                let p = at(kb, c, j);
-                let xv = kb.value(x, &p)?;
-                Ok(mul(mul(gv, sub(xv, mean.clone())), rstd.clone()))
-            })?;
-            let mg = kb.bind(Ty::F32, div(mg, f(c as f64)));
-            let mgx = kb.bind(Ty::F32, div(mgx, f(c as f64)));
-            kb.name(&mg, "mean_g");
-            kb.name(&mgx, "mean_gx");
-            let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
-            let p = at(&kb, c, &j);
-            let xv = kb.value(x, &p)?;
-            let xhat = kb.bind(Ty::F32, mul(sub(xv, mean), rstd.clone()));
-            let gv = gj(&mut kb, &j)?;
-            let y = mul(rstd, sub(sub(gv, mg), mul(xhat, mgx)));
-            emit_out(&mut kb, a, p, y)?;
-            kb.close_foreach(lp);
-            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
-        }
-        Op::Softmax { scale, causal } => {
-            let s = shape.last().copied().unwrap_or(1);
-            let t = if causal && shape.len() >= 2 { shape[shape.len() - 2] } else { 1 };
-            let rows = node.ty.numel() / s.max(1);
-            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
-            // a causal row i of each [T, S] matrix sees columns j <= i
-            let valid =
-                if causal { kb.bind(Ty::I32, add(kb.bounds.rem(Expr::Ix(Ix::Row), t as i64), Expr::Int(1))) } else { Expr::Int(s as i64) };
-            kb.name(&valid, "valid");
-            let x = ops[0];
-            let max = reduce(&mut kb, ReduceOp::Max, s, valid.clone(), |kb, j| {
-                let p = at(kb, s, j);
-                let xv = kb.value(x, &p)?;
-                Ok(mul(f(scale), xv))
-            })?;
-            let sum = reduce(&mut kb, ReduceOp::Sum, s, valid.clone(), |kb, j| {
-                let p = at(kb, s, j);
-                let xv = kb.value(x, &p)?;
-                Ok(Expr::un(UnOp::Exp, sub(mul(f(scale), xv), max.clone())))
-            })?;
-            kb.name(&max, "row_max");
-            kb.name(&sum, "row_sum");
-            let (lp, j) = kb.open_loop(Expr::Int(s as i64), s);
-            let p = at(&kb, s, &j);
-            kb.enter_lazy();
-            let xv = kb.value(x, &p);
-            kb.leave_lazy();
-            let e = div(Expr::un(UnOp::Exp, sub(mul(f(scale), xv?), max)), sum);
-            let y = if causal { Expr::select(Expr::bin(BinOp::Lt, j, valid), e, f(0.0)) } else { e };
-            emit_out(&mut kb, a, p, y)?;
-            kb.close_foreach(lp);
-            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
-        }
-        Op::SoftmaxGrad { scale } => {
-            let s = shape.last().copied().unwrap_or(1);
-            let rows = node.ty.numel() / s.max(1);
-            let (y, dy) = (ops[0], ops[1]);
-            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
-            let dot = reduce(&mut kb, ReduceOp::Sum, s, Expr::Int(s as i64), |kb, j| {
-                let p = at(kb, s, j);
-                let d = kb.value(dy, &p)?;
-                let yv = kb.value(y, &p)?;
-                Ok(mul(d, yv))
-            })?;
-            kb.name(&dot, "dot");
-            let (lp, j) = kb.open_loop(Expr::Int(s as i64), s);
-            let p = at(&kb, s, &j);
-            let yv = kb.value(y, &p)?;
-            let d = kb.value(dy, &p)?;
-            let out = mul(mul(f(scale), yv), sub(d, dot));
-            emit_out(&mut kb, a, p, out)?;
-            kb.close_foreach(lp);
-            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
-        }
-        Op::CrossEntropyGrad => {
-            // dlogits = dloss / N * (softmax(row) - onehot(target))
-            let (logits, targets, dloss) = (ops[0], ops[1], ops[2]);
-            let (n, v) = (shape[0], shape[1]);
-            let stats = ce_stats(lw, cx, logits, n);
-            let touched: Vec<&View> =
-                [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
-            let mut kb = lw.kb_rows(cx, n, &touched);
-            let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
-            let k = kb.bind(Ty::F32, div(dl, f(n as f64)));
-            kb.name(&k, "k");
-            let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
-            let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
-            let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
-            let p = at(&kb, v, &j);
-            let xv = kb.value(logits, &p)?;
-            let prob = div(Expr::un(UnOp::Exp, sub(xv, max)), sum);
-            let hit = Expr::select(Expr::bin(BinOp::Eq, j, target), k.clone(), f(0.0));
-            emit_out(&mut kb, a, p, sub(mul(k, prob), hit))?;
-            kb.close_foreach(lp);
-            launch!(lw, kb, &a.family, Space::Rows { rows: n, mapping: RowMapping::Block }, note)
-        }
-        Op::CrossEntropy => {
-            // per-row losses into a scratch [N], then their mean in a second pass (deterministic)
-            let (logits, targets) = (ops[0], ops[1]);
-            let lt = g.ty(logits).shape.0.clone();
-            let (n, v) = (lt[0], lt[1]);
-            let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
-            let stats = ce_stats(lw, cx, logits, n);
-            let touched: Vec<&View> =
-                [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
-            let mut kb = lw.kb_rows(cx, n, &touched);
-            let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
-            let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
-            let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
-            let t = kb.bind(Ty::I32, clamped);
-            let t = kb.to_index(t);
-            let col = at(&kb, v, &t);
-            let xt = kb.value(logits, &col)?;
-            let loss = sub(add(max, Expr::un(UnOp::Log, sum)), xt);
-            kb.store_view(&losses, &Pos::Lin(Expr::Ix(Ix::Row)), loss);
-            launch!(lw, kb, "cross_entropy", Space::Rows { rows: n, mapping: RowMapping::Block }, format!("{note}: per-row losses"))?;
-            let mut kb = lw.kb_rows(cx, 1, &[&a.dest]);
-            let total = reduce(&mut kb, ReduceOp::Sum, n, Expr::Int(n as i64), |kb, j| Ok(kb.load_view(&losses, &Pos::Lin(j.clone()))))?;
-            kb.name(&total, "total");
-            emit_out(&mut kb, a, Pos::Coords(vec![]), div(total, f(n as f64)))?;
-            launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, format!("{note}: mean of the row losses"))
-        }
-        Op::ActQuant { bits } => {
-            // per-row symmetric fake-quant: S = absmax / qmax
-            let c = shape.last().copied().unwrap_or(1);
-            let rows = node.ty.numel() / c.max(1);
-            let qmax = Grid::of(QuantScheme::Sym, bits).range(0.0).1;
-            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
-            let x = ops[0];
-            let absmax = reduce(&mut kb, ReduceOp::Max, c, Expr::Int(c as i64), |kb, j| {
-                let p = at(kb, c, j);
-                let xv = kb.value(x, &p)?;
-                Ok(Expr::un(UnOp::Abs, xv))
-            })?;
-            let s = kb.bind(Ty::F32, div(absmax.clone(), f(qmax)));
-            kb.name(&absmax, "absmax");
-            kb.name(&s, "scale");
-            let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
-            let p = at(&kb, c, &j);
-            let xv = kb.value(x, &p)?;
-            let q = clamp(Expr::un(UnOp::RoundEven, div(xv, s.clone())), -qmax, qmax);
-            let y = Expr::select(Expr::bin(BinOp::Eq, s.clone(), f(0.0)), f(0.0), mul(q, s));
-            emit_out(&mut kb, a, p, y)?;
-            kb.close_foreach(lp);
-            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
-        }
-        Op::BlockAbsMax => {
-            // one program per block of the flattened operand; the last block may be partial
-            let (n, bl) = (g.ty(ops[0]).numel(), qmap::BLOCK);
-            let rows = qmap::blocks(n);
-            let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
-            let left = Expr::bin(BinOp::Sub, Expr::Int(n as i64), Expr::bin(BinOp::Mul, Expr::Ix(Ix::Row), Expr::Int(bl as i64)));
-            let extent = Expr::bin(BinOp::Min, Expr::Int(bl as i64), left);
-            let x = ops[0];
-            let absmax = reduce(&mut kb, ReduceOp::Max, bl, extent, |kb, j| {
-                let p = at(kb, bl, j);
-                Ok(Expr::un(UnOp::Abs, kb.value(x, &p)?))
-            })?;
-            kb.name(&absmax, "absmax");
-            emit_out(&mut kb, a, Pos::Lin(Expr::Ix(Ix::Row)), absmax)?;
-            launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
-        }
-        _ => super::reduce::lower(lw, cx, a),
+    match cx.g.node(a.node).op.clone() {
+        Op::LayerNorm { eps } => layer_norm(lw, cx, a, eps),
+        Op::LayerNormGradX { eps } => layer_norm_grad_x(lw, cx, a, eps),
+        Op::Softmax { scale, causal } => softmax(lw, cx, a, scale, causal),
+        Op::SoftmaxGrad { scale } => softmax_grad(lw, cx, a, scale),
+        Op::CrossEntropyGrad => cross_entropy_grad(lw, cx, a),
+        Op::CrossEntropy => cross_entropy(lw, cx, a),
+        Op::ActQuant { bits } => act_quant(lw, cx, a, bits),
+        Op::BlockAbsMax => block_abs_max(lw, cx, a),
+        other => Err(KernelError::Internal(format!(
+            "{}: {} is not a row op (fused::lower_anchor routes it)",
+            cx.g.describe(a.node),
+            other.mnemonic()
+        ))),
     }
 }
 
-/// f32 clamp as Rust's `f32::clamp(lo, hi)`.
-pub fn clamp(x: Expr, lo: f64, hi: f64) -> Expr {
-    Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, x, f(lo)), f(hi))
+/// What each row op's lowering reads of its anchor: the graph, the node, its operands and shape,
+/// and the note its kernels carry.
+struct RowOp<'g> {
+    g: &'g Graph,
+    node: &'g Node,
+    ops: Vec<NodeId>,
+    shape: Vec<usize>,
+    note: String,
+}
+
+impl<'g> RowOp<'g> {
+    fn of(lw: &Lowerer, cx: &Ctx<'g>, a: &Anchor) -> RowOp<'g> {
+        let g = cx.g;
+        let node = g.node(a.node);
+        RowOp { g, node, ops: g.operands(a.node), shape: node.ty.shape.0.clone(), note: lw.note(cx, a.node, a.epilogue) }
+    }
+}
+
+/// LayerNorm: y = (x - mean) * rstd * gamma + beta over each row of C (x [.., C], gamma and
+/// beta [C]).
+fn layer_norm(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, eps: f64) -> Result<(), KernelError> {
+    let RowOp { node, ops, shape, note, .. } = RowOp::of(lw, cx, a);
+    let c = shape.last().copied().unwrap_or(1);
+    let rows = node.ty.numel() / c.max(1);
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+    let (mean, rstd) = ln_stats(&mut kb, ops[0], c, eps)?;
+    let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
+    let p = at(&kb, c, &j);
+    let xv = kb.value(ops[0], &p)?;
+    let gamma = kb.value(ops[1], &Pos::Lin(j.clone()))?;
+    let beta = kb.value(ops[2], &Pos::Lin(j))?;
+    let y = add(mul(mul(sub(xv, mean), rstd), gamma), beta);
+    emit_out(&mut kb, a, p, y)?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+}
+
+/// LayerNorm's input gradient (x, gamma, dy) -> dx, each row recomputing its statistics.
+fn layer_norm_grad_x(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, eps: f64) -> Result<(), KernelError> {
+    let RowOp { node, ops, shape, note, .. } = RowOp::of(lw, cx, a);
+    // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma
+    let c = shape.last().copied().unwrap_or(1);
+    let rows = node.ty.numel() / c.max(1);
+    let (x, gamma, dy) = (ops[0], ops[1], ops[2]);
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+    let (mean, rstd) = ln_stats(&mut kb, x, c, eps)?;
+    let gj = |kb: &mut KernelBuilder, j: &Expr| -> Result<Expr, KernelError> {
+        let p = at(kb, c, j);
+        let d = kb.value(dy, &p)?;
+        let w = kb.value(gamma, &Pos::Lin(j.clone()))?;
+        Ok(kb.bind(Ty::F32, mul(d, w)))
+    };
+    let mg = reduce(&mut kb, ReduceOp::Sum, c, Expr::Int(c as i64), gj)?;
+    let mgx = reduce(&mut kb, ReduceOp::Sum, c, Expr::Int(c as i64), |kb, j| {
+        let gv = gj(kb, j)?;
+        let p = at(kb, c, j);
+        let xv = kb.value(x, &p)?;
+        Ok(mul(mul(gv, sub(xv, mean.clone())), rstd.clone()))
+    })?;
+    let mg = kb.bind(Ty::F32, div(mg, f(c as f64)));
+    let mgx = kb.bind(Ty::F32, div(mgx, f(c as f64)));
+    kb.name(&mg, "mean_g");
+    kb.name(&mgx, "mean_gx");
+    let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
+    let p = at(&kb, c, &j);
+    let xv = kb.value(x, &p)?;
+    let xhat = kb.bind(Ty::F32, mul(sub(xv, mean), rstd.clone()));
+    let gv = gj(&mut kb, &j)?;
+    let y = mul(rstd, sub(sub(gv, mg), mul(xhat, mgx)));
+    emit_out(&mut kb, a, p, y)?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+}
+
+/// Softmax over each row of scale * x; causal rows see their first i + 1 columns.
+fn softmax(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, scale: f64, causal: bool) -> Result<(), KernelError> {
+    let RowOp { node, ops, shape, note, .. } = RowOp::of(lw, cx, a);
+    let s = shape.last().copied().unwrap_or(1);
+    let t = if causal && shape.len() >= 2 { shape[shape.len() - 2] } else { 1 };
+    let rows = node.ty.numel() / s.max(1);
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+    // a causal row i of each [T, S] matrix sees columns j <= i
+    let valid = if causal { kb.bind(Ty::I32, add(kb.bounds.rem(Expr::Ix(Ix::Row), t as i64), Expr::Int(1))) } else { Expr::Int(s as i64) };
+    kb.name(&valid, "valid");
+    let x = ops[0];
+    let max = reduce(&mut kb, ReduceOp::Max, s, valid.clone(), |kb, j| {
+        let p = at(kb, s, j);
+        let xv = kb.value(x, &p)?;
+        Ok(mul(f(scale), xv))
+    })?;
+    let sum = reduce(&mut kb, ReduceOp::Sum, s, valid.clone(), |kb, j| {
+        let p = at(kb, s, j);
+        let xv = kb.value(x, &p)?;
+        Ok(Expr::un(UnOp::Exp, sub(mul(f(scale), xv), max.clone())))
+    })?;
+    kb.name(&max, "row_max");
+    kb.name(&sum, "row_sum");
+    let (lp, j) = kb.open_loop(Expr::Int(s as i64), s);
+    let p = at(&kb, s, &j);
+    kb.enter_lazy();
+    let xv = kb.value(x, &p);
+    kb.leave_lazy();
+    let e = div(Expr::un(UnOp::Exp, sub(mul(f(scale), xv?), max)), sum);
+    let y = if causal { Expr::select(Expr::bin(BinOp::Lt, j, valid), e, f(0.0)) } else { e };
+    emit_out(&mut kb, a, p, y)?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+}
+
+/// Softmax's gradient (y, dy) -> scale * y * (dy - sum(dy * y)), a row at a time.
+fn softmax_grad(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, scale: f64) -> Result<(), KernelError> {
+    let RowOp { node, ops, shape, note, .. } = RowOp::of(lw, cx, a);
+    let s = shape.last().copied().unwrap_or(1);
+    let rows = node.ty.numel() / s.max(1);
+    let (y, dy) = (ops[0], ops[1]);
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+    let dot = reduce(&mut kb, ReduceOp::Sum, s, Expr::Int(s as i64), |kb, j| {
+        let p = at(kb, s, j);
+        let d = kb.value(dy, &p)?;
+        let yv = kb.value(y, &p)?;
+        Ok(mul(d, yv))
+    })?;
+    kb.name(&dot, "dot");
+    let (lp, j) = kb.open_loop(Expr::Int(s as i64), s);
+    let p = at(&kb, s, &j);
+    let yv = kb.value(y, &p)?;
+    let d = kb.value(dy, &p)?;
+    let out = mul(mul(f(scale), yv), sub(d, dot));
+    emit_out(&mut kb, a, p, out)?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+}
+
+/// Cross-entropy's gradient (logits [N, V], targets [N], dloss []) -> dlogits [N, V], a row at a
+/// time.
+fn cross_entropy_grad(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
+    let RowOp { ops, shape, note, .. } = RowOp::of(lw, cx, a);
+    // dlogits = dloss / N * (softmax(row) - onehot(target))
+    let (logits, targets, dloss) = (ops[0], ops[1], ops[2]);
+    let (n, v) = (shape[0], shape[1]);
+    let stats = ce_stats(lw, cx, logits, n);
+    let touched: Vec<&View> = [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+    let mut kb = lw.kb_rows(cx, n, &touched);
+    let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
+    let k = kb.bind(Ty::F32, div(dl, f(n as f64)));
+    kb.name(&k, "k");
+    let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+    let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
+    let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
+    let p = at(&kb, v, &j);
+    let xv = kb.value(logits, &p)?;
+    let prob = div(Expr::un(UnOp::Exp, sub(xv, max)), sum);
+    let hit = Expr::select(Expr::bin(BinOp::Eq, j, target), k.clone(), f(0.0));
+    emit_out(&mut kb, a, p, sub(mul(k, prob), hit))?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows: n, mapping: RowMapping::Block }, note)
+}
+
+/// Cross-entropy (logits [N, V], targets [N]) -> the mean loss [], in two kernels.
+fn cross_entropy(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
+    let RowOp { g, ops, note, .. } = RowOp::of(lw, cx, a);
+    // per-row losses into a scratch [N], then their mean in a second pass (deterministic)
+    let (logits, targets) = (ops[0], ops[1]);
+    let lt = g.ty(logits).shape.0.clone();
+    let (n, v) = (lt[0], lt[1]);
+    let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
+    let stats = ce_stats(lw, cx, logits, n);
+    let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+    let mut kb = lw.kb_rows(cx, n, &touched);
+    let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+    let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
+    let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
+    let t = kb.bind(Ty::I32, clamped);
+    let t = kb.to_index(t);
+    let col = at(&kb, v, &t);
+    let xt = kb.value(logits, &col)?;
+    let loss = sub(add(max, Expr::un(UnOp::Log, sum)), xt);
+    kb.store_view(&losses, &Pos::Lin(Expr::Ix(Ix::Row)), loss);
+    launch!(lw, kb, "cross_entropy", Space::Rows { rows: n, mapping: RowMapping::Block }, format!("{note}: per-row losses"))?;
+    let mut kb = lw.kb_rows(cx, 1, &[&a.dest]);
+    let total = reduce(&mut kb, ReduceOp::Sum, n, Expr::Int(n as i64), |kb, j| Ok(kb.load_view(&losses, &Pos::Lin(j.clone()))))?;
+    kb.name(&total, "total");
+    emit_out(&mut kb, a, Pos::Coords(vec![]), div(total, f(n as f64)))?;
+    launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, format!("{note}: mean of the row losses"))
+}
+
+/// Per-row symmetric fake-quant of activations to `bits` (S = absmax / qmax).
+fn act_quant(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, bits: u8) -> Result<(), KernelError> {
+    let RowOp { node, ops, shape, note, .. } = RowOp::of(lw, cx, a);
+    // per-row symmetric fake-quant: S = absmax / qmax
+    let c = shape.last().copied().unwrap_or(1);
+    let rows = node.ty.numel() / c.max(1);
+    let qmax = Grid::of(QuantScheme::Sym, bits).range(0.0).1;
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+    let x = ops[0];
+    let absmax = reduce(&mut kb, ReduceOp::Max, c, Expr::Int(c as i64), |kb, j| {
+        let p = at(kb, c, j);
+        let xv = kb.value(x, &p)?;
+        Ok(Expr::un(UnOp::Abs, xv))
+    })?;
+    let s = kb.bind(Ty::F32, div(absmax.clone(), f(qmax)));
+    kb.name(&absmax, "absmax");
+    kb.name(&s, "scale");
+    let (lp, j) = kb.open_loop(Expr::Int(c as i64), c);
+    let p = at(&kb, c, &j);
+    let xv = kb.value(x, &p)?;
+    let q = clamp(Expr::un(UnOp::RoundEven, div(xv, s.clone())), -qmax, qmax);
+    let y = Expr::select(Expr::bin(BinOp::Eq, s.clone(), f(0.0)), f(0.0), mul(q, s));
+    emit_out(&mut kb, a, p, y)?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+}
+
+/// The absmax of each block of `qmap::BLOCK` elements of the flattened operand (the 8-bit
+/// moments' scales).
+fn block_abs_max(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
+    let RowOp { g, ops, note, .. } = RowOp::of(lw, cx, a);
+    // one program per block of the flattened operand; the last block may be partial
+    let (n, bl) = (g.ty(ops[0]).numel(), qmap::BLOCK);
+    let rows = qmap::blocks(n);
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+    let left = Expr::bin(BinOp::Sub, Expr::Int(n as i64), Expr::bin(BinOp::Mul, Expr::Ix(Ix::Row), Expr::Int(bl as i64)));
+    let extent = Expr::bin(BinOp::Min, Expr::Int(bl as i64), left);
+    let x = ops[0];
+    let absmax = reduce(&mut kb, ReduceOp::Max, bl, extent, |kb, j| {
+        let p = at(kb, bl, j);
+        Ok(Expr::un(UnOp::Abs, kb.value(x, &p)?))
+    })?;
+    kb.name(&absmax, "absmax");
+    emit_out(&mut kb, a, Pos::Lin(Expr::Ix(Ix::Row)), absmax)?;
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
 }
 
 /// Scratch rows for the (max, sum) statistics of materialized logits, and whether another

@@ -20,14 +20,15 @@
 
 use qatc_ir::DType;
 
+use super::anchor::{emit_out, Anchor};
 use super::builder::Pos;
-use super::rows::{emit_out, Anchor};
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Stmt, Ty};
 
-pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, rows: usize, note: String) -> Result<(), KernelError> {
+pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, rows: usize) -> Result<(), KernelError> {
     let g = cx.g;
+    let note = lw.note(cx, a.node, a.epilogue);
     let ops = g.operands(a.node);
     let (ids, dy) = (ops[0], ops[1]);
     let c = g.ty(a.node).shape.0.last().copied().unwrap_or(1);

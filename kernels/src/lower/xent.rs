@@ -154,51 +154,22 @@ pub fn lower(
     operands: &[View],
     chunk_rows: usize,
 ) -> Result<Option<Lowered>, KernelError> {
-    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
-    for (i, v) in operands.iter().enumerate() {
-        let Some(inp) = body.find_input(&format!("in{i}")) else { return Ok(None) };
-        cx.names.entry(v.buf).or_insert(format!("in{i}"));
-        cx.leaves.insert(inp, v.clone());
-    }
+    let Some(mut cx) = bound(body, operands) else { return Ok(None) };
     let Some(head) = find(body, &cx.leaves) else { return Ok(None) };
     let root =
         body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
-    // the node's value: the loss itself, or a pack of the loss and the gradient products
-    let parts: Vec<(NodeId, usize, usize)> = match &body.node(root).op {
-        _ if root == head.loss => vec![(head.loss, 0, 1)],
-        Op::Concat { axis: 0 } => {
-            pack_parts(body, root).into_iter().map(|(p, start, len)| (widened(body, unreshaped(body, p)), start, len)).collect()
-        }
-        _ => return Ok(None),
-    };
+    let Some(parts) = packed(body, root, &head) else { return Ok(None) };
     // the pack's type: a 16-bit product widened into an f32 pack is written as f32 (the GEMM's
     // f32 sums rounded once, to f32; the graph's cast of the part rounds them to its type)
     let pack_dtype = body.ty(root).dtype;
-    let known = |n: NodeId| n == head.loss || head.products.iter().any(|(p, _)| *p == n);
-    if !parts.iter().all(|&(n, _, _)| known(n)) || head.products.iter().any(|(p, _)| !parts.iter().any(|q| q.0 == *p)) {
-        return Ok(None);
-    }
-    let (n, v) = (body.ty(head.logits).shape.0[0], body.ty(head.logits).shape.0[1]);
-    let r = rows_per_chunk(n, chunk_rows);
-    let chunks = n.div_ceil(r);
-    let with_grad = head.grad.is_some();
-    let phase = if with_grad { Phase::Backward } else { Phase::Forward };
-    // a frozen head (dh the one product, W its operand as stored) on one thread per row: the
-    // vocabulary in tiles with an online softmax (`xent_online.rs`)
-    // (f32 logits only: the tiles hold f32 logits, which 16-bit logits are not)
-    let logits_dtype = body.ty(head.logits).dtype;
-    let online = lw.options.sequential_rows
-        && with_grad
-        && logits_dtype == DType::F32
-        && matches!(head.products[..], [(p, false)] if body.operands(p).get(1) == Some(&head.w)
-            && matches!(body.node(p).op, Op::MatMul { tb: false, .. }));
-    let tile = if online { super::xent_online::tile_cols(r, v, lw.options.ce_tile_cols) } else { v };
+    let ch = Chunking::new(lw, body, &head, chunk_rows);
+    let (n, v, r) = (ch.n, ch.v, ch.r);
 
     // buffers: the chunk scratch, the row losses, each chunk's first row, and the results
     // the chunk's logits as the graph types them (16-bit under --precision: rounded as the
     // unchunked GEMM rounds them), the row kernel's sums in f32 either way
-    let scratch_dtype = if online { DType::F32 } else { logits_dtype };
-    let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), scratch_dtype, &[r, tile], BufKind::Temp, Role::temporary(phase));
+    let scratch_dtype = if ch.online { DType::F32 } else { ch.logits_dtype };
+    let scratch = lw.buffer(CE_CHUNK_SCRATCH.into(), scratch_dtype, &[r, ch.tile], BufKind::Temp, Role::temporary(ch.phase));
     let losses = lw.buffer("ce_rows".into(), DType::F32, &[n], BufKind::Temp, Role::temporary(Phase::Forward));
     let bases = starts(
         lw,
@@ -208,40 +179,24 @@ pub fn lower(
             param: "first_row",
             family: "cross_entropy.chunk_rows",
             what: ("row", "chunks"),
-            count: chunks,
+            count: ch.chunks,
             step: r,
             phase: Phase::Forward,
         },
     )?;
-    let name = g.node(id).name.clone().unwrap_or_else(|| "loss".into());
-    let loss_shape = body.ty(head.loss).shape.0.clone();
-    let loss_buf = lw.buffer(name, DType::F32, &loss_shape, BufKind::Value, Role::temporary(Phase::Forward));
-    let mut results: HashMap<NodeId, View> = HashMap::from([(head.loss, loss_buf.clone())]);
-    for &(p, acc) in &head.products {
-        let ty = body.ty(p).clone();
-        let pname = body
-            .node(p)
-            .name
-            .clone()
-            .unwrap_or_else(|| format!("{}.{}", g.node(id).name.as_deref().unwrap_or("xent"), if acc { "dW" } else { "dh" }));
-        let category = if acc { qatc_ir::Category::Gradients } else { qatc_ir::Category::Temporaries };
-        let dtype = if pack_dtype != ty.dtype && parts.iter().any(|q| q.0 == p) { pack_dtype } else { ty.dtype };
-        let buf = lw.buffer(pname, dtype, &ty.shape.0, BufKind::Value, Role { category, phase: Phase::Backward });
-        results.insert(p, buf);
-    }
+    let (loss_buf, results) = result_buffers(lw, g, id, body, &head, &parts, pack_dtype);
     lw.prog.cross_entropy.push(CeChunking {
         rows: n,
         vocab: v,
         chunk_rows: r,
-        tile_cols: tile,
-        with_grad,
+        tile_cols: ch.tile,
+        with_grad: ch.with_grad,
         elem_bytes: scratch_dtype.bytes_for(1),
     });
 
     let (hv, wv) = (cx.leaves[&head.h].clone(), cx.leaves[&head.w].clone());
-    let swap = |x: &View| x.transpose(&[1, 0]);
-    if let (true, Some(dloss), [(dh, _)]) = (online, head.dloss, &head.products[..]) {
-        let count = v.div_ceil(tile);
+    if let (true, Some(dloss), [(dh, _)]) = (ch.online, head.dloss, &head.products[..]) {
+        let count = v.div_ceil(ch.tile);
         let tile_starts = starts(
             lw,
             &mut cx,
@@ -251,7 +206,7 @@ pub fn lower(
                 family: "cross_entropy.tile_cols",
                 what: ("column", "tiles"),
                 count,
-                step: tile,
+                step: ch.tile,
                 phase: Phase::Backward,
             },
         )?;
@@ -271,86 +226,211 @@ pub fn lower(
             super::xent_online::chunk(lw, &cx, &o, base, (c * r, ((c + 1) * r).min(n)))?;
         }
     }
-    for (c, base) in bases.iter().enumerate().filter(|_| !online) {
-        let (r0, r1) = (c * r, ((c + 1) * r).min(n));
-        let rc = r1 - r0;
-        let chunk = scratch.slice(0, 0, rc);
-        let h_rows = hv.slice(0, r0, r1);
-        let k = hv.shape[1];
-        lw.push_gemm(typed(
-            lw,
-            Gemm {
-                a: h_rows.clone(),
-                b: swap(&wv),
-                c: chunk.clone(),
-                m: rc,
-                n: v,
-                k,
-                alpha: 1.0,
-                accumulate: false,
-                bias: None,
-                note: format!("logits of rows {r0}..{r1} (chunk {c} of {chunks})"),
-                feed: None,
-                types: GemmTypes::F32,
-            },
-        ));
-        row_kernel(lw, &cx, &head, &scratch, &losses, base, (rc, n, v))?;
-        for &(p, acc) in &head.products {
-            let dest = &results[&p];
-            let ops = body.operands(p);
-            let Op::MatMul { tb, .. } = body.node(p).op else { continue };
-            let gemm = if acc {
-                // dW [V, C] += dlogits^T [V, rc] @ h[r0..r1) [rc, C]
-                Gemm {
-                    a: swap(&chunk),
-                    b: h_rows.clone(),
-                    c: dest.clone(),
-                    m: v,
-                    n: h_rows.shape[1],
-                    k: rc,
-                    alpha: 1.0,
-                    accumulate: c > 0,
-                    bias: None,
-                    note: format!("dW += dlogits^T h, rows {r0}..{r1}"),
-                    feed: None,
-                    types: GemmTypes::F32,
-                }
-            } else {
-                // dh[r0..r1) = dlogits [rc, V] @ X [V, C]
-                let x = cx.leaves[&ops[1]].clone();
-                let b = if tb { swap(&x) } else { x };
-                let cols = b.shape[1];
-                Gemm {
-                    a: chunk.clone(),
-                    b,
-                    c: dest.slice(0, r0, r1),
-                    m: rc,
-                    n: cols,
-                    k: v,
-                    alpha: 1.0,
-                    accumulate: false,
-                    bias: None,
-                    note: format!("dh = dlogits W, rows {r0}..{r1}"),
-                    feed: None,
-                    types: GemmTypes::F32,
-                }
-            };
-            lw.push_gemm(typed(lw, gemm));
-        }
+    for (c, base) in bases.iter().enumerate().filter(|_| !ch.online) {
+        let rows = (c * r, ((c + 1) * r).min(n));
+        let whole = Whole { head: &head, scratch: &scratch, losses: &losses, results: &results, h: &hv, w: &wv };
+        whole_rows_chunk(lw, &cx, &ch, &whole, c, base, rows)?;
     }
-    // the loss: the row losses summed in row order, over N (as the unchunked kernel)
-    let mut kb = lw.kb_rows(&cx, 1, &[&losses, &loss_buf]);
-    let (lp, j) = kb.open_loop(Expr::Int(n as i64), n);
-    let x = kb.load_view(&losses, &Pos::Lin(j));
-    let total = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, x);
-    kb.name(&total, "total");
-    kb.store_view(&loss_buf, &Pos::Lin(Expr::Int(0)), Expr::bin(BinOp::Div, total, f(n as f64)));
-    launch!(lw, kb, "cross_entropy", Space::Rows { rows: 1, mapping: RowMapping::Block }, "loss = mean of the row losses".into())?;
+    mean_loss(lw, &cx, &losses, &loss_buf, n)?;
     if root == head.loss {
         return Ok(Some(Lowered::Value(loss_buf)));
     }
     let out = parts.iter().map(|&(p, start, len)| (start, len, results[&p].clone())).collect();
     Ok(Some(Lowered::Parts(out)))
+}
+
+/// The body's inputs `in0, in1, ..` bound to the node's operands; None when one is missing.
+fn bound<'g>(body: &'g Graph, operands: &[View]) -> Option<Ctx<'g>> {
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    for (i, v) in operands.iter().enumerate() {
+        let inp = body.find_input(&format!("in{i}"))?;
+        cx.names.entry(v.buf).or_insert(format!("in{i}"));
+        cx.leaves.insert(inp, v.clone());
+    }
+    Some(cx)
+}
+
+/// The node's value as (part, start, length) along the pack's axis 0: the loss itself, or a pack
+/// of the loss and the gradient products; None when it holds anything else, or leaves a product
+/// out.
+fn packed(body: &Graph, root: NodeId, head: &Head) -> Option<Vec<(NodeId, usize, usize)>> {
+    let parts: Vec<(NodeId, usize, usize)> = match &body.node(root).op {
+        _ if root == head.loss => vec![(head.loss, 0, 1)],
+        Op::Concat { axis: 0 } => {
+            pack_parts(body, root).into_iter().map(|(p, start, len)| (widened(body, unreshaped(body, p)), start, len)).collect()
+        }
+        _ => return None,
+    };
+    let known = |n: NodeId| n == head.loss || head.products.iter().any(|(p, _)| *p == n);
+    if !parts.iter().all(|&(n, _, _)| known(n)) || head.products.iter().any(|(p, _)| !parts.iter().any(|q| q.0 == *p)) {
+        return None;
+    }
+    Some(parts)
+}
+
+/// How a head's N rows of V logits are taken: `r` rows per chunk, and where `online` the
+/// vocabulary in tiles of `tile` columns.
+struct Chunking {
+    n: usize,
+    v: usize,
+    r: usize,
+    chunks: usize,
+    with_grad: bool,
+    /// The phase the chunk scratch lives in (the backward's when training).
+    phase: Phase,
+    logits_dtype: DType,
+    online: bool,
+    tile: usize,
+}
+
+impl Chunking {
+    fn new(lw: &Lowerer, body: &Graph, head: &Head, chunk_rows: usize) -> Chunking {
+        let (n, v) = (body.ty(head.logits).shape.0[0], body.ty(head.logits).shape.0[1]);
+        let r = rows_per_chunk(n, chunk_rows);
+        let with_grad = head.grad.is_some();
+        let phase = if with_grad { Phase::Backward } else { Phase::Forward };
+        // a frozen head (dh the one product, W its operand as stored) on one thread per row: the
+        // vocabulary in tiles with an online softmax (`xent_online.rs`)
+        // (f32 logits only: the tiles hold f32 logits, which 16-bit logits are not)
+        let logits_dtype = body.ty(head.logits).dtype;
+        let online = lw.options.sequential_rows
+            && with_grad
+            && logits_dtype == DType::F32
+            && matches!(head.products[..], [(p, false)] if body.operands(p).get(1) == Some(&head.w)
+                && matches!(body.node(p).op, Op::MatMul { tb: false, .. }));
+        let tile = if online { super::xent_online::tile_cols(r, v, lw.options.ce_tile_cols) } else { v };
+        Chunking { n, v, r, chunks: n.div_ceil(r), with_grad, phase, logits_dtype, online, tile }
+    }
+}
+
+/// The buffers of the results: the loss, and each gradient product (in the pack's type where a
+/// 16-bit product is widened into an f32 pack).
+fn result_buffers(
+    lw: &mut Lowerer,
+    g: &Graph,
+    id: NodeId,
+    body: &Graph,
+    head: &Head,
+    parts: &[(NodeId, usize, usize)],
+    pack_dtype: DType,
+) -> (View, HashMap<NodeId, View>) {
+    let name = g.node(id).name.clone().unwrap_or_else(|| "loss".into());
+    let loss_shape = body.ty(head.loss).shape.0.clone();
+    let loss_buf = lw.buffer(name, DType::F32, &loss_shape, BufKind::Value, Role::temporary(Phase::Forward));
+    let mut results: HashMap<NodeId, View> = HashMap::from([(head.loss, loss_buf.clone())]);
+    for &(p, acc) in &head.products {
+        let ty = body.ty(p).clone();
+        let pname = body
+            .node(p)
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{}.{}", g.node(id).name.as_deref().unwrap_or("xent"), if acc { "dW" } else { "dh" }));
+        let category = if acc { qatc_ir::Category::Gradients } else { qatc_ir::Category::Temporaries };
+        let dtype = if pack_dtype != ty.dtype && parts.iter().any(|q| q.0 == p) { pack_dtype } else { ty.dtype };
+        let buf = lw.buffer(pname, dtype, &ty.shape.0, BufKind::Value, Role { category, phase: Phase::Backward });
+        results.insert(p, buf);
+    }
+    (loss_buf, results)
+}
+
+/// What a chunk of whole rows reads and writes: the head, the chunk's scratch, the row losses,
+/// the results' buffers, and h and W.
+struct Whole<'a> {
+    head: &'a Head,
+    scratch: &'a View,
+    losses: &'a View,
+    results: &'a HashMap<NodeId, View>,
+    h: &'a View,
+    w: &'a View,
+}
+
+/// Chunk `c`, rows `r0..r1` (its first row in `base`), of whole rows: its logits by a GEMM into
+/// the scratch, the row kernel (the row losses, and the gradient over the logits), then its part
+/// of each gradient product.
+fn whole_rows_chunk(
+    lw: &mut Lowerer,
+    cx: &Ctx,
+    ch: &Chunking,
+    x: &Whole,
+    c: usize,
+    base: &View,
+    (r0, r1): (usize, usize),
+) -> Result<(), KernelError> {
+    let (body, v) = (cx.g, ch.v);
+    let swap = |x: &View| x.transpose(&[1, 0]);
+    let rc = r1 - r0;
+    let chunk = x.scratch.slice(0, 0, rc);
+    let h_rows = x.h.slice(0, r0, r1);
+    let k = x.h.shape[1];
+    lw.push_gemm(typed(
+        lw,
+        Gemm {
+            a: h_rows.clone(),
+            b: swap(x.w),
+            c: chunk.clone(),
+            m: rc,
+            n: v,
+            k,
+            alpha: 1.0,
+            accumulate: false,
+            bias: None,
+            note: format!("logits of rows {r0}..{r1} (chunk {c} of {})", ch.chunks),
+            types: GemmTypes::F32,
+        },
+    ));
+    row_kernel(lw, cx, x.head, x.scratch, x.losses, base, (rc, ch.n, v))?;
+    for &(p, acc) in &x.head.products {
+        let dest = &x.results[&p];
+        let ops = body.operands(p);
+        let Op::MatMul { tb, .. } = body.node(p).op else { continue };
+        let gemm = if acc {
+            // dW [V, C] += dlogits^T [V, rc] @ h[r0..r1) [rc, C]
+            Gemm {
+                a: swap(&chunk),
+                b: h_rows.clone(),
+                c: dest.clone(),
+                m: v,
+                n: h_rows.shape[1],
+                k: rc,
+                alpha: 1.0,
+                accumulate: c > 0,
+                bias: None,
+                note: format!("dW += dlogits^T h, rows {r0}..{r1}"),
+                types: GemmTypes::F32,
+            }
+        } else {
+            // dh[r0..r1) = dlogits [rc, V] @ X [V, C]
+            let xv = cx.leaves[&ops[1]].clone();
+            let b = if tb { swap(&xv) } else { xv };
+            let cols = b.shape[1];
+            Gemm {
+                a: chunk.clone(),
+                b,
+                c: dest.slice(0, r0, r1),
+                m: rc,
+                n: cols,
+                k: v,
+                alpha: 1.0,
+                accumulate: false,
+                bias: None,
+                note: format!("dh = dlogits W, rows {r0}..{r1}"),
+                types: GemmTypes::F32,
+            }
+        };
+        lw.push_gemm(typed(lw, gemm));
+    }
+    Ok(())
+}
+
+/// The loss: the row losses summed in row order, over N (as the unchunked kernel).
+fn mean_loss(lw: &mut Lowerer, cx: &Ctx, losses: &View, loss_buf: &View, n: usize) -> Result<(), KernelError> {
+    let mut kb = lw.kb_rows(cx, 1, &[losses, loss_buf]);
+    let (lp, j) = kb.open_loop(Expr::Int(n as i64), n);
+    let x = kb.load_view(losses, &Pos::Lin(j));
+    let total = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, x);
+    kb.name(&total, "total");
+    kb.store_view(loss_buf, &Pos::Lin(Expr::Int(0)), Expr::bin(BinOp::Div, total, f(n as f64)));
+    launch!(lw, kb, "cross_entropy", Space::Rows { rows: 1, mapping: RowMapping::Block }, "loss = mean of the row losses".into())
 }
 
 /// Where each of `count` parts begins (`step` apart: a chunk's first row, a tile's first column).

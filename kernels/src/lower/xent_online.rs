@@ -116,7 +116,6 @@ pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usi
                 accumulate: false,
                 bias: None,
                 note: format!("logits of rows {r0}..{r1}, vocabulary {v0}..{v1}"),
-                feed: None,
                 types: GemmTypes::F32,
             },
         ));
@@ -134,7 +133,6 @@ pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usi
                 accumulate: true,
                 bias: None,
                 note: format!("dh += exp(logits - max) W, rows {r0}..{r1}, vocabulary {v0}..{v1}"),
-                feed: None,
                 types: GemmTypes::F32,
             },
         ));

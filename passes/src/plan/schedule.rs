@@ -51,17 +51,46 @@ pub(crate) enum Priority {
     Recent,
 }
 
-/// The memory-aware order: every non-input node once, operands first.
-pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<usize>, PlanError> {
-    let n = d.len();
-    let lazy = d.lazy();
-    // when each node ran (inputs and lazy nodes: never, for the `Recent` rank)
-    let ran_at: Vec<i64> = vec![-1; n];
-    let group = static_groups(d);
-    let persistent: Vec<bool> = (0..n).map(|i| d.is_input(group[i])).collect();
+/// What the scheduler knows of the step before it picks anything: each node's dependencies and
+/// the lazy nodes it pulls in, and each storage group's readers.
+struct Deps {
+    /// The non-lazy nodes (and lazy `after` readers) that must run before each node; a lazy
+    /// operand contributes its own such dependencies, since it is pulled in with the node.
+    frontier: Vec<Vec<usize>>,
+    /// The nodes each node is in the frontier of.
+    rev: Vec<Vec<usize>>,
+    /// The lazy nodes each node pulls in, in topological order.
+    pulls: Vec<Vec<usize>>,
+    /// The nodes that pull each lazy node.
+    pulled_by: Vec<Vec<usize>>,
+    /// The distinct readers of each storage group.
+    group_readers: Vec<Vec<usize>>,
+    /// The groups read after the step (outputs, copy-backs, persistent inputs): never freed.
+    keep: Vec<bool>,
+}
 
-    // deps[i]: the non-lazy nodes (and lazy `after` readers) that must run before i; a lazy
-    // operand contributes its own such dependencies, since it is pulled in with i.
+impl Deps {
+    fn of(d: &Dense, lazy: &[bool], group: &[usize]) -> Deps {
+        let n = d.len();
+        let frontier = frontiers(d, lazy);
+        let pulls = lazy_pulls(d, lazy);
+        let mut keep = vec![false; n];
+        let mut group_readers: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for i in 0..n {
+            if d.output[i] || d.copy_back[i] || d.is_input(group[i]) {
+                keep[group[i]] = true;
+            }
+            for g in operand_groups(d, group, i) {
+                group_readers[g].push(i);
+            }
+        }
+        Deps { rev: inverse(&frontier), pulled_by: inverse(&pulls), frontier, pulls, group_readers, keep }
+    }
+}
+
+/// Each node's frontier (see [`Deps::frontier`]).
+fn frontiers(d: &Dense, lazy: &[bool]) -> Vec<Vec<usize>> {
+    let n = d.len();
     let mut frontier: Vec<Vec<usize>> = vec![Vec::new(); n];
     for i in 0..n {
         if d.is_input(i) {
@@ -83,14 +112,12 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
         f.dedup();
         frontier[i] = f;
     }
-    let pending: Vec<usize> = frontier.iter().map(Vec::len).collect();
-    let mut rev: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for (i, f) in frontier.iter().enumerate() {
-        for &m in f {
-            rev[m].push(i);
-        }
-    }
-    // the lazy nodes each node pulls in, in topological order
+    frontier
+}
+
+/// The lazy nodes each node pulls in (see [`Deps::pulls`]).
+fn lazy_pulls(d: &Dense, lazy: &[bool]) -> Vec<Vec<usize>> {
+    let n = d.len();
     let mut pulls: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut stamp = vec![usize::MAX; n];
     for i in 0..n {
@@ -111,71 +138,101 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
         p.sort_unstable();
         pulls[i] = p;
     }
-    // remaining distinct readers of each storage group; groups read after the step never free
-    let mut readers: Vec<usize> = vec![0; n];
-    let mut keep = vec![false; n];
-    for i in 0..n {
-        if d.output[i] || d.copy_back[i] || persistent[i] {
-            keep[group[i]] = true;
-        }
-        let mut gs: Vec<usize> = d.operands[i].iter().map(|&o| group[o]).collect();
-        gs.sort_unstable();
-        gs.dedup();
-        for g in gs {
-            readers[g] += 1;
-        }
-    }
-    let size = |i: usize| if d.view[i] || d.write_back[i].is_some() { 0 } else { qatc_arena::aligned(d.bytes[i], align) as i64 };
-    // the distinct readers of each storage group, and the nodes that pull each lazy node: when
-    // a group is down to its last reader, or a pulled node has run, those readers' keys change
-    let mut group_readers: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for i in 0..n {
-        let mut gs: Vec<usize> = d.operands[i].iter().map(|&o| group[o]).collect();
-        gs.sort_unstable();
-        gs.dedup();
-        for g in gs {
-            group_readers[g].push(i);
-        }
-    }
-    let mut pulled_by: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for (i, p) in pulls.iter().enumerate() {
-        for &q in p {
-            pulled_by[q].push(i);
-        }
-    }
-    let mut st = State { done: vec![false; n], readers, ran_at, pending, order: Vec::with_capacity(n), touched: Vec::new() };
-    let total = (0..n).filter(|&i| !d.is_input(i)).count();
+    pulls
+}
 
-    // The ready nodes wait in a max-heap by key. A key only grows while its node waits (its
-    // operands' groups lose readers, its lazy pulls are run by others; `recent` is fixed once
-    // it is ready), and every growth pushes a fresh entry, so an entry whose key is no longer
-    // current is stale and skipped. Each pick costs a logarithm instead of a scan of every
-    // ready node (with K micro-batches, K of them are ready from the start).
-    let key = |i: usize, st: &State| -> (i64, i64) {
-        let mut alloc = size(i);
-        for &q in &pulls[i] {
+/// For each node, the nodes whose list in `lists` holds it, in node order.
+fn inverse(lists: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    let mut inv: Vec<Vec<usize>> = vec![Vec::new(); lists.len()];
+    for (i, l) in lists.iter().enumerate() {
+        for &m in l {
+            inv[m].push(i);
+        }
+    }
+    inv
+}
+
+/// The distinct storage groups node `i` reads, in ascending order.
+fn operand_groups(d: &Dense, group: &[usize], i: usize) -> Vec<usize> {
+    let mut gs: Vec<usize> = d.operands[i].iter().map(|&o| group[o]).collect();
+    gs.sort_unstable();
+    gs.dedup();
+    gs
+}
+
+/// How the scheduler ranks a ready node. The ready nodes wait in a max-heap by key. A key only
+/// grows while its node waits (its operands' groups lose readers, its lazy pulls are run by
+/// others; `recent` is fixed once it is ready), and every growth pushes a fresh entry, so an
+/// entry whose key is no longer current is stale and skipped. Each pick costs a logarithm
+/// instead of a scan of every ready node (with K micro-batches, K of them are ready from the
+/// start).
+struct Rank<'a> {
+    d: &'a Dense,
+    pulls: &'a [Vec<usize>],
+    keep: &'a [bool],
+    group: &'a [usize],
+    align: usize,
+    priority: Priority,
+}
+
+impl Rank<'_> {
+    /// The bytes node `i` allocates: none for a view or a write-back.
+    fn size(&self, i: usize) -> i64 {
+        let d = self.d;
+        if d.view[i] || d.write_back[i].is_some() {
+            0
+        } else {
+            qatc_arena::aligned(d.bytes[i], self.align) as i64
+        }
+    }
+
+    /// (how recently its operands ran, under `Recent`; the bytes running it frees net of what
+    /// it and the lazy nodes it pulls in allocate).
+    fn key(&self, i: usize, st: &State) -> (i64, i64) {
+        let (d, group) = (self.d, self.group);
+        let mut alloc = self.size(i);
+        for &q in &self.pulls[i] {
             if !st.done[q] {
-                alloc += size(q);
+                alloc += self.size(q);
             }
         }
         let mut freed = 0i64;
         let mut seen: Vec<usize> = Vec::new();
         for &o in &d.operands[i] {
             let g = group[o];
-            if g == group[i] || keep[g] || seen.contains(&g) {
+            if g == group[i] || self.keep[g] || seen.contains(&g) {
                 continue;
             }
             seen.push(g);
             if st.readers[g] == 1 {
-                freed += qatc_arena::aligned(d.bytes[g], align) as i64;
+                freed += qatc_arena::aligned(d.bytes[g], self.align) as i64;
             }
         }
-        let recent = match priority {
+        let recent = match self.priority {
             Priority::NetBytes => 0,
             Priority::Recent => d.operands[i].iter().map(|&o| st.ran_at[o]).max().unwrap_or(-1),
         };
         (recent, freed - alloc)
-    };
+    }
+}
+
+/// The memory-aware order: every non-input node once, operands first.
+pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<usize>, PlanError> {
+    let n = d.len();
+    let lazy = d.lazy();
+    let group = static_groups(d);
+    let deps = Deps::of(d, &lazy, &group);
+    let Deps { frontier, rev, pulls, pulled_by, group_readers, keep } = &deps;
+    // remaining distinct readers of each storage group; when a group is down to its last reader,
+    // or a pulled node has run, those readers' keys change
+    let readers: Vec<usize> = group_readers.iter().map(Vec::len).collect();
+    // when each node ran (inputs and lazy nodes: never, for the `Recent` rank)
+    let ran_at: Vec<i64> = vec![-1; n];
+    let pending: Vec<usize> = frontier.iter().map(Vec::len).collect();
+    let mut st = State { done: vec![false; n], readers, ran_at, pending, order: Vec::with_capacity(n), touched: Vec::new() };
+    let total = (0..n).filter(|&i| !d.is_input(i)).count();
+    let rank = Rank { d, pulls, keep, group: &group, align, priority };
+    let key = |i: usize, st: &State| rank.key(i, st);
     let mut heap: BinaryHeap<(i64, i64, Reverse<usize>)> = BinaryHeap::new();
     st.touched = (0..n).filter(|&i| !d.is_input(i) && !lazy[i] && st.pending[i] == 0).collect();
     let run = |i: usize, st: &mut State| {
@@ -184,10 +241,7 @@ pub(crate) fn greedy(d: &Dense, align: usize, priority: Priority) -> Result<Vec<
             st.ran_at[i] = st.order.len() as i64;
         }
         st.order.push(i);
-        let mut gs: Vec<usize> = d.operands[i].iter().map(|&o| group[o]).collect();
-        gs.sort_unstable();
-        gs.dedup();
-        for g in gs {
+        for g in operand_groups(d, &group, i) {
             st.readers[g] -= 1;
             if st.readers[g] == 1 {
                 st.touched.extend(group_readers[g].iter().copied());

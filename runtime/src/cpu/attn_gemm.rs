@@ -134,7 +134,6 @@ impl Head<'_> {
     /// outputs must overlap nothing else this call reads or writes.
     unsafe fn run(&self, s: &mut [f32], dp: &mut [f32]) -> Result<(), String> {
         let (t, hs, part) = (self.t, self.hs, self.a.part);
-        let need = |m: Option<Mat>| m.ok_or_else(|| format!("attention {part:?} lacks an operand"));
         // dK and dV accumulate over query blocks: start from zero
         if matches!(part, AttentionPart::BackwardKV | AttentionPart::BackwardV) {
             for o in self.out.iter().flatten() {
@@ -144,143 +143,164 @@ impl Head<'_> {
                 }
             }
         }
-        let f = |p: *mut f32| p as *const f32;
         let mut i0 = 0;
         while i0 < t {
             let i1 = (i0 + BLOCK).min(t);
-            let (bm, n) = (i1 - i0, i1);
-            let (s, dp) = (&mut s[..bm * n], &mut dp[..bm * n]);
-            // SAFETY (every `mm` and row access below): the rows are within the head by the
-            // caller's guarantee, scratch blocks are [bm, n] row-major, and no output is an
-            // operand of the same product.
+            let len = (i1 - i0) * i1;
+            let (s, dp) = (&mut s[..len], &mut dp[..len]);
+            // SAFETY: the caller's guarantee, and the query rows i0..i1 lie within the head.
             unsafe {
-                // S = scale Q K^T
-                mm(
-                    bm,
-                    n,
-                    hs,
-                    (s.as_mut_ptr(), n as isize, 1),
-                    false,
-                    (f(self.q.row(i0)), self.q.rs as isize, 1),
-                    (f(self.k.ptr), 1, self.k.rs as isize),
-                    self.scale,
-                );
+                self.scores(i0, i1, s);
                 match part {
-                    AttentionPart::Forward | AttentionPart::Lse => {
-                        for i in 0..bm {
-                            let row = &mut s[i * n..(i + 1) * n];
-                            let live = i0 + i + 1;
-                            let m = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                            let l = exp_shift_sum(&mut row[..live], m);
-                            row[live..].fill(0.0);
-                            *self.lse.add(i0 + i) = m + l.ln();
-                            let inv = 1.0 / l;
-                            row[..live].iter_mut().for_each(|x| *x *= inv);
-                        }
-                        if part == AttentionPart::Forward {
-                            let (v, o) = (need(self.v)?, need(self.out[0])?);
-                            mm(
-                                bm,
-                                hs,
-                                n,
-                                (o.row(i0), o.rs as isize, 1),
-                                false,
-                                (s.as_ptr(), n as isize, 1),
-                                (f(v.ptr), v.rs as isize, 1),
-                                1.0,
-                            );
-                        }
-                    }
-                    _ => {
-                        // P from the forward's log-sum-exp
-                        for i in 0..bm {
-                            let row = &mut s[i * n..(i + 1) * n];
-                            let (live, li) = (i0 + i + 1, *self.lse.add(i0 + i));
-                            exp_shift_sum(&mut row[..live], li);
-                            row[live..].fill(0.0);
-                        }
-                        let dout = need(self.dout)?;
-                        if part == AttentionPart::BackwardV {
-                            let dv = need(self.out[0])?;
-                            mm(
-                                n,
-                                hs,
-                                bm,
-                                (dv.ptr, dv.rs as isize, 1),
-                                true,
-                                (s.as_ptr(), 1, n as isize),
-                                (f(dout.row(i0)), dout.rs as isize, 1),
-                                1.0,
-                            );
-                        } else {
-                            let v = need(self.v)?;
-                            mm(
-                                bm,
-                                n,
-                                hs,
-                                (dp.as_mut_ptr(), n as isize, 1),
-                                false,
-                                (f(dout.row(i0)), dout.rs as isize, 1),
-                                (f(v.ptr), 1, v.rs as isize),
-                                1.0,
-                            );
-                            let delta = self.delta.ok_or("attention backward without delta")?;
-                            if part == AttentionPart::BackwardDelta {
-                                for i in 0..bm {
-                                    let (p, d) = (&s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
-                                    *delta.add(i0 + i) = p.iter().zip(d).map(|(a, b)| a * b).sum();
-                                }
-                            } else {
-                                // dS = scale P (dP - delta), over P's storage once dV has used P
-                                if part == AttentionPart::BackwardKV {
-                                    let dv = need(self.out[1])?;
-                                    mm(
-                                        n,
-                                        hs,
-                                        bm,
-                                        (dv.ptr, dv.rs as isize, 1),
-                                        true,
-                                        (s.as_ptr(), 1, n as isize),
-                                        (f(dout.row(i0)), dout.rs as isize, 1),
-                                        1.0,
-                                    );
-                                }
-                                for i in 0..bm {
-                                    let di = *delta.add(i0 + i);
-                                    let (p, d) = (&mut s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
-                                    p.iter_mut().zip(d).for_each(|(p, &d)| *p = self.scale * *p * (d - di));
-                                }
-                                if part == AttentionPart::BackwardQ {
-                                    let dq = need(self.out[0])?;
-                                    mm(
-                                        bm,
-                                        hs,
-                                        n,
-                                        (dq.row(i0), dq.rs as isize, 1),
-                                        false,
-                                        (s.as_ptr(), n as isize, 1),
-                                        (f(self.k.ptr), self.k.rs as isize, 1),
-                                        1.0,
-                                    );
-                                } else {
-                                    let dk = need(self.out[0])?;
-                                    mm(
-                                        n,
-                                        hs,
-                                        bm,
-                                        (dk.ptr, dk.rs as isize, 1),
-                                        true,
-                                        (s.as_ptr(), 1, n as isize),
-                                        (f(self.q.row(i0)), self.q.rs as isize, 1),
-                                        1.0,
-                                    );
-                                }
-                            }
-                        }
-                    }
+                    AttentionPart::Forward | AttentionPart::Lse => self.forward_block(i0, i1, s)?,
+                    _ => self.backward_block(i0, i1, s, dp)?,
                 }
             }
             i0 = i1;
+        }
+        Ok(())
+    }
+
+    /// S = scale Q K^T for query rows `i0..i1` against keys `0..i1`, into `s` ([i1 - i0, i1]).
+    ///
+    /// # Safety
+    /// As [`Head::run`]'s, with `i0..i1` rows of the head.
+    unsafe fn scores(&self, i0: usize, i1: usize, s: &mut [f32]) {
+        let (bm, n) = (i1 - i0, i1);
+        // SAFETY: the rows are within the head by the caller's guarantee, `s` is [bm, n] row-major.
+        unsafe {
+            mm(
+                bm,
+                n,
+                self.hs,
+                (s.as_mut_ptr(), n as isize, 1),
+                false,
+                (self.q.row(i0) as *const f32, self.q.rs as isize, 1),
+                (self.k.ptr as *const f32, 1, self.k.rs as isize),
+                self.scale,
+            );
+        }
+    }
+
+    /// The forward's block: P = causal softmax of the scores in `s` (rows `i0..i1`), their
+    /// log-sum-exp stored, and for `Forward` O = P V.
+    ///
+    /// # Safety
+    /// As [`Head::scores`]'s, `s` holding the block's scores.
+    unsafe fn forward_block(&self, i0: usize, i1: usize, s: &mut [f32]) -> Result<(), String> {
+        let (bm, n, part) = (i1 - i0, i1, self.a.part);
+        let need = |m: Option<Mat>| m.ok_or_else(|| format!("attention {part:?} lacks an operand"));
+        for i in 0..bm {
+            let row = &mut s[i * n..(i + 1) * n];
+            let live = i0 + i + 1;
+            let m = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let l = exp_shift_sum(&mut row[..live], m);
+            row[live..].fill(0.0);
+            // SAFETY: lse holds this head's T stats, and i0 + i < T.
+            unsafe { *self.lse.add(i0 + i) = m + l.ln() };
+            let inv = 1.0 / l;
+            row[..live].iter_mut().for_each(|x| *x *= inv);
+        }
+        if part == AttentionPart::Forward {
+            let (v, o) = (need(self.v)?, need(self.out[0])?);
+            // SAFETY: as `scores`; the output is no operand of the product.
+            unsafe {
+                mm(
+                    bm,
+                    self.hs,
+                    n,
+                    (o.row(i0), o.rs as isize, 1),
+                    false,
+                    (s.as_ptr(), n as isize, 1),
+                    (v.ptr as *const f32, v.rs as isize, 1),
+                    1.0,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A backward part's block: P from the forward's log-sum-exp over the scores in `s`, then dV
+    /// (`BackwardV`), delta (`BackwardDelta`), or dS = scale P (dP - delta) and dQ or dK (with
+    /// dV first for `BackwardKV`).
+    ///
+    /// # Safety
+    /// As [`Head::scores`]'s, `s` holding the block's scores and `dp` of its size.
+    unsafe fn backward_block(&self, i0: usize, i1: usize, s: &mut [f32], dp: &mut [f32]) -> Result<(), String> {
+        let (bm, n, hs, part) = (i1 - i0, i1, self.hs, self.a.part);
+        let need = |m: Option<Mat>| m.ok_or_else(|| format!("attention {part:?} lacks an operand"));
+        let f = |p: *mut f32| p as *const f32;
+        // SAFETY (every `mm` and row access below): the rows are within the head by the
+        // caller's guarantee, scratch blocks are [bm, n] row-major, and no output is an
+        // operand of the same product.
+        unsafe {
+            // P from the forward's log-sum-exp
+            for i in 0..bm {
+                let row = &mut s[i * n..(i + 1) * n];
+                let (live, li) = (i0 + i + 1, *self.lse.add(i0 + i));
+                exp_shift_sum(&mut row[..live], li);
+                row[live..].fill(0.0);
+            }
+            let dout = need(self.dout)?;
+            if part == AttentionPart::BackwardV {
+                let dv = need(self.out[0])?;
+                mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+                return Ok(());
+            }
+            let v = need(self.v)?;
+            mm(
+                bm,
+                n,
+                hs,
+                (dp.as_mut_ptr(), n as isize, 1),
+                false,
+                (f(dout.row(i0)), dout.rs as isize, 1),
+                (f(v.ptr), 1, v.rs as isize),
+                1.0,
+            );
+            let delta = self.delta.ok_or("attention backward without delta")?;
+            if part == AttentionPart::BackwardDelta {
+                for i in 0..bm {
+                    let (p, d) = (&s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
+                    *delta.add(i0 + i) = p.iter().zip(d).map(|(a, b)| a * b).sum();
+                }
+                return Ok(());
+            }
+            // dS = scale P (dP - delta), over P's storage once dV has used P
+            if part == AttentionPart::BackwardKV {
+                let dv = need(self.out[1])?;
+                mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+            }
+            for i in 0..bm {
+                let di = *delta.add(i0 + i);
+                let (p, d) = (&mut s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
+                p.iter_mut().zip(d).for_each(|(p, &d)| *p = self.scale * *p * (d - di));
+            }
+            if part == AttentionPart::BackwardQ {
+                let dq = need(self.out[0])?;
+                mm(
+                    bm,
+                    hs,
+                    n,
+                    (dq.row(i0), dq.rs as isize, 1),
+                    false,
+                    (s.as_ptr(), n as isize, 1),
+                    (f(self.k.ptr), self.k.rs as isize, 1),
+                    1.0,
+                );
+            } else {
+                let dk = need(self.out[0])?;
+                mm(
+                    n,
+                    hs,
+                    bm,
+                    (dk.ptr, dk.rs as isize, 1),
+                    true,
+                    (s.as_ptr(), 1, n as isize),
+                    (f(self.q.row(i0)), self.q.rs as isize, 1),
+                    1.0,
+                );
+            }
         }
         Ok(())
     }

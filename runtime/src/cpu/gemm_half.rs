@@ -327,7 +327,6 @@ mod tests {
                 bias: Some(View::contiguous(3, &[n])),
                 types: GemmTypes { a: ab, b: ab, c: c_ty, bias: Some(DType::F32) },
                 note: "test".into(),
-                feed: None,
             };
             let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr().cast::<u8>()).collect();
             // SAFETY: the views lie inside the four buffers, which live for the call.

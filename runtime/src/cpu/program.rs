@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use qatc_ir::InputKind;
+use qatc_kernels::panels::{PanelReport, PanelTable};
 use qatc_kernels::program::{BufId, Program, View};
 
 use super::blas::{self, Blas};
@@ -26,6 +27,8 @@ use crate::value::Value;
 /// [`Launcher`], large GEMMs by the BLAS library [`CpuOptions::blas`] names when it loads.
 pub struct CpuProgram {
     prog: Program,
+    /// The GEMMs fed their operand b panel by panel (`prepare`), by step.
+    panels: PanelTable,
     plan: ExecPlan,
     launcher: Box<dyn Launcher>,
     blas: Option<Arc<Blas>>,
@@ -42,8 +45,9 @@ pub struct CpuProgram {
 
 /// The CPU's own rewrites of a lowered program, before it is laid out (the program
 /// [`CpuProgram::compile`] runs, and the one `qatc plan --device cpu` plans): 4-bit weights fed
-/// to their GEMMs in dequantized panels ([`CpuOptions::panel_bytes`]).
-pub fn prepare(prog: &mut Program, cpu: &CpuOptions) -> qatc_kernels::panels::PanelReport {
+/// to their GEMMs in dequantized panels ([`CpuOptions::panel_bytes`]), the fed GEMMs in the table
+/// returned, which the executor and its plan take beside the program.
+pub fn prepare(prog: &mut Program, cpu: &CpuOptions) -> (PanelTable, PanelReport) {
     qatc_kernels::panels::feed_panels(prog, cpu.panel_bytes)
 }
 
@@ -69,9 +73,21 @@ impl CpuProgram {
         exec: ExecOptions,
         cpu: &CpuOptions,
     ) -> Result<CpuProgram, RuntimeError> {
-        let plan = ExecPlan::new(&prog, exec)?;
+        CpuProgram::with_panels(prog, PanelTable::default(), launcher, exec, cpu)
+    }
+
+    /// [`CpuProgram::with_options`] for a program whose GEMMs in `panels` are fed their operand b
+    /// panel by panel (what [`prepare`] made of it).
+    pub fn with_panels(
+        prog: Program,
+        panels: PanelTable,
+        launcher: Box<dyn Launcher>,
+        exec: ExecOptions,
+        cpu: &CpuOptions,
+    ) -> Result<CpuProgram, RuntimeError> {
+        let plan = ExecPlan::with_panels(&prog, &panels, exec)?;
         let mem = Memory::new(&plan.layout)?;
-        let steps = cpu_steps(&prog, &mem, rayon::current_num_threads().max(1));
+        let steps = cpu_steps(&prog, &panels, &mem, rayon::current_num_threads().max(1));
         let nb = prog.buffers.len();
         let mut frozen = vec![false; nb];
         for i in plan.inputs.iter().filter(|i| i.kind == InputKind::Frozen && exec.hoist.any()) {
@@ -80,6 +96,7 @@ impl CpuProgram {
         let blas = cpu.blas.as_deref().and_then(blas::load);
         Ok(CpuProgram {
             prog,
+            panels,
             plan,
             launcher,
             blas,
@@ -97,9 +114,9 @@ impl CpuProgram {
     /// as GEMMs over blocks of query rows (unless [`CpuOptions::attention`] says otherwise), the
     /// steps that read only frozen weights hoisted. Returns what the panel rewrite did too.
     #[cfg(feature = "llvm")]
-    pub fn compile(prog: Program, cpu: &CpuOptions) -> Result<(CpuProgram, qatc_kernels::panels::PanelReport), RuntimeError> {
-        let (p, panels, _) = CpuProgram::compile_cached(prog, cpu, None)?;
-        Ok((p, panels))
+    pub fn compile(prog: Program, cpu: &CpuOptions) -> Result<(CpuProgram, PanelReport), RuntimeError> {
+        let (p, report, _) = CpuProgram::compile_cached(prog, cpu, None)?;
+        Ok((p, report))
     }
 
     /// [`CpuProgram::compile`] with the kernels' object code read from and kept in `cache`
@@ -110,9 +127,9 @@ impl CpuProgram {
         mut prog: Program,
         cpu: &CpuOptions,
         cache: Option<&qatc_kernels::llvm::ObjectCache>,
-    ) -> Result<(CpuProgram, qatc_kernels::panels::PanelReport, qatc_kernels::llvm::JitReport), RuntimeError> {
+    ) -> Result<(CpuProgram, PanelReport, qatc_kernels::llvm::JitReport), RuntimeError> {
         use qatc_kernels::llvm::{Jit, JitOptions};
-        let panels = prepare(&mut prog, cpu);
+        let (panels, report) = prepare(&mut prog, cpu);
         let jit = Jit::compile_cached(&prog.kernels, &JitOptions { vector_width: cpu.vector_width }, cache)
             .map_err(|e| RuntimeError::Compile(e.to_string()))?;
         let built = jit.report().clone();
@@ -121,11 +138,16 @@ impl CpuProgram {
             super::CpuAttention::Kernels => Box::new(jit),
         };
         let exec = ExecOptions::for_target(&qatc_kernels::Target::cpu());
-        Ok((CpuProgram::with_options(prog, launcher, exec, cpu)?, panels, built))
+        Ok((CpuProgram::with_panels(prog, panels, launcher, exec, cpu)?, report, built))
     }
 
     pub fn program(&self) -> &Program {
         &self.prog
+    }
+
+    /// The GEMMs fed panel by panel, by step (empty unless the program was [`prepare`]d).
+    pub fn panels(&self) -> &PanelTable {
+        &self.panels
     }
 
     /// The plan this program runs by: checks passed, lifetimes, hoisted steps, the layout.
@@ -215,7 +237,7 @@ impl CpuProgram {
     /// differential test runs one step at a time on two launchers.
     pub fn execute_step(&mut self, i: usize) -> Result<(), RuntimeError> {
         let step = self.steps.get(i).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no step {i}") })?;
-        // SAFETY: `cpu_steps` made the step over `self.mem` for this checked program (`with_options`),
+        // SAFETY: `cpu_steps` made the step over `self.mem` for this checked program (`with_panels`),
         // and `&mut self` keeps every other access away from the buffers.
         unsafe { run_step(step, &*self.launcher, self.blas.as_deref(), &self.mem) }
     }

@@ -3,6 +3,7 @@
 
 use qatc_ir::DType;
 use qatc_kernels::kir::{self, Body, Kernel, Space, Stmt};
+use qatc_kernels::panels::PanelTable;
 use qatc_kernels::program::{BufId, Gemm, Program, Step};
 use rayon::prelude::*;
 
@@ -93,23 +94,24 @@ fn resolve(mem: &Memory, bufs: &[BufId]) -> RawArgs {
     RawArgs(bufs.iter().map(|&b| mem.ptr(b)).collect())
 }
 
-/// How the CPU runs each step of `prog` (checked by `ExecPlan::new`), the launches' arguments
-/// pointed at their buffers in `mem`, split for `threads` threads.
-pub fn cpu_steps(prog: &Program, mem: &Memory, threads: usize) -> Vec<CpuStep> {
+/// How the CPU runs each step of `prog` (checked by `ExecPlan::with_panels` with `panels`), the
+/// launches' arguments pointed at their buffers in `mem`, split for `threads` threads.
+pub fn cpu_steps(prog: &Program, panels: &PanelTable, mem: &Memory, threads: usize) -> Vec<CpuStep> {
     prog.steps
         .iter()
-        .map(|step| match step {
+        .enumerate()
+        .map(|(i, step)| match step {
             Step::Launch { kernel, args, .. } => {
                 let k = &prog.kernels[*kernel];
                 let iterations = kir::iterations(k);
                 let chunk = chunk_for(k, iterations, threads, 4);
                 CpuStep::Launch(LaunchPlan { kernel: *kernel, args: resolve(mem, args), iterations, chunk })
             }
-            Step::Gemm(g) => match &g.feed {
+            Step::Gemm(g) => match panels.get(i) {
                 Some(f) => {
                     let chunk = chunk_for(&prog.kernels[f.kernel], f.panel * f.cols, threads, 2);
                     let feed = LaunchPlan { kernel: f.kernel, args: resolve(mem, &f.args), iterations: f.rows * f.cols, chunk };
-                    CpuStep::Fed(Box::new(Fed { feed, dims: (g.m, g.n, g.k), panels: g.panels() }))
+                    CpuStep::Fed(Box::new(Fed { feed, dims: (g.m, g.n, g.k), panels: f.panels(g) }))
                 }
                 None => CpuStep::Gemm(g.clone()),
             },
@@ -139,7 +141,7 @@ unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: 
 /// Runs one step on whatever the buffers hold.
 ///
 /// # Safety
-/// `step` must come from [`cpu_steps`] over `mem`, for a program that passed `ExecPlan::new`
+/// `step` must come from [`cpu_steps`] over `mem`, for a program that passed `ExecPlan::with_panels`
 /// (with its layout behind `mem`); nothing else may access `mem`'s buffers
 /// during the call.
 pub unsafe fn run_step(step: &CpuStep, launcher: &dyn Launcher, blas: Option<&Blas>, mem: &Memory) -> Result<(), RuntimeError> {

@@ -56,9 +56,6 @@ pub fn plan_gemms(prog: &Program, mode: BlasMode) -> Result<Plans, RuntimeError>
             Step::Launch { .. } => None,
             Step::Gemm(g) => {
                 let err = |msg: String| RuntimeError::Gemm { note: g.note.clone(), msg };
-                if g.feed.is_some() {
-                    return Err(err("fed panel by panel (a CPU rewrite): the CUDA executor runs the program as lowered".into()));
-                }
                 let plan = blas::plan(g, &prog.buffers, mode).map_err(|e| err(e.to_string()))?;
                 let mut at = 0;
                 let scratch = plan

@@ -3,6 +3,7 @@
 //! are all derived from it.
 
 use qatc_kernels::kir::{self, Body, Expr, Kernel, Stmt};
+use qatc_kernels::panels::PanelFeed;
 use qatc_kernels::program::{BufId, Program, Step};
 use serde::Serialize;
 
@@ -62,14 +63,14 @@ fn launch(k: &Kernel, args: &[BufId]) -> Access {
 }
 
 /// What step `step` of `prog` reads and writes (its kernels and buffers checked already:
-/// `ExecPlan::new`). A GEMM fed panel by panel (`qatc_kernels::panels`) writes its scratch
-/// operand b (the feed kernel fills it) and reads what the feed reads.
-pub fn of_step(prog: &Program, step: &Step) -> Access {
+/// `ExecPlan::new`). A GEMM fed panel by panel (`feed`, from the CPU's `qatc_kernels::panels`)
+/// writes its scratch operand b (the feed kernel fills it) and reads what the feed reads.
+pub fn of_step(prog: &Program, step: &Step, feed: Option<&PanelFeed>) -> Access {
     match step {
         Step::Launch { kernel, args, .. } => prog.kernels.get(*kernel).map(|k| launch(k, args)).unwrap_or_default(),
         Step::Gemm(g) => {
             let mut a = Access { reads: vec![g.a.buf], writes: vec![g.c.buf] };
-            match &g.feed {
+            match feed {
                 Some(f) => {
                     if let Some(k) = prog.kernels.get(f.kernel) {
                         let fed = launch(k, &f.args);

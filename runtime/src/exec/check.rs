@@ -8,6 +8,7 @@
 
 use qatc_ir::DType;
 use qatc_kernels::kir::Kernel;
+use qatc_kernels::panels::PanelFeed;
 use qatc_kernels::program::{BufId, BufKind, Buffer, Gemm, Program, View};
 
 use crate::error::RuntimeError;
@@ -172,16 +173,16 @@ pub fn check_gemm(g: &Gemm, bufs: &[Buffer]) -> Result<(), RuntimeError> {
     Ok(())
 }
 
-/// Checks a GEMM step: fed panel by panel (`qatc_kernels::panels`), its feed kernel's launch and
-/// every partial GEMM; else the GEMM itself.
-pub fn check_gemm_step(prog: &Program, g: &Gemm) -> Result<(), RuntimeError> {
-    match &g.feed {
+/// Checks a GEMM step: fed panel by panel (`feed`, from the CPU's `qatc_kernels::panels`), its
+/// feed kernel's launch and every partial GEMM; else the GEMM itself.
+pub fn check_gemm_step(prog: &Program, g: &Gemm, feed: Option<&PanelFeed>) -> Result<(), RuntimeError> {
+    match feed {
         Some(f) => {
             check_launch(prog, f.kernel, &f.args)?;
             if is_input(viewed(&prog.buffers, &g.c, "c")?) {
                 return Err(gemm_err(g, format!("writes the graph input {}", prog.buffers[g.c.buf].name)));
             }
-            g.panels().iter().try_for_each(|(_, sub)| check_gemm(sub, &prog.buffers))
+            f.panels(g).iter().try_for_each(|(_, sub)| check_gemm(sub, &prog.buffers))
         }
         None => check_gemm(g, &prog.buffers),
     }

@@ -74,7 +74,6 @@ mod tests {
             bias: None,
             types: GemmTypes { a: DType::BF16, b: DType::BF16, c: DType::F32, bias: None },
             note: String::new(),
-            feed: None,
         };
         // 64 + 24 bf16 elements read, 48 f32 read and written; 2 matrices of 2 * 8 * 3 * 4
         assert_eq!(step_cost(&prog, &Step::Gemm(Box::new(g))), PartCost { bytes: 128 + 48 + 2 * 192, flops: 384 });

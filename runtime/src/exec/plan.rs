@@ -2,6 +2,7 @@
 //! allocates anything, the same for every device.
 
 use qatc_ir::{DType, InputKind};
+use qatc_kernels::panels::PanelTable;
 use qatc_kernels::program::{BufId, BufKind, Program, Step};
 use qatc_kernels::Target;
 use serde::Serialize;
@@ -90,19 +91,30 @@ impl ExecPlan {
     /// Checks `prog` (`check.rs`: every launch, GEMM and output against the buffers; every
     /// update against the input it replaces) and plans its execution.
     pub fn new(prog: &Program, options: ExecOptions) -> Result<ExecPlan, RuntimeError> {
-        for step in &prog.steps {
+        ExecPlan::with_panels(prog, &PanelTable::default(), options)
+    }
+
+    /// [`ExecPlan::new`] for a program whose GEMMs in `panels` are fed their operand b panel by
+    /// panel (the CPU's rewrite, `qatc_kernels::panels`): each such step checked, and its reads
+    /// and writes counted, with its feed.
+    pub fn with_panels(prog: &Program, panels: &PanelTable, options: ExecOptions) -> Result<ExecPlan, RuntimeError> {
+        if let Some((i, _)) = panels.iter().find(|(i, _)| !matches!(prog.steps.get(*i), Some(Step::Gemm(_)))) {
+            let msg = format!("fed in panels, but step {i} of {} is no GEMM", prog.steps.len());
+            return Err(RuntimeError::Gemm { note: format!("step {i}"), msg });
+        }
+        for (i, step) in prog.steps.iter().enumerate() {
             match step {
                 Step::Launch { kernel, args, .. } => {
                     check_launch(prog, *kernel, args)?;
                 }
-                Step::Gemm(g) => check_gemm_step(prog, g)?,
+                Step::Gemm(g) => check_gemm_step(prog, g, panels.get(i))?,
             }
         }
         for (name, v) in &prog.outputs {
             viewed(&prog.buffers, v, &format!("output {name}"))?;
         }
         let write_backs = write_backs(prog)?;
-        let access: Vec<Access> = prog.steps.iter().map(|s| access::of_step(prog, s)).collect();
+        let access: Vec<Access> = prog.steps.iter().enumerate().map(|(i, s)| access::of_step(prog, s, panels.get(i))).collect();
         // an input updated in place holds its new value from the step that writes it: nothing
         // after that step may read it (it would see the new value where the graph reads the old)
         let mut written_at: Vec<Option<usize>> = vec![None; prog.buffers.len()];
@@ -221,7 +233,6 @@ mod tests {
             bias: None,
             types: qatc_kernels::program::GemmTypes::F32,
             note: "p.next = x @ w".into(),
-            feed: None,
         };
         Program {
             buffers: vec![

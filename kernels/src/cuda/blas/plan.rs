@@ -115,12 +115,17 @@ impl Planner {
     }
 }
 
-/// Plans `g` over the program's `buffers` (for the element types).
-pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, KernelError> {
+/// The element types of a GEMM's a, b (the same), c and bias.
+struct Types {
+    a: ElemType,
+    b: ElemType,
+    c: ElemType,
+    bias: Option<ElemType>,
+}
+
+/// The element types of `g`'s operands, its shapes checked against m, n, k.
+fn checked_types(g: &Gemm, buffers: &[Buffer]) -> Result<Types, KernelError> {
     let bad = |why: String| KernelError::Unsupported { node: format!("GEMM {}", g.note), why };
-    if g.feed.is_some() {
-        return Err(bad("its operand b is fed in panels, a CPU rewrite (panels.rs) the CUDA path does not take".into()));
-    }
     let ty = |v: &View, what: &str| -> Result<ElemType, KernelError> {
         let b = buffers.get(v.buf).ok_or_else(|| bad(format!("{what} is buffer {} of {}", v.buf, buffers.len())))?;
         elem_type(b.dtype).ok_or_else(|| bad(format!("{what} is {}, not a float type cuBLAS multiplies", b.dtype)))
@@ -149,12 +154,19 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
     if ta != tb {
         return Err(bad(format!("operands of two types ({ta:?}, {tb:?})")));
     }
+    let bias_ty = g.bias.as_ref().map(|b| ty(b, "bias")).transpose()?;
+    Ok(Types { a: ta, b: tb, c: tc, bias: bias_ty })
+}
+
+/// Plans `g` over the program's `buffers` (for the element types).
+pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, KernelError> {
+    let Types { a: ta, b: tb, c: tc, bias: bias_ty } = checked_types(g, buffers)?;
+    let (m, n, k) = (g.m, g.n, g.k);
     let compute = match (ta, mode) {
         (ElemType::F32, BlasMode::Strict) => Compute::F32,
         (ElemType::F32, BlasMode::Tf32) => Compute::Tf32,
         _ => Compute::F32Acc16,
     };
-    let bias_ty = g.bias.as_ref().map(|b| ty(b, "bias")).transpose()?;
     let mut pl = Planner { steps: Vec::new(), scratch: Vec::new(), notes: Vec::new() };
     let c_view = strided(&g.c, tc);
     let bias = g.bias.as_ref().zip(bias_ty).map(|(b, t)| strided(b, t));
@@ -172,120 +184,13 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
         pl.notes.push("k = 0".into());
         return Ok(BlasPlan { steps: pl.steps, scratch: pl.scratch, compute, notes: pl.notes });
     }
-
-    // 1. the orientation, from the destination
-    let (csr, csc) = mat_strides(&c_view);
-    let (orient, c_out) = if layout(n, m, csc, csr).is_some_and(|(op, _)| op == Op::N) {
-        (Orient::Transposed, c_view.clone())
-    } else if layout(m, n, csr, csc).is_some_and(|(op, _)| op == Op::N) {
-        (Orient::Direct, c_view.clone())
-    } else {
-        let i = pl.new_scratch(tc, c_view.numel());
-        pl.notes.push(format!("c computed in a scratch and unpacked (strides {:?})", c_view.strides));
-        if g.accumulate {
-            pl.steps.push(BlasStep::Pack { from: c_view.clone(), scratch: i });
-        }
-        (Orient::Transposed, contiguous(i, &c_view.shape, tc))
-    };
+    let (orient, c_out) = pl.orient(g, &c_view);
     // 2. the operands, read in place or packed
     let tr = orient == Orient::Transposed;
     let a = pl.readable(strided(&g.a, ta), if tr { k } else { m }, if tr { m } else { k }, tr, "a");
     let b = pl.readable(strided(&g.b, tb), if tr { n } else { k }, if tr { k } else { n }, tr, "b");
-    // 3. batch dims: fold, nest, loop
-    let mut dims: Vec<(usize, [usize; 3])> =
-        (0..r - 2).filter(|&d| c_out.shape[d] != 1).map(|d| (c_out.shape[d], [a.strides[d], b.strides[d], c_out.strides[d]])).collect();
-    if dims.iter().any(|d| d.1[2] == 0) {
-        return Err(bad(format!("its destination repeats along a batch dim (strides {:?})", g.c.strides)));
-    }
-    let (asr, _) = mat_strides(&a);
-    let (osr, _) = mat_strides(&c_out);
-    let mut mm = m;
-    while let Some(&(size, [sa, sb, sc])) = dims.last() {
-        if m > 1 && sb == 0 && sa == mm * asr && sc == mm * osr {
-            mm *= size;
-            dims.pop();
-        } else {
-            break;
-        }
-    }
-    if mm != m {
-        pl.notes.push(format!("batch folded into M ({m} -> {mm}): b is shared"));
-    }
-    // the innermost dims whose strides nest are one strided batch: dims[nested..]
-    let mut nested = dims.len().saturating_sub(1);
-    while nested > 0 {
-        let ((size, s), (_, t)) = (dims[nested], dims[nested - 1]);
-        if (0..3).all(|x| t[x] == s[x] * size) {
-            nested -= 1;
-        } else {
-            break;
-        }
-    }
-    let outer: Vec<(usize, [usize; 3])> = dims[..nested].to_vec();
-    let inner: Vec<(usize, [usize; 3])> = dims[nested..].to_vec();
-    let batch: usize = inner.iter().map(|d| d.0).product();
-    let bstride = inner.last().map_or([0; 3], |d| d.1);
-    let loops: usize = outer.iter().map(|d| d.0).product();
-    if !outer.is_empty() {
-        pl.notes.push(format!("a loop of {loops} calls: batch dims {:?} do not nest", outer.iter().map(|d| d.0).collect::<Vec<_>>()));
-    }
-    // 4. the calls
-    let (asr, asc) = mat_strides(&a);
-    let (bsr, bsc) = mat_strides(&b);
-    let (osr, osc) = mat_strides(&c_out);
-    let (pm, pn) = if tr { (n, mm) } else { (mm, n) };
-    let internal = |what: &str| KernelError::Internal(format!("GEMM {}: {what} has no layout after planning", g.note));
-    // column-major (row, column) strides of the call's A, B and C
-    let (sa, sb, so) = if tr { ((bsc, bsr), (asc, asr), (osc, osr)) } else { ((asr, asc), (bsr, bsc), (osr, osc)) };
-    let (opa, lda) = layout(pm, k, sa.0, sa.1).ok_or_else(|| internal("operand A"))?;
-    let (opb, ldb) = layout(k, pn, sb.0, sb.1).ok_or_else(|| internal("operand B"))?;
-    let (opc, ldc) = layout(pm, pn, so.0, so.1).ok_or_else(|| internal("the destination"))?;
-    if opc != Op::N {
-        return Err(internal("the destination (transposed)"));
-    }
-    let (xa, xb) = if tr { (&b, &a) } else { (&a, &b) };
-    let (sxa, sxb) = if tr { (bstride[1], bstride[0]) } else { (bstride[0], bstride[1]) };
-    // cuBLASLt's BIAS epilogue only where every algorithm takes it: one matrix (no batch), the
-    // bias of C's type, its pointer 16-byte aligned (buffers start 256-aligned); else the step
-    // of its own, which costs a launch, never a failed call
-    let epilogue = match (&bias, orient) {
-        (Some(v), Orient::Transposed)
-            if v.strides.first().is_none_or(|&s| s == 1 || n == 1)
-                && batch == 1
-                && v.ty == c_out.ty
-                && (v.offset * v.ty.bytes()) % 16 == 0 =>
-        {
-            Some(Vector { mem: v.mem, offset: v.offset, ty: v.ty })
-        }
-        _ => None,
-    };
-    for l in 0..loops {
-        // the outer batch index l, row-major over the outer dims
-        let mut rest = l;
-        let mut off = [0usize; 3];
-        for &(size, s) in outer.iter().rev() {
-            let i = rest % size;
-            rest /= size;
-            for x in 0..3 {
-                off[x] += i * s[x];
-            }
-        }
-        let (oxa, oxb) = if tr { (off[1], off[0]) } else { (off[0], off[1]) };
-        pl.steps.push(BlasStep::Call(BlasCall {
-            ta: opa,
-            tb: opb,
-            m: pm,
-            n: pn,
-            k,
-            batch,
-            alpha: g.alpha as f32,
-            beta: if g.accumulate { 1.0 } else { 0.0 },
-            a: Matrix { mem: xa.mem, offset: xa.offset + oxa, ld: lda, stride: sxa, ty: xa.ty },
-            b: Matrix { mem: xb.mem, offset: xb.offset + oxb, ld: ldb, stride: sxb, ty: xb.ty },
-            c: Matrix { mem: c_out.mem, offset: c_out.offset + off[2], ld: ldc, stride: bstride[2], ty: c_out.ty },
-            bias: epilogue,
-        }));
-    }
+    let batches = pl.batches(g, &a, &b, &c_out)?;
+    let epilogue = pl.calls(g, orient, [&a, &b, &c_out], &batches, bias.as_ref())?;
     if let Mem::Scratch(i) = c_out.mem {
         pl.steps.push(BlasStep::Unpack { scratch: i, to: c_view.clone() });
     }
@@ -294,6 +199,152 @@ pub fn plan(g: &Gemm, buffers: &[Buffer], mode: BlasMode) -> Result<BlasPlan, Ke
         pl.steps.push(BlasStep::AddBias { c: c_view, bias: b });
     }
     Ok(BlasPlan { steps: pl.steps, scratch: pl.scratch, compute, notes: pl.notes })
+}
+
+/// The batch dims of a planned product (step 3): M after folding, the dims looped over (size,
+/// strides of a, b, c) and the strided batch inside them (its count and strides).
+struct Batches {
+    mm: usize,
+    outer: Vec<(usize, [usize; 3])>,
+    batch: usize,
+    bstride: [usize; 3],
+}
+
+impl Planner {
+    /// 1. The orientation, from the destination, and where C is computed (in place, or in a
+    ///    scratch unpacked after).
+    fn orient(&mut self, g: &Gemm, c_view: &Strided) -> (Orient, Strided) {
+        let (m, n) = (g.m, g.n);
+        let (csr, csc) = mat_strides(c_view);
+        if layout(n, m, csc, csr).is_some_and(|(op, _)| op == Op::N) {
+            return (Orient::Transposed, c_view.clone());
+        }
+        if layout(m, n, csr, csc).is_some_and(|(op, _)| op == Op::N) {
+            return (Orient::Direct, c_view.clone());
+        }
+        let i = self.new_scratch(c_view.ty, c_view.numel());
+        self.notes.push(format!("c computed in a scratch and unpacked (strides {:?})", c_view.strides));
+        if g.accumulate {
+            self.steps.push(BlasStep::Pack { from: c_view.clone(), scratch: i });
+        }
+        (Orient::Transposed, contiguous(i, &c_view.shape, c_view.ty))
+    }
+
+    /// 3. Batch dims: fold, nest, loop.
+    fn batches(&mut self, g: &Gemm, a: &Strided, b: &Strided, c_out: &Strided) -> Result<Batches, KernelError> {
+        let (m, r) = (g.m, g.c.shape.len());
+        let mut dims: Vec<(usize, [usize; 3])> =
+            (0..r - 2).filter(|&d| c_out.shape[d] != 1).map(|d| (c_out.shape[d], [a.strides[d], b.strides[d], c_out.strides[d]])).collect();
+        if dims.iter().any(|d| d.1[2] == 0) {
+            let why = format!("its destination repeats along a batch dim (strides {:?})", g.c.strides);
+            return Err(KernelError::Unsupported { node: format!("GEMM {}", g.note), why });
+        }
+        let (asr, _) = mat_strides(a);
+        let (osr, _) = mat_strides(c_out);
+        let mut mm = m;
+        while let Some(&(size, [sa, sb, sc])) = dims.last() {
+            if m > 1 && sb == 0 && sa == mm * asr && sc == mm * osr {
+                mm *= size;
+                dims.pop();
+            } else {
+                break;
+            }
+        }
+        if mm != m {
+            self.notes.push(format!("batch folded into M ({m} -> {mm}): b is shared"));
+        }
+        // the innermost dims whose strides nest are one strided batch: dims[nested..]
+        let mut nested = dims.len().saturating_sub(1);
+        while nested > 0 {
+            let ((size, s), (_, t)) = (dims[nested], dims[nested - 1]);
+            if (0..3).all(|x| t[x] == s[x] * size) {
+                nested -= 1;
+            } else {
+                break;
+            }
+        }
+        let outer: Vec<(usize, [usize; 3])> = dims[..nested].to_vec();
+        let inner: Vec<(usize, [usize; 3])> = dims[nested..].to_vec();
+        let batch: usize = inner.iter().map(|d| d.0).product();
+        let bstride = inner.last().map_or([0; 3], |d| d.1);
+        if !outer.is_empty() {
+            let loops: usize = outer.iter().map(|d| d.0).product();
+            self.notes.push(format!("a loop of {loops} calls: batch dims {:?} do not nest", outer.iter().map(|d| d.0).collect::<Vec<_>>()));
+        }
+        Ok(Batches { mm, outer, batch, bstride })
+    }
+
+    /// 4. The calls, one per outer batch index; returns the bias where cuBLASLt's epilogue adds
+    ///    it.
+    fn calls(
+        &mut self,
+        g: &Gemm,
+        orient: Orient,
+        [a, b, c_out]: [&Strided; 3],
+        bt: &Batches,
+        bias: Option<&Strided>,
+    ) -> Result<Option<Vector>, KernelError> {
+        let (n, k) = (g.n, g.k);
+        let tr = orient == Orient::Transposed;
+        let (asr, asc) = mat_strides(a);
+        let (bsr, bsc) = mat_strides(b);
+        let (osr, osc) = mat_strides(c_out);
+        let (pm, pn) = if tr { (n, bt.mm) } else { (bt.mm, n) };
+        let internal = |what: &str| KernelError::Internal(format!("GEMM {}: {what} has no layout after planning", g.note));
+        // column-major (row, column) strides of the call's A, B and C
+        let (sa, sb, so) = if tr { ((bsc, bsr), (asc, asr), (osc, osr)) } else { ((asr, asc), (bsr, bsc), (osr, osc)) };
+        let (opa, lda) = layout(pm, k, sa.0, sa.1).ok_or_else(|| internal("operand A"))?;
+        let (opb, ldb) = layout(k, pn, sb.0, sb.1).ok_or_else(|| internal("operand B"))?;
+        let (opc, ldc) = layout(pm, pn, so.0, so.1).ok_or_else(|| internal("the destination"))?;
+        if opc != Op::N {
+            return Err(internal("the destination (transposed)"));
+        }
+        let (xa, xb) = if tr { (b, a) } else { (a, b) };
+        let (sxa, sxb) = if tr { (bt.bstride[1], bt.bstride[0]) } else { (bt.bstride[0], bt.bstride[1]) };
+        // cuBLASLt's BIAS epilogue only where every algorithm takes it: one matrix (no batch), the
+        // bias of C's type, its pointer 16-byte aligned (buffers start 256-aligned); else the step
+        // of its own, which costs a launch, never a failed call
+        let epilogue = match (bias, orient) {
+            (Some(v), Orient::Transposed)
+                if v.strides.first().is_none_or(|&s| s == 1 || n == 1)
+                    && bt.batch == 1
+                    && v.ty == c_out.ty
+                    && (v.offset * v.ty.bytes()) % 16 == 0 =>
+            {
+                Some(Vector { mem: v.mem, offset: v.offset, ty: v.ty })
+            }
+            _ => None,
+        };
+        let loops: usize = bt.outer.iter().map(|d| d.0).product();
+        for l in 0..loops {
+            // the outer batch index l, row-major over the outer dims
+            let mut rest = l;
+            let mut off = [0usize; 3];
+            for &(size, s) in bt.outer.iter().rev() {
+                let i = rest % size;
+                rest /= size;
+                for x in 0..3 {
+                    off[x] += i * s[x];
+                }
+            }
+            let (oxa, oxb) = if tr { (off[1], off[0]) } else { (off[0], off[1]) };
+            self.steps.push(BlasStep::Call(BlasCall {
+                ta: opa,
+                tb: opb,
+                m: pm,
+                n: pn,
+                k,
+                batch: bt.batch,
+                alpha: g.alpha as f32,
+                beta: if g.accumulate { 1.0 } else { 0.0 },
+                a: Matrix { mem: xa.mem, offset: xa.offset + oxa, ld: lda, stride: sxa, ty: xa.ty },
+                b: Matrix { mem: xb.mem, offset: xb.offset + oxb, ld: ldb, stride: sxb, ty: xb.ty },
+                c: Matrix { mem: c_out.mem, offset: c_out.offset + off[2], ld: ldc, stride: bt.bstride[2], ty: c_out.ty },
+                bias: epilogue,
+            }));
+        }
+        Ok(epilogue)
+    }
 }
 
 #[cfg(test)]

@@ -11,28 +11,24 @@
 //! (or absent before the first), and `--resume OUT` continues exactly, its options read from
 //! the saved `qatc.json` (`cli::resume`).
 
-use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::Context;
 use qatc_kernels::cuda::Variant;
 use qatc_passes::quant::is_learned_name;
-use qatc_runtime::{CpuOptions, Value};
 
-use super::eval::{EvalSetup, Evaluator};
 use super::resume::{self, Given, PROGRESS, STATE};
 use super::{Placement, StepArgs};
-use crate::artifacts::{self, write_atomic, Faults, OutDir};
+use crate::artifacts::{self, Faults, OutDir};
 use crate::config::{self, RunConfig, ScaleInit, Scales, TrainConfig};
-use crate::data::TokenFile;
 
 use crate::config::DeviceFlag as Device;
 use crate::model::Model;
-use crate::schedule::{DataOrder, Schedule};
+use crate::schedule::Schedule;
 pub use crate::trainer::{weights_safetensors, Trainer};
-use qatc_passes::precision::GRADS_FINITE;
+use run::Run;
+
+mod run;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -135,7 +131,7 @@ pub struct Args {
     #[arg(long = "no-variant", value_name = "VARIANT", value_parser = variant_name)]
     pub no_variant: Vec<Variant>,
     #[command(flatten)]
-    pub cache: super::kernel_cache::KernelCacheArgs,
+    pub cache: crate::cli::kernel_cache::KernelCacheArgs,
 }
 
 /// `--no-variant`'s value: a variant's name, or an error listing them.
@@ -324,222 +320,9 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     check_outputs(a, &cfg, &train)?;
     // what a killed save left beside OUT goes first
     artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
-    let sched = train.lr_schedule();
-    let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
-    // the run's GPU settings: the command line's, or on --resume the saved run's
-    let resolved = qatc_driver::resolve(step.device.kind(), step.interpreter, step.cuda)?;
-    if let Some(n) = &resolved.notice {
-        eprintln!("qatc: {n}");
+    let mut run = Run::open(a, &cfg, &train, &step, resume_at, faults)?;
+    for s in run.start..train.steps {
+        run.step(s)?;
     }
-    let m = super::open_model(&model_path, &a.step.read)?;
-    super::check_seq(&m, step.batch, step.seq)?;
-    let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
-    opts.deadline = a.step.compile_budget()?;
-    super::options::name_bit_map(&mut opts.model, &a.step.quant);
-    let data = TokenFile::load(&data_path)?;
-    if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &resume_at {
-        if *n != data.len() {
-            anyhow::bail!(
-                "{}: holds {} tokens, but the run saved at step {step} was trained on data of {n}: the data changed, so its position in it (micro-batch {}) would not continue the run; resume on the data it was trained on",
-                data_path.display(),
-                data.len(),
-                step * opts.grad_accum
-            );
-        }
-    }
-    data.check_vocab(m.cfg.vocab_size)?;
-    let nb = data.require_batches(opts.batch, opts.seq)?;
-    let val = match &a.val {
-        Some(p) => {
-            let v = TokenFile::load(p)?;
-            v.check_vocab(m.cfg.vocab_size)?;
-            v.require_batches(opts.batch, opts.seq)?;
-            Some(v)
-        }
-        None => None,
-    };
-    let init = train.init_adapter.as_deref().map(|p| crate::adapter::read_with(Path::new(p), a.step.read.allow_nonfinite)).transpose()?;
-    let k = opts.grad_accum;
-    let tokens_per_step = opts.batch * opts.seq * k;
-    let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
-    let build = super::driver_options(resolved.interpreter, cpu, a.cache.dir());
-    let mut tr = Trainer::with_target(&m, opts, init.as_ref(), train.seed, &resolved.target, &build)?;
-    tr.set_profile(a.profile);
-    eprintln!("qatc: the step runs {}", tr.describe());
-    eprintln!("qatc: built the step in {}", tr.built());
-    let (start, mut skipped) = match (resume_at.as_ref(), &a.resume) {
-        (Some(done), Some(dir)) => {
-            let state = dir.join(STATE);
-            tr.load_state(&state, a.step.read.allow_nonfinite)?;
-            // the optimizer's step count is saved with the tensors: both files must be one save's
-            // (a step fp16 loss scaling skipped does not count)
-            let count = tr.persistent()?.into_iter().find(|(n, _)| n == "step").and_then(|(_, t)| t.data.first().copied());
-            if count.is_none() || done.skipped > done.step || count != Some((done.step - done.skipped) as f32) {
-                anyhow::bail!(
-                    "{}: AdamW's step count is {}, but {PROGRESS} says {} steps were done ({} skipped): the two files are not from one save",
-                    state.display(),
-                    count.map_or("missing".into(), |c| c.to_string()),
-                    done.step,
-                    done.skipped
-                );
-            }
-            (done.step, done.skipped)
-        }
-        _ => (0, 0),
-    };
-    let resuming = resume_at.is_some();
-    let mut log = match &a.log_json {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(resuming)
-                .write(true)
-                .truncate(!resuming)
-                .open(p)
-                .with_context(|| format!("{}", p.display()))?,
-        )),
-        None => None,
-    };
-    let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
-    let val_setup = EvalSetup {
-        model: {
-            let mut mo = tr.opts.model.clone();
-            if let Some(l) = mo.lora.as_mut() {
-                l.dropout = 0.0;
-            }
-            mo
-        },
-        adapter: None,
-        precision: tr.opts.precision,
-        // validation runs where the step runs, as the step does
-        target: resolved.target,
-        interpreter: resolved.interpreter,
-        kernel_cache: build.kernel_cache.clone(),
-        ..Default::default()
-    };
-    // compiled at the first validation, given the trained weights before each one
-    let mut validator: Option<Evaluator> = None;
-    let pb = super::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
-    let (mut first, mut last) = (f64::NAN, f64::NAN);
-    let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
-    // what a divergence message says: the last finite loss, the last save
-    let (mut last_finite, mut saved) = (None, resume_at.as_ref().map(|_| start));
-    let known = |step, symptom, last_finite, saved, out: &_, tr: &Trainer, lr| {
-        super::diverge::message(&super::diverge::Known {
-            step,
-            symptom,
-            last_finite,
-            lr,
-            outputs: out,
-            state: &super::diverge::state_for_message(tr),
-            lora: tr.opts.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
-            allowed_nonfinite: a.step.read.allow_nonfinite,
-            saved,
-            out: &a.out,
-        })
-    };
-    for s in start..train.steps {
-        let t0 = Instant::now();
-        let batches: Vec<usize> = (0..k).map(|i| order.batch(s * k + i, nb)).collect();
-        let lr = sched.at(s);
-        let scale = tr.loss_scale()?;
-        let out = tr.step_on(&data, &batches, lr, (s * k) as u64)?;
-        let loss = super::eval::scalar(&out, "loss")?;
-        if out.contains_key(GRADS_FINITE) && super::eval::scalar(&out, GRADS_FINITE)? == 0.0 {
-            skipped += 1;
-        }
-        let tps = tokens_per_step as f64 / t0.elapsed().as_secs_f64();
-        if !loss.is_finite() {
-            anyhow::bail!(known(s, super::diverge::Symptom::Loss(loss), last_finite, saved, &out, &tr, lr));
-        }
-        last_finite = Some((s, loss));
-        let done = s + 1;
-        let val_loss = match &val {
-            Some(v) if (a.eval_every > 0 && done % a.eval_every == 0) || done == train.steps => {
-                let n = a.val_batches.min(v.num_batches(tr.opts.batch, tr.opts.seq)).max(1);
-                // the trained weights, read back from the executor
-                let weights: HashMap<String, Value<f32>> = tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
-                let e = match validator.as_mut() {
-                    Some(e) => {
-                        e.set_state(&m, &weights)?;
-                        e
-                    }
-                    None => validator.insert(Evaluator::new(&m, tr.opts.batch, tr.opts.seq, &val_setup, Some(&weights))?),
-                };
-                Some(e.run(v, n, false)?.loss)
-            }
-            _ => None,
-        };
-        if let Some(w) = log.as_mut() {
-            let skipped = scale.map(|_| skipped);
-            writeln!(
-                w,
-                "{}",
-                serde_json::to_string(&StepLog {
-                    step: s,
-                    loss,
-                    lr,
-                    tokens_per_s: tps,
-                    val_loss,
-                    loss_scale: scale,
-                    skipped,
-                    build: (s == start).then(|| tr.built().clone()),
-                })?
-            )?;
-            w.flush()?;
-        }
-        if first.is_nan() {
-            first = loss;
-        }
-        curve.push((s, loss));
-        if let Some(v) = val_loss {
-            val_curve.push((done, v));
-        }
-        last = loss;
-        let scaling = match scale {
-            Some(sc) => format!("  scale {sc}  skipped {skipped}"),
-            None => String::new(),
-        };
-        pb.set_message(match val_loss {
-            Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s{scaling}"),
-            None => format!("loss {loss:.4}  {tps:.0} tok/s{scaling}"),
-        });
-        pb.inc(1);
-        if (a.save_every > 0 && done % a.save_every == 0) || done == train.steps {
-            // a save never writes non-finite weights over the last good one
-            if let Some((tensor, i, v)) = super::diverge::nonfinite_state(&tr)? {
-                anyhow::bail!(known(s, super::diverge::Symptom::State(tensor, i, v), last_finite, saved, &out, &tr, lr));
-            }
-            save(&a.out, &tr, &m, &cfg, &resume::Progress { step: done, skipped, data_tokens: Some(data.len()) }, faults)?;
-            saved = Some(done);
-        }
-    }
-    pb.finish_and_clear();
-    if a.profile {
-        match tr.profile() {
-            Some(rows) => eprint!("{}", super::profile::profile_table(&rows, 40)),
-            None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first step is not timed)"),
-        }
-    }
-    if let Some(p) = &a.plot {
-        let title = format!("qatc train: {}", model_path.display());
-        write_atomic(p, crate::plot::loss_svg(&title, &curve, &val_curve, &levels).as_bytes())
-            .with_context(|| format!("{}", p.display()))?;
-    }
-    let what = if tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
-    // one batch's loss is noisy: the means of the first and last (up to) ten steps of this run
-    let n = curve.len().min(10);
-    let mean = |xs: &[(usize, f64)]| if xs.is_empty() { f64::NAN } else { xs.iter().map(|x| x.1).sum::<f64>() / xs.len() as f64 };
-    let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (first, last) };
-    let scaling = match tr.loss_scale()? {
-        Some(sc) => format!("; loss scale {sc}, {skipped} steps skipped (non-finite gradients)"),
-        None => String::new(),
-    };
-    println!(
-        "trained steps {start}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps){scaling}; {what} in {}",
-        train.steps,
-        n.max(1),
-        a.out.display()
-    );
-    Ok(())
+    run.finish(&levels)
 }

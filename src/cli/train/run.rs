@@ -1,0 +1,337 @@
+//! One `qatc train` run after its checks (`run_with`): the model and data opened, the trainer
+//! built and restored, then step by step its update, validation, log line and save, and at the
+//! end its profile, plot and summary.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use qatc_passes::precision::GRADS_FINITE;
+use qatc_runtime::{CpuOptions, Value};
+
+use super::{save, Args, StepLog, Trainer};
+use crate::artifacts::{write_atomic, Faults};
+use crate::cli::eval::{EvalSetup, Evaluator};
+use crate::cli::resume::{self, PROGRESS, STATE};
+use crate::config::{RunConfig, StepConfig, TrainConfig};
+use crate::data::TokenFile;
+use crate::model::Model;
+use crate::schedule::{DataOrder, LrSchedule};
+
+/// One `qatc train` run after its checks: what it reads, its trainer, and what its steps have
+/// shown so far (the loss curves, the last finite loss, the last save).
+pub(super) struct Run<'r> {
+    a: &'r Args,
+    cfg: &'r RunConfig,
+    train: &'r TrainConfig,
+    faults: &'r Faults,
+    model_path: PathBuf,
+    m: Model,
+    data: TokenFile,
+    /// Batches in the data, and the validation data.
+    nb: usize,
+    val: Option<TokenFile>,
+    tr: Trainer,
+    /// Micro-batches per optimizer step (K), and the tokens of one step.
+    k: usize,
+    tokens_per_step: usize,
+    sched: LrSchedule,
+    order: DataOrder,
+    log: Option<std::io::BufWriter<std::fs::File>>,
+    /// How validation runs, and its evaluator: compiled at the first validation, given the
+    /// trained weights before each one.
+    val_setup: EvalSetup,
+    validator: Option<Evaluator>,
+    pb: indicatif::ProgressBar,
+    /// The first step this run takes, and the steps fp16 loss scaling skipped so far.
+    pub(super) start: usize,
+    skipped: usize,
+    first: f64,
+    last: f64,
+    curve: Vec<(usize, f64)>,
+    val_curve: Vec<(usize, f64)>,
+    /// What a divergence message says: the last finite loss, the last save.
+    last_finite: Option<(usize, f64)>,
+    saved: Option<usize>,
+}
+
+impl<'r> Run<'r> {
+    /// Opens the model and the data, builds the trainer for the target the run resolves to, and
+    /// restores the saved state when it resumes.
+    pub(super) fn open(
+        a: &'r Args,
+        cfg: &'r RunConfig,
+        train: &'r TrainConfig,
+        step: &StepConfig,
+        resume_at: Option<resume::Progress>,
+        faults: &'r Faults,
+    ) -> anyhow::Result<Run<'r>> {
+        let sched = train.lr_schedule();
+        let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
+        // the run's GPU settings: the command line's, or on --resume the saved run's
+        let resolved = qatc_driver::resolve(step.device.kind(), step.interpreter, step.cuda)?;
+        if let Some(n) = &resolved.notice {
+            eprintln!("qatc: {n}");
+        }
+        let m = crate::cli::open_model(&model_path, &a.step.read)?;
+        crate::cli::check_seq(&m, step.batch, step.seq)?;
+        let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
+        opts.deadline = a.step.compile_budget()?;
+        crate::cli::options::name_bit_map(&mut opts.model, &a.step.quant);
+        let data = TokenFile::load(&data_path)?;
+        if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &resume_at {
+            if *n != data.len() {
+                anyhow::bail!(
+                    "{}: holds {} tokens, but the run saved at step {step} was trained on data of {n}: the data changed, so its position in it (micro-batch {}) would not continue the run; resume on the data it was trained on",
+                    data_path.display(),
+                    data.len(),
+                    step * opts.grad_accum
+                );
+            }
+        }
+        data.check_vocab(m.cfg.vocab_size)?;
+        let nb = data.require_batches(opts.batch, opts.seq)?;
+        let val = match &a.val {
+            Some(p) => {
+                let v = TokenFile::load(p)?;
+                v.check_vocab(m.cfg.vocab_size)?;
+                v.require_batches(opts.batch, opts.seq)?;
+                Some(v)
+            }
+            None => None,
+        };
+        let init =
+            train.init_adapter.as_deref().map(|p| crate::adapter::read_with(Path::new(p), a.step.read.allow_nonfinite)).transpose()?;
+        let k = opts.grad_accum;
+        let tokens_per_step = opts.batch * opts.seq * k;
+        let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
+        let build = crate::cli::driver_options(resolved.interpreter, cpu, a.cache.dir());
+        let mut tr = Trainer::with_target(&m, opts, init.as_ref(), train.seed, &resolved.target, &build)?;
+        tr.set_profile(a.profile);
+        eprintln!("qatc: the step runs {}", tr.describe());
+        eprintln!("qatc: built the step in {}", tr.built());
+        let (start, skipped) = match (resume_at.as_ref(), &a.resume) {
+            (Some(done), Some(dir)) => restore(&mut tr, done, dir, a.step.read.allow_nonfinite)?,
+            _ => (0, 0),
+        };
+        let log = step_log(a, resume_at.is_some())?;
+        let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
+        let val_setup = validation(&tr, &resolved, build.kernel_cache.clone());
+        let pb = crate::cli::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
+        Ok(Run {
+            a,
+            cfg,
+            train,
+            faults,
+            model_path,
+            m,
+            data,
+            nb,
+            val,
+            tr,
+            k,
+            tokens_per_step,
+            sched,
+            order,
+            log,
+            val_setup,
+            validator: None,
+            pb,
+            start,
+            skipped,
+            first: f64::NAN,
+            last: f64::NAN,
+            curve: Vec::new(),
+            val_curve: Vec::new(),
+            last_finite: None,
+            saved: resume_at.as_ref().map(|_| start),
+        })
+    }
+
+    /// Optimizer step `s`: its batches, the update, the validation, log line and save it is due.
+    pub(super) fn step(&mut self, s: usize) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        let batches: Vec<usize> = (0..self.k).map(|i| self.order.batch(s * self.k + i, self.nb)).collect();
+        let lr = self.sched.at(s);
+        let scale = self.tr.loss_scale()?;
+        let out = self.tr.step_on(&self.data, &batches, lr, (s * self.k) as u64)?;
+        let loss = crate::cli::eval::scalar(&out, "loss")?;
+        if out.contains_key(GRADS_FINITE) && crate::cli::eval::scalar(&out, GRADS_FINITE)? == 0.0 {
+            self.skipped += 1;
+        }
+        let tps = self.tokens_per_step as f64 / t0.elapsed().as_secs_f64();
+        if !loss.is_finite() {
+            anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::Loss(loss), &out, lr));
+        }
+        self.last_finite = Some((s, loss));
+        let done = s + 1;
+        let val_loss = self.validate(done)?;
+        if let Some(w) = self.log.as_mut() {
+            let skipped = scale.map(|_| self.skipped);
+            writeln!(
+                w,
+                "{}",
+                serde_json::to_string(&StepLog {
+                    step: s,
+                    loss,
+                    lr,
+                    tokens_per_s: tps,
+                    val_loss,
+                    loss_scale: scale,
+                    skipped,
+                    build: (s == self.start).then(|| self.tr.built().clone()),
+                })?
+            )?;
+            w.flush()?;
+        }
+        if self.first.is_nan() {
+            self.first = loss;
+        }
+        self.curve.push((s, loss));
+        if let Some(v) = val_loss {
+            self.val_curve.push((done, v));
+        }
+        self.last = loss;
+        let scaling = match scale {
+            Some(sc) => format!("  scale {sc}  skipped {}", self.skipped),
+            None => String::new(),
+        };
+        self.pb.set_message(match val_loss {
+            Some(v) => format!("loss {loss:.4}  val {v:.4}  {tps:.0} tok/s{scaling}"),
+            None => format!("loss {loss:.4}  {tps:.0} tok/s{scaling}"),
+        });
+        self.pb.inc(1);
+        if (self.a.save_every > 0 && done % self.a.save_every == 0) || done == self.train.steps {
+            // a save never writes non-finite weights over the last good one
+            if let Some((tensor, i, v)) = crate::cli::diverge::nonfinite_state(&self.tr)? {
+                anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
+            }
+            let progress = resume::Progress { step: done, skipped: self.skipped, data_tokens: Some(self.data.len()) };
+            save(&self.a.out, &self.tr, &self.m, self.cfg, &progress, self.faults)?;
+            self.saved = Some(done);
+        }
+        Ok(())
+    }
+
+    /// The validation loss after `done` steps, where one is due (every `--eval-every` steps and
+    /// at the end), on the trained weights read back from the executor.
+    fn validate(&mut self, done: usize) -> anyhow::Result<Option<f64>> {
+        let Some(v) = &self.val else { return Ok(None) };
+        if !((self.a.eval_every > 0 && done % self.a.eval_every == 0) || done == self.train.steps) {
+            return Ok(None);
+        }
+        let n = self.a.val_batches.min(v.num_batches(self.tr.opts.batch, self.tr.opts.seq)).max(1);
+        let weights: HashMap<String, Value<f32>> = self.tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
+        let e = match self.validator.as_mut() {
+            Some(e) => {
+                e.set_state(&self.m, &weights)?;
+                e
+            }
+            None => self.validator.insert(Evaluator::new(&self.m, self.tr.opts.batch, self.tr.opts.seq, &self.val_setup, Some(&weights))?),
+        };
+        Ok(Some(e.run(v, n, false)?.loss))
+    }
+
+    /// What a divergence at step `s` says: the symptom, the last finite loss, the last save.
+    fn diverged(&self, s: usize, symptom: crate::cli::diverge::Symptom, out: &HashMap<String, Value<f32>>, lr: f64) -> String {
+        crate::cli::diverge::message(&crate::cli::diverge::Known {
+            step: s,
+            symptom,
+            last_finite: self.last_finite,
+            lr,
+            outputs: out,
+            state: &crate::cli::diverge::state_for_message(&self.tr),
+            lora: self.tr.opts.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
+            allowed_nonfinite: self.a.step.read.allow_nonfinite,
+            saved: self.saved,
+            out: &self.a.out,
+        })
+    }
+
+    /// After the last step: the profile, the plot, and the summary line.
+    pub(super) fn finish(self, levels: &[(String, f64)]) -> anyhow::Result<()> {
+        self.pb.finish_and_clear();
+        if self.a.profile {
+            match self.tr.profile() {
+                Some(rows) => eprint!("{}", crate::cli::profile::profile_table(&rows, 40)),
+                None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first step is not timed)"),
+            }
+        }
+        if let Some(p) = &self.a.plot {
+            let title = format!("qatc train: {}", self.model_path.display());
+            write_atomic(p, crate::plot::loss_svg(&title, &self.curve, &self.val_curve, levels).as_bytes())
+                .with_context(|| format!("{}", p.display()))?;
+        }
+        let what = if self.tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
+        // one batch's loss is noisy: the means of the first and last (up to) ten steps of this run
+        let curve = &self.curve;
+        let n = curve.len().min(10);
+        let mean = |xs: &[(usize, f64)]| if xs.is_empty() { f64::NAN } else { xs.iter().map(|x| x.1).sum::<f64>() / xs.len() as f64 };
+        let (head, tail) = if n > 1 { (mean(&curve[..n]), mean(&curve[curve.len() - n..])) } else { (self.first, self.last) };
+        let scaling = match self.tr.loss_scale()? {
+            Some(sc) => format!("; loss scale {sc}, {} steps skipped (non-finite gradients)", self.skipped),
+            None => String::new(),
+        };
+        println!(
+            "trained steps {}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps){scaling}; {what} in {}",
+            self.start,
+            self.train.steps,
+            n.max(1),
+            self.a.out.display()
+        );
+        Ok(())
+    }
+}
+
+/// Loads the saved state of a resumed run from `dir` into `tr`: (the steps done, the steps
+/// skipped), checked against the optimizer's own step count.
+fn restore(tr: &mut Trainer, done: &resume::Progress, dir: &Path, allow_nonfinite: bool) -> anyhow::Result<(usize, usize)> {
+    let state = dir.join(STATE);
+    tr.load_state(&state, allow_nonfinite)?;
+    // the optimizer's step count is saved with the tensors: both files must be one save's
+    // (a step fp16 loss scaling skipped does not count)
+    let count = tr.persistent()?.into_iter().find(|(n, _)| n == "step").and_then(|(_, t)| t.data.first().copied());
+    if count.is_none() || done.skipped > done.step || count != Some((done.step - done.skipped) as f32) {
+        anyhow::bail!(
+            "{}: AdamW's step count is {}, but {PROGRESS} says {} steps were done ({} skipped): the two files are not from one save",
+            state.display(),
+            count.map_or("missing".into(), |c| c.to_string()),
+            done.step,
+            done.skipped
+        );
+    }
+    Ok((done.step, done.skipped))
+}
+
+/// `--log-json`'s file: appended to when the run resumes, else started afresh.
+fn step_log(a: &Args, resuming: bool) -> anyhow::Result<Option<std::io::BufWriter<std::fs::File>>> {
+    let Some(p) = &a.log_json else { return Ok(None) };
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(resuming)
+        .write(true)
+        .truncate(!resuming)
+        .open(p)
+        .with_context(|| format!("{}", p.display()))?;
+    Ok(Some(std::io::BufWriter::new(f)))
+}
+
+/// How validation evaluates: the step's model without dropout, where the step runs, as it runs.
+fn validation(tr: &Trainer, resolved: &qatc_driver::Resolved, kernel_cache: Option<PathBuf>) -> EvalSetup {
+    let mut model = tr.opts.model.clone();
+    if let Some(l) = model.lora.as_mut() {
+        l.dropout = 0.0;
+    }
+    EvalSetup {
+        model,
+        adapter: None,
+        precision: tr.opts.precision,
+        // validation runs where the step runs, as the step does
+        target: resolved.target,
+        interpreter: resolved.interpreter,
+        kernel_cache,
+        ..Default::default()
+    }
+}
