@@ -203,7 +203,7 @@ impl<'r> Run<'r> {
             None => format!("loss {loss:.4}  {tps:.0} tok/s{scaling}"),
         });
         self.pb.inc(1);
-        if (self.a.save_every > 0 && done % self.a.save_every == 0) || done == self.train.steps {
+        if (self.a.save_every > 0 && done.is_multiple_of(self.a.save_every)) || done == self.train.steps {
             // a save never writes non-finite weights over the last good one
             if let Some((tensor, i, v)) = crate::cli::diverge::nonfinite_state(&self.tr)? {
                 anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
@@ -219,7 +219,7 @@ impl<'r> Run<'r> {
     /// at the end), on the trained weights read back from the executor.
     fn validate(&mut self, done: usize) -> anyhow::Result<Option<f64>> {
         let Some(v) = &self.val else { return Ok(None) };
-        if !((self.a.eval_every > 0 && done % self.a.eval_every == 0) || done == self.train.steps) {
+        if !((self.a.eval_every > 0 && done.is_multiple_of(self.a.eval_every)) || done == self.train.steps) {
             return Ok(None);
         }
         let n = self.a.val_batches.min(v.num_batches(self.tr.opts.batch, self.tr.opts.seq)).max(1);
