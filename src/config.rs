@@ -332,6 +332,10 @@ impl ModelConfig {
     }
 }
 
+/// The most micro-batches per optimizer step (`--grad-accum`): 2^32, so that the data positions
+/// of a long run (steps x K micro-batches) stay far from overflowing.
+pub const MAX_GRAD_ACCUM: usize = 1 << 32;
+
 impl StepConfig {
     pub fn check(&self) -> Result<(), String> {
         if self.batch == 0 || self.seq == 0 {
@@ -339,6 +343,17 @@ impl StepConfig {
         }
         if self.grad_accum == 0 {
             return Err("--grad-accum must be at least 1".into());
+        }
+        // the step is one micro-batch's whatever K is; K only counts runs and data positions,
+        // which must not overflow
+        let tokens = self.batch.checked_mul(self.seq).and_then(|t| t.checked_mul(self.grad_accum));
+        if self.grad_accum > MAX_GRAD_ACCUM || tokens.is_none() {
+            return Err(format!(
+                "--grad-accum {k}: {k} micro-batches of {} x {} tokens per optimizer step are more than qatc counts (at most {MAX_GRAD_ACCUM} micro-batches)",
+                self.batch,
+                self.seq,
+                k = self.grad_accum
+            ));
         }
         let o = &self.optim;
         if let Some(c) = o.clip {
