@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # qatc's demo on the embedded Shakespeare GPT-2 (4 layers, n_embd 128): full precision, 2-bit
 # post-training quantization, then 2-bit quantization-aware LoRA fine-tuning with learned scales,
-# the validation losses side by side and the training and validation curves in one picture.
+# the validation losses side by side and the training and validation curves in one picture, and
+# last what each of the three models writes after the same prompt.
 # Usage: examples/demo.sh QATC_BINARY
 set -euo pipefail
 qatc=${1:-target/release/qatc}
@@ -37,6 +38,19 @@ for row in "full precision (fp16 weights):$fp" "2-bit, post-training:$ptq" "2-bi
   printf '%-40s %8s %8.1f\n' "${row%:*}" "${row##*:}" "$(awk -v l="${row##*:}" 'BEGIN { print exp(l) }')"
 done
 awk -v fp="$fp" -v ptq="$ptq" -v qat="$qat" 'BEGIN { if (ptq > fp) printf "QAT + LoRA won back %.0f%% of the %.2f nats that post-training 2-bit quantization lost\n", 100 * (ptq - qat) / (ptq - fp), ptq - fp }'
+echo
+# greedy, so the lines are the same on every run; qatc generate quantizes as the adapter's qatc.json says
+prompt=$'ROMEO:\n'
+echo "== generate: what each model writes after \"ROMEO:\" (greedy, 40 tokens, over a KV cache compiled for this CPU)"
+log=$(mktemp)
+for row in "full precision (fp16 weights):" "2-bit, post-training:--bits 2 --group 64 --scheme sym" \
+           "2-bit, QAT + LoRA r=16, learned scales:--adapter out/demo-adapter"; do
+  read -ra flags <<<"${row#*:}"
+  text=$("$qatc" generate "$model" --prompt "$prompt" --max-new-tokens 40 "${flags[@]}" 2>"$log") || { cat "$log" >&2; exit 2; }
+  echo "-- ${row%%:*}, $(sed -n 's/^qatc: [0-9]* tokens in [0-9.]* s: \([0-9.]* tokens\/s\).*/\1/p' "$log")"
+  awk 'NF && n < 6 { print "   " $0; n++ }' <<<"$text"
+done
+rm -f "$log"
 echo
 echo "artifacts: out/demo/ (forward.qir, train.qir, manifest.json), out/demo-adapter/ (PEFT + learned scales),"
 echo "           out/demo-train.jsonl (loss per step), out/demo-loss.svg (train and validation curves)"

@@ -16,6 +16,7 @@ pub mod manifest;
 pub mod memory;
 pub mod model;
 pub mod plot;
+pub mod sample;
 pub mod schedule;
 pub mod step;
 pub mod tokenize;

@@ -26,6 +26,9 @@ enum Cmd {
     Plan(cli::plan::Args),
     /// Merge a LoRA adapter and write the trained weights: Hugging Face safetensors or GGUF.
     Export(cli::export::Args),
+    /// Continue a text: the model as deployed (an adapter with its trained quantization), over a
+    /// KV cache, greedy or sampled.
+    Generate(Box<cli::generate::Args>),
 }
 
 /// Clap's error as one line (as every other error), exit code 2; help and version as clap prints them.
@@ -35,7 +38,9 @@ fn usage_error(e: clap::Error) -> ! {
         e.exit()
     }
     if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        eprintln!("error: qatc needs a command: compile, eval, dump, train, prt, plan or export (qatc --help says what each does)");
+        eprintln!(
+            "error: qatc needs a command: compile, eval, dump, train, prt, plan, export or generate (qatc --help says what each does)"
+        );
         std::process::exit(2);
     }
     let text = e.render().to_string();
@@ -81,6 +86,7 @@ fn main() {
         Cmd::Prt(a) => cli::prt::run(a),
         Cmd::Plan(a) => cli::plan::run(a, &plan_given),
         Cmd::Export(a) => cli::export::run(a),
+        Cmd::Generate(a) => cli::generate::run(a),
     };
     if let Err(e) = r {
         // One line: the chain of causes joined, newlines folded.

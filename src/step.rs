@@ -12,7 +12,7 @@ use qatc_passes::quant::QuantOptions;
 use qatc_passes::{PassError, PassReport};
 
 use crate::frontend::config::Gpt2Config;
-use crate::frontend::gpt2::{lower, LowerOptions};
+use crate::frontend::gpt2::{lower, lower_cached, CachedOptions, LowerOptions};
 
 pub use qatc_passes::pipeline::Stage;
 
@@ -134,12 +134,30 @@ fn model_with(
     seq: usize,
     logits: bool,
     o: &PipelineOptions,
-    mut after: impl FnMut(Stage, &Graph),
+    after: impl FnMut(Stage, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
-    let g = forward(cfg, batch, seq, logits)?;
+    model_stages(forward(cfg, batch, seq, logits)?, o, after)
+}
+
+/// A lowered graph verified, then fake_quant ..= fold.
+fn model_stages(g: Graph, o: &PipelineOptions, mut after: impl FnMut(Stage, &Graph)) -> Result<(Graph, Vec<PassReport>), PassError> {
     qatc_ir::verify(&g).map_err(|source| PassError::Ir { pass: Stage::Lower, error: source })?;
     after(Stage::Lower, &g);
     pipeline::run(g, Stage::FakeQuant, Stage::Fold, o, after)
+}
+
+/// A generation pass over a KV cache (`qatc generate`): `tokens` new positions, a cache of
+/// `capacity`, built as an evaluation is (lower, then fake_quant ..= fold, fp32), so the model it
+/// samples from is the one `qatc eval` measures: the same quantization, LoRA and folded codes.
+pub fn cached(
+    cfg: &Gpt2Config,
+    tokens: usize,
+    capacity: usize,
+    mo: &ModelOptions,
+    after: impl FnMut(Stage, &Graph),
+) -> Result<(Graph, Vec<PassReport>), PassError> {
+    let g = lower_cached(cfg, &CachedOptions { tokens, capacity }).map_err(|source| PassError::Ir { pass: Stage::Lower, error: source })?;
+    model_stages(g, &mo.pipeline(Precision::Fp32, Deadline::unlimited()), after)
 }
 
 /// The model graph for evaluation (the loss, and the logits when asked): `model`, then the

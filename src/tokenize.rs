@@ -17,8 +17,10 @@ pub fn encode(text: &str) -> Result<Vec<u16>, String> {
     ids.into_iter().map(|t| u16::try_from(t).map_err(|_| format!("token id {t} does not fit u16"))).collect()
 }
 
-/// Text of `ids` (lossy on invalid UTF-8 boundaries).
+/// Text of `ids`, lossy where their bytes are not UTF-8 (a character cut by the end of a
+/// generation, or split oddly by a model's choices: U+FFFD, as transformers' `decode` gives).
 pub fn decode(ids: &[u16]) -> Result<String, String> {
     let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
-    bpe()?.decode(&ids).map_err(|e| e.to_string())
+    let bytes = bpe()?.decode_bytes(&ids).map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }

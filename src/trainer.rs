@@ -24,12 +24,49 @@ use crate::data::TokenFile;
 use crate::model::{Model, Trained};
 use crate::step;
 
-/// Where the steps' time went (`Trainer::set_profile`), summed over the profiled steps.
+/// Where the steps' time went (`Trainer::set_profile`, `qatc generate --profile`), summed over
+/// the profiled steps.
 #[derive(Default)]
-struct Profile {
+pub struct Profile {
     steps: usize,
     /// what -> (times run, seconds, bytes moved, FLOPs)
     by: BTreeMap<String, (usize, f64, u64, u64)>,
+}
+
+impl Profile {
+    /// Adds the timed parts of one run of the executor, which `ends_step` when it is a step's
+    /// last (a step of K micro-batches runs it K times).
+    pub fn add(&mut self, times: Vec<qatc_runtime::exec::TimedPart>, ends_step: bool) {
+        self.steps += usize::from(ends_step);
+        for t in times {
+            let e = self.by.entry(t.what).or_default();
+            e.0 += 1;
+            e.1 += t.secs;
+            e.2 += t.cost.bytes;
+            e.3 += t.cost.flops;
+        }
+    }
+
+    /// A row per kind of step, per step, largest time first; None when no step was added.
+    pub fn rows(&self) -> Option<Vec<ProfileRow>> {
+        if self.steps == 0 {
+            return None;
+        }
+        let n = self.steps as f64;
+        let mut v: Vec<ProfileRow> = self
+            .by
+            .iter()
+            .map(|(k, &(c, s, b, f))| ProfileRow {
+                what: k.clone(),
+                count: c as f64 / n,
+                secs: s / n,
+                bytes: b as f64 / n,
+                flops: f as f64 / n,
+            })
+            .collect();
+        v.sort_by(|a, b| b.secs.total_cmp(&a.secs));
+        Some(v)
+    }
 }
 
 /// One kind of step in a profile (`Trainer::profile`): per step, how many ran, their seconds,
@@ -43,12 +80,53 @@ pub struct ProfileRow {
     pub flops: f64,
 }
 
+/// How long building a step (or a forward) took, from the options to an executor ready to run,
+/// by part, and where its kernels came from (`kernels`: the kernel cache or the compiler; None on
+/// the interpreter). `qatc train` and `eval` print it in one line and write it in their JSON as
+/// `build`.
+#[derive(serde::Serialize, Debug, Clone, Default)]
+pub struct Built {
+    /// The whole build, in seconds: the three parts below.
+    pub seconds: f64,
+    /// The graph's passes, from the checkpoint's model to the fused step (0 where the caller
+    /// built the graph).
+    pub passes_s: f64,
+    /// The driver's part: the lowering, the kernels, the executor.
+    pub compile_s: f64,
+    /// Giving the executor its weights (quantized where the step keeps them quantized) and state.
+    pub bind_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<qatc_driver::KernelsBuilt>,
+}
+
+impl Built {
+    /// A build of `compile_s` and `bind_s` seconds, on a graph built in `passes_s`.
+    pub fn new(passes_s: f64, compile_s: f64, bind_s: f64, kernels: Option<qatc_driver::KernelsBuilt>) -> Built {
+        Built { seconds: passes_s + compile_s + bind_s, passes_s, compile_s, bind_s, kernels }
+    }
+}
+
+impl std::fmt::Display for Built {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.2} s (graph passes {:.2} s, lowering and kernels {:.2} s, weights bound {:.2} s)",
+            self.seconds, self.passes_s, self.compile_s, self.bind_s
+        )?;
+        match &self.kernels {
+            Some(k) => write!(f, "; {k}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The training loop: the step graph and its executor, which holds every input that persists
 /// across steps.
 pub struct Trainer {
     pub graph: Graph,
     step: Box<dyn TrainStep>,
     description: String,
+    built: Built,
     pub opts: step::StepOptions,
     seed: u64,
     /// The graph's input names: per-step inputs it does not have (a dropout seed without
@@ -77,8 +155,12 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
+        let start = std::time::Instant::now();
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
-        Self::with_graph(m, graph, opts, adapter, seed, target, options)
+        let passes_s = start.elapsed().as_secs_f64();
+        let mut tr = Self::with_graph(m, graph, opts, adapter, seed, target, options)?;
+        tr.built = Built::new(passes_s, tr.built.compile_s, tr.built.bind_s, tr.built.kernels.take());
+        Ok(tr)
     }
 
     /// As `with_target`, on a step graph built by the caller from `opts` (tests graft nodes into
@@ -92,7 +174,9 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
-        let qatc_driver::Executable { mut step, description, .. } = qatc_driver::compile(&graph, target, options)?;
+        let start = std::time::Instant::now();
+        let qatc_driver::Executable { mut step, description, kernels, .. } = qatc_driver::compile(&graph, target, options)?;
+        let compile_s = start.elapsed().as_secs_f64();
         opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
         let trained = match adapter {
@@ -120,7 +204,8 @@ impl Trainer {
             }
             inputs.insert(name);
         }
-        Ok(Trainer { graph, step, description, opts, seed, inputs, runs: 0, profile: None })
+        let built = Built::new(0.0, compile_s, start.elapsed().as_secs_f64() - compile_s, kernels);
+        Ok(Trainer { graph, step, description, built, opts, seed, inputs, runs: 0, profile: None })
     }
 
     /// Gives the step an input's value (a weight, a moment, data): it stays until set again.
@@ -167,14 +252,7 @@ impl Trainer {
             match self.profile.as_mut() {
                 Some(p) if self.runs > 0 => {
                     if let Some(times) = self.step.run_timed()? {
-                        p.steps += usize::from(i + 1 == k);
-                        for t in times {
-                            let e = p.by.entry(t.what).or_default();
-                            e.0 += 1;
-                            e.1 += t.secs;
-                            e.2 += t.cost.bytes;
-                            e.3 += t.cost.flops;
-                        }
+                        p.add(times, i + 1 == k);
                     }
                 }
                 _ => self.step.run()?,
@@ -193,20 +271,7 @@ impl Trainer {
     /// step, per step, largest time first. None when nothing was profiled (the interpreter does
     /// not time its parts; the first step is not profiled).
     pub fn profile(&self) -> Option<Vec<ProfileRow>> {
-        let p = self.profile.as_ref().filter(|p| p.steps > 0)?;
-        let n = p.steps as f64;
-        let mut v: Vec<ProfileRow> =
-            p.by.iter()
-                .map(|(k, &(c, s, b, f))| ProfileRow {
-                    what: k.clone(),
-                    count: c as f64 / n,
-                    secs: s / n,
-                    bytes: b as f64 / n,
-                    flops: f as f64 / n,
-                })
-                .collect();
-        v.sort_by(|a, b| b.secs.total_cmp(&a.secs));
-        Some(v)
+        self.profile.as_ref()?.rows()
     }
 
     /// The loss scale the next step uses (fp16 with loss scaling), read back; else None.
@@ -223,6 +288,12 @@ impl Trainer {
     /// What runs the step, in words.
     pub fn describe(&self) -> &str {
         &self.description
+    }
+
+    /// How long building the step took (from the options, with `with_target`; from the graph,
+    /// with `with_graph`) and where its kernels came from.
+    pub fn built(&self) -> &Built {
+        &self.built
     }
 
     /// The inputs of these kinds, read back from the executor, in the graph's input order.

@@ -95,3 +95,24 @@ fn remat_stage_with_the_blocks_policy() {
     assert!(text.contains(".recompute\""), "blocks recomputes something");
     insta::assert_snapshot!("remat_blocks", text);
 }
+
+/// Generation's cached pass (`qatc generate`): S 2 new positions over a KV cache of M 5, as
+/// lowered, and with 4-bit + LoRA r 2 after fold (the passes find its linears by the names the
+/// training forward gives them; everything is frozen, the caches are state with updates).
+#[test]
+fn cached_generation_pass() {
+    use qatc_ir::{QuantScheme, QuantSpec};
+    use qatc_passes::lora::LoraOptions;
+    use qatc_passes::quant::QuantOptions;
+    let plain = step::cached(&tiny(), 2, 5, &step::ModelOptions::default(), |_, _| {}).unwrap().0;
+    insta::assert_snapshot!("cached_lower", print(&plain));
+    let mo = step::ModelOptions {
+        quant: Some(QuantOptions::all_linears(QuantSpec { bits: 4, group: 4, scheme: QuantScheme::Sym })),
+        lora: Some(LoraOptions::new(2)),
+        ..Default::default()
+    };
+    let mut stages = Vec::new();
+    let (qat, _) = step::cached(&tiny(), 2, 5, &mo, |name, _| stages.push(name.name())).unwrap();
+    assert_eq!(stages, ["lower", "fake_quant", "lora", "trainable", "fold"]);
+    insta::assert_snapshot!("cached_qat_fold", print(&qat));
+}

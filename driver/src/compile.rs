@@ -4,7 +4,7 @@
 //! | target | executor | kernels | GEMMs |
 //! |---|---|---|---|
 //! | CPU, `interpreter` | `InterpretedStep`: the reference interpreter, node by node | none | f64-summed loops |
-//! | CPU | `CpuProgram` | LLVM, JIT for this CPU | OpenBLAS or the gemm crate, fed panel by panel |
+//! | CPU | `CpuProgram` | LLVM, JIT for this CPU, through the kernel cache | OpenBLAS or the gemm crate, fed panel by panel |
 //! | CUDA | `CudaProgram` on device 0 | NVRTC for the device, through the kernel cache | cuBLAS(Lt) |
 
 use std::path::PathBuf;
@@ -24,8 +24,9 @@ pub struct Options {
     pub interpreter: bool,
     /// The CPU executor's settings (its panel size changes the program it runs).
     pub cpu: CpuOptions,
-    /// Where compiled kernels are kept between runs (CUBINs by NVRTC, under `DIR/` with their
-    /// sources in `DIR/sources/`); None: compile everything, keep nothing.
+    /// Where compiled kernels are kept between runs: CUBINs by NVRTC under `DIR/cubin/` (their
+    /// sources in `DIR/sources/`), the CPU's object code by LLVM under `DIR/cpu/`; None: keep
+    /// nothing (the CPU's kernels are still compiled once per process).
     pub kernel_cache: Option<PathBuf>,
 }
 
@@ -36,6 +37,34 @@ pub struct Executable {
     pub description: String,
     /// The target it was built for (a CUDA target with the device's architecture and memory).
     pub target: Target,
+    /// Where its kernels came from and how long getting them took (None on the interpreter).
+    pub kernels: Option<KernelsBuilt>,
+}
+
+/// How an executor's kernels were built: by the compiler (LLVM, NVRTC) or read from a kernel
+/// cache (in this process or on disk), and in how long. `qatc train` and `eval` print it and
+/// write it in their JSON.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct KernelsBuilt {
+    pub kernels: usize,
+    /// From a kernel cache: linked earlier in this process, or read from the disk.
+    pub cached: usize,
+    pub compiled: usize,
+    /// Wall-clock seconds from the first kernel to the last.
+    pub seconds: f64,
+    /// Why the cache on disk could not keep what was compiled (the build went on without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+}
+
+impl std::fmt::Display for KernelsBuilt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} kernels in {:.2} s ({} from the kernel cache, {} compiled)", self.kernels, self.seconds, self.cached, self.compiled)?;
+        match &self.warning {
+            Some(w) => write!(f, "; the cache kept nothing: {w}"),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Builds the executor of step graph `g` for `target`: the program `qatc plan` plans for it (the
@@ -46,7 +75,7 @@ pub fn compile(g: &Graph, target: &Target, options: &Options) -> Result<Executab
             return Err(DriverError::Unsupported("--interpreter runs on the CPU; it excludes --device cuda".into()));
         }
         let step = Box::new(InterpretedStep::new(g)?);
-        return Ok(Executable { step, description: "the reference interpreter".into(), target: *target });
+        return Ok(Executable { step, description: "the reference interpreter".into(), target: *target, kernels: None });
     }
     match target.kind {
         TargetKind::Cpu => compile_cpu(g, target, options),
@@ -56,9 +85,16 @@ pub fn compile(g: &Graph, target: &Target, options: &Options) -> Result<Executab
 
 #[cfg(feature = "llvm")]
 fn compile_cpu(g: &Graph, target: &Target, options: &Options) -> Result<Executable, DriverError> {
-    let (p, panels) = cpu_program(g, options)?;
+    let (p, panels, built) = cpu_program_built(g, options)?;
     let description = describe::compiled(&p, &panels);
-    Ok(Executable { step: Box::new(p), description, target: *target })
+    let kernels = KernelsBuilt {
+        kernels: built.kernels,
+        cached: built.cached(),
+        compiled: built.compiled,
+        seconds: built.wall_s,
+        warning: built.cache_warning,
+    };
+    Ok(Executable { step: Box::new(p), description, target: *target, kernels: Some(kernels) })
 }
 
 /// The CPU executor of step graph `g`, as `compile` builds it for `Target::cpu()` (the program
@@ -66,8 +102,19 @@ fn compile_cpu(g: &Graph, target: &Target, options: &Options) -> Result<Executab
 /// what its panel rewrite did; for callers that look inside the executor.
 #[cfg(feature = "llvm")]
 pub fn cpu_program(g: &Graph, options: &Options) -> Result<(qatc_runtime::CpuProgram, qatc_kernels::panels::PanelReport), DriverError> {
+    let (p, panels, _) = cpu_program_built(g, options)?;
+    Ok((p, panels))
+}
+
+/// `cpu_program`, and where its kernels came from (the kernel cache, or LLVM).
+#[cfg(feature = "llvm")]
+fn cpu_program_built(
+    g: &Graph,
+    options: &Options,
+) -> Result<(qatc_runtime::CpuProgram, qatc_kernels::panels::PanelReport, qatc_kernels::llvm::JitReport), DriverError> {
     let program = lower(g, &Target::cpu(), options)?.program;
-    Ok(qatc_runtime::CpuProgram::compile(program, &options.cpu)?)
+    let cache = options.kernel_cache.as_ref().map(qatc_kernels::llvm::ObjectCache::new);
+    Ok(qatc_runtime::CpuProgram::compile_cached(program, &options.cpu, cache.as_ref())?)
 }
 
 #[cfg(not(feature = "llvm"))]
@@ -92,5 +139,12 @@ fn compile_cuda(g: &Graph, target: &Target, options: &Options) -> Result<Executa
     let target = Target { arch: Some(d.arch), memory: Some(d.total_memory), ..*target };
     let p = CudaProgram::new(program, driver, &target, Some(&build))?;
     let description = describe::cuda(&p);
-    Ok(Executable { step: Box::new(p), description, target })
+    let kernels = p.build_report().map(|r| KernelsBuilt {
+        kernels: r.kernels,
+        cached: r.cached,
+        compiled: r.compiled,
+        seconds: r.wall_s,
+        warning: None,
+    });
+    Ok(Executable { step: Box::new(p), description, target, kernels })
 }

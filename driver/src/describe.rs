@@ -9,15 +9,11 @@ pub fn cuda(p: &CudaProgram<CudaDriver>) -> String {
     let human = qatc_passes::plan::units::human;
     let d = p.device();
     let (launches, calls) = p.per_step();
-    let built = match p.build_report() {
-        Some(r) => format!("{} from the NVRTC cache, {} compiled in {:.1} s", r.cached, r.compiled, r.wall_s),
-        None => "no machine code built".into(),
-    };
     let b = p.bytes();
     let l = p.layout();
     let o = p.target();
     format!(
-        "on CUDA: {} ({}, {} SMs, {}; {}): {} kernels ({built}), {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
+        "on CUDA: {} ({}, {} SMs, {}; {}): {} kernels, {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
         d.name,
         d.arch,
         d.multiprocessors,
@@ -41,7 +37,8 @@ pub fn cuda(p: &CudaProgram<CudaDriver>) -> String {
     )
 }
 
-/// One line: what the compiled step is and the memory it holds.
+/// One line: what the compiled step is and the memory it holds (where its kernels came from is
+/// the executable's `KernelsBuilt`).
 #[cfg(feature = "llvm")]
 pub fn compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels::PanelReport) -> String {
     let human = qatc_passes::plan::units::human;

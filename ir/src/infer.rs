@@ -324,6 +324,34 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             blocks_of(ins[0], ins[1], DType::U8)?;
             Ok(TensorType::new(DType::F32, ins[0].shape.clone()))
         }
+        Op::AllReduce { world, .. } => {
+            world_of(*world)?;
+            float(ins[0], "all_reduce's operand")?;
+            Ok(ins[0].clone())
+        }
+        Op::ReduceScatter { world, .. } => {
+            world_of(*world)?;
+            float(ins[0], "reduce_scatter's operand")?;
+            let dims = ins[0].shape.dims();
+            match dims.first() {
+                Some(&d0) if d0 % world == 0 => {
+                    let mut out = dims.to_vec();
+                    out[0] = d0 / world;
+                    Ok(TensorType::new(ins[0].dtype, Shape(out)))
+                }
+                _ => Err(format!("reduce_scatter over {world} ranks needs a first dimension they divide (pad it), got {}", ins[0])),
+            }
+        }
+        Op::AllGather { world } => {
+            world_of(*world)?;
+            let dims = ins[0].shape.dims();
+            if dims.is_empty() {
+                return Err(format!("all_gather needs a tensor of rank 1 or more, got {}", ins[0]));
+            }
+            let mut out = dims.to_vec();
+            out[0] *= world;
+            Ok(TensorType::new(ins[0].dtype, Shape(out)))
+        }
         Op::BlockAbsMax => {
             if ins[0].dtype != DType::F32 {
                 return Err(format!("block_absmax takes f32, got {}", ins[0]));
@@ -380,6 +408,14 @@ fn blocks_of(x: &TensorType, absmax: &TensorType, dtype: DType) -> Result<(), St
     }
     if absmax.dtype != DType::F32 || absmax.shape.dims() != [nb] {
         return Err(format!("absmax must be f32[{nb}] for {x}, got {absmax}"));
+    }
+    Ok(())
+}
+
+/// A collective's world: at least one rank.
+fn world_of(world: usize) -> Result<(), String> {
+    if world == 0 {
+        return Err("a collective needs a world of at least 1 rank".into());
     }
     Ok(())
 }

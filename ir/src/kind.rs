@@ -171,6 +171,10 @@ op_kinds! {
     BlockDequant       = "block_dequant",           Alone,                                          No,        Launch;
     BlockAbsMax        = "block_absmax",            Alone,                                          No,        Launch;
     BlockQuant         = "block_quant",             Alone,                                          No,        Launch;
+    // collectives: each rank's result needs every rank's operand, so never part of a kernel
+    AllReduce          = "all_reduce",              Alone,                                          No,        Launch;
+    ReduceScatter      = "reduce_scatter",          Alone,                                          No,        Launch;
+    AllGather          = "all_gather",              Alone,                                          No,        Launch;
 }
 
 impl OpKind {

@@ -10,6 +10,7 @@
 //! - [`deadline`]: the compile budget every long stage is handed.
 //! - [`role`]: what a value is for memory accounting (category, phase): the one rule.
 
+pub mod collective;
 pub mod deadline;
 pub mod error;
 pub mod family;
@@ -24,6 +25,7 @@ pub mod text;
 pub mod types;
 pub mod verify;
 
+pub use collective::Reduce;
 pub use deadline::{Deadline, Expired};
 pub use error::IrError;
 pub use family::{Anchor, Epilogue, GemmFamily, GemmPrologue, KernelFamily, UnknownFamily};

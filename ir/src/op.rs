@@ -251,6 +251,22 @@ pub enum Op {
         weight_decay: f64,
     },
 
+    // ---- collectives over `world` ranks (`crate::collective`) ----
+    /// x -> the sum (or mean) over ranks of x, on every rank
+    AllReduce {
+        reduce: crate::collective::Reduce,
+        world: usize,
+    },
+    /// x [world * m, ...] -> [m, ...]: this rank's block of the sum (or mean) over ranks of x
+    ReduceScatter {
+        reduce: crate::collective::Reduce,
+        world: usize,
+    },
+    /// x [m, ...] -> [world * m, ...]: every rank's x, in rank order
+    AllGather {
+        world: usize,
+    },
+
     // ---- 8-bit optimizer state: blockwise dynamic quantization (`crate::qmap`) ----
     /// (codes u8, absmax f32 [blocks]) -> f32 of the codes' shape: map[code] * absmax[element / BLOCK]
     BlockDequant {
@@ -343,6 +359,9 @@ impl Op {
             Op::BlockDequant { .. } => OpKind::BlockDequant,
             Op::BlockAbsMax => OpKind::BlockAbsMax,
             Op::BlockQuant { .. } => OpKind::BlockQuant,
+            Op::AllReduce { .. } => OpKind::AllReduce,
+            Op::ReduceScatter { .. } => OpKind::ReduceScatter,
+            Op::AllGather { .. } => OpKind::AllGather,
         }
     }
 
@@ -360,6 +379,7 @@ impl Op {
             Op::LayerNormGradGamma { .. } | Op::SoftmaxGrad { .. } | Op::CrossEntropy => 2,
             Op::AdamM { .. } | Op::AdamV { .. } => 2,
             Op::BlockAbsMax => 1,
+            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => 1,
             Op::BlockDequant { .. } | Op::BlockQuant { .. } => 2,
             Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::CrossEntropyGrad => 3,
             Op::AdamParam { .. } => 5,
@@ -391,6 +411,10 @@ impl Op {
             Op::Const { value, .. } => vec![("value", Float(*value))],
             Op::Unary(_) | Op::Binary(_) | Op::Gather | Op::CrossEntropy | Op::CrossEntropyGrad | Op::BlockAbsMax => vec![],
             Op::BlockDequant { map } | Op::BlockQuant { map } => vec![("map", Word(map.name()))],
+            Op::AllReduce { reduce, world } | Op::ReduceScatter { reduce, world } => {
+                vec![("reduce", Word(reduce.name())), ("world", Int(*world))]
+            }
+            Op::AllGather { world } => vec![("world", Int(*world))],
             Op::AllFinite | Op::Select => vec![],
             Op::LossScale { interval, growth, backoff } => {
                 vec![("interval", Int(*interval)), ("growth", Float(*growth)), ("backoff", Float(*backoff))]

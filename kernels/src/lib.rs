@@ -11,6 +11,7 @@
 pub mod cephes;
 pub mod cuda;
 pub mod device;
+mod disk_cache;
 pub mod error;
 pub mod index;
 pub mod kir;

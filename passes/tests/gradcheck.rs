@@ -87,7 +87,11 @@ fn covering_test(op: &Op) -> &'static str {
         | Op::Select
         | Op::LossScale { .. }
         | Op::BlockDequant { .. }
-        | Op::BlockAbsMax => "ops_without_a_rule_report_no_rule",
+        | Op::BlockAbsMax
+        // data parallelism and ZeRO insert collectives after autodiff
+        | Op::AllReduce { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGather { .. } => "ops_without_a_rule_report_no_rule",
         Op::BlockQuant { .. } => "none: its u8 result is never on a path to a float loss",
     }
 }

@@ -234,6 +234,12 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
             let a = quant::block_absmax(&x);
             Value::Float(Tensor { shape: vec![a.len()], data: a.into_iter().map(|v| T::from_f64(v as f64)).collect() })
         }
+        // one rank is the whole world: each collective gives its operand back (over more ranks
+        // the interpreter's `run_ranks` combines every rank's operand)
+        Op::AllReduce { world: 1, .. } | Op::ReduceScatter { world: 1, .. } | Op::AllGather { world: 1 } => args[0].clone(),
+        Op::AllReduce { world, .. } | Op::ReduceScatter { world, .. } | Op::AllGather { world } => {
+            return Err(format!("a collective over {world} ranks runs on all of them at once (Interpreter::run_ranks)"))
+        }
         Op::BlockQuant { map } => {
             let x = fl(args[0], "x")?;
             let absmax = f32s(fl(args[1], "absmax")?);

@@ -118,6 +118,66 @@ impl<T: Float> Interpreter<T> {
         Ok(res)
     }
 
+    /// Runs the graph on `inputs.len()` ranks in step, simulating them in one process (the
+    /// reference for data parallelism and ZeRO): each node is evaluated for every rank, a
+    /// collective from every rank's operand at once (`collective.rs`). Each rank's outputs and
+    /// updates, in rank order.
+    pub fn run_ranks(&self, inputs: &[HashMap<String, Value<T>>]) -> Result<Vec<RunOutputs<T>>, RuntimeError> {
+        let want: Vec<usize> = self.outputs.iter().map(|o| o.pos).collect();
+        let (needed, last_use) = self.plan(&want);
+        let (n, ranks) = (self.steps.len(), inputs.len());
+        let mut vals: Vec<Vec<Option<Cow<'_, Value<T>>>>> = (0..ranks).map(|_| (0..n).map(|_| None).collect()).collect();
+        let missing = |i: usize, o: usize| self.node_err(i, format!("operand at schedule position {o} was not computed"));
+        for i in 0..n {
+            if !needed[i] {
+                continue;
+            }
+            let step = &self.steps[i];
+            if let Op::Input { .. } = step.op {
+                for (r, given) in inputs.iter().enumerate() {
+                    vals[r][i] = Some(self.input(step, given)?);
+                }
+            } else if crate::collective::is_collective(&step.op) {
+                let o = step.operands[0];
+                let args = vals.iter().map(|v| v[o].as_deref().ok_or_else(|| missing(i, o))).collect::<Result<Vec<_>, _>>()?;
+                let outs = crate::collective::combine(&step.op, &args).map_err(|m| self.node_err(i, m))?;
+                for (r, v) in outs.into_iter().enumerate() {
+                    vals[r][i] = Some(Cow::Owned(v));
+                }
+            } else {
+                for rank in vals.iter_mut() {
+                    let v = {
+                        let args = step
+                            .operands
+                            .iter()
+                            .map(|&o| rank[o].as_deref().ok_or_else(|| missing(i, o)))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        eval(&step.op, &step.ty, &args).map_err(|m| self.node_err(i, m))?
+                    };
+                    rank[i] = Some(Cow::Owned(v));
+                }
+            }
+            for &o in &step.operands {
+                if last_use[o] == i {
+                    for rank in vals.iter_mut() {
+                        rank[o] = None;
+                    }
+                }
+            }
+        }
+        vals.into_iter()
+            .map(|rank| {
+                let mut res = RunOutputs { outputs: HashMap::new(), updates: HashMap::new() };
+                for o in &self.outputs {
+                    let v = rank[o.pos].as_ref().ok_or_else(|| self.node_err(o.pos, "was not computed".into()))?;
+                    let map = if o.update { &mut res.updates } else { &mut res.outputs };
+                    map.insert(o.name.clone(), v.clone().into_owned());
+                }
+                Ok(res)
+            })
+            .collect()
+    }
+
     /// Runs only what the requested nodes need and returns their values, in `want`'s order.
     pub fn run_nodes(&self, inputs: &HashMap<String, Value<T>>, want: &[NodeId]) -> Result<Vec<Value<T>>, RuntimeError> {
         let pos =

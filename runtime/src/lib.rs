@@ -47,6 +47,7 @@
 //!   computed the same way regardless, so results do not depend on the thread count.
 
 mod arena;
+mod collective;
 pub mod cpu;
 pub mod cuda;
 mod error;

@@ -2,7 +2,7 @@
 //! parallel, through the kernel cache), and the report of each kernel's registers, spills and
 //! shared memory (`OUT/kernels/report.json`, `OUT/kernels/NAME.cubin`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, Context};
 use qatc_kernels::nvrtc::{self, Arch, BuildOptions, BuildReport, CompiledKernel, KernelCache, Nvrtc};
@@ -22,19 +22,8 @@ pub struct CubinArgs {
     /// GPU's own.
     #[arg(long)]
     pub arch: Option<String>,
-    /// Where compiled kernels are kept between runs (default: $XDG_CACHE_HOME/qatc, else
-    /// ~/.cache/qatc).
-    #[arg(long)]
-    pub kernel_cache: Option<PathBuf>,
-    /// Compile every kernel again and keep nothing.
-    #[arg(long)]
-    pub no_kernel_cache: bool,
-}
-
-/// The default cache directory, resolved the XDG way.
-pub fn default_cache_dir() -> Option<PathBuf> {
-    let xdg = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()).map(PathBuf::from).filter(|p| p.is_absolute());
-    xdg.or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache"))).map(|d| d.join("qatc"))
+    #[command(flatten)]
+    pub cache: super::kernel_cache::KernelCacheArgs,
 }
 
 /// The architecture to build for, or None when nothing is to be built (sources only).
@@ -66,15 +55,7 @@ pub fn build(a: &CubinArgs, kernels: &[CudaKernel]) -> anyhow::Result<Option<(Ve
         }
         Err(e) => return Err(e).context("--device cuda compiles kernels with NVRTC"),
     };
-    let cache = if a.no_kernel_cache {
-        None
-    } else {
-        let dir = a.kernel_cache.clone().or_else(default_cache_dir);
-        if dir.is_none() {
-            eprintln!("note: no kernel cache (neither --kernel-cache, XDG_CACHE_HOME nor HOME is set): compiling everything");
-        }
-        dir.map(KernelCache::new)
-    };
+    let cache = a.cache.dir().map(KernelCache::new);
     let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let opts = BuildOptions { arch, cache: cache.as_ref(), jobs, source_dir: None };
     let built = nvrtc::compile_cubins(&nv, kernels, &opts).context("CUDA code generation")?;

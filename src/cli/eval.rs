@@ -32,7 +32,7 @@ pub struct Args {
     /// Evaluate the first N batches (default: every whole batch in the file).
     #[arg(long)]
     pub batches: Option<usize>,
-    /// Print one JSON object: {"loss", "ppl", "tokens"}.
+    /// Print one JSON object: {"loss", "ppl", "tokens", "engine", "build"}.
     #[arg(long)]
     pub json: bool,
     // quantization (with --adapter: read from the adapter's qatc.json when it has one)
@@ -58,6 +58,8 @@ pub struct Args {
     #[arg(long)]
     pub interpreter: bool,
     #[command(flatten)]
+    pub cache: super::kernel_cache::KernelCacheArgs,
+    #[command(flatten)]
     pub read: super::ReadArgs,
 }
 
@@ -81,6 +83,8 @@ pub struct EvalSetup {
     pub target: Target,
     /// On the reference interpreter instead (`--interpreter`, or a build without LLVM).
     pub interpreter: bool,
+    /// Where compiled kernels are kept between runs (None: nowhere on disk).
+    pub kernel_cache: Option<PathBuf>,
 }
 
 impl Default for EvalSetup {
@@ -92,6 +96,7 @@ impl Default for EvalSetup {
             scale_init: ScaleInit::default(),
             target: Target::cpu(),
             interpreter: !cfg!(feature = "llvm"),
+            kernel_cache: None,
         }
     }
 }
@@ -152,6 +157,8 @@ pub struct Evaluator {
     step: Box<dyn qatc_runtime::TrainStep>,
     /// What runs it, in one line.
     pub description: String,
+    /// How long building it took: the graph, the lowering and its kernels.
+    pub built: crate::trainer::Built,
     b: usize,
     t: usize,
     /// The adapter's scaling, for the message when a loss overflows.
@@ -163,26 +170,20 @@ impl Evaluator {
     /// the reference interpreter), with its weights bound: from `state` where a training run's
     /// state has them, else the adapter's, else fresh ones.
     pub fn new(m: &Model, b: usize, t: usize, setup: &EvalSetup, state: Option<&HashMap<String, Value<f32>>>) -> anyhow::Result<Evaluator> {
+        let start = std::time::Instant::now();
         let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
-        let inputs = match state {
-            Some(st) => m.bind_trained::<f32>(&g, &Trained::State(st))?,
-            None => match &setup.adapter {
-                Some(a) => m.bind_trained::<f32>(&g, &Trained::Adapter(a))?,
-                None => m.bind_trained::<f32>(&g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
-            },
-        };
+        let passes_s = start.elapsed().as_secs_f64();
         // the weights go to the executor once; per batch only the ids and targets
-        let exe = qatc_driver::compile(&g, &setup.target, &super::driver_options(setup.interpreter, CpuOptions::default()))?;
-        let mut e = Evaluator {
+        let bound = compile_bound(m, &g, setup, state)?;
+        Ok(Evaluator {
             graph: g,
-            step: exe.step,
-            description: exe.description,
+            step: bound.step,
+            description: bound.description,
+            built: crate::trainer::Built::new(passes_s, bound.compile_s, bound.bind_s, bound.kernels),
             b,
             t,
             lora_scaling: setup.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
-        };
-        e.set(&inputs)?;
-        Ok(e)
+        })
     }
 
     /// Binds a training run's state anew (before a validation): every input, since a frozen one
@@ -192,16 +193,8 @@ impl Evaluator {
         self.set(&inputs)
     }
 
-    /// Gives the executor these inputs' values; an input no step reads (lowering dropped its
-    /// use) is not in the program.
     fn set(&mut self, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
-        for (name, v) in inputs {
-            match self.step.set_input(name, v) {
-                Err(RuntimeError::UnknownInput(_)) => {}
-                r => r.with_context(|| format!("binding {name}"))?,
-            }
-        }
-        Ok(())
+        give(self.step.as_mut(), inputs)
     }
 
     /// The mean loss over the first `n` batches of `data`.
@@ -238,6 +231,58 @@ impl Evaluator {
         let loss = sum / n as f64;
         Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
     }
+}
+
+/// An executor with its weights bound, and how long building it took.
+pub struct Bound {
+    pub step: Box<dyn qatc_runtime::TrainStep>,
+    /// What runs it, in one line.
+    pub description: String,
+    pub kernels: Option<qatc_driver::KernelsBuilt>,
+    pub compile_s: f64,
+    pub bind_s: f64,
+}
+
+/// Graph `g` of model `m` compiled for `setup`'s target (or the reference interpreter, with the
+/// kernel cache `setup` names), its weights bound as an evaluation binds them: from `state` where
+/// a training run's state has them, else the adapter's, else fresh ones.
+pub fn compile_bound(
+    m: &Model,
+    g: &qatc_ir::Graph,
+    setup: &EvalSetup,
+    state: Option<&HashMap<String, Value<f32>>>,
+) -> anyhow::Result<Bound> {
+    let start = std::time::Instant::now();
+    let options = super::driver_options(setup.interpreter, CpuOptions::default(), setup.kernel_cache.clone());
+    let mut exe = qatc_driver::compile(g, &setup.target, &options)?;
+    let compile_s = start.elapsed().as_secs_f64();
+    let inputs = match state {
+        Some(st) => m.bind_trained::<f32>(g, &Trained::State(st))?,
+        None => match &setup.adapter {
+            Some(a) => m.bind_trained::<f32>(g, &Trained::Adapter(a))?,
+            None => m.bind_trained::<f32>(g, &Trained::Fresh { seed: 0, scale_init: setup.scale_init })?,
+        },
+    };
+    give(exe.step.as_mut(), &inputs)?;
+    Ok(Bound {
+        step: exe.step,
+        description: exe.description,
+        kernels: exe.kernels,
+        compile_s,
+        bind_s: start.elapsed().as_secs_f64() - compile_s,
+    })
+}
+
+/// Gives an executor these inputs' values; an input no step reads (lowering dropped its use) is
+/// not in the program.
+pub fn give(step: &mut dyn qatc_runtime::TrainStep, inputs: &HashMap<String, Value<f32>>) -> anyhow::Result<()> {
+    for (name, v) in inputs {
+        match step.set_input(name, v) {
+            Err(RuntimeError::UnknownInput(_)) => {}
+            r => r.with_context(|| format!("binding {name}"))?,
+        }
+    }
+    Ok(())
 }
 
 /// Reads a scalar output.
@@ -279,13 +324,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         setup.scale_init = init;
     }
     (setup.target, setup.interpreter) = placement(a.device, a.interpreter)?;
+    setup.kernel_cache = a.cache.dir();
     let mut e = Evaluator::new(&m, a.batch, a.seq, &setup, None)?;
     eprintln!("qatc: eval runs {}", e.description);
+    eprintln!("qatc: built the forward in {}", e.built);
     let r = e.run(&data, n, !a.json)?;
     if a.json {
         // a perplexity past f64 (a mean loss over 709) is null, as JSON has no infinity
         let mut v = serde_json::to_value(r)?;
         v["engine"] = engine_name(&setup).into();
+        v["build"] = serde_json::to_value(&e.built)?;
         println!("{}", serde_json::to_string(&v)?);
     } else if r.ppl.is_finite() {
         println!("loss {:.6}  ppl {:.3}  ({} batches x B {} x T {} = {} tokens)", r.loss, r.ppl, n, a.batch, a.seq, r.tokens);

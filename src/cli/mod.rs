@@ -7,6 +7,8 @@ pub mod diverge;
 pub mod dump;
 pub mod eval;
 pub mod export;
+pub mod generate;
+pub mod kernel_cache;
 pub mod options;
 pub mod plan;
 pub mod profile;
@@ -14,7 +16,7 @@ pub mod prt;
 pub mod resume;
 pub mod train;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use qatc_passes::optim::AdamW;
@@ -174,10 +176,10 @@ fn parse_memory(s: &str) -> Result<usize, String> {
 }
 
 /// What the driver builds with beyond the target: the interpreter or compiled kernels, the CPU
-/// executor's settings, and the kernel cache (`$XDG_CACHE_HOME/qatc`, `~/.cache/qatc`: NVRTC's
-/// CUBINs, with their sources in `sources/`).
-pub fn driver_options(interpreter: bool, cpu: qatc_runtime::CpuOptions) -> qatc_driver::Options {
-    qatc_driver::Options { interpreter, cpu, kernel_cache: cubin::default_cache_dir() }
+/// executor's settings, and the kernel cache's directory (`kernel_cache::KernelCacheArgs::dir`;
+/// None keeps nothing on disk).
+pub fn driver_options(interpreter: bool, cpu: qatc_runtime::CpuOptions, kernel_cache: Option<PathBuf>) -> qatc_driver::Options {
+    qatc_driver::Options { interpreter, cpu, kernel_cache }
 }
 
 /// Where and how the step runs (train's `--device`, `--interpreter` and GPU settings; the

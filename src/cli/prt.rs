@@ -71,6 +71,8 @@ pub struct Args {
     #[arg(long)]
     pub interpreter: bool,
     #[command(flatten)]
+    pub cache: super::kernel_cache::KernelCacheArgs,
+    #[command(flatten)]
     pub read: super::ReadArgs,
 }
 
@@ -124,6 +126,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     );
     let mut cache = read_measurements(a, settings)?;
     let (target, interpreter) = super::eval::placement(a.device, a.interpreter)?;
+    let kernel_cache = a.cache.dir();
     let first = std::cell::Cell::new(true);
     // each evaluation is its own compiled forward (another module quantized): the first says what runs them
     let evaluate = |setup: &EvalSetup| -> anyhow::Result<f64> {
@@ -135,14 +138,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let base = match cache.full_precision_loss {
         l if l != 0.0 => l,
-        _ => evaluate(&EvalSetup { target, interpreter, ..EvalSetup::default() })?,
+        _ => evaluate(&EvalSetup { target, interpreter, kernel_cache: kernel_cache.clone(), ..EvalSetup::default() })?,
     };
     cache.full_precision_loss = base;
     let limit = base * (1.0 + a.threshold);
     // the loss with `map` (module -> spec) quantized, the rest at full precision
     let eval_map = |map: BTreeMap<String, Option<QuantSpec>>| -> anyhow::Result<f64> {
         let spec = QuantSpec { bits: 8, group: a.group, scheme: a.scheme };
-        let mut setup = EvalSetup { target, interpreter, ..EvalSetup::default() };
+        let mut setup = EvalSetup { target, interpreter, kernel_cache: kernel_cache.clone(), ..EvalSetup::default() };
         setup.model.quant =
             Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false, per_module_source: None });
         evaluate(&setup)

@@ -277,6 +277,41 @@ impl Gpt2Config {
     }
 }
 
+/// transformers' GPT2Config default for `eos_token_id`: `<|endoftext|>`.
+const GPT2_EOS: u64 = 50256;
+
+/// The tokens that end a text (`qatc generate` stops at one), as transformers' `generate` finds
+/// them: `eos_token_id` of the `generation_config.json` beside the checkpoint, else of its
+/// `config.json` (a number, a list, or null for none), else GPT-2's default 50256. Ids outside
+/// the vocabulary can never be generated and are dropped.
+pub fn eos_tokens(ckpt: &Checkpoint, vocab_size: usize) -> Result<Vec<usize>, LoadError> {
+    let generation = ckpt.path().with_file_name("generation_config.json");
+    let ids = match eos_in(&generation)? {
+        Some(ids) => ids,
+        None => eos_in(&config_path(ckpt.path()))?.unwrap_or(vec![GPT2_EOS]),
+    };
+    Ok(ids.into_iter().filter(|&t| t < vocab_size as u64).map(|t| t as usize).collect())
+}
+
+/// `eos_token_id` of a JSON file; None when there is no such file or no such key.
+fn eos_in(path: &Path) -> Result<Option<Vec<u64>>, LoadError> {
+    let bad = |why: String| LoadError::BadConfig { path: path.into(), why };
+    let bytes = match read_small(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(LoadError::io(path, e)),
+    };
+    let text = crate::input::text(&bytes).map_err(|why| bad(format!("not a JSON text file: {why}")))?;
+    let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let id = |x: &Value| x.as_u64().ok_or_else(|| bad(format!("eos_token_id holds {x}, not a token id")));
+    Ok(match v.get("eos_token_id") {
+        None => None,
+        Some(Value::Null) => Some(vec![]),
+        Some(Value::Array(a)) => Some(a.iter().map(id).collect::<Result<_, _>>()?),
+        Some(x) => Some(vec![id(x)?]),
+    })
+}
+
 /// Rejects config options under which HF's GPT-2 computes something other than what qatc lowers.
 fn check_options(m: &Map<String, Value>, cfg: &Gpt2Config) -> Result<(), String> {
     if let Some(t) = m.get("model_type").filter(|t| t.as_str() != Some("gpt2")) {

@@ -1,9 +1,14 @@
 //! Lowers a GPT-2 (Hugging Face `GPT2LMHeadModel`) into qatc's IR: forward pass and mean
 //! cross-entropy, laid out as in llm.c's `gpt2_forward`. Every weight is an `Input` named by its
 //! checkpoint key without the `transformer.` prefix, so passes (fake-quant, LoRA) find linears
-//! by name and the runtime binds weights by name.
+//! by name and the runtime binds weights by name. `cached` builds generation's passes over a KV
+//! cache from the same blocks, so the passes find the same linears in them.
 //!
 //! Shapes: B batch, T sequence, C = n_embd, NH heads, hs = C / NH, V vocab, P n_positions.
+
+mod cached;
+
+pub use cached::{attention_mask, cache_names, lower_cached, CachedOptions, ATTN_MASK, MASKED, POSITIONS};
 
 use qatc_ir::{BinaryOp, DType, Graph, InputKind, IrError, NodeId, Op, Shape, UnaryOp};
 
@@ -22,6 +27,15 @@ pub struct LowerOptions {
 struct Builder<'a> {
     g: Graph,
     cfg: &'a Gpt2Config,
+}
+
+/// How a block's attention sees the sequence.
+enum Attend {
+    /// B sequences of T positions, each position attending to those before it and itself.
+    Causal { b: usize, t: usize },
+    /// S new positions of one sequence, written into each layer's KV cache and attending to the
+    /// cache through a mask.
+    Cached(cached::Cache),
 }
 
 impl Builder<'_> {
@@ -54,14 +68,32 @@ impl Builder<'_> {
         self.named(Op::LayerNorm { eps: self.cfg.layer_norm_epsilon }, &[x, w, b], prefix)
     }
 
-    /// One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.)). x is [B*T, C].
-    fn block(&mut self, x: NodeId, l: usize, b: usize, t: usize) -> Result<NodeId, IrError> {
-        let (c, nh) = (self.cfg.n_embd, self.cfg.n_head);
-        let hs = c / nh;
+    /// One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.)). x is [N, C] (N = B*T
+    /// rows, or the S new positions of a cached pass); `attend` says how the heads see the sequence.
+    fn block(&mut self, x: NodeId, l: usize, attend: &Attend) -> Result<NodeId, IrError> {
+        let c = self.cfg.n_embd;
         let p = format!("h.{l}");
         // attention
-        let h = self.layernorm(x, &format!("{p}.ln_1"))?; // [BT, C]
-        let qkv = self.linear(h, &format!("{p}.attn.c_attn"), c, 3 * c)?; // [BT, 3C]
+        let h = self.layernorm(x, &format!("{p}.ln_1"))?; // [N, C]
+        let qkv = self.linear(h, &format!("{p}.attn.c_attn"), c, 3 * c)?; // [N, 3C]
+        let y = match *attend {
+            Attend::Causal { b, t } => self.causal_attention(qkv, &p, b, t)?,
+            Attend::Cached(ref cache) => self.cached_attention(qkv, l, cache)?,
+        };
+        let a = self.linear(y, &format!("{p}.attn.c_proj"), c, c)?;
+        let x = self.named(Op::Binary(BinaryOp::Add), &[x, a], &format!("{p}.resid_attn"))?;
+        // MLP
+        let h = self.layernorm(x, &format!("{p}.ln_2"))?;
+        let f = self.linear(h, &format!("{p}.mlp.c_fc"), c, 4 * c)?; // [N, 4C]
+        let f = self.named(Op::Unary(UnaryOp::Gelu), &[f], &format!("{p}.mlp.gelu"))?;
+        let m = self.linear(f, &format!("{p}.mlp.c_proj"), 4 * c, c)?;
+        self.named(Op::Binary(BinaryOp::Add), &[x, m], &format!("{p}.resid_mlp"))
+    }
+
+    /// Causal self-attention of B sequences of T positions: qkv [BT, 3C] -> [BT, C].
+    fn causal_attention(&mut self, qkv: NodeId, p: &str, b: usize, t: usize) -> Result<NodeId, IrError> {
+        let (c, nh) = (self.cfg.n_embd, self.cfg.n_head);
+        let hs = c / nh;
         let mut heads = Vec::new();
         for (i, which) in ["q", "k", "v"].iter().enumerate() {
             let s = self.op(Op::Slice { axis: 1, start: i * c, end: (i + 1) * c }, &[qkv])?; // [BT, C]
@@ -74,15 +106,7 @@ impl Builder<'_> {
         let probs = self.named(Op::Softmax { scale, causal: true }, &[att], &format!("{p}.attn.probs"))?;
         let y = self.op(Op::MatMul { ta: false, tb: false }, &[probs, heads[2]])?; // [B, NH, T, hs]
         let y = self.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?; // [B, T, NH, hs]
-        let y = self.op(Op::Reshape { shape: Shape::new([b * t, c]) }, &[y])?; // [BT, C]
-        let a = self.linear(y, &format!("{p}.attn.c_proj"), c, c)?;
-        let x = self.named(Op::Binary(BinaryOp::Add), &[x, a], &format!("{p}.resid_attn"))?;
-        // MLP
-        let h = self.layernorm(x, &format!("{p}.ln_2"))?;
-        let f = self.linear(h, &format!("{p}.mlp.c_fc"), c, 4 * c)?; // [BT, 4C]
-        let f = self.named(Op::Unary(UnaryOp::Gelu), &[f], &format!("{p}.mlp.gelu"))?;
-        let m = self.linear(f, &format!("{p}.mlp.c_proj"), 4 * c, c)?;
-        self.named(Op::Binary(BinaryOp::Add), &[x, m], &format!("{p}.resid_mlp"))
+        self.op(Op::Reshape { shape: Shape::new([b * t, c]) }, &[y]) // [BT, C]
     }
 }
 
@@ -103,7 +127,7 @@ pub fn lower(cfg: &Gpt2Config, opts: &LowerOptions) -> Result<Graph, IrError> {
     let x = bl.named(Op::Binary(BinaryOp::Add), &[tok, pos], "embed")?;
     let mut x = bl.op(Op::Reshape { shape: Shape::new([b * t, c]) }, &[x])?; // [BT, C]
     for l in 0..cfg.n_layer {
-        x = bl.block(x, l, b, t)?;
+        x = bl.block(x, l, &Attend::Causal { b, t })?;
     }
     let xf = bl.layernorm(x, "ln_f")?;
     // The LM head is tied to wte (HF's default): logits = xf @ wte^T.

@@ -164,6 +164,10 @@ impl Attrs {
         let m = self.raw("map")?;
         DynMap::from_name(m).ok_or_else(|| format!("unknown quantization map `{m}`"))
     }
+    fn reduce(&self) -> R<crate::collective::Reduce> {
+        let r = self.raw("reduce")?;
+        crate::collective::Reduce::from_name(r).ok_or_else(|| format!("unknown reduction `{r}` (sum, mean)"))
+    }
     fn dims(&self, k: &str) -> R<Vec<usize>> {
         let v = self.raw(k)?;
         Cur { s: v, pos: 0 }.dims()
@@ -226,6 +230,9 @@ fn make_op(mn: &str, a: &Attrs, ty: &TensorType) -> R<Op> {
         "block_dequant" => Op::BlockDequant { map: a.map()? },
         "block_absmax" => Op::BlockAbsMax,
         "block_quant" => Op::BlockQuant { map: a.map()? },
+        "all_reduce" => Op::AllReduce { reduce: a.reduce()?, world: a.u("world")? },
+        "reduce_scatter" => Op::ReduceScatter { reduce: a.reduce()?, world: a.u("world")? },
+        "all_gather" => Op::AllGather { world: a.u("world")? },
         _ => return Err(format!("unknown op `{mn}`")),
     })
 }

@@ -3,7 +3,8 @@
 
 use qatc_ir::infer::broadcasts_to;
 use qatc_ir::{
-    qmap, BinaryOp, DType, DynMap, Graph, InputKind, IrError, NodeId, Op, QuantParam, QuantScheme, QuantSpec, Shape, TensorType, UnaryOp,
+    qmap, BinaryOp, DType, DynMap, Graph, InputKind, IrError, NodeId, Op, QuantParam, QuantScheme, QuantSpec, Reduce, Shape, TensorType,
+    UnaryOp,
 };
 
 use crate::builder::Builder;
@@ -24,7 +25,7 @@ pub const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-pub const N_SLOTS: usize = 52;
+pub const N_SLOTS: usize = 55;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -86,6 +87,9 @@ pub fn op_slot(op: &Op) -> usize {
         Op::BlockQuant { .. } => 49,
         Op::FakeQuantLearned { .. } => 50,
         Op::FakeQuantLearnedGrad { .. } => 51,
+        Op::AllReduce { .. } => 52,
+        Op::ReduceScatter { .. } => 53,
+        Op::AllGather { .. } => 54,
     }
 }
 
@@ -372,6 +376,21 @@ impl Builder<'_> {
                     QuantParam::ALL.into_iter().filter(|&q| q != QuantParam::Zero || scheme.has_zero_point()).collect();
                 let wrt = self.ch.pick(&wrts);
                 self.op(Op::FakeQuantLearnedGrad { spec, wrt }, &args)
+            }
+            52..=54 => {
+                // a collective over 1 to 4 ranks; a reduce-scatter's first dimension a multiple
+                let world = self.ch.range(1, 4);
+                let reduce = self.ch.pick(&Reduce::ALL);
+                if slot == 53 {
+                    let mut dims = self.ch.dims(0, 2);
+                    dims.insert(0, world * self.ch.range(1, 3));
+                    let dtype = self.ch.float_dtype();
+                    let x = self.of_type(TensorType::new(dtype, dims))?;
+                    return self.op(Op::ReduceScatter { reduce, world }, &[x]);
+                }
+                let x = self.float_operand(1, 4)?;
+                let op = if slot == 52 { Op::AllReduce { reduce, world } } else { Op::AllGather { world } };
+                self.op(op, &[x])
             }
             _ => {
                 // a kernel whose body is gelu(in0) [* in1]: bodies nest a whole graph in the text

@@ -23,13 +23,18 @@
 //! f64 throughout, at f32's vector width); a long `Max` reduction folds 8
 //! independent lanes (max is exactly associative; LLVM will not vectorize `maxnum` reductions
 //! without `nnan`). f32 `exp` and `tanh` are inline, vectorizable Cephes polynomials within 2 ulp
-//! of libm's; log and pow, and f64 math, call libm (bound to Rust's implementations, `jit.rs`).
+//! of libm's; log and pow, and f64 math, call libm (bound to Rust's implementations, `orc.rs`).
+//!
+//! Compiled kernels are cached in the process and, given a directory, on disk (`jit.rs`,
+//! `objcache.rs`): a kernel compiled once is not compiled again.
 
 mod attention;
 mod fb;
 mod jit;
 mod loops;
 mod math;
+mod objcache;
+mod orc;
 mod scalar;
 
 use inkwell::context::Context;
@@ -38,7 +43,8 @@ use inkwell::module::Module;
 use crate::error::KernelError;
 use crate::kir::{Body, Kernel};
 
-pub use jit::{host_machine, Jit, JitOptions, KernelFn};
+pub use jit::{host_machine, Jit, JitOptions, JitReport, KernelFn};
+pub use objcache::{HostCpu, ObjectCache};
 
 /// Builds the (unoptimized) module of one kernel.
 pub(crate) fn module<'ctx>(cx: &'ctx Context, k: &Kernel, name: &str) -> Result<Module<'ctx>, KernelError> {

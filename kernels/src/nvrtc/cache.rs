@@ -8,13 +8,11 @@
 //! The directory is a value the caller passes (`qatc compile` resolves `--kernel-cache`, then
 //! `$XDG_CACHE_HOME/qatc`, then `~/.cache/qatc`); this crate reads no setting from the environment.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-
-use sha2::{Digest, Sha256};
 
 use super::Arch;
 use crate::cuda::emit::headers;
+use crate::disk_cache::{write_atomic, Key};
 use crate::error::KernelError;
 
 /// A cache directory.
@@ -43,22 +41,16 @@ impl KernelCache {
     /// The key of one compile: hex SHA-256 over its inputs, each length-prefixed so no two
     /// different input lists hash the same bytes.
     pub fn key(nvrtc: (i32, i32), arch: Arch, options: &[String], source: &str) -> String {
-        let mut h = Sha256::new();
-        let mut field = |bytes: &[u8]| {
-            h.update((bytes.len() as u64).to_le_bytes());
-            h.update(bytes);
-        };
-        field(format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes());
-        field(arch.name().as_bytes());
+        let mut k = Key::new();
+        k.field(format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes()).field(arch.name().as_bytes());
         for o in options {
-            field(o.as_bytes());
+            k.field(o.as_bytes());
         }
         for (name, text) in headers() {
-            field(name.as_bytes());
-            field(text.as_bytes());
+            k.field(name.as_bytes()).field(text.as_bytes());
         }
-        field(source.as_bytes());
-        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        k.field(source.as_bytes());
+        k.hex()
     }
 
     fn path(&self, arch: Arch, key: &str, ext: &str) -> PathBuf {
@@ -77,17 +69,6 @@ impl KernelCache {
         write_atomic(&self.path(arch, key, "log"), log.as_bytes())?;
         write_atomic(&self.path(arch, key, "cubin"), cubin)
     }
-}
-
-/// Writes `bytes` to a temporary file beside `path`, then renames it over `path`.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), KernelError> {
-    let io = |source| KernelError::Io { path: path.to_path_buf(), error: source };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(io)?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
-    Ok(())
 }
 
 #[cfg(test)]

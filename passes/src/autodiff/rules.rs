@@ -237,6 +237,8 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         Op::Kernel { .. } => Err(no_rule()),
         // the precision pass runs after autodiff: loss-scaling ops are never differentiated
         Op::AllFinite | Op::Select | Op::LossScale { .. } => Err(no_rule()),
+        // data parallelism and ZeRO insert collectives after autodiff (on gradients and shards)
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => Err(no_rule()),
         Op::ScatterAdd { .. }
         | Op::FakeQuantLearnedGrad { .. }
         | Op::LayerNormGradX { .. }

@@ -65,6 +65,10 @@ pub fn op_flops(op: &Op, ty: &TensorType, ins: &[&TensorType]) -> u64 {
         // 8-step binary search
         Op::BlockDequant { .. } => n,
         Op::BlockAbsMax => n_in(0),
+        // a reduction adds every rank's element once (counted per rank: its operand's size);
+        // a gather only moves
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } => n_in(0),
+        Op::AllGather { .. } => 0,
         Op::BlockQuant { .. } => 10 * n,
     }
 }

@@ -45,6 +45,9 @@ pub fn rule(op: &Op) -> Rule {
         // layout moves values without arithmetic; sum_to adds in f32 and rounds once
         Op::Broadcast { .. } | Op::SumTo { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Rule::Follow,
         Op::Slice { .. } | Op::Concat { .. } => Rule::Follow,
+        // collectives move (and add) values in the type they are given: a gradient reaches them
+        // in f32 where it has entered the optimizer
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => Rule::Follow,
 
         // GEMM: C operands (tensor cores on a GPU), f32 accumulation, C result
         Op::MatMul { .. } => Rule::Compute,

@@ -107,6 +107,11 @@ fn ops_without_a_rule_report_no_rule() {
         let a = c.op(Op::SumTo { shape: [1].into() }, &[x]);
         c.op(Op::BlockDequant { map: qatc_ir::DynMap::Signed }, &[codes, a])
     });
+    for op in [Op::AllReduce { reduce: qatc_ir::Reduce::Mean, world: 1 }, Op::AllGather { world: 1 }] {
+        let mn = op.mnemonic();
+        assert_no_rule(mn, |c, x| c.op(op.clone(), &[x]));
+    }
+    assert_no_rule("reduce_scatter", |c, x| c.op(Op::ReduceScatter { reduce: qatc_ir::Reduce::Sum, world: 1 }, &[x]));
 }
 
 #[test]

@@ -3,6 +3,11 @@
 //! gemm crate's AVX2 ones (which need a nightly compiler for AVX-512), and the GEMMs are most of a
 //! CPU step. Loading, not linking: a machine without OpenBLAS builds and runs the same binary on
 //! the gemm crate. Which library (or none) is `CpuOptions::blas`.
+//!
+//! A product of one row (a decode step of `qatc generate`: every linear and the LM head at M = 1)
+//! goes to `cblas_sgemv`: OpenBLAS before 0.3.27 (Debian 12 has 0.3.21) runs an M = 1 sgemm
+//! through its GEMM path, packing all of B on every call, which made the 124M model's LM head take
+//! 83 ms a token on this VM where reading its 154 MB once takes about 30.
 
 use std::sync::{Arc, Mutex};
 
@@ -10,6 +15,8 @@ use libloading::Library;
 
 /// cblas_sgemm(order, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 type Sgemm = unsafe extern "C" fn(i32, i32, i32, i32, i32, i32, f32, *const f32, i32, *const f32, i32, f32, *mut f32, i32);
+/// cblas_sgemv(order, trans, m, n, alpha, a, lda, x, incx, beta, y, incy)
+type Sgemv = unsafe extern "C" fn(i32, i32, i32, i32, f32, *const f32, i32, *const f32, i32, f32, *mut f32, i32);
 type SetThreads = unsafe extern "C" fn(i32);
 
 /// The library the CPU executor loads unless told otherwise.
@@ -17,6 +24,7 @@ pub const OPENBLAS: &str = "libopenblas.so.0";
 
 pub struct Blas {
     sgemm: Sgemm,
+    sgemv: Option<Sgemv>,
     pub name: String,
     _lib: Library,
 }
@@ -62,11 +70,12 @@ fn open(name: &str) -> Option<Blas> {
     // SAFETY: the symbols are looked up with the signatures of cblas.h / OpenBLAS's openblas_config.h.
     unsafe {
         let sgemm: Sgemm = *lib.get::<Sgemm>(b"cblas_sgemm\0").ok()?;
+        let sgemv = lib.get::<Sgemv>(b"cblas_sgemv\0").ok().map(|f| *f);
         if let Ok(set) = lib.get::<SetThreads>(b"openblas_set_num_threads\0") {
             // as many threads as the kernels get: the two never run at once
             set(rayon::current_num_threads() as i32);
         }
-        Some(Blas { sgemm, name: name.to_string(), _lib: lib })
+        Some(Blas { sgemm, sgemv, name: name.to_string(), _lib: lib })
     }
 }
 
@@ -115,6 +124,15 @@ impl Blas {
             return false;
         }
         let beta = if accumulate { 1.0 } else { 0.0 };
+        if let Some(sgemv) = self.sgemv.filter(|_| m == 1 && a.2 >= 1 && c.2 >= 1) {
+            // c [1, n] = a [1, k] @ b [k, n]: y = B^T x for B stored [k, n], y = B' x for B
+            // stored transposed as B' [n, k] (the tied LM head's wte); x and y strided
+            let (trans, rows, cols) = if tb == NO_TRANS { (TRANS, k, n) } else { (NO_TRANS, n, k) };
+            // SAFETY: the caller's contract; B is the matrix `operand` checked (rows x cols with
+            // leading dimension ldb), x holds k elements a.2 apart and y n elements c.2 apart.
+            unsafe { sgemv(ROW_MAJOR, trans, rows as i32, cols as i32, alpha, b.0, ldb, a.0, a.2 as i32, beta, c.0, c.2 as i32) };
+            return true;
+        }
         // SAFETY: the caller's contract; CBLAS reads a and b and writes c within the given
         // leading dimensions, which `operand` checked against the strides.
         unsafe { (self.sgemm)(ROW_MAJOR, ta, tb, m as i32, n as i32, k as i32, alpha, a.0, lda, b.0, ldb, beta, c.0, ldc as i32) };

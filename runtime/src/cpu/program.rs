@@ -114,17 +114,31 @@ impl CpuProgram {
     /// as GEMMs over blocks of query rows (unless [`CpuOptions::attention`] says otherwise), the
     /// steps that read only frozen weights hoisted. Returns what the panel rewrite did too.
     #[cfg(feature = "llvm")]
-    pub fn compile(mut prog: Program, cpu: &CpuOptions) -> Result<(CpuProgram, PanelReport), RuntimeError> {
+    pub fn compile(prog: Program, cpu: &CpuOptions) -> Result<(CpuProgram, PanelReport), RuntimeError> {
+        let (p, report, _) = CpuProgram::compile_cached(prog, cpu, None)?;
+        Ok((p, report))
+    }
+
+    /// [`CpuProgram::compile`] with the kernels' object code read from and kept in `cache`
+    /// (kernels this process compiled before are never compiled again); returns where the
+    /// kernels came from too.
+    #[cfg(feature = "llvm")]
+    pub fn compile_cached(
+        mut prog: Program,
+        cpu: &CpuOptions,
+        cache: Option<&qatc_kernels::llvm::ObjectCache>,
+    ) -> Result<(CpuProgram, PanelReport, qatc_kernels::llvm::JitReport), RuntimeError> {
         use qatc_kernels::llvm::{Jit, JitOptions};
         let (panels, report) = prepare(&mut prog, cpu);
-        let jit = Jit::compile_with(&prog.kernels, &JitOptions { vector_width: cpu.vector_width })
+        let jit = Jit::compile_cached(&prog.kernels, &JitOptions { vector_width: cpu.vector_width }, cache)
             .map_err(|e| RuntimeError::Compile(e.to_string()))?;
+        let built = jit.report().clone();
         let launcher: Box<dyn Launcher> = match cpu.attention {
             super::CpuAttention::Gemm => Box::new(super::GemmAttention::new(jit, &prog.kernels)),
             super::CpuAttention::Kernels => Box::new(jit),
         };
         let exec = ExecOptions::for_target(&qatc_kernels::Target::cpu());
-        Ok((CpuProgram::with_panels(prog, panels, launcher, exec, cpu)?, report))
+        Ok((CpuProgram::with_panels(prog, panels, launcher, exec, cpu)?, report, built))
     }
 
     pub fn program(&self) -> &Program {

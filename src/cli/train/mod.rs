@@ -69,7 +69,8 @@ pub struct Args {
     /// Where the adapter (or weights) and the resume state go.
     #[arg(long)]
     pub out: PathBuf,
-    /// One JSON object per step: {"step", "loss", "lr", "tokens_per_s"} (and "val_loss").
+    /// One JSON object per step: {"step", "loss", "lr", "tokens_per_s"} (and "val_loss"; the
+    /// first step of a process: "build", how long building the step took).
     #[arg(long)]
     pub log_json: Option<PathBuf>,
     /// Start LoRA from this PEFT adapter instead of a fresh initialisation.
@@ -129,6 +130,8 @@ pub struct Args {
     /// time the step without it or rule it out.
     #[arg(long = "no-variant", value_name = "VARIANT", value_parser = variant_name)]
     pub no_variant: Vec<Variant>,
+    #[command(flatten)]
+    pub cache: crate::cli::kernel_cache::KernelCacheArgs,
 }
 
 /// `--no-variant`'s value: a variant's name, or an error listing them.
@@ -154,6 +157,10 @@ pub struct StepLog {
     pub loss_scale: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<usize>,
+    /// On the first step this process runs: how long building the step took, and where its
+    /// kernels came from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub build: Option<crate::trainer::Built>,
 }
 
 /// What marks a directory as a training output qatc may replace: `qatc.json`, or the

@@ -107,17 +107,18 @@ impl<'r> Run<'r> {
         let k = opts.grad_accum;
         let tokens_per_step = opts.batch * opts.seq * k;
         let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
-        let build = crate::cli::driver_options(resolved.interpreter, cpu);
+        let build = crate::cli::driver_options(resolved.interpreter, cpu, a.cache.dir());
         let mut tr = Trainer::with_target(&m, opts, init.as_ref(), train.seed, &resolved.target, &build)?;
         tr.set_profile(a.profile);
         eprintln!("qatc: the step runs {}", tr.describe());
+        eprintln!("qatc: built the step in {}", tr.built());
         let (start, skipped) = match (resume_at.as_ref(), &a.resume) {
             (Some(done), Some(dir)) => restore(&mut tr, done, dir, a.step.read.allow_nonfinite)?,
             _ => (0, 0),
         };
         let log = step_log(a, resume_at.is_some())?;
         let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
-        let val_setup = validation(&tr, &resolved);
+        let val_setup = validation(&tr, &resolved, build.kernel_cache.clone());
         let pb = crate::cli::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
         Ok(Run {
             a,
@@ -172,7 +173,16 @@ impl<'r> Run<'r> {
             writeln!(
                 w,
                 "{}",
-                serde_json::to_string(&StepLog { step: s, loss, lr, tokens_per_s: tps, val_loss, loss_scale: scale, skipped })?
+                serde_json::to_string(&StepLog {
+                    step: s,
+                    loss,
+                    lr,
+                    tokens_per_s: tps,
+                    val_loss,
+                    loss_scale: scale,
+                    skipped,
+                    build: (s == self.start).then(|| self.tr.built().clone()),
+                })?
             )?;
             w.flush()?;
         }
@@ -193,7 +203,7 @@ impl<'r> Run<'r> {
             None => format!("loss {loss:.4}  {tps:.0} tok/s{scaling}"),
         });
         self.pb.inc(1);
-        if (self.a.save_every > 0 && done % self.a.save_every == 0) || done == self.train.steps {
+        if (self.a.save_every > 0 && done.is_multiple_of(self.a.save_every)) || done == self.train.steps {
             // a save never writes non-finite weights over the last good one
             if let Some((tensor, i, v)) = crate::cli::diverge::nonfinite_state(&self.tr)? {
                 anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
@@ -209,7 +219,7 @@ impl<'r> Run<'r> {
     /// at the end), on the trained weights read back from the executor.
     fn validate(&mut self, done: usize) -> anyhow::Result<Option<f64>> {
         let Some(v) = &self.val else { return Ok(None) };
-        if !((self.a.eval_every > 0 && done % self.a.eval_every == 0) || done == self.train.steps) {
+        if !((self.a.eval_every > 0 && done.is_multiple_of(self.a.eval_every)) || done == self.train.steps) {
             return Ok(None);
         }
         let n = self.a.val_batches.min(v.num_batches(self.tr.opts.batch, self.tr.opts.seq)).max(1);
@@ -309,7 +319,7 @@ fn step_log(a: &Args, resuming: bool) -> anyhow::Result<Option<std::io::BufWrite
 }
 
 /// How validation evaluates: the step's model without dropout, where the step runs, as it runs.
-fn validation(tr: &Trainer, resolved: &qatc_driver::Resolved) -> EvalSetup {
+fn validation(tr: &Trainer, resolved: &qatc_driver::Resolved, kernel_cache: Option<PathBuf>) -> EvalSetup {
     let mut model = tr.opts.model.clone();
     if let Some(l) = model.lora.as_mut() {
         l.dropout = 0.0;
@@ -321,6 +331,7 @@ fn validation(tr: &Trainer, resolved: &qatc_driver::Resolved) -> EvalSetup {
         // validation runs where the step runs, as the step does
         target: resolved.target,
         interpreter: resolved.interpreter,
+        kernel_cache,
         ..Default::default()
     }
 }

@@ -203,3 +203,24 @@ fn inferred_layer_count_from_a_hostile_name_does_not_allocate() {
     assert_eq!(cfg.n_layer, 1_000_000_000_000);
     assert!(cfg.validate(&c).unwrap_err().to_string().contains("\"h.1.ln_2.bias\" is missing"));
 }
+
+/// The end-of-text tokens as transformers' `generate` finds them: generation_config.json over
+/// config.json over GPT-2's 50256; null for none, lists kept, ids past the vocabulary dropped.
+#[test]
+fn eos_tokens_as_transformers_finds_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = synthetic(dir.path(), &tiny(), false);
+    let c = Checkpoint::open(&p).unwrap();
+    let write = |name: &str, v: Value| std::fs::write(dir.path().join(name), v.to_string()).unwrap();
+    assert_eq!(eos_tokens(&c, 50257).unwrap(), [50256], "the config written has no eos_token_id");
+    assert!(eos_tokens(&c, 97).unwrap().is_empty(), "50256 is past a vocabulary of 97");
+    write("config.json", json!({"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32, "vocab_size": 97, "eos_token_id": 96}));
+    assert_eq!(eos_tokens(&c, 97).unwrap(), [96]);
+    write("generation_config.json", json!({"eos_token_id": [3, 7, 500]}));
+    assert_eq!(eos_tokens(&c, 97).unwrap(), [3, 7]);
+    write("generation_config.json", json!({"eos_token_id": null}));
+    assert!(eos_tokens(&c, 97).unwrap().is_empty());
+    write("generation_config.json", json!({"eos_token_id": "end"}));
+    let e = eos_tokens(&c, 97).unwrap_err().to_string();
+    assert!(e.contains("generation_config.json") && e.contains("eos_token_id"), "{e}");
+}
