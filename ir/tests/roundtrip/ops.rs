@@ -24,7 +24,7 @@ pub const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-pub const N_SLOTS: usize = 52;
+pub const N_SLOTS: usize = 55;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -86,6 +86,9 @@ pub fn op_slot(op: &Op) -> usize {
         Op::BlockQuant { .. } => 49,
         Op::FakeQuantLearned { .. } => 50,
         Op::FakeQuantLearnedGrad { .. } => 51,
+        Op::WeightedCrossEntropy => 52,
+        Op::WeightedCrossEntropyGrad => 53,
+        Op::PackedSoftmax { .. } => 54,
     }
 }
 
@@ -372,6 +375,28 @@ impl Builder<'_> {
                     QuantParam::ALL.into_iter().filter(|&q| q != QuantParam::Zero || scheme.has_zero_point()).collect();
                 let wrt = self.ch.pick(&wrts);
                 self.op(Op::FakeQuantLearnedGrad { spec, wrt }, &args)
+            }
+            52 | 53 => {
+                // (logits [N, V], targets [N] i32, weights [N] f32[, dloss])
+                let logits = self.float_operand(2, 2)?;
+                let n = self.ty(logits).shape.0[0];
+                let targets = self.of_type(TensorType::new(DType::I32, [n]))?;
+                let weights = self.of_type(TensorType::new(DType::F32, [n]))?;
+                if slot == 52 {
+                    self.op(Op::WeightedCrossEntropy, &[logits, targets, weights])
+                } else {
+                    let dloss = self.float_scalar()?;
+                    self.op(Op::WeightedCrossEntropyGrad, &[logits, targets, weights, dloss])
+                }
+            }
+            54 => {
+                // (x [B, NH, T, T], positions [B, T] i32)
+                let (b, nh, t) = (self.ch.dim(), self.ch.dim(), self.ch.dim());
+                let dtype = self.ch.float_dtype();
+                let x = self.of_type(TensorType::new(dtype, [b, nh, t, t]))?;
+                let positions = self.of_type(TensorType::new(DType::I32, [b, t]))?;
+                let scale = ch_f(self);
+                self.op(Op::PackedSoftmax { scale }, &[x, positions])
             }
             _ => {
                 // a kernel whose body is gelu(in0) [* in1]: bodies nest a whole graph in the text
