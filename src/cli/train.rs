@@ -25,8 +25,8 @@ use super::eval::{EvalSetup, Evaluator};
 use super::resume::{self, Given, PROGRESS, STATE};
 use super::{Placement, StepArgs};
 use crate::artifacts::{self, write_atomic, Faults, OutDir};
+use crate::batches::{Batches, Dataset};
 use crate::config::{self, RunConfig, ScaleInit, Scales, TrainConfig};
-use crate::data::TokenFile;
 
 use crate::config::DeviceFlag as Device;
 use crate::model::Model;
@@ -39,12 +39,15 @@ pub struct Args {
     /// The GPT-2 checkpoint (with --resume: the saved run's, unless given).
     #[arg(required_unless_present = "resume")]
     pub model: Option<PathBuf>,
-    /// llm.c token file, or UTF-8 text (tokenized with GPT-2's BPE) (with --resume: the saved
-    /// run's, unless given).
+    /// llm.c token file, UTF-8 text (tokenized with GPT-2's BPE), or instruction data: a .jsonl
+    /// file of {"text"}, {"prompt", "completion"} or {"messages"} records (with --resume: the
+    /// saved run's, unless given).
     #[arg(long, required_unless_present = "resume")]
     pub data: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
+    #[command(flatten)]
+    pub examples: super::examples::ExampleArgs,
     /// Optimizer steps.
     #[arg(long, default_value_t = 20)]
     pub steps: usize,
@@ -185,6 +188,7 @@ impl Args {
             init_adapter: self.init_adapter.as_deref().map(config::absolute),
             scale_lr: learned.then_some(self.scale_lr),
             scale_init: learned.then_some(self.scale_init),
+            examples: self.examples.config(data, self.val.as_deref())?,
         };
         train.check().map_err(anyhow::Error::msg)?;
         c.train = Some(train);
@@ -329,24 +333,33 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
     opts.deadline = a.step.compile_budget()?;
     super::options::name_bit_map(&mut opts.model, &a.step.quant);
-    let data = TokenFile::load(&data_path)?;
+    let reading = super::examples::options_of(train.examples.as_ref())?;
+    let data = Dataset::load(&data_path, opts.seq, &reading)?;
     if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &resume_at {
-        if *n != data.len() {
+        if *n != data.tokens() {
             anyhow::bail!(
                 "{}: holds {} tokens, but the run saved at step {step} was trained on data of {n}: the data changed, so its position in it (micro-batch {}) would not continue the run; resume on the data it was trained on",
                 data_path.display(),
-                data.len(),
+                data.tokens(),
                 step * opts.grad_accum
             );
         }
     }
     data.check_vocab(m.cfg.vocab_size)?;
     let nb = data.require_batches(opts.batch, opts.seq)?;
+    if let Some(s) = data.summary(opts.batch) {
+        eprintln!("qatc: {s}");
+    }
+    // the step takes what the batches give: instruction data's loss weights and position ids
+    opts.model.inputs = data.inputs();
     let val = match &a.val {
         Some(p) => {
-            let v = TokenFile::load(p)?;
+            let v = Dataset::load(p, opts.seq, &reading)?;
             v.check_vocab(m.cfg.vocab_size)?;
             v.require_batches(opts.batch, opts.seq)?;
+            if let Some(s) = v.summary(opts.batch) {
+                eprintln!("qatc: --val {s}");
+            }
             Some(v)
         }
         None => None,
@@ -399,6 +412,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             if let Some(l) = mo.lora.as_mut() {
                 l.dropout = 0.0;
             }
+            // what the validation data's batches give, which may differ from the training data's
+            mo.inputs = val.as_ref().map(Batches::inputs).unwrap_or_default();
             mo
         },
         adapter: None,
@@ -492,7 +507,7 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             if let Some((tensor, i, v)) = super::diverge::nonfinite_state(&tr)? {
                 anyhow::bail!(known(s, super::diverge::Symptom::State(tensor, i, v), last_finite, saved, &out, &tr, lr));
             }
-            save(&a.out, &tr, &m, &cfg, &resume::Progress { step: done, skipped, data_tokens: Some(data.len()) }, faults)?;
+            save(&a.out, &tr, &m, &cfg, &resume::Progress { step: done, skipped, data_tokens: Some(data.tokens()) }, faults)?;
             saved = Some(done);
         }
     }
