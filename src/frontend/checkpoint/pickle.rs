@@ -232,7 +232,7 @@ impl Machine {
     }
 
     fn set_items(&mut self, items: Vec<V>) -> Result<(), String> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err("the pickle sets a key without a value".into());
         }
         let V::Dict(d) = self.top()? else { return Err("the pickle sets items on something that is not a dict".into()) };
@@ -434,11 +434,9 @@ mod tests {
         p.extend(1u32.to_le_bytes());
         p.extend(b"w");
         p.extend(b"ctorch._utils\n_rebuild_tensor_v2\n((");
-        for s in ["storage"] {
-            p.push(b'X');
-            p.extend((s.len() as u32).to_le_bytes());
-            p.extend(s.as_bytes());
-        }
+        p.push(b'X');
+        p.extend(7u32.to_le_bytes());
+        p.extend(b"storage");
         p.extend(b"ctorch\nFloatStorage\n");
         for s in ["0", "cpu"] {
             p.push(b'X');
