@@ -4,8 +4,8 @@
 //! step's masked loss over its micro-batches equals PyTorch's hand-written masked cross-entropy
 //! under a block-diagonal causal mask within 1e-6, on the interpreter and compiled (fused, the
 //! chunked cross-entropy), with its gradients; evaluation is the mean over the counted targets;
-//! and `qatc train` / `qatc eval` do the same from the command line, with bad records named by
-//! file and line or counted.
+//! and `qatc train` / `qatc eval` (and `qatc prt`) do the same from the command line, with bad
+//! records named by file and line or counted.
 
 mod common;
 
@@ -226,6 +226,21 @@ fn train_and_eval_take_jsonl_from_the_command_line() {
     assert!((v["loss"].as_f64().unwrap() - want).abs() <= 1e-6, "eval {v}, PyTorch's {want}");
     let counted: f64 = truth.get("packed_all/mask").data.iter().sum();
     assert_eq!(v["tokens"].as_f64().unwrap(), counted);
+}
+
+#[test]
+fn prt_measures_instruction_data_as_eval_does() {
+    // its full-precision loss over the first two packed batches is the packed step's masked loss
+    let truth = Truth::load();
+    let dir = tempfile::tempdir().unwrap();
+    let (m, d) = (model_path(), data_path());
+    let map = dir.path().join("bits.json");
+    let args = ["prt", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--batch", "2", "--seq", "64", "--batches", "2"];
+    let o = qatc(&[&args[..], &["--targets", "h.0.mlp.c_fc", "--device", "cpu", "--json", "--bits-map", map.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let want = truth.scalar("packed/step_loss");
+    assert!((v["full_precision_loss"].as_f64().unwrap() - want).abs() <= 1e-6, "prt {v}, PyTorch's {want}");
 }
 
 #[test]
