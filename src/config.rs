@@ -260,6 +260,22 @@ pub struct TrainConfig {
     /// How the learned scales started (`--scale-init`; only with `--scales learned`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale_init: Option<ScaleInit>,
+    /// How instruction data (`.jsonl`) is read into batches (absent for a token file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub examples: Option<ExamplesConfig>,
+}
+
+/// Instruction data's reading: the template, what the loss counts, packing, bad records
+/// (`cli::examples`, `crate::instruct`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExamplesConfig {
+    /// A named template (alpaca, plain) or the user's text with {prompt} and {completion}.
+    pub template: String,
+    pub train_on: crate::instruct::TrainOn,
+    /// Several examples to a sequence (else one each, padded).
+    pub pack: bool,
+    pub skip_bad_records: bool,
 }
 
 impl QuantConfig {
@@ -309,6 +325,7 @@ impl ModelConfig {
             lora: self.lora.as_ref().map(|l| l.options(merged)),
             full_finetune: self.full_finetune,
             training,
+            inputs: Default::default(),
         }
     }
 

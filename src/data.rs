@@ -41,6 +41,11 @@ pub enum DataError {
     Tokenizer { path: PathBuf, why: String },
     #[error("{}: token {token} at position {pos} is not below the vocabulary size {vocab}", path.display())]
     TokenOutOfRange { path: PathBuf, pos: usize, token: u16, vocab: usize },
+    /// Instruction data (a `.jsonl` file): its records' errors.
+    #[error(transparent)]
+    Examples(#[from] crate::instruct::ExampleError),
+    #[error("{}: its examples are in sequences of T {packed}, not {t}", path.display())]
+    SeqMismatch { path: PathBuf, packed: usize, t: usize },
 }
 
 /// A token file, read into memory (Shakespeare's train split is 2.7 MB).

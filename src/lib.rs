@@ -4,6 +4,7 @@
 
 pub mod adapter;
 pub mod artifacts;
+pub mod batches;
 pub mod bitalloc;
 pub mod cli;
 pub mod config;
@@ -12,6 +13,7 @@ pub mod export;
 pub mod finite;
 pub mod frontend;
 pub mod input;
+pub mod instruct;
 pub mod manifest;
 pub mod memory;
 pub mod model;

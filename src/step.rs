@@ -14,6 +14,8 @@ use qatc_passes::{PassError, PassReport};
 use crate::frontend::config::Gpt2Config;
 use crate::frontend::gpt2::{lower, lower_cached, CachedOptions, LowerOptions};
 
+pub use crate::frontend::gpt2::BatchInputs;
+
 pub use qatc_passes::pipeline::Stage;
 
 /// What the model graph is built with (shared by eval, compile and train).
@@ -26,6 +28,8 @@ pub struct ModelOptions {
     /// Building for training: weights may be trainable. For evaluation everything is frozen
     /// (and LoRA dropout is off).
     pub training: bool,
+    /// What the batches give beside ids and targets (instruction data: per-token loss weights).
+    pub inputs: BatchInputs,
 }
 
 /// What the training step adds.
@@ -76,7 +80,12 @@ impl StepOptions {
 
 /// The bare forward graph (the `lower` stage alone).
 pub fn forward(cfg: &Gpt2Config, batch: usize, seq: usize, logits: bool) -> Result<Graph, PassError> {
-    lower(cfg, &LowerOptions { batch, seq, logits }).map_err(|source| PassError::Ir { pass: Stage::Lower, error: source })
+    forward_with(cfg, &LowerOptions { batch, seq, logits, inputs: BatchInputs::default() })
+}
+
+/// The bare forward graph as `o` says.
+pub fn forward_with(cfg: &Gpt2Config, o: &LowerOptions) -> Result<Graph, PassError> {
+    lower(cfg, o).map_err(|source| PassError::Ir { pass: Stage::Lower, error: source })
 }
 
 impl ModelOptions {
@@ -125,18 +134,17 @@ pub fn model(
     mo: &ModelOptions,
     after: impl FnMut(Stage, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
-    model_with(cfg, batch, seq, logits, &mo.pipeline(Precision::Fp32, Deadline::unlimited()), after)
+    let lo = LowerOptions { batch, seq, logits, inputs: mo.inputs };
+    model_with(cfg, &lo, &mo.pipeline(Precision::Fp32, Deadline::unlimited()), after)
 }
 
 fn model_with(
     cfg: &Gpt2Config,
-    batch: usize,
-    seq: usize,
-    logits: bool,
+    lo: &LowerOptions,
     o: &PipelineOptions,
     after: impl FnMut(Stage, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
-    model_stages(forward(cfg, batch, seq, logits)?, o, after)
+    model_stages(forward_with(cfg, lo)?, o, after)
 }
 
 /// A lowered graph verified, then fake_quant ..= fold.
@@ -172,7 +180,8 @@ pub fn evaluation(
     mut after: impl FnMut(Stage, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
     let o = mo.pipeline(p, Deadline::unlimited());
-    let (g, mut reports) = model_with(cfg, batch, seq, logits, &o, &mut after)?;
+    let lo = LowerOptions { batch, seq, logits, inputs: mo.inputs };
+    let (g, mut reports) = model_with(cfg, &lo, &o, &mut after)?;
     let (g, more) = pipeline::run(g, Stage::Precision, Stage::Precision, &o, after)?;
     reports.extend(more);
     Ok((g, reports))
@@ -186,7 +195,8 @@ pub fn train_from(g: Graph, opts: &StepOptions, after: impl FnMut(Stage, &Graph)
 /// The whole pipeline for a training step.
 pub fn train(cfg: &Gpt2Config, opts: &StepOptions, mut after: impl FnMut(Stage, &Graph)) -> Result<(Graph, Vec<PassReport>), PassError> {
     let o = opts.pipeline();
-    let (g, mut reports) = model_with(cfg, opts.batch, opts.seq, false, &o, &mut after)?;
+    let lo = LowerOptions { batch: opts.batch, seq: opts.seq, logits: false, inputs: opts.model.inputs };
+    let (g, mut reports) = model_with(cfg, &lo, &o, &mut after)?;
     let (g, more) = pipeline::run(g, Stage::Microbatch, Stage::Fuse, &o, after)?;
     reports.extend(more);
     Ok((g, reports))

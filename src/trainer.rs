@@ -20,7 +20,7 @@ use qatc_passes::precision::LOSS_SCALE;
 use qatc_runtime::{IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
-use crate::data::TokenFile;
+use crate::batches::{loss_weights, Batch, Batches};
 use crate::model::{Model, Trained};
 use crate::step;
 
@@ -224,7 +224,7 @@ impl Trainer {
     /// Runs one optimizer step on micro-batches `first .. first + K` (llm.c's sequential order,
     /// wrapping at the end of the data) and returns the loss before the update (and every other
     /// non-update output).
-    pub fn step(&mut self, data: &TokenFile, first: usize, lr: f64) -> anyhow::Result<HashMap<String, Value<f32>>> {
+    pub fn step(&mut self, data: &impl Batches, first: usize, lr: f64) -> anyhow::Result<HashMap<String, Value<f32>>> {
         let nb = data.num_batches(self.opts.batch, self.opts.seq).max(1);
         let batches: Vec<usize> = (0..self.opts.grad_accum).map(|i| (first + i) % nb).collect();
         self.step_on(data, &batches, lr, first as u64)
@@ -232,19 +232,35 @@ impl Trainer {
 
     /// One optimizer step on the given micro-batches (K of them). `salt` varies the dropout mask
     /// from step to step; it is derived from the run's position, so a resumed run reproduces it.
-    pub fn step_on(&mut self, data: &TokenFile, batches: &[usize], lr: f64, salt: u64) -> anyhow::Result<HashMap<String, Value<f32>>> {
+    ///
+    /// Instruction data's loss weights are the batches' masks scaled so that they sum to K over
+    /// the step: each micro-batch's loss is its weighted sum, the step's (their mean, the
+    /// `microbatch` pass) is then the mean over every target the step counts, however they fall
+    /// into its micro-batches.
+    pub fn step_on(&mut self, data: &impl Batches, batches: &[usize], lr: f64, salt: u64) -> anyhow::Result<HashMap<String, Value<f32>>> {
         let (b, t, k) = (self.opts.batch, self.opts.seq, self.opts.grad_accum);
         if batches.len() != k {
             anyhow::bail!("internal: {} micro-batches for --grad-accum {k}", batches.len());
         }
+        let micro: Vec<Batch> = batches.iter().map(|&s| data.batch(s, b, t)).collect::<Result<_, _>>()?;
+        let masks: Vec<&[f32]> = micro.iter().filter_map(|m| m.mask.as_deref()).collect();
+        let mut weights = loss_weights(&masks, k as f64).into_iter();
         self.give("lr", Value::scalar(lr))?;
         // a fresh dropout mask every step, reproducible from the seed and the step's first batch
         let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(salt as i64) as i32;
         // the step is one micro-batch's, run K times: the last run applies the optimizer's update
-        for (i, &s) in batches.iter().enumerate() {
-            let (ids, tgt) = data.batch(s, b, t)?;
-            self.give("ids", Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
-            self.give("targets", Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
+        for (i, batch) in micro.into_iter().enumerate() {
+            self.give("ids", Value::Int(IntTensor { shape: vec![b, t], data: batch.ids }))?;
+            self.give("targets", Value::Int(IntTensor { shape: vec![b, t], data: batch.targets }))?;
+            if batch.mask.is_some() {
+                let weights = weights.next().unwrap_or_default();
+                self.require("weights", data)?;
+                self.give("weights", Value::Float(Tensor { shape: vec![b, t], data: weights }))?;
+            }
+            if let Some(positions) = batch.positions {
+                self.require("positions", data)?;
+                self.give("positions", Value::Int(IntTensor { shape: vec![b, t], data: positions }))?;
+            }
             // a mask of its own for each micro-batch
             self.give(DROPOUT_SEED, Value::Int(IntTensor { shape: vec![], data: vec![dseed.wrapping_add(i as i32)] }))?;
             self.give(microbatch::APPLY, Value::scalar(if i + 1 == k { 1.0 } else { 0.0 }))?;
@@ -260,6 +276,14 @@ impl Trainer {
         }
         self.runs += 1;
         Ok(self.step.outputs()?)
+    }
+
+    /// A data input the batches give must be one the step was built with.
+    fn require(&self, name: &str, data: &impl Batches) -> anyhow::Result<()> {
+        if !self.inputs.contains(name) {
+            anyhow::bail!("internal: {} gives `{name}`, which the step was not built to take", data.source().display());
+        }
+        Ok(())
     }
 
     /// Times every part of the steps from now on (but the first step run), for `profile`.

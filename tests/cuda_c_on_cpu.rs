@@ -111,11 +111,17 @@ fn run_program(gpu: &mut OnCpu, prog: &Program, init: &dyn Fn(&Buffer) -> Option
 
 /// Every distinct kernel of one step (`o` on `model`), its CUDA C run on the CPU at its first
 /// launch against the evaluator. Prints one line; fails listing every kernel that disagrees.
-fn case(what: &str, (model, tokens): (&str, &str), o: StepOptions) {
+fn case(what: &str, model_tokens: (&str, &str), o: StepOptions) {
+    case_with(what, model_tokens, o, &[]);
+}
+
+/// [`case`], with inputs beyond the batch's (instruction data's loss weights, position ids).
+fn case_with(what: &str, (model, tokens): (&str, &str), o: StepOptions, extra: &[(&str, qatc_runtime::Value<f32>)]) {
     let Some(cxx) = Cxx::find(qatc_kernels::cuda::headers()) else { return };
     let start = Instant::now();
     let (prog, tr, data) = setup(model, tokens, o.clone());
-    let inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
+    let mut inp = inputs(&tr.state().expect("the state"), &data, &o, 0);
+    inp.extend(extra.iter().map(|(n, v)| (n.to_string(), v.clone())));
     let built = start.elapsed();
     let init = |b: &Buffer| match &b.kind {
         BufKind::Input(name, _) => inp.get(name).map(|v| to_bytes(b, v)),
@@ -190,6 +196,23 @@ fn check_program_with(
         f.failures.join("\n\n")
     );
     (f.run, moves, std::mem::take(&mut gpu.found.mma))
+}
+
+#[test]
+fn the_tiny_packed_instruction_step() {
+    // loss weights (a prompt's and padding's 0) and position ids: the weighted cross-entropy
+    // (fused: chunked) and the packed softmax, and the position embedding gathered
+    let positions: Vec<i32> = (0..32).map(|i| if i < 16 { i % 6 } else { i - 16 }).collect();
+    let weights: Vec<f64> = (0..32).map(|i| if i % 5 == 0 { 0.0 } else { 1.0 / 25.0 }).collect();
+    for (qlora, fuse) in [(true, true), (false, false)] {
+        let mut o = options(qlora, fuse, 2, 16);
+        o.model.inputs = qatc::step::BatchInputs { weights: true, positions: true };
+        let extra = [
+            ("positions", qatc_runtime::Value::ints([2, 16], positions.clone()).expect("positions")),
+            ("weights", qatc_runtime::Value::floats(vec![2, 16], &weights).expect("weights")),
+        ];
+        case_with(&format!("tiny, packed instruction data, 4-bit + LoRA {qlora}, fused {fuse}"), TINY, o, &extra);
+    }
 }
 
 #[test]

@@ -201,6 +201,16 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
             }
             Ok(x.clone())
         }
+        Op::PackedSoftmax { .. } => {
+            let (x, positions) = (ins[0], ins[1]);
+            float(x, "x")?;
+            ints(positions, "positions")?;
+            let d = &x.shape.0;
+            if d.len() != 4 || d[2] != d[3] || positions.shape.0 != [d[0], d[3]] {
+                return Err(format!("packed_softmax needs x [B, NH, T, T] and positions [B, T]: {x}, {positions}"));
+            }
+            Ok(x.clone())
+        }
         Op::SoftmaxGrad { .. } => {
             float(ins[0], "y")?;
             same(ins[0], ins[1], "y and dy")?;
@@ -221,6 +231,25 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, InferError> {
                 return Ok(logits.clone());
             }
             // the loss is a reduction: f32 whatever the logits' type (mixed precision keeps it so)
+            Ok(TensorType::new(DType::F32, Shape::scalar()))
+        }
+        Op::WeightedCrossEntropy | Op::WeightedCrossEntropyGrad => {
+            let (logits, targets, weights) = (ins[0], ins[1], ins[2]);
+            float(logits, "logits")?;
+            ints(targets, "targets")?;
+            if logits.shape.rank() != 2 || targets.shape.0 != [logits.shape.0[0]] {
+                return Err(format!("weighted_cross_entropy needs logits [N, V] and targets [N]: {logits}, {targets}"));
+            }
+            if weights.dtype != DType::F32 || weights.shape != targets.shape {
+                return Err(format!("weighted_cross_entropy needs f32 weights [N] (one per row of the logits), got {weights}"));
+            }
+            if let Op::WeightedCrossEntropyGrad = op {
+                float(ins[3], "dloss")?;
+                if ins[3].shape.rank() != 0 {
+                    return Err(format!("dloss must be a scalar, got {}", ins[3]));
+                }
+                return Ok(logits.clone());
+            }
             Ok(TensorType::new(DType::F32, Shape::scalar()))
         }
         Op::FakeQuant { spec } => {

@@ -141,8 +141,13 @@ op_kinds! {
     LayerNormGradGamma = "layernorm_grad_gamma",    anchors(KernelFamily::LayerNormBwdGamma),       No,        Launch;
     Softmax            = "softmax",                 anchors(KernelFamily::Softmax),                 No,        Launch;
     SoftmaxGrad        = "softmax_grad",            anchors(KernelFamily::SoftmaxBwd),              No,        Launch;
+    // a softmax row kernel; the attention rules (causal `softmax` only) leave it unfused
+    PackedSoftmax      = "packed_softmax",          anchors(KernelFamily::Softmax),                 No,        Launch;
     CrossEntropy       = "cross_entropy",           anchors(KernelFamily::CrossEntropy),            No,        Launch;
     CrossEntropyGrad   = "cross_entropy_grad",      anchors(KernelFamily::CrossEntropyGrad),        No,        Launch;
+    // the per-token weighted loss (instruction data): the same kernels, a weight read per row
+    WeightedCrossEntropy = "weighted_cross_entropy", anchors(KernelFamily::CrossEntropy),           No,        Launch;
+    WeightedCrossEntropyGrad = "weighted_cross_entropy_grad", anchors(KernelFamily::CrossEntropyGrad), No,      Launch;
     FakeQuant          = "fake_quant",              anchors(KernelFamily::FakeQuant),               Expand,    Launch;
     Dequantize         = "dequantize",              anchors(KernelFamily::Dequant),                 Expand,    Launch;
     // reads its element and its group's scale (and zero point)

@@ -156,6 +156,13 @@ pub enum Op {
         scale: f64,
         causal: bool,
     },
+    /// (x [B, NH, T, T], positions [B, T] i32) -> softmax over the last dim of scale * x, row i
+    /// of batch b over keys i - positions[b, i] ..= i (clamped to 0 ..= i), the rest exactly 0:
+    /// the causal softmax of packed sequences, where each example's tokens are numbered from 0 and
+    /// attend only to their own example. Its gradient is SoftmaxGrad's (masked entries have y 0).
+    PackedSoftmax {
+        scale: f64,
+    },
     /// (y, dy) -> dx = scale * y * (dy - sum(dy * y)) where y is Softmax's output.
     SoftmaxGrad {
         scale: f64,
@@ -164,6 +171,15 @@ pub enum Op {
     CrossEntropy,
     /// (logits [N, V], targets [N] i32, dloss []) -> dlogits [N, V]
     CrossEntropyGrad,
+    /// (logits [N, V], targets [N] i32, weights [N] f32) -> [] : sum over N of
+    /// weights[i] * -log softmax(logits)[target]. The loss of instruction data: a token that does
+    /// not count (a prompt's, padding) has weight 0, and the host scales the rest so that they sum
+    /// to 1 over the step (a plain mean over N is weights 1/N). A target of weight 0 may be any id
+    /// in [0, V).
+    WeightedCrossEntropy,
+    /// (logits [N, V], targets [N] i32, weights [N] f32, dloss []) -> dlogits [N, V] =
+    /// dloss * weights[i] * (softmax(logits) - onehot(target)) per row i.
+    WeightedCrossEntropyGrad,
 
     // ---- quantization and LoRA ----
     /// w [in, out] -> the weight rounded to the quantization grid of `spec` (same type). Its
@@ -341,8 +357,11 @@ impl Op {
             Op::LayerNormGradGamma { .. } => OpKind::LayerNormGradGamma,
             Op::Softmax { .. } => OpKind::Softmax,
             Op::SoftmaxGrad { .. } => OpKind::SoftmaxGrad,
+            Op::PackedSoftmax { .. } => OpKind::PackedSoftmax,
             Op::CrossEntropy => OpKind::CrossEntropy,
             Op::CrossEntropyGrad => OpKind::CrossEntropyGrad,
+            Op::WeightedCrossEntropy => OpKind::WeightedCrossEntropy,
+            Op::WeightedCrossEntropyGrad => OpKind::WeightedCrossEntropyGrad,
             Op::FakeQuant { .. } => OpKind::FakeQuant,
             Op::Dequantize { .. } => OpKind::Dequantize,
             Op::FakeQuantLearned { .. } => OpKind::FakeQuantLearned,
@@ -377,11 +396,14 @@ impl Op {
             Op::Select => 3,
             Op::Binary(_) | Op::MatMul { .. } | Op::Gather | Op::ScatterAdd { .. } => 2,
             Op::LayerNormGradGamma { .. } | Op::SoftmaxGrad { .. } | Op::CrossEntropy => 2,
+            Op::PackedSoftmax { .. } => 2,
             Op::AdamM { .. } | Op::AdamV { .. } => 2,
             Op::BlockAbsMax => 1,
             Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => 1,
             Op::BlockDequant { .. } | Op::BlockQuant { .. } => 2,
             Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::CrossEntropyGrad => 3,
+            Op::WeightedCrossEntropy => 3,
+            Op::WeightedCrossEntropyGrad => 4,
             Op::AdamParam { .. } => 5,
             Op::Concat { .. } | Op::Dequantize { .. } | Op::Kernel { .. } => return None,
             Op::FakeQuantLearned { .. } | Op::FakeQuantLearnedGrad { .. } => return None,
@@ -410,6 +432,7 @@ impl Op {
             Op::Input { kind, .. } => vec![("kind", Word(kind.name()))],
             Op::Const { value, .. } => vec![("value", Float(*value))],
             Op::Unary(_) | Op::Binary(_) | Op::Gather | Op::CrossEntropy | Op::CrossEntropyGrad | Op::BlockAbsMax => vec![],
+            Op::WeightedCrossEntropy | Op::WeightedCrossEntropyGrad => vec![],
             Op::BlockDequant { map } | Op::BlockQuant { map } => vec![("map", Word(map.name()))],
             Op::AllReduce { reduce, world } | Op::ReduceScatter { reduce, world } => {
                 vec![("reduce", Word(reduce.name())), ("world", Int(*world))]
@@ -433,7 +456,7 @@ impl Op {
                 vec![("eps", Float(*eps))]
             }
             Op::Softmax { scale, causal } => vec![("scale", Float(*scale)), ("causal", Bool(*causal))],
-            Op::SoftmaxGrad { scale } => vec![("scale", Float(*scale))],
+            Op::SoftmaxGrad { scale } | Op::PackedSoftmax { scale } => vec![("scale", Float(*scale))],
             Op::FakeQuant { spec } => quant_attrs(spec),
             // `to` is printed only when it is not f32 (the type after the colon says it too)
             Op::Dequantize { spec, to } => {

@@ -68,6 +68,8 @@ fn covering_test(op: &Op) -> &'static str {
         Op::LayerNorm { .. } => "layernorm_each_operand",
         Op::Softmax { .. } => "softmax_plain_causal_and_scaled",
         Op::CrossEntropy => "cross_entropy_wrt_logits",
+        Op::WeightedCrossEntropy => "weighted_cross_entropy_wrt_logits",
+        Op::PackedSoftmax { .. } => "packed_softmax_within_each_example",
         Op::Dropout { .. } => "dropout_applies_the_same_mask_backward",
         Op::FakeQuant { .. } => "fake_quant_is_straight_through",
         Op::ActQuant { .. } => "act_quant_is_straight_through",
@@ -80,6 +82,7 @@ fn covering_test(op: &Op) -> &'static str {
         | Op::LayerNormGradGamma { .. }
         | Op::SoftmaxGrad { .. }
         | Op::CrossEntropyGrad
+        | Op::WeightedCrossEntropyGrad
         | Op::AdamM { .. }
         | Op::AdamV { .. }
         | Op::AdamParam { .. }

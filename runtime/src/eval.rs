@@ -181,6 +181,10 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
             let x = fl(args[0], "x")?;
             float(softmax::softmax(&x.shape, &x.data, *scale, *causal)?)
         }
+        Op::PackedSoftmax { scale } => {
+            let (x, positions) = (fl(args[0], "x")?, int(args[1], "positions")?);
+            float(softmax::packed_softmax(&x.shape, &x.data, &positions.data, *scale)?)
+        }
         Op::SoftmaxGrad { scale } => {
             let (y, dy) = (fl(args[0], "y")?, fl(args[1], "dy")?);
             float(softmax::softmax_grad(ty.shape.last(), &y.data, &dy.data, *scale)?)
@@ -195,6 +199,17 @@ pub(crate) fn eval<T: Float>(op: &Op, ty: &TensorType, args: &[&Value<T>]) -> Re
             let dloss = T::from_f64(scalar(args[2], "dloss")?);
             let v = logits.shape.get(1).copied().unwrap_or(0);
             float(softmax::cross_entropy_grad(&logits.data, &targets.data, v, dloss)?)
+        }
+        Op::WeightedCrossEntropy => {
+            let (logits, targets, weights) = (fl(args[0], "logits")?, int(args[1], "targets")?, fl(args[2], "weights")?);
+            let v = logits.shape.get(1).copied().unwrap_or(0);
+            float(vec![softmax::weighted_cross_entropy(&logits.data, &targets.data, &weights.data, v)?])
+        }
+        Op::WeightedCrossEntropyGrad => {
+            let (logits, targets, weights) = (fl(args[0], "logits")?, int(args[1], "targets")?, fl(args[2], "weights")?);
+            let dloss = T::from_f64(scalar(args[3], "dloss")?);
+            let v = logits.shape.get(1).copied().unwrap_or(0);
+            float(softmax::weighted_cross_entropy_grad(&logits.data, &targets.data, &weights.data, v, dloss)?)
         }
         Op::FakeQuant { spec } => {
             let w = fl(args[0], "weight")?;

@@ -13,18 +13,21 @@ use qatc_runtime::{CpuOptions, IntTensor, RuntimeError, Value};
 
 use super::options;
 use crate::adapter::Adapter;
+use crate::batches::{Batches, Dataset};
 use crate::config::DeviceFlag as Device;
 use crate::config::ScaleInit;
-use crate::data::TokenFile;
 use crate::model::{Model, Trained};
 use crate::step::{self, ModelOptions};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     pub model: PathBuf,
-    /// llm.c token file (256 x int32 header, then uint16 tokens).
+    /// llm.c token file (256 x int32 header, then uint16 tokens), UTF-8 text, or instruction
+    /// data (.jsonl: the loss over the tokens `--train-on` counts).
     #[arg(long)]
     pub data: PathBuf,
+    #[command(flatten)]
+    pub examples: super::examples::ExampleArgs,
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
     #[arg(long, default_value_t = 128)]
@@ -135,8 +138,9 @@ impl EvalSetup {
     }
 }
 
-/// Evaluates `model` on the first `n` batches of `data`.
-pub fn evaluate(m: &Model, data: &TokenFile, b: usize, t: usize, n: usize, setup: &EvalSetup, show: bool) -> anyhow::Result<EvalResult> {
+/// Evaluates `model` on the first `n` batches of `data` (`setup.model.inputs` must be what its
+/// batches give).
+pub fn evaluate(m: &Model, data: &impl Batches, b: usize, t: usize, n: usize, setup: &EvalSetup, show: bool) -> anyhow::Result<EvalResult> {
     Evaluator::new(m, b, t, setup, None)?.run(data, n, show)
 }
 
@@ -197,18 +201,32 @@ impl Evaluator {
         give(self.step.as_mut(), inputs)
     }
 
-    /// The mean loss over the first `n` batches of `data`.
-    pub fn run(&mut self, data: &TokenFile, n: usize, show: bool) -> anyhow::Result<EvalResult> {
+    /// The mean loss over the first `n` batches of `data`: over every target they hold, or for
+    /// instruction data over the targets each batch's mask counts (each batch's loss weighted by
+    /// how many it counts).
+    pub fn run(&mut self, data: &impl Batches, n: usize, show: bool) -> anyhow::Result<EvalResult> {
         let (b, t) = (self.b, self.t);
         let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
         if !show {
             pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
         }
         let mut sum = 0.0f64;
+        // how much the batches so far weigh, and the targets they count
+        let (mut weight, mut tokens) = (0.0f64, 0usize);
         for s in 0..n {
-            let (ids, tgt) = data.batch(s, b, t)?;
-            self.step.set_input("ids", &Value::Int(IntTensor { shape: vec![b, t], data: ids }))?;
-            self.step.set_input("targets", &Value::Int(IntTensor { shape: vec![b, t], data: tgt }))?;
+            let batch = data.batch(s, b, t)?;
+            let counted = batch.counted();
+            // a token file's batches weigh 1 each: the plain mean of their losses
+            let w = if batch.mask.is_some() { counted as f64 } else { 1.0 };
+            self.step.set_input("ids", &Value::Int(IntTensor { shape: vec![b, t], data: batch.ids }))?;
+            self.step.set_input("targets", &Value::Int(IntTensor { shape: vec![b, t], data: batch.targets }))?;
+            if let Some(mask) = &batch.mask {
+                let weights = crate::batches::loss_weights(&[mask], 1.0).concat();
+                self.step.set_input("weights", &Value::Float(qatc_runtime::Tensor { shape: vec![b, t], data: weights }))?;
+            }
+            if let Some(positions) = batch.positions {
+                self.step.set_input("positions", &Value::Int(IntTensor { shape: vec![b, t], data: positions }))?;
+            }
             self.step.run()?;
             let out = HashMap::from([("loss".to_string(), self.step.output("loss")?)]);
             let loss = scalar(&out, "loss")?;
@@ -217,19 +235,21 @@ impl Evaluator {
                 let lora = self.lora_scaling.map(|(_, s)| format!(", or the adapter's scaling alpha/r = {s}")).unwrap_or_default();
                 anyhow::bail!(
                     "{}: batch {s} gives a loss of {loss}: the model overflows on it (finite but huge weights{lora}, or non-finite ones let in by --allow-nonfinite); no result",
-                    data.path().display()
+                    data.source().display()
                 );
             }
-            sum += loss;
-            pb.set_message(format!("{:.4}", sum / (s + 1) as f64));
+            sum += loss * w;
+            weight += w;
+            tokens += counted;
+            pb.set_message(format!("{:.4}", sum / weight.max(f64::MIN_POSITIVE)));
             pb.inc(1);
         }
         pb.finish_and_clear();
         if n == 0 {
             anyhow::bail!("internal: evaluating 0 batches");
         }
-        let loss = sum / n as f64;
-        Ok(EvalResult { loss, ppl: loss.exp(), tokens: n * b * t })
+        let loss = if weight > 0.0 { sum / weight } else { 0.0 };
+        Ok(EvalResult { loss, ppl: loss.exp(), tokens })
     }
 }
 
@@ -296,25 +316,33 @@ pub fn scalar(out: &HashMap<String, Value<f32>>, name: &str) -> anyhow::Result<f
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
-    let data = TokenFile::load(&a.data)?;
+    let reading = super::examples::options_of(a.examples.config(&a.data, None)?.as_ref())?;
+    let data = Dataset::load(&a.data, a.seq, &reading)?;
     data.check_vocab(m.cfg.vocab_size)?;
-    let avail = data.num_batches(a.batch, a.seq);
-    if avail == 0 {
-        // batch(0) explains how many tokens it needs and has.
-        data.batch(0, a.batch, a.seq)?;
+    // explains how many tokens one batch needs and the file has
+    let avail = data.require_batches(a.batch, a.seq)?;
+    if let Some(s) = data.summary(a.batch) {
+        eprintln!("qatc: {s}");
     }
-    let n = match a.batches {
-        Some(0) => anyhow::bail!("--batches must be at least 1"),
-        Some(n) if n > avail => anyhow::bail!(
+    let n = match (a.batches, &data) {
+        (Some(0), _) => anyhow::bail!("--batches must be at least 1"),
+        (Some(n), Dataset::Tokens { file, .. }) if n > avail => anyhow::bail!(
             "{}: --batches {n} needs {} tokens but the file has {} ({avail} whole batches of B {} x T {})",
             a.data.display(),
             n * a.batch * a.seq + 1,
-            data.len(),
+            file.len(),
             a.batch,
             a.seq
         ),
-        Some(n) => n,
-        None => avail,
+        (Some(n), Dataset::Examples(e)) if n > avail => anyhow::bail!(
+            "{}: --batches {n}, but its examples fill {} sequences of T {}: {avail} batches of B {}",
+            a.data.display(),
+            e.rows(),
+            a.seq,
+            a.batch
+        ),
+        (Some(n), _) => n,
+        (None, _) => avail,
     };
     let mut setup = EvalSetup::new(&a.quant, a.adapter.as_deref(), a.precision, a.read.allow_nonfinite)?;
     if let Some(init) = a.scale_init {
@@ -325,6 +353,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     (setup.target, setup.interpreter) = placement(a.device, a.interpreter)?;
     setup.kernel_cache = a.cache.dir();
+    setup.model.inputs = data.inputs();
     let mut e = Evaluator::new(&m, a.batch, a.seq, &setup, None)?;
     eprintln!("qatc: eval runs {}", e.description);
     eprintln!("qatc: built the forward in {}", e.built);

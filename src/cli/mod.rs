@@ -6,6 +6,7 @@ pub mod cubin;
 pub mod diverge;
 pub mod dump;
 pub mod eval;
+pub mod examples;
 pub mod export;
 pub mod generate;
 pub mod kernel_cache;

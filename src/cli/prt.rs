@@ -20,15 +20,19 @@ use qatc_passes::quant::QuantOptions;
 use super::eval::EvalSetup;
 use super::options::{BitMap, DEFAULT_GROUP};
 use crate::artifacts::write_atomic;
+use crate::batches::{Batches, Dataset};
 use crate::bitalloc;
-use crate::data::TokenFile;
 use crate::model::Model;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     pub model: PathBuf,
+    /// An llm.c token file, UTF-8 text, or instruction data (.jsonl: the loss over what
+    /// --train-on counts).
     #[arg(long)]
     pub data: PathBuf,
+    #[command(flatten)]
+    pub examples: super::examples::ExampleArgs,
     /// Allowed relative loss increase over full precision.
     #[arg(long, default_value_t = 0.02)]
     pub threshold: f64,
@@ -96,18 +100,20 @@ struct ModuleResult {
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let m = super::open_model(&a.model, &a.read)?;
     super::check_seq(&m, a.batch, a.seq)?;
-    let data = TokenFile::load(&a.data)?;
+    let reading = super::examples::options_of(a.examples.config(&a.data, None)?.as_ref())?;
+    let data = Dataset::load(&a.data, a.seq, &reading)?;
     data.check_vocab(m.cfg.vocab_size)?;
+    if let Some(s) = data.summary(a.batch) {
+        eprintln!("qatc: {s}");
+    }
     if !(a.threshold >= 0.0 && a.threshold.is_finite()) {
         anyhow::bail!("--threshold must be a number >= 0, got {}", a.threshold);
     }
     if a.batches == 0 {
         anyhow::bail!("--batches must be at least 1");
     }
-    let n = a.batches.min(data.num_batches(a.batch, a.seq));
-    if n == 0 {
-        data.batch(0, a.batch, a.seq)?;
-    }
+    // explains how many tokens one batch needs and the file has
+    let n = a.batches.min(data.require_batches(a.batch, a.seq)?);
     let modules = modules_tested(a, &m)?;
     if a.budget.is_some_and(|b| !(b >= 0.0 && b.is_finite())) {
         anyhow::bail!("--budget must be a number of nats >= 0");
@@ -129,8 +135,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let kernel_cache = a.cache.dir();
     let first = std::cell::Cell::new(true);
     // each evaluation is its own compiled forward (another module quantized): the first says what runs them
-    let evaluate = |setup: &EvalSetup| -> anyhow::Result<f64> {
-        let mut e = super::eval::Evaluator::new(&m, a.batch, a.seq, setup, None)?;
+    let evaluate = |mut setup: EvalSetup| -> anyhow::Result<f64> {
+        // what the batches give: instruction data's loss weights and position ids
+        setup.model.inputs = data.inputs();
+        let mut e = super::eval::Evaluator::new(&m, a.batch, a.seq, &setup, None)?;
         if first.replace(false) {
             eprintln!("qatc: prt's evaluations run {}", e.description);
         }
@@ -138,7 +146,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let base = match cache.full_precision_loss {
         l if l != 0.0 => l,
-        _ => evaluate(&EvalSetup { target, interpreter, kernel_cache: kernel_cache.clone(), ..EvalSetup::default() })?,
+        _ => evaluate(EvalSetup { target, interpreter, kernel_cache: kernel_cache.clone(), ..EvalSetup::default() })?,
     };
     cache.full_precision_loss = base;
     let limit = base * (1.0 + a.threshold);
@@ -148,7 +156,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         let mut setup = EvalSetup { target, interpreter, kernel_cache: kernel_cache.clone(), ..EvalSetup::default() };
         setup.model.quant =
             Some(QuantOptions { spec, targets: vec![], per_module: map, act_bits: None, learned_scales: false, per_module_source: None });
-        evaluate(&setup)
+        evaluate(setup)
     };
     let mut results = sweep(a, &modules, &mut cache, base, limit, &eval_map)?;
     if let Some(p) = &a.measurements {

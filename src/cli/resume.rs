@@ -57,7 +57,7 @@ impl Given {
 
 /// The options that set each field of the configuration (by dotted path). A field not listed
 /// (AdamW's betas and eps) no option sets: it is always the saved run's.
-const FIELD_OPTIONS: [(&str, &[&str]); 36] = [
+const FIELD_OPTIONS: [(&str, &[&str]); 40] = [
     ("model.path", &["model"]),
     ("model.quant.bits", &["bits"]),
     ("model.quant.group", &["group"]),
@@ -94,6 +94,10 @@ const FIELD_OPTIONS: [(&str, &[&str]); 36] = [
     ("train.init_adapter", &["init_adapter"]),
     ("train.scale_lr", &["scale_lr"]),
     ("train.scale_init", &["scale_init"]),
+    ("train.examples.template", &["template"]),
+    ("train.examples.train_on", &["train_on"]),
+    ("train.examples.pack", &["no_pack"]),
+    ("train.examples.skip_bad_records", &["skip_bad_records"]),
 ];
 
 /// The options that set `field` or anything inside it.

@@ -22,11 +22,26 @@ pub struct LowerOptions {
     /// Also return the logits [B, T, V] as an output (eval and parity tests want them; the
     /// training step does not, so they need not outlive the loss).
     pub logits: bool,
+    /// What the batches give beside the ids and targets.
+    pub inputs: BatchInputs,
+}
+
+/// What a batch gives the graph beside `ids` and `targets` (instruction data, `crate::sft`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchInputs {
+    /// `weights` [B, T] f32: the loss is sum_i weights[i] * nll_i (weighted_cross_entropy), 0 for
+    /// a token that does not count (a prompt's, padding), the rest summing to 1 over the step.
+    pub weights: bool,
+    /// `positions` [B, T] i32: packed examples, each numbered from 0: the position embedding of
+    /// each token is its own example's, and attention never crosses an example's start.
+    pub positions: bool,
 }
 
 struct Builder<'a> {
     g: Graph,
     cfg: &'a Gpt2Config,
+    /// Packed examples' position ids [B, T] (`BatchInputs::positions`), which also mask attention.
+    positions: Option<NodeId>,
 }
 
 /// How a block's attention sees the sequence.
@@ -103,27 +118,40 @@ impl Builder<'_> {
         }
         let att = self.op(Op::MatMul { ta: false, tb: true }, &[heads[0], heads[1]])?; // [B, NH, T, T]
         let scale = 1.0 / (hs as f64).sqrt();
-        let probs = self.named(Op::Softmax { scale, causal: true }, &[att], &format!("{p}.attn.probs"))?;
+        let probs = match self.positions {
+            // packed examples: each token attends to its own example's tokens only
+            Some(pos) => self.named(Op::PackedSoftmax { scale }, &[att, pos], &format!("{p}.attn.probs"))?,
+            None => self.named(Op::Softmax { scale, causal: true }, &[att], &format!("{p}.attn.probs"))?,
+        };
         let y = self.op(Op::MatMul { ta: false, tb: false }, &[probs, heads[2]])?; // [B, NH, T, hs]
         let y = self.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?; // [B, T, NH, hs]
         self.op(Op::Reshape { shape: Shape::new([b * t, c]) }, &[y]) // [BT, C]
     }
 }
 
-/// Builds the forward + loss graph. Inputs: `ids` and `targets` (i32 [B, T]) and every weight;
-/// outputs: `loss` (and `logits` [B, T, V] when asked).
+/// Builds the forward + loss graph. Inputs: `ids` and `targets` (i32 [B, T]), `weights` (f32
+/// [B, T]) and `positions` (i32 [B, T]) when `opts.inputs` says so, and every weight; outputs: `loss` (and `logits` [B, T, V]
+/// when asked).
 pub fn lower(cfg: &Gpt2Config, opts: &LowerOptions) -> Result<Graph, IrError> {
     let (b, t) = (opts.batch, opts.seq);
     let (c, v, p) = (cfg.n_embd, cfg.vocab_size, cfg.n_positions);
-    let mut bl = Builder { g: Graph::new(format!("gpt2_L{}_C{}_B{b}_T{t}", cfg.n_layer, c)), cfg };
+    let mut bl = Builder { g: Graph::new(format!("gpt2_L{}_C{}_B{b}_T{t}", cfg.n_layer, c)), cfg, positions: None };
     let ids = bl.g.input("ids", InputKind::Data, DType::I32, [b, t])?;
     let targets = bl.g.input("targets", InputKind::Data, DType::I32, [b, t])?;
-    // embeddings: wte[ids] + wpe[0..T]
+    if opts.inputs.positions {
+        bl.positions = Some(bl.g.input("positions", InputKind::Data, DType::I32, [b, t])?);
+    }
+    // embeddings: wte[ids] + wpe[0..T] (wpe[positions] for packed examples)
     let wte = bl.param("wte.weight", [v, c])?;
     let wpe = bl.param("wpe.weight", [p, c])?;
     let tok = bl.op(Op::Gather, &[wte, ids])?; // [B, T, C]
-    let pos = bl.op(Op::Slice { axis: 0, start: 0, end: t }, &[wpe])?; // [T, C]
-    let pos = bl.op(Op::Broadcast { shape: Shape::new([b, t, c]) }, &[pos])?;
+    let pos = match bl.positions {
+        Some(ps) => bl.op(Op::Gather, &[wpe, ps])?, // [B, T, C]
+        None => {
+            let pos = bl.op(Op::Slice { axis: 0, start: 0, end: t }, &[wpe])?; // [T, C]
+            bl.op(Op::Broadcast { shape: Shape::new([b, t, c]) }, &[pos])?
+        }
+    };
     let x = bl.named(Op::Binary(BinaryOp::Add), &[tok, pos], "embed")?;
     let mut x = bl.op(Op::Reshape { shape: Shape::new([b * t, c]) }, &[x])?; // [BT, C]
     for l in 0..cfg.n_layer {
@@ -133,7 +161,13 @@ pub fn lower(cfg: &Gpt2Config, opts: &LowerOptions) -> Result<Graph, IrError> {
     // The LM head is tied to wte (HF's default): logits = xf @ wte^T.
     let logits = bl.named(Op::MatMul { ta: false, tb: true }, &[xf, wte], "lm_head")?; // [BT, V]
     let tgt = bl.op(Op::Reshape { shape: Shape::new([b * t]) }, &[targets])?;
-    let loss = bl.named(Op::CrossEntropy, &[logits, tgt], "loss")?;
+    let loss = if opts.inputs.weights {
+        let weights = bl.g.input("weights", InputKind::Data, DType::F32, [b, t])?;
+        let w = bl.op(Op::Reshape { shape: Shape::new([b * t]) }, &[weights])?;
+        bl.named(Op::WeightedCrossEntropy, &[logits, tgt, w], "loss")?
+    } else {
+        bl.named(Op::CrossEntropy, &[logits, tgt], "loss")?
+    };
     bl.g.set_output("loss", loss)?;
     if opts.logits {
         let l3 = bl.op(Op::Reshape { shape: Shape::new([b, t, v]) }, &[logits])?;

@@ -25,7 +25,7 @@ pub const BINARY: [BinaryOp; 7] =
     [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::GeluGrad];
 
 /// Generator slots: 0..9 unary, 9..16 binary, then one per remaining op.
-pub const N_SLOTS: usize = 55;
+pub const N_SLOTS: usize = 58;
 
 /// The generator slot of an op. Exhaustive on purpose (no wildcard): adding an op to the IR
 /// breaks this test's build until the generator covers it.
@@ -90,6 +90,9 @@ pub fn op_slot(op: &Op) -> usize {
         Op::AllReduce { .. } => 52,
         Op::ReduceScatter { .. } => 53,
         Op::AllGather { .. } => 54,
+        Op::WeightedCrossEntropy => 55,
+        Op::WeightedCrossEntropyGrad => 56,
+        Op::PackedSoftmax { .. } => 57,
     }
 }
 
@@ -391,6 +394,28 @@ impl Builder<'_> {
                 let x = self.float_operand(1, 4)?;
                 let op = if slot == 52 { Op::AllReduce { reduce, world } } else { Op::AllGather { world } };
                 self.op(op, &[x])
+            }
+            55 | 56 => {
+                // (logits [N, V], targets [N] i32, weights [N] f32[, dloss])
+                let logits = self.float_operand(2, 2)?;
+                let n = self.ty(logits).shape.0[0];
+                let targets = self.of_type(TensorType::new(DType::I32, [n]))?;
+                let weights = self.of_type(TensorType::new(DType::F32, [n]))?;
+                if slot == 55 {
+                    self.op(Op::WeightedCrossEntropy, &[logits, targets, weights])
+                } else {
+                    let dloss = self.float_scalar()?;
+                    self.op(Op::WeightedCrossEntropyGrad, &[logits, targets, weights, dloss])
+                }
+            }
+            57 => {
+                // (x [B, NH, T, T], positions [B, T] i32)
+                let (b, nh, t) = (self.ch.dim(), self.ch.dim(), self.ch.dim());
+                let dtype = self.ch.float_dtype();
+                let x = self.of_type(TensorType::new(dtype, [b, nh, t, t]))?;
+                let positions = self.of_type(TensorType::new(DType::I32, [b, t]))?;
+                let scale = ch_f(self);
+                self.op(Op::PackedSoftmax { scale }, &[x, positions])
             }
             _ => {
                 // a kernel whose body is gelu(in0) [* in1]: bodies nest a whole graph in the text

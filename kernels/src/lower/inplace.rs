@@ -27,12 +27,12 @@ fn readers(g: &Graph, id: NodeId, out: &mut Vec<NodeId>) {
     }
 }
 
-/// The view a `CrossEntropyGrad` node may write its result into: its logits' (`logits`, their
+/// The view a `CrossEntropyGrad` (or weighted) node may write its result into: its logits' (`logits`, their
 /// view), when that is a whole Temp or Value buffer of the same type, not an output of `g`, read
 /// by nothing but cross-entropy nodes and this one, and the cross-entropy forward was lowered
 /// already (its row statistics are in `ce_stats`), so no reader comes after.
 pub fn over_logits(lw: &super::Lowerer, g: &Graph, node: NodeId, logits: Option<&View>) -> Option<View> {
-    if !matches!(g.node(node).op, Op::CrossEntropyGrad) {
+    if !matches!(g.node(node).op, Op::CrossEntropyGrad | Op::WeightedCrossEntropyGrad) {
         return None;
     }
     let (l, v) = (*g.operands(node).first()?, logits?);
@@ -44,7 +44,7 @@ pub fn over_logits(lw: &super::Lowerer, g: &Graph, node: NodeId, logits: Option<
     }
     let mut rs = Vec::new();
     readers(g, l, &mut rs);
-    rs.iter().all(|&r| r == node || matches!(g.node(r).op, Op::CrossEntropy)).then(|| v.clone())
+    rs.iter().all(|&r| r == node || matches!(g.node(r).op, Op::CrossEntropy | Op::WeightedCrossEntropy)).then(|| v.clone())
 }
 
 /// `Row * V + Loop(l)`: element l of the row's own V elements (`loose`: `Row * V + e` for any

@@ -83,6 +83,18 @@ pub fn lower(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> 
         Op::CrossEntropy => cross_entropy(lw, cx, a),
         Op::ActQuant { bits } => act_quant(lw, cx, a, bits),
         Op::BlockAbsMax => block_abs_max(lw, cx, a),
+        Op::PackedSoftmax { scale } => {
+            let note = lw.note(cx, a.node, a.epilogue);
+            packed_softmax(lw, cx, a, note, scale)
+        }
+        Op::WeightedCrossEntropyGrad => {
+            let note = lw.note(cx, a.node, a.epilogue);
+            weighted_cross_entropy_grad(lw, cx, a, note)
+        }
+        Op::WeightedCrossEntropy => {
+            let note = lw.note(cx, a.node, a.epilogue);
+            weighted_cross_entropy(lw, cx, a, note)
+        }
         other => Err(KernelError::Internal(format!(
             "{}: {} is not a row op (fused::lower_anchor routes it)",
             cx.g.describe(a.node),
@@ -381,4 +393,106 @@ fn max_sumexp(kb: &mut KernelBuilder, logits: NodeId, v: usize) -> Result<(Expr,
     kb.name(&max, "row_max");
     kb.name(&sum, "row_sum");
     Ok((max, sum))
+}
+
+/// dlogits = dloss * w[row] * (softmax(row) - onehot(target)): `Op::CrossEntropyGrad`'s kernel
+/// with the row's weight where the mean has 1/N.
+fn weighted_cross_entropy_grad(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, note: String) -> Result<(), KernelError> {
+    let ops = cx.g.operands(a.node);
+    let (logits, targets, weights, dloss) = (ops[0], ops[1], ops[2], ops[3]);
+    let (n, v) = (cx.g.ty(logits).shape.0[0], cx.g.ty(logits).shape.0[1]);
+    let stats = ce_stats(lw, cx, logits, n);
+    let touched: Vec<&View> = [&a.dest].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+    let mut kb = lw.kb_rows(cx, n, &touched);
+    let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
+    let w = kb.value(weights, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+    let k = kb.bind(Ty::F32, mul(dl, w));
+    kb.name(&k, "k");
+    let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+    let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
+    let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
+    let p = at(&kb, v, &j);
+    let xv = kb.value(logits, &p)?;
+    let prob = div(Expr::un(UnOp::Exp, sub(xv, max)), sum);
+    let hit = Expr::select(Expr::bin(BinOp::Eq, j, target), k.clone(), f(0.0));
+    emit_out(&mut kb, a, p, sub(mul(k, prob), hit))?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows: n, mapping: RowMapping::Block }, note)
+}
+
+/// sum over rows of w[row] * (logsumexp(row) - row[target]): `Op::CrossEntropy`'s two kernels
+/// (the row losses, then their sum in row order) with each row's loss weighted in the sum.
+fn weighted_cross_entropy(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, note: String) -> Result<(), KernelError> {
+    let ops = cx.g.operands(a.node);
+    let (logits, targets, weights) = (ops[0], ops[1], ops[2]);
+    let (n, v) = (cx.g.ty(logits).shape.0[0], cx.g.ty(logits).shape.0[1]);
+    let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
+    let stats = ce_stats(lw, cx, logits, n);
+    let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+    let mut kb = lw.kb_rows(cx, n, &touched);
+    let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+    let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
+    let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
+    let t = kb.bind(Ty::I32, clamped);
+    let t = kb.to_index(t);
+    let col = at(&kb, v, &t);
+    let xt = kb.value(logits, &col)?;
+    let loss = sub(add(max, Expr::un(UnOp::Log, sum)), xt);
+    kb.store_view(&losses, &Pos::Lin(Expr::Ix(Ix::Row)), loss);
+    launch!(lw, kb, "cross_entropy", Space::Rows { rows: n, mapping: RowMapping::Block }, format!("{note}: per-row losses"))?;
+    let mut kb = lw.kb_rows(cx, 1, &[&a.dest, &losses]);
+    let total = reduce(&mut kb, ReduceOp::Sum, n, Expr::Int(n as i64), |kb, j| {
+        let l = kb.load_view(&losses, &Pos::Lin(j.clone()));
+        let w = kb.value(weights, &Pos::Lin(j.clone()))?;
+        Ok(mul(w, l))
+    })?;
+    kb.name(&total, "total");
+    emit_out(&mut kb, a, Pos::Coords(vec![]), total)?;
+    launch!(lw, kb, &a.family, Space::Rows { rows: 1, mapping: RowMapping::Block }, format!("{note}: weighted sum of the row losses"))
+}
+
+/// Packed sequences' causal softmax (`Op::PackedSoftmax`): `Op::Softmax`'s kernel with row i of
+/// batch b over keys first ..= i, first = i - positions[b, i] clamped to 0 ..= i (its own
+/// example's tokens so far), and exactly 0 elsewhere.
+fn packed_softmax(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, note: String, scale: f64) -> Result<(), KernelError> {
+    let ops = cx.g.operands(a.node);
+    let (x, positions) = (ops[0], ops[1]);
+    let shape = cx.g.ty(a.node).shape.0.clone();
+    let (nh, t) = (shape[1], shape[3]);
+    let rows = cx.g.ty(a.node).numel() / t.max(1);
+    let mut kb = lw.kb_rows(cx, rows, &[&a.dest]);
+    // row = (b NH + h) T + i
+    let i = kb.bounds.rem(Expr::Ix(Ix::Row), t as i64);
+    let bi = kb.bounds.div(Expr::Ix(Ix::Row), (nh * t) as i64);
+    let at_bi = kb.bounds.add(kb.bounds.mul(bi, t as i64), i.clone());
+    let back = kb.value(positions, &Pos::Lin(at_bi))?;
+    let back = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, back, Expr::Int(0)), i.clone());
+    let first = kb.bind(Ty::I32, sub(i.clone(), back));
+    let valid = kb.bind(Ty::I32, add(i, Expr::Int(1)));
+    kb.name(&first, "first");
+    kb.name(&valid, "valid");
+    let count = kb.bind(Ty::I32, sub(valid.clone(), first.clone()));
+    let key = |kb: &KernelBuilder, k: &Expr| kb.bounds.add(first.clone(), k.clone());
+    let max = reduce(&mut kb, ReduceOp::Max, t, count.clone(), |kb, k| {
+        let p = at(kb, t, &key(kb, k));
+        let xv = kb.value(x, &p)?;
+        Ok(mul(f(scale), xv))
+    })?;
+    let sum = reduce(&mut kb, ReduceOp::Sum, t, count, |kb, k| {
+        let p = at(kb, t, &key(kb, k));
+        let xv = kb.value(x, &p)?;
+        Ok(Expr::un(UnOp::Exp, sub(mul(f(scale), xv), max.clone())))
+    })?;
+    kb.name(&max, "row_max");
+    kb.name(&sum, "row_sum");
+    let (lp, j) = kb.open_loop(Expr::Int(t as i64), t);
+    let p = at(&kb, t, &j);
+    kb.enter_lazy();
+    let xv = kb.value(x, &p);
+    kb.leave_lazy();
+    let e = div(Expr::un(UnOp::Exp, sub(mul(f(scale), xv?), max)), sum);
+    let inside = Expr::bin(BinOp::And, Expr::bin(BinOp::Le, first, j.clone()), Expr::bin(BinOp::Lt, j, valid));
+    emit_out(&mut kb, a, p, Expr::select(inside, e, f(0.0)))?;
+    kb.close_foreach(lp);
+    launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
 }

@@ -13,6 +13,9 @@
 //! kernel: loss = (sum of the N row losses in row order) / N
 //! ```
 //!
+//! A weighted cross-entropy (instruction data's per-token weights w) is the same with dloss w[row]
+//! for dloss / N and the sum of w[row] times the row losses for their mean.
+//!
 //! A frozen head (dh the only product) on an executor that runs a row on one thread walks the
 //! vocabulary in tiles with an online softmax instead (`xent_online.rs`: the head weight read
 //! once per chunk, an [R, Vt] scratch).
@@ -68,6 +71,8 @@ struct Head {
     w: NodeId,
     loss: NodeId,
     targets: NodeId,
+    /// The rows' weights of a weighted cross-entropy (instruction data), else the mean's 1/N.
+    weights: Option<NodeId>,
     grad: Option<NodeId>,
     dloss: Option<NodeId>,
     /// Consumers of the gradient: (matmul node, accumulates over the rows).
@@ -77,15 +82,20 @@ struct Head {
 fn find(body: &Graph, leaves: &HashMap<NodeId, View>) -> Option<Head> {
     let ids = body.node_ids();
     let kind = |n: NodeId| &body.node(n).op;
-    let loss = ids.iter().copied().find(|&n| matches!(kind(n), Op::CrossEntropy))?;
-    let [logits, targets] = body.operands(loss)[..] else { return None };
+    let loss = ids.iter().copied().find(|&n| matches!(kind(n), Op::CrossEntropy | Op::WeightedCrossEntropy))?;
+    let (logits, targets, weights) = match body.operands(loss)[..] {
+        [l, t] => (l, t, None),
+        [l, t, w] => (l, t, Some(w)),
+        _ => return None,
+    };
     let Op::MatMul { ta: false, tb: true } = kind(logits) else { return None };
     let [h, w] = body.operands(logits)[..] else { return None };
     if !leaves.contains_key(&h) || !leaves.contains_key(&w) || body.ty(logits).shape.0.len() != 2 {
         return None;
     }
-    let grads: Vec<NodeId> = ids.iter().copied().filter(|&n| matches!(kind(n), Op::CrossEntropyGrad)).collect();
-    let mut head = Head { logits, h, w, loss, targets, grad: None, dloss: None, products: Vec::new() };
+    let grads: Vec<NodeId> =
+        ids.iter().copied().filter(|&n| matches!(kind(n), Op::CrossEntropyGrad | Op::WeightedCrossEntropyGrad)).collect();
+    let mut head = Head { logits, h, w, loss, targets, weights, grad: None, dloss: None, products: Vec::new() };
     // the logits feed the loss (and its gradient) only: they are never needed whole
     if body.users(logits).iter().any(|&u| u != loss && !grads.contains(&u)) {
         return None;
@@ -93,8 +103,10 @@ fn find(body: &Graph, leaves: &HashMap<NodeId, View>) -> Option<Head> {
     match grads[..] {
         [] => {}
         [g] => {
-            let [l, t, d] = body.operands(g)[..] else { return None };
-            if l != logits || t != targets {
+            // the loss's operands, then dloss
+            let ops = body.operands(g);
+            let (&d, args) = ops.split_last()?;
+            if args != body.operands(loss) {
                 return None;
             }
             head.grad = Some(g);
@@ -216,6 +228,7 @@ pub fn lower(
             w: &wv,
             targets: head.targets,
             dloss,
+            weights: head.weights,
             losses: &losses,
             dh: &results[dh],
             scratch: &scratch,
@@ -231,7 +244,7 @@ pub fn lower(
         let whole = Whole { head: &head, scratch: &scratch, losses: &losses, results: &results, h: &hv, w: &wv };
         whole_rows_chunk(lw, &cx, &ch, &whole, c, base, rows)?;
     }
-    mean_loss(lw, &cx, &losses, &loss_buf, n)?;
+    mean_loss(lw, &cx, &losses, &loss_buf, n, head.weights)?;
     if root == head.loss {
         return Ok(Some(Lowered::Value(loss_buf)));
     }
@@ -423,14 +436,22 @@ fn whole_rows_chunk(
 }
 
 /// The loss: the row losses summed in row order, over N (as the unchunked kernel).
-fn mean_loss(lw: &mut Lowerer, cx: &Ctx, losses: &View, loss_buf: &View, n: usize) -> Result<(), KernelError> {
+fn mean_loss(lw: &mut Lowerer, cx: &Ctx, losses: &View, loss_buf: &View, n: usize, weights: Option<NodeId>) -> Result<(), KernelError> {
     let mut kb = lw.kb_rows(cx, 1, &[losses, loss_buf]);
     let (lp, j) = kb.open_loop(Expr::Int(n as i64), n);
-    let x = kb.load_view(losses, &Pos::Lin(j));
+    let x = kb.load_view(losses, &Pos::Lin(j.clone()));
+    let x = match weights {
+        Some(w) => Expr::bin(BinOp::Mul, kb.value(w, &Pos::Lin(j))?, x),
+        None => x,
+    };
     let total = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, x);
     kb.name(&total, "total");
-    kb.store_view(loss_buf, &Pos::Lin(Expr::Int(0)), Expr::bin(BinOp::Div, total, f(n as f64)));
-    launch!(lw, kb, "cross_entropy", Space::Rows { rows: 1, mapping: RowMapping::Block }, "loss = mean of the row losses".into())
+    let (loss, note) = match weights {
+        Some(_) => (total, "loss = weighted sum of the row losses"),
+        None => (Expr::bin(BinOp::Div, total, f(n as f64)), "loss = mean of the row losses"),
+    };
+    kb.store_view(loss_buf, &Pos::Lin(Expr::Int(0)), loss);
+    launch!(lw, kb, "cross_entropy", Space::Rows { rows: 1, mapping: RowMapping::Block }, note.into())
 }
 
 /// Where each of `count` parts begins (`step` apart: a chunk's first row, a tile's first column).
@@ -514,12 +535,17 @@ fn row_kernel(
     kb.name(&max, "row_max");
     kb.name(&sum, "row_sum");
     let loss = Expr::bin(BinOp::Sub, Expr::bin(BinOp::Add, max.clone(), Expr::un(UnOp::Log, sum.clone())), xt);
-    kb.store_view(losses, &Pos::Lin(row), loss);
+    kb.store_view(losses, &Pos::Lin(row.clone()), loss);
     let family = match (head.grad, head.dloss) {
         (Some(_), Some(dloss)) => {
-            // dlogits = dloss / N * (softmax(row) - onehot(target)), over the row
+            // dlogits = dloss / N * (softmax(row) - onehot(target)), over the row (dloss times
+            // the row's weight for a weighted cross-entropy)
             let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
-            let k = kb.bind(Ty::F32, Expr::bin(BinOp::Div, dl, f(n as f64)));
+            let k = match head.weights {
+                Some(w) => Expr::bin(BinOp::Mul, dl, kb.value(w, &Pos::Lin(row.clone()))?),
+                None => Expr::bin(BinOp::Div, dl, f(n as f64)),
+            };
+            let k = kb.bind(Ty::F32, k);
             kb.name(&k, "k");
             let (lp, j) = kb.open_loop(Expr::Int(v as i64), v);
             let p = at(&kb, j.clone());

@@ -13,7 +13,8 @@
 //!                         E = exp(L - m') over L;  S = c S + sum E;  dh_c[row] *= c;  m = m'
 //!         GEMM   dh_c += E W_t                                      (W_t still in cache)
 //!     kernel per row:  loss[r0 + row] = m + log S - x_t
-//!                      dh_c[row] = k dh_c[row] / S - k W[target]   (k = dloss / N)
+//!                      dh_c[row] = k dh_c[row] / S - k W[target]   (k = dloss / N, or
+//!                                                                   dloss w[row] weighted)
 //! ```
 //!
 //! The same loss and gradient as the whole row's softmax (sum_v exp(x_v - m) W_v / S is
@@ -53,6 +54,8 @@ pub struct Online<'a> {
     pub w: &'a View,
     pub targets: NodeId,
     pub dloss: NodeId,
+    /// The rows' weights of a weighted cross-entropy, else the mean's 1/N.
+    pub weights: Option<NodeId>,
     /// The row losses [N] and dh [N, C].
     pub losses: &'a View,
     pub dh: &'a View,
@@ -236,7 +239,11 @@ fn finish_kernel(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, [m, s, xt]
     let loss = Expr::bin(BinOp::Sub, Expr::bin(BinOp::Add, mx, Expr::un(UnOp::Log, sum.clone())), x_t);
     kb.store_view(o.losses, &Pos::Lin(row_n.clone()), loss);
     let dl = kb.value(o.dloss, &Pos::Coords(vec![]))?;
-    let k = kb.bind(Ty::F32, Expr::bin(BinOp::Div, dl, f(o.n as f64)));
+    let k = match o.weights {
+        Some(w) => Expr::bin(BinOp::Mul, dl, kb.value(w, &Pos::Lin(row_n.clone()))?),
+        None => Expr::bin(BinOp::Div, dl, f(o.n as f64)),
+    };
+    let k = kb.bind(Ty::F32, k);
     kb.name(&k, "k");
     let (lp, j) = kb.open_loop(Expr::Int(c_dim as i64), c_dim);
     let p = Pos::Coords(vec![row_n, j.clone()]);

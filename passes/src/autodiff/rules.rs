@@ -194,12 +194,30 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         }),
         // d softmax(scale x) = softmax_grad(y, dy); masked entries have y = 0 and get 0
         Op::Softmax { scale, .. } => c.each(|c, _| c.op(Op::SoftmaxGrad { scale: *scale }, &[y, dy])),
+        // the same for packed sequences' softmax (its masked entries are 0 too); positions get none
+        Op::PackedSoftmax { scale } => c.each(|c, i| {
+            if i == 1 {
+                return Err(IrError::Type { node: "packed_softmax positions".into(), msg: "integer positions have no gradient".into() });
+            }
+            c.op(Op::SoftmaxGrad { scale: *scale }, &[y, dy])
+        }),
         // d mean cross-entropy = dloss / N * (softmax(logits) - onehot(targets)); targets get none
         Op::CrossEntropy => c.each(|c, i| {
             if i == 1 {
                 return Err(IrError::Type { node: "cross_entropy targets".into(), msg: "targets have no gradient".into() });
             }
             c.op(Op::CrossEntropyGrad, &[x[0], x[1], dy])
+        }),
+        // d sum_i w_i nll_i = dloss * w_i * (softmax(logits) - onehot(targets)); targets and the
+        // weights (data, given by the host) get none
+        Op::WeightedCrossEntropy => c.each(|c, i| {
+            if i > 0 {
+                return Err(IrError::Type {
+                    node: "weighted_cross_entropy targets and weights".into(),
+                    msg: "targets and weights have no gradient".into(),
+                });
+            }
+            c.op(Op::WeightedCrossEntropyGrad, &[x[0], x[1], x[2], dy])
         }),
 
         // straight-through estimator: rounding passes the gradient through unchanged
@@ -245,6 +263,7 @@ pub(crate) fn vjp(op: &Op, c: &mut Ctx, describe: &dyn Fn() -> String) -> Result
         | Op::LayerNormGradGamma { .. }
         | Op::SoftmaxGrad { .. }
         | Op::CrossEntropyGrad
+        | Op::WeightedCrossEntropyGrad
         | Op::AdamM { .. }
         | Op::AdamV { .. }
         | Op::AdamParam { .. }

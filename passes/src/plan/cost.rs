@@ -42,10 +42,12 @@ pub fn op_flops(op: &Op, ty: &TensorType, ins: &[&TensorType]) -> u64 {
         Op::LayerNorm { .. } => 8 * n,
         Op::LayerNormGradX { .. } => 10 * n,
         Op::LayerNormGradGamma { .. } => 6 * n_in(0),
-        Op::Softmax { .. } => 5 * n,
+        Op::Softmax { .. } | Op::PackedSoftmax { .. } => 5 * n,
         Op::SoftmaxGrad { .. } => 4 * n,
         Op::CrossEntropy => 4 * n_in(0),
         Op::CrossEntropyGrad => 4 * n,
+        Op::WeightedCrossEntropy => 4 * n_in(0),
+        Op::WeightedCrossEntropyGrad => 4 * n,
         Op::FakeQuant { .. } | Op::ActQuant { .. } => 4 * n,
         Op::Dequantize { .. } => 2 * n,
         // divide, round, clamp (two compares), multiply; the gradient parts a few more

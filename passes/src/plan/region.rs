@@ -59,11 +59,11 @@ pub fn in_place_slots(op: &Op, arity: usize) -> Vec<usize> {
         // (p, m', v', lr, t): elementwise in the three tensors, lr and t are scalars
         Op::AdamParam { .. } => vec![0, 1, 2],
         Op::Dropout { .. } | Op::ActQuant { .. } => vec![0],
-        Op::Softmax { .. } => vec![0],
+        Op::Softmax { .. } | Op::PackedSoftmax { .. } => vec![0],
         Op::SoftmaxGrad { .. } => vec![0, 1],
         Op::LayerNorm { .. } => vec![0],
         Op::LayerNormGradX { .. } => vec![0, 2],
-        Op::CrossEntropyGrad => vec![0],
+        Op::CrossEntropyGrad | Op::WeightedCrossEntropyGrad => vec![0],
         _ => Vec::new(),
     }
 }

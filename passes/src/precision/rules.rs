@@ -56,9 +56,11 @@ pub fn rule(op: &Op) -> Rule {
         // layer norm: mean and variance in f32 over C inputs, C result (gamma, beta read in C)
         Op::LayerNorm { .. } | Op::LayerNormGradX { .. } | Op::LayerNormGradGamma { .. } => Rule::Compute,
         // softmax: running max and sum in f32, probabilities stored in C
-        Op::Softmax { .. } | Op::SoftmaxGrad { .. } => Rule::Compute,
+        Op::Softmax { .. } | Op::SoftmaxGrad { .. } | Op::PackedSoftmax { .. } => Rule::Compute,
         // cross-entropy: C logits, max and log-sum-exp in f32, the loss f32; its gradient in C
         Op::CrossEntropy | Op::CrossEntropyGrad => Rule::Compute,
+        // the same with a weight per row: the weights stay f32 (`convertible`)
+        Op::WeightedCrossEntropy | Op::WeightedCrossEntropyGrad => Rule::Compute,
         // activation fake-quant: per-row absmax in f32, the rounded values stored in C
         Op::ActQuant { .. } => Rule::Compute,
         // dropout: a mask and a scale, in C
@@ -86,5 +88,6 @@ pub fn rule(op: &Op) -> Rule {
 
 /// Whether operand `slot` of `op` may be converted at all (see the module docs).
 pub fn convertible(op: &Op, slot: usize) -> bool {
-    !matches!((op, slot), (Op::Select, 0))
+    // a selector is a flag; the loss weights are f32 data, as the host gives them
+    !matches!((op, slot), (Op::Select, 0) | (Op::WeightedCrossEntropy | Op::WeightedCrossEntropyGrad, 2))
 }

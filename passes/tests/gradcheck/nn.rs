@@ -129,6 +129,31 @@ fn cross_entropy_wrt_logits() {
     c.check(y);
 }
 
+#[test]
+fn weighted_cross_entropy_wrt_logits() {
+    // rows of weight 0 (a prompt's tokens, padding) get no gradient; the others theirs scaled
+    let mut c = Case::new("weighted_cross_entropy", 1610);
+    let logits = c.param("logits", &[5, 7], Dist::U(-3.0, 3.0));
+    let t = c.ids("targets", &[5], &[3, 0, 6, 3, 1]);
+    let w = c.g.input("weights", qatc_ir::InputKind::Data, qatc_ir::DType::F32, [5]).expect("input");
+    c.vals.insert("weights".into(), qatc_runtime::Value::floats(vec![5], &[0.0, 0.4, 0.0, 0.35, 0.25]).expect("value"));
+    let y = c.op(Op::WeightedCrossEntropy, &[logits, t, w]);
+    let ad = c.check(y);
+    assert_eq!(count(&ad, "weighted_cross_entropy_grad"), 1);
+}
+
+#[test]
+fn packed_softmax_within_each_example() {
+    // two sequences of 4: examples of 1 and 3 tokens, and of 2 and 2; the masked entries are 0
+    // and get no gradient
+    let mut c = Case::new("packed_softmax", 1620);
+    let x = c.param("x", &[2, 2, 4, 4], ANY);
+    let pos = c.ids("positions", &[2, 4], &[0, 0, 1, 2, 0, 1, 0, 1]);
+    let y = c.op(Op::PackedSoftmax { scale: 0.6 }, &[x, pos]);
+    let ad = c.check(y);
+    assert_eq!(count(&ad, "softmax_grad"), 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // A chain: a 1-layer transformer block, where several tensors have several uses (the residual
 // stream, the layernorm output feeding q/k/v, the embedding table), so gradient contributions

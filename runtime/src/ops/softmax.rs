@@ -53,6 +53,47 @@ pub fn softmax<T: Float>(shape: &[usize], x: &[T], scale: f64, causal: bool) -> 
     Ok(out)
 }
 
+/// The causal softmax of packed sequences: x [B, NH, T, T], row i of batch b over the keys
+/// i - positions[b, i] ..= i (clamped to 0 ..= i: its own example's tokens so far), exactly 0
+/// elsewhere; each row as `softmax` computes one.
+pub fn packed_softmax<T: Float>(shape: &[usize], x: &[T], positions: &[i32], scale: f64) -> Result<Vec<T>, String> {
+    let &[b, nh, t, s] = shape else {
+        return Err(format!("packed_softmax needs x [B, NH, T, T], got {shape:?}"));
+    };
+    if t != s {
+        return Err(format!("packed_softmax needs square trailing dims, got {shape:?}"));
+    }
+    expect_len("x", x.len(), shape.iter().product())?;
+    expect_len("positions", positions.len(), b * t)?;
+    let mut out = vec![T::ZERO; x.len()];
+    if t == 0 {
+        return Ok(out);
+    }
+    par_chunks(&mut out, t, |start, chunk| {
+        let mut e = vec![0f64; t];
+        for (k, orow) in chunk.chunks_exact_mut(t).enumerate() {
+            let r = start / t + k;
+            let (bi, i) = (r / (nh * t), r % t);
+            let back = i64::from(positions[bi * t + i]).clamp(0, i as i64) as usize;
+            let lo = i - back;
+            let row = &x[r * t..(r + 1) * t];
+            let mut max = f64::NEG_INFINITY;
+            for &v in &row[lo..=i] {
+                max = max.max(scale * v.to_f64());
+            }
+            let mut sum = WideSum::default();
+            for j in lo..=i {
+                e[j] = (scale * row[j].to_f64() - max).exp();
+                sum.add(e[j]);
+            }
+            for j in lo..=i {
+                orow[j] = T::from_f64(e[j] / sum.wide());
+            }
+        }
+    });
+    Ok(out)
+}
+
 /// dx = scale * y * (dy - sum_j dy_j y_j), row-wise over the last dim.
 pub fn softmax_grad<T: Float>(s: usize, y: &[T], dy: &[T], scale: f64) -> Result<Vec<T>, String> {
     expect_len("dy", dy.len(), y.len())?;
@@ -137,6 +178,57 @@ pub fn cross_entropy_grad<T: Float>(logits: &[T], targets: &[i32], v: usize, dlo
                 *o = T::from_f64(p(j));
             }
             // In range: checked above.
+            if let Ok(c) = usize::try_from(targets[n]) {
+                orow[c] = T::from_f64(p(c) - k);
+            }
+        }
+    });
+    Ok(out)
+}
+
+fn check_weights<T: Float>(weights: &[T], targets: &[i32]) -> Result<(), String> {
+    expect_len("weights", weights.len(), targets.len())
+}
+
+/// `(logits [N, V], targets [N], weights [N]) -> sum over rows of weights[i] (logsumexp(row) -
+/// row[target])`: the loss of instruction data, whose host-given weights are 0 where a token does
+/// not count and sum to 1 over the step.
+pub fn weighted_cross_entropy<T: Float>(logits: &[T], targets: &[i32], weights: &[T], v: usize) -> Result<T, String> {
+    check_nv(logits, targets, v)?;
+    check_weights(weights, targets)?;
+    if v == 0 || targets.is_empty() {
+        return Err(format!("weighted_cross_entropy over {} rows of {v} classes", targets.len()));
+    }
+    let mut total = WideSum::default();
+    for ((row, &t), &w) in logits.chunks_exact(v).zip(targets).zip(weights) {
+        let c = target_of(t, v)?;
+        let (max, sum) = max_sumexp(row);
+        total.add(w.to_f64() * (max + sum.ln() - row[c].to_f64()));
+    }
+    Ok(T::from_f64(total.wide()))
+}
+
+/// dlogits = dloss * weights[i] * (softmax(row) - onehot(target)), row by row.
+pub fn weighted_cross_entropy_grad<T: Float>(logits: &[T], targets: &[i32], weights: &[T], v: usize, dloss: T) -> Result<Vec<T>, String> {
+    check_nv(logits, targets, v)?;
+    check_weights(weights, targets)?;
+    if v == 0 || targets.is_empty() {
+        return Err(format!("weighted_cross_entropy over {} rows of {v} classes", targets.len()));
+    }
+    for &t in targets {
+        target_of(t, v)?;
+    }
+    let mut out = vec![T::ZERO; logits.len()];
+    par_chunks(&mut out, v, |start, chunk| {
+        for (r, orow) in chunk.chunks_exact_mut(v).enumerate() {
+            let n = start / v + r;
+            let k = dloss.to_f64() * weights[n].to_f64();
+            let row = &logits[n * v..(n + 1) * v];
+            let (max, sum) = max_sumexp(row);
+            let p = |j: usize| k * ((row[j].to_f64() - max).exp() / sum);
+            for (j, o) in orow.iter_mut().enumerate() {
+                *o = T::from_f64(p(j));
+            }
             if let Ok(c) = usize::try_from(targets[n]) {
                 orow[c] = T::from_f64(p(c) - k);
             }

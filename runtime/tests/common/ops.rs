@@ -52,6 +52,19 @@ pub fn case(op: &Op, rng: &mut Rng) -> Vec<In> {
         Op::CrossEntropyGrad => {
             vec![fin(rng, &[6, 13], -4.0, 4.0), In::I(vec![6], rng.ints(6, 13)), In::f(&[], &[0.75])]
         }
+        // weights 0 (a prompt's token, padding) and not, summing to 1 as the host makes them
+        Op::WeightedCrossEntropy | Op::WeightedCrossEntropyGrad => {
+            let w = [0.0, 0.25, 0.0, 0.125, 0.5, 0.125];
+            let mut ins = vec![fin(rng, &[6, 13], -4.0, 4.0), In::I(vec![6], rng.ints(6, 13)), In::f(&[6], &w)];
+            if let Op::WeightedCrossEntropyGrad = op {
+                ins.push(In::f(&[], &[0.75]));
+            }
+            ins
+        }
+        // two sequences of 5: examples of 2 and 3 tokens, then 1, 3 and 1
+        Op::PackedSoftmax { .. } => {
+            vec![fin(rng, &[2, 3, 5, 5], -3.0, 3.0), In::i(&[2, 5], &[0, 1, 0, 1, 2, 0, 0, 1, 2, 0])]
+        }
         Op::FakeQuant { .. } => vec![fin(rng, &[64, 3], -1.0, 1.0)],
         Op::Dequantize { spec, .. } => {
             let groups = 64 / spec.group_for(64);
@@ -172,6 +185,9 @@ pub fn all_ops() -> Vec<Op> {
         Op::SoftmaxGrad { scale: 0.7 },
         Op::CrossEntropy,
         Op::CrossEntropyGrad,
+        Op::WeightedCrossEntropy,
+        Op::WeightedCrossEntropyGrad,
+        Op::PackedSoftmax { scale: 0.7 },
         Op::ActQuant { bits: 8 },
         Op::ActQuant { bits: 4 },
         Op::Dropout { p: 0.3, stream: 2 },

@@ -35,12 +35,15 @@ pub struct Args {
     /// The GPT-2 checkpoint (with --resume: the saved run's, unless given).
     #[arg(required_unless_present = "resume")]
     pub model: Option<PathBuf>,
-    /// llm.c token file, or UTF-8 text (tokenized with GPT-2's BPE) (with --resume: the saved
-    /// run's, unless given).
+    /// llm.c token file, UTF-8 text (tokenized with GPT-2's BPE), or instruction data: a .jsonl
+    /// file of {"text"}, {"prompt", "completion"} or {"messages"} records (with --resume: the
+    /// saved run's, unless given).
     #[arg(long, required_unless_present = "resume")]
     pub data: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
+    #[command(flatten)]
+    pub examples: super::examples::ExampleArgs,
     /// Optimizer steps.
     #[arg(long, default_value_t = 20)]
     pub steps: usize,
@@ -188,6 +191,7 @@ impl Args {
             init_adapter: self.init_adapter.as_deref().map(config::absolute),
             scale_lr: learned.then_some(self.scale_lr),
             scale_init: learned.then_some(self.scale_init),
+            examples: self.examples.config(data, self.val.as_deref())?,
         };
         train.check().map_err(anyhow::Error::msg)?;
         c.train = Some(train);

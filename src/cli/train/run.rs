@@ -13,10 +13,10 @@ use qatc_runtime::{CpuOptions, Value};
 
 use super::{save, Args, StepLog, Trainer};
 use crate::artifacts::{write_atomic, Faults};
+use crate::batches::{Batches, Dataset};
 use crate::cli::eval::{EvalSetup, Evaluator};
 use crate::cli::resume::{self, PROGRESS, STATE};
 use crate::config::{RunConfig, StepConfig, TrainConfig};
-use crate::data::TokenFile;
 use crate::model::Model;
 use crate::schedule::{DataOrder, LrSchedule};
 
@@ -29,10 +29,10 @@ pub(super) struct Run<'r> {
     faults: &'r Faults,
     model_path: PathBuf,
     m: Model,
-    data: TokenFile,
+    data: Dataset,
     /// Batches in the data, and the validation data.
     nb: usize,
-    val: Option<TokenFile>,
+    val: Option<Dataset>,
     tr: Trainer,
     /// Micro-batches per optimizer step (K), and the tokens of one step.
     k: usize,
@@ -80,24 +80,33 @@ impl<'r> Run<'r> {
         let mut opts = cfg.step_options().map_err(anyhow::Error::msg)?;
         opts.deadline = a.step.compile_budget()?;
         crate::cli::options::name_bit_map(&mut opts.model, &a.step.quant);
-        let data = TokenFile::load(&data_path)?;
+        let reading = crate::cli::examples::options_of(train.examples.as_ref())?;
+        let data = Dataset::load(&data_path, opts.seq, &reading)?;
         if let Some(resume::Progress { step, data_tokens: Some(n), .. }) = &resume_at {
-            if *n != data.len() {
+            if *n != data.tokens() {
                 anyhow::bail!(
                     "{}: holds {} tokens, but the run saved at step {step} was trained on data of {n}: the data changed, so its position in it (micro-batch {}) would not continue the run; resume on the data it was trained on",
                     data_path.display(),
-                    data.len(),
+                    data.tokens(),
                     step * opts.grad_accum
                 );
             }
         }
         data.check_vocab(m.cfg.vocab_size)?;
         let nb = data.require_batches(opts.batch, opts.seq)?;
+        if let Some(s) = data.summary(opts.batch) {
+            eprintln!("qatc: {s}");
+        }
+        // the step takes what the batches give: instruction data's loss weights and position ids
+        opts.model.inputs = data.inputs();
         let val = match &a.val {
             Some(p) => {
-                let v = TokenFile::load(p)?;
+                let v = Dataset::load(p, opts.seq, &reading)?;
                 v.check_vocab(m.cfg.vocab_size)?;
                 v.require_batches(opts.batch, opts.seq)?;
+                if let Some(s) = v.summary(opts.batch) {
+                    eprintln!("qatc: --val {s}");
+                }
                 Some(v)
             }
             None => None,
@@ -118,7 +127,7 @@ impl<'r> Run<'r> {
         };
         let log = step_log(a, resume_at.is_some())?;
         let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
-        let val_setup = validation(&tr, &resolved, build.kernel_cache.clone());
+        let val_setup = validation(&tr, &resolved, build.kernel_cache.clone(), val.as_ref());
         let pb = crate::cli::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
         Ok(Run {
             a,
@@ -208,7 +217,7 @@ impl<'r> Run<'r> {
             if let Some((tensor, i, v)) = crate::cli::diverge::nonfinite_state(&self.tr)? {
                 anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
             }
-            let progress = resume::Progress { step: done, skipped: self.skipped, data_tokens: Some(self.data.len()) };
+            let progress = resume::Progress { step: done, skipped: self.skipped, data_tokens: Some(self.data.tokens()) };
             save(&self.a.out, &self.tr, &self.m, self.cfg, &progress, self.faults)?;
             self.saved = Some(done);
         }
@@ -319,11 +328,13 @@ fn step_log(a: &Args, resuming: bool) -> anyhow::Result<Option<std::io::BufWrite
 }
 
 /// How validation evaluates: the step's model without dropout, where the step runs, as it runs.
-fn validation(tr: &Trainer, resolved: &qatc_driver::Resolved, kernel_cache: Option<PathBuf>) -> EvalSetup {
+fn validation(tr: &Trainer, resolved: &qatc_driver::Resolved, kernel_cache: Option<PathBuf>, val: Option<&Dataset>) -> EvalSetup {
     let mut model = tr.opts.model.clone();
     if let Some(l) = model.lora.as_mut() {
         l.dropout = 0.0;
     }
+    // what the validation data's batches give, which may differ from the training data's
+    model.inputs = val.map(Batches::inputs).unwrap_or_default();
     EvalSetup {
         model,
         adapter: None,

@@ -106,7 +106,7 @@ pub fn lower_cached(cfg: &Gpt2Config, o: &CachedOptions) -> Result<Graph, IrErro
         let msg = format!("a cached pass needs 1 <= S <= M <= n_positions {p}, got S {s}, M {m}");
         return Err(IrError::Type { node: ATTN_MASK.into(), msg });
     }
-    let mut bl = Builder { g: Graph::new(format!("gpt2_L{}_C{c}_S{s}_M{m}", cfg.n_layer)), cfg };
+    let mut bl = Builder { g: Graph::new(format!("gpt2_L{}_C{c}_S{s}_M{m}", cfg.n_layer)), cfg, positions: None };
     let ids = bl.g.input("ids", InputKind::Data, DType::I32, [1, s])?;
     let positions = bl.g.input(POSITIONS, InputKind::Data, DType::I32, [1, s])?;
     let mask = bl.g.input(ATTN_MASK, InputKind::Data, DType::F32, [s, m])?;

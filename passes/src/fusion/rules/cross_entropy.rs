@@ -31,26 +31,48 @@ pub fn rules() -> Vec<Rule> {
         // { cross_entropy(L, t), cross_entropy_grad(L, t, d) }  =>  pack[loss, dL](L, t, d)
         //   one pass over the logits: softmax, loss and gradient per row, the gradient written
         //   over the logits it was computed from (in place: L dies here)
-        Rule::Custom(Custom {
-            name: "xent-softmax-fused",
-            roots: &[Kind::Op(OpKind::CrossEntropyGrad)],
-            global: false,
-            apply: softmax_fused,
-        }),
+        //   (and the weighted pair, weighted_cross_entropy(L, t, w) with its gradient, alike)
+        Rule::Custom(Custom { name: "xent-softmax-fused", roots: GRADS, global: false, apply: softmax_fused }),
         // { cross_entropy(matmul(h, W^T), t), matmul(cross_entropy_grad(matmul(h, W^T), t, d), ..) }
         //   =>  pack[loss, dh, dW](h, W, t)       the [B*T, V] logits and their gradient are
         //   never written: each row chunk's logits are computed once and consumed in registers
-        Rule::Custom(Custom { name: "xent-linear", roots: &[Kind::Op(OpKind::CrossEntropyGrad)], global: false, apply: linear }),
+        Rule::Custom(Custom { name: "xent-linear", roots: GRADS, global: false, apply: linear }),
         // cross_entropy(matmul(h, W^T), t)  =>  cross_entropy.linear(h, W, t)     (evaluation)
-        Rule::Custom(Custom { name: "xent-linear-fwd", roots: &[Kind::Op(OpKind::CrossEntropy)], global: false, apply: linear_fwd }),
+        Rule::Custom(Custom { name: "xent-linear-fwd", roots: LOSSES, global: false, apply: linear_fwd }),
     ]
 }
 
-/// The loss e-class `cross_entropy(l, t)` among `l`'s consumers.
-fn loss_of(eg: &EG, l: Id, t: Id) -> Option<(Id, ENode)> {
-    for &u in &eg[l].data.users {
+/// The cross-entropies, as (loss, its gradient): the mean over the rows, and the sum weighted by
+/// a per-row input (instruction data). A gradient's operands are its loss's and then dloss.
+const PAIRS: [(OpKind, OpKind); 2] =
+    [(OpKind::CrossEntropy, OpKind::CrossEntropyGrad), (OpKind::WeightedCrossEntropy, OpKind::WeightedCrossEntropyGrad)];
+const GRADS: &[Kind] = &[Kind::Op(OpKind::CrossEntropyGrad), Kind::Op(OpKind::WeightedCrossEntropyGrad)];
+const LOSSES: &[Kind] = &[Kind::Op(OpKind::CrossEntropy), Kind::Op(OpKind::WeightedCrossEntropy)];
+
+/// A gradient node in class `c`, the kind of its loss, and its loss's operands and dloss.
+fn grad_in(eg: &EG, c: Id) -> Option<(ENode, OpKind, Vec<Id>, Id)> {
+    PAIRS.iter().find_map(|&(loss, grad)| {
+        let g = node(eg, c, grad)?;
+        let (&d, args) = g.args.split_last()?;
+        let args = args.iter().map(|&a| eg.find(a)).collect();
+        Some((g.clone(), loss, args, eg.find(d)))
+    })
+}
+
+/// A loss node in class `c` and its operands.
+fn loss_in(eg: &EG, c: Id) -> Option<(ENode, Vec<Id>)> {
+    PAIRS.iter().find_map(|&(loss, _)| node(eg, c, loss)).map(|n| {
+        let args = n.args.iter().map(|&a| eg.find(a)).collect();
+        (n, args)
+    })
+}
+
+/// The loss e-class of kind `kind` over `args` (the logits first) among the logits' consumers.
+fn loss_of(eg: &EG, kind: OpKind, args: &[Id]) -> Option<(Id, ENode)> {
+    for &u in &eg[args[0]].data.users {
         let u = eg.find(u);
-        if let Some(n) = eg[u].nodes.iter().find(|n| n.is(OpKind::CrossEntropy) && eg.find(n.args[0]) == l && eg.find(n.args[1]) == t) {
+        let same = |n: &&ENode| n.is(kind) && n.args.len() == args.len() && n.args.iter().zip(args).all(|(&a, &b)| eg.find(a) == b);
+        if let Some(n) = eg[u].nodes.iter().find(same) {
             return Some((u, n.clone()));
         }
     }
@@ -71,16 +93,18 @@ fn cheap(eg: &EG, b: &mut Builder, c: Id) -> BRef {
 
 fn softmax_fused(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let root = eg.find(class);
-    let Some(g) = node(eg, root, OpKind::CrossEntropyGrad) else { return vec![] };
-    let (l, t, d) = (eg.find(g.args[0]), eg.find(g.args[1]), eg.find(g.args[2]));
-    let Some((loss, ce)) = loss_of(eg, l, t) else { return vec![] };
+    let Some((g, kind, args, d)) = grad_in(eg, root) else { return vec![] };
+    let Some((loss, ce)) = loss_of(eg, kind, &args) else { return vec![] };
     if !first_time(eg, index, vec![usize::from(root)]) {
         return vec![];
     }
     let mut b = Builder::new();
-    let (lr, tr, dr) = (b.input(eg, l), cheap(eg, &mut b, t), cheap(eg, &mut b, d));
-    let lo = b.node(eg, ce.op, vec![lr, tr], Some(loss));
-    let gr = b.node(eg, g.op, vec![lr, tr, dr], Some(root));
+    let lr = b.input(eg, args[0]);
+    // the targets (and weights), then dloss
+    let rest: Vec<BRef> = args[1..].iter().map(|&a| cheap(eg, &mut b, a)).collect();
+    let dr = cheap(eg, &mut b, d);
+    let lo = b.node(eg, ce.op, [lr].into_iter().chain(rest.iter().copied()).collect(), Some(loss));
+    let gr = b.node(eg, g.op, [lr].into_iter().chain(rest).chain([dr]).collect(), Some(root));
     let name = eg[root].data.name.clone().unwrap_or_else(|| "cross_entropy".into());
     match b.finish_pack(eg, &[(loss, lo), (root, gr)], KernelFamily::CrossEntropySoftmaxInPlace, "xent-softmax-fused") {
         Some((k, args)) => add_pack(eg, k, args, &name),
@@ -90,10 +114,10 @@ fn softmax_fused(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
 
 fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let root = eg.find(class);
-    let Some(g) = node(eg, root, OpKind::CrossEntropyGrad) else { return vec![] };
-    let (l, t, d) = (eg.find(g.args[0]), eg.find(g.args[1]), eg.find(g.args[2]));
+    let Some((g, kind, args, d)) = grad_in(eg, root) else { return vec![] };
+    let l = args[0];
     let Some(mm) = node(eg, l, OpKind::MatMul) else { return vec![] };
-    let Some((loss, ce)) = loss_of(eg, l, t) else { return vec![] };
+    let Some((loss, ce)) = loss_of(eg, kind, &args) else { return vec![] };
     // the gradient's consumers are GEMMs (dh = dL W, dW = dL^T h) that the kernel absorbs
     let mut consumers = Vec::new();
     for &u in &eg[root].data.users {
@@ -109,9 +133,10 @@ fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let mut b = Builder::new();
     let (h, w) = (b.input(eg, mm.args[0]), b.input(eg, mm.args[1]));
     let lr = b.node(eg, mm.op, vec![h, w], Some(l));
-    let (tr, dr) = (cheap(eg, &mut b, t), cheap(eg, &mut b, d));
-    let lo = b.node(eg, ce.op, vec![lr, tr], Some(loss));
-    let gr = b.node(eg, g.op, vec![lr, tr, dr], Some(root));
+    let rest: Vec<BRef> = args[1..].iter().map(|&a| cheap(eg, &mut b, a)).collect();
+    let dr = cheap(eg, &mut b, d);
+    let lo = b.node(eg, ce.op, [lr].into_iter().chain(rest.iter().copied()).collect(), Some(loss));
+    let gr = b.node(eg, g.op, [lr].into_iter().chain(rest).chain([dr]).collect(), Some(root));
     let mut outs = vec![(loss, lo)];
     for (u, m) in &consumers {
         let args = m.args.iter().map(|&a| if eg.find(a) == root { gr } else { b.input(eg, a) }).collect();
@@ -134,8 +159,8 @@ fn linear(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
 
 fn linear_fwd(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let root = eg.find(class);
-    let Some(ce) = node(eg, root, OpKind::CrossEntropy) else { return vec![] };
-    let (l, t) = (eg.find(ce.args[0]), eg.find(ce.args[1]));
+    let Some((ce, args)) = loss_in(eg, root) else { return vec![] };
+    let l = args[0];
     let Some(mm) = node(eg, l, OpKind::MatMul) else { return vec![] };
     if !consumers_inside(eg, l, &[root]) || !first_time(eg, index, vec![usize::from(root)]) {
         return vec![];
@@ -143,8 +168,8 @@ fn linear_fwd(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let mut b = Builder::new();
     let (h, w) = (b.input(eg, mm.args[0]), b.input(eg, mm.args[1]));
     let lr = b.node(eg, mm.op, vec![h, w], Some(l));
-    let tr = cheap(eg, &mut b, t);
-    let out = b.node(eg, ce.op, vec![lr, tr], Some(root));
+    let rest: Vec<BRef> = args[1..].iter().map(|&a| cheap(eg, &mut b, a)).collect();
+    let out = b.node(eg, ce.op, [lr].into_iter().chain(rest).collect(), Some(root));
     let rows = eg[l].data.ty.as_ref().map(|t| chunk_rows(t.shape.last(), t.shape.dims()[0])).unwrap_or(1);
     match b.finish(eg, out, KernelFamily::CrossEntropyLinear { chunk_rows: rows }, "xent-linear-fwd") {
         Some((k, args)) => add_kernel(eg, root, k, args).into_iter().collect(),
