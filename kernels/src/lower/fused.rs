@@ -288,7 +288,10 @@ fn lower_anchor(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelErro
         | Op::CrossEntropyGrad
         | Op::CrossEntropy
         | Op::ActQuant { .. }
-        | Op::BlockAbsMax => rows::lower(lw, cx, a),
+        | Op::BlockAbsMax
+        | Op::PackedSoftmax { .. }
+        | Op::WeightedCrossEntropy
+        | Op::WeightedCrossEntropyGrad => rows::lower(lw, cx, a),
         Op::ScatterAdd { rows } => scatter::lower(lw, cx, a, rows),
         _ => reduce::lower(lw, cx, a),
     }
