@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use qatc_ir::{Graph, KernelFamily, NodeId, Op};
+use qatc_ir::{Graph, KernelFamily, NodeId, Op, OpKind};
 
 use super::anchor::Anchor;
 use super::inline::inlinable;
@@ -278,23 +278,79 @@ pub fn lower_root(lw: &mut Lowerer, cx: &mut Ctx, root: NodeId, dest: View, fami
 }
 
 /// Lowers an anchor by the file that lowers its op: the row ops by `rows.rs`, scatter_add by
-/// `scatter.rs`, the other reductions by `reduce.rs` (which names an op no file lowers).
+/// `scatter.rs`, the other reductions by `reduce.rs`. Exhaustive over the op table's kinds, so a
+/// new op must be routed here before the crate compiles (a catch-all once sent the packed softmax
+/// and the weighted cross-entropy to `reduce.rs`, which has no lowering for them).
 fn lower_anchor(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
-    match cx.g.node(a.node).op {
-        Op::LayerNorm { .. }
-        | Op::LayerNormGradX { .. }
-        | Op::Softmax { .. }
-        | Op::SoftmaxGrad { .. }
-        | Op::CrossEntropyGrad
-        | Op::CrossEntropy
-        | Op::ActQuant { .. }
-        | Op::BlockAbsMax
-        | Op::PackedSoftmax { .. }
-        | Op::WeightedCrossEntropy
-        | Op::WeightedCrossEntropyGrad => rows::lower(lw, cx, a),
-        Op::ScatterAdd { rows } => scatter::lower(lw, cx, a, rows),
-        _ => reduce::lower(lw, cx, a),
+    use OpKind as K;
+    let op = &cx.g.node(a.node).op;
+    match op.kind() {
+        K::LayerNorm
+        | K::LayerNormGradX
+        | K::Softmax
+        | K::SoftmaxGrad
+        | K::PackedSoftmax
+        | K::CrossEntropyGrad
+        | K::CrossEntropy
+        | K::WeightedCrossEntropy
+        | K::WeightedCrossEntropyGrad
+        | K::ActQuant
+        | K::BlockAbsMax => rows::lower(lw, cx, a),
+        K::ScatterAdd => match *op {
+            Op::ScatterAdd { rows } => scatter::lower(lw, cx, a, rows),
+            _ => unreachable_kind(cx, a),
+        },
+        K::SumTo | K::LayerNormGradGamma | K::FakeQuant | K::AllFinite => reduce::lower(lw, cx, a),
+        // pointwise chains, GEMMs, leaves, whole kernels, the optimizer's and the collectives:
+        // never an anchor of a row or reduction kernel (fusion and the lowering route them)
+        K::Input
+        | K::Const
+        | K::Neg
+        | K::Exp
+        | K::Log
+        | K::Sqrt
+        | K::Rsqrt
+        | K::Recip
+        | K::Tanh
+        | K::Square
+        | K::Gelu
+        | K::Add
+        | K::Sub
+        | K::Mul
+        | K::Div
+        | K::Max
+        | K::Min
+        | K::GeluGrad
+        | K::Affine
+        | K::Cast
+        | K::Broadcast
+        | K::Reshape
+        | K::Transpose
+        | K::Slice
+        | K::Concat
+        | K::MatMul
+        | K::Gather
+        | K::Dequantize
+        | K::FakeQuantLearned
+        | K::FakeQuantLearnedGrad
+        | K::Dropout
+        | K::Select
+        | K::LossScale
+        | K::Kernel
+        | K::AdamM
+        | K::AdamV
+        | K::AdamParam
+        | K::BlockDequant
+        | K::BlockQuant
+        | K::AllReduce
+        | K::ReduceScatter
+        | K::AllGather => reduce::lower(lw, cx, a),
     }
+}
+
+/// An op whose kind and variant disagree (cannot happen: `Op::kind` is one match).
+fn unreachable_kind(cx: &Ctx, a: &Anchor) -> Result<(), KernelError> {
+    Err(KernelError::Internal(format!("{}: its kind and its op disagree", cx.g.describe(a.node))))
 }
 
 /// root = matmul + broadcast(bias [N]) over the matmul's [.., M, N]: cuBLASLt's BIAS epilogue.
