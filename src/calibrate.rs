@@ -152,10 +152,7 @@ pub fn calibrate(
     for (weight, &spec) in &specs {
         let w = m.quantized_view(weight, &fresh)?;
         let (n_in, n_out) = (w.shape[0], w.shape[1]);
-        let gram = match lins.iter().position(|(name, _, _)| name == weight) {
-            Some(i) => Some(&grams[i]),
-            None => None,
-        };
+        let gram = lins.iter().position(|(name, _, _)| name == weight).map(|i| &grams[i]);
         let eye;
         let measure = match gram {
             Some(g) => g,

@@ -147,13 +147,13 @@ pub fn init_learned_activation(w: &[f32], n_in: usize, n_out: usize, spec: Quant
             let mut r: Vec<f64> = (0..n_in).map(|a| (0..n_in).map(|b| gram.at(a, b) * d[b]).sum()).collect();
             for _ in 0..SWEEPS {
                 let mut changed = false;
-                for g in 0..groups {
+                for (g, now) in cur.iter_mut().enumerate() {
                     let si = g * n_out + j;
                     let base = g * gsz;
                     // the change of d^T H d when d's group g moves by delta: delta^T H_gg delta + 2 delta . r_g
                     let mut best: Option<(f64, Vec<f64>, (f32, f32))> = None; // (change, new deviation, candidate)
                     for c in candidates(spec, mm_s[si], at(&mm_z, si)) {
-                        if c == cur[g] {
+                        if c == *now {
                             continue;
                         }
                         let nd = deviation(spec, w, n_out, j, base..base + gsz, c.0, c.1);
@@ -176,7 +176,7 @@ pub fn init_learned_activation(w: &[f32], n_in: usize, n_out: usize, spec: Quant
                         *ra += delta.iter().enumerate().map(|(b, &db)| gram.at(a, base + b) * db).sum::<f64>();
                     }
                     d[base..base + gsz].copy_from_slice(&nd);
-                    cur[g] = c;
+                    *now = c;
                     changed = true;
                 }
                 if !changed {
