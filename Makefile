@@ -11,7 +11,7 @@ VAL   := examples/shakespeare_val.bin
 TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
-.PHONY: all deps llvm openblas nvrtc build demo test lint bench gpu-bundle clean
+.PHONY: all deps llvm openblas nvrtc build demo quality-model test lint bench gpu-bundle clean
 
 all: build
 
@@ -38,6 +38,12 @@ build: deps
 
 demo: build
 	bash examples/demo.sh $(QATC)
+
+# The evaluation GPT-2 of bench/quality.sh's second model (6 layers, n_embd 384), trained by qatc
+# from a random start into a cache, never committed (bench/quality-model/README.md): deterministic,
+# and nothing to do when the cache holds it.
+quality-model: build
+	bash bench/quality-model/make.sh $(QATC)
 
 # NVRTC, for the tests that compile every generated CUDA kernel (no GPU needed): the PyPI wheel,
 # installed into .deps/ once (--target: nothing of the system changes, so Debian's PEP 668 guard is

@@ -105,10 +105,12 @@ for spec in "b4_sym:--bits 4 --group 64 --scheme sym" "b3_sym:--bits 3 --group 6
   ptq "${name}_ptq" "${flags[@]}"
   # post-training at the scales the searched start begins from, no training
   ptq "${name}_ptq_search" "${flags[@]}" --scales learned --scale-init search
-  for variant in minmax learned search; do
+  for variant in minmax learned learned_minmax search; do
+    # learned: the default start (--scale-init auto); learned_minmax: from the min-max grid
     case $variant in
       minmax) v=(--scales minmax) ;;
       learned) v=(--scales learned --scale-lr "$scale_lr") ;;
+      learned_minmax) v=(--scales learned --scale-lr "$scale_lr" --scale-init minmax) ;;
       search) v=(--scales learned --scale-lr "$scale_lr" --scale-init search) ;;
     esac
     for mode in base merged; do

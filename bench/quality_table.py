@@ -1,8 +1,10 @@
 """The table of bench/quality.sh: reads its rows.jsonl, prints markdown (stdout).
 
 recovered = 1 - (qat - lora_fp) / (ptq - fp), each peer with its own fp, ptq and LoRA baseline; ptq is
-min-max post-training quantization. Learned scales start at the min-max grid ("learned") or at each
-group's least-squared-error fraction of it ("learned, searched start"); the post-training loss at the
+min-max post-training quantization. Learned scales start as the default picks ("learned, auto start":
+per weight the least output error on calibration batches of min-max, weight search and
+activation-aware), at the min-max grid ("learned, min-max start") or at each group's
+least-squared-error fraction of it ("learned, searched start"); the post-training loss at the
 searched scales alone (no training) is its own row, so that what the search gives and what
 training gives are told apart.
 """
@@ -34,12 +36,13 @@ def main(path):
         if s is not None:
             out.append(f"| {title} | searched, not trained | post-training only | {fmt(ptq)} | {fmt(s['loss'])} (no training) "
                        f"| {left(s['loss'], fp)} vs fp | {recovered(s['loss'], fp, ptq, fp)} |")
-        for scales in ("minmax", "learned", "search"):
+        for scales in ("minmax", "learned", "learned_minmax", "search"):
             for mode in ("base", "merged"):
                 r = rows.get(f"{key}_{scales}_{mode}")
                 if r is None:
                     continue
-                label = "learned, searched start" if scales == "search" else scales
+                label = {"search": "learned, searched start", "learned": "learned, auto start",
+                         "learned_minmax": "learned, min-max start"}.get(scales, scales)
                 out.append(f"| {title} | {label} | {mode} | {fmt(ptq)} | {fmt(r['loss'])} | {left(r['loss'], lora_fp)} "
                            f"| {recovered(r['loss'], lora_fp, ptq, fp)} |")
         p = rows.get(f"peer_{key}")

@@ -116,6 +116,39 @@ pub enum ScaleInit {
     /// The fraction of the min-max scale with the least squared error per group
     /// (`quant::init_learned_searched`).
     Search,
+    /// The per-group clipping with the least error of the layer's output on calibration
+    /// activations (`quant::init_learned_activation`; the trainer's `calibrate` step).
+    Activation,
+    /// Per weight, whichever of minmax, search and activation gives its layer's output the least
+    /// calibration error (`crate::calibrate`); `--scales learned`'s default on the command line.
+    Auto,
+}
+
+impl ScaleInit {
+    /// Whether this start needs the training data's activations (the `calibrate` step).
+    pub fn calibrates(self) -> bool {
+        matches!(self, ScaleInit::Activation | ScaleInit::Auto)
+    }
+
+    /// How the run's output names a chosen start.
+    pub fn described(self) -> &'static str {
+        match self {
+            ScaleInit::Minmax => "min-max",
+            ScaleInit::Search => "weight search",
+            ScaleInit::Activation => "activation-aware",
+            ScaleInit::Auto => "auto",
+        }
+    }
+}
+
+/// What the `calibrate` step chose (`--scale-init activation|auto`): on how many batches of the
+/// training data, and each quantized weight's start.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleStarts {
+    pub batches: usize,
+    /// Weight name -> the start its scales took (minmax, search or activation).
+    pub chosen: std::collections::BTreeMap<String, ScaleInit>,
 }
 
 /// LoRA as PEFT configures it (`adapter_config.json` says the same in PEFT's words).
@@ -260,6 +293,9 @@ pub struct TrainConfig {
     /// How the learned scales started (`--scale-init`; only with `--scales learned`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale_init: Option<ScaleInit>,
+    /// What the calibration chose per weight (`--scale-init activation|auto`, a fresh start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_starts: Option<ScaleStarts>,
     /// How instruction data (`.jsonl`) is read into batches (absent for a token file).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub examples: Option<ExamplesConfig>,

@@ -6,6 +6,7 @@ pub mod adapter;
 pub mod artifacts;
 pub mod batches;
 pub mod bitalloc;
+pub mod calibrate;
 pub mod cli;
 pub mod config;
 pub mod data;

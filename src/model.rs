@@ -94,7 +94,7 @@ impl Model {
                 None if self.ckpt.info(Self::tensor_name(name)).is_some() => self.weight::<f32>(name)?,
                 None if name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight") => match trained {
                     Trained::Adapter(_) => return Err(BindError::Adapter(format!("the adapter has no tensor {name:?}"))),
-                    Trained::Fresh { seed, .. } => adapter::init_tensor(name, want, *seed),
+                    Trained::Fresh { seed, .. } | Trained::Started { seed, .. } => adapter::init_tensor(name, want, *seed),
                     Trained::State(_) => return Err(BindError::Adapter(format!("the training state has no tensor {name:?}"))),
                 },
                 // not trained yet (an adapter trained with min-max scales starts them here)
@@ -175,17 +175,35 @@ impl Model {
             (_, Some(w)) => (w, true),
             _ => return Err(BindError::Adapter(format!("{name:?} is not a learned scale or zero point"))),
         };
-        let mut t = self.resolved(w, trained)?;
-        if w == "wte.weight" {
-            t = Tensor { shape: vec![t.shape[1], t.shape[0]], data: crate::export::llama::transpose(&t.data, t.shape[0], t.shape[1]) };
-        }
+        let t = self.quantized_view(w, trained)?;
         let (n_in, n_out) = (t.shape[0], t.shape[1]);
         let (s, z) = match trained {
             Trained::Fresh { scale_init: ScaleInit::Search, .. } => quant::init_learned_searched(&t.data, n_in, n_out, spec),
+            Trained::Fresh { scale_init: init @ (ScaleInit::Activation | ScaleInit::Auto), .. } => {
+                return Err(BindError::Adapter(format!(
+                    "{name:?}: --scale-init {} starts from the calibration step (crate::calibrate), which did not run",
+                    init.described()
+                )))
+            }
             _ => quant::init_learned(&t.data, n_in, n_out, spec),
         };
         let shape = vec![n_in / spec.group_for(n_in), n_out];
         Ok(Tensor { shape, data: if zeros { z } else { s } })
+    }
+}
+
+impl Model {
+    /// Weight `w` as its fake-quant sees it, [in, out]: the tied embedding is quantized as the
+    /// [C, V] matrix of the LM head.
+    pub fn quantized_view(&self, w: &str, trained: &Trained) -> Result<Tensor<f32>, BindError> {
+        let t = self.resolved(w, trained)?;
+        if w == "wte.weight" {
+            return Ok(Tensor {
+                shape: vec![t.shape[1], t.shape[0]],
+                data: crate::export::llama::transpose(&t.data, t.shape[0], t.shape[1]),
+            });
+        }
+        Ok(t)
     }
 }
 
@@ -199,6 +217,9 @@ pub enum Trained<'a> {
     Adapter(&'a Adapter),
     /// A training run's persistent state (validation while training).
     State(&'a HashMap<String, Value<f32>>),
+    /// Fresh LoRA from the seed, learned scales and zero points from the calibration step
+    /// (`crate::calibrate`), by input name.
+    Started { seed: u64, starts: &'a HashMap<String, Tensor<f32>> },
 }
 
 impl Trained<'_> {
@@ -210,6 +231,7 @@ impl Trained<'_> {
                 Some(Value::Float(t)) => Some(t.clone()),
                 _ => None,
             },
+            Trained::Started { starts, .. } => starts.get(name).cloned(),
         }
     }
     fn what(&self) -> &'static str {
@@ -217,13 +239,14 @@ impl Trained<'_> {
             Trained::Fresh { .. } => "the initialisation",
             Trained::Adapter(_) => "the adapter",
             Trained::State(_) => "the training state",
+            Trained::Started { .. } => "the calibrated start",
         }
     }
 }
 
 /// The spec of the learned fake-quant each learned scale or zero-point input feeds, also inside
 /// fused kernels' bodies.
-fn learned_specs(g: &Graph) -> HashMap<String, QuantSpec> {
+pub fn learned_specs(g: &Graph) -> HashMap<String, QuantSpec> {
     let mut out = HashMap::new();
     for id in g.node_ids() {
         let ops = g.operands(id);

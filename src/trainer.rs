@@ -155,10 +155,27 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
+        let trained = match adapter {
+            Some(a) => Trained::Adapter(a),
+            None => Trained::Fresh { seed, scale_init: opts.scale_init },
+        };
+        Self::with_target_from(m, opts, &trained, seed, target, options)
+    }
+
+    /// As `with_target`, the trained tensors (LoRA, learned scales) bound from `trained` (the
+    /// calibrated start, `Trained::Started`).
+    pub fn with_target_from(
+        m: &Model,
+        opts: step::StepOptions,
+        trained: &Trained,
+        seed: u64,
+        target: &Target,
+        options: &Options,
+    ) -> anyhow::Result<Trainer> {
         let start = std::time::Instant::now();
         let (graph, _) = step::train(&m.cfg, &opts, |_, _| {})?;
         let passes_s = start.elapsed().as_secs_f64();
-        let mut tr = Self::with_graph(m, graph, opts, adapter, seed, target, options)?;
+        let mut tr = Self::with_graph_from(m, graph, opts, trained, seed, target, options)?;
         tr.built = Built::new(passes_s, tr.built.compile_s, tr.built.bind_s, tr.built.kernels.take());
         Ok(tr)
     }
@@ -174,16 +191,28 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
+        let trained = match adapter {
+            Some(a) => Trained::Adapter(a),
+            None => Trained::Fresh { seed, scale_init: opts.scale_init },
+        };
+        Self::with_graph_from(m, graph, opts, &trained, seed, target, options)
+    }
+
+    fn with_graph_from(
+        m: &Model,
+        graph: Graph,
+        opts: step::StepOptions,
+        trained: &Trained,
+        seed: u64,
+        target: &Target,
+        options: &Options,
+    ) -> anyhow::Result<Trainer> {
         let start = std::time::Instant::now();
         let qatc_driver::Executable { mut step, description, kernels, .. } = qatc_driver::compile(&graph, target, options)?;
         let compile_s = start.elapsed().as_secs_f64();
         opts.deadline.check("lowering and compiling the kernels")?;
         // the weights go to the executor once; no host copy is kept
-        let trained = match adapter {
-            Some(a) => Trained::Adapter(a),
-            None => Trained::Fresh { seed, scale_init: opts.scale_init },
-        };
-        for (name, v) in m.bind_trained::<f32>(&graph, &trained)? {
+        for (name, v) in m.bind_trained::<f32>(&graph, trained)? {
             step.set_input(&name, &v).with_context(|| format!("binding {name}"))?;
         }
         let mut inputs = HashSet::new();

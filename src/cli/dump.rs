@@ -27,6 +27,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         for st in Stage::ALL {
             println!("{:<12} {}", st.name(), st.about());
         }
+        // a step of the trainer's setup: it reads data and weights and gives the scale inputs'
+        // values, so it has no graph to print after it
+        println!("{:<12} {}", crate::calibrate::NAME, crate::calibrate::ABOUT);
         return Ok(());
     }
     let Some(model) = &a.model else { anyhow::bail!("qatc dump needs MODEL (or --list)") };

@@ -349,6 +349,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         if a.adapter.is_some() || setup.model.quant.as_ref().is_none_or(|q| !q.learned_scales) {
             anyhow::bail!("--scale-init needs --scales learned and no --adapter (an adapter brings its own scales)");
         }
+        if init.calibrates() {
+            // calibrating on the data being measured would fit the scales to it
+            anyhow::bail!(
+                "--scale-init {}: qatc eval does not calibrate (it would fit the scales to the data it measures); a run of qatc train does, on its training data, and saves what it chose",
+                if init == ScaleInit::Auto { "auto" } else { "activation" }
+            );
+        }
         setup.scale_init = init;
     }
     (setup.target, setup.interpreter) = placement(a.device, a.interpreter)?;

@@ -209,7 +209,7 @@ pub fn init_learned(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> (V
 
 /// The fractions of the min-max scale `init_learned_searched` tries: 1 down to 0.3 in steps of
 /// 0.02.
-fn search_fractions() -> impl Iterator<Item = f32> {
+pub(super) fn search_fractions() -> impl Iterator<Item = f32> {
     (0..36).map(|k| 1.0 - 0.02 * k as f32)
 }
 

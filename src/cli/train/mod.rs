@@ -54,9 +54,11 @@ pub struct Args {
     /// same warmup and schedule as --lr. Zero points train at --lr.
     #[arg(long, default_value_t = 1e-4)]
     pub scale_lr: f64,
-    /// How learned scales start: minmax (each group's range), or search (the fraction of it with
-    /// the least squared quantization error).
-    #[arg(long, value_enum, default_value_t = ScaleInit::Minmax)]
+    /// How learned scales start: minmax (each group's range), search (the fraction of it with
+    /// the least squared quantization error), activation (the clipping with the least error of
+    /// the layer's output on the first batches of the training data), or auto (per weight, the
+    /// one of the three with the least output error).
+    #[arg(long, value_enum, default_value_t = ScaleInit::Auto)]
     pub scale_init: ScaleInit,
     /// Linear warmup steps.
     #[arg(long, default_value_t = 0)]
@@ -191,6 +193,7 @@ impl Args {
             init_adapter: self.init_adapter.as_deref().map(config::absolute),
             scale_lr: learned.then_some(self.scale_lr),
             scale_init: learned.then_some(self.scale_init),
+            scale_starts: None,
             examples: self.examples.config(data, self.val.as_deref())?,
         };
         train.check().map_err(anyhow::Error::msg)?;

@@ -14,11 +14,13 @@ use qatc_runtime::{CpuOptions, Value};
 use super::{save, Args, StepLog, Trainer};
 use crate::artifacts::{write_atomic, Faults};
 use crate::batches::{Batches, Dataset};
+use crate::calibrate::{self, Calibration};
 use crate::cli::eval::{EvalSetup, Evaluator};
 use crate::cli::resume::{self, PROGRESS, STATE};
-use crate::config::{RunConfig, StepConfig, TrainConfig};
-use crate::model::Model;
+use crate::config::{RunConfig, ScaleInit, ScaleStarts, StepConfig, TrainConfig};
+use crate::model::{Model, Trained};
 use crate::schedule::{DataOrder, LrSchedule};
+use crate::step::StepOptions;
 
 /// One `qatc train` run after its checks: what it reads, its trainer, and what its steps have
 /// shown so far (the loss curves, the last finite loss, the last save).
@@ -55,6 +57,8 @@ pub(super) struct Run<'r> {
     /// What a divergence message says: the last finite loss, the last save.
     last_finite: Option<(usize, f64)>,
     saved: Option<usize>,
+    /// What the calibration chose (saved in `qatc.json`); None when it did not run.
+    scale_starts: Option<ScaleStarts>,
 }
 
 impl<'r> Run<'r> {
@@ -117,7 +121,16 @@ impl<'r> Run<'r> {
         let tokens_per_step = opts.batch * opts.seq * k;
         let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
         let build = crate::cli::driver_options(resolved.interpreter, cpu, a.cache.dir());
-        let mut tr = Trainer::with_target(&m, opts, init.as_ref(), train.seed, &resolved.target, &build)?;
+        let calibration = calibrated_start(&m, &opts, &data, init.is_some() || resume_at.is_some())?;
+        let trained = match (&init, &calibration) {
+            (Some(a), _) => Trained::Adapter(a),
+            (None, Some(c)) => Trained::Started { seed: train.seed, starts: &c.tensors },
+            // a resumed run's scales come from its state (`restore`), over the min-max start
+            (None, None) if opts.scale_init.calibrates() => Trained::Fresh { seed: train.seed, scale_init: ScaleInit::Minmax },
+            (None, None) => Trained::Fresh { seed: train.seed, scale_init: opts.scale_init },
+        };
+        let mut tr = Trainer::with_target_from(&m, opts, &trained, train.seed, &resolved.target, &build)?;
+        let scale_starts = calibration.as_ref().map(Calibration::starts);
         tr.set_profile(a.profile);
         eprintln!("qatc: the step runs {}", tr.describe());
         eprintln!("qatc: built the step in {}", tr.built());
@@ -156,6 +169,7 @@ impl<'r> Run<'r> {
             val_curve: Vec::new(),
             last_finite: None,
             saved: resume_at.as_ref().map(|_| start),
+            scale_starts,
         })
     }
 
@@ -218,7 +232,8 @@ impl<'r> Run<'r> {
                 anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
             }
             let progress = resume::Progress { step: done, skipped: self.skipped, data_tokens: Some(self.data.tokens()) };
-            save(&self.a.out, &self.tr, &self.m, self.cfg, &progress, self.faults)?;
+            let cfg = self.saved_config();
+            save(&self.a.out, &self.tr, &self.m, &cfg, &progress, self.faults)?;
             self.saved = Some(done);
         }
         Ok(())
@@ -244,6 +259,15 @@ impl<'r> Run<'r> {
     }
 
     /// What a divergence at step `s` says: the symptom, the last finite loss, the last save.
+    /// The configuration a save writes: the run's, with what the calibration chose.
+    fn saved_config(&self) -> RunConfig {
+        let mut cfg = self.cfg.clone();
+        if let (Some(t), Some(starts)) = (cfg.train.as_mut(), &self.scale_starts) {
+            t.scale_starts = Some(starts.clone());
+        }
+        cfg
+    }
+
     fn diverged(&self, s: usize, symptom: crate::cli::diverge::Symptom, out: &HashMap<String, Value<f32>>, lr: f64) -> String {
         crate::cli::diverge::message(&crate::cli::diverge::Known {
             step: s,
@@ -312,6 +336,18 @@ fn restore(tr: &mut Trainer, done: &resume::Progress, dir: &Path, allow_nonfinit
         );
     }
     Ok((done.step, done.skipped))
+}
+
+/// The `calibrate` step, where learned scales start with `--scale-init activation|auto` (a fresh
+/// start only: an adapter brings its scales, a resumed run its state); its cost and choice printed.
+fn calibrated_start(m: &Model, opts: &StepOptions, data: &Dataset, restored: bool) -> anyhow::Result<Option<Calibration>> {
+    let learned = opts.model.quant.as_ref().is_some_and(|q| q.learned_scales);
+    if !learned || restored || !opts.scale_init.calibrates() {
+        return Ok(None);
+    }
+    let c = calibrate::calibrate(m, &opts.model, (opts.batch, opts.seq), data, opts.scale_init)?;
+    eprintln!("qatc: {}: {} batches ({} tokens) in {:.1} s; scale starts: {}", calibrate::NAME, c.batches, c.tokens, c.seconds, c.counts());
+    Ok(Some(c))
 }
 
 /// `--log-json`'s file: appended to when the run resumes, else started afresh.

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The evaluation GPT-2 of issue 33, 3: 6 layers, n_embd 384, 6 heads, GPT-2's vocabulary and 256
+# positions, initialised at random (init_gpt2.py, seed 1) and trained by qatc itself, a full
+# fine-tune on the Shakespeare train split with the compiled CPU step. The weights are not
+# committed (the repository must stay small enough to travel to the GPU machine): this script
+# remakes them, deterministically, into a cache, and does nothing when they are already there.
+#
+#   make quality-model                       (= bash bench/quality-model/make.sh target/release/qatc)
+#   QUALITY_MODEL_DIR=DIR STEPS=N bash bench/quality-model/make.sh
+#
+# Result: $DIR/model/model.safetensors and config.json (what bench/quality.sh takes as MODEL=),
+# $DIR/train.jsonl (the loss curve, one line per step), $DIR/command (the exact command). A run
+# cut short resumes from its last save (every 50 steps) when the script is run again.
+#
+# Budget: B 8 x T 256 = 2,048 tokens a step; the train split holds about 1.38 M tokens, so 1,350
+# steps are 2 passes over it. PyTorch with bf16 autocast trains such a model at about 600
+# tokens/s on the 2-core VMs (the issue's figure), so budget about 1.5 hours for it there.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+qatc=${1:-${QATC:-target/release/qatc}}
+shared=${SHARED:-../shared}
+[ -d "$shared" ] || shared=../../shared
+train=$shared/data/shakespeare/shakespeare_train.bin
+val=$shared/data/shakespeare/shakespeare_val.bin
+[ -f "$train" ] || train=examples/shakespeare_train.bin
+[ -f "$val" ] || val=examples/shakespeare_val.bin
+dir=${QUALITY_MODEL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/qatc/quality-model}
+steps=${STEPS:-1350}
+seed=1
+[ -x "$qatc" ] || cargo build --release --bin qatc
+
+# the recipe, all of it: a change of any part makes a new model
+recipe=(--full-finetune --batch 8 --seq 256 --steps "$steps" --lr 1e-3 --schedule cosine --warmup 50 --min-lr 1e-4
+  --clip 1.0 --shuffle --seed "$seed")
+stamp="init seed $seed layers 6 embd 384 heads 6; train ${recipe[*]}; data $(basename "$train") $(wc -c <"$train") bytes"
+if [ -f "$dir/model/model.safetensors" ] && [ "$(cat "$dir/stamp" 2>/dev/null)" = "$stamp" ]; then
+  echo "quality model: $dir/model (made already)"
+  exit 0
+fi
+mkdir -p "$dir"
+if [ "$(cat "$dir/stamp" 2>/dev/null)" != "$stamp" ]; then
+  rm -rf "$dir/init" "$dir/run" "$dir/model" "$dir/train.jsonl"
+  echo "$stamp" >"$dir/stamp"
+fi
+[ -f "$dir/init/model.safetensors" ] || python3 bench/quality-model/init_gpt2.py "$dir/init" --layers 6 --embd 384 --heads 6 --seed "$seed"
+cmd=("$qatc" train "$dir/init/model.safetensors" --data "$train" "${recipe[@]}" --val "$val" --val-batches 16 --eval-every 100
+  --save-every 50 --out "$dir/run" --log-json "$dir/train.jsonl")
+[ -f "$dir/run/checkpoint/resume.json" ] && cmd+=(--resume "$dir/run")
+printf '%q ' "${cmd[@]}" >"$dir/command"
+echo >>"$dir/command"
+echo "quality model: training into $dir ($(cat "$dir/command"))"
+"${cmd[@]}"
+rm -rf "$dir/model.tmp"
+mkdir -p "$dir/model.tmp"
+cp "$dir/run/model.safetensors" "$dir/run/config.json" "$dir/model.tmp/"
+rm -rf "$dir/model"
+mv "$dir/model.tmp" "$dir/model"
+echo "quality model: $dir/model"
