@@ -651,3 +651,30 @@ fn plan_table_per_rank_and_train_refuses_ranks() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("MPI") && err.contains("NCCL") && err.trim().lines().count() == 1, "{err}");
 }
+
+/// `--fit --ranks 2` searches the ZeRO stage too, lowest first: on the tiny model's full
+/// fine-tune at 1 MiB nothing fits at ZeRO 0 (`--zero 0` pins it), and the rows that fit name the
+/// stage that made them fit.
+#[test]
+fn fit_over_ranks_searches_the_zero_stage() {
+    let tiny = "tests/fixtures/tiny/f32_prefix/model.safetensors";
+    let fit = |zero: Option<&str>| {
+        let mut args = vec!["plan", tiny, "--seq", "4", "--memory", "1MiB", "--fit", "--ranks", "2", "--max-batch", "2"];
+        args.extend(["--precision", "fp32", "--optim", "adamw", "--json"]);
+        if let Some(z) = zero {
+            args.extend(["--zero", z]);
+        }
+        let out = qatc(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let pinned = fit(Some("0"));
+    assert!(pinned["fits"].as_array().unwrap().is_empty(), "{pinned}");
+    let searched = fit(None);
+    let rows = searched["fits"].as_array().unwrap();
+    assert!(!rows.is_empty(), "{searched}");
+    for r in rows {
+        assert_eq!(r["ranks"], 2);
+        assert!(r["zero"].as_u64().unwrap() >= 1, "{r}");
+    }
+}

@@ -110,9 +110,11 @@ pub struct Candidate {
     pub checkpoint: String,
     pub precision: &'static str,
     pub optim: &'static str,
-    /// Data-parallel ranks and the ZeRO stage (`--ranks`, `--zero`).
-    pub ranks: usize,
-    pub zero: u8,
+    /// Data-parallel ranks and the ZeRO stage (`--ranks`, `--zero`), with more than one rank.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero: Option<u8>,
     pub peak_bytes: usize,
     pub fits: bool,
     /// Share of the step's FLOPs spent recomputing.
@@ -140,8 +142,8 @@ fn candidate(o: &StepOptions, e: &Executed, memory: usize, target: &Target) -> C
         },
         precision: o.precision.name(),
         optim: crate::config::Optimizer::of(o.adamw.moments).name(),
-        ranks: o.parallel.ranks,
-        zero: o.parallel.zero,
+        ranks: o.parallel.distributed().then_some(o.parallel.ranks),
+        zero: o.parallel.distributed().then_some(o.parallel.zero),
         peak_bytes: e.plan.peak_bytes(),
         fits: e.plan.peak_bytes() <= memory,
         recompute_share: e.recompute_flops as f64 / e.total_flops.max(1) as f64,
@@ -349,8 +351,8 @@ pub fn table(f: &Fit, title: &str, memory: usize, target: &Target) -> String {
         return o;
     }
     o += "  ranked by estimated throughput: tokens / (FLOPs + a fixed cost per launch), a model, not a measurement\n";
-    if let Some(c) = f.fits.first().filter(|c| c.ranks > 1) {
-        o += &format!("  one rank's step of {} ranks: batch is per rank, peak is per rank; ZeRO stage lowest that fits\n", c.ranks);
+    if let Some(ranks) = f.fits.first().and_then(|c| c.ranks) {
+        o += &format!("  one rank's step of {ranks} ranks: batch is per rank, peak is per rank; ZeRO stage lowest that fits\n");
     }
     o += "\n";
     o += &format!(
@@ -363,7 +365,10 @@ pub fn table(f: &Fit, title: &str, memory: usize, target: &Target) -> String {
             c.batch,
             c.seq,
             c.tokens,
-            if c.ranks > 1 { format!("{} zero{}", c.checkpoint, c.zero) } else { c.checkpoint.clone() },
+            match c.zero {
+                Some(z) => format!("{} zero{z}", c.checkpoint),
+                None => c.checkpoint.clone(),
+            },
             c.precision,
             c.optim,
             100.0 * c.recompute_share,
