@@ -9,6 +9,7 @@ use qatc_passes::optim::AdamW;
 use qatc_passes::pipeline::{self, PipelineOptions};
 use qatc_passes::precision::{LossScaling, Precision};
 use qatc_passes::quant::QuantOptions;
+use qatc_passes::zero::Parallel;
 use qatc_passes::{PassError, PassReport};
 
 use crate::frontend::config::Gpt2Config;
@@ -56,6 +57,9 @@ pub struct StepOptions {
     /// The compile budget (`--compile-timeout`): every pass, and the long loops inside remat,
     /// the planner and fusion, stop with an error once it is spent.
     pub deadline: Deadline,
+    /// Data-parallel ranks and ZeRO stage (`--ranks`, `--zero`): the step is one rank's, of
+    /// `batch` rows.
+    pub parallel: Parallel,
 }
 
 impl StepOptions {
@@ -74,6 +78,7 @@ impl StepOptions {
             loss_scaling: LossScaling::default(),
             scale_init: Default::default(),
             deadline: Deadline::unlimited(),
+            parallel: Parallel::default(),
         }
     }
 }
@@ -104,6 +109,7 @@ impl ModelOptions {
             loss_scaling: LossScaling::default(),
             checkpoint: qatc_passes::remat::Checkpoint::None,
             fuse: None,
+            parallel: Parallel::default(),
             deadline,
         }
     }
@@ -120,6 +126,7 @@ impl StepOptions {
             loss_scaling: self.loss_scaling.clone(),
             checkpoint: self.checkpoint,
             fuse: self.fuse.clone(),
+            parallel: self.parallel,
             ..self.model.pipeline(self.precision, self.deadline)
         }
     }

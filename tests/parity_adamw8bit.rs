@@ -78,7 +78,7 @@ fn case() -> Case {
         let gi = g.input(format!("gin:{name}"), InputKind::Data, DType::F32, Shape::new(shape.clone())).unwrap();
         g.set_output(grad_name(name), gi).unwrap();
     }
-    let (g, report) = optim::adamw(g, &h, false).unwrap();
+    let (g, report) = optim::adamw(g, &h, false, Default::default()).unwrap();
     qatc_ir::verify(&g).unwrap();
     assert!(format!("{report:?}").contains("blockwise_8bit"), "{report:?}");
     let lrs = meta["lrs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();

@@ -116,3 +116,34 @@ fn cached_generation_pass() {
     assert_eq!(stages, ["lower", "fake_quant", "lora", "trainable", "fold"]);
     insta::assert_snapshot!("cached_qat_fold", print(&qat));
 }
+
+/// Data parallelism over N = 2 ranks: after `data_parallel` each gradient is all-reduced (mean;
+/// `dp.b0:grad:NAME`, one 25 MiB bucket here) and the loss too (`loss.global`); at ZeRO 1 each
+/// gradient is padded to a multiple of 2, reduce-scattered to this rank's block, clipping's sum of
+/// squares all-reduced, and AdamW updates the block of the weight row `rank` selects, then
+/// all-gathers it (`zero:NAME`); at ZeRO 2 with K = 2 the sums `accum.grad:NAME` hold blocks;
+/// at ZeRO 3 (`zero`) each trainable input is a block, all-gathered before each use
+/// (`zero3:NAME`).
+#[test]
+fn data_parallel_and_zero_stages_over_two_ranks() {
+    use qatc_passes::zero::Parallel;
+    let mut o = StepOptions::new(1, 4);
+    o.clip = Some(1.0);
+    o.parallel = Parallel { ranks: 2, zero: 0 };
+    let dp = after(&o, "data_parallel");
+    assert!(dp.contains("\"dp.b0:grad:wte.weight\"") && dp.contains("\"loss.global\""));
+    insta::assert_snapshot!("data_parallel_n2", dp);
+    o.parallel.zero = 1;
+    insta::assert_snapshot!("data_parallel_n2_zero1", after(&o, "data_parallel"));
+    let adamw = after(&o, "adamw");
+    assert!(adamw.contains("\"zero:wte.weight\"") && adamw.contains("\"rank\""));
+    insta::assert_snapshot!("adamw_n2_zero1", adamw);
+    let mut k2 = o.clone();
+    k2.grad_accum = 2;
+    k2.parallel.zero = 2;
+    insta::assert_snapshot!("accumulate_k2_n2_zero2", after(&k2, "accumulate"));
+    o.parallel.zero = 3;
+    let z3 = after(&o, "zero");
+    assert!(z3.contains("\"zero3:wte.weight\""));
+    insta::assert_snapshot!("zero_n2_zero3", z3);
+}

@@ -272,6 +272,32 @@ impl Graph {
         }
     }
 
+    /// Points `user`'s operands that are `old` at `new` instead (one user's uses, where
+    /// `replace_all_uses` moves every user: ZeRO-3 gives each use of a parameter its own gather).
+    pub fn replace_use(&mut self, user: NodeId, old: NodeId, new: NodeId) {
+        let edges: Vec<_> = self
+            .g
+            .edges_directed(Self::idx(old), Direction::Outgoing)
+            .filter(|e| e.target() == Self::idx(user))
+            .map(|e| (e.id(), *e.weight()))
+            .collect();
+        for (id, slot) in edges {
+            self.g.remove_edge(id);
+            self.g.add_edge(Self::idx(new), Self::idx(user), slot);
+        }
+    }
+
+    /// Gives input `id` a new shape (ZeRO-3: a parameter becomes this rank's shard). Its users
+    /// keep the types they were built with, so the caller rewires every one of them before the
+    /// verifier sees the graph.
+    pub fn set_input_shape(&mut self, id: NodeId, new_shape: Shape) {
+        let node = &mut self.g[Self::idx(id)];
+        if let Op::Input { shape, dtype, .. } = &mut node.op {
+            *shape = new_shape.clone();
+            node.ty = TensorType::new(*dtype, new_shape);
+        }
+    }
+
     /// Deterministic topological order: depth-first post-order from the outputs (operands left to
     /// right), then nodes no output reaches, in insertion order. It depends only on the graph's
     /// structure and output order, never on how indices were allocated.

@@ -8,12 +8,15 @@
 //! - [`quant::fold`]: frozen FakeQuant -> packed 4-bit codes + Dequantize (bit-identical);
 //! - [`microbatch`]: unrolls K micro-batches for gradient accumulation;
 //! - [`autodiff`]: reverse-mode gradients of `loss` for the trainable inputs (a rule table);
+//! - [`data_parallel`]: gradients averaged over ranks in buckets (ZeRO 1+: reduce-scattered);
+//! - [`zero::zero3`]: ZeRO 3, each trainable weight a block gathered before each use;
 //! - [`optim::clip`]: global-norm gradient clipping;
 //! - [`optim::adamw`]: the AdamW update, with moments and the step count as graph state;
 //! - [`precision::precision`]: bf16/fp16 storage with f32 masters, fp16 loss scaling;
 //! - [`fusion::fuse`]: kernel fusion by equality saturation (egg), last.
 
 pub mod autodiff;
+pub mod data_parallel;
 pub mod error;
 pub mod fusion;
 pub mod linears;
@@ -26,6 +29,7 @@ pub mod precision;
 pub mod quant;
 mod rebuild;
 pub mod remat;
+pub mod zero;
 
 pub use error::PassError;
 pub use pipeline::{PassReport, PipelineOptions, Stage};

@@ -27,6 +27,7 @@ use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
 use crate::pipeline::Stage;
 use crate::rebuild::copy_nodes;
+use crate::zero::Parallel;
 
 /// Data input, f32 []: 1 on the last micro-batch of an optimizer step, else 0.
 pub const APPLY: &str = "accum.apply";
@@ -60,7 +61,10 @@ pub fn scale_loss(mut g: Graph, k: usize) -> Result<(Graph, PassReport), PassErr
 
 /// Stage `accumulate`: every `grad:NAME` output becomes `accum.grad:NAME` + the micro-batch's
 /// gradient, and `loss` the running loss; the sums are updated, to 0 on the last micro-batch.
-pub fn accumulate(mut g: Graph, k: usize) -> Result<(Graph, PassReport), PassError> {
+///
+/// With ZeRO 2 and 3 over several ranks (`p.shards_gradients()`) each micro-batch's gradient is
+/// first reduce-scattered (`data_parallel::reduce_gradients`), so a sum holds this rank's block.
+pub fn accumulate(mut g: Graph, k: usize, p: Parallel) -> Result<(Graph, PassReport), PassError> {
     let pass = Stage::Accumulate;
     let mut report = PassReport::new(pass);
     if k <= 1 {
@@ -68,11 +72,20 @@ pub fn accumulate(mut g: Graph, k: usize) -> Result<(Graph, PassReport), PassErr
     }
     let apply = g.input(APPLY, InputKind::Data, DType::F32, Shape::scalar()).in_pass(pass)?;
     let mut sums = vec![("loss".to_string(), LOSS_SUM.to_string())];
-    for p in g.inputs() {
-        if g.input_kind(p) == Some(InputKind::Trainable) {
-            let name = g.node(p).name.clone().unwrap_or_default();
+    let mut grads = Vec::new();
+    for id in g.inputs() {
+        if g.input_kind(id) == Some(InputKind::Trainable) {
+            let name = g.node(id).name.clone().unwrap_or_default();
             sums.push((grad_name(&name), grad_sum_name(&name)));
+            let gr = g
+                .output(&grad_name(&name))
+                .ok_or_else(|| PassError::Invalid { pass, msg: format!("no gradient of {name:?}: run autodiff first") })?;
+            grads.push((grad_name(&name), gr));
         }
+    }
+    if p.shards_gradients() {
+        let blocks = crate::data_parallel::reduce_gradients(&mut g, grads, p, pass, &mut report)?;
+        replace_outputs(&mut g, &blocks, pass)?;
     }
     let mut elems = 0i64;
     for (output, sum_name) in sums {
@@ -120,6 +133,11 @@ fn broadcast(g: &mut Graph, x: NodeId, shape: &Shape, pass: Stage) -> Result<Nod
         return Ok(x);
     }
     g.add(Op::Broadcast { shape: shape.clone() }, &[x]).in_pass(pass)
+}
+
+/// Points each output (not an update) named in `new` at its node, keeping the outputs' order.
+pub(crate) fn replace_outputs(g: &mut Graph, new: &[(String, NodeId)], pass: Stage) -> Result<(), PassError> {
+    rewrite_outputs(g, pass, |o| if o.update { None } else { new.iter().find(|(n, _)| *n == o.name).map(|(_, id)| *id) })
 }
 
 /// Points output `name` (not an update) at `node`, keeping the outputs' order.

@@ -10,13 +10,14 @@
 //! LayerNorm gains) keep f32 moments, as bitsandbytes' `min_8bit_size` does: their bytes are
 //! negligible and their updates the most sensitive; so do embedding tables (`is_blockwise`).
 
-use qatc_ir::{qmap, BinaryOp, DType, DynMap, Graph, InputKind, NodeId, Op, Shape, UnaryOp};
+use qatc_ir::{qmap, BinaryOp, DType, DynMap, Graph, InputKind, NodeId, Op, Reduce, Shape, UnaryOp};
 use serde::Serialize;
 
 use crate::autodiff::grad_name;
 use crate::error::{InPass, PassError};
 use crate::pipeline::PassReport;
 use crate::pipeline::Stage;
+use crate::zero::Parallel;
 
 /// Elements per block of an 8-bit moment (one absmax per block), bitsandbytes' optimizer block.
 pub const BLOCK_8BIT: usize = 2048;
@@ -112,7 +113,9 @@ fn rewire_outputs(g: &mut Graph, new: &[(String, NodeId)], pass: Stage) -> Resul
 
 /// torch.nn.utils.clip_grad_norm_: total = sqrt(sum of every gradient's squares);
 /// every gradient is scaled by min(1, max_norm / (total + 1e-6)). Adds output `grad_norm`.
-pub fn clip(mut g: Graph, max_norm: f64) -> Result<(Graph, PassReport), PassError> {
+/// Where ZeRO shards the gradients (`par.sharded()`) each rank sums its blocks' squares and the
+/// sums are all-reduced, so every rank clips by the global norm (the padding adds zeros).
+pub fn clip(mut g: Graph, max_norm: f64, par: Parallel) -> Result<(Graph, PassReport), PassError> {
     let mut report = PassReport::new(Stage::Clip);
     let gs = grads(&g, Stage::Clip)?;
     let mut total: Option<NodeId> = None;
@@ -124,7 +127,10 @@ pub fn clip(mut g: Graph, max_norm: f64) -> Result<(Graph, PassReport), PassErro
             Some(t) => g.add(Op::Binary(BinaryOp::Add), &[t, s]).in_pass(Stage::Clip)?,
         });
     }
-    let total = total.ok_or(PassError::Invalid { pass: Stage::Clip, msg: "no gradients to clip".into() })?;
+    let mut total = total.ok_or(PassError::Invalid { pass: Stage::Clip, msg: "no gradients to clip".into() })?;
+    if let Some(world) = par.sharded() {
+        total = g.add_named(Op::AllReduce { reduce: Reduce::Sum, world }, &[total], "grad_norm.squares").in_pass(Stage::Clip)?;
+    }
     let norm = g.add_named(Op::Unary(UnaryOp::Sqrt), &[total], "grad_norm").in_pass(Stage::Clip)?;
     let den = g.add(Op::Affine { mul: 1.0, add: 1e-6 }, &[norm]).in_pass(Stage::Clip)?;
     let inv = g.add(Op::Unary(UnaryOp::Recip), &[den]).in_pass(Stage::Clip)?;
@@ -147,7 +153,11 @@ pub fn clip(mut g: Graph, max_norm: f64) -> Result<(Graph, PassReport), PassErro
 /// Appends the AdamW update of every trainable input. With `keep_grads` the gradient outputs stay
 /// (parity tests read them); otherwise they are dropped so gradients die as soon as the update
 /// has consumed them.
-pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassReport), PassError> {
+///
+/// With ZeRO 1 and 2 (`par.sharded()`, the weights whole on every rank) the gradients are this
+/// rank's blocks: AdamW updates the weight's block (`zero::local_block`) with moments of the
+/// block's size, and the new weight is all-gathered. At ZeRO 3 the weight is itself a block.
+pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool, par: Parallel) -> Result<(Graph, PassReport), PassError> {
     let mut report = PassReport::new(Stage::Adamw);
     let gs = grads(&g, Stage::Adamw)?;
     let lr = g.input("lr", InputKind::Data, DType::F32, Shape::scalar()).in_pass(Stage::Adamw)?;
@@ -158,7 +168,12 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
     let mut elems = 0i64;
     let mut scale_lr = None;
     let mut blockwise = 0i64;
-    for (name, p, gr) in &gs {
+    let blocks = par.sharded().filter(|_| !par.shards_parameters());
+    for (name, whole, gr) in &gs {
+        let p = &match blocks {
+            Some(world) => crate::zero::local_block(&mut g, *whole, world, format!("{name}.block"), Stage::Adamw)?,
+            None => *whole,
+        };
         let ty = g.ty(*p).clone();
         let learned = crate::quant::is_learned_name(name);
         let lr = match (name.ends_with(".scales") && learned, scale_lr) {
@@ -172,7 +187,7 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
         };
         let weight_decay = if learned { 0.0 } else { h.weight_decay };
         let (mn, vn) = moment_names(name);
-        let eight = is_blockwise(&g, *p, h.moments);
+        let eight = is_blockwise(&g, *whole, h.moments);
         let (m, v) = if eight {
             let [mc, ma, vc, va] = blockwise_moment_names(name);
             let nb = Shape::new([qmap::blocks(ty.numel())]);
@@ -192,7 +207,11 @@ pub fn adamw(mut g: Graph, h: &AdamW, keep_grads: bool) -> Result<(Graph, PassRe
         let m1 = g.add_named(Op::AdamM { beta1: h.beta1 }, &[m, *gr], mn.clone()).in_pass(Stage::Adamw)?;
         let v1 = g.add_named(Op::AdamV { beta2: h.beta2 }, &[v, *gr], vn.clone()).in_pass(Stage::Adamw)?;
         let op = Op::AdamParam { beta1: h.beta1, beta2: h.beta2, eps: h.eps, weight_decay };
-        let p1 = g.add_named(op, &[*p, m1, v1, lr, t], format!("{name}.next")).in_pass(Stage::Adamw)?;
+        let mut p1 = g.add_named(op, &[*p, m1, v1, lr, t], format!("{name}.next")).in_pass(Stage::Adamw)?;
+        if let Some(world) = blocks {
+            let whole_ty = g.ty(*whole).clone();
+            p1 = crate::zero::gather_whole(&mut g, p1, &whole_ty, world, format!("zero:{name}"), Stage::Adamw)?;
+        }
         g.set_update(name.clone(), p1).in_pass(Stage::Adamw)?;
         if eight {
             // requantized with each block's new absmax (the update above used the f32 values)

@@ -4,8 +4,8 @@
 //!
 //! ```text
 //! lower -> fake_quant -> lora -> trainable -> fold            the model (eval stops here)
-//!       -> microbatch -> autodiff -> accumulate -> clip      the training step
-//!       -> adamw -> apply_gate
+//!       -> microbatch -> autodiff -> accumulate               the training step
+//!       -> data_parallel -> zero -> clip -> adamw -> apply_gate
 //!       -> precision -> remat -> fuse                         how it is stored, saved, fused
 //! ```
 //!
@@ -36,6 +36,8 @@ pub enum Stage {
     Microbatch,
     Autodiff,
     Accumulate,
+    DataParallel,
+    Zero,
     Clip,
     Adamw,
     ApplyGate,
@@ -65,7 +67,7 @@ fn unchanged(g: Graph, stage: Stage) -> Result<(Graph, PassReport), PassError> {
 }
 
 /// The pipeline, in order: the one home of each stage's name, description and pass.
-pub const STAGES: [StageRow; 14] = [
+pub const STAGES: [StageRow; 16] = [
     StageRow {
         stage: Stage::Lower,
         name: "lower",
@@ -127,7 +129,21 @@ pub const STAGES: [StageRow; 14] = [
         name: "accumulate",
         about: "gradients and loss summed over the micro-batches in state accum.* (--grad-accum K)",
         on: |o| o.grad_accum > 1,
-        run: Some(|g, o| crate::microbatch::accumulate(g, o.grad_accum)),
+        run: Some(|g, o| crate::microbatch::accumulate(g, o.grad_accum, o.parallel)),
+    },
+    StageRow {
+        stage: Stage::DataParallel,
+        name: "data_parallel",
+        about: "gradients averaged over --ranks N in 25 MiB buckets (ZeRO 1+: this rank's block), the loss global",
+        on: |o| o.parallel.distributed(),
+        run: Some(|g, o| crate::data_parallel::data_parallel(g, o.parallel)),
+    },
+    StageRow {
+        stage: Stage::Zero,
+        name: "zero",
+        about: "ZeRO 3: each trainable weight held as this rank's block, all-gathered before each use (--zero 3)",
+        on: |o| o.parallel.shards_parameters(),
+        run: Some(|g, o| crate::zero::zero3(g, o.parallel)),
     },
     StageRow {
         stage: Stage::Clip,
@@ -135,7 +151,7 @@ pub const STAGES: [StageRow; 14] = [
         about: "global-norm gradient clipping (--clip X)",
         on: |o| o.clip.is_some(),
         run: Some(|g, o| match o.clip {
-            Some(x) => crate::optim::clip(g, x),
+            Some(x) => crate::optim::clip(g, x, o.parallel),
             None => unchanged(g, Stage::Clip),
         }),
     },
@@ -144,7 +160,7 @@ pub const STAGES: [StageRow; 14] = [
         name: "adamw",
         about: "the AdamW update with its moments and step count as state",
         on: |_| true,
-        run: Some(|g, o| crate::optim::adamw(g, &o.adamw, o.keep_grads)),
+        run: Some(|g, o| crate::optim::adamw(g, &o.adamw, o.keep_grads, o.parallel)),
     },
     StageRow {
         stage: Stage::ApplyGate,
@@ -180,10 +196,10 @@ pub const STAGES: [StageRow; 14] = [
 ];
 
 impl Stage {
-    pub const ALL: [Stage; 14] = {
-        let mut all = [Stage::Lower; 14];
+    pub const ALL: [Stage; 16] = {
+        let mut all = [Stage::Lower; 16];
         let mut i = 0;
-        while i < 14 {
+        while i < 16 {
             all[i] = STAGES[i].stage;
             i += 1;
         }
@@ -256,6 +272,8 @@ pub struct PipelineOptions {
     pub checkpoint: Checkpoint,
     /// None skips fusion.
     pub fuse: Option<crate::fusion::FuseOptions>,
+    /// Ranks and ZeRO stage (`--ranks`, `--zero`): one rank's program.
+    pub parallel: crate::zero::Parallel,
     /// The compile budget: every stage, and the long loops inside remat, the planner and fusion,
     /// stop with an error once it is spent.
     pub deadline: Deadline,

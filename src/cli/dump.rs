@@ -44,7 +44,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     })?;
     match found {
         Some(g) => print!("{}", print(&g)),
-        None => anyhow::bail!("stage `{}` did not run with these options (fake_quant needs --bits, lora --lora, clip --clip)", a.after),
+        None => anyhow::bail!("stage `{}` did not run with these options (fake_quant needs --bits, lora --lora, clip --clip, data_parallel --ranks 2 or more, zero --zero 3 with them)", a.after),
     }
     Ok(())
 }

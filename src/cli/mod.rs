@@ -151,6 +151,15 @@ pub struct StepArgs {
     /// or fp16 (f32 masters and dynamic loss scaling).
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
+    /// Data-parallel ranks N: the step is one rank's program, of --batch rows each (a global
+    /// batch of N x B), its gradients averaged over the ranks (`qatc plan` and `dump` lay it
+    /// out; running it needs MPI or NCCL, not yet built).
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+    /// ZeRO stage with --ranks: 0 none, 1 optimizer state sharded, 2 also gradients, 3 also the
+    /// trainable weights.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
     /// Give up building the step after this many seconds, with a message naming the stage.
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
     pub compile_timeout: f64,
@@ -237,7 +246,15 @@ impl StepArgs {
         let mut o = self.config(model, Placement { device, ..Placement::default() })?.step_options().map_err(anyhow::Error::msg)?;
         options::name_bit_map(&mut o.model, &self.quant);
         o.deadline = self.compile_budget()?;
+        o.parallel = self.parallel()?;
         Ok(o)
+    }
+
+    /// `--ranks` and `--zero`, checked.
+    pub fn parallel(&self) -> anyhow::Result<qatc_passes::zero::Parallel> {
+        let p = qatc_passes::zero::Parallel { ranks: self.ranks, zero: self.zero };
+        p.check().map_err(anyhow::Error::msg)?;
+        Ok(p)
     }
 
     /// `--compile-timeout` as a deadline starting now (not part of the run's configuration: a

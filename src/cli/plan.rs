@@ -19,6 +19,7 @@ use serde_json::json;
 
 use super::StepArgs;
 use crate::frontend::config::Gpt2Config;
+use crate::memory::ranks::RankPlan;
 use crate::memory::{self, json as plan_json, svg, Executed};
 use crate::step::{self, StepOptions};
 
@@ -91,6 +92,9 @@ pub fn describe_options(o: &StepOptions) -> (serde_json::Value, String) {
         words.push(o.precision.name().to_string());
     }
     words.push(crate::config::Optimizer::of(o.adamw.moments).name().to_string());
+    if o.parallel.distributed() {
+        words.push(format!("{} ranks ZeRO {}", o.parallel.ranks, o.parallel.zero));
+    }
     let v = json!({
         "precision": o.precision,
         "quant": q,
@@ -159,6 +163,18 @@ pub fn artifacts(
 ) -> anyhow::Result<(String, String)> {
     let (ctx, title) = context(name, cfg, opts, reports, memory, e);
     Ok((plan_json::to_json(e, ctx)?, svg::render(e, &title, memory)))
+}
+
+/// With `--ranks N` (N > 1), the plan per rank: `g` is this rank's step; the same step on one
+/// rank (not fused, not rematerialized: neither changes its inputs) gives qatc's bytes per
+/// parameter for ZeRO's formula.
+pub fn rank_plan(cfg: &Gpt2Config, opts: &StepOptions, g: &qatc_ir::Graph) -> anyhow::Result<Option<RankPlan>> {
+    if !opts.parallel.distributed() {
+        return Ok(None);
+    }
+    let one = StepOptions { parallel: Default::default(), fuse: None, checkpoint: qatc_passes::remat::Checkpoint::None, ..opts.clone() };
+    let (whole, _) = step::train(cfg, &one, |_, _| {})?;
+    Ok(Some(RankPlan::new(opts.parallel, opts.grad_accum, g, &whole)?))
 }
 
 /// The human table.
@@ -234,10 +250,13 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
     let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
     let options = Options { cpu, ..Options::default() };
     if a.fit {
-        let pinned = memory::fit::Pinned { precision: given.has("precision"), optim: given.has("optim") };
+        let pinned = memory::fit::Pinned { precision: given.has("precision"), optim: given.has("optim"), zero: given.has("zero") };
         return fit(a, &cfg, &name, &opts, pinned, memory, &target, &options);
     }
-    let (reports, e) = build(&cfg, &opts, &target, &options)?;
+    let (g, reports) = step::train(&cfg, &opts, |_, _| {})?;
+    let e = qatc_driver::plan(&g, &target, &options)?;
+    let ranks = rank_plan(&cfg, &opts, &g)?;
+    drop(g);
     if let Some(m) = memory {
         if e.plan.peak_bytes() > target.step_budget(m) {
             anyhow::bail!(
@@ -254,9 +273,12 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
         crate::artifacts::write_atomic(path, svg::render(&e, &title, memory).as_bytes()).with_context(|| format!("{}", path.display()))?;
     }
     if a.json {
-        print!("{}", plan_json::to_json(&e, ctx)?);
+        print!("{}", plan_json::to_json_with(&e, ctx, ranks.as_ref().map(RankPlan::to_json))?);
     } else {
         print!("{}", table(&e, &title, memory));
+        if let Some(r) = &ranks {
+            print!("{}", r.table());
+        }
         if opts.grad_accum > 1 {
             let sums: usize = e.plan.buffers.iter().filter(|b| b.name.starts_with("accum.")).map(|b| b.bytes).sum();
             println!(

@@ -33,11 +33,25 @@ use crate::step::{self, StepOptions};
 pub struct Pinned {
     pub precision: bool,
     pub optim: bool,
+    /// `--zero` given (with `--ranks N`, N > 1, the stage is otherwise searched).
+    pub zero: bool,
 }
 
 impl Pinned {
     /// Nothing searched: the options as given.
-    pub const ALL: Pinned = Pinned { precision: true, optim: true };
+    pub const ALL: Pinned = Pinned { precision: true, optim: true, zero: true };
+}
+
+/// The ZeRO stages `--fit` tries: with one rank, or `--zero` pinned, the one given; over ranks
+/// 0 to 3, lowest first. A higher stage holds less and moves as much or more (stage 3 gathers
+/// each weight before each use), and the ranking's model counts FLOPs and launches, not bytes
+/// on the wire: so a stage is tried only where the lower ones did not fit with that policy.
+pub fn zero_stages(base: &StepOptions, pinned: Pinned) -> Vec<u8> {
+    if pinned.zero || !base.parallel.distributed() {
+        vec![base.parallel.zero]
+    } else {
+        (0..=qatc_passes::zero::Parallel::MAX_ZERO).collect()
+    }
 }
 
 /// The optimizers `--fit` tries: 32-bit and 8-bit AdamW, or the one `--optim` pinned.
@@ -96,6 +110,11 @@ pub struct Candidate {
     pub checkpoint: String,
     pub precision: &'static str,
     pub optim: &'static str,
+    /// Data-parallel ranks and the ZeRO stage (`--ranks`, `--zero`), with more than one rank.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero: Option<u8>,
     pub peak_bytes: usize,
     pub fits: bool,
     /// Share of the step's FLOPs spent recomputing.
@@ -123,6 +142,8 @@ fn candidate(o: &StepOptions, e: &Executed, memory: usize, target: &Target) -> C
         },
         precision: o.precision.name(),
         optim: crate::config::Optimizer::of(o.adamw.moments).name(),
+        ranks: o.parallel.distributed().then_some(o.parallel.ranks),
+        zero: o.parallel.distributed().then_some(o.parallel.zero),
         peak_bytes: e.plan.peak_bytes(),
         fits: e.plan.peak_bytes() <= memory,
         recompute_share: e.recompute_flops as f64 / e.total_flops.max(1) as f64,
@@ -201,7 +222,13 @@ fn search_pruned(
     let mut tried = 0;
     let mut batch = 1;
     let memory = target.step_budget(memory);
-    let policies = [Checkpoint::None, Checkpoint::Auto(memory), Checkpoint::Blocks, Checkpoint::Sqrt];
+    // each policy at each ZeRO stage searched, lowest first: the first pair that fits recomputes
+    // least, at the lowest stage that holds it
+    let stages = zero_stages(base, pinned);
+    let policies: Vec<(Checkpoint, u8)> = [Checkpoint::None, Checkpoint::Auto(memory), Checkpoint::Blocks, Checkpoint::Sqrt]
+        .into_iter()
+        .flat_map(|p| stages.iter().map(move |&z| (p, z)))
+        .collect();
     let kinds: Vec<(Precision, Moments)> =
         precisions(base, pinned).into_iter().flat_map(|p| optimizers(base, pinned).into_iter().map(move |m| (p, m))).collect();
     // per precision and optimizer: the first policy still worth planning (policies.len(): none)
@@ -210,8 +237,9 @@ fn search_pruned(
         let mut any = false;
         for (k, &(precision, optim)) in kinds.iter().enumerate() {
             let mut fitted = None;
-            for (i, &policy) in policies.iter().enumerate().skip(from[k]) {
+            for (i, &(policy, zero)) in policies.iter().enumerate().skip(from[k]) {
                 let mut o = base.clone();
+                o.parallel.zero = zero;
                 o.batch = batch;
                 o.adamw.moments = optim;
                 o.precision = precision;
@@ -322,7 +350,11 @@ pub fn table(f: &Fit, title: &str, memory: usize, target: &Target) -> String {
         }
         return o;
     }
-    o += "  ranked by estimated throughput: tokens / (FLOPs + a fixed cost per launch), a model, not a measurement\n\n";
+    o += "  ranked by estimated throughput: tokens / (FLOPs + a fixed cost per launch), a model, not a measurement\n";
+    if let Some(ranks) = f.fits.first().and_then(|c| c.ranks) {
+        o += &format!("  one rank's step of {ranks} ranks: batch is per rank, peak is per rank; ZeRO stage lowest that fits\n");
+    }
+    o += "\n";
     o += &format!(
         "  {:>5} {:>6} {:>8} {:<14} {:<9} {:<9} {:>10} {:>12} {:>10} {:>9}\n",
         "batch", "seq", "tokens", "checkpoint", "precision", "optim", "recompute", "step FLOPs", "peak", "relative"
@@ -333,7 +365,10 @@ pub fn table(f: &Fit, title: &str, memory: usize, target: &Target) -> String {
             c.batch,
             c.seq,
             c.tokens,
-            c.checkpoint,
+            match c.zero {
+                Some(z) => format!("{} zero{z}", c.checkpoint),
+                None => c.checkpoint.clone(),
+            },
             c.precision,
             c.optim,
             100.0 * c.recompute_share,

@@ -56,8 +56,16 @@ pub fn summary(e: &Executed) -> Value {
 
 /// The whole document. `context` (model, batch, options, policy, device, ...) is written as given.
 pub fn to_json(e: &Executed, context: Value) -> Result<String, serde_json::Error> {
-    let head =
-        [("schema", json!(SCHEMA)), ("version", json!(VERSION)), ("context", context), ("summary", summary(e)), ("totals", totals(e))];
+    to_json_with(e, context, None)
+}
+
+/// [`to_json`] with the plan per rank (`qatc plan --ranks N`, `super::ranks`) as `ranks`.
+pub fn to_json_with(e: &Executed, context: Value, ranks: Option<Value>) -> Result<String, serde_json::Error> {
+    let mut head =
+        vec![("schema", json!(SCHEMA)), ("version", json!(VERSION)), ("context", context), ("summary", summary(e)), ("totals", totals(e))];
+    if let Some(r) = ranks {
+        head.push(("ranks", r));
+    }
     let mut out = String::from("{\n");
     for (k, v) in head {
         let pretty = serde_json::to_string_pretty(&v)?.replace('\n', "\n  ");

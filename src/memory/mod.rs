@@ -6,13 +6,16 @@
 //!
 //! - [`json`]: the plan as JSON (schema `qatc.memory_plan`, version 2, `docs/memory_plan.md`);
 //! - [`svg`]: its timeline as a picture;
-//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size.
+//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size;
+//! - [`ranks`]: with `--ranks N --zero S`, one rank's model states beside ZeRO's formula, and the
+//!   bytes its collectives move.
 //!
 //! The graph-level planner (`qatc_passes::plan`) stays the `remat` pass's model for its search
 //! over checkpoint policies; nothing a user sees comes from it.
 
 pub mod fit;
 pub mod json;
+pub mod ranks;
 pub mod svg;
 
 pub use qatc_driver::Executed;

@@ -113,7 +113,8 @@ fn raw_gradients(g: &Graph, order: &[NodeId]) -> Result<Vec<NodeId>, PassError> 
 }
 
 /// The optimizer's part of the step: strict descendants of the raw gradients that neither the
-/// loss nor a raw gradient depends on.
+/// loss nor a raw gradient depends on, and the nodes that only they read (ZeRO's block of a
+/// weight, which AdamW updates, is cut from the f32 master, not from its compute-type copy).
 fn optimizer_region(g: &Graph, order: &[NodeId], grads: &[NodeId]) -> HashSet<NodeId> {
     let mut below: HashSet<NodeId> = HashSet::new();
     let grads: HashSet<NodeId> = grads.iter().copied().collect();
@@ -130,6 +131,13 @@ fn optimizer_region(g: &Graph, order: &[NodeId], grads: &[NodeId]) -> HashSet<No
         }
     }
     below.retain(|n| !above.contains(n));
+    for &n in order.iter().rev() {
+        let users = g.users(n);
+        let feeds_only_optimizer = !users.is_empty() && users.iter().all(|u| below.contains(u));
+        if feeds_only_optimizer && !above.contains(&n) && !matches!(g.node(n).op, Op::Input { .. }) {
+            below.insert(n);
+        }
+    }
     below
 }
 

@@ -307,6 +307,13 @@ pub fn run(a: &Args, given: &Given) -> anyhow::Result<()> {
 
 /// `run`, with every filesystem step of every save passed through `faults` (the crash tests).
 pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> {
+    if a.step.parallel()?.distributed() {
+        anyhow::bail!(
+            "--ranks {}: the step's collectives need MPI (CPU) or NCCL (GPU) to run, which qatc does not have yet (issue 31, items 5-7); `qatc plan --ranks {}` lays out one rank's step",
+            a.step.ranks,
+            a.step.ranks
+        );
+    }
     if a.eval_every > 0 && a.val.is_none() {
         anyhow::bail!("--eval-every needs --val FILE");
     }
