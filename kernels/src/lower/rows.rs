@@ -268,20 +268,7 @@ fn cross_entropy(lw: &mut Lowerer, cx: &Ctx, a: &Anchor) -> Result<(), KernelErr
     let (logits, targets) = (ops[0], ops[1]);
     let lt = g.ty(logits).shape.0.clone();
     let (n, v) = (lt[0], lt[1]);
-    let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
-    let stats = ce_stats(lw, cx, logits, n);
-    let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
-    let mut kb = lw.kb_rows(cx, n, &touched);
-    let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
-    let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
-    let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
-    let t = kb.bind(Ty::I32, clamped);
-    let t = kb.to_index(t);
-    let col = at(&kb, v, &t);
-    let xt = kb.value(logits, &col)?;
-    let loss = sub(add(max, Expr::un(UnOp::Log, sum)), xt);
-    kb.store_view(&losses, &Pos::Lin(Expr::Ix(Ix::Row)), loss);
-    launch!(lw, kb, "cross_entropy", Space::Rows { rows: n, mapping: RowMapping::Block }, format!("{note}: per-row losses"))?;
+    let losses = row_losses(lw, cx, (logits, targets), (n, v), &note)?;
     let mut kb = lw.kb_rows(cx, 1, &[&a.dest]);
     let total = reduce(&mut kb, ReduceOp::Sum, n, Expr::Int(n as i64), |kb, j| Ok(kb.load_view(&losses, &Pos::Lin(j.clone()))))?;
     kb.name(&total, "total");
@@ -426,20 +413,7 @@ fn weighted_cross_entropy(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, note: String) 
     let ops = cx.g.operands(a.node);
     let (logits, targets, weights) = (ops[0], ops[1], ops[2]);
     let (n, v) = (cx.g.ty(logits).shape.0[0], cx.g.ty(logits).shape.0[1]);
-    let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
-    let stats = ce_stats(lw, cx, logits, n);
-    let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
-    let mut kb = lw.kb_rows(cx, n, &touched);
-    let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
-    let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
-    let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
-    let t = kb.bind(Ty::I32, clamped);
-    let t = kb.to_index(t);
-    let col = at(&kb, v, &t);
-    let xt = kb.value(logits, &col)?;
-    let loss = sub(add(max, Expr::un(UnOp::Log, sum)), xt);
-    kb.store_view(&losses, &Pos::Lin(Expr::Ix(Ix::Row)), loss);
-    launch!(lw, kb, "cross_entropy", Space::Rows { rows: n, mapping: RowMapping::Block }, format!("{note}: per-row losses"))?;
+    let losses = row_losses(lw, cx, (logits, targets), (n, v), &note)?;
     let mut kb = lw.kb_rows(cx, 1, &[&a.dest, &losses]);
     let total = reduce(&mut kb, ReduceOp::Sum, n, Expr::Int(n as i64), |kb, j| {
         let l = kb.load_view(&losses, &Pos::Lin(j.clone()));
@@ -495,4 +469,30 @@ fn packed_softmax(lw: &mut Lowerer, cx: &Ctx, a: &Anchor, note: String, scale: f
     emit_out(&mut kb, a, p, Expr::select(inside, e, f(0.0)))?;
     kb.close_foreach(lp);
     launch!(lw, kb, &a.family, Space::Rows { rows, mapping: RowMapping::Block }, note)
+}
+
+/// The cross-entropy's first kernel, shared by the mean and the weighted sum: each row's loss
+/// logsumexp(row) - row[target] into a scratch [N].
+fn row_losses(
+    lw: &mut Lowerer,
+    cx: &Ctx,
+    (logits, targets): (NodeId, NodeId),
+    (n, v): (usize, usize),
+    note: &str,
+) -> Result<View, KernelError> {
+    let losses = lw.temp("ce_rows", qatc_ir::DType::F32, &[n]);
+    let stats = ce_stats(lw, cx, logits, n);
+    let touched: Vec<&View> = [&losses].into_iter().chain(stats.as_ref().map(|s| [&s.0 .0, &s.0 .1]).into_iter().flatten()).collect();
+    let mut kb = lw.kb_rows(cx, n, &touched);
+    let target = kb.value(targets, &Pos::Lin(Expr::Ix(Ix::Row)))?;
+    let (max, sum) = shared_max_sumexp(&mut kb, logits, v, &stats)?;
+    let clamped = Expr::bin(BinOp::Min, Expr::bin(BinOp::Max, target, Expr::Int(0)), Expr::Int(v as i64 - 1));
+    let t = kb.bind(Ty::I32, clamped);
+    let t = kb.to_index(t);
+    let col = at(&kb, v, &t);
+    let xt = kb.value(logits, &col)?;
+    let loss = sub(add(max, Expr::un(UnOp::Log, sum)), xt);
+    kb.store_view(&losses, &Pos::Lin(Expr::Ix(Ix::Row)), loss);
+    launch!(lw, kb, "cross_entropy", Space::Rows { rows: n, mapping: RowMapping::Block }, format!("{note}: per-row losses"))?;
+    Ok(losses)
 }
