@@ -22,7 +22,6 @@
 use std::time::Instant;
 
 use qatc::cli::options::{model_options, QuantArgs};
-use qatc::cli::profile::profile_table;
 use qatc::data::TokenFile;
 use qatc::frontend::checkpoint::write_synthetic;
 use qatc::frontend::config::Gpt2Config;
@@ -141,8 +140,8 @@ fn main() -> anyhow::Result<()> {
         times.push(t0.elapsed().as_secs_f64());
     }
     times.sort_by(|a, b| a.total_cmp(b));
-    if let Some(rows) = tr.profile() {
-        eprint!("{}", profile_table(&rows, 25));
+    if let Some(table) = tr.profile().and_then(|p| p.table("step", 25)) {
+        eprint!("{table}");
     }
     let med = times[times.len() / 2];
     println!(

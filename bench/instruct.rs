@@ -13,7 +13,6 @@
 use std::time::Instant;
 
 use qatc::batches::{Batches, Dataset};
-use qatc::cli::profile::profile_table;
 use qatc::instruct::ExampleOptions;
 use qatc::model::Model;
 use qatc::step::StepOptions;
@@ -84,8 +83,8 @@ fn main() -> anyhow::Result<()> {
     }
     if profile {
         for (tr, (name, _)) in trainers.iter().zip(&arms) {
-            if let Some(rows) = tr.profile() {
-                println!("\n{name}:\n{}", profile_table(&rows, 12));
+            if let Some(table) = tr.profile().and_then(|p| p.table("step", 12)) {
+                println!("\n{name}:\n{table}");
             }
         }
     }

@@ -176,7 +176,11 @@ pub fn cached(
 }
 
 /// The model graph for evaluation (the loss, and the logits when asked): `model`, then the
-/// `precision` stage when `p` is not fp32.
+/// `precision` stage when `p` is not fp32, then fusion when `fuse` is given (the compiled
+/// forward of `qatc eval`, `prt` and validation: the kernels of the training step's forward,
+/// flash attention, GEMMs fed 4-bit panels with their epilogues, the LM head's cross-entropy
+/// chunk by chunk of rows, never the whole [B T, V] logits).
+#[allow(clippy::too_many_arguments)]
 pub fn evaluation(
     cfg: &Gpt2Config,
     batch: usize,
@@ -184,12 +188,18 @@ pub fn evaluation(
     logits: bool,
     mo: &ModelOptions,
     p: Precision,
+    fuse: Option<qatc_passes::fusion::FuseOptions>,
     mut after: impl FnMut(Stage, &Graph),
 ) -> Result<(Graph, Vec<PassReport>), PassError> {
-    let o = mo.pipeline(p, Deadline::unlimited());
+    let o = PipelineOptions { fuse, ..mo.pipeline(p, Deadline::unlimited()) };
     let lo = LowerOptions { batch, seq, logits, inputs: mo.inputs };
     let (g, mut reports) = model_with(cfg, &lo, &o, &mut after)?;
-    let (g, more) = pipeline::run(g, Stage::Precision, Stage::Precision, &o, after)?;
+    let (g, more) = pipeline::run(g, Stage::Precision, Stage::Precision, &o, &mut after)?;
+    reports.extend(more);
+    if o.fuse.is_none() {
+        return Ok((g, reports));
+    }
+    let (g, more) = pipeline::run(g, Stage::Fuse, Stage::Fuse, &o, after)?;
     reports.extend(more);
     Ok((g, reports))
 }

@@ -31,7 +31,14 @@ pub struct Profile {
     steps: usize,
     /// what -> (times run, seconds, bytes moved, FLOPs)
     by: BTreeMap<String, (usize, f64, u64, u64)>,
+    /// seconds by the phase of the step the parts belong to (`qatc_runtime::exec::step_phase`),
+    /// in `PHASES`' order
+    by_phase: [f64; PHASES.len()],
 }
+
+/// The phases a profile sums its time by, in the order it shows them: the last is what belongs
+/// to no step of the program (the updates' write-back, copies in and out).
+const PHASES: [&str; 5] = ["forward", "recompute", "backward", "optimizer", "other"];
 
 impl Profile {
     /// Adds the timed parts of one run of the executor, which `ends_step` when it is a step's
@@ -39,6 +46,10 @@ impl Profile {
     pub fn add(&mut self, times: Vec<qatc_runtime::exec::TimedPart>, ends_step: bool) {
         self.steps += usize::from(ends_step);
         for t in times {
+            let phase = t.phase.map_or("other", |p| p.name());
+            if let Some(i) = PHASES.iter().position(|&p| p == phase) {
+                self.by_phase[i] += t.secs;
+            }
             let e = self.by.entry(t.what).or_default();
             e.0 += 1;
             e.1 += t.secs;
@@ -66,6 +77,23 @@ impl Profile {
             .collect();
         v.sort_by(|a, b| b.secs.total_cmp(&a.secs));
         Some(v)
+    }
+
+    /// The profile as `qatc train/eval/generate --profile` print it (`profile_table`, the first
+    /// `top` kinds of step), one `unit` at a time; None when no step was added.
+    pub fn table(&self, unit: &str, top: usize) -> Option<String> {
+        Some(crate::cli::profile::profile_table(&self.rows()?, &self.phases()?, unit, top))
+    }
+
+    /// Seconds per step by phase (forward, recompute, backward, optimizer, other), those with
+    /// any time; None when no step was added. A fused kernel that computes the loss and its
+    /// gradient at once (the LM head's) counts as backward.
+    pub fn phases(&self) -> Option<Vec<(&'static str, f64)>> {
+        if self.steps == 0 {
+            return None;
+        }
+        let n = self.steps as f64;
+        Some(PHASES.iter().zip(self.by_phase).filter(|(_, s)| *s > 0.0).map(|(&p, s)| (p, s / n)).collect())
     }
 }
 
@@ -320,11 +348,11 @@ impl Trainer {
         self.profile = on.then(Profile::default);
     }
 
-    /// Where a step's time goes, from the steps profiled (`set_profile`): a row per kind of
-    /// step, per step, largest time first. None when nothing was profiled (the interpreter does
-    /// not time its parts; the first step is not profiled).
-    pub fn profile(&self) -> Option<Vec<ProfileRow>> {
-        self.profile.as_ref()?.rows()
+    /// Where the steps' time went, from the steps profiled (`set_profile`; `Profile::rows` and
+    /// `phases` are None when nothing was: the interpreter does not time its parts, and the
+    /// first step is not profiled).
+    pub fn profile(&self) -> Option<&Profile> {
+        self.profile.as_ref()
     }
 
     /// The loss scale the next step uses (fp16 with loss scaling), read back; else None.

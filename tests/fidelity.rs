@@ -185,7 +185,7 @@ fn check_forward(quant: &str) {
     let truth = Truth::load();
     let m = model();
     let mo = ModelOptions { quant: (quant == "q4").then(q4), ..Default::default() };
-    let (g, _) = step::evaluation(&m.cfg, B, T, true, &mo, Precision::Fp32, |_, _| {}).expect("the evaluation graph");
+    let (g, _) = step::evaluation(&m.cfg, B, T, true, &mo, Precision::Fp32, None, |_, _| {}).expect("the evaluation graph");
     let places = logit_places(&truth, m.cfg.vocab_size);
     let (losses, logits) = (truth.floats(&format!("forward/{quant}/loss")), truth.floats(&format!("forward/{quant}/logits")));
 
@@ -198,7 +198,9 @@ fn check_forward(quant: &str) {
     #[cfg(feature = "llvm")]
     {
         engines.push(("compiled CPU, unfused", forward_compiled(&g, &m, &places), &COMPILED));
-        let fused = qatc_passes::fusion::fuse(g.clone(), &FuseOptions::default(), &qatc_ir::Deadline::unlimited()).expect("fuses").0;
+        // the graph `qatc eval` compiles: the evaluation with the fusion stage
+        let fuse = Some(FuseOptions::default());
+        let (fused, _) = step::evaluation(&m.cfg, B, T, true, &mo, Precision::Fp32, fuse, |_, _| {}).expect("the fused evaluation graph");
         engines.push(("compiled CPU, fused", forward_compiled(&fused, &m, &places), &COMPILED));
     }
     let mean = losses.iter().sum::<f64>() / losses.len() as f64;

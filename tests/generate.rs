@@ -104,7 +104,7 @@ fn the_kv_cache_gives_the_logits_of_the_whole_prefix() {
             rows.push(dec.step(t).unwrap());
         }
         let t = seq.len();
-        let (g, _) = qatc::step::evaluation(&m.cfg, 1, t, true, &setup.model, Precision::Fp32, |_, _| {}).unwrap();
+        let (g, _) = qatc::step::evaluation(&m.cfg, 1, t, true, &setup.model, Precision::Fp32, None, |_, _| {}).unwrap();
         let mut whole = compile_bound(&m, &g, &setup, None).unwrap().step;
         let data: Vec<i32> = seq.iter().map(|&x| x as i32).collect();
         whole.set_input("ids", &Value::Int(IntTensor { shape: vec![1, t], data: data.clone() })).unwrap();

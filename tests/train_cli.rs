@@ -111,6 +111,8 @@ fn qat_lora_training_writes_an_adapter() {
     let l = losses(&log);
     assert!(mean(&l[8..]) < mean(&l[..4]), "the loss does not fall: {l:?}");
     assert!(stderr.contains("one step, ") && stderr.contains("gemm ") && stderr.contains("cross_entropy"), "{stderr}");
+    // the step's time by phase: the blocks' forward, and the backward (with the head's fused loss)
+    assert!(stderr.contains("by phase: forward ") && stderr.contains(", backward "), "{stderr}");
     let val: Vec<(u64, f64)> = std::fs::read_to_string(&log)
         .unwrap()
         .lines()
@@ -121,7 +123,7 @@ fn qat_lora_training_writes_an_adapter() {
         .collect();
     assert_eq!(val.iter().map(|v| v.0).collect::<Vec<_>>(), [5, 11], "validated after steps 6 and 12");
     assert!(val[0].1 != val[1].1, "{val:?}");
-    let e = run(&[
+    let (e, eval_err) = run_both(&[
         "eval",
         m.to_str().unwrap(),
         "--data",
@@ -138,8 +140,27 @@ fn qat_lora_training_writes_an_adapter() {
         out.to_str().unwrap(),
         "--json",
     ]);
+    assert!(eval_err.contains("eval runs compiled"), "{eval_err}");
     let adapter_loss = serde_json::from_str::<serde_json::Value>(&e).unwrap()["loss"].as_f64().unwrap();
     assert!((adapter_loss - val[1].1).abs() <= 1e-6 * adapter_loss, "validation {} against the adapter's eval {adapter_loss}", val[1].1);
+    // where an evaluation's batch goes (the first batch is not timed): a forward alone
+    let (_, prof) = run_both(&[
+        "eval",
+        m.to_str().unwrap(),
+        "--data",
+        v.to_str().unwrap(),
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+        "--batches",
+        "2",
+        "--adapter",
+        out.to_str().unwrap(),
+        "--profile",
+    ]);
+    assert!(prof.contains("one batch, ") && prof.contains("by phase: forward ") && prof.contains("attention.flash"), "{prof}");
+    assert!(!prof.contains("backward"), "{prof}");
     let a = qatc::adapter::read(&out).unwrap();
     assert_eq!(a.r, 16);
     assert_eq!(a.tensors.len(), 4 * 4 * 2, "A and B for 4 linears x 4 layers");

@@ -1,7 +1,8 @@
 //! `qatc eval MODEL --data FILE`: mean loss and perplexity over the first N batches of a token
-//! file: the forward compiled like the training step (`qatc_driver::compile`: LLVM kernels on the
-//! CPU, the CUDA executor with `--device cuda` or `auto` where a GPU is usable), the weights
-//! uploaded once; `--interpreter` runs the reference interpreter instead.
+//! file: the forward compiled like the training step (fused by the same stage, then
+//! `qatc_driver::compile`: LLVM kernels on the CPU, the CUDA executor with `--device cuda` or
+//! `auto` where a GPU is usable), the weights uploaded once; `--interpreter` runs the reference
+//! interpreter instead, on the unfused graph. `--profile` says where a batch's time goes.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -60,6 +61,11 @@ pub struct Args {
     /// the compiled forward.
     #[arg(long)]
     pub interpreter: bool,
+    /// After the batches: where a batch's time went, kernel by kernel and GEMM by GEMM (the
+    /// first batch, which also computes what later ones reuse, is not timed), as `train
+    /// --profile` shows a step's.
+    #[arg(long)]
+    pub profile: bool,
     #[command(flatten)]
     pub cache: super::kernel_cache::KernelCacheArgs,
     #[command(flatten)]
@@ -167,6 +173,8 @@ pub struct Evaluator {
     t: usize,
     /// The adapter's scaling, for the message when a loss overflows.
     lora_scaling: Option<(f64, f64)>,
+    /// Where the batches' time goes (`--profile`), from the second batch on.
+    pub profile: Option<crate::trainer::Profile>,
 }
 
 impl Evaluator {
@@ -175,7 +183,10 @@ impl Evaluator {
     /// state has them, else the adapter's, else fresh ones.
     pub fn new(m: &Model, b: usize, t: usize, setup: &EvalSetup, state: Option<&HashMap<String, Value<f32>>>) -> anyhow::Result<Evaluator> {
         let start = std::time::Instant::now();
-        let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, |_, _| {})?;
+        // compiled, the forward is fused as the training step's is; the interpreter runs the
+        // reference graph
+        let fuse = (!setup.interpreter).then(qatc_passes::fusion::FuseOptions::default);
+        let (g, _) = step::evaluation(&m.cfg, b, t, false, &setup.model, setup.precision, fuse, |_, _| {})?;
         let passes_s = start.elapsed().as_secs_f64();
         // the weights go to the executor once; per batch only the ids and targets
         let bound = compile_bound(m, &g, setup, state)?;
@@ -187,6 +198,7 @@ impl Evaluator {
             b,
             t,
             lora_scaling: setup.model.lora.as_ref().map(|l| (l.alpha, l.scaling())),
+            profile: None,
         })
     }
 
@@ -227,7 +239,15 @@ impl Evaluator {
             if let Some(positions) = batch.positions {
                 self.step.set_input("positions", &Value::Int(IntTensor { shape: vec![b, t], data: positions }))?;
             }
-            self.step.run()?;
+            // the first batch also computes what is hoisted out of later ones: not profiled
+            match self.profile.as_mut() {
+                Some(p) if s > 0 => {
+                    if let Some(times) = self.step.run_timed()? {
+                        p.add(times, true);
+                    }
+                }
+                _ => self.step.run()?,
+            }
             let out = HashMap::from([("loss".to_string(), self.step.output("loss")?)]);
             let loss = scalar(&out, "loss")?;
             if !loss.is_finite() {
@@ -362,9 +382,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     setup.kernel_cache = a.cache.dir();
     setup.model.inputs = data.inputs();
     let mut e = Evaluator::new(&m, a.batch, a.seq, &setup, None)?;
+    e.profile = a.profile.then(crate::trainer::Profile::default);
     eprintln!("qatc: eval runs {}", e.description);
     eprintln!("qatc: built the forward in {}", e.built);
     let r = e.run(&data, n, !a.json)?;
+    if let Some(p) = &e.profile {
+        match p.table("batch", 40) {
+            Some(table) => eprint!("{table}"),
+            None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first batch is not timed)"),
+        }
+    }
     if a.json {
         // a perplexity past f64 (a mean loss over 709) is null, as JSON has no infinity
         let mut v = serde_json::to_value(r)?;

@@ -3,11 +3,18 @@
 /// Where a step's time goes, as a table: one line per kind of step (kernel family or GEMM shape),
 /// largest first, at most `top` lines, with the rates it ran at where the executor counts what
 /// it moves and computes (CUDA: GB/s of its compulsory bytes, TFLOP/s of a GEMM's; to set
-/// against the device's peaks, e.g. an H100 SXM's 3.35 TB/s and 989 dense bf16 TFLOP/s).
-pub fn profile_table(rows: &[crate::trainer::ProfileRow], top: usize) -> String {
+/// against the device's peaks, e.g. an H100 SXM's 3.35 TB/s and 989 dense bf16 TFLOP/s). Its
+/// head says what one `unit` (a step, a batch, a token) took in all and, from `phases`
+/// (`Profile::phases`), in each phase of the step.
+pub fn profile_table(rows: &[crate::trainer::ProfileRow], phases: &[(&str, f64)], unit: &str, top: usize) -> String {
     let total: f64 = rows.iter().map(|r| r.secs).sum();
     let counted = rows.iter().any(|r| r.bytes > 0.0);
-    let mut s = format!("one step, {:.1} ms:\n", total * 1e3);
+    let mut s = format!("one {unit}, {:.1} ms:\n", total * 1e3);
+    if !phases.is_empty() {
+        let share = |x: f64| 100.0 * x / total.max(f64::MIN_POSITIVE);
+        let parts: Vec<String> = phases.iter().map(|&(p, x)| format!("{p} {:.1} ms ({:.0}%)", x * 1e3, share(x))).collect();
+        s += &format!("  by phase: {}\n", parts.join(", "));
+    }
     if counted {
         s += &format!("  {:>11} {:>6}  {:<6} {:>8} {:>8}  what\n", "time", "share", "count", "GB/s", "TFLOP/s");
     }
@@ -37,14 +44,23 @@ mod tests {
     /// 1 GB in 1 ms is 1000 GB/s, 2 TFLOP in 10 ms 200 TFLOP/s; a kernel has no FLOP rate.
     #[test]
     fn the_profile_shows_rates_where_costs_are_counted() {
-        let t = profile_table(&[row("gemm 8x8x8", 0.010, 3e9, 2e12), row("layernorm", 0.001, 1e9, 0.0)], 10);
+        let t = profile_table(&[row("gemm 8x8x8", 0.010, 3e9, 2e12), row("layernorm", 0.001, 1e9, 0.0)], &[], "step", 10);
         assert!(t.contains("GB/s") && t.contains("TFLOP/s"), "{t}");
         let gemm = t.lines().find(|l| l.ends_with("gemm 8x8x8")).expect("a gemm line");
         assert!(gemm.contains(" 300.0 ") && gemm.contains(" 200.0 "), "{gemm}");
         let ln = t.lines().find(|l| l.ends_with("layernorm")).expect("a kernel line");
         assert!(ln.contains(" 1000.0 ") && ln.contains(" - "), "{ln}");
         // the CPU counts nothing: no rate columns
-        let cpu = profile_table(&[row("layernorm", 0.001, 0.0, 0.0)], 10);
+        let cpu = profile_table(&[row("layernorm", 0.001, 0.0, 0.0)], &[], "step", 10);
         assert!(!cpu.contains("GB/s"), "{cpu}");
+    }
+
+    /// The head says each phase's time and share of the whole (forward 3 ms of 12 is 25%).
+    #[test]
+    fn the_profile_head_splits_the_time_by_phase() {
+        let rows = [row("gemm 8x8x8", 0.008, 0.0, 0.0), row("layernorm", 0.004, 0.0, 0.0)];
+        let t = profile_table(&rows, &[("forward", 0.003), ("backward", 0.009)], "batch", 10);
+        let head: Vec<&str> = t.lines().take(2).collect();
+        assert_eq!(head, ["one batch, 12.0 ms:", "  by phase: forward 3.0 ms (25%), backward 9.0 ms (75%)"]);
     }
 }

@@ -255,12 +255,14 @@ impl CpuProgram {
             let t = Instant::now();
             self.execute_step(i)?;
             let what = label(&self.steps[i], &self.prog, self.profile_by_kernel);
-            times.push(TimedPart { what, secs: t.elapsed().as_secs_f64(), cost: PartCost::default() });
+            let phase = self.plan.access.get(i).and_then(|a| crate::exec::step_phase(&self.prog, a));
+            times.push(TimedPart { what, secs: t.elapsed().as_secs_f64(), cost: PartCost::default(), phase });
         }
         self.stale = false;
         let t = Instant::now();
         self.write_back()?;
-        times.push(TimedPart { what: "write-back of the updates".into(), secs: t.elapsed().as_secs_f64(), cost: PartCost::default() });
+        let what = "write-back of the updates".into();
+        times.push(TimedPart { what, secs: t.elapsed().as_secs_f64(), cost: PartCost::default(), phase: None });
         Ok(times)
     }
 

@@ -19,7 +19,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use qatc_ir::InputKind;
+use qatc_ir::{InputKind, Phase};
 use qatc_kernels::cuda::blas::{BlasMode, Mem};
 use qatc_kernels::cuda::emit::launch_dims_with;
 use qatc_kernels::cuda::LaunchDims;
@@ -31,7 +31,9 @@ use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
 use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{gemm_label, kernel_label, step_cost, ExecOptions, ExecPlan, MemoryLayout, PartCost, Region, TimedPart, TrainStep};
+use crate::exec::{
+    gemm_label, kernel_label, step_cost, step_phase, ExecOptions, ExecPlan, MemoryLayout, PartCost, Region, TimedPart, TrainStep,
+};
 use crate::value::Value;
 
 /// One step on the device, its pointers resolved.
@@ -99,28 +101,26 @@ fn device_err(what: impl Into<String>) -> impl FnOnce(GpuError) -> RuntimeError 
 
 /// The parts of a timed run: each part's name, its cost and the mark at its end
 /// (`execute_timed`).
+/// What a timed part is: its name, its cost and its phase (`TimedPart`'s).
+type Part = (String, PartCost, Option<Phase>);
+
 struct Parts {
-    ends: Vec<(String, PartCost, MarkId)>,
+    ends: Vec<(Part, MarkId)>,
 }
 
 impl Parts {
     /// A mark ending the part `what` names (its cost `cost`), when the run is timed.
-    fn cut<A: GpuApi + ?Sized>(
-        parts: &mut Option<&mut Parts>,
-        api: &mut A,
-        what: impl FnOnce() -> (String, PartCost),
-    ) -> Result<(), RuntimeError> {
+    fn cut<A: GpuApi + ?Sized>(parts: &mut Option<&mut Parts>, api: &mut A, what: impl FnOnce() -> Part) -> Result<(), RuntimeError> {
         if let Some(p) = parts {
             let m = api.mark().map_err(device_err("marking the time"))?;
-            let (what, cost) = what();
-            p.ends.push((what, cost, m));
+            p.ends.push((what(), m));
         }
         Ok(())
     }
 
     /// A part that is a copy of `bytes`.
-    fn copy(what: &str, bytes: usize) -> (String, PartCost) {
-        (what.to_string(), PartCost { bytes: bytes as u64, flops: 0 })
+    fn copy(what: &str, bytes: usize) -> Part {
+        (what.to_string(), PartCost { bytes: bytes as u64, flops: 0 }, None)
     }
 }
 
@@ -380,13 +380,14 @@ impl<A: GpuApi> CudaProgram<A> {
 
     /// What step `i` is, for a profile: its kernel's family, or the GEMM's shape (as the CPU
     /// executor names them, so the two profiles read alike), with `suffix`; and its cost.
-    fn part(&self, i: usize, suffix: &str) -> (String, PartCost) {
+    fn part(&self, i: usize, suffix: &str) -> Part {
         let step = &self.prog.steps[i];
         let what = match step {
             Step::Launch { kernel, .. } => self.prog.kernels.get(*kernel).map_or_else(|| "?".into(), |k| k.family.clone()),
             Step::Gemm(g) => gemm_label(g.m, g.n, g.k, g.c.shape.iter().rev().skip(2).product()),
         };
-        (format!("{what}{suffix}"), step_cost(&self.prog, step))
+        let phase = self.plan.access.get(i).and_then(|a| step_phase(&self.prog, a));
+        (format!("{what}{suffix}"), step_cost(&self.prog, step), phase)
     }
 
     /// Runs the step as [`execute`](Self::execute) does, its work submitted directly (never the
@@ -412,9 +413,9 @@ impl<A: GpuApi> CudaProgram<A> {
         self.outputs.copy_from_slice(&back[..n]);
         let mut times = Vec::with_capacity(parts.ends.len());
         let mut from = start;
-        for (what, cost, to) in parts.ends {
+        for ((what, cost, phase), to) in parts.ends {
             let secs = api.elapsed_ms(from, to).map_err(device_err("reading the marks"))? / 1e3;
-            times.push(TimedPart { what, secs, cost });
+            times.push(TimedPart { what, secs, cost, phase });
             from = to;
         }
         drop(api);

@@ -7,7 +7,10 @@
 
 use std::collections::HashSet;
 
+use qatc_ir::Phase;
 use qatc_kernels::program::{Program, Step, View};
+
+use super::access::Access;
 
 /// A step's traffic and arithmetic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,13 +42,30 @@ pub fn step_cost(prog: &Program, step: &Step) -> PartCost {
     }
 }
 
+/// The part of the training step a step of a program does: the latest phase among the buffers
+/// it writes (forward, then recompute, backward, optimizer: a backward kernel reads forward
+/// values and writes gradients; AdamW writes the optimizer's), None where it writes none. A
+/// fused kernel that computes a forward value and a gradient (the LM head's loss and its
+/// gradient) is the backward's.
+pub fn step_phase(prog: &Program, access: &Access) -> Option<Phase> {
+    let order = |p: Phase| match p {
+        Phase::Forward => 0,
+        Phase::Recompute => 1,
+        Phase::Backward => 2,
+        Phase::Optimizer => 3,
+    };
+    access.writes.iter().filter_map(|&b| prog.buffers.get(b)).map(|b| b.role.phase).max_by_key(|&p| order(p))
+}
+
 /// One timed part of a run (`TrainStep::run_timed`): what it was, its seconds and its cost
-/// (zero where the executor does not count it).
+/// (zero where the executor does not count it), and the phase of the step it belongs to
+/// (`step_phase`; None for what is no step of the program, such as the updates' write-back).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TimedPart {
     pub what: String,
     pub secs: f64,
     pub cost: PartCost,
+    pub phase: Option<Phase>,
 }
 
 #[cfg(test)]

@@ -203,8 +203,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         g.prompt_secs,
         dec.compile_secs
     );
-    if let Some(rows) = dec.profile.as_ref().and_then(|p| p.rows()) {
-        eprint!("{}", super::profile::profile_table(&rows, 12));
+    if let Some(table) = dec.profile.as_ref().and_then(|p| p.table("token", 12)) {
+        eprint!("{table}");
     }
     Ok(())
 }

@@ -287,8 +287,8 @@ impl<'r> Run<'r> {
     pub(super) fn finish(self, levels: &[(String, f64)]) -> anyhow::Result<()> {
         self.pb.finish_and_clear();
         if self.a.profile {
-            match self.tr.profile() {
-                Some(rows) => eprint!("{}", crate::cli::profile::profile_table(&rows, 40)),
+            match self.tr.profile().and_then(|p| p.table("step", 40)) {
+                Some(table) => eprint!("{table}"),
                 None => eprintln!("qatc: --profile: nothing timed (the interpreter does not time its parts; the first step is not timed)"),
             }
         }
