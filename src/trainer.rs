@@ -29,15 +29,13 @@ use crate::step;
 #[derive(Default)]
 pub struct Profile {
     steps: usize,
-    /// what -> (times run, seconds, bytes moved, FLOPs)
-    by: BTreeMap<String, (usize, f64, u64, u64)>,
-    /// seconds by the phase of the step the parts belong to (`qatc_runtime::exec::step_phase`),
-    /// in `PHASES`' order
-    by_phase: [f64; PHASES.len()],
+    /// (phase, what) -> (times run, seconds, bytes moved, FLOPs); the phase an index into
+    /// `PHASES`, of the step the part belongs to (`qatc_runtime::exec::step_phase`)
+    by: BTreeMap<(usize, String), (usize, f64, u64, u64)>,
 }
 
-/// The phases a profile sums its time by, in the order it shows them: the last is what belongs
-/// to no step of the program (the updates' write-back, copies in and out).
+/// The phases a profile tells apart, in the order it shows them: the last is what belongs to no
+/// step of the program (the updates' write-back, copies in and out).
 const PHASES: [&str; 5] = ["forward", "recompute", "backward", "optimizer", "other"];
 
 impl Profile {
@@ -46,11 +44,9 @@ impl Profile {
     pub fn add(&mut self, times: Vec<qatc_runtime::exec::TimedPart>, ends_step: bool) {
         self.steps += usize::from(ends_step);
         for t in times {
-            let phase = t.phase.map_or("other", |p| p.name());
-            if let Some(i) = PHASES.iter().position(|&p| p == phase) {
-                self.by_phase[i] += t.secs;
-            }
-            let e = self.by.entry(t.what).or_default();
+            let name = t.phase.map_or("other", |p| p.name());
+            let phase = PHASES.iter().position(|&p| p == name).unwrap_or(PHASES.len() - 1);
+            let e = self.by.entry((phase, t.what)).or_default();
             e.0 += 1;
             e.1 += t.secs;
             e.2 += t.cost.bytes;
@@ -58,7 +54,8 @@ impl Profile {
         }
     }
 
-    /// A row per kind of step, per step, largest time first; None when no step was added.
+    /// A row per kind of step and phase, per step, largest time first; None when no step was
+    /// added.
     pub fn rows(&self) -> Option<Vec<ProfileRow>> {
         if self.steps == 0 {
             return None;
@@ -67,8 +64,9 @@ impl Profile {
         let mut v: Vec<ProfileRow> = self
             .by
             .iter()
-            .map(|(k, &(c, s, b, f))| ProfileRow {
+            .map(|((p, k), &(c, s, b, f))| ProfileRow {
                 what: k.clone(),
+                phase: PHASES[*p],
                 count: c as f64 / n,
                 secs: s / n,
                 bytes: b as f64 / n,
@@ -80,21 +78,17 @@ impl Profile {
     }
 
     /// The profile as `qatc train/eval/generate --profile` print it (`profile_table`, the first
-    /// `top` kinds of step), one `unit` at a time; None when no step was added.
+    /// `top` rows), one `unit` at a time; None when no step was added.
     pub fn table(&self, unit: &str, top: usize) -> Option<String> {
-        Some(crate::cli::profile::profile_table(&self.rows()?, &self.phases()?, unit, top))
+        Some(crate::cli::profile::profile_table(&self.rows()?, unit, top))
     }
+}
 
-    /// Seconds per step by phase (forward, recompute, backward, optimizer, other), those with
-    /// any time; None when no step was added. A fused kernel that computes the loss and its
-    /// gradient at once (the LM head's) counts as backward.
-    pub fn phases(&self) -> Option<Vec<(&'static str, f64)>> {
-        if self.steps == 0 {
-            return None;
-        }
-        let n = self.steps as f64;
-        Some(PHASES.iter().zip(self.by_phase).filter(|(_, s)| *s > 0.0).map(|(&p, s)| (p, s / n)).collect())
-    }
+/// Seconds per phase of `rows` (forward, recompute, backward, optimizer, other), those with any
+/// time. A fused kernel that computes the loss and its gradient at once (the LM head's) counts
+/// as backward.
+pub fn phase_sums(rows: &[ProfileRow]) -> Vec<(&'static str, f64)> {
+    PHASES.iter().map(|&p| (p, rows.iter().filter(|r| r.phase == p).map(|r| r.secs).sum::<f64>())).filter(|(_, s)| *s > 0.0).collect()
 }
 
 /// One kind of step in a profile (`Trainer::profile`): per step, how many ran, their seconds,
@@ -102,6 +96,9 @@ impl Profile {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProfileRow {
     pub what: String,
+    /// The phase of the step it belongs to (`forward`, `backward`, ...; `other` for what is no
+    /// step of the program).
+    pub phase: &'static str,
     pub count: f64,
     pub secs: f64,
     pub bytes: f64,

@@ -163,7 +163,8 @@ fn forward_compiled(g: &Graph, m: &Model, places: &[usize]) -> Forward {
         }
         step.run().expect("runs");
         f.losses.push(step.output("loss").expect("a loss").item().expect("a scalar loss"));
-        if s == 0 {
+        // a graph of the loss alone (what `qatc eval` compiles) has no logits to compare
+        if s == 0 && g.output("logits").is_some() {
             let l = floats(&step.output("logits").expect("logits"));
             f.logits = places.iter().map(|&i| l[i]).collect();
         }
@@ -200,8 +201,13 @@ fn check_forward(quant: &str) {
         engines.push(("compiled CPU, unfused", forward_compiled(&g, &m, &places), &COMPILED));
         // the graph `qatc eval` compiles: the evaluation with the fusion stage
         let fuse = Some(FuseOptions::default());
-        let (fused, _) = step::evaluation(&m.cfg, B, T, true, &mo, Precision::Fp32, fuse, |_, _| {}).expect("the fused evaluation graph");
+        let (fused, _) =
+            step::evaluation(&m.cfg, B, T, true, &mo, Precision::Fp32, fuse.clone(), |_, _| {}).expect("the fused evaluation graph");
         engines.push(("compiled CPU, fused", forward_compiled(&fused, &m, &places), &COMPILED));
+        // without the logits as an output, the head's cross-entropy walks the vocabulary in
+        // tiles with an online softmax (`xent_online.rs`'s forward), never a chunk's whole rows
+        let (loss_only, _) = step::evaluation(&m.cfg, B, T, false, &mo, Precision::Fp32, fuse, |_, _| {}).expect("the loss alone");
+        engines.push(("compiled CPU, loss only", forward_compiled(&loss_only, &m, &places), &COMPILED));
     }
     let mean = losses.iter().sum::<f64>() / losses.len() as f64;
     eprintln!("forward, {quant}: float64 mean loss of validation batches 0..{BATCHES} {mean:.10}");

@@ -207,7 +207,11 @@ pub fn lower(
     });
 
     let (hv, wv) = (cx.leaves[&head.h].clone(), cx.leaves[&head.w].clone());
-    if let (true, Some(dloss), [(dh, _)]) = (ch.online, head.dloss, &head.products[..]) {
+    if ch.online {
+        let grad = match (head.dloss, &head.products[..]) {
+            (Some(dloss), [(dh, _)]) => Some((dloss, &results[dh])),
+            _ => None,
+        };
         let count = v.div_ceil(ch.tile);
         let tile_starts = starts(
             lw,
@@ -219,7 +223,7 @@ pub fn lower(
                 what: ("column", "tiles"),
                 count,
                 step: ch.tile,
-                phase: Phase::Backward,
+                phase: ch.phase,
             },
         )?;
         let o = super::xent_online::Online {
@@ -227,10 +231,11 @@ pub fn lower(
             h: &hv,
             w: &wv,
             targets: head.targets,
-            dloss,
+            grad,
             weights: head.weights,
             losses: &losses,
-            dh: &results[dh],
+            c_dim: hv.shape[1],
+            phase: ch.phase,
             scratch: &scratch,
             n,
             vocab: v,
@@ -302,15 +307,15 @@ impl Chunking {
         let r = rows_per_chunk(n, chunk_rows);
         let with_grad = head.grad.is_some();
         let phase = if with_grad { Phase::Backward } else { Phase::Forward };
-        // a frozen head (dh the one product, W its operand as stored) on one thread per row: the
-        // vocabulary in tiles with an online softmax (`xent_online.rs`)
-        // (f32 logits only: the tiles hold f32 logits, which 16-bit logits are not)
+        // a frozen head (dh the one product, W its operand as stored) or a forward alone
+        // (evaluation) on one thread per row: the vocabulary in tiles with an online softmax
+        // (`xent_online.rs`) (f32 logits only: the tiles hold f32 logits, which 16-bit logits are not)
         let logits_dtype = body.ty(head.logits).dtype;
-        let online = lw.options.sequential_rows
-            && with_grad
-            && logits_dtype == DType::F32
+        let frozen = with_grad
             && matches!(head.products[..], [(p, false)] if body.operands(p).get(1) == Some(&head.w)
                 && matches!(body.node(p).op, Op::MatMul { tb: false, .. }));
+        let forward = !with_grad && head.products.is_empty();
+        let online = lw.options.sequential_rows && logits_dtype == DType::F32 && (frozen || forward);
         let tile = if online { super::xent_online::tile_cols(r, v, lw.options.ce_tile_cols) } else { v };
         Chunking { n, v, r, chunks: n.div_ceil(r), with_grad, phase, logits_dtype, online, tile }
     }

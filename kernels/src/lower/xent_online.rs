@@ -20,6 +20,9 @@
 //! The same loss and gradient as the whole row's softmax (sum_v exp(x_v - m) W_v / S is
 //! softmax(x) W), in another association: within 1e-6 of the unchunked step, not bit for bit.
 //! A trainable head (dW) needs each logit's normalized probability, so it keeps `xent.rs`'s form.
+//!
+//! Without a gradient (evaluation's forward) the same walk keeps only the running max, sum and
+//! target logit: no dh, no second GEMM, and the tile is read, not rewritten.
 
 use qatc_ir::{DType, NodeId, Phase, Role};
 
@@ -53,12 +56,16 @@ pub struct Online<'a> {
     pub h: &'a View,
     pub w: &'a View,
     pub targets: NodeId,
-    pub dloss: NodeId,
+    /// dloss and dh [N, C] when the gradient is taken; None for a forward alone.
+    pub grad: Option<(NodeId, &'a View)>,
     /// The rows' weights of a weighted cross-entropy, else the mean's 1/N.
     pub weights: Option<NodeId>,
-    /// The row losses [N] and dh [N, C].
+    /// The row losses [N].
     pub losses: &'a View,
-    pub dh: &'a View,
+    /// The head's input's width C.
+    pub c_dim: usize,
+    /// Where the per-row statistics live (the backward's phase when training).
+    pub phase: Phase,
     /// The [R, Vt] scratch.
     pub scratch: &'a View,
     /// Each tile's first column, in a one-element buffer of its own (as a chunk's first row is):
@@ -76,29 +83,28 @@ fn f(v: f64) -> Expr {
 pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usize, usize)) -> Result<(), KernelError> {
     let rc = r1 - r0;
     let tile = o.scratch.shape[1];
-    let c_dim = o.h.shape[1];
-    let stats = |lw: &mut Lowerer, name: &str| lw.buffer(name.into(), DType::F32, &[rc], BufKind::Temp, Role::temporary(Phase::Backward));
+    let c_dim = o.c_dim;
+    let stats = |lw: &mut Lowerer, name: &str| lw.buffer(name.into(), DType::F32, &[rc], BufKind::Temp, Role::temporary(o.phase));
     let (m, s, xt) = (stats(lw, "ce_run_max"), stats(lw, "ce_run_sum"), stats(lw, "ce_target_logit"));
-    let (h_c, dh_c) = (o.h.slice(0, r0, r1), o.dh.slice(0, r0, r1));
+    let h_c = o.h.slice(0, r0, r1);
     let at_row = Pos::Lin(Expr::Ix(Ix::Row));
 
     // m = -inf, S = 0, x_t = 0, dh_c = 0
     {
-        let mut kb = lw.kb_rows(cx, rc, &[&m, &s, &xt, o.dh, base]);
+        let mut touched = vec![&m, &s, &xt, base];
+        touched.extend(o.grad.map(|(_, dh)| dh));
+        let mut kb = lw.kb_rows(cx, rc, &touched);
         let row_n = global_row(&mut kb, base);
         kb.store_view(&m, &at_row, f(f64::NEG_INFINITY));
         kb.store_view(&s, &at_row, f(0.0));
         kb.store_view(&xt, &at_row, f(0.0));
-        let (lp, j) = kb.open_loop(Expr::Int(c_dim as i64), c_dim);
-        kb.store_view(o.dh, &Pos::Coords(vec![row_n, j]), f(0.0));
-        kb.close_foreach(lp);
-        launch!(
-            lw,
-            kb,
-            "cross_entropy.online_init",
-            Space::Rows { rows: rc, mapping: RowMapping::Block },
-            format!("the running max, sum and dh of {rc} rows")
-        )?;
+        if let Some((_, dh)) = o.grad {
+            let (lp, j) = kb.open_loop(Expr::Int(c_dim as i64), c_dim);
+            kb.store_view(dh, &Pos::Coords(vec![row_n, j]), f(0.0));
+            kb.close_foreach(lp);
+        }
+        let what = if o.grad.is_some() { "the running max, sum and dh" } else { "the running max and sum" };
+        launch!(lw, kb, "cross_entropy.online_init", Space::Rows { rows: rc, mapping: RowMapping::Block }, format!("{what} of {rc} rows"))?;
     }
     for (t, start) in o.tile_starts.iter().enumerate() {
         let v0 = t * tile;
@@ -123,12 +129,14 @@ pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usi
             },
         ));
         tile_kernel(lw, cx, o, [base, start], [&l, &m, &s, &xt], (rc, vt))?;
+        let Some((_, dh)) = o.grad else { continue };
+        let dh_c = dh.slice(0, r0, r1);
         lw.push_gemm(typed(
             lw,
             Gemm {
                 a: l,
                 b: w_t,
-                c: dh_c.clone(),
+                c: dh_c,
                 m: rc,
                 n: c_dim,
                 k: vt,
@@ -168,8 +176,10 @@ fn tile_kernel(
     [l, m, s, xt]: [&View; 4],
     (rc, vt): (usize, usize),
 ) -> Result<(), KernelError> {
-    let c_dim = o.dh.shape[1];
-    let mut kb = lw.kb_rows(cx, rc, &[l, m, s, xt, o.dh, base, start]);
+    let c_dim = o.c_dim;
+    let mut touched = vec![l, m, s, xt, base, start];
+    touched.extend(o.grad.map(|(_, dh)| dh));
+    let mut kb = lw.kb_rows(cx, rc, &touched);
     let row2 = |j: Expr| Pos::Coords(vec![Expr::Ix(Ix::Row), j]);
     let at_row = Pos::Lin(Expr::Ix(Ix::Row));
     let row_n = global_row(&mut kb, base);
@@ -195,23 +205,27 @@ fn tile_kernel(
     kb.name(&m_new, "row_max");
     let moved = kb.bind(Ty::F32, Expr::un(UnOp::Exp, Expr::bin(BinOp::Sub, m_old, m_new.clone())));
     kb.name(&moved, "moved");
-    // exp(x - max) over the tile, and its sum
+    // exp(x - max) over the tile (kept for the gradient's GEMM), and its sum
     let (lp, j) = kb.open_loop(Expr::Int(vt as i64), vt);
     let p = row2(j);
     let x = kb.load_view(l, &p);
     let e = kb.bind(Ty::F32, Expr::un(UnOp::Exp, Expr::bin(BinOp::Sub, x, m_new.clone())));
-    kb.store_view(l, &p, e.clone());
+    if o.grad.is_some() {
+        kb.store_view(l, &p, e.clone());
+    }
     let tile_sum = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, e);
     let s_old = kb.load_view(s, &at_row);
     kb.store_view(s, &at_row, Expr::bin(BinOp::Add, Expr::bin(BinOp::Mul, s_old, moved.clone()), tile_sum));
     kb.store_view(m, &at_row, m_new);
     kb.store_view(xt, &at_row, x_new);
     // what dh summed under the old max, moved to the new one
-    let (lp, j) = kb.open_loop(Expr::Int(c_dim as i64), c_dim);
-    let p = Pos::Coords(vec![row_n, j]);
-    let d = kb.load_view(o.dh, &p);
-    kb.store_view(o.dh, &p, Expr::bin(BinOp::Mul, d, moved));
-    kb.close_foreach(lp);
+    if let Some((_, dh)) = o.grad {
+        let (lp, j) = kb.open_loop(Expr::Int(c_dim as i64), c_dim);
+        let p = Pos::Coords(vec![row_n, j]);
+        let d = kb.load_view(dh, &p);
+        kb.store_view(dh, &p, Expr::bin(BinOp::Mul, d, moved));
+        kb.close_foreach(lp);
+    }
     let (kernel, args) = kb.finish(
         "cross_entropy.online_tile",
         Space::Rows { rows: rc, mapping: RowMapping::Block },
@@ -224,8 +238,12 @@ fn tile_kernel(
 
 /// The chunk's loss and dh from the running max, sum and target logit.
 fn finish_kernel(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, [m, s, xt]: [&View; 3], rc: usize) -> Result<(), KernelError> {
-    let c_dim = o.dh.shape[1];
-    let mut kb = lw.kb_rows(cx, rc, &[m, s, xt, o.dh, o.losses, base, o.w]);
+    let c_dim = o.c_dim;
+    let mut touched = vec![m, s, xt, o.losses, base];
+    if let Some((_, dh)) = o.grad {
+        touched.extend([dh, o.w]);
+    }
+    let mut kb = lw.kb_rows(cx, rc, &touched);
     let at_row = Pos::Lin(Expr::Ix(Ix::Row));
     let row_n = global_row(&mut kb, base);
     let target = kb.value(o.targets, &Pos::Lin(row_n.clone()))?;
@@ -238,7 +256,16 @@ fn finish_kernel(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, [m, s, xt]
     let x_t = kb.load_view(xt, &at_row);
     let loss = Expr::bin(BinOp::Sub, Expr::bin(BinOp::Add, mx, Expr::un(UnOp::Log, sum.clone())), x_t);
     kb.store_view(o.losses, &Pos::Lin(row_n.clone()), loss);
-    let dl = kb.value(o.dloss, &Pos::Coords(vec![]))?;
+    let Some((dloss, dh)) = o.grad else {
+        let (kernel, args) = kb.finish(
+            "cross_entropy.online_finish",
+            Space::Rows { rows: rc, mapping: RowMapping::Block },
+            format!("loss of {rc} rows from the running softmax"),
+        )?;
+        lw.push_kernel((kernel, args));
+        return Ok(());
+    };
+    let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
     let k = match o.weights {
         Some(w) => Expr::bin(BinOp::Mul, dl, kb.value(w, &Pos::Lin(row_n.clone()))?),
         None => Expr::bin(BinOp::Div, dl, f(o.n as f64)),
@@ -247,10 +274,10 @@ fn finish_kernel(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, [m, s, xt]
     kb.name(&k, "k");
     let (lp, j) = kb.open_loop(Expr::Int(c_dim as i64), c_dim);
     let p = Pos::Coords(vec![row_n, j.clone()]);
-    let a = kb.load_view(o.dh, &p);
+    let a = kb.load_view(dh, &p);
     let w_t = kb.load_view(o.w, &Pos::Coords(vec![t, j]));
     let g = Expr::bin(BinOp::Sub, Expr::bin(BinOp::Mul, k.clone(), Expr::bin(BinOp::Div, a, sum)), Expr::bin(BinOp::Mul, k, w_t));
-    kb.store_view(o.dh, &p, g);
+    kb.store_view(dh, &p, g);
     kb.close_foreach(lp);
     let (kernel, args) = kb.finish(
         "cross_entropy.online_finish",

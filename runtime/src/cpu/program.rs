@@ -255,7 +255,10 @@ impl CpuProgram {
             let t = Instant::now();
             self.execute_step(i)?;
             let what = label(&self.steps[i], &self.prog, self.profile_by_kernel);
-            let phase = self.plan.access.get(i).and_then(|a| crate::exec::step_phase(&self.prog, a));
+            let phase = match (self.prog.steps.get(i), self.plan.access.get(i)) {
+                (Some(step), Some(a)) => crate::exec::step_phase(&self.prog, step, a),
+                _ => None,
+            };
             times.push(TimedPart { what, secs: t.elapsed().as_secs_f64(), cost: PartCost::default(), phase });
         }
         self.stale = false;

@@ -386,7 +386,7 @@ impl<A: GpuApi> CudaProgram<A> {
             Step::Launch { kernel, .. } => self.prog.kernels.get(*kernel).map_or_else(|| "?".into(), |k| k.family.clone()),
             Step::Gemm(g) => gemm_label(g.m, g.n, g.k, g.c.shape.iter().rev().skip(2).product()),
         };
-        let phase = self.plan.access.get(i).and_then(|a| step_phase(&self.prog, a));
+        let phase = self.plan.access.get(i).and_then(|a| step_phase(&self.prog, step, a));
         (format!("{what}{suffix}"), step_cost(&self.prog, step), phase)
     }
 

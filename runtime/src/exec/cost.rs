@@ -7,8 +7,8 @@
 
 use std::collections::HashSet;
 
-use qatc_ir::Phase;
-use qatc_kernels::program::{Program, Step, View};
+use qatc_ir::{InputKind, Phase};
+use qatc_kernels::program::{BufKind, Buffer, Program, Step, View};
 
 use super::access::Access;
 
@@ -42,19 +42,31 @@ pub fn step_cost(prog: &Program, step: &Step) -> PartCost {
     }
 }
 
-/// The part of the training step a step of a program does: the latest phase among the buffers
-/// it writes (forward, then recompute, backward, optimizer: a backward kernel reads forward
-/// values and writes gradients; AdamW writes the optimizer's), None where it writes none. A
-/// fused kernel that computes a forward value and a gradient (the LM head's loss and its
-/// gradient) is the backward's.
-pub fn step_phase(prog: &Program, access: &Access) -> Option<Phase> {
+/// The part of the training step a step of a program does, from the buffers it writes (a GEMM:
+/// its result; a launch: its written params): the earliest phase among those that are no input
+/// (forward, recompute, backward: a forward kernel that also keeps what the backward needs, the
+/// attention's log-sum-exp, is forward; a backward one that recomputes a forward value is
+/// recompute); where it writes only inputs, the optimizer (an update in place of a trainable
+/// weight or optimizer state) or None. The LM head's loss fused with its gradient (the chunks'
+/// logits, their online softmax) writes only the backward's scratch: backward.
+pub fn step_phase(prog: &Program, step: &Step, access: &Access) -> Option<Phase> {
     let order = |p: Phase| match p {
         Phase::Forward => 0,
         Phase::Recompute => 1,
         Phase::Backward => 2,
         Phase::Optimizer => 3,
     };
-    access.writes.iter().filter_map(|&b| prog.buffers.get(b)).map(|b| b.role.phase).max_by_key(|&p| order(p))
+    let written: Vec<&Buffer> = match step {
+        Step::Gemm(g) => prog.buffers.get(g.c.buf).into_iter().collect(),
+        Step::Launch { .. } => access.writes.iter().filter_map(|&b| prog.buffers.get(b)).collect(),
+    };
+    let values = written.iter().filter(|b| !matches!(b.kind, BufKind::Input(..))).map(|b| b.role.phase);
+    match values.min_by_key(|&p| order(p)) {
+        Some(p) => Some(p),
+        None => {
+            written.iter().any(|b| matches!(b.kind, BufKind::Input(_, InputKind::Trainable | InputKind::State))).then_some(Phase::Optimizer)
+        }
+    }
 }
 
 /// One timed part of a run (`TrainStep::run_timed`): what it was, its seconds and its cost
