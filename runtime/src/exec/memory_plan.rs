@@ -130,12 +130,9 @@ impl MemoryPlan {
         let peak_step = live.iter().enumerate().fold(0, |best, (s, &v)| if v > live[best] { s } else { best });
         let mut steps = Vec::with_capacity(nsteps);
         for (i, step) in prog.steps.iter().enumerate() {
-            // a step's phase is that of what it writes (a step writing only inputs updates them)
-            let written = &exec.access[i].writes;
-            let phase = written
-                .iter()
-                .find(|&&b| !matches!(prog.buffers[b].kind, BufKind::Input(..)))
-                .map_or(Phase::Optimizer, |&b| prog.buffers[b].role.phase);
+            // the phase a profile gives the step (one rule: `step_phase`); a step writing only
+            // inputs updates them
+            let phase = super::step_phase(prog, step, &exec.access[i]).unwrap_or(Phase::Optimizer);
             let (what, flops) = match step {
                 Step::Launch { kernel, .. } => (prog.kernels.get(*kernel).map_or("?".into(), |k| k.family.clone()), 0),
                 Step::Gemm(g) => (format!("gemm {}x{}x{}", g.m, g.n, g.k), g.flops() as u64),
