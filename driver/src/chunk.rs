@@ -74,28 +74,39 @@ pub fn choose(
     // a rise this small is the per-row statistics' few KiB, not a larger scratch
     let keeps = |p: usize| p <= base + base / 1000;
     let mut scratch_of = std::collections::HashMap::from([(floor, c.scratch_bytes())]);
-    let mut chosen = first;
     let mut tried = vec![(floor, base)];
-    let mut rows = floor;
-    let mut refused = None;
-    let mut r = floor;
-    while r < n {
-        r = (r * 2).min(n);
-        let prog = lower(g, schedule, Some(r), target)?;
-        // the lowering caps the chunk count: a size it does not take is not a choice
-        if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {
-            continue;
-        }
-        let p = peak(&prog)?;
-        tried.push((r, p));
-        scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
-        if !keeps(p) {
-            refused = Some((r, p));
-            break;
-        }
-        rows = r;
-        chosen = prog;
+    // the sizes to choose from: the floor doubled, up to every row in one chunk
+    let mut ladder = vec![floor];
+    while ladder[ladder.len() - 1] < n {
+        ladder.push((ladder[ladder.len() - 1] * 2).min(n));
     }
+    // The peak grows with the rows (only the scratch does), so the largest size that keeps it is
+    // found by bisection on the ladder, the top first: where the peak lies elsewhere (and where
+    // the lowering walks the vocabulary in tiles, whose scratch does not grow) every row in one
+    // chunk keeps it, and two lowerings decide instead of one per doubling.
+    let (mut lo, mut hi) = (0, ladder.len());
+    let (mut chosen, mut rows, mut refused) = (first, floor, None);
+    let mut next = ladder.len() - 1;
+    while lo + 1 < hi {
+        let r = ladder[next];
+        let prog = lower(g, schedule, Some(r), target)?;
+        // the lowering caps the chunk count: a size it does not take is not a choice (only the
+        // smallest sizes are capped, so the search goes on above it)
+        if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {
+            lo = next;
+        } else {
+            let p = peak(&prog)?;
+            tried.push((r, p));
+            scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
+            if keeps(p) {
+                (lo, rows, chosen) = (next, r, prog);
+            } else {
+                (hi, refused) = (next, Some((r, p)));
+            }
+        }
+        next = (lo + hi) / 2;
+    }
+    tried.sort_unstable();
     let scratch = |r: usize| human(scratch_of.get(&r).copied().unwrap_or(c.elem_bytes * r * c.vocab));
     let why = match (rows == floor, refused) {
         (true, Some((r, p))) => format!(
