@@ -234,38 +234,66 @@ fn search_pruned(
     // per precision and optimizer: the first policy still worth planning (policies.len(): none)
     let mut from = vec![0; kinds.len()];
     while batch <= max_batch.max(1) {
+        // each precision and optimizer searched on a thread of its own (its policies in turn),
+        // the results taken in their order: the same answer as one after the other
+        let searched: Vec<KindSearch> = {
+            use rayon::prelude::*;
+            kinds
+                .par_iter()
+                .zip(&from)
+                .map(|(&(precision, optim), &first)| {
+                    let mut k = KindSearch::default();
+                    for (i, &(policy, zero)) in policies.iter().enumerate().skip(first) {
+                        let mut o = base.clone();
+                        o.parallel.zero = zero;
+                        o.batch = batch;
+                        o.adamw.moments = optim;
+                        o.precision = precision;
+                        o.checkpoint = policy;
+                        // --compile-timeout bounds each plan, as it bounds building one step
+                        o.deadline = base.deadline.budget().map_or_else(Deadline::unlimited, Deadline::within);
+                        k.tried += 1;
+                        let e = match plan_of(cfg, &o, target, options) {
+                            Ok(e) => e,
+                            // auto fails when no plan of its model (the graph-level planner's,
+                            // which overstates the executed program) fits: blocks and sqrt are
+                            // still tried
+                            Err(e) if matches!(policy, Checkpoint::Auto(_)) && !expired(&e) => continue,
+                            Err(e) => {
+                                k.error = Some(e.context(format!("--fit: planning batch {batch}, --checkpoint {}", policy.describe())));
+                                break;
+                            }
+                        };
+                        let c = candidate(&o, &e, memory, target);
+                        if c.fits {
+                            // the first policy that fits is the fastest at this batch: none
+                            // recomputes nothing, auto least within the memory, then blocks, then sqrt
+                            k.fitted = Some((i, c, o, e));
+                            break;
+                        }
+                        if batch == 1 && k.smallest.as_ref().is_none_or(|(s, _)| c.peak_bytes < s.peak_bytes) {
+                            k.smallest = Some((c, e));
+                        }
+                    }
+                    k
+                })
+                .collect()
+        };
         let mut any = false;
-        for (k, &(precision, optim)) in kinds.iter().enumerate() {
-            let mut fitted = None;
-            for (i, &(policy, zero)) in policies.iter().enumerate().skip(from[k]) {
-                let mut o = base.clone();
-                o.parallel.zero = zero;
-                o.batch = batch;
-                o.adamw.moments = optim;
-                o.precision = precision;
-                o.checkpoint = policy;
-                // --compile-timeout bounds each plan, as it bounds building one step
-                o.deadline = base.deadline.budget().map_or_else(Deadline::unlimited, Deadline::within);
-                tried += 1;
-                let e = match plan_of(cfg, &o, target, options) {
-                    Ok(e) => e,
-                    // auto fails when no plan of its model (the graph-level planner's, which
-                    // overstates the executed program) fits: blocks and sqrt are still tried
-                    Err(e) if matches!(policy, Checkpoint::Auto(_)) && !expired(&e) => continue,
-                    Err(e) => return Err(e.context(format!("--fit: planning batch {batch}, --checkpoint {}", policy.describe()))),
-                };
-                let c = candidate(&o, &e, memory, target);
-                if c.fits {
-                    consider(&mut best, &mut fits, c, o, e);
-                    fitted = Some(i);
-                    // the first policy that fits is the fastest at this batch: none recomputes
-                    // nothing, auto least within the memory, then blocks, then sqrt
-                    break;
-                }
-                if batch == 1 && smallest.as_ref().is_none_or(|(s, _)| c.peak_bytes < s.peak_bytes) {
+        for (k, s) in searched.into_iter().enumerate() {
+            tried += s.tried;
+            if let Some(e) = s.error {
+                return Err(e);
+            }
+            if let Some((c, e)) = s.smallest {
+                if smallest.as_ref().is_none_or(|(m, _)| c.peak_bytes < m.peak_bytes) {
                     smallest = Some((c, e));
                 }
             }
+            let fitted = s.fitted.map(|(i, c, o, e)| {
+                consider(&mut best, &mut fits, c, o, e);
+                i
+            });
             any |= fitted.is_some();
             if prune {
                 from[k] = fitted.unwrap_or(policies.len());
@@ -281,6 +309,17 @@ fn search_pruned(
     let fits: Vec<Candidate> = fits.into_iter().map(|(mut c, _)| (c.relative_throughput = c.score / top, c).1).collect();
     let smallest = if fits.is_empty() { smallest } else { None };
     Ok(Fit { fits, best: best.map(|(_, o, e)| (o, e)), smallest, tried })
+}
+
+/// What one precision and optimizer's policies gave at one batch (`search_pruned`): the plans
+/// tried, the first policy that fits (its index, candidate, options and plan), at batch 1 the
+/// smallest plan that does not, and the error that stopped it.
+#[derive(Default)]
+struct KindSearch {
+    tried: usize,
+    fitted: Option<(usize, Candidate, StepOptions, Executed)>,
+    smallest: Option<(Candidate, Executed)>,
+    error: Option<anyhow::Error>,
 }
 
 /// Whether planning stopped because the compile budget ran out (an answer without that plan
