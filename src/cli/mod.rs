@@ -189,7 +189,7 @@ fn parse_memory(s: &str) -> Result<usize, String> {
 /// executor's settings, and the kernel cache's directory (`kernel_cache::KernelCacheArgs::dir`;
 /// None keeps nothing on disk).
 pub fn driver_options(interpreter: bool, cpu: qatc_runtime::CpuOptions, kernel_cache: Option<PathBuf>) -> qatc_driver::Options {
-    qatc_driver::Options { interpreter, cpu, kernel_cache }
+    qatc_driver::Options { interpreter, cpu, kernel_cache, comm: None }
 }
 
 /// Where and how the step runs (train's `--device`, `--interpreter` and GPU settings; the
@@ -230,6 +230,8 @@ impl StepArgs {
             device: placement.device,
             interpreter: placement.interpreter,
             cuda: placement.cuda,
+            ranks: self.ranks,
+            zero: self.zero,
         };
         step.check().map_err(anyhow::Error::msg)?;
         Ok(RunConfig { version: config::VERSION, model, step: Some(step), train: None })
