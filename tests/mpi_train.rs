@@ -180,3 +180,62 @@ fn a_sharded_run_resumes_as_if_unbroken() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("trained on 2 ranks") && err.contains("this one has 3"), "{err}");
 }
+
+/// A rank killed with SIGKILL mid-run: the others are ended within seconds (never a hang), with
+/// mpirun's line naming the rank, and the last checkpoint rank 0 wrote stays whole.
+#[test]
+fn a_killed_rank_ends_the_run_and_the_checkpoint_stays_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !mpi_ready(d) {
+        return;
+    }
+    let model = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
+    let data = common::root().join("examples/shakespeare_train.bin");
+    let (model, data) = (model.to_str().unwrap(), data.to_str().unwrap());
+    let mut child = Command::new("mpirun")
+        .args(["--oversubscribe", "--bind-to", "none", "-np", "2", qatc_bin(), "train", model, "--data", data])
+        .args(["--batch", "2", "--seq", "64", "--steps", "100000", "--bits", "4", "--lora", "r=4", "--save-every", "2"])
+        .args(["--out", "o", "--log-json", "o.jsonl"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .current_dir(d)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let logged = || std::fs::read_to_string(d.join("o.jsonl")).map(|s| s.lines().count()).unwrap_or(0);
+    while logged() < 5 {
+        assert!(t0.elapsed().as_secs() < 120, "no steps logged in 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // rank 1 is mpirun's second child
+    let kids = Command::new("pgrep").args(["-P", &child.id().to_string()]).output().unwrap();
+    let pids: Vec<String> = String::from_utf8_lossy(&kids.stdout).split_whitespace().map(String::from).collect();
+    assert_eq!(pids.len(), 2, "mpirun's children: {pids:?}");
+    let killed_at = std::time::Instant::now();
+    assert!(Command::new("kill").args(["-9", &pids[1]]).status().unwrap().success());
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        if killed_at.elapsed().as_secs() > 60 {
+            child.kill().unwrap();
+            panic!("the run did not end within 60 s of a rank's death");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.lines().any(|l| l.contains("rank 1") && l.contains("signal 9")), "no line names the dead rank:\n{err}");
+    // the checkpoint is one save's, whole: its progress at an even step, its state readable
+    let progress: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("o/checkpoint/resume.json")).unwrap()).unwrap();
+    assert_eq!(progress["step"].as_u64().unwrap() % 2, 0, "{progress}");
+    let state = std::fs::read(d.join("o/checkpoint/state.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&state).expect("a whole state");
+    assert!(st.tensor("step").is_ok());
+    let _ = weights(d, "o");
+    eprintln!("the run ended {:.1} s after rank 1's death", killed_at.elapsed().as_secs_f64());
+}

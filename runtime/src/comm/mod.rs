@@ -63,7 +63,7 @@ pub fn run(comm: &dyn Communicator, c: &Collective, dtype: DType, src: &[u8], ds
         DType::BF16 | DType::F16 => 2,
         other => return Err(collective_error(c, format!("exchanges float tensors (f32, bf16, f16), not {other}"))),
     };
-    if src.len() % size != 0 || src.len() / size != c.src_elements() {
+    if !src.len().is_multiple_of(size) || src.len() / size != c.src_elements() {
         return Err(collective_error(c, format!("{} bytes sent for {} elements of {dtype}", src.len(), c.src_elements())));
     }
     let world = c.world;
