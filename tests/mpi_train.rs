@@ -239,3 +239,36 @@ fn a_killed_rank_ends_the_run_and_the_checkpoint_stays_whole() {
     let _ = weights(d, "o");
     eprintln!("the run ended {:.1} s after rank 1's death", killed_at.elapsed().as_secs_f64());
 }
+
+/// Ranks started with different options (mpirun's `A : B` form) refuse before the first step,
+/// every one of them, naming the option.
+#[test]
+fn ranks_started_unlike_refuse_naming_the_option() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !mpi_ready(d) {
+        return;
+    }
+    let tiny = common::fixture("tiny/f32_noprefix/model.safetensors");
+    let tokens = common::fixture("tiny/tokens.bin");
+    let rank = |lr: &str| -> Vec<String> {
+        let a = ["-np", "1", qatc_bin(), "train", tiny.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--batch", "3"];
+        let b = ["--seq", T, "--steps", "1", "--lora", "r=2", "--lr", lr, "--out", "o", "--log-json", "o.jsonl"];
+        a.iter().chain(&b).map(|s| s.to_string()).collect()
+    };
+    let out = Command::new("timeout")
+        .args(["300", "mpirun", "--oversubscribe", "--bind-to", "none"])
+        .args(rank("1e-3"))
+        .arg(":")
+        .args(rank("2e-3"))
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let refusals = err.lines().filter(|l| l.starts_with("error: rank 1 was started with train.lr 0.002, rank 0 with 0.001")).count();
+    assert_eq!(refusals, 2, "each rank refuses in one line naming the option:\n{err}");
+    assert!(!d.join("o").exists() && !d.join("o.jsonl").exists(), "nothing written");
+}

@@ -81,12 +81,24 @@ pub fn check_alike(world: &World, cfg: &RunConfig, model_sum: [u8; 32]) -> anyho
         }
         let parse = |b: &[u8]| RunConfig::from_json(String::from_utf8_lossy(&b[..longest]).trim_end(), std::path::Path::new("rank"));
         let (a, b) = (parse(lead)?, parse(other)?);
-        if let Some((field, was, is)) = crate::config::first_difference(&a, &b) {
-            anyhow::bail!("rank {r} was started with {field} {is}, rank 0 with {was}: start every rank with the same options");
-        }
-        anyhow::bail!("rank {r}'s model file differs from rank 0's (their checksums differ): start every rank on the same model");
+        let why = match crate::config::first_difference(&a, &b) {
+            Some((field, was, is)) => {
+                format!("rank {r} was started with {field} {is}, rank 0 with {was}: start every rank with the same options")
+            }
+            None => format!("rank {r}'s model file differs from rank 0's (their checksums differ): start every rank on the same model"),
+        };
+        refuse_together(world, &why);
     }
     Ok(())
+}
+
+/// Every rank prints `why` as the one line of a refusal (main's form: `error:`, exit code 2),
+/// then waits for the others before exiting: the first to exit would have mpirun end the rest
+/// before they said why.
+fn refuse_together(world: &World, why: &str) -> ! {
+    eprintln!("error: {why}");
+    let _ = gather(world, &[0]);
+    std::process::exit(2)
 }
 
 /// Every rank's `bytes` (the same length on all), in rank order.
