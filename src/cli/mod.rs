@@ -153,7 +153,7 @@ pub struct StepArgs {
     pub precision: Precision,
     /// Data-parallel ranks N: the step is one rank's program, of --batch rows each (a global
     /// batch of N x B), its gradients averaged over the ranks (`qatc plan` and `dump` lay it
-    /// out; running it needs MPI or NCCL, not yet built).
+    /// out; `mpirun -np N qatc train` runs it on the CPU, where --ranks may be left out).
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
     /// ZeRO stage with --ranks: 0 none, 1 optimizer state sharded, 2 also gradients, 3 also the
