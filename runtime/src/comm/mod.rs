@@ -52,15 +52,20 @@ pub fn collective_error(c: &Collective, msg: impl Into<String>) -> RuntimeError 
     RuntimeError::Collective { what: c.note.clone(), msg: msg.into() }
 }
 
+/// How an element of a float type is read as f64 and written back rounded (to nearest even).
+type Read = fn(&[u8]) -> f64;
+type Write = fn(f64, &mut [u8]);
+
 /// Runs collective `c` over `comm`: `src` holds this rank's operand (contiguous, `c.src`'s
 /// elements), `dst` receives this rank's result (contiguous, `c.dst`'s elements).
 pub fn run(comm: &dyn Communicator, c: &Collective, dtype: DType, src: &[u8], dst: &mut [u8]) -> Result<(), RuntimeError> {
     if comm.size() != c.world {
         return Err(collective_error(c, format!("the step is compiled for {} ranks, the world has {}", c.world, comm.size())));
     }
-    let size = match dtype {
-        DType::F32 => 4,
-        DType::BF16 | DType::F16 => 2,
+    let (size, read, write): (usize, Read, Write) = match dtype {
+        DType::F32 => (4, |b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])), |x, o| o.copy_from_slice(&(x as f32).to_le_bytes())),
+        DType::BF16 => (2, |b| bf16::from_le_bytes([b[0], b[1]]).to_f64(), |x, o| o.copy_from_slice(&bf16::from_f64(x).to_le_bytes())),
+        DType::F16 => (2, |b| f16::from_le_bytes([b[0], b[1]]).to_f64(), |x, o| o.copy_from_slice(&f16::from_f64(x).to_le_bytes())),
         other => return Err(collective_error(c, format!("exchanges float tensors (f32, bf16, f16), not {other}"))),
     };
     if !src.len().is_multiple_of(size) || src.len() / size != c.src_elements() {
@@ -71,6 +76,9 @@ pub fn run(comm: &dyn Communicator, c: &Collective, dtype: DType, src: &[u8], ds
     comm.all_gather_bytes(src, &mut all)?;
     let reduce = match c.exchange {
         Exchange::AllGather => {
+            if dst.len() != all.len() {
+                return Err(collective_error(c, format!("{} bytes to receive {} gathered", dst.len(), all.len())));
+            }
             dst.copy_from_slice(&all);
             return Ok(());
         }
@@ -88,59 +96,11 @@ pub fn run(comm: &dyn Communicator, c: &Collective, dtype: DType, src: &[u8], ds
     if dst.len() != range.len() * size {
         return Err(collective_error(c, format!("{} bytes to receive {} elements of {dtype}", dst.len(), range.len())));
     }
-    match dtype {
-        DType::F32 => reduce_as::<f32>(
-            &all,
-            n,
-            world,
-            reduce,
-            range,
-            dst,
-            |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64,
-            |x| (x as f32).to_le_bytes().to_vec(),
-        ),
-        DType::BF16 => reduce_as::<bf16>(
-            &all,
-            n,
-            world,
-            reduce,
-            range,
-            dst,
-            |b| bf16::from_le_bytes([b[0], b[1]]).to_f64(),
-            |x| bf16::from_f64(x).to_le_bytes().to_vec(),
-        ),
-        DType::F16 => reduce_as::<f16>(
-            &all,
-            n,
-            world,
-            reduce,
-            range,
-            dst,
-            |b| f16::from_le_bytes([b[0], b[1]]).to_f64(),
-            |x| f16::from_f64(x).to_le_bytes().to_vec(),
-        ),
-        _ => unreachable!("sized above"),
-    }
-    Ok(())
-}
-
-/// Elements `range` of the sum (or mean) over `world` ranks' `n` elements each, laid side by side
-/// in `all`, into `dst`: in f64, in rank order, rounded once (`crate::collective::combine`'s rule).
-#[allow(clippy::too_many_arguments)]
-fn reduce_as<T>(
-    all: &[u8],
-    n: usize,
-    world: usize,
-    reduce: Reduce,
-    range: std::ops::Range<usize>,
-    dst: &mut [u8],
-    read: impl Fn(&[u8]) -> f64,
-    write: impl Fn(f64) -> Vec<u8>,
-) {
-    let size = std::mem::size_of::<T>();
+    // in f64, in rank order, rounded once (`crate::collective::combine`'s rule)
     for (j, i) in range.enumerate() {
         let s: f64 = (0..world).map(|r| read(&all[(r * n + i) * size..])).sum();
         let s = if reduce == Reduce::Mean { s * (1.0 / world as f64) } else { s };
-        dst[j * size..(j + 1) * size].copy_from_slice(&write(s));
+        write(s, &mut dst[j * size..(j + 1) * size]);
     }
+    Ok(())
 }
