@@ -331,6 +331,14 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             None => s.ranks = world.size(),
         }
         qatc_passes::zero::Parallel { ranks: s.ranks, zero: s.zero }.check().map_err(anyhow::Error::msg)?;
+        if s.ranks > 1 && s.zero >= 1 && s.optim.kind == crate::config::Optimizer::Adamw8bit {
+            // each rank's 8-bit moments are blocks with absmax of their own: no whole state to save
+            anyhow::bail!(
+                "--optim adamw8bit with --zero {} over {} ranks: sharded 8-bit moments cannot be saved yet; use --zero 0 or --optim adamw",
+                s.zero,
+                s.ranks
+            );
+        }
     }
     world::check_alike(&world, &cfg, world::model_checksum(std::path::Path::new(&cfg.model.path))?)?;
     if world.size() > 1 && a.val.is_some() {
