@@ -182,6 +182,25 @@ pub struct StepConfig {
     /// How the step runs on a GPU (absent in files from before it was saved: all off).
     #[serde(default)]
     pub cuda: CudaSettings,
+    /// Data-parallel ranks (`mpirun -np N`, `--ranks N`): the step is one rank's of `batch` rows
+    /// (absent: one rank, as in files from before it was saved).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub ranks: usize,
+    /// The ZeRO stage over the ranks (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub zero: u8,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
 }
 
 /// `--device`: the target a run asks for, `auto` (CUDA where a GPU and qatc's CUDA runtime are
@@ -477,6 +496,7 @@ impl RunConfig {
         o.scale_init = self.train.as_ref().and_then(|t| t.scale_init).unwrap_or_default();
         o.fuse = s.fuse.then(qatc_passes::fusion::FuseOptions::default);
         o.precision = s.precision.mode;
+        o.parallel = qatc_passes::zero::Parallel { ranks: s.ranks, zero: s.zero };
         Ok(o)
     }
 

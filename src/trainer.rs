@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context;
 use qatc_driver::{Options, Target};
@@ -17,6 +18,8 @@ use qatc_ir::{Graph, InputKind};
 use qatc_passes::lora::DROPOUT_SEED;
 use qatc_passes::microbatch;
 use qatc_passes::precision::LOSS_SCALE;
+use qatc_passes::zero::{Parallel, Shard, RANK};
+use qatc_runtime::comm::Communicator;
 use qatc_runtime::{IntTensor, Tensor, TrainStep, Value};
 
 use crate::adapter::Adapter;
@@ -159,6 +162,13 @@ pub struct Trainer {
     inputs: HashSet<String>,
     runs: usize,
     profile: Option<Profile>,
+    /// This process's rank and the world of a step over several ranks (`mpirun`); None: one.
+    world: Option<Arc<dyn Communicator>>,
+    /// The whole shape of each input that ZeRO shards to this rank's block (moments at stage 1
+    /// and up, the trainable weights at 3): what is saved and restored.
+    whole: HashMap<String, Vec<usize>>,
+    /// The sharded inputs gathered whole (`gather`), until the next step changes them.
+    gathered: HashMap<String, Value<f32>>,
 }
 
 impl Trainer {
@@ -236,9 +246,27 @@ impl Trainer {
         let qatc_driver::Executable { mut step, description, kernels, .. } = qatc_driver::compile(&graph, target, options)?;
         let compile_s = start.elapsed().as_secs_f64();
         opts.deadline.check("lowering and compiling the kernels")?;
+        let world = options.comm.clone().filter(|c| c.size() > 1);
+        let (rank, size) = world.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+        if opts.parallel.ranks != size {
+            anyhow::bail!("internal: a step over {} ranks in a world of {size}", opts.parallel.ranks);
+        }
+        // the step as one rank of the same rows would be: the whole shapes of what ZeRO shards
+        let whole = match opts.parallel.sharded() {
+            Some(_) => {
+                let one = step::StepOptions { parallel: Parallel::default(), ..opts.clone() };
+                Some(step::train(&m.cfg, &one, |_, _| {})?.0)
+            }
+            None => None,
+        };
+        let whole_shapes = whole.as_ref().map_or_else(HashMap::new, |w| sharded_shapes(&graph, w));
         // the weights go to the executor once; no host copy is kept
-        for (name, v) in m.bind_trained::<f32>(&graph, trained)? {
+        for (name, v) in m.bind_trained::<f32>(whole.as_ref().unwrap_or(&graph), trained)? {
+            let v = if whole_shapes.contains_key(&name) { block_of(&v, size, rank) } else { v };
             step.set_input(&name, &v).with_context(|| format!("binding {name}"))?;
+        }
+        if graph.find_input(RANK).is_some() {
+            step.set_input(RANK, &Value::Int(IntTensor { shape: vec![1], data: vec![rank as i32] }))?;
         }
         let mut inputs = HashSet::new();
         for id in graph.inputs() {
@@ -259,7 +287,20 @@ impl Trainer {
             inputs.insert(name);
         }
         let built = Built::new(0.0, compile_s, start.elapsed().as_secs_f64() - compile_s, kernels);
-        Ok(Trainer { graph, step, description, built, opts, seed, inputs, runs: 0, profile: None })
+        Ok(Trainer {
+            graph,
+            step,
+            description,
+            built,
+            opts,
+            seed,
+            inputs,
+            runs: 0,
+            profile: None,
+            world,
+            whole: whole_shapes,
+            gathered: HashMap::new(),
+        })
     }
 
     /// Gives the step an input's value (a weight, a moment, data): it stays until set again.
@@ -279,7 +320,7 @@ impl Trainer {
     /// wrapping at the end of the data) and returns the loss before the update (and every other
     /// non-update output).
     pub fn step(&mut self, data: &impl Batches, first: usize, lr: f64) -> anyhow::Result<HashMap<String, Value<f32>>> {
-        let nb = data.num_batches(self.opts.batch, self.opts.seq).max(1);
+        let nb = data.num_batches(self.global_batch(), self.opts.seq).max(1);
         let batches: Vec<usize> = (0..self.opts.grad_accum).map(|i| (first + i) % nb).collect();
         self.step_on(data, &batches, lr, first as u64)
     }
@@ -296,7 +337,8 @@ impl Trainer {
         if batches.len() != k {
             anyhow::bail!("internal: {} micro-batches for --grad-accum {k}", batches.len());
         }
-        let micro: Vec<Batch> = batches.iter().map(|&s| data.batch(s, b, t)).collect::<Result<_, _>>()?;
+        let micro: Vec<Batch> = batches.iter().map(|&s| self.my_rows(data, s)).collect::<anyhow::Result<_>>()?;
+        self.gathered.clear();
         let masks: Vec<&[f32]> = micro.iter().filter_map(|m| m.mask.as_deref()).collect();
         let mut weights = loss_weights(&masks, k as f64).into_iter();
         self.give("lr", Value::scalar(lr))?;
@@ -330,6 +372,50 @@ impl Trainer {
         }
         self.runs += 1;
         Ok(self.step.outputs()?)
+    }
+
+    /// Rows per global batch: `--batch` on each of the ranks.
+    pub fn global_batch(&self) -> usize {
+        self.opts.batch * self.opts.parallel.ranks
+    }
+
+    /// This rank's rows of global batch `s` (rank r takes rows r B .. (r + 1) B), so the global
+    /// batch is the same whatever the number of ranks.
+    fn my_rows(&self, data: &impl Batches, s: usize) -> anyhow::Result<Batch> {
+        let (b, t) = (self.opts.batch, self.opts.seq);
+        let Some(world) = &self.world else { return Ok(data.batch(s, b, t)?) };
+        let all = data.batch(s, b * world.size(), t)?;
+        if all.mask.is_some() {
+            // each rank's loss weights would have to sum over the global batch's targets
+            anyhow::bail!("{}: instruction data over several ranks is not supported yet; train it on one", data.source().display());
+        }
+        let mine = |x: Vec<i32>| x[world.rank() * b * t..(world.rank() + 1) * b * t].to_vec();
+        Ok(Batch { ids: mine(all.ids), targets: mine(all.targets), mask: None, positions: all.positions.map(mine) })
+    }
+
+    /// Gathers every input ZeRO shards whole from the ranks' blocks (a collective: every rank
+    /// calls it, at the same point), so that reading the state back (`persistent`, `weights`,
+    /// `state`) gives what one rank would hold, until the next step. Nothing to do on one rank
+    /// or without ZeRO.
+    pub fn gather(&mut self) -> anyhow::Result<()> {
+        let Some(world) = self.world.clone() else { return Ok(()) };
+        let mut names: Vec<&String> = self.whole.keys().collect();
+        names.sort();
+        let mut gathered = HashMap::new();
+        for name in names {
+            let Value::Float(mine) = self.step.read_input(name).with_context(|| format!("reading {name} back"))? else {
+                anyhow::bail!("{name}: a sharded input of integers (8-bit moments) cannot be gathered yet");
+            };
+            let send: Vec<u8> = mine.data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let mut recv = vec![0u8; send.len() * world.size()];
+            world.all_gather_bytes(&send, &mut recv).with_context(|| format!("gathering {name}"))?;
+            let shape = self.whole[name].clone();
+            let numel: usize = shape.iter().product();
+            let data: Vec<f32> = recv.chunks_exact(4).take(numel).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            gathered.insert(name.clone(), Value::Float(Tensor { shape, data }));
+        }
+        self.gathered = gathered;
+        Ok(())
     }
 
     /// A data input the batches give must be one the step was built with.
@@ -380,7 +466,11 @@ impl Trainer {
         for id in self.graph.inputs() {
             if self.graph.input_kind(id).is_some_and(|k| kinds.contains(&k)) {
                 let name = self.graph.node(id).name.clone().unwrap_or_default();
-                let val = self.step.read_input(&name).with_context(|| format!("reading {name} back"))?;
+                let val = match (self.gathered.get(&name), self.whole.contains_key(&name)) {
+                    (Some(g), _) => g.clone(),
+                    (None, true) => anyhow::bail!("internal: {name} is this rank's block: gather the ranks' first"),
+                    (None, false) => self.step.read_input(&name).with_context(|| format!("reading {name} back"))?,
+                };
                 v.push((name, val));
             }
         }
@@ -431,7 +521,13 @@ impl Trainer {
             .filter(|&id| matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)))
             .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).shape.dims().to_vec()))
             .filter(|(name, _)| !microbatch::is_sum(name))
+            // a sharded input is saved whole (`gather`): this rank takes its block
+            .map(|(name, shape)| {
+                let shape = self.whole.get(&name).cloned().unwrap_or(shape);
+                (name, shape)
+            })
             .collect();
+        let (rank, size) = self.world.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
         let floats: HashMap<String, bool> = self
             .graph
             .inputs()
@@ -439,7 +535,9 @@ impl Trainer {
             .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).dtype.is_float()))
             .collect();
         for (name, t) in read_state(path, &bytes, &want, allow_nonfinite)? {
-            let value = if floats.get(&name).copied().unwrap_or(true) {
+            let value = if self.whole.contains_key(&name) {
+                block_of(&Value::Float(t), size, rank)
+            } else if floats.get(&name).copied().unwrap_or(true) {
                 Value::Float(t)
             } else {
                 // 8-bit moment codes, saved as f32 by `save_state`
@@ -488,4 +586,38 @@ pub fn weights_safetensors(ws: &[(String, Tensor<f32>)]) -> anyhow::Result<Vec<u
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     Ok(safetensors::serialize(views, Some(meta))?)
+}
+
+/// The inputs of `rank_graph` (one rank's step under ZeRO) whose shape differs from `whole`'s
+/// (the same step on one rank): name -> the whole shape.
+fn sharded_shapes(rank_graph: &Graph, whole: &Graph) -> HashMap<String, Vec<usize>> {
+    let mut out = HashMap::new();
+    for id in rank_graph.inputs() {
+        let Some(name) = rank_graph.node(id).name.clone() else { continue };
+        if let Some(w) = whole.find_input(&name) {
+            if whole.ty(w).shape != rank_graph.ty(id).shape {
+                out.insert(name, whole.ty(w).shape.dims().to_vec());
+            }
+        }
+    }
+    out
+}
+
+/// Rank `rank`'s block of `whole` over `world` ranks (`qatc_passes::zero::Shard`: flattened, the
+/// last block padded with zeros).
+fn block_of(whole: &Value<f32>, world: usize, rank: usize) -> Value<f32> {
+    match whole {
+        Value::Float(t) => {
+            let s = Shard::new(t.data.len(), world);
+            let mut b: Vec<f32> = t.data.iter().skip(rank * s.block).take(s.block).copied().collect();
+            b.resize(s.block, 0.0);
+            Value::Float(Tensor { shape: vec![s.block], data: b })
+        }
+        Value::Int(t) => {
+            let s = Shard::new(t.data.len(), world);
+            let mut b: Vec<i32> = t.data.iter().skip(rank * s.block).take(s.block).copied().collect();
+            b.resize(s.block, 0);
+            Value::Int(IntTensor { shape: vec![s.block], data: b })
+        }
+    }
 }

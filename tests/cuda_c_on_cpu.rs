@@ -104,6 +104,7 @@ fn run_program(gpu: &mut OnCpu, prog: &Program, init: &dyn Fn(&Buffer) -> Option
                 };
                 run_plan(gpu, &pg.plan, &pg.moves, &resolve).unwrap_or_else(|e| panic!("{}: {e}\n{}", g.note, pg.plan.summary()));
             }
+            Step::Collective(c) => panic!("a one-rank step has no collective ({})", c.note),
         }
     }
     gpu.synchronize().expect("synchronizes");

@@ -128,6 +128,7 @@ fn hoisted_families<A: GpuApi>(prog: &Program, gpu: &CudaProgram<A>) -> Vec<Stri
         .map(|(s, _)| match s {
             qatc_kernels::Step::Launch { kernel, .. } => prog.kernels[*kernel].family.clone(),
             qatc_kernels::Step::Gemm(g) => format!("gemm {}", g.note),
+            qatc_kernels::Step::Collective(c) => c.exchange.mnemonic().to_string(),
         })
         .collect()
 }

@@ -98,6 +98,7 @@ impl<'a> Plain<'a> {
                 };
                 run_plan(self.gpu, &pg.plan, &pg.moves, &resolve).unwrap_or_else(|e| panic!("{}: {e}\n{}", g.note, pg.plan.summary()));
             }
+            Step::Collective(c) => panic!("a one-rank step has no collective ({})", c.note),
         }
     }
 

@@ -110,6 +110,9 @@ fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, us
             Step::Gemm(gm) => {
                 writer.entry(gm.c.buf).or_insert_with(|| format!("gemm ({})", gm.note));
             }
+            Step::Collective(c) => {
+                writer.entry(c.dst.buf).or_insert_with(|| format!("{} ({})", c.exchange.mnemonic(), c.note));
+            }
         }
     }
     let jit = qatc_kernels::llvm::Jit::compile(&prog.kernels).expect("the kernels compile");

@@ -8,9 +8,11 @@
 //! | CUDA | `CudaProgram` on device 0 | NVRTC for the device, through the kernel cache | cuBLAS(Lt) |
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use qatc_ir::Graph;
 use qatc_kernels::{Target, TargetKind};
+use qatc_runtime::comm::Communicator;
 use qatc_runtime::{CpuOptions, InterpretedStep, TrainStep};
 
 use crate::describe;
@@ -28,6 +30,9 @@ pub struct Options {
     /// sources in `DIR/sources/`), the CPU's object code by LLVM under `DIR/cpu/`; None: keep
     /// nothing (the CPU's kernels are still compiled once per process).
     pub kernel_cache: Option<PathBuf>,
+    /// Who a step over several ranks exchanges its collectives with (this process's rank of
+    /// `mpirun`'s world); None: the world of one.
+    pub comm: Option<Arc<dyn Communicator>>,
 }
 
 /// A step ready to run.
@@ -71,6 +76,11 @@ impl std::fmt::Display for KernelsBuilt {
 /// same schedule, chunk size and rewrites), compiled and loaded.
 pub fn compile(g: &Graph, target: &Target, options: &Options) -> Result<Executable, DriverError> {
     if options.interpreter {
+        if has_collectives(g) {
+            return Err(DriverError::Unsupported(
+                "--interpreter runs one process's graph; a step over several ranks runs compiled (its collectives through MPI)".into(),
+            ));
+        }
         if target.kind != TargetKind::Cpu {
             return Err(DriverError::Unsupported("--interpreter runs on the CPU; it excludes --device cuda".into()));
         }
@@ -86,6 +96,10 @@ pub fn compile(g: &Graph, target: &Target, options: &Options) -> Result<Executab
 #[cfg(feature = "llvm")]
 fn compile_cpu(g: &Graph, target: &Target, options: &Options) -> Result<Executable, DriverError> {
     let (p, panels, built) = cpu_program_built(g, options)?;
+    let p = match &options.comm {
+        Some(comm) => p.with_communicator(comm.clone()),
+        None => p,
+    };
     let description = describe::compiled(&p, &panels);
     let kernels = KernelsBuilt {
         kernels: built.kernels,
@@ -147,4 +161,10 @@ fn compile_cuda(g: &Graph, target: &Target, options: &Options) -> Result<Executa
         warning: None,
     });
     Ok(Executable { step: Box::new(p), description, target, kernels })
+}
+
+/// Whether `g` has any collective (at its top level: a collective is never fused).
+fn has_collectives(g: &Graph) -> bool {
+    use qatc_ir::Op;
+    g.node_ids().into_iter().any(|n| matches!(g.node(n).op, Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. }))
 }

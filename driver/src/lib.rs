@@ -12,7 +12,6 @@
 //! program that runs, on the target it runs on. [`resolve`] turns `--device` into a target.
 
 pub mod chunk;
-pub mod collectives;
 mod compile;
 mod describe;
 mod error;

@@ -69,16 +69,9 @@ pub struct Executed {
 /// Lowers `g` for `target` and lays it out as that target's executor does (`options.cpu`: the
 /// CPU executor's settings, whose panel size changes the program).
 ///
-/// A step with collectives (`--ranks`) is laid out with stand-ins for them
-/// (`crate::collectives`): the buffers they write, nothing they move.
+/// A step with collectives (`--ranks`) is one rank's program: each collective a step of its own
+/// (`qatc_kernels::program::Collective`) that receives into a buffer of its result.
 pub fn plan(g: &Graph, target: &Target, options: &Options) -> Result<Executed, DriverError> {
-    let stood;
-    let g = if crate::collectives::has_collectives(g) {
-        stood = crate::collectives::stand_ins(g).map_err(|e| DriverError::Unsupported(format!("standing in for the collectives: {e}")))?;
-        &stood
-    } else {
-        g
-    };
     let Lowered { mut program, chunk } = lower(g, target, options)?;
     let panels = prepare(&mut program, target, options);
     let exec = ExecPlan::with_panels(&program, &panels, ExecOptions::for_target(target))?;

@@ -229,6 +229,10 @@ fn writers_and_other_uses(prog: &Program) -> (Vec<usize>, Vec<bool>) {
                     other_use[v.buf] = true;
                 }
             }
+            Step::Collective(c) => {
+                writers[c.dst.buf] += 1;
+                other_use[c.src.buf] = true;
+            }
         }
     }
     for (_, v) in prog.outputs.iter().chain(&prog.updates) {
@@ -264,7 +268,7 @@ fn find(prog: &Program, max_panel_bytes: usize) -> Vec<Found> {
         // those GEMMs take the whole weight as one panel (f32 accumulation stays whole)
         let half_k = users.iter().any(|&(j, rows_are_k)| match &prog.steps[j] {
             Step::Gemm(g) => rows_are_k && g.types.c != DType::F32,
-            Step::Launch { .. } => false,
+            Step::Launch { .. } | Step::Collective(_) => false,
         });
         let panel = if half_k { rows } else { panel_rows(rows, cols, dtype, max_panel_bytes) };
         if !users.is_empty() {

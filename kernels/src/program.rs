@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use qatc_ir::{DType, InputKind, Role};
+use qatc_ir::{DType, InputKind, Reduce, Role};
 
 use crate::kir::Kernel;
 
@@ -208,6 +208,43 @@ impl Gemm {
     }
 }
 
+/// What a collective exchanges (`qatc_ir::collective`'s ops).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exchange {
+    AllReduce(Reduce),
+    ReduceScatter(Reduce),
+    AllGather,
+}
+
+impl Exchange {
+    pub fn mnemonic(self) -> &'static str {
+        match self {
+            Exchange::AllReduce(_) => "all_reduce",
+            Exchange::ReduceScatter(_) => "reduce_scatter",
+            Exchange::AllGather => "all_gather",
+        }
+    }
+}
+
+/// A collective over `world` ranks, run by the executor's communicator (as a GEMM is a library
+/// call): `src`'s elements (this rank's operand, contiguous) in, `dst`'s (this rank's result, a
+/// whole buffer) out, of one float type. A CPU executor runs it through MPI; the CUDA executor
+/// refuses it (NCCL, issue 31).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Collective {
+    pub exchange: Exchange,
+    pub world: usize,
+    pub src: View,
+    pub dst: View,
+    pub note: String,
+}
+
+impl Collective {
+    pub fn src_elements(&self) -> usize {
+        self.src.numel()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     /// Launch `kernel` (an index into `Program::kernels`) with one buffer per param, in order.
@@ -217,6 +254,7 @@ pub enum Step {
         note: String,
     },
     Gemm(Box<Gemm>),
+    Collective(Box<Collective>),
 }
 
 /// A kernel launch that exists only to feed a GEMM an operand it cannot read itself (a 4-bit
@@ -337,6 +375,20 @@ impl Program {
                     }
                     o += &format!("{line}  // {}\n", g.note);
                 }
+                Step::Collective(c) => {
+                    let reduce = match c.exchange {
+                        Exchange::AllReduce(r) | Exchange::ReduceScatter(r) => format!("reduce={}, ", r.name()),
+                        Exchange::AllGather => String::new(),
+                    };
+                    o += &format!(
+                        "  {i} {}[{reduce}world={}] {} <- {}  // {}\n",
+                        c.exchange.mnemonic(),
+                        c.world,
+                        view(&c.dst),
+                        view(&c.src),
+                        c.note
+                    );
+                }
             }
         }
         o += "outputs:\n";
@@ -358,7 +410,13 @@ impl Program {
     pub fn gemms(&self) -> impl Iterator<Item = &Gemm> {
         self.steps.iter().filter_map(|s| match s {
             Step::Gemm(g) => Some(&**g),
-            Step::Launch { .. } => None,
+            Step::Launch { .. } | Step::Collective(_) => None,
+        })
+    }
+    pub fn collectives(&self) -> impl Iterator<Item = &Collective> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Collective(c) => Some(&**c),
+            _ => None,
         })
     }
 }

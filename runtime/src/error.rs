@@ -46,4 +46,7 @@ pub enum RuntimeError {
     /// string, or the emulation's finding).
     #[error("{what}: {msg}")]
     Device { what: String, msg: String },
+    /// A collective cannot run (`what` the collective's note or the communicator's call).
+    #[error("collective {what}: {msg}")]
+    Collective { what: String, msg: String },
 }

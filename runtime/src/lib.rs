@@ -48,6 +48,7 @@
 
 mod arena;
 mod collective;
+pub mod comm;
 pub mod cpu;
 pub mod cuda;
 mod error;

@@ -153,7 +153,7 @@ pub struct StepArgs {
     pub precision: Precision,
     /// Data-parallel ranks N: the step is one rank's program, of --batch rows each (a global
     /// batch of N x B), its gradients averaged over the ranks (`qatc plan` and `dump` lay it
-    /// out; running it needs MPI or NCCL, not yet built).
+    /// out; `mpirun -np N qatc train` runs it on the CPU, where --ranks may be left out).
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
     /// ZeRO stage with --ranks: 0 none, 1 optimizer state sharded, 2 also gradients, 3 also the
@@ -189,7 +189,7 @@ fn parse_memory(s: &str) -> Result<usize, String> {
 /// executor's settings, and the kernel cache's directory (`kernel_cache::KernelCacheArgs::dir`;
 /// None keeps nothing on disk).
 pub fn driver_options(interpreter: bool, cpu: qatc_runtime::CpuOptions, kernel_cache: Option<PathBuf>) -> qatc_driver::Options {
-    qatc_driver::Options { interpreter, cpu, kernel_cache }
+    qatc_driver::Options { interpreter, cpu, kernel_cache, comm: None }
 }
 
 /// Where and how the step runs (train's `--device`, `--interpreter` and GPU settings; the
@@ -230,6 +230,8 @@ impl StepArgs {
             device: placement.device,
             interpreter: placement.interpreter,
             cuda: placement.cuda,
+            ranks: self.ranks,
+            zero: self.zero,
         };
         step.check().map_err(anyhow::Error::msg)?;
         Ok(RunConfig { version: config::VERSION, model, step: Some(step), train: None })

@@ -57,7 +57,7 @@ impl Given {
 
 /// The options that set each field of the configuration (by dotted path). A field not listed
 /// (AdamW's betas and eps) no option sets: it is always the saved run's.
-const FIELD_OPTIONS: [(&str, &[&str]); 40] = [
+const FIELD_OPTIONS: [(&str, &[&str]); 42] = [
     ("model.path", &["model"]),
     ("model.quant.bits", &["bits"]),
     ("model.quant.group", &["group"]),
@@ -83,6 +83,8 @@ const FIELD_OPTIONS: [(&str, &[&str]); 40] = [
     ("step.cuda.no_graph", &["no_cuda_graph"]),
     ("step.cuda.general_kernels", &["general_kernels"]),
     ("step.cuda.no_variants", &["no_variant"]),
+    ("step.ranks", &["ranks"]),
+    ("step.zero", &["zero"]),
     ("train.data", &["data"]),
     ("train.steps", &["steps"]),
     ("train.lr", &["lr"]),

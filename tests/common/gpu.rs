@@ -109,7 +109,7 @@ pub fn planned_gemms(gpu: &mut dyn GpuApi, prog: &Program, image: &dyn Fn(&Kerne
                     .collect();
                 Some(PlannedGemm { plan, moves, scratch })
             }
-            Step::Launch { .. } => None,
+            Step::Launch { .. } | Step::Collective(_) => None,
         });
     }
     gemms

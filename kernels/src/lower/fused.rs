@@ -55,6 +55,7 @@ pub fn lower_kernel_node(
             .map(|s| match s {
                 Step::Gemm(_) => "gemm".to_string(),
                 Step::Launch { kernel, .. } => lw.prog.kernels[*kernel].family.clone(),
+                Step::Collective(c) => c.exchange.mnemonic().to_string(),
             })
             .collect();
         lw.prog.splits.push(format!("{} ({family}): {} steps: {}", g.describe(id), steps.len(), kinds.join(" + ")));

@@ -159,7 +159,10 @@ pub fn verify(prog: &Program, first: usize, buf: usize) -> Result<(), KernelErro
             Step::Gemm(g) if g.c.buf == buf => {
                 return Err(KernelError::Internal(format!("a GEMM writes over the logits in place ({})", g.note)))
             }
-            Step::Gemm(_) => {}
+            Step::Collective(c) if c.dst.buf == buf => {
+                return Err(KernelError::Internal(format!("a collective writes over the logits in place ({})", c.note)))
+            }
+            Step::Gemm(_) | Step::Collective(_) => {}
         }
     }
     Ok(())

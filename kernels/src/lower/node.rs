@@ -10,7 +10,7 @@ use qatc_ir::{Graph, KernelFamily, NodeId, Op, Role, Roles};
 
 use super::{adamw, adamw8, buffer_name, fused, inplace, lower_op, materialize, pack_part, read_by_parts, xent, Lowerer};
 use crate::error::KernelError;
-use crate::program::{BufKind, View};
+use crate::program::{BufKind, Collective, Exchange, Step, View};
 
 /// Lowers node `id` of `g`, its value's view recorded in `values` (or its parts in `lw.packs`).
 pub fn lower(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeId, View>, roles: &Roles) -> Result<(), KernelError> {
@@ -45,6 +45,10 @@ pub fn lower(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeI
                 operand_views.push(materialize(lw, g, o, values, roles)?);
             }
             fused::lower_kernel_node(lw, g, id, family, body, &operand_views, dest.clone())?;
+        }
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
+            let src = materialize(lw, g, ops[0], values, roles)?;
+            collective(lw, g, id, src, dest.clone())?;
         }
         _ => lower_op(lw, g, id, dest.clone(), values, roles)?,
     }
@@ -174,4 +178,22 @@ fn lowered_in_parts(
     fused::lower_kernel_parts(lw, g, id, &operand_views, &parts, &dests)?;
     lw.packs.insert(id, placed);
     Ok(true)
+}
+
+/// A collective (never fused): a step the executor's communicator runs, from its operand's
+/// buffer into its own. Its operand must be contiguous (a flattened, padded gradient or a weight's
+/// block, as the passes that insert collectives give it), possibly part of a larger buffer.
+fn collective(lw: &mut Lowerer, g: &Graph, id: NodeId, src: View, dst: View) -> Result<(), KernelError> {
+    let (exchange, world) = match g.node(id).op {
+        Op::AllReduce { reduce, world } => (Exchange::AllReduce(reduce), world),
+        Op::ReduceScatter { reduce, world } => (Exchange::ReduceScatter(reduce), world),
+        Op::AllGather { world } => (Exchange::AllGather, world),
+        _ => return Err(KernelError::Internal(format!("{} is not a collective", g.describe(id)))),
+    };
+    if !src.is_contiguous() {
+        return Err(KernelError::Unsupported { node: g.describe(id), why: "a collective's operand must be contiguous".into() });
+    }
+    let note = g.node(id).name.clone().unwrap_or_else(|| g.describe(id));
+    lw.prog.steps.push(Step::Collective(Box::new(Collective { exchange, world, src, dst, note })));
+    Ok(())
 }

@@ -17,6 +17,7 @@ use super::memory::{Memory, ALIGN};
 use super::options::CpuOptions;
 use super::steps::{cpu_steps, label, run_step, CpuStep};
 use super::Launcher;
+use crate::comm::{Communicator, OneRank};
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
 use crate::exec::{ExecOptions, ExecPlan, MemoryLayout, PartCost, Region, TimedPart, TrainStep};
@@ -41,6 +42,8 @@ pub struct CpuProgram {
     /// The hoisted steps' results are out of date.
     stale: bool,
     profile_by_kernel: bool,
+    /// Who the step's collectives exchange with (the world of one unless given).
+    comm: Arc<dyn Communicator>,
 }
 
 /// The CPU's own rewrites of a lowered program, before it is laid out (the program
@@ -106,7 +109,15 @@ impl CpuProgram {
             frozen,
             stale: true,
             profile_by_kernel: cpu.profile_by_kernel,
+            comm: Arc::new(OneRank),
         })
+    }
+
+    /// This program with its collectives run through `comm` (this process's rank of a world the
+    /// size the program was compiled for; a collective refuses any other size).
+    pub fn with_communicator(mut self, comm: Arc<dyn Communicator>) -> CpuProgram {
+        self.comm = comm;
+        self
     }
 
     /// Compiles `prog` for this CPU as `qatc train` runs it: 4-bit weights fed to their GEMMs in
@@ -239,7 +250,7 @@ impl CpuProgram {
         let step = self.steps.get(i).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no step {i}") })?;
         // SAFETY: `cpu_steps` made the step over `self.mem` for this checked program (`with_panels`),
         // and `&mut self` keeps every other access away from the buffers.
-        unsafe { run_step(step, &*self.launcher, self.blas.as_deref(), &self.mem) }
+        unsafe { run_step(step, &*self.launcher, self.blas.as_deref(), &*self.comm, &self.mem) }
     }
 
     /// Runs the steps like `execute`, timing each: (what, seconds) per step in order, `what`

@@ -4,12 +4,13 @@
 use qatc_ir::DType;
 use qatc_kernels::kir::{self, Body, Kernel, Space, Stmt};
 use qatc_kernels::panels::PanelTable;
-use qatc_kernels::program::{BufId, Gemm, Program, Step};
+use qatc_kernels::program::{BufId, Collective, Gemm, Program, Step};
 use rayon::prelude::*;
 
 use super::blas::Blas;
 use super::memory::Memory;
 use super::{gemm, Launcher};
+use crate::comm::{self, Communicator};
 use crate::error::RuntimeError;
 
 /// Below this much estimated work (iterations times the longest loop) a launch runs on the
@@ -50,6 +51,8 @@ pub enum CpuStep {
     Launch(LaunchPlan),
     Gemm(Box<Gemm>),
     Fed(Box<Fed>),
+    /// A collective, run through the program's communicator; its buffers' element type.
+    Collective(Box<Collective>, DType),
 }
 
 /// The longest loop of a kernel: a rough cost of one iteration.
@@ -115,6 +118,7 @@ pub fn cpu_steps(prog: &Program, panels: &PanelTable, mem: &Memory, threads: usi
                 }
                 None => CpuStep::Gemm(g.clone()),
             },
+            Step::Collective(c) => CpuStep::Collective(c.clone(), prog.buffers[c.dst.buf].dtype),
         })
         .collect()
 }
@@ -144,7 +148,13 @@ unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: 
 /// `step` must come from [`cpu_steps`] over `mem`, for a program that passed `ExecPlan::with_panels`
 /// (with its layout behind `mem`); nothing else may access `mem`'s buffers
 /// during the call.
-pub unsafe fn run_step(step: &CpuStep, launcher: &dyn Launcher, blas: Option<&Blas>, mem: &Memory) -> Result<(), RuntimeError> {
+pub unsafe fn run_step(
+    step: &CpuStep,
+    launcher: &dyn Launcher,
+    blas: Option<&Blas>,
+    comm: &dyn Communicator,
+    mem: &Memory,
+) -> Result<(), RuntimeError> {
     match step {
         CpuStep::Launch(l) => {
             // SAFETY: each param was checked against its buffer, and `resolve` pointed it at that
@@ -172,6 +182,18 @@ pub unsafe fn run_step(step: &CpuStep, launcher: &dyn Launcher, blas: Option<&Bl
             unsafe { gemm::run(g, blas, |b| mem.ptr(b)) };
             Ok(())
         }
+        CpuStep::Collective(c, dtype) => {
+            // SAFETY: the collective passed `exec::check_collective`: its operand is a contiguous
+            // view inside its buffer and its result a whole buffer of its own, both of `dtype`;
+            // both are live at this step, so the layout gives them disjoint bytes, and the
+            // caller keeps them from any other access.
+            let (src, dst) = unsafe {
+                let src = std::slice::from_raw_parts(mem.ptr(c.src.buf).add(dtype.bytes_for(c.src.offset)), dtype.bytes_for(c.src.numel()));
+                let dst = std::slice::from_raw_parts_mut(mem.ptr(c.dst.buf), dtype.bytes_for(c.dst.numel()));
+                (src, dst)
+            };
+            comm::run(comm, c, *dtype, src, dst)
+        }
     }
 }
 
@@ -184,5 +206,6 @@ pub fn label(step: &CpuStep, prog: &Program, by_kernel: bool) -> String {
         CpuStep::Launch(l) => family(l.kernel).to_string(),
         CpuStep::Gemm(g) => crate::exec::gemm_label(g.m, g.n, g.k, g.batch()),
         CpuStep::Fed(f) => format!("gemm {}x{}x{} fed by {}", f.dims.0, f.dims.1, f.dims.2, family(f.feed.kernel)),
+        CpuStep::Collective(c, _) => c.exchange.mnemonic().to_string(),
     }
 }

@@ -53,7 +53,7 @@ pub fn plan_gemms(prog: &Program, mode: BlasMode) -> Result<Plans, RuntimeError>
     let mut scratch_bytes = 0;
     for step in &prog.steps {
         gemms.push(match step {
-            Step::Launch { .. } => None,
+            Step::Launch { .. } | Step::Collective(_) => None,
             Step::Gemm(g) => {
                 let err = |msg: String| RuntimeError::Gemm { note: g.note.clone(), msg };
                 let plan = blas::plan(g, &prog.buffers, mode).map_err(|e| err(e.to_string()))?;

@@ -133,6 +133,12 @@ impl<A: GpuApi> CudaProgram<A> {
         // laid out as `qatc plan --device cuda` plans it (the one home of how an executor allocates)
         let exec = ExecOptions::for_target(target);
         let plan = ExecPlan::new(&prog, exec)?;
+        if let Some(c) = prog.collectives().next() {
+            // before any device work: NCCL is not built, and a collective faked on one GPU
+            // would train a different model than the ranks meant
+            let msg = "the CUDA executor runs no collectives: NCCL across GPUs is issue 31's part not built yet; run a step over several ranks on the CPU (--device cpu under mpirun)";
+            return Err(RuntimeError::Collective { what: c.note.clone(), msg: msg.into() });
+        }
         let mut plans = plan_gemms(&prog, BlasMode::of(&target.cuda))?;
         let arch = api.device().arch;
         let loaded = load_kernels(&mut api, &prog, &mut plans, arch, build, &target.cuda)?;
@@ -169,6 +175,7 @@ impl<A: GpuApi> CudaProgram<A> {
                 }
                 (Step::Gemm(_), Some(g)) => DeviceStep::Gemm(g),
                 (Step::Gemm(g), None) => return Err(RuntimeError::Gemm { note: g.note.clone(), msg: "not planned".into() }),
+                (Step::Collective(c), _) => return Err(RuntimeError::Collective { what: c.note.clone(), msg: "refused above".into() }),
             });
         }
         let mut readback_at = Vec::new();
@@ -385,6 +392,7 @@ impl<A: GpuApi> CudaProgram<A> {
         let what = match step {
             Step::Launch { kernel, .. } => self.prog.kernels.get(*kernel).map_or_else(|| "?".into(), |k| k.family.clone()),
             Step::Gemm(g) => gemm_label(g.m, g.n, g.k, g.c.shape.iter().rev().skip(2).product()),
+            Step::Collective(c) => c.exchange.mnemonic().to_string(),
         };
         let phase = self.plan.access.get(i).and_then(|a| step_phase(&self.prog, step, a));
         (format!("{what}{suffix}"), step_cost(&self.prog, step), phase)

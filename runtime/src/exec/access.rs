@@ -68,6 +68,7 @@ fn launch(k: &Kernel, args: &[BufId]) -> Access {
 pub fn of_step(prog: &Program, step: &Step, feed: Option<&PanelFeed>) -> Access {
     match step {
         Step::Launch { kernel, args, .. } => prog.kernels.get(*kernel).map(|k| launch(k, args)).unwrap_or_default(),
+        Step::Collective(c) => Access { reads: vec![c.src.buf], writes: vec![c.dst.buf] },
         Step::Gemm(g) => {
             let mut a = Access { reads: vec![g.a.buf], writes: vec![g.c.buf] };
             match feed {

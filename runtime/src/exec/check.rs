@@ -9,7 +9,7 @@
 use qatc_ir::DType;
 use qatc_kernels::kir::Kernel;
 use qatc_kernels::panels::PanelFeed;
-use qatc_kernels::program::{BufId, BufKind, Buffer, Gemm, Program, View};
+use qatc_kernels::program::{BufId, BufKind, Buffer, Collective, Exchange, Gemm, Program, View};
 
 use crate::error::RuntimeError;
 
@@ -186,4 +186,29 @@ pub fn check_gemm_step(prog: &Program, g: &Gemm, feed: Option<&PanelFeed>) -> Re
         }
         None => check_gemm(g, &prog.buffers),
     }
+}
+
+/// Checks a collective against its buffers: both views in range, one float type, the operand
+/// contiguous, the result a whole buffer that is no graph input, and their sizes as the exchange
+/// and its world make them.
+pub fn check_collective(prog: &Program, c: &Collective) -> Result<(), RuntimeError> {
+    let err = |msg: String| RuntimeError::Collective { what: c.note.clone(), msg };
+    let src = viewed(&prog.buffers, &c.src, "a collective's operand")?;
+    let dst = viewed(&prog.buffers, &c.dst, "a collective's result")?;
+    if src.dtype != dst.dtype || !src.dtype.is_float() {
+        return Err(err(format!("exchanges {} into {}: one float type", src.dtype, dst.dtype)));
+    }
+    if !c.src.is_contiguous() || c.dst.offset != 0 || !c.dst.is_contiguous() || c.dst.numel() != dst.numel() || is_input(dst) {
+        return Err(err("its operand must be contiguous and its result a whole buffer of its own".into()));
+    }
+    let (n, m, w) = (c.src.numel(), c.dst.numel(), c.world);
+    let sized = match c.exchange {
+        Exchange::AllReduce(_) => m == n,
+        Exchange::ReduceScatter(_) => w > 0 && n == m * w,
+        Exchange::AllGather => m == n * w,
+    };
+    if !sized {
+        return Err(err(format!("{} over {w} ranks of {n} elements into {m}", c.exchange.mnemonic())));
+    }
+    Ok(())
 }

@@ -39,6 +39,8 @@ pub fn step_cost(prog: &Program, step: &Step) -> PartCost {
             let c = elem(&g.c) * if g.accumulate { 2 } else { 1 };
             PartCost { bytes: elem(&g.a) + elem(&g.b) + c + g.bias.as_ref().map_or(0, elem), flops: 2 * (g.m * g.n * g.k * batch) as u64 }
         }
+        // what this rank reads and receives (not what crosses the network: `qatc plan --ranks`)
+        Step::Collective(c) => PartCost { bytes: elem(&c.src) + elem(&c.dst), flops: 0 },
     }
 }
 
@@ -58,7 +60,7 @@ pub fn step_phase(prog: &Program, step: &Step, access: &Access) -> Option<Phase>
     };
     let written: Vec<&Buffer> = match step {
         Step::Gemm(g) => prog.buffers.get(g.c.buf).into_iter().collect(),
-        Step::Launch { .. } => access.writes.iter().filter_map(|&b| prog.buffers.get(b)).collect(),
+        Step::Launch { .. } | Step::Collective(_) => access.writes.iter().filter_map(|&b| prog.buffers.get(b)).collect(),
     };
     let values = written.iter().filter(|b| !matches!(b.kind, BufKind::Input(..))).map(|b| b.role.phase);
     match values.min_by_key(|&p| order(p)) {

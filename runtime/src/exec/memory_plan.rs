@@ -136,6 +136,7 @@ impl MemoryPlan {
             let (what, flops) = match step {
                 Step::Launch { kernel, .. } => (prog.kernels.get(*kernel).map_or("?".into(), |k| k.family.clone()), 0),
                 Step::Gemm(g) => (format!("gemm {}x{}x{}", g.m, g.n, g.k), g.flops() as u64),
+                Step::Collective(c) => (c.exchange.mnemonic().to_string(), 0),
             };
             steps.push(PlannedStep { index: i, what, phase, flops, hoisted: exec.hoisted[i], live_bytes: live[i] });
         }

@@ -28,7 +28,7 @@ mod train_step;
 pub mod values;
 
 pub use access::{written_params_read, Access};
-pub use check::{check_gemm, check_launch, check_view, gemm_label, kernel_label, view_extent};
+pub use check::{check_collective, check_gemm, check_launch, check_view, gemm_label, kernel_label, view_extent};
 pub use cost::{step_cost, step_phase, PartCost, TimedPart};
 pub use hoist::Hoist;
 pub use layout::{lay_out, lifetimes, BufferLayout, Live, MemoryLayout, Place, Region};

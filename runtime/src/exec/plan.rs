@@ -108,6 +108,7 @@ impl ExecPlan {
                     check_launch(prog, *kernel, args)?;
                 }
                 Step::Gemm(g) => check_gemm_step(prog, g, panels.get(i))?,
+                Step::Collective(c) => super::check::check_collective(prog, c)?,
             }
         }
         for (name, v) in &prog.outputs {

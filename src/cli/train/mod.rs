@@ -29,6 +29,7 @@ pub use crate::trainer::{weights_safetensors, Trainer};
 use run::Run;
 
 mod run;
+mod world;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -307,18 +308,43 @@ pub fn run(a: &Args, given: &Given) -> anyhow::Result<()> {
 
 /// `run`, with every filesystem step of every save passed through `faults` (the crash tests).
 pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> {
-    if a.step.parallel()?.distributed() {
-        anyhow::bail!(
-            "--ranks {}: the step's collectives need MPI (CPU) or NCCL (GPU) to run, which qatc does not have yet (issue 31, items 5-7); `qatc plan --ranks {}` lays out one rank's step",
-            a.step.ranks,
-            a.step.ranks
-        );
-    }
+    a.step.parallel()?;
+    let world = world::join(given.has("ranks").then_some(a.step.ranks))?;
     if a.eval_every > 0 && a.val.is_none() {
         anyhow::bail!("--eval-every needs --val FILE");
     }
     let levels = plot_levels(a)?;
-    let (cfg, resume_at) = configure(a, given, faults)?;
+    let (mut cfg, resume_at) = configure(a, given, faults)?;
+    if let Some(s) = cfg.step.as_mut() {
+        match &a.resume {
+            // a saved run's ranks are its own (its stage too: `configure` refuses another
+            // --zero, naming both): the same world resumes it
+            Some(dir) if s.ranks != world.size() => anyhow::bail!(
+                "--resume {}: the run was trained on {} ranks (ZeRO stage {}), this one has {}: resume it with `mpirun -np {}`",
+                dir.display(),
+                s.ranks,
+                s.zero,
+                world.size(),
+                s.ranks
+            ),
+            Some(_) => {}
+            None => s.ranks = world.size(),
+        }
+        qatc_passes::zero::Parallel { ranks: s.ranks, zero: s.zero }.check().map_err(anyhow::Error::msg)?;
+        if s.ranks > 1 && s.zero >= 1 && s.optim.kind == crate::config::Optimizer::Adamw8bit {
+            // each rank's 8-bit moments are blocks with absmax of their own: no whole state to save
+            anyhow::bail!(
+                "--optim adamw8bit with --zero {} over {} ranks: sharded 8-bit moments cannot be saved yet; use --zero 0 or --optim adamw",
+                s.zero,
+                s.ranks
+            );
+        }
+    }
+    world::check_alike(&world, &cfg, world::model_checksum(std::path::Path::new(&cfg.model.path))?)?;
+    if world.size() > 1 && a.val.is_some() {
+        anyhow::bail!("--val over several ranks is not supported yet: validate the saved adapter with `qatc eval`");
+    }
+    let cfg = cfg;
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");
     };
@@ -332,9 +358,11 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         }
     }
     check_outputs(a, &cfg, &train)?;
-    // what a killed save left beside OUT goes first
-    artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
-    let mut run = Run::open(a, &cfg, &train, &step, resume_at, faults)?;
+    // what a killed save left beside OUT goes first (rank 0 writes OUT)
+    if world.leads() {
+        artifacts::recover(&a.out, faults).with_context(|| format!("--out {}", a.out.display()))?;
+    }
+    let mut run = Run::open(a, &cfg, &train, &step, resume_at, faults, world)?;
     for s in run.start..train.steps {
         run.step(s)?;
     }

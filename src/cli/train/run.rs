@@ -11,6 +11,7 @@ use anyhow::Context;
 use qatc_passes::precision::GRADS_FINITE;
 use qatc_runtime::{CpuOptions, Value};
 
+use super::world::World;
 use super::{save, Args, StepLog, Trainer};
 use crate::artifacts::{write_atomic, Faults};
 use crate::batches::{Batches, Dataset};
@@ -59,6 +60,8 @@ pub(super) struct Run<'r> {
     saved: Option<usize>,
     /// What the calibration chose (saved in `qatc.json`); None when it did not run.
     scale_starts: Option<ScaleStarts>,
+    /// This process's rank: only rank 0 prints, logs and writes.
+    world: World,
 }
 
 impl<'r> Run<'r> {
@@ -71,13 +74,20 @@ impl<'r> Run<'r> {
         step: &StepConfig,
         resume_at: Option<resume::Progress>,
         faults: &'r Faults,
+        world: World,
     ) -> anyhow::Result<Run<'r>> {
+        let leads = world.leads();
+        let say = |s: String| {
+            if leads {
+                eprintln!("{s}");
+            }
+        };
         let sched = train.lr_schedule();
         let (model_path, data_path) = (PathBuf::from(&cfg.model.path), PathBuf::from(&train.data));
         // the run's GPU settings: the command line's, or on --resume the saved run's
         let resolved = qatc_driver::resolve(step.device.kind(), step.interpreter, step.cuda)?;
         if let Some(n) = &resolved.notice {
-            eprintln!("qatc: {n}");
+            say(format!("qatc: {n}"));
         }
         let m = crate::cli::open_model(&model_path, &a.step.read)?;
         crate::cli::check_seq(&m, step.batch, step.seq)?;
@@ -97,9 +107,11 @@ impl<'r> Run<'r> {
             }
         }
         data.check_vocab(m.cfg.vocab_size)?;
-        let nb = data.require_batches(opts.batch, opts.seq)?;
-        if let Some(s) = data.summary(opts.batch) {
-            eprintln!("qatc: {s}");
+        // every rank reads its rows of the same global batches (`Trainer::my_rows`)
+        let global = opts.batch * world.size();
+        let nb = data.require_batches(global, opts.seq)?;
+        if let Some(s) = data.summary(global) {
+            say(format!("qatc: {s}"));
         }
         // the step takes what the batches give: instruction data's loss weights and position ids
         opts.model.inputs = data.inputs();
@@ -109,7 +121,7 @@ impl<'r> Run<'r> {
                 v.check_vocab(m.cfg.vocab_size)?;
                 v.require_batches(opts.batch, opts.seq)?;
                 if let Some(s) = v.summary(opts.batch) {
-                    eprintln!("qatc: --val {s}");
+                    say(format!("qatc: --val {s}"));
                 }
                 Some(v)
             }
@@ -118,9 +130,10 @@ impl<'r> Run<'r> {
         let init =
             train.init_adapter.as_deref().map(|p| crate::adapter::read_with(Path::new(p), a.step.read.allow_nonfinite)).transpose()?;
         let k = opts.grad_accum;
-        let tokens_per_step = opts.batch * opts.seq * k;
+        let tokens_per_step = global * opts.seq * k;
         let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
-        let build = crate::cli::driver_options(resolved.interpreter, cpu, a.cache.dir());
+        let mut build = crate::cli::driver_options(resolved.interpreter, cpu, a.cache.dir());
+        build.comm = Some(world.comm.clone());
         let calibration = calibrated_start(&m, &opts, &data, init.is_some() || resume_at.is_some())?;
         let trained = match (&init, &calibration) {
             (Some(a), _) => Trained::Adapter(a),
@@ -132,16 +145,27 @@ impl<'r> Run<'r> {
         let mut tr = Trainer::with_target_from(&m, opts, &trained, train.seed, &resolved.target, &build)?;
         let scale_starts = calibration.as_ref().map(Calibration::starts);
         tr.set_profile(a.profile);
-        eprintln!("qatc: the step runs {}", tr.describe());
-        eprintln!("qatc: built the step in {}", tr.built());
+        say(format!("qatc: the step runs {}", tr.describe()));
+        say(format!("qatc: built the step in {}", tr.built()));
+        if world.size() > 1 {
+            say(format!(
+                "qatc: {} ranks of {} rows (a global batch of {global}), ZeRO stage {}",
+                world.size(),
+                tr.opts.batch,
+                tr.opts.parallel.zero
+            ));
+        }
         let (start, skipped) = match (resume_at.as_ref(), &a.resume) {
             (Some(done), Some(dir)) => restore(&mut tr, done, dir, a.step.read.allow_nonfinite)?,
             _ => (0, 0),
         };
-        let log = step_log(a, resume_at.is_some())?;
+        let log = if leads { step_log(a, resume_at.is_some())? } else { None };
         let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
         let val_setup = validation(&tr, &resolved, build.kernel_cache.clone(), val.as_ref());
         let pb = crate::cli::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
+        if !leads {
+            pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
         Ok(Run {
             a,
             cfg,
@@ -170,6 +194,7 @@ impl<'r> Run<'r> {
             last_finite: None,
             saved: resume_at.as_ref().map(|_| start),
             scale_starts,
+            world,
         })
     }
 
@@ -227,13 +252,17 @@ impl<'r> Run<'r> {
         });
         self.pb.inc(1);
         if (self.a.save_every > 0 && done.is_multiple_of(self.a.save_every)) || done == self.train.steps {
+            // every rank gives its blocks of a ZeRO-sharded state; rank 0 saves it whole
+            self.tr.gather()?;
             // a save never writes non-finite weights over the last good one
             if let Some((tensor, i, v)) = crate::cli::diverge::nonfinite_state(&self.tr)? {
                 anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
             }
             let progress = resume::Progress { step: done, skipped: self.skipped, data_tokens: Some(self.data.tokens()) };
             let cfg = self.saved_config();
-            save(&self.a.out, &self.tr, &self.m, &cfg, &progress, self.faults)?;
+            if self.world.leads() {
+                save(&self.a.out, &self.tr, &self.m, &cfg, &progress, self.faults)?;
+            }
             self.saved = Some(done);
         }
         Ok(())
@@ -286,6 +315,9 @@ impl<'r> Run<'r> {
     /// After the last step: the profile, the plot, and the summary line.
     pub(super) fn finish(self, levels: &[(String, f64)]) -> anyhow::Result<()> {
         self.pb.finish_and_clear();
+        if !self.world.leads() {
+            return Ok(());
+        }
         if self.a.profile {
             match self.tr.profile().and_then(|p| p.table("step", 40)) {
                 Some(table) => eprint!("{table}"),
@@ -323,6 +355,8 @@ impl<'r> Run<'r> {
 fn restore(tr: &mut Trainer, done: &resume::Progress, dir: &Path, allow_nonfinite: bool) -> anyhow::Result<(usize, usize)> {
     let state = dir.join(STATE);
     tr.load_state(&state, allow_nonfinite)?;
+    // every rank gives its blocks of a sharded state, to be read back whole below
+    tr.gather()?;
     // the optimizer's step count is saved with the tensors: both files must be one save's
     // (a step fp16 loss scaling skipped does not count)
     let count = tr.persistent()?.into_iter().find(|(n, _)| n == "step").and_then(|(_, t)| t.data.first().copied());
