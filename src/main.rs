@@ -92,7 +92,7 @@ fn main() {
         // One line: the chain of causes joined, newlines folded.
         let mut msg = format!("{e:#}").replace('\n', " ");
         msg.push_str(cli::hint(&e).unwrap_or_default());
-        eprintln!("error: {msg}");
+        cli::print_error(&msg);
         std::process::exit(2);
     }
 }

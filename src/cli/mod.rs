@@ -278,3 +278,10 @@ impl StepArgs {
         }
     }
 }
+
+/// Prints a refusal's one line, `error: MSG`, in one write: ranks under mpirun share one stderr,
+/// and eprintln!'s pieces (stderr is unbuffered) would interleave with another rank's.
+pub fn print_error(msg: &str) {
+    let line = format!("error: {msg}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}

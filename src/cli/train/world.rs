@@ -96,7 +96,7 @@ pub fn check_alike(world: &World, cfg: &RunConfig, model_sum: [u8; 32]) -> anyho
 /// then waits for the others before exiting: the first to exit would have mpirun end the rest
 /// before they said why.
 fn refuse_together(world: &World, why: &str) -> ! {
-    eprintln!("error: {why}");
+    crate::cli::print_error(why);
     let _ = gather(world, &[0]);
     std::process::exit(2)
 }
