@@ -6,7 +6,7 @@
 //! [`Builder`]: inlining a fragment ("absorbing" the class) means its value is computed in
 //! registers instead of being read from memory.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 use egg::Id;
@@ -340,9 +340,15 @@ pub fn add_kernel(eg: &mut EG, root: Id, k: Kernel, args: Vec<Id>) -> Option<Id>
 
 /// Whether one of `args` is computed from one of `outs` in the input graph: a packed kernel
 /// reading it would depend on its own result.
+///
+/// The search walks the input graph's consumers forward from `outs`, but not past the last of
+/// `args` in its topological order: what comes later cannot reach them. Unbounded, each packed
+/// kernel walked the rest of the step (the later layers, the backward), quadratic in its length.
 fn reads_own_result(eg: &EG, outs: &[Id], args: &[Id]) -> bool {
     let args: Vec<Id> = args.iter().map(|a| eg.find(*a)).collect();
-    let mut seen = std::collections::HashSet::new();
+    // a class the rules created has no place in the order: no bound then
+    let last = args.iter().map(|&a| eg[a].data.topo.unwrap_or(u32::MAX)).max().unwrap_or(0);
+    let mut seen = rustc_hash::FxHashSet::default();
     let mut stack: Vec<Id> = outs.iter().map(|c| eg.find(*c)).collect();
     while let Some(c) = stack.pop() {
         if !seen.insert(c) {
@@ -353,7 +359,9 @@ fn reads_own_result(eg: &EG, outs: &[Id], args: &[Id]) -> bool {
             if args.contains(&u) {
                 return true;
             }
-            stack.push(u);
+            if eg[u].data.topo.is_none_or(|t| t <= last) {
+                stack.push(u);
+            }
         }
     }
     false

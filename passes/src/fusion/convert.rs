@@ -42,7 +42,7 @@ pub fn to_egraph(g: &Graph) -> Result<(EG, Roots), FusionError> {
     let mut eg = EG::new(FusionAnalysis::default());
     let order = g.topo_order().map_err(FusionError::Ir)?;
     let mut class: HashMap<NodeId, Id> = HashMap::with_capacity(order.len());
-    for &n in &order {
+    for (i, &n) in order.iter().enumerate() {
         let node = g.node(n);
         let leaf_name = match node.op {
             Op::Input { .. } => node.name.clone(),
@@ -53,6 +53,7 @@ pub fn to_egraph(g: &Graph) -> Result<(EG, Roots), FusionError> {
         let id = eg.add(ENode { kind: node.op.kind().into(), op, args });
         let d = &mut eg[id].data;
         d.original = true;
+        d.topo = Some(i as u32);
         if d.name.is_none() {
             d.name = node.name.clone();
         }

@@ -12,8 +12,8 @@
 //! verifier runs), the checkpoint name it carries, and the consumers it had in the input graph:
 //! a rule may inline a value into a kernel only when every consumer is inside that kernel.
 
+use rustc_hash::FxHashMap as HashMap;
 use std::cmp::Ordering;
-use std::collections::HashMap;
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -249,6 +249,9 @@ pub struct Data {
     pub output: bool,
     /// The class stands for a node of the input graph.
     pub original: bool,
+    /// Its node's position in the input graph's topological order (None for classes the rules
+    /// created): every class in `users` comes later, which bounds searches along them.
+    pub topo: Option<u32>,
 }
 
 pub type EG = EGraph<ENode, FusionAnalysis>;
@@ -260,7 +263,7 @@ pub struct FusionAnalysis {
     pub table: OpTable,
     /// (rule index, the e-classes and e-nodes a match used): applications already made, so a
     /// saturated rule costs a lookup instead of rebuilding its kernel every iteration.
-    pub memo: std::collections::HashSet<(usize, Vec<usize>)>,
+    pub memo: rustc_hash::FxHashSet<(usize, Vec<usize>)>,
 }
 
 impl Analysis<ENode> for FusionAnalysis {
@@ -294,6 +297,10 @@ impl Analysis<ENode> for FusionAnalysis {
         }
         a.output |= b.output;
         a.original |= b.original;
+        a.topo = match (a.topo, b.topo) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, y) => x.or(y),
+        };
         DidMerge(!a_before && a.ty.is_some(), !b_had && a.ty.is_some())
     }
 }

@@ -47,29 +47,32 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         .cloned()
         .collect();
     for n in nodes {
-        let mut b = Builder::new();
-        let mut args = Vec::new();
+        // each operand's largest pointwise fragment that may be inlined, else the operand read
+        let parts: Vec<(Id, Option<body::Frag>)> = n
+            .args
+            .iter()
+            .map(|&a| {
+                let c = eg.find(a);
+                let frag = body::best(eg, c, |f| f.family == KernelFamily::Pointwise)
+                    .filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
+                (c, frag)
+            })
+            .collect();
+        // the memo before any body is built: the same op over the same fragments was fused in an
+        // earlier iteration
         let mut key = vec![usize::from(root), n.op as usize];
-        let mut absorbed = 0;
-        for &a in &n.args {
-            let c = eg.find(a);
-            let frag = body::best(eg, c, |f| f.family == KernelFamily::Pointwise)
-                .filter(|f| f.recomputable(eg) || consumers_inside(eg, c, &[root]));
-            match frag {
-                Some(f) => {
-                    key.push(f.op as usize);
-                    args.push(b.splice(eg, &f, &[]));
-                    absorbed += 1;
-                }
-                None => {
-                    key.push(usize::MAX - usize::from(c));
-                    args.push(b.input(eg, c));
-                }
-            }
-        }
-        if absorbed == 0 || !first_time(eg, index, key) {
+        key.extend(parts.iter().map(|(c, f)| f.as_ref().map_or(usize::MAX - usize::from(*c), |f| f.op as usize)));
+        if parts.iter().all(|(_, f)| f.is_none()) || !first_time(eg, index, key) {
             continue;
         }
+        let mut b = Builder::new();
+        let args = parts
+            .iter()
+            .map(|(c, f)| match f {
+                Some(f) => b.splice(eg, f, &[]),
+                None => b.input(eg, *c),
+            })
+            .collect();
         let out = b.node(eg, n.op, args, Some(root));
         if let Some((k, args)) = b.finish(eg, out, KernelFamily::Pointwise, "pointwise-chain") {
             changed.extend(add_kernel(eg, root, k, args));

@@ -166,7 +166,8 @@ impl Rule {
                     Family::New(_) | Family::GemmPrologue => None,
                 };
                 let ast = pat.ast.clone();
-                Rewrite::new(name, pat, FuseApplier { rule: f, ast, absorb, fam_var, index }).map_err(bad)
+                let vars = pat.vars();
+                Rewrite::new(name, pat, FuseApplier { rule: f, ast, vars, absorb, fam_var, index }).map_err(bad)
             }
             Rule::Custom(c) => {
                 Rewrite::new(name, KindSearcher { roots: c.roots, global: c.global }, CustomApplier { apply: c.apply, index }).map_err(bad)
@@ -221,6 +222,8 @@ impl Applier<ENode, FusionAnalysis> for CustomApplier {
 struct FuseApplier {
     rule: Fuse,
     ast: PatternAst<ENode>,
+    /// The pattern's variables, in the pattern's order (the memo's key of a match).
+    vars: Vec<Var>,
     absorb: Vec<(Var, Take)>,
     fam_var: Option<Var>,
     index: usize,
@@ -316,10 +319,24 @@ impl Applier<ENode, FusionAnalysis> for FuseApplier {
             return vec![];
         }
         let has_internal = !internal.is_empty();
+        let cands: Vec<Vec<Frag>> = self.absorb.iter().map(|&(v, t)| self.choose(eg, root, v, t, subst)).collect();
+        // The match's memo: the same root, variables and candidate fragments were tried in an
+        // earlier iteration, and what they build is a function of these alone (the e-graph only
+        // grows by kernels, which a new candidate fragment would show), so every kernel they
+        // give is in the e-graph already. Checked before any body is built: rebuilding them
+        // every iteration was most of saturation's time on a 48-layer step.
+        let mut key: Vec<usize> = vec![usize::MAX - 1, usize::from(root)];
+        key.extend(self.vars.iter().map(|v| subst.get(*v).map_or(usize::MAX, |&c| usize::from(eg.find(c)))));
+        for c in &cands {
+            key.push(usize::MAX);
+            key.extend(c.iter().map(|f| f.op as usize));
+        }
+        if !eg.analysis.memo.insert((self.index, key)) {
+            return vec![];
+        }
         // every combination of the variables' candidate fragments, up to MAX_COMBINATIONS
         let mut combos: Vec<Vec<(Var, Frag)>> = vec![Vec::new()];
-        for &(v, t) in &self.absorb {
-            let cands = self.choose(eg, root, v, t, subst);
+        for (&(v, t), cands) in self.absorb.iter().zip(cands) {
             if cands.is_empty() {
                 if let Take::Must(_) = t {
                     return vec![];
