@@ -21,6 +21,7 @@ use qatc_kernels::{LowerOptions, Program, Target};
 use qatc_passes::plan::units::human;
 use serde::Serialize;
 
+use crate::lower::{lay_out, LaidOut};
 use crate::{DriverError, Options};
 
 /// The planner's choice and why.
@@ -59,18 +60,18 @@ pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>, targe
 
 /// `g` lowered in `schedule`'s order for `target` with the rows per chunk of its chunked
 /// cross-entropy chosen (see the module doc; None when the step has none), before the target's
-/// rewrites.
-pub fn choose(
+/// rewrites; and the chosen program laid out as the target's executor lays it out.
+pub(crate) fn choose(
     g: &Graph,
     schedule: &[qatc_ir::NodeId],
     target: &Target,
     options: &Options,
-) -> Result<(Program, Option<ChunkChoice>), DriverError> {
-    let peak = |p: &Program| crate::lower::peak(p, target, options);
+) -> Result<(Program, Option<ChunkChoice>, LaidOut), DriverError> {
     let first = lower(g, schedule, None, target)?;
-    let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None)) };
+    let first_laid = lay_out(&first, target, options)?;
+    let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None, first_laid)) };
     let (floor, n) = (c.chunk_rows, c.rows);
-    let base = peak(&first)?;
+    let base = first_laid.plan.peak_bytes();
     // a rise this small is the per-row statistics' few KiB, not a larger scratch
     let keeps = |p: usize| p <= base + base / 1000;
     let mut scratch_of = std::collections::HashMap::from([(floor, c.scratch_bytes())]);
@@ -85,7 +86,7 @@ pub fn choose(
     // the lowering walks the vocabulary in tiles, whose scratch does not grow) every row in one
     // chunk keeps it, and two lowerings decide instead of one per doubling.
     let (mut lo, mut hi) = (0, ladder.len());
-    let (mut chosen, mut rows, mut refused) = (first, floor, None);
+    let (mut chosen, mut rows, mut refused) = ((first, first_laid), floor, None);
     let mut next = ladder.len() - 1;
     while lo + 1 < hi {
         let r = ladder[next];
@@ -95,11 +96,12 @@ pub fn choose(
         if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {
             lo = next;
         } else {
-            let p = peak(&prog)?;
+            let laid = lay_out(&prog, target, options)?;
+            let p = laid.plan.peak_bytes();
             tried.push((r, p));
             scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
             if keeps(p) {
-                (lo, rows, chosen) = (next, r, prog);
+                (lo, rows, chosen) = (next, r, (prog, laid));
             } else {
                 (hi, refused) = (next, Some((r, p)));
             }
@@ -127,5 +129,6 @@ pub fn choose(
             human(base)
         ),
     };
-    Ok((chosen, Some(ChunkChoice { rows, floor, total_rows: n, tried, why })))
+    let (program, laid) = chosen;
+    Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, why }), laid))
 }

@@ -25,9 +25,15 @@ pub struct Lowered {
 /// it, a weight gradient's GEMM as soon as it can) and the executor holds what that schedule
 /// holds; the chunked cross-entropy's rows per chunk chosen by [`chunk::choose`].
 pub fn lower(g: &Graph, target: &Target, options: &Options) -> Result<Lowered, DriverError> {
+    lower_laid_out(g, target, options).map(|(lowered, _)| lowered)
+}
+
+/// [`lower`], and the chosen program as its target lays it out (which choosing the chunk size
+/// already did: [`plan`] keeps it rather than laying the program out again).
+fn lower_laid_out(g: &Graph, target: &Target, options: &Options) -> Result<(Lowered, LaidOut), DriverError> {
     let schedule = qatc_passes::plan::schedule(g)?;
-    let (program, chunk) = chunk::choose(g, &schedule, target, options)?;
-    Ok(Lowered { program, chunk })
+    let (program, chunk, laid) = chunk::choose(g, &schedule, target, options)?;
+    Ok((Lowered { program, chunk }, laid))
 }
 
 /// The target's own rewrites of a lowered program, before it is laid out (what its executor
@@ -40,12 +46,22 @@ pub fn prepare(program: &mut Program, target: &Target, options: &Options) -> Pan
     }
 }
 
-/// The executed plan's peak of `program` on `target` (the target's rewrites applied first).
-pub fn peak(program: &Program, target: &Target, options: &Options) -> Result<usize, DriverError> {
+/// A lowered program after the target's rewrites, laid out as its executor lays it out.
+pub(crate) struct LaidOut {
+    pub program: Program,
+    pub panels: PanelTable,
+    pub exec: ExecPlan,
+    pub plan: MemoryPlan,
+}
+
+/// `program` with the target's rewrites applied, laid out (its executed plan's peak:
+/// `.plan.peak_bytes()`).
+pub(crate) fn lay_out(program: &Program, target: &Target, options: &Options) -> Result<LaidOut, DriverError> {
     let mut program = program.clone();
     let panels = prepare(&mut program, target, options);
     let exec = ExecPlan::with_panels(&program, &panels, ExecOptions::for_target(target))?;
-    Ok(MemoryPlan::new(&program, &exec).peak_bytes())
+    let plan = MemoryPlan::new(&program, &exec);
+    Ok(LaidOut { program, panels, exec, plan })
 }
 
 /// A step as a target's executor would run it, and what it holds.
@@ -72,10 +88,7 @@ pub struct Executed {
 /// A step with collectives (`--ranks`) is one rank's program: each collective a step of its own
 /// (`qatc_kernels::program::Collective`) that receives into a buffer of its result.
 pub fn plan(g: &Graph, target: &Target, options: &Options) -> Result<Executed, DriverError> {
-    let Lowered { mut program, chunk } = lower(g, target, options)?;
-    let panels = prepare(&mut program, target, options);
-    let exec = ExecPlan::with_panels(&program, &panels, ExecOptions::for_target(target))?;
-    let plan = MemoryPlan::new(&program, &exec);
+    let (Lowered { chunk, .. }, LaidOut { program, panels, exec, plan }) = lower_laid_out(g, target, options)?;
     let roles = Roles::of(g);
     let (mut total_flops, mut recompute_flops, mut recomputed_nodes) = (0u64, 0u64, 0usize);
     for n in g.node_ids() {
