@@ -227,6 +227,13 @@ fn resume_from_the_saved_configuration_alone() {
     let r = Command::new(env!("CARGO_BIN_EXE_qatc")).args(args).output().unwrap();
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     assert_eq!(loss_bits(&p("a.jsonl")), loss_bits(&log));
+    // the steps the cut run logged after its last save are taken again, and logged once
+    let steps: Vec<u64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (0..steps.len() as u64).collect::<Vec<_>>(), "each step once, in order");
     for f in ["adapter_model.safetensors", "checkpoint/state.safetensors", "qatc.json", "checkpoint/resume.json"] {
         assert!(std::fs::read(p("a").join(f)).unwrap() == std::fs::read(o.join(f)).unwrap(), "{f} differs");
     }

@@ -159,7 +159,7 @@ impl<'r> Run<'r> {
             (Some(done), Some(dir)) => restore(&mut tr, done, dir, a.step.read.allow_nonfinite)?,
             _ => (0, 0),
         };
-        let log = if leads { step_log(a, resume_at.is_some())? } else { None };
+        let log = if leads { step_log(a, resume_at.is_some().then_some(start))? } else { None };
         let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
         let val_setup = validation(&tr, &resolved, build.kernel_cache.clone(), val.as_ref());
         let pb = crate::cli::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
@@ -384,17 +384,41 @@ fn calibrated_start(m: &Model, opts: &StepOptions, data: &Dataset, restored: boo
     Ok(Some(c))
 }
 
-/// `--log-json`'s file: appended to when the run resumes, else started afresh.
-fn step_log(a: &Args, resuming: bool) -> anyhow::Result<Option<std::io::BufWriter<std::fs::File>>> {
+/// `--log-json`'s file: started afresh, or, when the run resumes at step `resumed`, kept up to
+/// that step and appended to. The lines of the steps a killed run logged after its last save are
+/// dropped (rewritten through a temporary file, then renamed): the resumed run takes those steps
+/// again, and the log holds each step once.
+fn step_log(a: &Args, resumed: Option<usize>) -> anyhow::Result<Option<std::io::BufWriter<std::fs::File>>> {
     let Some(p) = &a.log_json else { return Ok(None) };
+    if let Some(start) = resumed {
+        keep_log_before(p, start).with_context(|| format!("{}", p.display()))?;
+    }
     let f = std::fs::OpenOptions::new()
         .create(true)
-        .append(resuming)
+        .append(resumed.is_some())
         .write(true)
-        .truncate(!resuming)
+        .truncate(resumed.is_none())
         .open(p)
         .with_context(|| format!("{}", p.display()))?;
     Ok(Some(std::io::BufWriter::new(f)))
+}
+
+/// Rewrites log `p` without the lines of steps `start` and later (a line without a step, or one
+/// that is not JSON, stays). Nothing to do when `p` does not exist or has no such line.
+fn keep_log_before(p: &std::path::Path, start: usize) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let step_of = |l: &str| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["step"].as_u64());
+    let kept: Vec<&str> = text.lines().filter(|l| step_of(l).is_none_or(|s| s < start as u64)).collect();
+    if kept.len() == text.lines().count() {
+        return Ok(());
+    }
+    let tmp = p.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept.iter().map(|l| format!("{l}\n")).collect::<String>())?;
+    std::fs::rename(&tmp, p)
 }
 
 /// How validation evaluates: the step's model without dropout, where the step runs, as it runs.
