@@ -316,7 +316,18 @@ fn fit(
     if a.max_batch == 0 {
         anyhow::bail!("--max-batch must be at least 1");
     }
-    let f = memory::fit::search(cfg, opts, pinned, memory, a.max_batch, target, options)?;
+    // minutes for the largest models: a spinner on the terminal (none when stderr is not one)
+    let t0 = std::time::Instant::now();
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.set_message("--fit: planning batch 1");
+    pb.enable_steady_tick(std::time::Duration::from_millis(200));
+    let show = |p: memory::fit::Progress| pb.set_message(format!("--fit: planning batch {}, {} plans so far", p.batch, p.planned));
+    let f = memory::fit::search_reporting(cfg, opts, pinned, memory, a.max_batch, target, options, &show);
+    pb.finish_and_clear();
+    let f = f?;
+    if !a.json {
+        eprintln!("qatc: --fit made {} plans in {:.1} s", f.tried, t0.elapsed().as_secs_f64());
+    }
     let (_, words) = describe_options(opts);
     let title = format!("{name} ({} layers, C {}), T {}, {words}", cfg.n_layer, cfg.n_embd, opts.seq);
     if let (Some(path), Some((o, e))) = (&a.svg, &f.best) {

@@ -187,7 +187,31 @@ pub fn search(
     target: &Target,
     options: &Options,
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, true)
+    search_pruned(cfg, base, pinned, memory, max_batch, target, options, true, &|_| {})
+}
+
+/// Where a search is, after each plan: for a progress display (a 1.5B search takes minutes).
+#[derive(Clone, Copy, Debug)]
+pub struct Progress {
+    /// The batch size being searched.
+    pub batch: usize,
+    /// Plans made so far, every precision and optimizer counted.
+    pub planned: usize,
+}
+
+/// [`search`], calling `progress` after each plan (from the threads that plan).
+#[allow(clippy::too_many_arguments)]
+pub fn search_reporting(
+    cfg: &Gpt2Config,
+    base: &StepOptions,
+    pinned: Pinned,
+    memory: usize,
+    max_batch: usize,
+    target: &Target,
+    options: &Options,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> anyhow::Result<Fit> {
+    search_pruned(cfg, base, pinned, memory, max_batch, target, options, true, progress)
 }
 
 /// [`search`] without its pruning: every policy of every precision and optimizer at every batch
@@ -202,7 +226,7 @@ pub fn search_every(
     target: &Target,
     options: &Options,
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, false)
+    search_pruned(cfg, base, pinned, memory, max_batch, target, options, false, &|_| {})
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -215,7 +239,9 @@ fn search_pruned(
     target: &Target,
     options: &Options,
     prune: bool,
+    progress: &(dyn Fn(Progress) + Sync),
 ) -> anyhow::Result<Fit> {
+    let planned = std::sync::atomic::AtomicUsize::new(0);
     let mut fits: Vec<(Candidate, StepOptions)> = Vec::new();
     let mut best: Option<(f64, StepOptions, Executed)> = None;
     let mut smallest: Option<(Candidate, Executed)> = None;
@@ -253,7 +279,10 @@ fn search_pruned(
                         // --compile-timeout bounds each plan, as it bounds building one step
                         o.deadline = base.deadline.budget().map_or_else(Deadline::unlimited, Deadline::within);
                         k.tried += 1;
-                        let e = match plan_of(cfg, &o, target, options) {
+                        let made = plan_of(cfg, &o, target, options);
+                        let n = planned.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                        progress(Progress { batch, planned: n });
+                        let e = match made {
                             Ok(e) => e,
                             // auto fails when no plan of its model (the graph-level planner's,
                             // which overstates the executed program) fits: blocks and sqrt are
