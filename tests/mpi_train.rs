@@ -1,7 +1,9 @@
 //! `mpirun -np N qatc train` with real processes (issue 31's exactness tests): N ranks of B rows
 //! each train as one rank of N x B rows does, within 1e-6 in the loss and 1e-5 in the trained
 //! weights after 3 steps, for 4-bit + LoRA and for a full fine-tune; ZeRO 1, 2 and 3 as stage 0;
-//! a run resumed across a save as an unbroken one; a resume on another number of ranks refused.
+//! a run resumed across a save as an unbroken one, from each rank's own shard of the sharded
+//! state (a missing shard, or another rank's, refused naming the file); 8-bit moments sharded as
+//! whole ones; a resume on another number of ranks refused.
 //!
 //! On the tiny model: 3 ranks oversubscribe this 2-core machine (`--oversubscribe`, no binding).
 //! Built without the `mpi` feature, qatc must refuse to run under mpirun (or, with no mpirun, the
@@ -173,12 +175,94 @@ fn a_sharded_run_resumes_as_if_unbroken() {
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["train"]["steps"] = 3.into();
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    // each rank saved its own blocks beside rank 0's checkpoint; rank 0's state holds the rest
+    let shards = [d.join("cut/checkpoint/state.rank-0-of-2.safetensors"), d.join("cut/checkpoint/state.rank-1-of-2.safetensors")];
+    for f in &shards {
+        let names = tensor_names(f);
+        assert!(names.iter().any(|n| n.starts_with("adam.m:")) && names.contains(&"wte.weight".to_string()), "{}: {names:?}", f.display());
+    }
+    let alike = tensor_names(&d.join("cut/checkpoint/state.safetensors"));
+    assert!(alike.contains(&"step".to_string()) && !alike.iter().any(|n| n.starts_with("adam.")), "{alike:?}");
+    // a missing shard, or another rank's in its place, is refused in one line naming the file
+    let rank1 = "checkpoint/state.rank-1-of-2.safetensors";
+    for (case, break_it) in [("missing", None), ("rank 0's", Some("checkpoint/state.rank-0-of-2.safetensors"))] {
+        let broken = format!("broken-{}", case.len());
+        copy_dir(&d.join("cut"), &d.join(&broken));
+        match break_it {
+            None => std::fs::remove_file(d.join(&broken).join(rank1)).unwrap(),
+            Some(other) => std::fs::copy(d.join(&broken).join(other), d.join(&broken).join(rank1)).map(|_| ()).unwrap(),
+        }
+        let o2 = train(d, 2, &broken, &[&o[..], &["--resume", &broken]].concat());
+        let err = String::from_utf8_lossy(&o2.stderr);
+        assert_eq!(o2.status.code(), Some(2), "{case}: {err}");
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("error: ") && l.contains(rank1))
+            .unwrap_or_else(|| panic!("{case}: no line names {rank1}:\n{err}"));
+        let says = if break_it.is_none() { "missing" } else { "says qatc.rank 0, not 1" };
+        assert!(line.contains(says), "{case}: {line}");
+    }
     ok(train(d, 2, "cut", &[&o[..], &["--resume", "cut"]].concat()));
     same(d, "whole", "cut");
     // on another number of ranks (of the same rows each) the saved run is refused, naming both
     let refused = train(d, 3, "cut", &[&o[..], &["--resume", "cut", "--batch", "3"]].concat());
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("trained on 2 ranks") && err.contains("this one has 3"), "{err}");
+}
+
+/// 8-bit moments sharded by ZeRO 1 and 2, each rank's blocks saved by itself: where every rank's
+/// block is whole quantization blocks (2 ranks on the tiny model) ZeRO 1 trains as the same ranks
+/// do with the moments whole (ZeRO 0), and a run resumes across a save as if unbroken; where they
+/// are not (3 ranks), and at stage 3, the run is refused, saying why. (8-bit moments are not
+/// compared across other reductions: ZeRO 2's per-micro-batch sums, or one rank's, round a
+/// gradient's last bits otherwise, and that flips a code now and then, moving a weight by up to
+/// 5e-4 in 3 steps.)
+#[test]
+fn sharded_8bit_moments_train_and_resume_as_whole_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !mpi_ready(d) {
+        return;
+    }
+    let o = ["--full-finetune", "--optim", "adamw8bit", "--grad-accum", "2"];
+    ok(train(d, 2, "z0", &[&o[..], &["--zero", "0"]].concat()));
+    ok(train(d, 2, "z1", &[&o[..], &["--zero", "1"]].concat()));
+    same(d, "z0", "z1");
+    let names = tensor_names(&d.join("z1/checkpoint/state.rank-1-of-2.safetensors"));
+    assert!(names.iter().any(|n| n.starts_with("adam.m8:")) && names.iter().any(|n| n.starts_with("adam.v8.absmax:")), "{names:?}");
+    let z = [&o[..], &["--zero", "2"]].concat();
+    ok(train(d, 2, "z2", &z));
+    ok(train(d, 2, "cut", &[&z[..], &["--steps", "2"]].concat()));
+    let cfg_path = d.join("cut/qatc.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["train"]["steps"] = 3.into();
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    ok(train(d, 2, "cut", &[&z[..], &["--resume", "cut"]].concat()));
+    same(d, "z2", "cut");
+    for (n, zero, says) in [(3, "1", "elements of h.0."), (2, "3", "at stage 3 each rank updates only its block")] {
+        let r = train(d, n, "refused", &[&o[..], &["--zero", zero, "--batch", "2"]].concat());
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success() && err.contains(says), "{n} ranks, ZeRO {zero}: {err}");
+    }
+}
+
+/// The tensor names of a safetensors file.
+fn tensor_names(f: &Path) -> Vec<String> {
+    let bytes = std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+    safetensors::SafeTensors::deserialize(&bytes).unwrap().names().into_iter().map(String::from).collect()
+}
+
+/// A copy of directory `from` (and its subdirectories) at `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
 }
 
 /// A rank killed with SIGKILL mid-run: the others are ended within seconds (never a hang), with

@@ -68,6 +68,21 @@ pub fn blockwise_moment_names(param: &str) -> [String; 4] {
     [format!("adam.m8:{param}"), format!("adam.m8.absmax:{param}"), format!("adam.v8:{param}"), format!("adam.v8.absmax:{param}")]
 }
 
+/// In a step whose moments ZeRO 1-2 shards (one rank's step), the first tensor whose 8-bit
+/// moments' block on each rank is not a whole number of quantization blocks (`qmap::BLOCK`):
+/// (its name, the elements of its block). Each rank quantizes its block's moments in blocks
+/// that start where its block does; those are one rank's blocks, and the ranks train as one rank
+/// does, only where every rank's block starts on a quantization block's boundary.
+pub fn split_8bit_blocks(g: &Graph) -> Option<(String, usize)> {
+    g.inputs().into_iter().find_map(|id| {
+        let name = g.node(id).name.as_deref()?;
+        let [codes, ..] = blockwise_moment_names("");
+        let param = name.strip_prefix(codes.as_str())?;
+        let block = g.ty(id).numel();
+        (!block.is_multiple_of(qmap::BLOCK)).then(|| (param.to_string(), block))
+    })
+}
+
 /// Whether `moments` stores the moments of trainable input `p` as 8-bit blocks: tensors of at
 /// least `MIN_8BIT_ELEMS` elements, except embedding tables (read by a gather). An embedding's
 /// rows see gradients as rarely as their tokens occur, so one block mixes second moments many
