@@ -265,6 +265,41 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// `--val` over ranks: each rank evaluates its rows of the validation's global batches and their
+/// sums are added up, so the validation loss is one rank's (of the global batch) within 1e-6,
+/// the weights whole (ZeRO 0) or gathered from the ranks' blocks (ZeRO 3).
+#[test]
+fn validation_over_ranks_is_one_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !mpi_ready(d) {
+        return;
+    }
+    let tokens = common::fixture("tiny/tokens.bin");
+    let v = ["--full-finetune", "--val", tokens.to_str().unwrap(), "--eval-every", "1", "--val-batches", "3"];
+    ok(train(d, 1, "one", &v));
+    for (n, zero) in [(2, "0"), (3, "3")] {
+        let out = format!("n{n}z{zero}");
+        ok(train(d, n, &out, &[&v[..], &["--zero", zero]].concat()));
+        same(d, "one", &out);
+        same_validation(d, "one", &out);
+    }
+}
+
+/// The validation losses of runs `a` and `b`, logged at every step, agree within 1e-6.
+fn same_validation(dir: &Path, a: &str, b: &str) {
+    let val = |out: &str| -> Vec<f64> {
+        let text = std::fs::read_to_string(dir.join(format!("{out}.log.json"))).expect("the log");
+        text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64().expect("a val_loss")).collect()
+    };
+    let (va, vb) = (val(a), val(b));
+    assert_eq!(va.len(), vb.len());
+    for (s, (x, y)) in va.iter().zip(&vb).enumerate() {
+        assert!((x - y).abs() <= 1e-6, "{b} against {a}: step {s}'s validation loss {y} against {x}");
+    }
+    eprintln!("{b} = {a}: worst validation difference {:.1e}", va.iter().zip(&vb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max));
+}
+
 /// A rank killed with SIGKILL mid-run: the others are ended within seconds (never a hang), with
 /// mpirun's line naming the rank, and the last checkpoint rank 0 wrote stays whole.
 #[test]

@@ -396,9 +396,6 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
         }
     }
     world::check_alike(&world, &cfg, world::model_checksum(std::path::Path::new(&cfg.model.path))?)?;
-    if world.size() > 1 && a.val.is_some() {
-        anyhow::bail!("--val over several ranks is not supported yet: validate the saved adapter with `qatc eval`");
-    }
     let cfg = cfg;
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");

@@ -16,7 +16,7 @@ use super::{save, Args, StepLog, Trainer};
 use crate::artifacts::{write_atomic, Faults};
 use crate::batches::{Batches, Dataset};
 use crate::calibrate::{self, Calibration};
-use crate::cli::eval::{EvalSetup, Evaluator};
+use crate::cli::eval::{EvalSetup, EvalSums, Evaluator};
 use crate::cli::resume::{self, PROGRESS, STATE};
 use crate::config::{RunConfig, ScaleInit, ScaleStarts, StepConfig, TrainConfig};
 use crate::model::{Model, Trained};
@@ -119,8 +119,9 @@ impl<'r> Run<'r> {
             Some(p) => {
                 let v = Dataset::load(p, opts.seq, &reading)?;
                 v.check_vocab(m.cfg.vocab_size)?;
-                v.require_batches(opts.batch, opts.seq)?;
-                if let Some(s) = v.summary(opts.batch) {
+                // each rank evaluates its rows of the same global batches (`Run::validate`)
+                v.require_batches(global, opts.seq)?;
+                if let Some(s) = v.summary(global) {
                     say(format!("qatc: --val {s}"));
                 }
                 Some(v)
@@ -268,13 +269,19 @@ impl<'r> Run<'r> {
     }
 
     /// The validation loss after `done` steps, where one is due (every `--eval-every` steps and
-    /// at the end), on the trained weights read back from the executor.
+    /// at the end), on the trained weights read back from the executor. Over ranks each
+    /// evaluates its rows of the global batches (as it trains on them) and the ranks' sums of
+    /// the losses and their weights are added up: every rank has the loss one rank of the
+    /// global batch would.
     fn validate(&mut self, done: usize) -> anyhow::Result<Option<f64>> {
         let Some(v) = &self.val else { return Ok(None) };
         if !((self.a.eval_every > 0 && done.is_multiple_of(self.a.eval_every)) || done == self.train.steps) {
             return Ok(None);
         }
-        let n = self.a.val_batches.min(v.num_batches(self.tr.opts.batch, self.tr.opts.seq)).max(1);
+        let (rank, ranks) = (self.world.rank(), self.world.size());
+        let n = self.a.val_batches.min(v.num_batches(self.tr.opts.batch * ranks, self.tr.opts.seq)).max(1);
+        // the weights ZeRO 3 shards, gathered whole from every rank's blocks
+        self.tr.gather()?;
         let weights: HashMap<String, Value<f32>> = self.tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
         let e = match self.validator.as_mut() {
             Some(e) => {
@@ -283,7 +290,19 @@ impl<'r> Run<'r> {
             }
             None => self.validator.insert(Evaluator::new(&self.m, self.tr.opts.batch, self.tr.opts.seq, &self.val_setup, Some(&weights))?),
         };
-        Ok(Some(e.run(v, n, false)?.loss))
+        if ranks == 1 {
+            return Ok(Some(e.run(v, n, false)?.loss));
+        }
+        let (mine, outcome) = match e.sums(v, n, Some((rank, ranks)), false) {
+            Ok(s) => (s, Ok(())),
+            Err(err) => (EvalSums::default(), Err(err)),
+        };
+        world::agree(&self.world, outcome)?;
+        // added in rank order, as every rank does
+        let all = world::gather(&self.world, &mine.to_bytes())?;
+        let sums =
+            all.chunks_exact(24).map(|c| EvalSums::from_bytes(c.try_into().unwrap_or(&[0; 24]))).fold(EvalSums::default(), |a, b| a + b);
+        Ok(Some(sums.result().loss))
     }
 
     /// The first non-finite element of the persistent state (`diverge::nonfinite_state`) over

@@ -135,7 +135,7 @@ pub fn agree(world: &World, outcome: anyhow::Result<()>) -> anyhow::Result<()> {
 }
 
 /// Every rank's `bytes` (the same length on all), in rank order.
-fn gather(world: &World, bytes: &[u8]) -> anyhow::Result<Vec<u8>> {
+pub fn gather(world: &World, bytes: &[u8]) -> anyhow::Result<Vec<u8>> {
     let mut all = vec![0u8; bytes.len() * world.size()];
     world.comm.all_gather_bytes(bytes, &mut all)?;
     Ok(all)
