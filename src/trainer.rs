@@ -340,16 +340,22 @@ impl Trainer {
     /// Instruction data's loss weights are the batches' masks scaled so that they sum to K over
     /// the step: each micro-batch's loss is its weighted sum, the step's (their mean, the
     /// `microbatch` pass) is then the mean over every target the step counts, however they fall
-    /// into its micro-batches.
+    /// into its micro-batches. Over N ranks they are the global batches' masks scaled to sum to
+    /// K N, of which each rank takes its rows: the ranks' mean loss (and gradient), which the
+    /// step's collectives take, is then the mean over every target the global step counts,
+    /// however they fall into the ranks' rows, as one rank of the global batch has it.
     pub fn step_on(&mut self, data: &impl Batches, batches: &[usize], lr: f64, salt: u64) -> anyhow::Result<HashMap<String, Value<f32>>> {
         let (b, t, k) = (self.opts.batch, self.opts.seq, self.opts.grad_accum);
         if batches.len() != k {
             anyhow::bail!("internal: {} micro-batches for --grad-accum {k}", batches.len());
         }
-        let micro: Vec<Batch> = batches.iter().map(|&s| self.my_rows(data, s)).collect::<anyhow::Result<_>>()?;
+        let (rank, ranks) = self.world.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+        let global: Vec<Batch> = batches.iter().map(|&s| data.batch(s, b * ranks, t)).collect::<Result<_, _>>()?;
         self.gathered.clear();
-        let masks: Vec<&[f32]> = micro.iter().filter_map(|m| m.mask.as_deref()).collect();
-        let mut weights = loss_weights(&masks, k as f64).into_iter();
+        let masks: Vec<&[f32]> = global.iter().filter_map(|m| m.mask.as_deref()).collect();
+        let mut weights = loss_weights(&masks, (k * ranks) as f64).into_iter().map(|w| w[rank * b * t..(rank + 1) * b * t].to_vec());
+        // this rank's rows r B .. (r + 1) B of each global batch
+        let micro: Vec<Batch> = global.iter().map(|g| g.rows(rank * b, b, t)).collect();
         self.give("lr", Value::scalar(lr))?;
         // a fresh dropout mask every step, reproducible from the seed and the step's first batch
         let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(salt as i64) as i32;
@@ -386,19 +392,6 @@ impl Trainer {
     /// Rows per global batch: `--batch` on each of the ranks.
     pub fn global_batch(&self) -> usize {
         self.opts.batch * self.opts.parallel.ranks
-    }
-
-    /// This rank's rows of global batch `s` (rank r takes rows r B .. (r + 1) B), so the global
-    /// batch is the same whatever the number of ranks.
-    fn my_rows(&self, data: &impl Batches, s: usize) -> anyhow::Result<Batch> {
-        let (b, t) = (self.opts.batch, self.opts.seq);
-        let Some(world) = &self.world else { return Ok(data.batch(s, b, t)?) };
-        let all = data.batch(s, b * world.size(), t)?;
-        if all.mask.is_some() {
-            // each rank's loss weights would have to sum over the global batch's targets
-            anyhow::bail!("{}: instruction data over several ranks is not supported yet; train it on one", data.source().display());
-        }
-        Ok(all.rows(world.rank() * b, b, t))
     }
 
     /// Gathers the trainable weights ZeRO 3 shards whole from the ranks' blocks (a collective:

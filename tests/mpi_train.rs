@@ -3,7 +3,8 @@
 //! weights after 3 steps, for 4-bit + LoRA and for a full fine-tune; ZeRO 1, 2 and 3 as stage 0;
 //! a run resumed across a save as an unbroken one, from each rank's own shard of the sharded
 //! state (a missing shard, or another rank's, refused naming the file); 8-bit moments sharded as
-//! whole ones; a resume on another number of ranks refused.
+//! whole ones; validation and instruction data as on one rank; a resume on another number of
+//! ranks refused.
 //!
 //! On the tiny model: 3 ranks oversubscribe this 2-core machine (`--oversubscribe`, no binding).
 //! Built without the `mpi` feature, qatc must refuse to run under mpirun (or, with no mpirun, the
@@ -32,13 +33,21 @@ fn has_mpirun() -> bool {
 /// `qatc train` on `ranks` processes (plain, on one), `--batch` GLOBAL / ranks and `--steps`
 /// STEPS unless `extra` gives them, with `extra` options, writing OUT and its log under `dir`.
 fn train(dir: &Path, ranks: usize, out: &str, extra: &[&str]) -> Output {
-    let batch = (GLOBAL / ranks).to_string();
     let tiny = common::fixture("tiny/f32_noprefix/model.safetensors");
     let tokens = common::fixture("tiny/tokens.bin");
+    train_on(dir, ranks, &tiny, &tokens, out, extra)
+}
+
+/// `train`, of model `model` on data `data` (`--seq` T unless `extra` gives it).
+fn train_on(dir: &Path, ranks: usize, model: &Path, data: &Path, out: &str, extra: &[&str]) -> Output {
+    let batch = (GLOBAL / ranks).to_string();
     let log = format!("{out}.log.json");
-    let mut args: Vec<String> = vec!["train".into(), tiny.display().to_string(), "--data".into(), tokens.display().to_string()];
-    for a in ["--seq", T, "--out", out, "--log-json", &log] {
+    let mut args: Vec<String> = vec!["train".into(), model.display().to_string(), "--data".into(), data.display().to_string()];
+    for a in ["--out", out, "--log-json", &log] {
         args.push(a.into());
+    }
+    if !extra.contains(&"--seq") {
+        args.extend(["--seq".to_string(), T.to_string()]);
     }
     if !extra.contains(&"--batch") {
         args.extend(["--batch".to_string(), batch]);
@@ -283,6 +292,34 @@ fn validation_over_ranks_is_one_ranks() {
         ok(train(d, n, &out, &[&v[..], &["--zero", zero]].concat()));
         same(d, "one", &out);
         same_validation(d, "one", &out);
+    }
+}
+
+/// Instruction data over ranks (records, each row's loss mask its own): each rank takes its rows
+/// of the global batch, and the loss weights are the global batch's, so the ranks' mean loss is
+/// the mean over the global step's counted targets, not a mean of the ranks' means: the ranks
+/// train and validate as one rank of the global batch, padded (rows counting different numbers
+/// of targets, two micro-batches a step) and packed (position ids). LoRA on the MLP's c_fc only:
+/// on c_attn, the key part of lora_B has gradient elements that are 0 but for rounding (softmax
+/// ignores what a row's scores share), which Adam's first step scales up to a step of up to lr,
+/// so they differ by up to 2e-5 between any two ways of splitting the sums (a token file's runs
+/// too).
+#[test]
+fn instruction_data_over_ranks_trains_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !mpi_ready(d) {
+        return;
+    }
+    let model = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
+    let data = common::fixture("instruct/data.jsonl");
+    let lora = ["--lora", "r=2,targets=c_fc", "--seq", "64", "--val", data.to_str().unwrap(), "--eval-every", "1", "--val-batches", "2"];
+    for (what, extra) in [("padded", &["--no-pack", "--grad-accum", "2"][..]), ("packed", &[][..])] {
+        let (one, two) = (format!("{what}1"), format!("{what}2"));
+        ok(train_on(d, 1, &model, &data, &one, &[&lora[..], extra, &["--batch", "2"]].concat()));
+        ok(train_on(d, 2, &model, &data, &two, &[&lora[..], extra, &["--batch", "1"]].concat()));
+        same(d, &one, &two);
+        same_validation(d, &one, &two);
     }
 }
 
