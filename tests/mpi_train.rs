@@ -338,21 +338,29 @@ fn same_validation(dir: &Path, a: &str, b: &str) {
 }
 
 /// A rank killed with SIGKILL mid-run: the others are ended within seconds (never a hang), with
-/// mpirun's line naming the rank, and the last checkpoint rank 0 wrote stays whole.
+/// mpirun's line naming the rank, and the last checkpoint rank 0 wrote stays whole: with ZeRO 1
+/// too, every rank's shard in it, of the same save.
 #[test]
 fn a_killed_rank_ends_the_run_and_the_checkpoint_stays_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    if !mpi_ready(d) {
+    if !mpi_ready(dir.path()) {
         return;
     }
+    for zero in ["0", "1"] {
+        let d = &dir.path().join(format!("zero{zero}"));
+        std::fs::create_dir(d).unwrap();
+        killed_rank(d, zero);
+    }
+}
+
+fn killed_rank(d: &Path, zero: &str) {
     let model = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
     let data = common::root().join("examples/shakespeare_train.bin");
     let (model, data) = (model.to_str().unwrap(), data.to_str().unwrap());
     let mut child = Command::new("mpirun")
         .args(["--oversubscribe", "--bind-to", "none", "-np", "2", qatc_bin(), "train", model, "--data", data])
         .args(["--batch", "2", "--seq", "64", "--steps", "100000", "--bits", "4", "--lora", "r=4", "--save-every", "2"])
-        .args(["--out", "o", "--log-json", "o.jsonl"])
+        .args(["--out", "o", "--log-json", "o.jsonl", "--zero", zero])
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .current_dir(d)
@@ -393,7 +401,16 @@ fn a_killed_rank_ends_the_run_and_the_checkpoint_stays_whole() {
     let st = safetensors::SafeTensors::deserialize(&state).expect("a whole state");
     assert!(st.tensor("step").is_ok());
     let _ = weights(d, "o");
-    eprintln!("the run ended {:.1} s after rank 1's death", killed_at.elapsed().as_secs_f64());
+    if zero != "0" {
+        for r in 0..2 {
+            let f = d.join(format!("o/checkpoint/state.rank-{r}-of-2.safetensors"));
+            let bytes = std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).expect("a whole shard");
+            let step = meta.metadata().as_ref().and_then(|m| m.get("qatc.step").cloned());
+            assert_eq!(step, Some(progress["step"].to_string()), "{}: another save's shard", f.display());
+        }
+    }
+    eprintln!("ZeRO {zero}: the run ended {:.1} s after rank 1's death", killed_at.elapsed().as_secs_f64());
 }
 
 /// Ranks started with different options (mpirun's `A : B` form) refuse before the first step,

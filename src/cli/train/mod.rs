@@ -289,13 +289,18 @@ fn save(
     progress: &resume::Progress,
     faults: &Faults,
 ) -> anyhow::Result<()> {
+    // this rank's blocks of the sharded state, read back from the executor
+    let (shard, read) = match tr.save_shard(progress.step) {
+        Ok(s) => (s, Ok(())),
+        Err(e) => (None, Err(e)),
+    };
     let (dir, staged) = match world.leads().then(|| stage(out, tr, m, cfg, faults)) {
-        Some(Ok(d)) => (Some(d), Ok(())),
+        Some(Ok(d)) => (Some(d), read),
         Some(Err(e)) => (None, Err(e)),
-        None => (None, Ok(())),
+        None => (None, read),
     };
     world::agree(world, staged)?;
-    if let Some(shard) = tr.save_shard(progress.step)? {
+    if let Some(shard) = shard {
         // where rank 0 stages OUT, absolute: every rank sees its filesystem (as a checkpoint of
         // ZeRO's shards needs), not necessarily its working directory
         let at = match &dir {
