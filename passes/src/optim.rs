@@ -88,9 +88,12 @@ pub fn split_8bit_blocks(g: &Graph) -> Option<(String, usize)> {
 /// rows see gradients as rarely as their tokens occur, so one block mixes second moments many
 /// orders of magnitude apart and a rare row's rounds to 0 while its first moment does not: a step
 /// of lr * m / eps. bitsandbytes keeps them in 32 bits for this reason (`StableEmbedding`).
+/// Where ZeRO 3 made `p` this rank's block, the tensor is the whole one gathered before each use
+/// (`zero::whole_uses`), so that every rank decides as one rank does.
 pub fn is_blockwise(g: &Graph, p: NodeId, moments: Moments) -> bool {
-    let embedding = g.users(p).into_iter().any(|u| matches!(g.node(u).op, Op::Gather) && g.operands(u).first() == Some(&p));
-    moments == Moments::Blockwise8 && g.ty(p).numel() >= MIN_8BIT_ELEMS && !embedding
+    let (numel, uses) = crate::zero::whole_uses(g, p);
+    let embedding = uses.iter().any(|&(u, w)| matches!(g.node(u).op, Op::Gather) && g.operands(u).first() == Some(&w));
+    moments == Moments::Blockwise8 && numel >= MIN_8BIT_ELEMS && !embedding
 }
 
 /// The trainable inputs with their gradient outputs, in name order.

@@ -390,15 +390,6 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             None => s.ranks = world.size(),
         }
         qatc_passes::zero::Parallel { ranks: s.ranks, zero: s.zero }.check().map_err(anyhow::Error::msg)?;
-        if s.ranks > 1 && s.zero >= 3 && s.optim.kind == crate::config::Optimizer::Adamw8bit {
-            // the adamw pass decides which moments are 8-bit by the tensor it updates, which at
-            // stage 3 is this rank's block: a small tensor's or an embedding's would be decided by
-            // its block, unlike on one rank
-            anyhow::bail!(
-                "--optim adamw8bit with --zero 3 over {} ranks: at stage 3 each rank updates only its block of a weight, and which moments are 8-bit is decided by the tensor updated (its size, whether it is an embedding), so the ranks would not train as with --zero 0; use --zero 1 or 2 (the moments are sharded all the same), or --optim adamw",
-                s.ranks
-            );
-        }
     }
     world::check_alike(&world, &cfg, world::model_checksum(std::path::Path::new(&cfg.model.path))?)?;
     let cfg = cfg;
