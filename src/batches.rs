@@ -28,6 +28,20 @@ impl Batch {
             None => self.targets.len(),
         }
     }
+
+    /// Rows `first .. first + n` of this batch of sequences of `t`: a rank's share of a global
+    /// batch (rank r of ranks of B rows each takes rows r B .. (r + 1) B).
+    pub fn rows(&self, first: usize, n: usize, t: usize) -> Batch {
+        fn take<X: Copy>(x: &[X], first: usize, n: usize, t: usize) -> Vec<X> {
+            x[first * t..(first + n) * t].to_vec()
+        }
+        Batch {
+            ids: take(&self.ids, first, n, t),
+            targets: take(&self.targets, first, n, t),
+            mask: self.mask.as_deref().map(|m| take(m, first, n, t)),
+            positions: self.positions.as_deref().map(|p| take(p, first, n, t)),
+        }
+    }
 }
 
 /// The loss weights of batches whose masks are `masks` (a step's micro-batches, or one batch):

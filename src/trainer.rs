@@ -9,7 +9,6 @@
 //! to save them or to validate.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -26,6 +25,9 @@ use crate::adapter::Adapter;
 use crate::batches::{loss_weights, Batch, Batches};
 use crate::model::{Model, Trained};
 use crate::step;
+
+mod state;
+pub use state::{read_state, ShardOf};
 
 /// Where the steps' time went (`Trainer::set_profile`, `qatc generate --profile`), summed over
 /// the profiled steps.
@@ -242,6 +244,13 @@ impl Trainer {
         target: &Target,
         options: &Options,
     ) -> anyhow::Result<Trainer> {
+        if let (Some(world), Some((name, block))) = (opts.parallel.sharded(), qatc_passes::optim::split_8bit_blocks(&graph)) {
+            anyhow::bail!(
+                "--optim adamw8bit with --zero {} over {world} ranks: each rank holds {block} elements of {name}'s moments, not a whole number of the {}-element blocks whole moments are quantized in, so the ranks would quantize them in other blocks and not train as with --zero 0 (or on one rank); use a number of ranks that splits every such tensor into whole blocks, --zero 0, or --optim adamw",
+                opts.parallel.zero,
+                qatc_ir::qmap::BLOCK
+            );
+        }
         let start = std::time::Instant::now();
         let qatc_driver::Executable { mut step, description, kernels, .. } = qatc_driver::compile(&graph, target, options)?;
         let compile_s = start.elapsed().as_secs_f64();
@@ -331,16 +340,22 @@ impl Trainer {
     /// Instruction data's loss weights are the batches' masks scaled so that they sum to K over
     /// the step: each micro-batch's loss is its weighted sum, the step's (their mean, the
     /// `microbatch` pass) is then the mean over every target the step counts, however they fall
-    /// into its micro-batches.
+    /// into its micro-batches. Over N ranks they are the global batches' masks scaled to sum to
+    /// K N, of which each rank takes its rows: the ranks' mean loss (and gradient), which the
+    /// step's collectives take, is then the mean over every target the global step counts,
+    /// however they fall into the ranks' rows, as one rank of the global batch has it.
     pub fn step_on(&mut self, data: &impl Batches, batches: &[usize], lr: f64, salt: u64) -> anyhow::Result<HashMap<String, Value<f32>>> {
         let (b, t, k) = (self.opts.batch, self.opts.seq, self.opts.grad_accum);
         if batches.len() != k {
             anyhow::bail!("internal: {} micro-batches for --grad-accum {k}", batches.len());
         }
-        let micro: Vec<Batch> = batches.iter().map(|&s| self.my_rows(data, s)).collect::<anyhow::Result<_>>()?;
+        let (rank, ranks) = self.world.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+        let global: Vec<Batch> = batches.iter().map(|&s| data.batch(s, b * ranks, t)).collect::<Result<_, _>>()?;
         self.gathered.clear();
-        let masks: Vec<&[f32]> = micro.iter().filter_map(|m| m.mask.as_deref()).collect();
-        let mut weights = loss_weights(&masks, k as f64).into_iter();
+        let masks: Vec<&[f32]> = global.iter().filter_map(|m| m.mask.as_deref()).collect();
+        let mut weights = loss_weights(&masks, (k * ranks) as f64).into_iter().map(|w| w[rank * b * t..(rank + 1) * b * t].to_vec());
+        // this rank's rows r B .. (r + 1) B of each global batch
+        let micro: Vec<Batch> = global.iter().map(|g| g.rows(rank * b, b, t)).collect();
         self.give("lr", Value::scalar(lr))?;
         // a fresh dropout mask every step, reproducible from the seed and the step's first batch
         let dseed = (self.seed as i64).wrapping_mul(1_000_003).wrapping_add(salt as i64) as i32;
@@ -379,32 +394,26 @@ impl Trainer {
         self.opts.batch * self.opts.parallel.ranks
     }
 
-    /// This rank's rows of global batch `s` (rank r takes rows r B .. (r + 1) B), so the global
-    /// batch is the same whatever the number of ranks.
-    fn my_rows(&self, data: &impl Batches, s: usize) -> anyhow::Result<Batch> {
-        let (b, t) = (self.opts.batch, self.opts.seq);
-        let Some(world) = &self.world else { return Ok(data.batch(s, b, t)?) };
-        let all = data.batch(s, b * world.size(), t)?;
-        if all.mask.is_some() {
-            // each rank's loss weights would have to sum over the global batch's targets
-            anyhow::bail!("{}: instruction data over several ranks is not supported yet; train it on one", data.source().display());
-        }
-        let mine = |x: Vec<i32>| x[world.rank() * b * t..(world.rank() + 1) * b * t].to_vec();
-        Ok(Batch { ids: mine(all.ids), targets: mine(all.targets), mask: None, positions: all.positions.map(mine) })
-    }
-
-    /// Gathers every input ZeRO shards whole from the ranks' blocks (a collective: every rank
-    /// calls it, at the same point), so that reading the state back (`persistent`, `weights`,
-    /// `state`) gives what one rank would hold, until the next step. Nothing to do on one rank
-    /// or without ZeRO.
+    /// Gathers the trainable weights ZeRO 3 shards whole from the ranks' blocks (a collective:
+    /// every rank calls it, at the same point), so that reading them back (`weights`) gives what
+    /// one rank would hold, until the next step: what rank 0 saves as the adapter (or model) and
+    /// what validation evaluates. The optimizer's sharded state is never gathered: each rank
+    /// saves its own blocks (`save_shard`). Nothing to do on one rank or below ZeRO 3.
     pub fn gather(&mut self) -> anyhow::Result<()> {
         let Some(world) = self.world.clone() else { return Ok(()) };
-        let mut names: Vec<&String> = self.whole.keys().collect();
+        let mut names: Vec<&String> = self
+            .whole
+            .keys()
+            .filter(|n| self.graph.find_input(n).and_then(|id| self.graph.input_kind(id)) == Some(InputKind::Trainable))
+            .collect();
         names.sort();
+        if names.iter().all(|n| self.gathered.contains_key(*n)) {
+            return Ok(());
+        }
         let mut gathered = HashMap::new();
         for name in names {
             let Value::Float(mine) = self.step.read_input(name).with_context(|| format!("reading {name} back"))? else {
-                anyhow::bail!("{name}: a sharded input of integers (8-bit moments) cannot be gathered yet");
+                anyhow::bail!("internal: the trainable {name} holds integers");
             };
             let send: Vec<u8> = mine.data.iter().flat_map(|x| x.to_le_bytes()).collect();
             let mut recv = vec![0u8; send.len() * world.size()];
@@ -504,87 +513,22 @@ impl Trainer {
     pub fn state(&self) -> anyhow::Result<HashMap<String, Value<f32>>> {
         Ok(self.read(&[InputKind::Frozen, InputKind::Trainable, InputKind::State])?.into_iter().collect())
     }
-
-    /// Saves the persistent state as one safetensors file (raw f32: bit for bit).
-    pub fn save_state(&self) -> anyhow::Result<Vec<u8>> {
-        weights_safetensors(&self.persistent()?)
-    }
-
-    /// Restores what `save_state` wrote; every persistent input must be there with its shape, and
-    /// finite unless `allow_nonfinite`.
-    pub fn load_state(&mut self, path: &Path, allow_nonfinite: bool) -> anyhow::Result<()> {
-        let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
-        let want: Vec<(String, Vec<usize>)> = self
-            .graph
-            .inputs()
-            .into_iter()
-            .filter(|&id| matches!(self.graph.input_kind(id), Some(InputKind::Trainable | InputKind::State)))
-            .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).shape.dims().to_vec()))
-            .filter(|(name, _)| !microbatch::is_sum(name))
-            // a sharded input is saved whole (`gather`): this rank takes its block
-            .map(|(name, shape)| {
-                let shape = self.whole.get(&name).cloned().unwrap_or(shape);
-                (name, shape)
-            })
-            .collect();
-        let (rank, size) = self.world.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
-        let floats: HashMap<String, bool> = self
-            .graph
-            .inputs()
-            .into_iter()
-            .map(|id| (self.graph.node(id).name.clone().unwrap_or_default(), self.graph.ty(id).dtype.is_float()))
-            .collect();
-        for (name, t) in read_state(path, &bytes, &want, allow_nonfinite)? {
-            let value = if self.whole.contains_key(&name) {
-                block_of(&Value::Float(t), size, rank)
-            } else if floats.get(&name).copied().unwrap_or(true) {
-                Value::Float(t)
-            } else {
-                // 8-bit moment codes, saved as f32 by `save_state`
-                if let Some(c) = t.data.iter().find(|c| !(c.fract() == 0.0 && (0.0..=255.0).contains(*c))) {
-                    anyhow::bail!("{}: {name:?} holds {c}, not an 8-bit code", path.display());
-                }
-                Value::Int(IntTensor { shape: t.shape, data: t.data.into_iter().map(|c| c as i32).collect() })
-            };
-            self.step.set_input(&name, &value).with_context(|| format!("restoring {name}"))?;
-        }
-        Ok(())
-    }
-}
-
-/// Reads a resume state (`bytes`, the file at `path`): every tensor `want` names, f32 with its
-/// shape, and finite unless `allow_nonfinite`; other tensors in the file are ignored.
-pub fn read_state(
-    path: &Path,
-    bytes: &[u8],
-    want: &[(String, Vec<usize>)],
-    allow_nonfinite: bool,
-) -> anyhow::Result<Vec<(String, Tensor<f32>)>> {
-    let st = safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("{}: not a qatc resume state", path.display()))?;
-    let mut out = Vec::with_capacity(want.len());
-    for (name, shape) in want {
-        let v = st.tensor(name).with_context(|| format!("{}: no state for {name:?}: were the options the same?", path.display()))?;
-        if v.shape() != shape.as_slice() || v.dtype() != safetensors::Dtype::F32 {
-            anyhow::bail!("{}: {name:?} is {:?} {:?}, the step needs f32 {shape:?}", path.display(), v.dtype(), v.shape());
-        }
-        let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        if !allow_nonfinite {
-            crate::finite::check(path, name, shape, &data)?;
-        }
-        out.push((name.clone(), Tensor { shape: shape.clone(), data }));
-    }
-    Ok(out)
 }
 
 /// Serializes weights as a Hugging Face safetensors file (F32, names without prefix).
 pub fn weights_safetensors(ws: &[(String, Tensor<f32>)]) -> anyhow::Result<Vec<u8>> {
+    f32_safetensors(ws, HashMap::new())
+}
+
+/// `ws` as a safetensors file of F32 tensors, its metadata `meta` and `"format": "pt"`.
+fn f32_safetensors(ws: &[(String, Tensor<f32>)], mut meta: HashMap<String, String>) -> anyhow::Result<Vec<u8>> {
     let bytes: Vec<(String, Vec<u8>, Vec<usize>)> =
         ws.iter().map(|(n, t)| (n.clone(), t.data.iter().flat_map(|v| v.to_le_bytes()).collect(), t.shape.clone())).collect();
     let views = bytes
         .iter()
         .map(|(n, b, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?)))
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    meta.insert("format".to_string(), "pt".to_string());
     Ok(safetensors::serialize(views, Some(meta))?)
 }
 

@@ -1,7 +1,10 @@
 //! `mpirun -np N qatc train` with real processes (issue 31's exactness tests): N ranks of B rows
 //! each train as one rank of N x B rows does, within 1e-6 in the loss and 1e-5 in the trained
 //! weights after 3 steps, for 4-bit + LoRA and for a full fine-tune; ZeRO 1, 2 and 3 as stage 0;
-//! a run resumed across a save as an unbroken one; a resume on another number of ranks refused.
+//! a run resumed across a save as an unbroken one, from each rank's own shard of the sharded
+//! state (a missing shard, or another rank's, refused naming the file); 8-bit moments sharded as
+//! whole ones; validation and instruction data as on one rank; a resume on another number of
+//! ranks refused.
 //!
 //! On the tiny model: 3 ranks oversubscribe this 2-core machine (`--oversubscribe`, no binding).
 //! Built without the `mpi` feature, qatc must refuse to run under mpirun (or, with no mpirun, the
@@ -30,13 +33,21 @@ fn has_mpirun() -> bool {
 /// `qatc train` on `ranks` processes (plain, on one), `--batch` GLOBAL / ranks and `--steps`
 /// STEPS unless `extra` gives them, with `extra` options, writing OUT and its log under `dir`.
 fn train(dir: &Path, ranks: usize, out: &str, extra: &[&str]) -> Output {
-    let batch = (GLOBAL / ranks).to_string();
     let tiny = common::fixture("tiny/f32_noprefix/model.safetensors");
     let tokens = common::fixture("tiny/tokens.bin");
+    train_on(dir, ranks, &tiny, &tokens, out, extra)
+}
+
+/// `train`, of model `model` on data `data` (`--seq` T unless `extra` gives it).
+fn train_on(dir: &Path, ranks: usize, model: &Path, data: &Path, out: &str, extra: &[&str]) -> Output {
+    let batch = (GLOBAL / ranks).to_string();
     let log = format!("{out}.log.json");
-    let mut args: Vec<String> = vec!["train".into(), tiny.display().to_string(), "--data".into(), tokens.display().to_string()];
-    for a in ["--seq", T, "--out", out, "--log-json", &log] {
+    let mut args: Vec<String> = vec!["train".into(), model.display().to_string(), "--data".into(), data.display().to_string()];
+    for a in ["--out", out, "--log-json", &log] {
         args.push(a.into());
+    }
+    if !extra.contains(&"--seq") {
+        args.extend(["--seq".to_string(), T.to_string()]);
     }
     if !extra.contains(&"--batch") {
         args.extend(["--batch".to_string(), batch]);
@@ -173,6 +184,33 @@ fn a_sharded_run_resumes_as_if_unbroken() {
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["train"]["steps"] = 3.into();
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    // each rank saved its own blocks beside rank 0's checkpoint; rank 0's state holds the rest
+    let shards = [d.join("cut/checkpoint/state.rank-0-of-2.safetensors"), d.join("cut/checkpoint/state.rank-1-of-2.safetensors")];
+    for f in &shards {
+        let names = tensor_names(f);
+        assert!(names.iter().any(|n| n.starts_with("adam.m:")) && names.contains(&"wte.weight".to_string()), "{}: {names:?}", f.display());
+    }
+    let alike = tensor_names(&d.join("cut/checkpoint/state.safetensors"));
+    assert!(alike.contains(&"step".to_string()) && !alike.iter().any(|n| n.starts_with("adam.")), "{alike:?}");
+    // a missing shard, or another rank's in its place, is refused in one line naming the file
+    let rank1 = "checkpoint/state.rank-1-of-2.safetensors";
+    for (case, break_it) in [("missing", None), ("rank 0's", Some("checkpoint/state.rank-0-of-2.safetensors"))] {
+        let broken = format!("broken-{}", case.len());
+        copy_dir(&d.join("cut"), &d.join(&broken));
+        match break_it {
+            None => std::fs::remove_file(d.join(&broken).join(rank1)).unwrap(),
+            Some(other) => std::fs::copy(d.join(&broken).join(other), d.join(&broken).join(rank1)).map(|_| ()).unwrap(),
+        }
+        let o2 = train(d, 2, &broken, &[&o[..], &["--resume", &broken]].concat());
+        let err = String::from_utf8_lossy(&o2.stderr);
+        assert_eq!(o2.status.code(), Some(2), "{case}: {err}");
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("error: ") && l.contains(rank1))
+            .unwrap_or_else(|| panic!("{case}: no line names {rank1}:\n{err}"));
+        let says = if break_it.is_none() { "missing" } else { "says qatc.rank 0, not 1" };
+        assert!(line.contains(says), "{case}: {line}");
+    }
     ok(train(d, 2, "cut", &[&o[..], &["--resume", "cut"]].concat()));
     same(d, "whole", "cut");
     // on another number of ranks (of the same rows each) the saved run is refused, naming both
@@ -181,22 +219,154 @@ fn a_sharded_run_resumes_as_if_unbroken() {
     assert!(!refused.status.success() && err.contains("trained on 2 ranks") && err.contains("this one has 3"), "{err}");
 }
 
-/// A rank killed with SIGKILL mid-run: the others are ended within seconds (never a hang), with
-/// mpirun's line naming the rank, and the last checkpoint rank 0 wrote stays whole.
+/// 8-bit moments sharded by ZeRO 1-3, each rank's blocks saved by itself: where every rank's
+/// block is whole quantization blocks (2 ranks on the tiny model) ZeRO 1 and 3 train as the same
+/// ranks do with the moments whole (ZeRO 0; at stage 3 the same tensors have 8-bit moments,
+/// decided by the whole tensor, not the block), and a run resumes across a save as if unbroken;
+/// where they are not (3 ranks), the run is refused, saying why. (8-bit moments are not compared
+/// across other reductions: ZeRO 2-3's per-micro-batch sums, or one rank's, round a gradient's
+/// last bits otherwise, and that flips a code now and then, moving a weight by up to 5e-4 in 3
+/// steps.)
 #[test]
-fn a_killed_rank_ends_the_run_and_the_checkpoint_stays_whole() {
+fn sharded_8bit_moments_train_and_resume_as_whole_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !mpi_ready(d) {
+        return;
+    }
+    let o = ["--full-finetune", "--optim", "adamw8bit", "--grad-accum", "2"];
+    ok(train(d, 2, "z0", &[&o[..], &["--zero", "0"]].concat()));
+    ok(train(d, 2, "z1", &[&o[..], &["--zero", "1"]].concat()));
+    same(d, "z0", "z1");
+    // stage 3 with one micro-batch a step (its gradient sums are blocks, as stage 2's)
+    let one = ["--full-finetune", "--optim", "adamw8bit"];
+    ok(train(d, 2, "k1z0", &[&one[..], &["--zero", "0"]].concat()));
+    ok(train(d, 2, "k1z3", &[&one[..], &["--zero", "3"]].concat()));
+    same(d, "k1z0", "k1z3");
+    let names = tensor_names(&d.join("z1/checkpoint/state.rank-1-of-2.safetensors"));
+    assert!(names.iter().any(|n| n.starts_with("adam.m8:")) && names.iter().any(|n| n.starts_with("adam.v8.absmax:")), "{names:?}");
+    let z = [&o[..], &["--zero", "2"]].concat();
+    ok(train(d, 2, "z2", &z));
+    ok(train(d, 2, "cut", &[&z[..], &["--steps", "2"]].concat()));
+    let cfg_path = d.join("cut/qatc.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["train"]["steps"] = 3.into();
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    ok(train(d, 2, "cut", &[&z[..], &["--resume", "cut"]].concat()));
+    same(d, "z2", "cut");
+    for (n, zero, says) in [(3, "1", "elements of h.0."), (3, "3", "elements of h.0.")] {
+        let r = train(d, n, "refused", &[&o[..], &["--zero", zero, "--batch", "2"]].concat());
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success() && err.contains(says), "{n} ranks, ZeRO {zero}: {err}");
+    }
+}
+
+/// The tensor names of a safetensors file.
+fn tensor_names(f: &Path) -> Vec<String> {
+    let bytes = std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+    safetensors::SafeTensors::deserialize(&bytes).unwrap().names().into_iter().map(String::from).collect()
+}
+
+/// A copy of directory `from` (and its subdirectories) at `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// `--val` over ranks: each rank evaluates its rows of the validation's global batches and their
+/// sums are added up, so the validation loss is one rank's (of the global batch) within 1e-6,
+/// the weights whole (ZeRO 0) or gathered from the ranks' blocks (ZeRO 3).
+#[test]
+fn validation_over_ranks_is_one_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    if !mpi_ready(d) {
+        return;
+    }
+    let tokens = common::fixture("tiny/tokens.bin");
+    let v = ["--full-finetune", "--val", tokens.to_str().unwrap(), "--eval-every", "1", "--val-batches", "3"];
+    ok(train(d, 1, "one", &v));
+    for (n, zero) in [(2, "0"), (3, "3")] {
+        let out = format!("n{n}z{zero}");
+        ok(train(d, n, &out, &[&v[..], &["--zero", zero]].concat()));
+        same(d, "one", &out);
+        same_validation(d, "one", &out);
+    }
+}
+
+/// Instruction data over ranks (records, each row's loss mask its own): each rank takes its rows
+/// of the global batch, and the loss weights are the global batch's, so the ranks' mean loss is
+/// the mean over the global step's counted targets, not a mean of the ranks' means: the ranks
+/// train and validate as one rank of the global batch, padded (rows counting different numbers
+/// of targets, two micro-batches a step) and packed (position ids). LoRA on the MLP's c_fc only:
+/// on c_attn, the key part of lora_B has gradient elements that are 0 but for rounding (softmax
+/// ignores what a row's scores share), which Adam's first step scales up to a step of up to lr,
+/// so they differ by up to 2e-5 between any two ways of splitting the sums (a token file's runs
+/// too).
+#[test]
+fn instruction_data_over_ranks_trains_as_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     if !mpi_ready(d) {
         return;
     }
     let model = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
+    let data = common::fixture("instruct/data.jsonl");
+    let lora = ["--lora", "r=2,targets=c_fc", "--seq", "64", "--val", data.to_str().unwrap(), "--eval-every", "1", "--val-batches", "2"];
+    for (what, extra) in [("padded", &["--no-pack", "--grad-accum", "2"][..]), ("packed", &[][..])] {
+        let (one, two) = (format!("{what}1"), format!("{what}2"));
+        ok(train_on(d, 1, &model, &data, &one, &[&lora[..], extra, &["--batch", "2"]].concat()));
+        ok(train_on(d, 2, &model, &data, &two, &[&lora[..], extra, &["--batch", "1"]].concat()));
+        same(d, &one, &two);
+        same_validation(d, &one, &two);
+    }
+}
+
+/// The validation losses of runs `a` and `b`, logged at every step, agree within 1e-6.
+fn same_validation(dir: &Path, a: &str, b: &str) {
+    let val = |out: &str| -> Vec<f64> {
+        let text = std::fs::read_to_string(dir.join(format!("{out}.log.json"))).expect("the log");
+        text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64().expect("a val_loss")).collect()
+    };
+    let (va, vb) = (val(a), val(b));
+    assert_eq!(va.len(), vb.len());
+    for (s, (x, y)) in va.iter().zip(&vb).enumerate() {
+        assert!((x - y).abs() <= 1e-6, "{b} against {a}: step {s}'s validation loss {y} against {x}");
+    }
+    eprintln!("{b} = {a}: worst validation difference {:.1e}", va.iter().zip(&vb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max));
+}
+
+/// A rank killed with SIGKILL mid-run: the others are ended within seconds (never a hang), with
+/// mpirun's line naming the rank, and the last checkpoint rank 0 wrote stays whole: with ZeRO 1
+/// too, every rank's shard in it, of the same save.
+#[test]
+fn a_killed_rank_ends_the_run_and_the_checkpoint_stays_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    if !mpi_ready(dir.path()) {
+        return;
+    }
+    for zero in ["0", "1"] {
+        let d = &dir.path().join(format!("zero{zero}"));
+        std::fs::create_dir(d).unwrap();
+        killed_rank(d, zero);
+    }
+}
+
+fn killed_rank(d: &Path, zero: &str) {
+    let model = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
     let data = common::root().join("examples/shakespeare_train.bin");
     let (model, data) = (model.to_str().unwrap(), data.to_str().unwrap());
     let mut child = Command::new("mpirun")
         .args(["--oversubscribe", "--bind-to", "none", "-np", "2", qatc_bin(), "train", model, "--data", data])
         .args(["--batch", "2", "--seq", "64", "--steps", "100000", "--bits", "4", "--lora", "r=4", "--save-every", "2"])
-        .args(["--out", "o", "--log-json", "o.jsonl"])
+        .args(["--out", "o", "--log-json", "o.jsonl", "--zero", zero])
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .current_dir(d)
@@ -237,7 +407,16 @@ fn a_killed_rank_ends_the_run_and_the_checkpoint_stays_whole() {
     let st = safetensors::SafeTensors::deserialize(&state).expect("a whole state");
     assert!(st.tensor("step").is_ok());
     let _ = weights(d, "o");
-    eprintln!("the run ended {:.1} s after rank 1's death", killed_at.elapsed().as_secs_f64());
+    if zero != "0" {
+        for r in 0..2 {
+            let f = d.join(format!("o/checkpoint/state.rank-{r}-of-2.safetensors"));
+            let bytes = std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).expect("a whole shard");
+            let step = meta.metadata().as_ref().and_then(|m| m.get("qatc.step").cloned());
+            assert_eq!(step, Some(progress["step"].to_string()), "{}: another save's shard", f.display());
+        }
+    }
+    eprintln!("ZeRO {zero}: the run ended {:.1} s after rank 1's death", killed_at.elapsed().as_secs_f64());
 }
 
 /// Ranks started with different options (mpirun's `A : B` form) refuse before the first step,

@@ -68,14 +68,32 @@ pub fn blockwise_moment_names(param: &str) -> [String; 4] {
     [format!("adam.m8:{param}"), format!("adam.m8.absmax:{param}"), format!("adam.v8:{param}"), format!("adam.v8.absmax:{param}")]
 }
 
+/// In a step whose moments ZeRO 1-2 shards (one rank's step), the first tensor whose 8-bit
+/// moments' block on each rank is not a whole number of quantization blocks (`qmap::BLOCK`):
+/// (its name, the elements of its block). Each rank quantizes its block's moments in blocks
+/// that start where its block does; those are one rank's blocks, and the ranks train as one rank
+/// does, only where every rank's block starts on a quantization block's boundary.
+pub fn split_8bit_blocks(g: &Graph) -> Option<(String, usize)> {
+    g.inputs().into_iter().find_map(|id| {
+        let name = g.node(id).name.as_deref()?;
+        let [codes, ..] = blockwise_moment_names("");
+        let param = name.strip_prefix(codes.as_str())?;
+        let block = g.ty(id).numel();
+        (!block.is_multiple_of(qmap::BLOCK)).then(|| (param.to_string(), block))
+    })
+}
+
 /// Whether `moments` stores the moments of trainable input `p` as 8-bit blocks: tensors of at
 /// least `MIN_8BIT_ELEMS` elements, except embedding tables (read by a gather). An embedding's
 /// rows see gradients as rarely as their tokens occur, so one block mixes second moments many
 /// orders of magnitude apart and a rare row's rounds to 0 while its first moment does not: a step
 /// of lr * m / eps. bitsandbytes keeps them in 32 bits for this reason (`StableEmbedding`).
+/// Where ZeRO 3 made `p` this rank's block, the tensor is the whole one gathered before each use
+/// (`zero::whole_uses`), so that every rank decides as one rank does.
 pub fn is_blockwise(g: &Graph, p: NodeId, moments: Moments) -> bool {
-    let embedding = g.users(p).into_iter().any(|u| matches!(g.node(u).op, Op::Gather) && g.operands(u).first() == Some(&p));
-    moments == Moments::Blockwise8 && g.ty(p).numel() >= MIN_8BIT_ELEMS && !embedding
+    let (numel, uses) = crate::zero::whole_uses(g, p);
+    let embedding = uses.iter().any(|&(u, w)| matches!(g.node(u).op, Op::Gather) && g.operands(u).first() == Some(&w));
+    moments == Moments::Blockwise8 && numel >= MIN_8BIT_ELEMS && !embedding
 }
 
 /// The trainable inputs with their gradient outputs, in name order.

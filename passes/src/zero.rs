@@ -159,6 +159,41 @@ pub(crate) fn gather_whole(
     g.add(Op::Reshape { shape: ty.shape.clone() }, &[cut]).in_pass(pass)
 }
 
+/// Trainable input `p` as the step uses it: its element count and the nodes that take it, each
+/// with the node it takes (`(user, p)`); where `zero3` made it this rank's block, the whole
+/// tensor's count and the users of each whole gathered from it (`gather_whole`'s all-gather,
+/// the padding's slice, the reshape).
+pub fn whole_uses(g: &Graph, p: NodeId) -> (usize, Vec<(NodeId, NodeId)>) {
+    let users = g.users(p);
+    let gathered =
+        |u: NodeId| matches!(g.node(u).op, Op::AllGather { .. }) && g.node(u).name.as_deref().is_some_and(|n| n.starts_with("zero3:"));
+    if users.is_empty() || !users.iter().all(|&u| gathered(u)) {
+        return (g.ty(p).numel(), users.into_iter().map(|u| (u, p)).collect());
+    }
+    let mut numel = g.ty(p).numel();
+    let mut uses = Vec::new();
+    for all in users {
+        let mut whole = all;
+        if let ([cut], Op::AllGather { world }) = (&g.users(whole)[..], &g.node(all).op) {
+            let padded = g.ty(all).numel();
+            // the padding's slice: to the element count that pads to the gathered length
+            if let Op::Slice { axis: 0, start: 0, end } = g.node(*cut).op {
+                if end < padded && Shard::new(end, *world).padded() == padded {
+                    whole = *cut;
+                }
+            }
+        }
+        if let [shaped] = g.users(whole)[..] {
+            if matches!(g.node(shaped).op, Op::Reshape { .. }) && g.ty(whole).shape.rank() == 1 && g.ty(shaped).shape.rank() > 1 {
+                whole = shaped;
+            }
+        }
+        numel = g.ty(whole).numel();
+        uses.extend(g.users(whole).into_iter().map(|u| (u, whole)));
+    }
+    (numel, uses)
+}
+
 /// Stage `zero` (ZeRO-3, after `data_parallel`, whose gradients are already this rank's blocks):
 /// every trainable input `NAME` becomes this rank's block [block], and each node that used it
 /// gets its own all-gather of the whole, so no whole weight outlives the use it was gathered for.

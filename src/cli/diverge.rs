@@ -53,16 +53,20 @@ fn num(x: f64) -> String {
 /// A LoRA scaling above this (PEFT's default alpha = 2r gives 2) is called out as a cause.
 const LARGE_SCALING: f64 = 64.0;
 
-/// The first non-finite element of the trainer's persistent state (weights, moments, step), if
-/// any: (tensor, index, value). Reads the state back from the executor.
+/// The first non-finite element of the trainer's persistent state (weights, moments, step) as
+/// this rank holds it, if any: (tensor, index in the whole tensor, value). Reads the state back
+/// from the executor; over ranks with ZeRO each rank sees its own blocks.
 pub fn nonfinite_state(tr: &crate::trainer::Trainer) -> anyhow::Result<Option<(String, usize, f32)>> {
-    Ok(tr.persistent()?.into_iter().find_map(|(name, t)| t.data.iter().position(|v| !v.is_finite()).map(|i| (name, i, t.data[i]))))
+    Ok(tr
+        .held_tensors()?
+        .into_iter()
+        .find_map(|(name, t, at)| t.data.iter().position(|v| !v.is_finite()).map(|i| (name, at + i, t.data[i]))))
 }
 
-/// The trainer's persistent state by name (for the message: `loss_scale` lives there), read back
-/// once the run has already failed; empty if even that fails.
+/// The trainer's persistent state by name as this rank holds it (for the message: `loss_scale`
+/// lives there), read back once the run has already failed; empty if even that fails.
 pub fn state_for_message(tr: &crate::trainer::Trainer) -> HashMap<String, Value<f32>> {
-    tr.persistent().map(|v| v.into_iter().map(|(n, t)| (n, Value::Float(t))).collect()).unwrap_or_default()
+    tr.held_tensors().map(|v| v.into_iter().map(|(n, t, _)| (n, Value::Float(t))).collect()).unwrap_or_default()
 }
 
 /// The one line the run stops with.

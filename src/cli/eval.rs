@@ -79,6 +79,50 @@ pub struct EvalResult {
     pub tokens: usize,
 }
 
+/// What batches evaluated add up to: their losses, each times its weight (1 for a token file's
+/// batch; for instruction data the targets its mask counts), the weights, and the targets
+/// counted. Sums of parts (a rank's rows of each batch) add up to the whole's.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EvalSums {
+    pub weighted: f64,
+    pub weight: f64,
+    pub tokens: usize,
+}
+
+impl EvalSums {
+    /// The mean loss they give.
+    pub fn result(self) -> EvalResult {
+        let loss = if self.weight > 0.0 { self.weighted / self.weight } else { 0.0 };
+        EvalResult { loss, ppl: loss.exp(), tokens: self.tokens }
+    }
+
+    /// As bytes, to be exchanged between ranks (`from_bytes` reads them back).
+    pub fn to_bytes(self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[..8].copy_from_slice(&self.weighted.to_le_bytes());
+        b[8..16].copy_from_slice(&self.weight.to_le_bytes());
+        b[16..].copy_from_slice(&(self.tokens as u64).to_le_bytes());
+        b
+    }
+
+    pub fn from_bytes(b: &[u8; 24]) -> EvalSums {
+        let word = |i: usize| <[u8; 8]>::try_from(&b[i..i + 8]).unwrap_or([0; 8]);
+        EvalSums {
+            weighted: f64::from_le_bytes(word(0)),
+            weight: f64::from_le_bytes(word(8)),
+            tokens: u64::from_le_bytes(word(16)) as usize,
+        }
+    }
+}
+
+/// These and `other`.
+impl std::ops::Add for EvalSums {
+    type Output = EvalSums;
+    fn add(self, other: EvalSums) -> EvalSums {
+        EvalSums { weighted: self.weighted + other.weighted, weight: self.weight + other.weight, tokens: self.tokens + other.tokens }
+    }
+}
+
 /// What to evaluate: the model options (quantization, LoRA) and the adapter's tensors; where.
 pub struct EvalSetup {
     pub model: ModelOptions,
@@ -217,6 +261,13 @@ impl Evaluator {
     /// instruction data over the targets each batch's mask counts (each batch's loss weighted by
     /// how many it counts).
     pub fn run(&mut self, data: &impl Batches, n: usize, show: bool) -> anyhow::Result<EvalResult> {
+        Ok(self.sums(data, n, None, show)?.result())
+    }
+
+    /// What the first `n` batches of `data` add up to (`run`'s mean); with `part` (rank r of N
+    /// ranks, this evaluator's B rows each), of rows r B .. (r + 1) B of each of the first `n`
+    /// batches of N B rows: the ranks' sums add up to those of one rank of N B rows.
+    pub fn sums(&mut self, data: &impl Batches, n: usize, part: Option<(usize, usize)>, show: bool) -> anyhow::Result<EvalSums> {
         let (b, t) = (self.b, self.t);
         let pb = super::progress(n as u64, "eval {bar:30} {pos}/{len} batches  loss {msg}  eta {eta}");
         if !show {
@@ -226,7 +277,10 @@ impl Evaluator {
         // how much the batches so far weigh, and the targets they count
         let (mut weight, mut tokens) = (0.0f64, 0usize);
         for s in 0..n {
-            let batch = data.batch(s, b, t)?;
+            let batch = match part {
+                Some((rank, ranks)) => data.batch(s, b * ranks, t)?.rows(rank * b, b, t),
+                None => data.batch(s, b, t)?,
+            };
             let counted = batch.counted();
             // a token file's batches weigh 1 each: the plain mean of their losses
             let w = if batch.mask.is_some() { counted as f64 } else { 1.0 };
@@ -268,8 +322,7 @@ impl Evaluator {
         if n == 0 {
             anyhow::bail!("internal: evaluating 0 batches");
         }
-        let loss = if weight > 0.0 { sum / weight } else { 0.0 };
-        Ok(EvalResult { loss, ppl: loss.exp(), tokens })
+        Ok(EvalSums { weighted: sum, weight, tokens })
     }
 }
 

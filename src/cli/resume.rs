@@ -14,6 +14,12 @@ use crate::config::{self, RunConfig};
 pub const STATE: &str = "checkpoint/state.safetensors";
 pub const PROGRESS: &str = "checkpoint/resume.json";
 
+/// Where rank `rank` of `ranks` saves its blocks of a ZeRO-sharded state, beside `STATE`
+/// (`Trainer::save_shard`).
+pub fn shard_file(rank: usize, ranks: usize) -> String {
+    format!("checkpoint/state.rank-{rank}-of-{ranks}.safetensors")
+}
+
 /// Where a saved run stands (`checkpoint/resume.json`); what it was run with is `qatc.json`.
 #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]

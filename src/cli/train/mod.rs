@@ -27,6 +27,7 @@ use crate::model::Model;
 use crate::schedule::Schedule;
 pub use crate::trainer::{weights_safetensors, Trainer};
 use run::Run;
+use world::World;
 
 mod run;
 mod world;
@@ -273,9 +274,69 @@ fn same_dir(a: &Path, b: &Path) -> bool {
     artifacts::is_within(a, b) && artifacts::is_within(b, a)
 }
 
-/// Replaces OUT whole with this save: the adapter (or the full weights), the configuration and
-/// the resume state, so that the adapter and the checkpoint of one save are never apart.
-fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, progress: &resume::Progress, faults: &Faults) -> anyhow::Result<()> {
+/// Replaces OUT whole with this save (every rank calls it, at the same step): the adapter (or the
+/// full weights), the configuration and the resume state, so that the adapter and the checkpoint
+/// of one save are never apart. Rank 0 writes it into a staging directory; over ranks with a
+/// ZeRO-sharded state every rank adds its own shard there (`resume::shard_file`, written to a
+/// temporary name and renamed), and rank 0 writes the progress and swaps the directory in only
+/// once every rank says its shard is written: a save cut short anywhere leaves the last one whole.
+fn save(
+    world: &World,
+    out: &Path,
+    tr: &Trainer,
+    m: &Model,
+    cfg: &RunConfig,
+    progress: &resume::Progress,
+    faults: &Faults,
+) -> anyhow::Result<()> {
+    // this rank's blocks of the sharded state, read back from the executor
+    let (shard, read) = match tr.save_shard(progress.step) {
+        Ok(s) => (s, Ok(())),
+        Err(e) => (None, Err(e)),
+    };
+    let (dir, staged) = match world.leads().then(|| stage(out, tr, m, cfg, faults)) {
+        Some(Ok(d)) => (Some(d), read),
+        Some(Err(e)) => (None, Err(e)),
+        None => (None, read),
+    };
+    world::agree(world, staged)?;
+    if let Some(shard) = shard {
+        // where rank 0 stages OUT, absolute: every rank sees its filesystem (as a checkpoint of
+        // ZeRO's shards needs), not necessarily its working directory
+        let at = match &dir {
+            Some(d) => std::path::absolute(d.path()).map_err(anyhow::Error::from).and_then(|p| {
+                p.to_str().map(String::from).with_context(|| {
+                    format!("{}: the ranks are told where to write their shards in UTF-8, which this path is not", p.display())
+                })
+            }),
+            None => Ok(String::new()),
+        };
+        let mine = at.as_ref().cloned().unwrap_or_default();
+        world::agree(world, at.map(|_| ()))?;
+        let at = world::gather_text(world, &mine)?.swap_remove(0);
+        let name = resume::shard_file(world.rank(), world.size());
+        let wrote = match &dir {
+            Some(d) => d.write(&name, shard).map_err(anyhow::Error::from),
+            None => {
+                let p = Path::new(&at).join(&name);
+                artifacts::write_atomic_with(&p, &shard, faults).with_context(|| format!("{}", p.display()))
+            }
+        };
+        world::agree(world, wrote.with_context(|| format!("its shard of the save at step {}", progress.step)))?;
+    }
+    let committed = match dir {
+        Some(d) => d
+            .write(PROGRESS, serde_json::to_string_pretty(progress)? + "\n")
+            .and_then(|()| d.commit().map(|_| ()))
+            .map_err(anyhow::Error::from),
+        None => Ok(()),
+    };
+    world::agree(world, committed)
+}
+
+/// Rank 0's part of a save, staged beside OUT: the adapter (or weights), learned scales, the
+/// configuration, and the state every rank holds alike.
+fn stage<'f>(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, faults: &'f Faults) -> anyhow::Result<OutDir<'f>> {
     let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
     // learned quantization scales go beside the adapter (or weights), in a file of their own
     let (learned, weights): (Vec<_>, Vec<_>) = tr.weights()?.into_iter().partition(|(n, _)| is_learned_name(n));
@@ -295,9 +356,7 @@ fn save(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, progress: &resume:
     }
     dir.write(config::FILE, cfg.to_json())?;
     dir.write(STATE, tr.save_state()?)?;
-    dir.write(PROGRESS, serde_json::to_string_pretty(progress)? + "\n")?;
-    dir.commit()?;
-    Ok(())
+    Ok(dir)
 }
 
 /// `qatc train`; `given` says which options the command line gave (with `--resume`, the others
@@ -331,19 +390,8 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
             None => s.ranks = world.size(),
         }
         qatc_passes::zero::Parallel { ranks: s.ranks, zero: s.zero }.check().map_err(anyhow::Error::msg)?;
-        if s.ranks > 1 && s.zero >= 1 && s.optim.kind == crate::config::Optimizer::Adamw8bit {
-            // each rank's 8-bit moments are blocks with absmax of their own: no whole state to save
-            anyhow::bail!(
-                "--optim adamw8bit with --zero {} over {} ranks: sharded 8-bit moments cannot be saved yet; use --zero 0 or --optim adamw",
-                s.zero,
-                s.ranks
-            );
-        }
     }
     world::check_alike(&world, &cfg, world::model_checksum(std::path::Path::new(&cfg.model.path))?)?;
-    if world.size() > 1 && a.val.is_some() {
-        anyhow::bail!("--val over several ranks is not supported yet: validate the saved adapter with `qatc eval`");
-    }
     let cfg = cfg;
     let (Some(train), Some(step)) = (cfg.train.clone(), cfg.step.clone()) else {
         anyhow::bail!("internal: a training configuration without its train or step section");

@@ -11,12 +11,12 @@ use anyhow::Context;
 use qatc_passes::precision::GRADS_FINITE;
 use qatc_runtime::{CpuOptions, Value};
 
-use super::world::World;
+use super::world::{self, World};
 use super::{save, Args, StepLog, Trainer};
 use crate::artifacts::{write_atomic, Faults};
 use crate::batches::{Batches, Dataset};
 use crate::calibrate::{self, Calibration};
-use crate::cli::eval::{EvalSetup, Evaluator};
+use crate::cli::eval::{EvalSetup, EvalSums, Evaluator};
 use crate::cli::resume::{self, PROGRESS, STATE};
 use crate::config::{RunConfig, ScaleInit, ScaleStarts, StepConfig, TrainConfig};
 use crate::model::{Model, Trained};
@@ -119,8 +119,9 @@ impl<'r> Run<'r> {
             Some(p) => {
                 let v = Dataset::load(p, opts.seq, &reading)?;
                 v.check_vocab(m.cfg.vocab_size)?;
-                v.require_batches(opts.batch, opts.seq)?;
-                if let Some(s) = v.summary(opts.batch) {
+                // each rank evaluates its rows of the same global batches (`Run::validate`)
+                v.require_batches(global, opts.seq)?;
+                if let Some(s) = v.summary(global) {
                     say(format!("qatc: --val {s}"));
                 }
                 Some(v)
@@ -156,7 +157,7 @@ impl<'r> Run<'r> {
             ));
         }
         let (start, skipped) = match (resume_at.as_ref(), &a.resume) {
-            (Some(done), Some(dir)) => restore(&mut tr, done, dir, a.step.read.allow_nonfinite)?,
+            (Some(done), Some(dir)) => restore(&mut tr, done, dir, a.step.read.allow_nonfinite, &world)?,
             _ => (0, 0),
         };
         let log = if leads { step_log(a, resume_at.is_some().then_some(start))? } else { None };
@@ -252,30 +253,35 @@ impl<'r> Run<'r> {
         });
         self.pb.inc(1);
         if (self.a.save_every > 0 && done.is_multiple_of(self.a.save_every)) || done == self.train.steps {
-            // every rank gives its blocks of a ZeRO-sharded state; rank 0 saves it whole
+            // every rank gives its blocks of the weights ZeRO 3 shards, which rank 0 saves whole
+            // (each rank saves its blocks of the optimizer's state itself)
             self.tr.gather()?;
             // a save never writes non-finite weights over the last good one
-            if let Some((tensor, i, v)) = crate::cli::diverge::nonfinite_state(&self.tr)? {
+            if let Some((tensor, i, v)) = self.nonfinite_state()? {
                 anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
             }
             let progress = resume::Progress { step: done, skipped: self.skipped, data_tokens: Some(self.data.tokens()) };
             let cfg = self.saved_config();
-            if self.world.leads() {
-                save(&self.a.out, &self.tr, &self.m, &cfg, &progress, self.faults)?;
-            }
+            save(&self.world, &self.a.out, &self.tr, &self.m, &cfg, &progress, self.faults)?;
             self.saved = Some(done);
         }
         Ok(())
     }
 
     /// The validation loss after `done` steps, where one is due (every `--eval-every` steps and
-    /// at the end), on the trained weights read back from the executor.
+    /// at the end), on the trained weights read back from the executor. Over ranks each
+    /// evaluates its rows of the global batches (as it trains on them) and the ranks' sums of
+    /// the losses and their weights are added up: every rank has the loss one rank of the
+    /// global batch would.
     fn validate(&mut self, done: usize) -> anyhow::Result<Option<f64>> {
         let Some(v) = &self.val else { return Ok(None) };
         if !((self.a.eval_every > 0 && done.is_multiple_of(self.a.eval_every)) || done == self.train.steps) {
             return Ok(None);
         }
-        let n = self.a.val_batches.min(v.num_batches(self.tr.opts.batch, self.tr.opts.seq)).max(1);
+        let (rank, ranks) = (self.world.rank(), self.world.size());
+        let n = self.a.val_batches.min(v.num_batches(self.tr.opts.batch * ranks, self.tr.opts.seq)).max(1);
+        // the weights ZeRO 3 shards, gathered whole from every rank's blocks
+        self.tr.gather()?;
         let weights: HashMap<String, Value<f32>> = self.tr.weights()?.into_iter().map(|(n, t)| (n, Value::Float(t))).collect();
         let e = match self.validator.as_mut() {
             Some(e) => {
@@ -284,10 +290,38 @@ impl<'r> Run<'r> {
             }
             None => self.validator.insert(Evaluator::new(&self.m, self.tr.opts.batch, self.tr.opts.seq, &self.val_setup, Some(&weights))?),
         };
-        Ok(Some(e.run(v, n, false)?.loss))
+        if ranks == 1 {
+            return Ok(Some(e.run(v, n, false)?.loss));
+        }
+        let (mine, outcome) = match e.sums(v, n, Some((rank, ranks)), false) {
+            Ok(s) => (s, Ok(())),
+            Err(err) => (EvalSums::default(), Err(err)),
+        };
+        world::agree(&self.world, outcome)?;
+        // added in rank order, as every rank does
+        let all = world::gather(&self.world, &mine.to_bytes())?;
+        let sums =
+            all.chunks_exact(24).map(|c| EvalSums::from_bytes(c.try_into().unwrap_or(&[0; 24]))).fold(EvalSums::default(), |a, b| a + b);
+        Ok(Some(sums.result().loss))
     }
 
-    /// What a divergence at step `s` says: the symptom, the last finite loss, the last save.
+    /// The first non-finite element of the persistent state (`diverge::nonfinite_state`) over
+    /// every rank's blocks: the lowest rank's finding, the same on every rank.
+    fn nonfinite_state(&self) -> anyhow::Result<Option<(String, usize, f32)>> {
+        let mine = crate::cli::diverge::nonfinite_state(&self.tr)?;
+        if self.world.size() == 1 {
+            return Ok(mine);
+        }
+        let text = mine.map(|(name, i, v)| format!("{i} {} {name}", v.to_bits())).unwrap_or_default();
+        let all = world::gather_text(&self.world, &text)?;
+        Ok(all.iter().find(|t| !t.is_empty()).and_then(|t| {
+            let mut parts = t.splitn(3, ' ');
+            let i = parts.next()?.parse().ok()?;
+            let v = f32::from_bits(parts.next()?.parse().ok()?);
+            Some((parts.next()?.to_string(), i, v))
+        }))
+    }
+
     /// The configuration a save writes: the run's, with what the calibration chose.
     fn saved_config(&self) -> RunConfig {
         let mut cfg = self.cfg.clone();
@@ -297,6 +331,7 @@ impl<'r> Run<'r> {
         cfg
     }
 
+    /// What a divergence at step `s` says: the symptom, the last finite loss, the last save.
     fn diverged(&self, s: usize, symptom: crate::cli::diverge::Symptom, out: &HashMap<String, Value<f32>>, lr: f64) -> String {
         crate::cli::diverge::message(&crate::cli::diverge::Known {
             step: s,
@@ -350,16 +385,20 @@ impl<'r> Run<'r> {
     }
 }
 
-/// Loads the saved state of a resumed run from `dir` into `tr`: (the steps done, the steps
-/// skipped), checked against the optimizer's own step count.
-fn restore(tr: &mut Trainer, done: &resume::Progress, dir: &Path, allow_nonfinite: bool) -> anyhow::Result<(usize, usize)> {
+/// Loads the saved state of a resumed run from `dir` into `tr`: the state every rank holds
+/// alike, and over ranks with ZeRO this rank's shard of the rest (all ranks agree that each read
+/// its own, or every one refuses with the first failure); (the steps done, the steps skipped),
+/// checked against the optimizer's own step count.
+fn restore(tr: &mut Trainer, done: &resume::Progress, dir: &Path, allow_nonfinite: bool, world: &World) -> anyhow::Result<(usize, usize)> {
     let state = dir.join(STATE);
-    tr.load_state(&state, allow_nonfinite)?;
-    // every rank gives its blocks of a sharded state, to be read back whole below
-    tr.gather()?;
+    let loaded = tr.load_state(&state, allow_nonfinite).and_then(|()| match tr.shard(done.step) {
+        Some(of) => tr.load_shard(&dir.join(resume::shard_file(of.rank, of.ranks)), done.step, allow_nonfinite),
+        None => Ok(()),
+    });
+    world::agree(world, loaded)?;
     // the optimizer's step count is saved with the tensors: both files must be one save's
     // (a step fp16 loss scaling skipped does not count)
-    let count = tr.persistent()?.into_iter().find(|(n, _)| n == "step").and_then(|(_, t)| t.data.first().copied());
+    let count = tr.step_count()?;
     if count.is_none() || done.skipped > done.step || count != Some((done.step - done.skipped) as f32) {
         anyhow::bail!(
             "{}: AdamW's step count is {}, but {PROGRESS} says {} steps were done ({} skipped): the two files are not from one save",

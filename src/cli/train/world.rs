@@ -101,8 +101,41 @@ fn refuse_together(world: &World, why: &str) -> ! {
     std::process::exit(2)
 }
 
+/// Every rank's `text` (of any length), in rank order.
+pub fn gather_text(world: &World, text: &str) -> anyhow::Result<Vec<String>> {
+    if world.size() == 1 {
+        return Ok(vec![text.to_string()]);
+    }
+    let lens = gather(world, &(text.len() as u64).to_le_bytes())?;
+    let lens: Vec<usize> = lens.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as usize).collect();
+    // at least a byte: MPI refuses a gather of none
+    let longest = lens.iter().copied().max().unwrap_or(0).max(1);
+    let mut mine = text.as_bytes().to_vec();
+    mine.resize(longest, 0);
+    let all = gather(world, &mine)?;
+    Ok(all.chunks_exact(longest).zip(&lens).map(|(c, &n)| String::from_utf8_lossy(&c[..n]).into_owned()).collect())
+}
+
+/// What each rank did on its own (read or wrote its shard), agreed on: when any rank failed,
+/// every rank refuses with the first failure's line (`refuse_together`: exit code 2), so that a
+/// rank never goes on alone to wait in a collective for one that stopped.
+pub fn agree(world: &World, outcome: anyhow::Result<()>) -> anyhow::Result<()> {
+    if world.size() == 1 {
+        return outcome;
+    }
+    let mine = match &outcome {
+        Ok(()) => String::new(),
+        Err(e) => format!("rank {}: {e:#}", world.rank()).replace('\n', " "),
+    };
+    let all = gather_text(world, &mine)?;
+    match all.into_iter().find(|s| !s.is_empty()) {
+        Some(why) => refuse_together(world, &why),
+        None => Ok(()),
+    }
+}
+
 /// Every rank's `bytes` (the same length on all), in rank order.
-fn gather(world: &World, bytes: &[u8]) -> anyhow::Result<Vec<u8>> {
+pub fn gather(world: &World, bytes: &[u8]) -> anyhow::Result<Vec<u8>> {
     let mut all = vec![0u8; bytes.len() * world.size()];
     world.comm.all_gather_bytes(bytes, &mut all)?;
     Ok(all)
