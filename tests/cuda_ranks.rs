@@ -34,9 +34,12 @@ fn floats(v: &Value<f32>) -> Vec<f64> {
     }
 }
 
+/// Each rank's inputs for each step.
+type RankSteps = Vec<Vec<HashMap<String, Value<f32>>>>;
+
 /// The step graph of one rank and each rank's inputs for each step (its own rows of the
 /// global batch of B rows), the weights and zeroed state included in the first.
-fn setup() -> (Graph, Vec<Vec<HashMap<String, Value<f32>>>>) {
+fn setup() -> (Graph, RankSteps) {
     let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
     let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
     let rows = B / RANKS;
@@ -77,7 +80,7 @@ fn setup() -> (Graph, Vec<Vec<HashMap<String, Value<f32>>>>) {
 }
 
 /// Each rank's outputs and updates after every step, on the CUDA executor by path `how`.
-fn on_emulated_gpus(g: &Graph, inputs: &[Vec<HashMap<String, Value<f32>>>], how: Collectives) -> Vec<Vec<HashMap<String, Value<f32>>>> {
+fn on_emulated_gpus(g: &Graph, inputs: &RankSteps, how: Collectives) -> RankSteps {
     let prog = qatc_kernels::lower(g).expect("lowers");
     let t = Target::cuda(None, CudaSettings::default());
     let ranks: Vec<_> = threads(RANKS)
@@ -103,8 +106,8 @@ fn two_ranks_on_the_emulated_gpu_track_the_interpreters_ranks() {
     let mut state: Vec<HashMap<String, Value<f32>>> = inputs.iter().map(|s| s[0].clone()).collect();
     let mut want = Vec::new();
     for s in 0..STEPS {
-        for (r, st) in state.iter_mut().enumerate() {
-            st.extend(inputs[r][s].clone());
+        for (st, mine) in state.iter_mut().zip(&inputs) {
+            st.extend(mine[s].clone());
         }
         let out = interp.run_ranks(&state).unwrap();
         for (r, o) in out.iter().enumerate() {
