@@ -27,7 +27,7 @@ for line in sys.stdin:
 }
 {
   cargo test --release --no-default-features --no-run --message-format=json -p qatc --test gpu_step --test cuda_exec
-  cargo test --release --no-default-features --no-run --message-format=json -p qatc-runtime --test gpu_api
+  cargo test --release --no-default-features --no-run --message-format=json -p qatc-runtime --test gpu_api --test cuda_collectives
 } | exes | while read -r name exe; do cp "$exe" ".gpu/stage/tests/$name"; done
 
 strip .gpu/stage/bin/* .gpu/stage/tests/*

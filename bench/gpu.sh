@@ -42,7 +42,9 @@
 #   tests      the GPU tests in fp32: the GPU API on the device; the CUDA executor (CudaProgram)
 #              ten steps in lock step with the CPU (tiny full fine-tune and 4-bit + LoRA,
 #              Shakespeare GPT-2 4-bit + LoRA: losses 1e-5, gradients 1e-4); the plain driver's
-#              ten steps; each kernel of the demo step against the kernel-IR evaluator
+#              ten steps; each kernel of the demo step against the kernel-IR evaluator; NCCL at one
+#              rank on device 0 (all-reduce, reduce-scatter, all-gather in f32, bf16 and fp16, in the
+#              step's graph, against the host-staged path: runtime/tests/cuda_collectives.rs)
 #   executor   qatc train --device cuda, 10 steps (tiny 4-bit + LoRA, tiny full fine-tune,
 #              Shakespeare GPT-2 4-bit + LoRA: tests/fixtures/gpu/executor_cases.json): the losses
 #              against the committed ones of the compiled CPU step (LLVM, the same lowered
@@ -290,7 +292,7 @@ test_report() {
   res=$(grep -E '^test result' "$logs/$name.log" 2>/dev/null | tail -1)
   [ "$r" = dry ] || [ "$r" = skipped ] || res=${res:-no result (see logs/$name.log)}
   line "$name" "$r" "$res"
-  grep -E 'SKIPPED|worst|kernels for|GPU:|bytes in and out|launches and' "$logs/$name.log" | cut -c1-220 | sed 's/^/    /' | head -12 | tee -a "$summary"
+  grep -E 'SKIPPED|worst|kernels for|GPU:|NCCL|bytes in and out|launches and' "$logs/$name.log" | cut -c1-220 | sed 's/^/    /' | head -12 | tee -a "$summary"
 }
 # run_test EXE NAME LIMIT FILTER...: the same in the foreground
 run_test() {
@@ -539,7 +541,7 @@ if [ $dry = 1 ]; then
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | grep total$ | awk '{s += $1} END {print s + 0}')
   ok=0; [ $((bundle + tree)) -lt $((64 * 1048576)) ] || ok=1
   line "bundle size" $ok "bundle $((bundle / 1048576)) MiB + tracked tree $((tree / 1048576)) MiB of the 64 MiB a device call carries"
-  for f in bin/qatc tests/gpu_api tests/gpu_step tests/cuda_exec; do
+  for f in bin/qatc tests/gpu_api tests/gpu_step tests/cuda_exec tests/cuda_collectives; do
     [ -x "$work/$f" ] && r=0 || r=1
     line "bundle holds $f" $r ""
   done
@@ -558,7 +560,8 @@ if [ $dry = 1 ]; then
     cuda_exec:ten_bf16_and_fp16_steps_of_the_cuda_executor_track_the_cpu \
     cuda_exec:fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step \
     gpu_step:ten_steps_on_the_gpu_track_the_cpu gpu_step:every_kernel_of_the_demo_step_matches_the_evaluator \
-    gpu_step:every_kernel_of_the_bf16_demo_step_matches_the_evaluator; do
+    gpu_step:every_kernel_of_the_bf16_demo_step_matches_the_evaluator \
+    cuda_collectives:nccl_runs_at_one_rank_on_a_gpu_or_says_why_not; do
     exe=${pair%%:*} t=${pair#*:}
     # (the list read whole first: `| grep -q` stops reading at the match, and under pipefail the
     # test executable's SIGPIPE then failed a test that is there)
@@ -611,7 +614,10 @@ for s in "${sections[@]}"; do
     need=120 test_bg cuda_exec executor-10-steps 240 ten_steps_of_the_cuda_executor_track_the_cpu
     need=120 test_bg gpu_step plain-10-steps 240 ten_steps_on_the_gpu_track_the_cpu
     need=120 test_bg gpu_step each-demo-kernel 240 every_kernel_of_the_demo_step_matches_the_evaluator
+    need=60 test_bg cuda_collectives nccl-one-rank 90 nccl_runs_at_one_rank_on_a_gpu_or_says_why_not
     if [ $dry = 1 ]; then
+      # the collectives over 1, 2 and 4 emulated GPUs (threads), both paths: no GPU needed
+      really=1 test_bg cuda_collectives collectives-emulated 60 both_paths_give_every_rank_the_interpreters_bits
       # the emulated executor needs no GPU (CI runs it too): the dry run runs it for real
       really=1 test_bg cuda_exec executor-emulated 120 state_stays_on_the_device_between_steps
       really=1 test_bg cuda_exec executor-emulated-fp16 120 fp16_loss_scaling_lives_on_the_device_and_an_overflow_skips_the_step
@@ -621,9 +627,9 @@ for s in "${sections[@]}"; do
     fi
     report_tests() {
       say "$tests_head"
-      for t in executor-10-steps plain-10-steps each-demo-kernel; do test_report $t; done
+      for t in executor-10-steps plain-10-steps each-demo-kernel nccl-one-rank; do test_report $t; done
       if [ $dry = 1 ]; then
-        for t in executor-emulated executor-emulated-fp16; do test_report $t; done
+        for t in executor-emulated executor-emulated-fp16 collectives-emulated; do test_report $t; done
         local r ok=1
         r=$(rc_of require-gpu)
         [ "$r" != 0 ] && grep -q 'QATC_REQUIRE_GPU' "$logs/require-gpu.log" && ok=0

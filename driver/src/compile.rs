@@ -5,14 +5,19 @@
 //! |---|---|---|---|
 //! | CPU, `interpreter` | `InterpretedStep`: the reference interpreter, node by node | none | f64-summed loops |
 //! | CPU | `CpuProgram` | LLVM, JIT for this CPU, through the kernel cache | OpenBLAS or the gemm crate, fed panel by panel |
-//! | CUDA | `CudaProgram` on device 0 | NVRTC for the device, through the kernel cache | cuBLAS(Lt) |
+//! | CUDA | `CudaProgram` on device r mod (the devices), rank r | NVRTC for the device, through the kernel cache | cuBLAS(Lt) |
+//!
+//! A step over ranks exchanges its collectives through `Options::comm`: on the CPU by MPI; on
+//! CUDA by NCCL in the stream, or staged through the host and MPI (`Options::cuda_collectives`,
+//! [`cuda_collectives`] when not given).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use qatc_ir::Graph;
 use qatc_kernels::{Target, TargetKind};
-use qatc_runtime::comm::Communicator;
+use qatc_runtime::comm::{Communicator, OneRank};
+use qatc_runtime::cuda::Collectives;
 use qatc_runtime::{CpuOptions, InterpretedStep, TrainStep};
 
 use crate::describe;
@@ -33,6 +38,8 @@ pub struct Options {
     /// Who a step over several ranks exchanges its collectives with (this process's rank of
     /// `mpirun`'s world); None: the world of one.
     pub comm: Option<Arc<dyn Communicator>>,
+    /// The path of a CUDA step's collectives; None: [`cuda_collectives`]'s choice.
+    pub cuda_collectives: Option<Collectives>,
 }
 
 /// A step ready to run.
@@ -136,13 +143,31 @@ fn compile_cpu(_: &Graph, _: &Target, _: &Options) -> Result<Executable, DriverE
     Err(DriverError::Unsupported("this qatc was built without LLVM; the compiled CPU runtime needs it".into()))
 }
 
-/// A lowered program on CUDA device 0: its kernels built by NVRTC for the device through the
-/// kernel cache, their sources written beside it so that a compile error names a file.
+/// The path a CUDA step's collectives take unless told: in a world of one the host path, whose
+/// collectives are then copies in the stream (nothing to load, the step's graph kept, the bits
+/// exact); over ranks NCCL when it loads (about 2 blocks moved per reduction, in the network, on
+/// device memory, the step one CUDA graph), else the host path (every rank's block through MPI
+/// and host memory, the step without its graph, but correct on any GPU). Asking for
+/// `Collectives::Host` over ranks keeps the CPU ranks' bits, which NCCL's sums give only within
+/// rounding.
+pub fn cuda_collectives(ranks: usize) -> Collectives {
+    if ranks > 1 && qatc_runtime::cuda::probe_nccl().is_ok() {
+        Collectives::Device
+    } else {
+        Collectives::Host
+    }
+}
+
+/// A lowered program on CUDA device r mod (the devices the driver sees) for rank r of the
+/// world (one rank per GPU; device 0 alone), its collectives through the world's communicator:
+/// its kernels built by NVRTC for the device through the kernel cache, their sources written
+/// beside it so that a compile error names a file.
 fn compile_cuda(g: &Graph, target: &Target, options: &Options) -> Result<Executable, DriverError> {
     use qatc_kernels::nvrtc::{KernelCache, Nvrtc};
     use qatc_runtime::cuda::{CudaDriver, CudaProgram, GpuApi, KernelBuild};
     let program = lower(g, target, options)?.program;
-    let driver = CudaDriver::open(0)?;
+    let comm: Arc<dyn Communicator> = options.comm.clone().unwrap_or_else(|| Arc::new(OneRank));
+    let driver = CudaDriver::open(comm.rank() % CudaDriver::device_count()?.max(1))?;
     let nv = Nvrtc::open().map_err(|e| DriverError::Unsupported(format!("--device cuda compiles kernels with NVRTC: {e}")))?;
     let cache = options.kernel_cache.as_ref().map(KernelCache::new);
     let sources = options.kernel_cache.as_ref().map(|d| d.join("sources"));
@@ -151,7 +176,8 @@ fn compile_cuda(g: &Graph, target: &Target, options: &Options) -> Result<Executa
     // the device's own architecture and memory, whatever the target guessed
     let d = driver.device().clone();
     let target = Target { arch: Some(d.arch), memory: Some(d.total_memory), ..*target };
-    let p = CudaProgram::new(program, driver, &target, Some(&build))?;
+    let how = options.cuda_collectives.unwrap_or_else(|| cuda_collectives(comm.size()));
+    let p = CudaProgram::new(program, driver, &target, Some(&build))?.with_communicator(comm, how)?;
     let description = describe::cuda(&p);
     let kernels = p.build_report().map(|r| KernelsBuilt {
         kernels: r.kernels,

@@ -13,14 +13,15 @@ pub fn cuda(p: &CudaProgram<CudaDriver>) -> String {
     let l = p.layout();
     let o = p.target();
     format!(
-        "on CUDA: {} ({}, {} SMs, {}; {}): {} kernels, {launches} launches and {calls} cuBLAS calls per step{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
+        "on CUDA: {} ({}, {} SMs, {}; {}): {} kernels, {launches} launches and {calls} cuBLAS calls per step{}{}, {} steps hoisted (run once), GEMMs {}; device memory {}: arena {} (the plan: {} of buffers, at least {} live at once), persistent {}, data {}, GEMM scratch {}; pinned {}; the device reports {} in use ({} beyond the step's: the CUDA context, modules and BLAS workspace, for which a plan keeps {})",
         d.name,
         d.arch,
         d.multiprocessors,
         human(d.total_memory),
         d.libraries,
         p.distinct_kernels(),
-        if o.cuda.graph() { " replayed as one CUDA graph" } else { "" },
+        if o.cuda.graph() && !p.host_staged() { " replayed as one CUDA graph" } else { "" },
+        p.collectives().map(|c| format!(", {c}")).unwrap_or_default(),
         p.plan().hoisted_steps(),
         if o.cuda.tf32 { "TF32" } else { "strict fp32" },
         human(b.device_total()),

@@ -20,7 +20,7 @@ mod resolve;
 
 #[cfg(feature = "llvm")]
 pub use compile::cpu_program;
-pub use compile::{compile, Executable, KernelsBuilt, Options};
+pub use compile::{compile, cuda_collectives, Executable, KernelsBuilt, Options};
 pub use error::DriverError;
 pub use lower::{lower, plan, prepare, Executed, Lowered};
 pub use qatc_kernels::{CudaSettings, Hoist, Target, TargetKind};

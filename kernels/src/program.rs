@@ -229,7 +229,7 @@ impl Exchange {
 /// A collective over `world` ranks, run by the executor's communicator (as a GEMM is a library
 /// call): `src`'s elements (this rank's operand, contiguous) in, `dst`'s (this rank's result, a
 /// whole buffer) out, of one float type. A CPU executor runs it through MPI; the CUDA executor
-/// refuses it (NCCL, issue 31).
+/// through NCCL or staged through the host (`qatc_runtime::cuda::Collectives`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Collective {
     pub exchange: Exchange,

@@ -189,7 +189,7 @@ fn parse_memory(s: &str) -> Result<usize, String> {
 /// executor's settings, and the kernel cache's directory (`kernel_cache::KernelCacheArgs::dir`;
 /// None keeps nothing on disk).
 pub fn driver_options(interpreter: bool, cpu: qatc_runtime::CpuOptions, kernel_cache: Option<PathBuf>) -> qatc_driver::Options {
-    qatc_driver::Options { interpreter, cpu, kernel_cache, comm: None }
+    qatc_driver::Options { interpreter, cpu, kernel_cache, ..qatc_driver::Options::default() }
 }
 
 /// Where and how the step runs (train's `--device`, `--interpreter` and GPU settings; the

@@ -421,4 +421,10 @@ impl GpuApi for OnCpu<'_> {
     fn clear_marks(&mut self) -> GpuResult<()> {
         self.host.clear_marks()
     }
+    fn open_collectives(&mut self, comm: std::sync::Arc<dyn qatc_runtime::comm::Communicator>) -> GpuResult<String> {
+        self.host.open_collectives(comm)
+    }
+    fn collective(&mut self, c: &qatc_runtime::cuda::DeviceCollective) -> GpuResult<()> {
+        self.host.collective(c)
+    }
 }

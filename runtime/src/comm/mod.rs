@@ -8,10 +8,12 @@
 //! backend that reduces in the network, NCCL's, would move).
 //!
 //! Implementations: [`OneRank`] (the world of one: every collective gives its operand back) and,
-//! with the `mpi` feature, [`mpi::MpiComm`] (Open MPI through rsmpi), the one place that links MPI.
+//! with the `mpi` feature, [`mpi::MpiComm`] (Open MPI through rsmpi), the one place that links MPI;
+//! [`threads::threads`], the ranks as threads of one process (for tests).
 
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod threads;
 
 use half::{bf16, f16};
 use qatc_ir::{DType, Reduce};
@@ -45,6 +47,16 @@ impl Communicator for OneRank {
         recv.copy_from_slice(send);
         Ok(())
     }
+}
+
+/// Rank 0's `bytes` on every rank (each rank's `bytes` of the same length; only rank 0's are
+/// kept): an all-gather, everyone taking rank 0's block. How NCCL's unique id, made by rank 0,
+/// reaches the others (`cuda/nccl.rs`).
+pub fn from_rank0(comm: &dyn Communicator, bytes: &[u8]) -> Result<Vec<u8>, RuntimeError> {
+    let mut all = vec![0u8; bytes.len() * comm.size()];
+    comm.all_gather_bytes(bytes, &mut all)?;
+    all.truncate(bytes.len());
+    Ok(all)
 }
 
 /// An error of collective `c` (its note names the tensor).

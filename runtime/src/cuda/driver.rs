@@ -1,7 +1,8 @@
 //! [`CudaDriver`]: [`GpuApi`] on the CUDA driver API through cudarc's thin `result` layer (raw
 //! handles, every call's status checked), one non-blocking stream, the device's primary context.
 //!
-//! cudarc loads libcuda, libcublas and libcublasLt at run time and panics when one is missing,
+//! cudarc loads libcuda, libcublas and libcublasLt (and libnccl, `nccl.rs`, when a step's
+//! collectives run on the device) at run time and panics when one is missing,
 //! so [`CudaDriver::open`] first asks `is_culib_present` of each and returns
 //! [`GpuError::Unavailable`] instead; nothing here calls into cudarc before that. The handles are
 //! raw pointers owned by the driver alone. A `CudaDriver` may move to another thread (it is Send,
@@ -10,6 +11,7 @@
 
 use std::cell::Cell;
 use std::ffi::{c_void, CString};
+use std::sync::Arc;
 use std::thread::{self, ThreadId};
 
 use cudarc::driver::result::{self as cu, DriverError};
@@ -18,8 +20,11 @@ use qatc_kernels::cuda::blas::{BlasCall, Compute};
 use qatc_kernels::cuda::LaunchDims;
 use qatc_kernels::nvrtc::Arch;
 
+use crate::comm::Communicator;
+
 use super::driver_blas::Blas;
-use super::{DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, MarkId, PinnedId, Result};
+use super::nccl::Nccl;
+use super::{DevPtr, DeviceCollective, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, MarkId, PinnedId, Result};
 
 /// A driver error with the call that failed and CUDA's name and string for it.
 pub(super) fn drv(call: &str, e: DriverError) -> GpuError {
@@ -69,6 +74,8 @@ pub struct CudaDriver {
     pinned: Vec<Option<(*mut u8, usize)>>,
     graphs: Vec<Graph>,
     blas: Option<Blas>,
+    /// The step's collectives on the device, once `open_collectives` joined a world.
+    nccl: Option<Nccl>,
     capturing: bool,
     /// Events for `mark`, kept for reuse: the first `marks` are in use.
     events: Vec<sys::CUevent>,
@@ -76,6 +83,15 @@ pub struct CudaDriver {
 }
 
 impl CudaDriver {
+    /// How many devices the driver sees (one rank per GPU: rank r of a world opens device
+    /// r mod this).
+    pub fn device_count() -> Result<usize> {
+        probe_libraries()?;
+        cu::init().map_err(|e| drv("cuInit", e))?;
+        let n = cu::device::get_count().map_err(|e| drv("cuDeviceGetCount", e))?;
+        Ok(n.max(0) as usize)
+    }
+
     /// Opens device `ordinal`: its primary context, made current on this thread, a stream, and
     /// the BLAS handles with a workspace (so captured GEMMs allocate nothing).
     pub fn open(ordinal: usize) -> Result<CudaDriver> {
@@ -123,6 +139,7 @@ impl CudaDriver {
             pinned: Vec::new(),
             graphs: Vec::new(),
             blas: None,
+            nccl: None,
             capturing: false,
             events: Vec::new(),
             marks: 0,
@@ -367,9 +384,28 @@ impl GpuApi for CudaDriver {
         self.not_capturing("synchronizing")?;
         self.sync()
     }
+
+    fn open_collectives(&mut self, comm: Arc<dyn Communicator>) -> Result<String> {
+        self.bind()?;
+        self.not_capturing("opening NCCL")?;
+        // a second call replaces the first communicator (after its pending work)
+        self.sync()?;
+        self.nccl = None;
+        let nccl = Nccl::open(&*comm)?;
+        let words = nccl.version.clone();
+        self.nccl = Some(nccl);
+        Ok(words)
+    }
+
+    fn collective(&mut self, c: &DeviceCollective) -> Result<()> {
+        self.bind()?;
+        let nccl = self.nccl.as_ref().ok_or_else(|| GpuError::Invalid(format!("collective {}: NCCL was not opened", c.step.note)))?;
+        nccl.run(c, self.stream)
+    }
 }
 
-// SAFETY: the handles (context, stream, modules, graphs, pinned memory, BLAS handles) are owned by
+// SAFETY: the handles (context, stream, modules, graphs, pinned memory, BLAS handles, the NCCL
+// communicator) are owned by
 // this value alone and used only through `&mut self` or `&self` calls, one at a time (it is not
 // Sync); each call makes the context current on its thread first (`bind`), which is all the
 // driver API and cuBLAS need to be used from another thread. A capture begins and ends within
@@ -394,6 +430,8 @@ impl Drop for CudaDriver {
             }
         }
         let _ = self.sync();
+        // NCCL's communicator before the stream and the context it uses
+        self.nccl = None;
         self.blas = None;
         for g in self.graphs.drain(..) {
             // SAFETY: each graph and its exec were created once and are destroyed once, here.

@@ -13,6 +13,9 @@ pub enum GpuError {
     /// A cuBLAS or cuBLASLt call failed: its status.
     #[error("{call}: {status}")]
     Blas { call: String, status: String },
+    /// An NCCL call failed: its ncclResult_t and NCCL's string for it.
+    #[error("{call}: {status}")]
+    Nccl { call: String, status: String },
     /// A request this GPU cannot meet (too much memory, an unknown pointer, a misuse of the API).
     #[error("{0}")]
     Invalid(String),

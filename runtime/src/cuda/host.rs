@@ -4,6 +4,12 @@
 //! its param (packed 4-bit params padded to whole words, `Buffer::device_bytes`), suitably
 //! aligned, and a written param may not overlap another param (the generated kernels' params are
 //! `__restrict__`).
+//!
+//! Its device collectives ([`GpuApi::collective`]) stand in for NCCL: recorded and replayed as
+//! stream work, each exchanges its device bytes through the communicator `open_collectives` was
+//! given, by the host rule (`comm::run`), so they give the CPU ranks' bits.
+
+use std::sync::Arc;
 
 use qatc_ir::DType;
 use qatc_kernels::cuda::blas::host::{self as blas_host, HostMemory};
@@ -14,7 +20,8 @@ use qatc_kernels::nvrtc::Arch;
 use rayon::prelude::*;
 
 use super::host_mem::DeviceMemory;
-use super::{DevPtr, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, MarkId, PinnedId, Result};
+use super::{DevPtr, DeviceCollective, FuncId, GemmPtrs, GpuApi, GpuDevice, GpuError, GraphId, KernelImage, MarkId, PinnedId, Result};
+use crate::comm::{self, Communicator};
 use crate::{KirEval, Launcher};
 
 /// One piece of recorded (or immediate) stream work.
@@ -26,6 +33,7 @@ enum Work {
     Memset { dst: DevPtr, value: u8, bytes: usize },
     Upload { dst: DevPtr, src: PinnedId, offset: usize, len: usize },
     Download { dst: PinnedId, offset: usize, src: DevPtr, len: usize },
+    Collective(Box<DeviceCollective>),
 }
 
 struct Loaded {
@@ -54,6 +62,10 @@ pub struct HostGpu {
     /// Device allocations made so far, and graphs captured.
     pub allocations: usize,
     pub captures: usize,
+    /// Device collectives run so far (replays included).
+    pub collectives: usize,
+    /// Who the device collectives exchange with (`open_collectives`).
+    comm: Option<Arc<dyn Communicator>>,
     /// `mark`'s timestamps: the host's clock, as the emulation runs work when it is submitted.
     marks: Vec<std::time::Instant>,
 }
@@ -140,6 +152,8 @@ impl HostGpu {
             bytes_out: 0,
             allocations: 0,
             captures: 0,
+            collectives: 0,
+            comm: None,
             marks: Vec::new(),
         }
     }
@@ -199,7 +213,23 @@ impl HostGpu {
                 self.bytes_out += len;
                 Ok(())
             }
+            Work::Collective(c) => self.run_collective(c),
         }
+    }
+
+    /// A device collective by the host rule, on the emulated device memory.
+    fn run_collective(&mut self, c: &DeviceCollective) -> Result<()> {
+        let comm = self.comm.clone().ok_or_else(|| GpuError::Invalid(format!("collective {}: no world was joined", c.step.note)))?;
+        let (n, m) = c.bytes();
+        let src = self.mem.bytes(c.src, n)?.to_vec();
+        let mut dst = vec![0u8; m];
+        comm::run(&*comm, &c.step, c.dtype, &src, &mut dst).map_err(|e| match e {
+            crate::error::RuntimeError::Collective { msg, .. } => GpuError::Invalid(msg),
+            other => GpuError::Invalid(other.to_string()),
+        })?;
+        self.mem.bytes_mut(c.dst, m)?.copy_from_slice(&dst);
+        self.collectives += 1;
+        Ok(())
     }
 
     fn run_launch(&mut self, f: FuncId, dims: &LaunchDims, args: &[DevPtr]) -> Result<()> {
@@ -374,6 +404,27 @@ impl GpuApi for HostGpu {
             self.run(w)?;
         }
         Ok(())
+    }
+
+    fn open_collectives(&mut self, comm: Arc<dyn Communicator>) -> Result<String> {
+        self.not_capturing("joining a world")?;
+        // NCCL's unique id, as its path carries it: made by rank 0, every rank taking rank 0's
+        let made = *b"qatc HostGpu's stand-in for NCCL's unique id";
+        let mut id = [0u8; 128];
+        if comm.rank() == 0 {
+            id[..made.len()].copy_from_slice(&made);
+        }
+        let shared = comm::from_rank0(&*comm, &id).map_err(|e| GpuError::Invalid(format!("sharing the unique id: {e}")))?;
+        if shared[..made.len()] != made {
+            return Err(GpuError::Invalid(format!("rank {} received another unique id than rank 0's", comm.rank())));
+        }
+        let words = format!("emulated device collectives over {} ranks", comm.size());
+        self.comm = Some(comm);
+        Ok(words)
+    }
+
+    fn collective(&mut self, c: &DeviceCollective) -> Result<()> {
+        self.submit(Work::Collective(Box::new(c.clone())))
     }
 
     fn synchronize(&mut self) -> Result<()> {

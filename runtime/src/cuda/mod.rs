@@ -17,28 +17,45 @@
 //! a capture is open nothing runs: launches, GEMMs, device copies and pinned copies are recorded
 //! for [`GpuApi::replay`]; copies of ordinary host slices are refused, as CUDA refuses them.
 //!
+//! A step's collectives (`qatc_kernels::program::Collective`) run one of two ways, the program's
+//! [`Collectives`] setting: staged through the host (the operand downloaded, exchanged by the
+//! [`Communicator`] by the CPU ranks' rule, the result uploaded: any GPU, bit for bit the CPU's), or
+//! in the stream on device memory through [`GpuApi::collective`] (NCCL on a GPU, `nccl.rs`; the
+//! emulation exchanges through its communicator by the host rule, so that what it tests is the
+//! executor's plumbing: pointers, stream order, the graph's capture and replay).
+//!
 //! [`CudaProgram`] is the executor built on it (`program.rs`: the shared `ExecPlan`'s layout in
 //! three allocations, resident state, data through pinned staging, the step captured once as a
 //! graph; `build.rs`: kernels to CUBINs and loaded, GEMMs planned); [`run_plan`] runs one GEMM's
 //! [`BlasPlan`] through the trait.
 
 mod build;
+mod collectives;
 mod driver;
 mod driver_blas;
 mod error;
 mod host;
 mod host_mem;
+mod nccl;
 mod program;
 
+use std::sync::Arc;
+
+use qatc_ir::DType;
 use qatc_kernels::cuda::blas::{BlasCall, BlasPlan, BlasStep, Compute, Mem};
 use qatc_kernels::cuda::LaunchDims;
 use qatc_kernels::kir::Kernel;
 use qatc_kernels::nvrtc::Arch;
+use qatc_kernels::program::Collective;
+
+use crate::comm::Communicator;
 
 pub use build::KernelBuild;
+pub use collectives::Collectives;
 pub use driver::{probe_libraries, CudaDriver};
 pub use error::GpuError;
 pub use host::HostGpu;
+pub use nccl::probe_nccl;
 pub use program::{CudaProgram, DeviceBytes};
 
 /// A device address (`CUdeviceptr`).
@@ -94,6 +111,24 @@ pub struct GemmPtrs {
     pub bias: Option<DevPtr>,
 }
 
+/// One collective on device memory ([`GpuApi::collective`]): the program's step (its exchange,
+/// world and note), its element type, and the device addresses of the operand's first element
+/// and of the result.
+#[derive(Clone, Debug)]
+pub struct DeviceCollective {
+    pub step: Collective,
+    pub dtype: DType,
+    pub src: DevPtr,
+    pub dst: DevPtr,
+}
+
+impl DeviceCollective {
+    /// The operand's and the result's bytes.
+    pub fn bytes(&self) -> (usize, usize) {
+        (self.dtype.bytes_for(self.step.src.numel()), self.dtype.bytes_for(self.step.dst.numel()))
+    }
+}
+
 pub type Result<T> = std::result::Result<T, GpuError>;
 
 /// What an executor needs from a GPU. See the module docs for the ordering model.
@@ -145,6 +180,15 @@ pub trait GpuApi {
     fn elapsed_ms(&mut self, from: MarkId, to: MarkId) -> Result<f64>;
     /// Forgets every mark (the ids given so far are no longer valid).
     fn clear_marks(&mut self) -> Result<()>;
+
+    /// Joins `comm`'s world with the device's collective library, so that
+    /// [`collective`](Self::collective) can run: NCCL on a GPU (rank 0's unique id carried to
+    /// every rank by `comm`; every rank must call this at the same point, as NCCL's own
+    /// initialization is collective). Returns what was opened, in words ("NCCL 2.27.3").
+    fn open_collectives(&mut self, comm: Arc<dyn Communicator>) -> Result<String>;
+    /// One collective on device memory, ordered in the stream like a launch (and captured like
+    /// one), over the world `open_collectives` joined.
+    fn collective(&mut self, c: &DeviceCollective) -> Result<()>;
 }
 
 /// The kernels of a plan's data moves, loaded: (step index, function, the grid and block its

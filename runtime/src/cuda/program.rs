@@ -15,9 +15,13 @@
 //!                 step's statistics) downloaded into pinned memory, which is all that comes back
 //! read_input      a parameter or moment downloaded when asked (a save, a validation)
 //! ```
+//!
+//! A collective (a step over ranks) runs through the communicator `with_communicator` gives (the
+//! world of one unless given), by the path its [`Collectives`] says (`collectives.rs`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use qatc_ir::{InputKind, Phase};
 use qatc_kernels::cuda::blas::{BlasMode, Mem};
@@ -28,7 +32,9 @@ use qatc_kernels::program::{BufId, Program, Step, View};
 use qatc_kernels::Target;
 
 use super::build::{load_kernels, plan_gemms, KernelBuild, PlannedGemm};
-use super::{run_plan, DevPtr, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
+use super::collectives::{Collectives, Exchanges};
+use super::{run_plan, DevPtr, DeviceCollective, FuncId, GpuApi, GpuDevice, GpuError, GraphId, MarkId, PinnedId};
+use crate::comm::Communicator;
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
 use crate::exec::{
@@ -40,6 +46,7 @@ use crate::value::Value;
 enum DeviceStep {
     Launch { func: FuncId, dims: LaunchDims, args: Vec<DevPtr>, label: String },
     Gemm(PlannedGemm),
+    Collective(DeviceCollective),
 }
 
 /// The device memory a program holds, in bytes.
@@ -92,6 +99,8 @@ pub struct CudaProgram<A: GpuApi> {
     stale: bool,
     distinct_kernels: usize,
     report: Option<BuildReport>,
+    /// Who the collectives exchange with, and by which path.
+    exchanges: Exchanges,
 }
 
 fn device_err(what: impl Into<String>) -> impl FnOnce(GpuError) -> RuntimeError {
@@ -133,12 +142,6 @@ impl<A: GpuApi> CudaProgram<A> {
         // laid out as `qatc plan --device cuda` plans it (the one home of how an executor allocates)
         let exec = ExecOptions::for_target(target);
         let plan = ExecPlan::new(&prog, exec)?;
-        if let Some(c) = prog.collectives().next() {
-            // before any device work: NCCL is not built, and a collective faked on one GPU
-            // would train a different model than the ranks meant
-            let msg = "the CUDA executor runs no collectives: NCCL across GPUs is issue 31's part not built yet; run a step over several ranks on the CPU (--device cpu under mpirun)";
-            return Err(RuntimeError::Collective { what: c.note.clone(), msg: msg.into() });
-        }
         let mut plans = plan_gemms(&prog, BlasMode::of(&target.cuda))?;
         let arch = api.device().arch;
         let loaded = load_kernels(&mut api, &prog, &mut plans, arch, build, &target.cuda)?;
@@ -175,7 +178,12 @@ impl<A: GpuApi> CudaProgram<A> {
                 }
                 (Step::Gemm(_), Some(g)) => DeviceStep::Gemm(g),
                 (Step::Gemm(g), None) => return Err(RuntimeError::Gemm { note: g.note.clone(), msg: "not planned".into() }),
-                (Step::Collective(c), _) => return Err(RuntimeError::Collective { what: c.note.clone(), msg: "refused above".into() }),
+                (Step::Collective(c), _) => {
+                    // the operand's first element (a contiguous view, `exec::check_collective`)
+                    let dtype = prog.buffers[c.dst.buf].dtype;
+                    let src = ptrs[c.src.buf] + dtype.bytes_for(c.src.offset) as u64;
+                    DeviceStep::Collective(DeviceCollective { step: (**c).clone(), dtype, src, dst: ptrs[c.dst.buf] })
+                }
             });
         }
         let mut readback_at = Vec::new();
@@ -223,7 +231,28 @@ impl<A: GpuApi> CudaProgram<A> {
             stale: true,
             distinct_kernels: loaded.distinct,
             report: loaded.report,
+            exchanges: Exchanges::default(),
         })
+    }
+
+    /// This program with its collectives run through `comm` (this process's rank of a world the
+    /// size the program was compiled for: any other is refused here) by path `how`. The device
+    /// path opens the GPU's collective library now, which every rank must do at once.
+    pub fn with_communicator(mut self, comm: Arc<dyn Communicator>, how: Collectives) -> Result<CudaProgram<A>, RuntimeError> {
+        self.exchanges = Exchanges::join(&self.prog, self.api.get_mut(), comm, how)?;
+        // a graph captured before exchanged the old way
+        self.graph = None;
+        Ok(self)
+    }
+
+    /// What the program's collectives run on, in words (None when it has none).
+    pub fn collectives(&self) -> Option<String> {
+        self.exchanges.words(&self.prog)
+    }
+
+    /// Whether a collective is staged through the host (the step then runs without its graph).
+    pub fn host_staged(&self) -> bool {
+        self.exchanges.host_staged(&self.prog)
     }
 
     pub fn program(&self) -> &Program {
@@ -282,6 +311,7 @@ impl<A: GpuApi> CudaProgram<A> {
                     calls += c;
                     launches += g.plan.steps.len() - c;
                 }
+                DeviceStep::Collective(_) => {}
             }
         }
         (launches, calls)
@@ -328,6 +358,7 @@ impl<A: GpuApi> CudaProgram<A> {
         api.synchronize().map_err(|e| match &self.steps[i] {
             DeviceStep::Launch { label, .. } => RuntimeError::Kernel { kernel: label.clone(), msg: e.to_string() },
             DeviceStep::Gemm(g) => RuntimeError::Gemm { note: g.note.clone(), msg: e.to_string() },
+            DeviceStep::Collective(c) => RuntimeError::Collective { what: c.step.note.clone(), msg: e.to_string() },
         })
     }
 
@@ -349,6 +380,7 @@ impl<A: GpuApi> CudaProgram<A> {
                 run_plan(api, &g.plan, &g.moves, &resolve)
                     .map_err(|e| RuntimeError::Gemm { note: g.note.clone(), msg: format!("{e} (plan: {})", g.plan.summary()) })
             }
+            DeviceStep::Collective(c) => self.exchanges.submit(api, c),
         }
     }
 
@@ -456,7 +488,8 @@ impl<A: GpuApi> CudaProgram<A> {
         // first library calls (cuBLAS loading its kernels, first-call setup) then run outside a
         // capture, where anything a capture forbids is an error naming its call, not a broken
         // capture (what frameworks do too: warm up, then capture).
-        let replay = self.target.cuda.graph() && (self.graph.is_some() || self.ran);
+        // (a collective staged through the host cannot be captured: such a step runs without)
+        let replay = self.target.cuda.graph() && !self.exchanges.host_staged(&self.prog) && (self.graph.is_some() || self.ran);
         if replay {
             let g = match self.graph {
                 Some(g) => g,
