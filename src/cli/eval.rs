@@ -138,6 +138,9 @@ pub struct EvalSetup {
     pub interpreter: bool,
     /// Where compiled kernels are kept between runs (None: nowhere on disk).
     pub kernel_cache: Option<PathBuf>,
+    /// The world a training run's validation runs in (None: one process): on CUDA it picks this
+    /// rank's device, as the training step's does (the forward itself has no collectives).
+    pub comm: Option<std::sync::Arc<dyn qatc_runtime::comm::Communicator>>,
 }
 
 impl Default for EvalSetup {
@@ -150,6 +153,7 @@ impl Default for EvalSetup {
             target: Target::cpu(),
             interpreter: !cfg!(feature = "llvm"),
             kernel_cache: None,
+            comm: None,
         }
     }
 }
@@ -346,7 +350,10 @@ pub fn compile_bound(
     state: Option<&HashMap<String, Value<f32>>>,
 ) -> anyhow::Result<Bound> {
     let start = std::time::Instant::now();
-    let options = super::driver_options(setup.interpreter, CpuOptions::default(), setup.kernel_cache.clone());
+    let options = qatc_driver::Options {
+        comm: setup.comm.clone(),
+        ..super::driver_options(setup.interpreter, CpuOptions::default(), setup.kernel_cache.clone())
+    };
     let mut exe = qatc_driver::compile(g, &setup.target, &options)?;
     let compile_s = start.elapsed().as_secs_f64();
     let inputs = match state {

@@ -162,7 +162,7 @@ impl<'r> Run<'r> {
         };
         let log = if leads { step_log(a, resume_at.is_some().then_some(start))? } else { None };
         let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
-        let val_setup = validation(&tr, &resolved, build.kernel_cache.clone(), val.as_ref());
+        let val_setup = EvalSetup { comm: build.comm.clone(), ..validation(&tr, &resolved, build.kernel_cache.clone(), val.as_ref()) };
         let pb = crate::cli::progress(train.steps.saturating_sub(start) as u64, "train {bar:30} step {pos}/{len}  {msg}  eta {eta}");
         if !leads {
             pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
