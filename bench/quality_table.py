@@ -15,50 +15,87 @@ SPECS = [("b4_sym", "4-bit sym g64"), ("b3_sym", "3-bit sym g64"), ("b2_sym", "2
 
 
 def main(path):
-    rows = {}
+    rows = {}  # row -> {seed: record}; post-training rows have no seed (None)
     for line in open(path):
         line = line.strip()
         if line:
             r = json.loads(line)
-            rows[r["row"]] = r
-    fp = rows.get("fp", {}).get("loss")
-    lora_fp = rows.get("lora_fp", {}).get("loss")
-    peer_lora_fp = next((r["lora_fp"] for r in rows.values() if "lora_fp" in r), None)
+            seed = r.get("seed", 1 if is_trained(r["row"]) else None)
+            rows.setdefault(r["row"], {})[seed] = r
+    fp = one(rows, "fp", "loss")
+    lora = {s: r["loss"] for s, r in rows.get("lora_fp", {}).items()}
+    peer_lora = {s: r["lora_fp"] for r_by in [rows.get("peer_b3_sym", {})] for s, r in r_by.items() if "lora_fp" in r}
+    seeds = sorted({s for by in rows.values() for s in by if s is not None})
     out = []
-    out.append(f"full precision {fmt(fp)}; LoRA on the unquantized model {fmt(lora_fp)} (qatc)"
-               + (f", {fmt(peer_lora_fp)} (PyTorch + PEFT)" if peer_lora_fp is not None else ""))
+    out.append(f"full precision {fmt(fp)}; LoRA on the unquantized model {fmt(mean(lora.values()))} (qatc)"
+               + (f", {fmt(mean(peer_lora.values()))} (PyTorch + PEFT)" if peer_lora else "")
+               + (f"; trained rows: mean over seeds {', '.join(map(str, seeds))}, spread = largest - smallest"
+                  if len(seeds) > 1 else ""))
     out.append("")
-    out.append("| weights | scales | QAT | post-training | QAT + LoRA | penalty left | recovered |")
-    out.append("|---|---|---|---|---|---|---|")
+    out.append("| weights | scales | QAT | post-training | QAT + LoRA | penalty left | recovered | seeds | spread of recovered |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for key, title in SPECS:
-        ptq = rows.get(f"{key}_ptq", {}).get("loss")
-        s = rows.get(f"{key}_ptq_search")
+        ptq = one(rows, f"{key}_ptq", "loss")
+        s = one(rows, f"{key}_ptq_search", "loss")
         if s is not None:
-            out.append(f"| {title} | searched, not trained | post-training only | {fmt(ptq)} | {fmt(s['loss'])} (no training) "
-                       f"| {left(s['loss'], fp)} vs fp | {recovered(s['loss'], fp, ptq, fp)} |")
+            out.append(f"| {title} | searched, not trained | post-training only | {fmt(ptq)} | {fmt(s)} (no training) "
+                       f"| {left(s, fp)} vs fp | {fmt3(recovered(s, fp, ptq, fp))} | - | - |")
         for scales in ("minmax", "learned", "learned_minmax", "search"):
             for mode in ("base", "merged"):
-                r = rows.get(f"{key}_{scales}_{mode}")
-                if r is None:
+                by = rows.get(f"{key}_{scales}_{mode}")
+                if not by:
                     continue
                 label = {"search": "learned, searched start", "learned": "learned, auto start",
                          "learned_minmax": "learned, min-max start"}.get(scales, scales)
-                out.append(f"| {title} | {label} | {mode} | {fmt(ptq)} | {fmt(r['loss'])} | {left(r['loss'], lora_fp)} "
-                           f"| {recovered(r['loss'], lora_fp, ptq, fp)} |")
-        p = rows.get(f"peer_{key}")
-        if p is not None:
-            out.append(f"| {title} | minmax | PyTorch + PEFT (base) | {fmt(p['ptq'])} | {fmt(p['qat_lora'])} "
-                       f"| {left(p['qat_lora'], peer_lora_fp)} | {recovered(p['qat_lora'], peer_lora_fp, p['ptq'], p['fp'])} |")
-    prts = sorted((float(k[4:]), r) for k, r in rows.items() if k.startswith("prt_") and "average_bits" in r)
+                out.append(trained_row(title, label, mode, ptq, fp, {s: r["loss"] for s, r in by.items()}, lora))
+        by = rows.get(f"peer_{key}")
+        if by:
+            p = next(iter(by.values()))
+            out.append(trained_row(title, "minmax", "PyTorch + PEFT (base)", p["ptq"], p["fp"],
+                                   {s: r["qat_lora"] for s, r in by.items()}, peer_lora))
+    prts = sorted((float(k[4:]), next(iter(by.values()))) for k, by in rows.items()
+                  if k.startswith("prt_") and any("average_bits" in r for r in by.values()))
     if prts:
         out.append("")
         out.append("| budget (nats) | average bits | penalty on the search batches | validation loss | penalty | after QAT + LoRA (learned, searched start, base) | penalty |")
         out.append("|---|---|---|---|---|---|---|")
         for b, r in prts:
-            q = rows.get(f"prt_{b:g}_search_base", {}).get("loss")
+            q = mean(x["loss"] for x in rows.get(f"prt_{b:g}_search_base", {}).values())
             out.append(f"| {b:g} | {r['average_bits']:.2f} | {r['search_penalty']:+.4f} | {fmt(r['loss'])} | {left(r['loss'], fp)} "
                        f"| {fmt(q)} | {left(q, fp)} |")
     print("\n".join(out))
+
+
+def is_trained(name):
+    """Rows whose result depends on the seed (batch order, LoRA's initialisation)."""
+    return not (name == "fp" or name.endswith("_ptq") or name.endswith("_ptq_search")
+                or (name.startswith("prt_") and not name.endswith("_search_base")))
+
+
+def one(rows, name, key):
+    by = rows.get(name)
+    return None if not by else next(iter(by.values())).get(key)
+
+
+def trained_row(title, label, mode, ptq, fp, loss_by_seed, lora_by_seed):
+    """Mean QAT + LoRA loss and mean share recovered over the seeds; each seed's share against the
+    LoRA-on-full-precision run of the same seed (its batch order), the spread over the seeds."""
+    shares = [recovered(l, lora_by_seed.get(s), ptq, fp) for s, l in loss_by_seed.items()]
+    shares = [x for x in shares if x is not None]
+    loss = mean(loss_by_seed.values())
+    lora = mean(lora_by_seed[s] for s in loss_by_seed if s in lora_by_seed)
+    spread = f"{max(shares) - min(shares):.3f}" if len(shares) > 1 else "-"
+    return (f"| {title} | {label} | {mode} | {fmt(ptq)} | {fmt(loss)} | {left(loss, lora)} | {fmt3(mean(shares))} "
+            f"| {len(loss_by_seed)} | {spread} |")
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def fmt3(v):
+    return "-" if v is None else f"{v:.3f}"
 
 
 def fmt(v):
@@ -71,8 +108,8 @@ def left(qat, lora_fp):
 
 def recovered(qat, lora_fp, ptq, fp):
     if None in (qat, lora_fp, ptq, fp) or ptq == fp:
-        return "-"
-    return f"{1.0 - (qat - lora_fp) / (ptq - fp):.3f}"
+        return None
+    return 1.0 - (qat - lora_fp) / (ptq - fp)
 
 
 if __name__ == "__main__":
