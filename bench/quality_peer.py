@@ -150,7 +150,10 @@ def load(model_dir):
     from transformers import GPT2LMHeadModel
     import transformers
     transformers.logging.set_verbosity_error()
-    m = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    # qatc's step has no dropout (LoRA's own aside, 0 here), so neither has the peer's: a config.json
+    # without the *_pdrop keys (qatc's own, the evaluation GPT-2's) would get transformers' 0.1
+    m = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                        attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
     return m.float()
 
 
