@@ -164,7 +164,7 @@ pub fn calibrate(
         let err = |(s, z): &(Vec<f32>, Vec<f32>)| quant::output_error(&w.data, n_in, n_out, spec, s, z, measure);
         let minmax = quant::init_learned(&w.data, n_in, n_out, spec);
         let search = quant::init_learned_searched(&w.data, n_in, n_out, spec);
-        let activation = gram.map(|g| quant::init_learned_activation(&w.data, n_in, n_out, spec, g));
+        let activation = gram.map(|g| quant::init_learned_activation_from(&w.data, n_in, n_out, spec, g, search.clone()));
         let (e_mm, e_se) = (err(&minmax), err(&search));
         let e_aa = activation.as_ref().map(err);
         let chosen = match (init, e_aa) {

@@ -19,7 +19,7 @@ use crate::float::Float;
 
 mod calibrated;
 mod learned;
-pub use calibrated::{candidates, init_learned_activation, output_error, Gram};
+pub use calibrated::{candidates, init_learned_activation, init_learned_activation_from, output_error, Gram};
 pub use learned::{
     fake_quant_learned, fake_quant_learned_grad, init_learned, init_learned_searched, point, quantize_learned, zero_point, Point,
 };

@@ -28,7 +28,7 @@ use crate::float::Float;
 const SWEEPS: usize = 4;
 
 /// The Gram matrix H = X^T X [n, n] of calibration activations X [rows, n], in f64, added up
-/// batch by batch in row order (deterministic).
+/// batch by batch, each batch one GEMM (a fixed order: deterministic).
 #[derive(Clone, Debug)]
 pub struct Gram {
     pub n: usize,
@@ -42,23 +42,37 @@ impl Gram {
         Gram { n, rows: 0, h: vec![0.0; n * n] }
     }
 
-    /// Adds the rows of x [rows, n] (a trailing partial row is ignored).
+    /// Adds the rows of x [rows, n] (a trailing partial row is ignored): H += X^T X, one f64 GEMM
+    /// over X widened (exact products of f32 values, f64 sums in the GEMM's fixed order).
     pub fn add(&mut self, x: &[f32]) {
         let n = self.n;
-        let rows = x.len() / n;
-        // row i of H is its own sum: rows of H in parallel, each over X's rows in order
-        self.h.par_chunks_mut(n).enumerate().for_each(|(i, hi)| {
-            for r in 0..rows {
-                let xr = &x[r * n..(r + 1) * n];
-                let xi = f64::from(xr[i]);
-                if xi == 0.0 {
-                    continue;
-                }
-                for (h, &v) in hi.iter_mut().zip(xr) {
-                    *h += xi * f64::from(v);
-                }
-            }
-        });
+        let rows = if n == 0 { 0 } else { x.len() / n };
+        if rows == 0 {
+            return;
+        }
+        let wide: Vec<f64> = x[..rows * n].iter().map(|&v| f64::from(v)).collect();
+        // SAFETY: `wide` is rows x n row-major; read as X^T (n x rows) through row stride 1 and
+        // column stride n, and as X (rows x n) through row stride n and column stride 1, every
+        // index stays below rows * n; self.h is n x n row-major, a separate allocation from
+        // `wide`; beta 1 reads and writes only its n * n elements.
+        unsafe {
+            matrixmultiply::dgemm(
+                n,
+                rows,
+                n,
+                1.0,
+                wide.as_ptr(),
+                1,
+                n as isize,
+                wide.as_ptr(),
+                n as isize,
+                1,
+                1.0,
+                self.h.as_mut_ptr(),
+                n as isize,
+                1,
+            )
+        };
         self.rows += rows;
     }
 
@@ -89,19 +103,90 @@ fn deviation(spec: QuantSpec, w: &[f32], n_out: usize, j: usize, rows: std::ops:
 /// The output error ||X W - X Q(W)||_F^2 = sum_j d_j^T H d_j of w [n_in, n_out] at `scales`
 /// (and `zeros`, asym), each [n_in / G, n_out].
 pub fn output_error(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec, scales: &[f32], zeros: &[f32], gram: &Gram) -> f64 {
+    let d = deviations(w, n_in, n_out, spec, |si| (scales[si], zeros.get(si).copied().unwrap_or(0.0)));
+    let hd = times_gram(gram, &d, n_out);
+    // column by column, in order
+    d.chunks(n_in.max(1)).zip(hd.chunks(n_in.max(1))).map(|(dj, rj)| dot(dj, rj)).sum()
+}
+
+/// Every column's deviation w - Q(w) at the scale and zero point `at(group * n_out + column)`
+/// gives, one column after another: D^T [n_out, n_in].
+fn deviations(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec, at: impl Fn(usize) -> (f32, f32) + Sync) -> Vec<f64> {
     let gsz = spec.group_for(n_in);
-    let cols: Vec<f64> = (0..n_out)
+    let at = &at;
+    (0..n_out)
         .into_par_iter()
-        .map(|j| {
-            let mut d = Vec::with_capacity(n_in);
-            for g in 0..n_in / gsz {
-                let si = g * n_out + j;
-                d.extend(deviation(spec, w, n_out, j, g * gsz..(g + 1) * gsz, scales[si], zeros.get(si).copied().unwrap_or(0.0)));
-            }
-            (0..n_in).map(|a| d[a] * (0..n_in).map(|b| gram.at(a, b) * d[b]).sum::<f64>()).sum()
+        .flat_map_iter(move |j| {
+            (0..n_in / gsz).flat_map(move |g| {
+                let (s, z) = at(g * n_out + j);
+                deviation(spec, w, n_out, j, g * gsz..(g + 1) * gsz, s, z)
+            })
         })
-        .collect();
-    cols.iter().sum()
+        .collect()
+}
+
+/// H d_j for every column deviation d_j of `d` (D^T [m, n], one column after another), as D^T H
+/// (H is symmetric): one f64 GEMM instead of m matrix-vector products.
+fn times_gram(gram: &Gram, d: &[f64], m: usize) -> Vec<f64> {
+    times_block(gram, 0, gram.n, d, m)
+}
+
+/// `d` [m, len] times the diagonal block H[at..at + len, at..at + len]: for rows d_c, H_block d_c
+/// (the block is symmetric). Zeros where the shapes do not match (never, from this module).
+fn times_block(gram: &Gram, at: usize, len: usize, d: &[f64], m: usize) -> Vec<f64> {
+    let n = gram.n;
+    let mut out = vec![0.0; m * len];
+    if m == 0 || len == 0 || d.len() != m * len || at + len > n {
+        return out;
+    }
+    // SAFETY: d is m x len and out m x len, row-major (row stride len, column stride 1); the
+    // block starts at H[at, at] and is read with row stride n and column stride 1, so its last
+    // element is at (at + len - 1) * n + at + len - 1 < n * n; out is a fresh allocation that
+    // aliases neither input; beta 0 only writes out.
+    unsafe {
+        matrixmultiply::dgemm(
+            m,
+            len,
+            len,
+            1.0,
+            d.as_ptr(),
+            len as isize,
+            1,
+            gram.h.as_ptr().add(at * n + at),
+            n as isize,
+            1,
+            0.0,
+            out.as_mut_ptr(),
+            len as isize,
+            1,
+        )
+    };
+    out
+}
+
+/// sum a_i b_i over the shorter of the two, in eight interleaved partial sums added in a fixed
+/// order: the same result every run, and a loop the compiler turns into vector FMAs (a single
+/// running sum is a serial chain it may not reorder).
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut s = [0.0f64; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f64 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for k in 0..8 {
+            s[k] += x[k] * y[k];
+        }
+    }
+    ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail
+}
+
+/// One group's candidates (`candidates`), the column's deviation at each (`nd`, [candidates,
+/// G]) and the group's diagonal block of H times each (`hnd`, the same shape).
+struct Candidates {
+    list: Vec<(f32, f32)>,
+    nd: Vec<f64>,
+    hnd: Vec<f64>,
 }
 
 /// The candidate (scale, zero point) pairs of a group whose min-max start is (s, z): the grid of
@@ -129,54 +214,87 @@ pub fn candidates(spec: QuantSpec, s: f32, z: f32) -> Vec<(f32, f32)> {
 /// matrix is `gram` (the module doc's objective, grid and search). Deterministic: each column is
 /// searched on its own, in a fixed order.
 pub fn init_learned_activation(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec, gram: &Gram) -> (Vec<f32>, Vec<f32>) {
+    init_learned_activation_from(w, n_in, n_out, spec, gram, init_learned_searched(w, n_in, n_out, spec))
+}
+
+/// [`init_learned_activation`] from `searched`, the weight search's scales and zero points
+/// (`init_learned_searched` of the same weight), for a caller that has them already: the search
+/// quantizes every weight at every fraction, a third of the whole calibration's work.
+pub fn init_learned_activation_from(
+    w: &[f32],
+    n_in: usize,
+    n_out: usize,
+    spec: QuantSpec,
+    gram: &Gram,
+    searched: (Vec<f32>, Vec<f32>),
+) -> (Vec<f32>, Vec<f32>) {
     let (mm_s, mm_z) = init_learned(w, n_in, n_out, spec);
-    let (mut scales, mut zeros) = init_learned_searched(w, n_in, n_out, spec);
+    let (mut scales, mut zeros) = searched;
     let asym = spec.scheme.has_zero_point();
     let gsz = spec.group_for(n_in);
     let groups = n_in / gsz;
     let at = |v: &[f32], si: usize| v.get(si).copied().unwrap_or(0.0);
+    // every column's deviation at the start and r = H d, kept up to date as its groups change
+    let d0 = deviations(w, n_in, n_out, spec, |si| (scales[si], at(&zeros, si)));
+    let r0 = times_gram(gram, &d0, n_out);
+    let n = gram.n;
     let chosen: Vec<Vec<(f32, f32)>> = (0..n_out)
         .into_par_iter()
         .map(|j| {
             let mut cur: Vec<(f32, f32)> = (0..groups).map(|g| (scales[g * n_out + j], at(&zeros, g * n_out + j))).collect();
-            let mut d: Vec<f64> = Vec::with_capacity(n_in);
-            for (g, &(s, z)) in cur.iter().enumerate() {
-                d.extend(deviation(spec, w, n_out, j, g * gsz..(g + 1) * gsz, s, z));
-            }
-            // r = H d, kept up to date as groups change
-            let mut r: Vec<f64> = (0..n_in).map(|a| (0..n_in).map(|b| gram.at(a, b) * d[b]).sum()).collect();
+            let mut d: Vec<f64> = d0[j * n_in..(j + 1) * n_in].to_vec();
+            let mut r: Vec<f64> = r0[j * n_in..(j + 1) * n_in].to_vec();
+            // each group's candidates, their deviations nd_c and H_gg nd_c: the same in every
+            // sweep, so made once (a GEMM per group); and H_gg d_g of the current deviation
+            let grid: Vec<Candidates> = (0..groups)
+                .map(|g| {
+                    let (si, base) = (g * n_out + j, g * gsz);
+                    let list = candidates(spec, mm_s[si], at(&mm_z, si));
+                    let nd: Vec<f64> = list.iter().flat_map(|c| deviation(spec, w, n_out, j, base..base + gsz, c.0, c.1)).collect();
+                    let hnd = times_block(gram, base, gsz, &nd, list.len());
+                    Candidates { list, nd, hnd }
+                })
+                .collect();
+            // H_gg d_g of every group g, kept as d_g changes
+            let mut hd: Vec<f64> = (0..groups).flat_map(|g| times_block(gram, g * gsz, gsz, &d[g * gsz..(g + 1) * gsz], 1)).collect();
             for _ in 0..SWEEPS {
                 let mut changed = false;
                 for (g, now) in cur.iter_mut().enumerate() {
-                    let si = g * n_out + j;
                     let base = g * gsz;
-                    // the change of d^T H d when d's group g moves by delta: delta^T H_gg delta + 2 delta . r_g
-                    let mut best: Option<(f64, Vec<f64>, (f32, f32))> = None; // (change, new deviation, candidate)
-                    for c in candidates(spec, mm_s[si], at(&mm_z, si)) {
+                    let cands = &grid[g];
+                    let (dg, hdg) = (&d[base..base + gsz], &hd[base..base + gsz]);
+                    // the change of d^T H d when d's group g moves by delta = nd_c - d_g:
+                    // delta^T H_gg delta + 2 delta . r_g, with H_gg delta = H_gg nd_c - H_gg d_g
+                    let mut best: Option<(f64, usize)> = None; // (change, candidate)
+                    for (k, &c) in cands.list.iter().enumerate() {
                         if c == *now {
                             continue;
                         }
-                        let nd = deviation(spec, w, n_out, j, base..base + gsz, c.0, c.1);
-                        let delta: Vec<f64> = nd.iter().zip(&d[base..base + gsz]).map(|(a, b)| a - b).collect();
+                        let (nd, hnd) = (&cands.nd[k * gsz..(k + 1) * gsz], &cands.hnd[k * gsz..(k + 1) * gsz]);
                         let mut change = 0.0;
-                        for (a, &da) in delta.iter().enumerate() {
-                            if da == 0.0 {
-                                continue;
+                        for a in 0..gsz {
+                            let da = nd[a] - dg[a];
+                            change += da * ((hnd[a] - hdg[a]) + 2.0 * r[base + a]);
+                        }
+                        if change < best.map_or(0.0, |b| b.0) {
+                            best = Some((change, k));
+                        }
+                    }
+                    let Some((_, k)) = best else { continue };
+                    let nd = &cands.nd[k * gsz..(k + 1) * gsz];
+                    // r += H[:, group] delta, as the sum of the group's rows of H (H is symmetric)
+                    // scaled by delta: contiguous rows, not a strided column block
+                    for (b, (x, y)) in nd.iter().zip(dg).enumerate() {
+                        let db = x - y;
+                        if db != 0.0 {
+                            for (ra, h) in r.iter_mut().zip(&gram.h[(base + b) * n..(base + b + 1) * n]) {
+                                *ra += db * h;
                             }
-                            let hd: f64 = delta.iter().enumerate().map(|(b, &db)| gram.at(base + a, base + b) * db).sum();
-                            change += da * (hd + 2.0 * r[base + a]);
-                        }
-                        if change < best.as_ref().map_or(0.0, |b| b.0) {
-                            best = Some((change, nd, c));
                         }
                     }
-                    let Some((_, nd, c)) = best else { continue };
-                    let delta: Vec<f64> = nd.iter().zip(&d[base..base + gsz]).map(|(a, b)| a - b).collect();
-                    for (a, ra) in r.iter_mut().enumerate() {
-                        *ra += delta.iter().enumerate().map(|(b, &db)| gram.at(a, base + b) * db).sum::<f64>();
-                    }
-                    d[base..base + gsz].copy_from_slice(&nd);
-                    *now = c;
+                    hd[base..base + gsz].copy_from_slice(&cands.hnd[k * gsz..(k + 1) * gsz]);
+                    d[base..base + gsz].copy_from_slice(nd);
+                    *now = cands.list[k];
                     changed = true;
                 }
                 if !changed {
