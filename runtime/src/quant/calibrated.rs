@@ -46,7 +46,7 @@ impl Gram {
     /// over X widened (exact products of f32 values, f64 sums in the GEMM's fixed order).
     pub fn add(&mut self, x: &[f32]) {
         let n = self.n;
-        let rows = if n == 0 { 0 } else { x.len() / n };
+        let rows = x.len().checked_div(n).unwrap_or(0);
         if rows == 0 {
             return;
         }
