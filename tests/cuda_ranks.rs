@@ -14,13 +14,13 @@ use std::sync::Arc;
 use qatc::data::TokenFile;
 use qatc::model::Model;
 use qatc::step::{self, StepOptions};
-use qatc_ir::{Graph, InputKind};
+use qatc_ir::Graph;
 use qatc_kernels::{CudaSettings, Target};
 use qatc_passes::zero::{Parallel, RANK};
 use qatc_runtime::comm::threads::threads;
 use qatc_runtime::comm::Communicator;
 use qatc_runtime::cuda::{Collectives, CudaProgram, HostGpu};
-use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
+use qatc_runtime::{Interpreter, Value};
 
 const B: usize = 4;
 const T: usize = 16;
@@ -48,18 +48,7 @@ fn setup() -> (Graph, RankSteps) {
     o.parallel = Parallel { ranks: RANKS, zero: 1 };
     let (g, _) = step::train(&m.cfg, &o, |_, _| {}).unwrap();
     let mut first = m.bind::<f32>(&g, None, 7).unwrap();
-    for id in g.inputs() {
-        if g.input_kind(id) == Some(InputKind::State) {
-            let ty = g.ty(id);
-            let shape = ty.shape.dims().to_vec();
-            let zero = if ty.dtype.is_float() {
-                Value::Float(Tensor { shape, data: vec![0.0; ty.numel()] })
-            } else {
-                Value::Int(IntTensor { shape, data: vec![0; ty.numel()] })
-            };
-            first.insert(g.node(id).name.clone().unwrap(), zero);
-        }
-    }
+    common::zero_state(&g, &mut first);
     first.insert("lr".into(), Value::scalar(1e-2));
     let per_rank = (0..RANKS)
         .map(|r| {

@@ -24,7 +24,7 @@ use qatc_passes::lora::LoraOptions;
 use qatc_passes::microbatch;
 use qatc_passes::quant::QuantOptions;
 use qatc_passes::zero::{Parallel, Shard, RANK};
-use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
+use qatc_runtime::{Interpreter, Tensor, Value};
 
 const LR: f64 = 1e-2;
 const STEPS: usize = 3;
@@ -56,22 +56,6 @@ fn floats(v: &Value<f32>) -> Vec<f64> {
     match v {
         Value::Float(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
         Value::Int(t) => t.data.iter().map(|&x| f64::from(x)).collect(),
-    }
-}
-
-/// Zero for every state input of `g`.
-fn zero_state(g: &Graph, v: &mut HashMap<String, Value<f32>>) {
-    for id in g.inputs() {
-        if g.input_kind(id) == Some(InputKind::State) {
-            let ty = g.ty(id);
-            let shape = ty.shape.dims().to_vec();
-            let zero = if ty.dtype.is_float() {
-                Value::Float(Tensor { shape, data: vec![0.0; ty.numel()] })
-            } else {
-                Value::Int(IntTensor { shape, data: vec![0; ty.numel()] })
-            };
-            v.insert(g.node(id).name.clone().unwrap(), zero);
-        }
     }
 }
 
@@ -123,7 +107,7 @@ fn run(o: &StepOptions, p: Parallel) -> Run {
                     v.insert(name.clone(), block(&whole[name], n, r));
                 }
             }
-            zero_state(&g, &mut v);
+            common::zero_state(&g, &mut v);
             v.insert("lr".into(), Value::scalar(LR));
             v.insert(RANK.into(), Value::ints([1], vec![r as i32]).unwrap());
             v

@@ -11,11 +11,11 @@ use std::collections::HashMap;
 use qatc::data::TokenFile;
 use qatc::model::Model;
 use qatc::step::{self, StepOptions};
-use qatc_ir::{Graph, InputKind, QuantScheme, QuantSpec};
+use qatc_ir::{Graph, QuantScheme, QuantSpec};
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::microbatch::{self, micro_name};
 use qatc_passes::quant::QuantOptions;
-use qatc_runtime::{IntTensor, Interpreter, Tensor, Value};
+use qatc_runtime::{Interpreter, Tensor, Value};
 
 const LR: f64 = 1e-2;
 
@@ -34,18 +34,7 @@ fn qlora(o: &mut StepOptions) {
 /// The weights, zero state (moments, step count, sums) and the learning rate for `g`.
 fn start(m: &Model, g: &Graph) -> HashMap<String, Value<f32>> {
     let mut v = m.bind::<f32>(g, None, 7).unwrap();
-    for id in g.inputs() {
-        if g.input_kind(id) == Some(InputKind::State) {
-            let ty = g.ty(id);
-            let shape = ty.shape.dims().to_vec();
-            let zero = if ty.dtype.is_float() {
-                Value::Float(Tensor { shape, data: vec![0.0; ty.numel()] })
-            } else {
-                Value::Int(IntTensor { shape, data: vec![0; ty.numel()] })
-            };
-            v.insert(g.node(id).name.clone().unwrap(), zero);
-        }
-    }
+    common::zero_state(g, &mut v);
     v.insert("lr".into(), Value::scalar(LR));
     v
 }

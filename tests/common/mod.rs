@@ -90,3 +90,20 @@ pub fn bits(v: &qatc_runtime::Value<f32>) -> Vec<u32> {
         qatc_runtime::Value::Int(t) => t.data.iter().map(|&x| x as u32).collect(),
     }
 }
+
+/// Zero for every state input of `g` (the moments, the step count, gradient sums): a fresh run.
+pub fn zero_state(g: &qatc_ir::Graph, v: &mut HashMap<String, qatc_runtime::Value<f32>>) {
+    use qatc_runtime::{IntTensor, Tensor, Value};
+    for id in g.inputs() {
+        if g.input_kind(id) == Some(qatc_ir::InputKind::State) {
+            let ty = g.ty(id);
+            let shape = ty.shape.dims().to_vec();
+            let zero = if ty.dtype.is_float() {
+                Value::Float(Tensor { shape, data: vec![0.0; ty.numel()] })
+            } else {
+                Value::Int(IntTensor { shape, data: vec![0; ty.numel()] })
+            };
+            v.insert(g.node(id).name.clone().expect("a state input has a name"), zero);
+        }
+    }
+}
