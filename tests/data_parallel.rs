@@ -230,6 +230,90 @@ fn the_collectives_each_stage_inserts() {
     assert!(ag > tensors, "ZeRO 3 gathers a weight before each use: {ag} gathers of {tensors} tensors");
 }
 
+/// What a rank's lowered step writes its collectives and AdamW over (`kernels/src/lower/
+/// overwrite.rs`): each gradient's all-reduce over the gradient itself (DDP's in-place bucket
+/// reduction, no second copy of the gradients); under ZeRO 1 each AdamW kernel over its own
+/// operands (the moments' inputs and this rank's block of the weight, no pack of every new value),
+/// and each updated weight all-gathered straight into its input (no copy of the whole weight kept
+/// to the end of the step), except where the padding stands between (a world that does not
+/// divide the tensor). The runs above and `tests/mpi_train.rs` hold these programs' results.
+#[test]
+fn collectives_and_adamw_write_over_what_they_replace() {
+    use qatc_kernels::program::{BufKind, Exchange, Step};
+    let m = model();
+    let lowered = |p: Parallel| {
+        let mut r = full();
+        r.batch = 2;
+        r.parallel = p;
+        // fused, as the CLI compiles it: AdamW one kernel per tensor
+        r.fuse = Some(qatc_passes::fusion::FuseOptions::default());
+        let (g, _) = step::train(&m.cfg, &r, |_, _| {}).unwrap();
+        (qatc_kernels::lower::lower(&g).unwrap(), g)
+    };
+    let trainable = |g: &Graph| -> Vec<(String, usize)> {
+        g.inputs()
+            .into_iter()
+            .filter(|&id| g.input_kind(id) == Some(InputKind::Trainable))
+            .map(|id| (g.node(id).name.clone().unwrap(), g.ty(id).numel()))
+            .collect()
+    };
+    let collectives = |prog: &qatc_kernels::program::Program| -> Vec<qatc_kernels::program::Collective> {
+        prog.steps.iter().filter_map(|s| if let Step::Collective(c) = s { Some((**c).clone()) } else { None }).collect()
+    };
+
+    let (prog, g) = lowered(Parallel { ranks: 2, zero: 0 });
+    let tensors = trainable(&g).len();
+    let in_place = collectives(&prog).iter().filter(|c| matches!(c.exchange, Exchange::AllReduce(_)) && c.src.buf == c.dst.buf).count();
+    assert!(in_place >= tensors, "{in_place} all-reduces written over their operands, {tensors} gradients");
+
+    for world in [2, 3] {
+        let (prog, g) = lowered(Parallel { ranks: world, zero: 1 });
+        let weights = trainable(&g);
+        let input_of = |b: usize| match &prog.buffers[b].kind {
+            BufKind::Input(name, _) => Some(name.clone()),
+            _ => None,
+        };
+        let gathered: Vec<String> =
+            collectives(&prog).iter().filter(|c| c.exchange == Exchange::AllGather).filter_map(|c| input_of(c.dst.buf)).collect();
+        let unpadded: Vec<&String> = weights.iter().filter(|(_, n)| Shard::new(*n, world).padding() == 0).map(|(name, _)| name).collect();
+        assert!(!unpadded.is_empty() && (world == 3 || unpadded.len() == weights.len()), "{world} ranks: {unpadded:?}");
+        for name in &unpadded {
+            assert!(gathered.contains(name), "{world} ranks: {name} is not gathered into its input (into {gathered:?})");
+        }
+        // AdamW's launches write only over what existed before them: an input, or a block an
+        // earlier step computed (updated in place), never a buffer of new values
+        let mut adamw = 0;
+        for (i, s) in prog.steps.iter().enumerate() {
+            let Step::Launch { kernel, args, .. } = s else { continue };
+            let k = &prog.kernels[*kernel];
+            if !k.family.starts_with("adamw") {
+                continue;
+            }
+            adamw += 1;
+            for (p, &b) in k.params.iter().zip(args) {
+                let earlier = prog.steps[..i].iter().any(|t| writes(t, &prog, b));
+                assert!(
+                    !p.write || input_of(b).is_some() || earlier,
+                    "{world} ranks: {} writes {}, a new buffer",
+                    k.family,
+                    prog.buffers[b].name
+                );
+            }
+        }
+        assert_eq!(adamw, weights.len(), "{world} ranks: one AdamW kernel per tensor");
+    }
+}
+
+/// Whether step `s` writes buffer `b`.
+fn writes(s: &qatc_kernels::program::Step, prog: &qatc_kernels::program::Program, b: usize) -> bool {
+    use qatc_kernels::program::Step;
+    match s {
+        Step::Launch { kernel, args, .. } => prog.kernels[*kernel].params.iter().zip(args).any(|(p, &c)| c == b && p.write),
+        Step::Gemm(g) => g.c.buf == b,
+        Step::Collective(c) => c.dst.buf == b,
+    }
+}
+
 /// The verifier refuses a malformed collective: a reduce-scatter whose first dimension the
 /// world does not divide (the padding is the pass's to make explicit), and a world of 0.
 #[test]

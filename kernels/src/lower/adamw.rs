@@ -6,11 +6,13 @@
 //! writes p', m', v' over p, m, v at the same element, so the optimizer holds nothing beyond its
 //! state: the pack is never allocated, and the updates' write-backs are the inputs themselves.
 //!
-//! This is done only where it cannot change a result: every part of the pack is the update of
-//! the input it overwrites, nothing else reads those inputs after the kernel (every other reader
-//! is already lowered: the program runs in lowering order), and the kernel reads each written
-//! param at its own element before it writes it (`check_in_place`). Otherwise the pack is lowered
-//! as any fused node.
+//! This is done only where it cannot change a result: every part of the pack is written over the
+//! operand it replaces, either the input it is the update of or a value computed for this kernel
+//! alone (under ZeRO 1 and 2, this rank's block of a replicated weight: its update is
+//! all-gathered next, `overwrite::collective_over`), nothing else reads that operand after the
+//! kernel (every other reader is already lowered: the program runs in lowering order), and the
+//! kernel reads each written param at its own element before it writes it (`check_in_place`).
+//! Otherwise the pack is lowered as any fused node.
 
 use std::collections::{HashMap, HashSet};
 
@@ -18,7 +20,7 @@ use qatc_ir::{Graph, NodeId, Op};
 
 use super::adamw8::{self, Moment8};
 use super::builder::Pos;
-use super::{pack_parts, unreshaped, Ctx, Lowerer, PackPart, Placed};
+use super::{overwrite, pack_parts, unreshaped, Ctx, Lowerer, PackPart, Placed};
 use crate::error::KernelError;
 use crate::kir::{Body, Expr, Ix, Kernel, Space, Stmt};
 use crate::program::{BufKind, View};
@@ -69,25 +71,6 @@ fn updates_of(g: &Graph, id: NodeId) -> HashMap<usize, String> {
         }
     }
     out
-}
-
-/// Whether every reader of input `inp` but `id`, through views, is lowered already.
-fn read_before(g: &Graph, inp: NodeId, id: NodeId, lowered: &dyn Fn(NodeId) -> bool) -> bool {
-    let mut stack = vec![inp];
-    let mut seen = HashSet::new();
-    while let Some(n) = stack.pop() {
-        for u in g.users(n) {
-            if u == id || !seen.insert(u) {
-                continue;
-            }
-            match g.node(u).op {
-                Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Broadcast { .. } => stack.push(u),
-                _ if lowered(u) => {}
-                _ => return false,
-            }
-        }
-    }
-    true
 }
 
 /// Checks that `k` reads each param it writes only at the element it writes, and before it
@@ -169,8 +152,15 @@ pub fn lower(
             continue;
         };
         let buf = &lw.prog.buffers[view.buf];
-        let is_input = matches!(&buf.kind, BufKind::Input(name, _) if updates.get(&start) == Some(name));
-        if !is_input || view.offset != 0 || !view.is_contiguous() || view.numel() != len || !read_before(g, ops[k], id, lowered) {
+        let whole = view.offset == 0 && view.is_contiguous() && view.numel() == len;
+        let over = match &buf.kind {
+            // the input this part updates
+            BufKind::Input(name, _) => updates.get(&start) == Some(name) && overwrite::read_before(g, ops[k], id, lowered),
+            // a value computed for this kernel alone (ZeRO 1 and 2: this rank's block of the
+            // replicated weight, whose update is all-gathered next)
+            _ => buf.numel() == len && overwrite::dies_at(g, ops[k], id, lowered),
+        };
+        if !whole || !over {
             return Ok(None);
         }
         placed.push((start, len, View::contiguous(view.buf, &[len])));

@@ -57,6 +57,7 @@ mod hoist;
 pub mod inline;
 pub(crate) mod inplace;
 mod node;
+mod overwrite;
 mod reduce;
 mod rows;
 mod scatter;

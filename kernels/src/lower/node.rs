@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 
 use qatc_ir::{Graph, KernelFamily, NodeId, Op, Role, Roles};
 
-use super::{adamw, adamw8, buffer_name, fused, inplace, lower_op, materialize, pack_part, read_by_parts, xent, Lowerer};
+use super::{adamw, adamw8, buffer_name, fused, inplace, lower_op, materialize, overwrite, pack_part, read_by_parts, xent, Lowerer};
 use crate::error::KernelError;
 use crate::program::{BufKind, Collective, Exchange, Step, View};
 
@@ -33,6 +33,18 @@ pub fn lower(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeI
     let ops = g.operands(id);
     // the cross-entropy gradient over its logits, when they die here (inplace.rs)
     let over = inplace::over_logits(lw, g, id, ops.first().and_then(|o| values.get(o)));
+    if matches!(n.op, Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. }) {
+        let src = materialize(lw, g, ops[0], values, roles)?;
+        let lowered = |u: NodeId| values.contains_key(&u) || lw.packs.contains_key(&u);
+        let input_view = |u: NodeId| values.get(&u).cloned();
+        let dest = match overwrite::collective_over(lw, g, id, &src, &lowered, &input_view) {
+            Some(v) => v,
+            None => lw.buffer(buffer_name(g, id), n.ty.dtype, &n.ty.shape.0, BufKind::Value, role),
+        };
+        collective(lw, g, id, src, dest.clone())?;
+        values.insert(id, dest);
+        return Ok(());
+    }
     let first_step = lw.prog.steps.len();
     let dest = match &over {
         Some(v) => v.clone(),
@@ -45,10 +57,6 @@ pub fn lower(lw: &mut Lowerer, g: &Graph, id: NodeId, values: &mut HashMap<NodeI
                 operand_views.push(materialize(lw, g, o, values, roles)?);
             }
             fused::lower_kernel_node(lw, g, id, family, body, &operand_views, dest.clone())?;
-        }
-        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
-            let src = materialize(lw, g, ops[0], values, roles)?;
-            collective(lw, g, id, src, dest.clone())?;
         }
         _ => lower_op(lw, g, id, dest.clone(), values, roles)?,
     }

@@ -182,9 +182,19 @@ pub unsafe fn run_step(
             unsafe { gemm::run(g, blas, |b| mem.ptr(b)) };
             Ok(())
         }
+        CpuStep::Collective(c, dtype) if c.src.buf == c.dst.buf => {
+            // written over its operand (an all-reduce in place): the operand copied out first
+            // SAFETY: the collective passed `exec::check_collective`: its operand is then its
+            // result's whole buffer, of `dtype`, live at this step, and the caller keeps it from
+            // any other access; the shared slice is dropped before the mutable one is made.
+            let src = unsafe { std::slice::from_raw_parts(mem.ptr(c.dst.buf), dtype.bytes_for(c.dst.numel())) }.to_vec();
+            // SAFETY: as above; the one reference to these bytes now.
+            let dst = unsafe { std::slice::from_raw_parts_mut(mem.ptr(c.dst.buf), dtype.bytes_for(c.dst.numel())) };
+            comm::run(comm, c, *dtype, &src, dst)
+        }
         CpuStep::Collective(c, dtype) => {
             // SAFETY: the collective passed `exec::check_collective`: its operand is a contiguous
-            // view inside its buffer and its result a whole buffer of its own, both of `dtype`;
+            // view inside its buffer and its result a whole buffer of another, both of `dtype`;
             // both are live at this step, so the layout gives them disjoint bytes, and the
             // caller keeps them from any other access.
             let (src, dst) = unsafe {

@@ -88,6 +88,8 @@ impl Exchanges {
         let (n, m) = d.bytes();
         match self.how {
             Collectives::Device => api.collective(d).map_err(err),
+            // a world of one: a copy, or nothing when the result is written over its operand
+            Collectives::Host if self.comm.size() == 1 && d.step.world == 1 && n == m && d.dst == d.src => Ok(()),
             Collectives::Host if self.comm.size() == 1 && d.step.world == 1 && n == m => api.copy(d.dst, d.src, n).map_err(err),
             Collectives::Host => {
                 let mut src = vec![0u8; n];

@@ -189,8 +189,9 @@ pub fn check_gemm_step(prog: &Program, g: &Gemm, feed: Option<&PanelFeed>) -> Re
 }
 
 /// Checks a collective against its buffers: both views in range, one float type, the operand
-/// contiguous, the result a whole buffer that is no graph input, and their sizes as the exchange
-/// and its world make them.
+/// contiguous, the result a whole buffer that is no graph input (but one updated in place: an
+/// all-gather of a weight's blocks straight into it), the same buffer as the operand only as the
+/// same view (an all-reduce in place), and their sizes as the exchange and its world make them.
 pub fn check_collective(prog: &Program, c: &Collective) -> Result<(), RuntimeError> {
     let err = |msg: String| RuntimeError::Collective { what: c.note.clone(), msg };
     let src = viewed(&prog.buffers, &c.src, "a collective's operand")?;
@@ -198,8 +199,12 @@ pub fn check_collective(prog: &Program, c: &Collective) -> Result<(), RuntimeErr
     if src.dtype != dst.dtype || !src.dtype.is_float() {
         return Err(err(format!("exchanges {} into {}: one float type", src.dtype, dst.dtype)));
     }
-    if !c.src.is_contiguous() || c.dst.offset != 0 || !c.dst.is_contiguous() || c.dst.numel() != dst.numel() || is_input(dst) {
+    let written_input = is_input(dst) && !updated_in_place(prog, c.dst.buf);
+    if !c.src.is_contiguous() || c.dst.offset != 0 || !c.dst.is_contiguous() || c.dst.numel() != dst.numel() || written_input {
         return Err(err("its operand must be contiguous and its result a whole buffer of its own".into()));
+    }
+    if c.src.buf == c.dst.buf && (c.src.offset != 0 || c.src.numel() != c.dst.numel()) {
+        return Err(err("written over its operand, it must be the operand's whole buffer".into()));
     }
     let (n, m, w) = (c.src.numel(), c.dst.numel(), c.world);
     let sized = match c.exchange {
