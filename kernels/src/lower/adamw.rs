@@ -158,7 +158,7 @@ pub fn lower(
             BufKind::Input(name, _) => updates.get(&start) == Some(name) && overwrite::read_before(g, ops[k], id, lowered),
             // a value computed for this kernel alone (ZeRO 1 and 2: this rank's block of the
             // replicated weight, whose update is all-gathered next)
-            _ => buf.numel() == len && overwrite::dies_at(g, ops[k], id, lowered),
+            _ => buf.numel() == len && buf.dtype == body.ty(n).dtype && overwrite::dies_at(g, ops[k], id, lowered),
         };
         if !whole || !over {
             return Ok(None);
