@@ -16,14 +16,16 @@
 //! to its left (`a <- b`: b uses a; `kernels/tests/module_layers.rs` checks this line against
 //! their `super::` paths):
 //!
-//! Layers: tidy/hoist/inplace <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
+//! Layers: tidy/hoist/inplace/overwrite <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
 //!
 //! `builder` builds one kernel (`tidy` and `hoist` clean its body); `inline` computes a node's
 //! value at an index; `anchor` is an op lowered into a kernel of its own, which `rows`, `reduce`
 //! and `scatter` lower; `fused` splits a fused node at its anchors and routes each to its file
 //! (`lower_anchor`), or to `attention`, which gets its operands' views through the function
 //! `fused` passes it. `node` lowers one node of the step graph in `lower_with`'s order, handing a
-//! fused node to its family's file.
+//! fused node to its family's file. `inplace` and `overwrite` say where a result may be written
+//! over bytes it replaces (a kernel's own operand; a value that dies at the node, or the input it
+//! updates).
 
 use std::collections::HashMap;
 
