@@ -148,6 +148,10 @@ fn safetensors_export_after_base_qat_has_the_trained_loss() {
     assert!((base - want).abs() > 1e-3, "training moved the loss ({base} -> {want})");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!((cfg["n_ctx"].as_u64(), cfg["n_positions"].as_u64()), (Some(32), Some(32)));
+    // qatc's step has no dropout in the blocks: said, not left to transformers' default 0.1
+    for k in ["attn_pdrop", "embd_pdrop", "resid_pdrop"] {
+        assert_eq!(cfg[k].as_f64(), Some(0.0), "{k}");
+    }
     assert_eq!(cfg["architectures"][0], "GPT2LMHeadModel");
     // a non-linear tensor is copied unchanged, and the keys carry no `transformer.` prefix
     let bytes = std::fs::read(out.join("model.safetensors")).unwrap();

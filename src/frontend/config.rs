@@ -258,11 +258,15 @@ impl Gpt2Config {
     }
 
     /// A Hugging Face `config.json` for this model. It carries `n_ctx` and `architectures`
-    /// because llama.cpp's converter reads them.
+    /// because llama.cpp's converter reads them, and the dropout rates of what qatc trained:
+    /// none in the blocks (its step has LoRA's dropout only), where transformers would assume
+    /// 0.1 for a key left out and so train the saved model further with dropout it never had.
     pub fn to_hf_json(&self) -> Value {
         json!({
             "activation_function": "gelu_new",
             "architectures": ["GPT2LMHeadModel"],
+            "attn_pdrop": 0.0,
+            "embd_pdrop": 0.0,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "model_type": "gpt2",
             "n_ctx": self.n_positions,
@@ -271,6 +275,7 @@ impl Gpt2Config {
             "n_inner": null,
             "n_layer": self.n_layer,
             "n_positions": self.n_positions,
+            "resid_pdrop": 0.0,
             "tie_word_embeddings": true,
             "vocab_size": self.vocab_size,
         })
