@@ -26,6 +26,14 @@ fn compile_fails(extra: &[&str]) -> String {
 }
 
 #[test]
+fn betas_outside_zero_one() {
+    let e = compile_fails(&["--betas", "0.9,1.5"]);
+    assert!(e.contains("\"1.5\" is not a decay rate in [0, 1)"), "{e}");
+    let e = compile_fails(&["--betas", "0.9"]);
+    assert!(e.contains("expected B1,B2"), "{e}");
+}
+
+#[test]
 fn lora_rank_zero() {
     assert!(compile_fails(&["--lora", "r=0"]).contains("at least 1"));
 }

@@ -121,8 +121,38 @@ fn resume_with_other_options_is_refused_naming_the_field() {
     assert!(e.contains("the run was started with train.lr 0.001, not 0.005"), "{e}");
     let e = refused(&tiny_train(&out, &["--device", "cpu", "--resume", o]));
     assert!(e.contains("step.device \"auto\", not \"cpu\""), "{e}");
+    let e = refused(&tiny_train(&out, &["--betas", "0.9,0.95", "--resume", o]));
+    assert!(e.contains("step.optim.beta2 0.999, not 0.95 (--betas)"), "{e}");
     // the same options continue (here: nothing left to do)
     assert!(tiny_train(&out, &["--resume", o]).status.success());
+}
+
+/// `--betas` reaches the step and the saved configuration, which a resume then keeps without
+/// the option. Adam's first update is lr * sign(g) whatever the betas (the bias correction
+/// cancels them), so the curves part at the third step's loss, after the second update.
+#[test]
+fn betas_are_the_steps_and_the_saved_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, d) = (common::fixture("tiny/f32_prefix/model.safetensors"), common::fixture("tiny/tokens.bin"));
+    let run = |out: &Path, extra: &[&str]| {
+        let log = out.with_extension("jsonl");
+        let mut args = vec!["train", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--batch", "2", "--seq", "16"];
+        args.extend(["--steps", "3", "--interpreter", "--no-fuse", "--lora", "r=4", "--lr", "1e-2"]);
+        args.extend(["--out", out.to_str().unwrap(), "--log-json", log.to_str().unwrap()]);
+        args.extend(extra);
+        let r = common::cli::qatc(&args);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        loss_bits(&log).into_values().collect::<Vec<u64>>()
+    };
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let plain = run(&a, &[]);
+    let betas = run(&b, &["--betas", "0.5,0.9"]);
+    assert_eq!((plain.len(), betas.len()), (3, 3));
+    assert_eq!(plain[..2], betas[..2], "before the second update the betas cannot show");
+    assert_ne!(plain[2], betas[2], "the betas changed no update");
+    let o = qatc::config::RunConfig::read(&b).unwrap().step.unwrap().optim;
+    assert_eq!((o.beta1, o.beta2), (0.5, 0.9));
+    assert!(run(&b, &["--resume", b.to_str().unwrap()]).len() == 3, "resumed without --betas");
 }
 
 #[test]

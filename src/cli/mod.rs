@@ -126,6 +126,12 @@ pub struct StepArgs {
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
+    /// AdamW's betas B1,B2: how slowly its first and second moments forget (PyTorch's `betas`;
+    /// default 0.9,0.999). Training from scratch wants 0.9,0.95, as GPT-2-style pretraining
+    /// uses: with 0.999 the second moment remembers the first steps' large gradients for about
+    /// a thousand steps, so the steps after them are far smaller than the learning rate says.
+    #[arg(long, value_parser = parse_betas, value_name = "B1,B2")]
+    pub betas: Option<(f64, f64)>,
     #[command(flatten)]
     pub quant: options::QuantArgs,
     /// LoRA: r=16[,alpha=32][,dropout=0.05][,targets=c_attn,c_proj,c_fc][,rslora].
@@ -181,6 +187,18 @@ fn parse_checkpoint(s: &str) -> Result<CheckpointArg, String> {
     Checkpoint::parse(s, None).map(CheckpointArg::Policy)
 }
 
+/// `--betas B1,B2`: two decay rates, each in [0, 1).
+fn parse_betas(s: &str) -> Result<(f64, f64), String> {
+    let beta = |t: &str| match t.trim().parse::<f64>() {
+        Ok(b) if (0.0..1.0).contains(&b) => Ok(b),
+        _ => Err(format!("{:?} is not a decay rate in [0, 1)", t.trim())),
+    };
+    match s.split(',').collect::<Vec<_>>()[..] {
+        [b1, b2] => Ok((beta(b1)?, beta(b2)?)),
+        _ => Err(format!("expected B1,B2 (two decay rates, as 0.9,0.95), got {s:?}")),
+    }
+}
+
 fn parse_memory(s: &str) -> Result<usize, String> {
     qatc_passes::plan::units::parse_memory(s)
 }
@@ -219,8 +237,8 @@ impl StepArgs {
             precision: PrecisionConfig { mode: self.precision },
             optim: OptimConfig {
                 kind: self.optim,
-                beta1: defaults.beta1,
-                beta2: defaults.beta2,
+                beta1: self.betas.map_or(defaults.beta1, |b| b.0),
+                beta2: self.betas.map_or(defaults.beta2, |b| b.1),
                 eps: defaults.eps,
                 weight_decay: self.weight_decay,
                 clip: self.clip,

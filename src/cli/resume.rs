@@ -62,8 +62,8 @@ impl Given {
 }
 
 /// The options that set each field of the configuration (by dotted path). A field not listed
-/// (AdamW's betas and eps) no option sets: it is always the saved run's.
-const FIELD_OPTIONS: [(&str, &[&str]); 42] = [
+/// (AdamW's eps) no option sets: it is always the saved run's.
+const FIELD_OPTIONS: [(&str, &[&str]); 44] = [
     ("model.path", &["model"]),
     ("model.quant.bits", &["bits"]),
     ("model.quant.group", &["group"]),
@@ -79,6 +79,8 @@ const FIELD_OPTIONS: [(&str, &[&str]); 42] = [
     ("step.seq", &["seq"]),
     ("step.grad_accum", &["grad_accum"]),
     ("step.precision", &["precision"]),
+    ("step.optim.beta1", &["betas"]),
+    ("step.optim.beta2", &["betas"]),
     ("step.optim.weight_decay", &["weight_decay"]),
     ("step.optim.clip", &["clip"]),
     ("step.checkpoint", &["checkpoint", "memory"]),
