@@ -33,7 +33,8 @@ seed=1
 
 # the recipe, all of it: a change of any part makes a new model
 # (the embedded model's recipe, ../shared/models/gpt2-shakespeare-small/TRAINING.md, but AdamW's
-# betas, which qatc does not expose: 0.9/0.999 instead of 0.9/0.95)
+# betas: qatc's default 0.9/0.999 instead of 0.9/0.95; `--betas 0.9,0.95` gave the same curve to
+# step 181, README.md)
 recipe=(--full-finetune --batch 16 --seq 128 --steps "$steps" --lr 2e-3 --schedule cosine --warmup 100 --min-lr 2e-4
   --weight-decay 0.1 --clip 1.0 --shuffle --seed "$seed")
 stamp="init seed $seed layers 6 embd 384 heads 6; train ${recipe[*]}; data $(basename "$train") $(wc -c <"$train") bytes"
