@@ -127,9 +127,7 @@ pub struct StepArgs {
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
     /// AdamW's betas B1,B2: how slowly its first and second moments forget (PyTorch's `betas`;
-    /// default 0.9,0.999). Training from scratch wants 0.9,0.95, as GPT-2-style pretraining
-    /// uses: with 0.999 the second moment remembers the first steps' large gradients for about
-    /// a thousand steps, so the steps after them are far smaller than the learning rate says.
+    /// default 0.9,0.999). GPT-2-style training from scratch commonly uses 0.9,0.95.
     #[arg(long, value_parser = parse_betas, value_name = "B1,B2")]
     pub betas: Option<(f64, f64)>,
     #[command(flatten)]
