@@ -123,8 +123,11 @@ fn resume_with_other_options_is_refused_naming_the_field() {
     assert!(e.contains("step.device \"auto\", not \"cpu\""), "{e}");
     let e = refused(&tiny_train(&out, &["--betas", "0.9,0.95", "--resume", o]));
     assert!(e.contains("step.optim.beta2 0.999, not 0.95 (--betas)"), "{e}");
-    // the same options continue (here: nothing left to do)
-    assert!(tiny_train(&out, &["--resume", o]).status.success());
+    // the same options continue (here: nothing left to do, said as such, no NaN loss)
+    let again = tiny_train(&out, &["--resume", o]);
+    assert!(again.status.success());
+    let said = String::from_utf8_lossy(&again.stdout);
+    assert!(said.contains("nothing left to train: the run had done its 2 steps") && !said.contains("NaN"), "{said}");
 }
 
 /// `--betas` reaches the step and the saved configuration, which a resume then keeps without

@@ -365,6 +365,11 @@ impl<'r> Run<'r> {
                 .with_context(|| format!("{}", p.display()))?;
         }
         let what = if self.tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
+        if self.curve.is_empty() {
+            // a resumed run that had done all its steps: no loss to report, not a NaN
+            println!("nothing left to train: the run had done its {} steps; {what} in {}", self.train.steps, self.a.out.display());
+            return Ok(());
+        }
         // one batch's loss is noisy: the means of the first and last (up to) ten steps of this run
         let curve = &self.curve;
         let n = curve.len().min(10);
