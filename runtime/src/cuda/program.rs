@@ -37,9 +37,7 @@ use super::{run_plan, DevPtr, DeviceCollective, FuncId, GpuApi, GpuDevice, GpuEr
 use crate::comm::Communicator;
 use crate::error::RuntimeError;
 use crate::exec::values::{read_view, write_input};
-use crate::exec::{
-    kernel_label, ExecOptions, ExecPlan, MemoryLayout, Region, TimedPart, TrainStep,
-};
+use crate::exec::{kernel_label, ExecOptions, ExecPlan, MemoryLayout, Region, TimedPart, TrainStep};
 use crate::value::Value;
 
 mod timed;

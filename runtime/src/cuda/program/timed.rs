@@ -19,7 +19,11 @@ pub(super) struct Parts {
 
 impl Parts {
     /// A mark ending the part `what` names (its cost `cost`), when the run is timed.
-    pub(super) fn cut<A: GpuApi + ?Sized>(parts: &mut Option<&mut Parts>, api: &mut A, what: impl FnOnce() -> Part) -> Result<(), RuntimeError> {
+    pub(super) fn cut<A: GpuApi + ?Sized>(
+        parts: &mut Option<&mut Parts>,
+        api: &mut A,
+        what: impl FnOnce() -> Part,
+    ) -> Result<(), RuntimeError> {
         if let Some(p) = parts {
             let m = api.mark().map_err(device_err("marking the time"))?;
             p.ends.push((what(), m));
