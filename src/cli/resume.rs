@@ -155,7 +155,8 @@ mod tests {
         assert_eq!(of("model.quant.modules.h.0.mlp.c_fc.bits"), ["bits_map"]);
         assert_eq!(of("model.lora.r"), ["lora"]);
         assert_eq!(of("model.quant").len(), 8, "a quantization added or removed: any quantization option");
-        assert!(of("step.optim.beta1").is_empty());
+        assert_eq!(of("step.optim.beta1"), ["betas"]);
+        assert!(of("step.optim.eps").is_empty(), "no option sets eps: always the saved run's");
         assert!(of("model.quant.bitsx").is_empty(), "a prefix of a word is not a parent");
     }
 }
