@@ -228,19 +228,13 @@ impl StepArgs {
         }
         let model = options::model_config(&self.quant, lora.as_ref(), full, model)?;
         let defaults = AdamW::default();
+        let (beta1, beta2) = self.betas.unwrap_or((defaults.beta1, defaults.beta2));
         let step = StepConfig {
             batch: self.batch,
             seq: self.seq,
             grad_accum: self.grad_accum,
             precision: PrecisionConfig { mode: self.precision },
-            optim: OptimConfig {
-                kind: self.optim,
-                beta1: self.betas.map_or(defaults.beta1, |b| b.0),
-                beta2: self.betas.map_or(defaults.beta2, |b| b.1),
-                eps: defaults.eps,
-                weight_decay: self.weight_decay,
-                clip: self.clip,
-            },
+            optim: OptimConfig { kind: self.optim, beta1, beta2, eps: defaults.eps, weight_decay: self.weight_decay, clip: self.clip },
             checkpoint: self.checkpoint_policy(placement)?,
             fuse: !self.no_fuse,
             device: placement.device,
