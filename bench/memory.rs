@@ -4,10 +4,13 @@
 //!    B 8 T 1024 with `--checkpoint blocks`, for the CPU and the CUDA executor;
 //! 2. `qatc plan --fit` for GPT-2 124M, 355M, 774M and 1.5B at 24 GiB and 80 GiB, 4-bit + LoRA
 //!    and full fine-tune, on the CUDA executor's layout: the fastest configuration that fits,
-//!    or what the smallest plan holds.
+//!    or what the smallest plan holds;
+//! 3. (`replay` only) `--fit`'s search at T 1024, 4-bit + LoRA, an H100's memory, on the CPU and
+//!    the CUDA executor's layout, with each configuration's fused step reused across batch sizes
+//!    (`qatc::memory::replay`) and without: plans, reused, seconds, the tables compared.
 //!
 //! Graphs are built from each size's config (shapes only). Run:
-//! `cargo run --release --example bench_memory [-- chunking|fit]`.
+//! `cargo run --release --example bench_memory [-- chunking|fit|replay]`.
 
 use std::time::Instant;
 
@@ -119,8 +122,41 @@ fn fits() -> anyhow::Result<()> {
     Ok(())
 }
 
+fn replay() -> anyhow::Result<()> {
+    println!("| model | executor | plans | reused | s without reuse | s with | ratio | same table |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let memory = 80 * GIB;
+    for size in ["124M", "355M", "774M", "1.5B"] {
+        let cfg = Gpt2Config::preset(size).ok_or_else(|| anyhow::anyhow!("no {size} preset"))?;
+        let o = options(1, 1024, "sym", 64, true)?;
+        for target in [Target::cpu(), Target::cuda(None, Default::default())] {
+            let run = |replay: bool| -> anyhow::Result<(fit::Fit, f64)> {
+                let t0 = Instant::now();
+                let s = fit::Shortcuts { prune: true, replay };
+                let f = fit::search_pruned(&cfg, &o, fit::Pinned::default(), memory, 256, &target, &Options::default(), s, &|_| {})?;
+                Ok((f, t0.elapsed().as_secs_f64()))
+            };
+            let (plain, s0) = run(false)?;
+            let (reused, s1) = run(true)?;
+            let same = fit::table(&plain, size, memory, &target) == fit::table(&reused, size, memory, &target);
+            println!(
+                "| {size} | {} | {} | {} | {s0:.1} | {s1:.1} | {:.2} | {} |",
+                target.kind.name(),
+                reused.tried,
+                reused.reused,
+                s1 / s0,
+                if same { "yes" } else { "NO" }
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let which = std::env::args().nth(1);
+    if which.as_deref() == Some("replay") {
+        return replay();
+    }
     if which.as_deref() != Some("fit") {
         chunking()?;
     }

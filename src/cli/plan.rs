@@ -326,7 +326,12 @@ fn fit(
     pb.finish_and_clear();
     let f = f?;
     if !a.json {
-        eprintln!("qatc: --fit made {} plans in {:.1} s", f.tried, t0.elapsed().as_secs_f64());
+        eprintln!(
+            "qatc: --fit made {} plans in {:.1} s ({} of them on a fused step reused from other batch sizes)",
+            f.tried,
+            t0.elapsed().as_secs_f64(),
+            f.reused
+        );
     }
     let (_, words) = describe_options(opts);
     let title = format!("{name} ({} layers, C {}), T {}, {words}", cfg.n_layer, cfg.n_embd, opts.seq);

@@ -23,6 +23,7 @@ use qatc_passes::remat::Checkpoint;
 use serde::Serialize;
 use serde_json::json;
 
+use super::replay::Replay;
 use super::Executed;
 use crate::frontend::config::Gpt2Config;
 use crate::step::{self, StepOptions};
@@ -161,10 +162,18 @@ pub struct Fit {
     pub best: Option<(StepOptions, Executed)>,
     pub smallest: Option<(Candidate, Executed)>,
     pub tried: usize,
+    /// Plans whose fused step was printed from its configuration's earlier batches rather than
+    /// fused again (`super::replay`).
+    pub reused: usize,
 }
 
-fn plan_of(cfg: &Gpt2Config, o: &StepOptions, target: &Target, options: &Options) -> anyhow::Result<Executed> {
-    let (g, _) = step::train(cfg, o, |_, _| {})?;
+/// `o`'s step planned for `target`; its fused step from `replay` where that configuration's earlier
+/// batches allow (`super::replay`).
+fn plan_of(cfg: &Gpt2Config, o: &StepOptions, target: &Target, options: &Options, replay: Option<&mut Replay>) -> anyhow::Result<Executed> {
+    let g = match replay {
+        Some(r) => r.fused_step(cfg, o)?,
+        None => step::train(cfg, o, |_, _| {})?.0,
+    };
     Ok(qatc_driver::plan(&g, target, options)?)
 }
 
@@ -187,7 +196,7 @@ pub fn search(
     target: &Target,
     options: &Options,
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, true, &|_| {})
+    search_pruned(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::ALL, &|_| {})
 }
 
 /// Where a search is, after each plan: for a progress display (a 1.5B search takes minutes).
@@ -211,11 +220,12 @@ pub fn search_reporting(
     options: &Options,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, true, progress)
+    search_pruned(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::ALL, progress)
 }
 
-/// [`search`] without its pruning: every policy of every precision and optimizer at every batch
-/// until the first that fits; the reference the pruned search is tested against.
+/// [`search`] without its shortcuts: every policy of every precision and optimizer at every batch
+/// until the first that fits, each step fused for real; the reference the search is tested
+/// against.
 #[allow(clippy::too_many_arguments)]
 pub fn search_every(
     cfg: &Gpt2Config,
@@ -226,11 +236,27 @@ pub fn search_every(
     target: &Target,
     options: &Options,
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, false, &|_| {})
+    search_pruned(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::NONE, &|_| {})
 }
 
+/// What [`search`] does that [`search_every`] does not; each gives the same answer.
+#[derive(Clone, Copy, Debug)]
+pub struct Shortcuts {
+    /// A policy that did not fit at batch B is not planned at 2B (nor a precision and optimizer
+    /// none of whose policies fitted).
+    pub prune: bool,
+    /// A configuration's fused step printed from its earlier batches (`super::replay`).
+    pub replay: bool,
+}
+
+impl Shortcuts {
+    pub const ALL: Shortcuts = Shortcuts { prune: true, replay: true };
+    pub const NONE: Shortcuts = Shortcuts { prune: false, replay: false };
+}
+
+/// The search with the chosen `shortcuts` (tests compare them).
 #[allow(clippy::too_many_arguments)]
-fn search_pruned(
+pub fn search_pruned(
     cfg: &Gpt2Config,
     base: &StepOptions,
     pinned: Pinned,
@@ -238,7 +264,7 @@ fn search_pruned(
     max_batch: usize,
     target: &Target,
     options: &Options,
-    prune: bool,
+    shortcuts: Shortcuts,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> anyhow::Result<Fit> {
     let planned = std::sync::atomic::AtomicUsize::new(0);
@@ -259,6 +285,8 @@ fn search_pruned(
         precisions(base, pinned).into_iter().flat_map(|p| optimizers(base, pinned).into_iter().map(move |m| (p, m))).collect();
     // per precision and optimizer: the first policy still worth planning (policies.len(): none)
     let mut from = vec![0; kinds.len()];
+    // per precision and optimizer, per policy: its fused steps so far
+    let mut replays: Vec<Vec<Replay>> = kinds.iter().map(|_| policies.iter().map(|_| Replay::default()).collect()).collect();
     while batch <= max_batch.max(1) {
         // each precision and optimizer searched on a thread of its own (its policies in turn),
         // the results taken in their order: the same answer as one after the other
@@ -267,7 +295,8 @@ fn search_pruned(
             kinds
                 .par_iter()
                 .zip(&from)
-                .map(|(&(precision, optim), &first)| {
+                .zip(replays.par_iter_mut())
+                .map(|((&(precision, optim), &first), replays)| {
                     let mut k = KindSearch::default();
                     for (i, &(policy, zero)) in policies.iter().enumerate().skip(first) {
                         let mut o = base.clone();
@@ -279,7 +308,7 @@ fn search_pruned(
                         // --compile-timeout bounds each plan, as it bounds building one step
                         o.deadline = base.deadline.budget().map_or_else(Deadline::unlimited, Deadline::within);
                         k.tried += 1;
-                        let made = plan_of(cfg, &o, target, options);
+                        let made = plan_of(cfg, &o, target, options, shortcuts.replay.then_some(&mut replays[i]));
                         let n = planned.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                         progress(Progress { batch, planned: n });
                         let e = match made {
@@ -324,7 +353,7 @@ fn search_pruned(
                 i
             });
             any |= fitted.is_some();
-            if prune {
+            if shortcuts.prune {
                 from[k] = fitted.unwrap_or(policies.len());
             }
         }
@@ -337,7 +366,8 @@ fn search_pruned(
     let top = fits.first().map_or(1.0, |f| f.0.score);
     let fits: Vec<Candidate> = fits.into_iter().map(|(mut c, _)| (c.relative_throughput = c.score / top, c).1).collect();
     let smallest = if fits.is_empty() { smallest } else { None };
-    Ok(Fit { fits, best: best.map(|(_, o, e)| (o, e)), smallest, tried })
+    let reused = replays.iter().flatten().map(|r| r.reused).sum();
+    Ok(Fit { fits, best: best.map(|(_, o, e)| (o, e)), smallest, tried, reused })
 }
 
 /// What one precision and optimizer's policies gave at one batch (`search_pruned`): the plans

@@ -6,7 +6,8 @@
 //!
 //! - [`json`]: the plan as JSON (schema `qatc.memory_plan`, version 2, `docs/memory_plan.md`);
 //! - [`svg`]: its timeline as a picture;
-//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size;
+//! - [`fit`]: `--fit`, the fastest configurations that fit a memory size; [`replay`]: its fused
+//!   steps reused across batch sizes;
 //! - [`ranks`]: with `--ranks N --zero S`, one rank's model states beside ZeRO's formula, and the
 //!   bytes its collectives move.
 //!
@@ -16,6 +17,7 @@
 pub mod fit;
 pub mod json;
 pub mod ranks;
+pub mod replay;
 pub mod svg;
 
 pub use qatc_driver::Executed;

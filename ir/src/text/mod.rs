@@ -13,8 +13,10 @@
 //! Nodes are numbered in the graph's topological order (see `Graph::topo_order`), attributes
 //! print in a fixed order, floats in Rust's shortest round-trip form, names as escaped strings.
 
+pub mod affine;
 mod parse;
 mod print;
 
+pub use affine::AffineText;
 pub use parse::parse;
 pub use print::print;
