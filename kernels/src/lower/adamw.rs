@@ -141,14 +141,16 @@ pub fn lower(
     let updates = updates_of(g, id);
     let ops = g.operands(id);
     let mut placed = Vec::new();
-    let mut blockwise: HashMap<NodeId, Moment8> = HashMap::new();
+    // in the pack's order: the kernels' parameter order follows it (a hash map's order made the
+    // program differ from run to run: tensors of one shape sharing a kernel or not)
+    let mut blockwise: Vec<(NodeId, Moment8)> = Vec::new();
     for &(n, start, len) in &parts {
         let Some(t) = tensors.iter().find(|t| t.writes.iter().any(|w| w.1 == n)) else { return Ok(None) };
         let Some(inp) = t.writes.iter().find(|w| w.1 == n).map(|w| w.0) else { return Ok(None) };
         let Some(&k) = body_input.get(&inp) else { return Ok(None) };
         let Some(view) = &operands[k] else {
             let Some(m) = adamw8::moment(g, id, ops[k], start, view_of) else { return Ok(None) };
-            blockwise.insert(inp, m);
+            blockwise.push((inp, m));
             continue;
         };
         let buf = &lw.prog.buffers[view.buf];
@@ -165,12 +167,13 @@ pub fn lower(
         }
         placed.push((start, len, View::contiguous(view.buf, &[len])));
     }
-    for m in blockwise.values() {
+    for (_, m) in &blockwise {
         cx.order.extend([m.codes.buf, m.absmax.buf]);
     }
     // one kernel per tensor, its params named by role so tensors of one shape share a kernel
     for t in &tensors {
-        let eight: Vec<Option<&Moment8>> = t.writes.iter().map(|(inp, _)| blockwise.get(inp)).collect();
+        let eight: Vec<Option<&Moment8>> =
+            t.writes.iter().map(|(inp, _)| blockwise.iter().find(|(b, _)| b == inp).map(|(_, m)| m)).collect();
         if eight.iter().any(Option::is_some) {
             adamw8::lower_tensor(lw, &mut cx, family, t.param, &t.writes, &eight)?;
             continue;
@@ -196,7 +199,7 @@ pub fn lower(
         lw.push_kernel((kernel, args));
     }
     // what the blockwise kernels computed: the requantization's nodes are their inputs now
-    for m in blockwise.into_values() {
+    for (_, m) in blockwise {
         lw.absorbed.extend(m.absorbed);
     }
     Ok(Some(placed))
