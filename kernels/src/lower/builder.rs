@@ -7,7 +7,9 @@ use qatc_ir::{DType, Graph, NodeId};
 
 use crate::error::KernelError;
 use crate::index::{self, Bounds};
-use crate::kir::{BinOp, Body, Expr, Ix, Kernel, Loop, Param, ParamId, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp, VarId};
+use crate::kir::{
+    BinOp, Body, Expr, ExprKey, Ix, Kernel, Loop, MemoKey, Param, ParamId, PosKey, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp, VarId,
+};
 use crate::program::{BufId, Buffer, View};
 
 /// A position in a tensor: a linear index or one coordinate per dim.
@@ -38,18 +40,22 @@ pub struct KernelBuilder<'g> {
     pub space_shape: Option<Vec<usize>>,
     pub index_ty: Ty,
     blocks: Vec<Vec<Stmt>>,
-    memo: Vec<HashMap<String, Expr>>,
+    memo: Vec<HashMap<MemoKey, Expr>>,
     next_var: VarId,
     next_loop: u8,
     /// Inside a lazy `Select` branch: build expressions without hoisting them into lets.
     lazy: usize,
     /// (node, position) -> a value the kernel already holds.
-    pub subst: HashMap<(NodeId, String), Expr>,
+    pub subst: HashMap<(NodeId, PosKey), Expr>,
     names: BTreeMap<VarId, String>,
 }
 
-pub fn pos_key(node: NodeId, pos: &Pos) -> (NodeId, String) {
-    (node, format!("{pos:?}"))
+pub fn pos_key(node: NodeId, pos: &Pos) -> (NodeId, PosKey) {
+    let key = match pos {
+        Pos::Lin(e) => PosKey::Lin(ExprKey(e.clone())),
+        Pos::Coords(cs) => PosKey::Coords(cs.iter().cloned().map(ExprKey).collect()),
+    };
+    (node, key)
 }
 
 impl<'g> KernelBuilder<'g> {
@@ -134,14 +140,14 @@ impl<'g> KernelBuilder<'g> {
         }
     }
 
-    pub fn memo_get(&self, key: &str) -> Option<Expr> {
+    pub fn memo_get(&self, key: &MemoKey) -> Option<Expr> {
         if self.lazy > 0 {
             return None;
         }
         self.memo.iter().rev().find_map(|m| m.get(key).cloned())
     }
 
-    pub fn memo_put(&mut self, key: String, e: Expr) {
+    pub fn memo_put(&mut self, key: MemoKey, e: Expr) {
         if self.lazy == 0 {
             if let Some(m) = self.memo.last_mut() {
                 m.insert(key, e);
@@ -198,7 +204,7 @@ impl<'g> KernelBuilder<'g> {
                 index::linearize(&self.bounds, view.offset, &cs, &view.strides)
             }
         };
-        let key = format!("load {p} {idx:?}");
+        let key = MemoKey::Load(p, ExprKey(idx.clone()));
         if let Some(e) = self.memo_get(&key) {
             return e;
         }

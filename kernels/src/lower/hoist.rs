@@ -13,13 +13,13 @@
 
 use std::collections::HashMap;
 
-use crate::kir::{BinOp, Body, Expr, Kernel, Stmt, Ty, TypeEnv, UnOp, VarId};
+use crate::kir::{BinOp, Body, Expr, ExprKey, Kernel, Stmt, Ty, TypeEnv, UnOp, VarId};
 
 struct Hoist<'k> {
     k: &'k Kernel,
     env: TypeEnv,
     /// Hoisted expressions by their printed form, and the Lets that bind them, in order.
-    seen: HashMap<String, VarId>,
+    seen: HashMap<ExprKey, VarId>,
     lets: Vec<Stmt>,
     next: VarId,
 }
@@ -63,7 +63,7 @@ impl Hoist<'_> {
     fn rewrite(&mut self, e: &mut Expr) {
         let ty = self.env.ty(self.k, e);
         if matches!(ty, Ty::F32 | Ty::F64) && Self::costly(e) && self.is_uniform(e) {
-            let key = format!("{e:?}");
+            let key = ExprKey(e.clone());
             let var = match self.seen.get(&key) {
                 Some(&v) => v,
                 None => {

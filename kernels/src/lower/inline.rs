@@ -6,6 +6,7 @@ use qatc_ir::{BinaryOp, DType, DynMap, NodeId, Op, Points, QuantParam, QuantSpec
 
 use super::builder::{compute_ty, pos_key, round_to, KernelBuilder, Pos};
 use crate::error::KernelError;
+use crate::kir::MemoKey;
 use crate::kir::{BinOp, Expr, Intrinsic, Ty, UnOp};
 
 /// Whether `value` can produce this op at any position without a pass of its own.
@@ -84,7 +85,7 @@ impl KernelBuilder<'_> {
         if let Some(view) = self.src.leaves.get(&node).cloned() {
             return Ok(self.load_view(&view, pos));
         }
-        let memo = format!("{key:?}");
+        let memo = MemoKey::Value(key.0, key.1);
         if let Some(e) = self.memo_get(&memo) {
             return Ok(e);
         }
