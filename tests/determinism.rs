@@ -174,31 +174,49 @@ fn scatter_add_sums_each_row_in_token_order() {
     }
 }
 
-/// The lowered program is the same on every lowering, not only its results: with 8-bit AdamW in
-/// bf16 the blockwise moments' kernels took their parameters in a hash map's order, so whether
-/// tensors of one shape shared a kernel changed from run to run (the demo's step lowered to 77 or
-/// 78 kernels; a different program every time defeats the kernel cache and the snapshots).
+/// The fused step and its lowered program are the same on every build, not only their results:
+/// with 8-bit AdamW in bf16 the blockwise moments' kernels took their parameters in a hash map's
+/// order, so whether tensors of one shape shared a kernel changed from run to run (the demo's step
+/// lowered to 77 or 78 kernels; a different program every time defeats the kernel cache and the
+/// snapshots). Every precision and optimizer `--fit` searches, with and without recompute, for
+/// both executors.
 #[test]
 fn the_lowered_program_is_the_same_every_time() {
     use qatc::frontend::config::Gpt2Config;
     use qatc::step;
     use qatc_passes::optim::Moments;
     use qatc_passes::precision::Precision;
+    use qatc_passes::remat::Checkpoint;
     let cfg = Gpt2Config { n_embd: 128, n_layer: 4, n_head: 4, n_positions: 256, vocab_size: 50257, layer_norm_epsilon: 1e-5 };
-    let mut o = StepOptions::new(2, 64);
-    o.model.quant =
-        Some(qatc_passes::quant::QuantOptions::all_linears(qatc_ir::QuantSpec { bits: 2, group: 64, scheme: qatc_ir::QuantScheme::Sym }));
-    o.model.lora = Some(qatc_passes::lora::LoraOptions::new(16));
-    o.model.full_finetune = false;
-    o.adamw.moments = Moments::Blockwise8;
-    o.precision = Precision::Bf16;
-    o.fuse = Some(FuseOptions::default());
-    let (g, _) = step::train(&cfg, &o, |_, _| {}).expect("the step");
-    let lowered = || qatc_driver::plan(&g, &qatc_driver::Target::cpu(), &Default::default()).expect("a plan").program;
-    let first: Program = lowered();
-    for _ in 0..5 {
-        let again = lowered();
-        assert_eq!(again.kernels.len(), first.kernels.len());
-        assert!(again == first, "the program changed between two lowerings of one step");
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        for moments in [Moments::F32, Moments::Blockwise8] {
+            for checkpoint in [Checkpoint::None, Checkpoint::Blocks] {
+                let mut o = StepOptions::new(2, 64);
+                o.model.quant = Some(qatc_passes::quant::QuantOptions::all_linears(qatc_ir::QuantSpec {
+                    bits: 2,
+                    group: 64,
+                    scheme: qatc_ir::QuantScheme::Sym,
+                }));
+                o.model.lora = Some(qatc_passes::lora::LoraOptions::new(16));
+                o.model.full_finetune = false;
+                (o.adamw.moments, o.precision, o.checkpoint) = (moments, precision, checkpoint);
+                o.fuse = Some(FuseOptions::default());
+                let what = format!("{precision:?}, {moments:?}, {}", checkpoint.describe());
+                let built = || step::train(&cfg, &o, |_, _| {}).expect("the step").0;
+                let g = built();
+                for _ in 0..2 {
+                    assert_eq!(qatc_ir::print(&built()), qatc_ir::print(&g), "{what}: the fused step changed between two builds");
+                }
+                for target in [qatc_driver::Target::cpu(), qatc_driver::Target::cuda(None, Default::default())] {
+                    let lowered = || qatc_driver::plan(&g, &target, &Default::default()).expect("a plan").program;
+                    let first: Program = lowered();
+                    for _ in 0..3 {
+                        let again = lowered();
+                        assert_eq!(again.kernels.len(), first.kernels.len(), "{what}, {}", target.kind.name());
+                        assert!(again == first, "{what}, {}: the program changed between two lowerings of one step", target.kind.name());
+                    }
+                }
+            }
+        }
     }
 }
