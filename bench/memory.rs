@@ -133,7 +133,7 @@ fn replay() -> anyhow::Result<()> {
             let run = |replay: bool| -> anyhow::Result<(fit::Fit, f64)> {
                 let t0 = Instant::now();
                 let s = fit::Shortcuts { prune: true, replay };
-                let f = fit::search_pruned(&cfg, &o, fit::Pinned::default(), memory, 256, &target, &Options::default(), s, &|_| {})?;
+                let f = fit::search_with(&cfg, &o, fit::Pinned::default(), memory, 256, &target, &Options::default(), s, &|_| {})?;
                 Ok((f, t0.elapsed().as_secs_f64()))
             };
             let (plain, s0) = run(false)?;

@@ -93,7 +93,7 @@ fn reusing_fused_steps_gives_the_same_answer() {
     let memory = 1024 * MIB;
     let search = |replay| {
         let s = fit::Shortcuts { prune: true, replay };
-        fit::search_pruned(&cfg, &base, Pinned::default(), memory, 32, &target, &options, s, &|_| {}).unwrap()
+        fit::search_with(&cfg, &base, Pinned::default(), memory, 32, &target, &options, s, &|_| {}).unwrap()
     };
     let (plain, reused) = (search(false), search(true));
     assert_eq!(fit::table(&plain, "demo", memory, &target), fit::table(&reused, "demo", memory, &target));

@@ -196,7 +196,7 @@ pub fn search(
     target: &Target,
     options: &Options,
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::ALL, &|_| {})
+    search_with(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::ALL, &|_| {})
 }
 
 /// Where a search is, after each plan: for a progress display (a 1.5B search takes minutes).
@@ -220,7 +220,7 @@ pub fn search_reporting(
     options: &Options,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::ALL, progress)
+    search_with(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::ALL, progress)
 }
 
 /// [`search`] without its shortcuts: every policy of every precision and optimizer at every batch
@@ -236,7 +236,7 @@ pub fn search_every(
     target: &Target,
     options: &Options,
 ) -> anyhow::Result<Fit> {
-    search_pruned(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::NONE, &|_| {})
+    search_with(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::NONE, &|_| {})
 }
 
 /// What [`search`] does that [`search_every`] does not; each gives the same answer.
@@ -256,7 +256,7 @@ impl Shortcuts {
 
 /// The search with the chosen `shortcuts` (tests compare them).
 #[allow(clippy::too_many_arguments)]
-pub fn search_pruned(
+pub fn search_with(
     cfg: &Gpt2Config,
     base: &StepOptions,
     pinned: Pinned,
@@ -370,7 +370,7 @@ pub fn search_pruned(
     Ok(Fit { fits, best: best.map(|(_, o, e)| (o, e)), smallest, tried, reused })
 }
 
-/// What one precision and optimizer's policies gave at one batch (`search_pruned`): the plans
+/// What one precision and optimizer's policies gave at one batch (`search_with`): the plans
 /// tried, the first policy that fits (its index, candidate, options and plan), at batch 1 the
 /// smallest plan that does not, and the error that stopped it.
 #[derive(Default)]
