@@ -287,6 +287,7 @@ pub fn search_with(
     let mut from = vec![0; kinds.len()];
     // per precision and optimizer, per policy: its fused steps so far
     let mut replays: Vec<Vec<Replay>> = kinds.iter().map(|_| policies.iter().map(|_| Replay::default()).collect()).collect();
+    let mut reused = 0;
     while batch <= max_batch.max(1) {
         // each precision and optimizer searched on a thread of its own (its policies in turn),
         // the results taken in their order: the same answer as one after the other
@@ -355,6 +356,11 @@ pub fn search_with(
             any |= fitted.is_some();
             if shortcuts.prune {
                 from[k] = fitted.unwrap_or(policies.len());
+                // the policies before it are not planned again: their texts (a 1.5B step's are
+                // megabytes) can go
+                for r in &mut replays[k][..from[k]] {
+                    reused += std::mem::take(r).reused;
+                }
             }
         }
         if !any {
@@ -366,7 +372,7 @@ pub fn search_with(
     let top = fits.first().map_or(1.0, |f| f.0.score);
     let fits: Vec<Candidate> = fits.into_iter().map(|(mut c, _)| (c.relative_throughput = c.score / top, c).1).collect();
     let smallest = if fits.is_empty() { smallest } else { None };
-    let reused = replays.iter().flatten().map(|r| r.reused).sum();
+    reused += replays.iter().flatten().map(|r| r.reused).sum::<usize>();
     Ok(Fit { fits, best: best.map(|(_, o, e)| (o, e)), smallest, tried, reused })
 }
 
