@@ -18,7 +18,7 @@ use crate::kir::{BinOp, Body, Expr, ExprKey, Kernel, Stmt, Ty, TypeEnv, UnOp, Va
 struct Hoist<'k> {
     k: &'k Kernel,
     env: TypeEnv,
-    /// Hoisted expressions by their printed form, and the Lets that bind them, in order.
+    /// Hoisted expressions by structure (`ExprKey`), and the Lets that bind them, in order.
     seen: HashMap<ExprKey, VarId>,
     lets: Vec<Stmt>,
     next: VarId,
