@@ -11,12 +11,12 @@ VAL   := examples/shakespeare_val.bin
 TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
-.PHONY: all deps llvm mpi openblas nvrtc build demo quality-model test lint bench gpu-bundle clean
+.PHONY: all deps llvm mpi openblas onednn nvrtc build demo quality-model test lint bench gpu-bundle clean
 
 all: build
 
 # Rust is the one prerequisite a fresh machine must have; everything else installs from here.
-deps: llvm mpi openblas
+deps: llvm mpi openblas onednn
 	@command -v $(CARGO) >/dev/null || { echo "error: cargo not found: install Rust (https://rustup.rs) first" >&2; exit 2; }
 
 # OpenBLAS: optional, loaded at run time for the CPU step's large GEMMs (about 2x the gemm
@@ -24,6 +24,11 @@ deps: llvm mpi openblas
 openblas:
 	@ldconfig -p 2>/dev/null | grep -q 'libopenblas.so.0 ' || { echo "installing OpenBLAS (apt-get: libopenblas0-pthread)"; \
 	  ( $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread >/dev/null ) || echo "notice: OpenBLAS not installed; GEMMs use the gemm crate"; }
+
+# oneDNN's bf16 GEMM (runtime/src/cpu/onednn.rs), loaded at run time where the CPU has bf16 units
+onednn:
+	@ldconfig -p 2>/dev/null | grep -q 'libdnnl.so.2 ' || { echo "installing oneDNN (apt-get: libdnnl2)"; \
+	  ( $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libdnnl2 >/dev/null ) || echo "notice: oneDNN not installed; bf16 GEMMs widen to f32"; }
 
 # LLVM 19 for the CPU backend (the default `llvm` feature; .cargo/config.toml points llvm-sys at
 # /usr/lib/llvm-19). Debian 12 and Ubuntu 24.04 carry these packages.

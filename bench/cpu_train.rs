@@ -74,10 +74,10 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
 }
 
 fn main() -> anyhow::Result<()> {
-    // as `qatc`'s main: OpenBLAS's kernel set named before any thread starts
-    if std::env::var_os("OPENBLAS_CORETYPE").is_none() {
-        if let Some(core) = qatc_runtime::cpu::blas::openblas_core_type() {
-            std::env::set_var("OPENBLAS_CORETYPE", core);
+    // as `qatc`'s main: the GEMM libraries' settings made before any thread starts
+    for (name, value) in qatc_runtime::cpu::library_env() {
+        if std::env::var_os(name).is_none() {
+            std::env::set_var(name, value);
         }
     }
     let args: Vec<String> = std::env::args().collect();

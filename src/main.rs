@@ -63,13 +63,11 @@ fn default_sigpipe() {
 fn main() {
     #[cfg(unix)]
     default_sigpipe();
-    // Process-wide settings, made before any thread starts. OpenBLAS picks its kernels from the
-    // CPU model, which it may not know on a VM (then: SSE3 kernels, 6x slower), and reads
-    // OPENBLAS_CORETYPE when it loads: name the kernel set from the CPU's features unless the
-    // user did.
-    if std::env::var_os("OPENBLAS_CORETYPE").is_none() {
-        if let Some(core) = qatc_runtime::cpu::blas::openblas_core_type() {
-            std::env::set_var("OPENBLAS_CORETYPE", core);
+    // Process-wide settings, made before any thread starts: what the GEMM libraries read when
+    // they load (`qatc_runtime::cpu::library_env` says why), unless the user set them.
+    for (name, value) in qatc_runtime::cpu::library_env() {
+        if std::env::var_os(name).is_none() {
+            std::env::set_var(name, value);
         }
     }
     let matches = Cli::command().try_get_matches().unwrap_or_else(|e| usage_error(e));

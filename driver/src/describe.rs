@@ -53,10 +53,16 @@ pub fn compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels::Pan
             human(panels.bytes_saved)
         )
     };
-    let gemms = match p.blas_name() {
+    let mut gemms = match p.blas_name() {
         Some(b) => format!("large ones by OpenBLAS ({b})"),
         None => "by the gemm crate".into(),
     };
+    let bf16 = prog.gemms().any(|g| g.types.a == qatc_ir::DType::BF16 && g.types.b == qatc_ir::DType::BF16);
+    match p.bf16_gemm() {
+        Some((lib, units)) => gemms += &format!("; bf16 ones by oneDNN on {units} ({lib})"),
+        None if bf16 => gemms += "; bf16 ones widened to f32 (no bf16 units or no oneDNN)",
+        None => {}
+    }
     // what the plan says (the executed plan is this program's layout) against what the executor
     // allocated
     let plan = qatc_runtime::exec::MemoryPlan::new(prog, p.plan());

@@ -8,10 +8,21 @@
 //! (`exec::check_gemm`: views, shapes, and buffers of the types the GEMM says), so the unchecked
 //! pointer arithmetic of [`run`] stays inside the allocations.
 
+use std::sync::Arc;
+
 use gemm::Parallelism;
 use qatc_kernels::program::{Gemm, View};
 
 use super::blas::Blas;
+use super::onednn::Bf16Gemm;
+
+/// The GEMM libraries the CPU executor loaded (`CpuOptions::blas`, `CpuOptions::bf16_gemm`):
+/// OpenBLAS for the large f32 GEMMs, oneDNN for bf16 ones where the CPU has bf16 units.
+#[derive(Clone, Default)]
+pub struct GemmLibs {
+    pub blas: Option<Arc<Blas>>,
+    pub bf16: Option<Arc<Bf16Gemm>>,
+}
 
 /// Below this many multiply-adds a GEMM runs on the calling thread: splitting costs more.
 const PAR_MIN_FLOPS: usize = 1 << 16;
@@ -77,17 +88,18 @@ pub(super) unsafe fn sgemm(
     }
 }
 
-/// Runs one GEMM step, the large ones by `blas` when given: f32 in place (below), f16/bf16
-/// through f32 tiles (`gemm_half`). `ptr(buf)` is the base address of a buffer.
+/// Runs one GEMM step, the large ones by `libs.blas` when loaded: f32 in place (below), f16/bf16
+/// by `libs.bf16` or through f32 tiles (`gemm_half`). `ptr(buf)` is the base address of a buffer.
 ///
 /// # Safety
 /// `g` must have passed `exec::check_gemm` against the buffers `ptr` points to, which must be
 /// live and not accessed by anything else during the call.
-pub unsafe fn run(g: &Gemm, blas: Option<&Blas>, ptr: impl Fn(usize) -> *mut u8) {
+pub unsafe fn run(g: &Gemm, libs: &GemmLibs, ptr: impl Fn(usize) -> *mut u8) {
     if !g.types.is_f32() {
         // SAFETY: the caller's contract, passed on.
-        return unsafe { super::gemm_half::run(g, blas, ptr) };
+        return unsafe { super::gemm_half::run(g, libs, ptr) };
     }
+    let blas = libs.blas.as_deref();
     let r = g.c.shape.len();
     let (m, n, k) = (g.m, g.n, g.k);
     let s = |v: &View, d: usize| v.strides[d] as isize;

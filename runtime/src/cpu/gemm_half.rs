@@ -1,5 +1,7 @@
 //! GEMMs with f16/bf16 operands or destination (`--precision bf16|fp16`) on the CPU, accumulating
-//! in f32 as `GemmTypes` says: the product runs as f32 GEMMs (`gemm::sgemm`: OpenBLAS or the gemm
+//! in f32 as `GemmTypes` says. Where both operands are bf16 and oneDNN runs bf16 natively on this
+//! CPU (`onednn.rs`), it reads them as stored: into c directly when c is f32 without a bias, else
+//! into an f32 tile of c rounded as below. Otherwise the product runs as f32 GEMMs (`gemm::sgemm`: OpenBLAS or the gemm
 //! crate) over blocks, each operand's block widened into an f32 scratch just before the library
 //! packs it (an exact conversion), partial products over K summed in an f32 tile of c, and each
 //! finished tile rounded once to nearest even into c, the bias added before that rounding
@@ -16,8 +18,8 @@
 //! A block keeps its source's layout (a transposed operand is widened column by column, reading
 //! memory in order), and the conversions vectorize (bf16 is the top half of an f32; f16 uses
 //! F16C through the `half` crate). The scratch is a few MiB per GEMM, outside the plan. The
-//! loaded OpenBLAS has no bf16 GEMM (Debian builds it without BFLOAT16), so there is no native
-//! bf16 path here even where the CPU has AVX512_BF16.
+//! loaded OpenBLAS has no bf16 GEMM (Debian builds it without BFLOAT16), and neither library has
+//! an f16 one, so f16 operands are always widened.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -26,7 +28,8 @@ use qatc_kernels::program::{Gemm, View};
 use rayon::prelude::*;
 
 use super::blas::Blas;
-use super::gemm::{batch_offsets, sgemm};
+use super::gemm::{batch_offsets, sgemm, GemmLibs};
+use super::onednn::Bf16Gemm;
 
 /// Tile sizes: rows and columns of c, and the K of one block (scratch: 1 + 2 + 2 MiB of f32).
 const MB: usize = 512;
@@ -177,14 +180,98 @@ unsafe fn block(m: Mat, rows: usize, cols: usize, scratch: &mut [f32]) -> (*cons
     }
 }
 
-/// Runs a GEMM whose operands or destination are f16/bf16 (see the module docs), the large f32
-/// tile products by `blas` when given.
+/// Runs a GEMM whose operands or destination are f16/bf16 (see the module docs): bf16 operands
+/// by `libs.bf16` when loaded, the rest through f32 tiles whose large products go to `libs.blas`.
 ///
 /// # Safety
 /// As `gemm::run`: `g` checked against the buffers `ptr` points to, live and otherwise untouched.
-pub unsafe fn run(g: &Gemm, blas: Option<&Blas>, ptr: impl Fn(usize) -> *mut u8) {
+pub unsafe fn run(g: &Gemm, libs: &GemmLibs, ptr: impl Fn(usize) -> *mut u8) {
+    if let Some(native) = libs.bf16.as_deref().filter(|_| g.types.a == DType::BF16 && g.types.b == DType::BF16) {
+        // SAFETY: the caller's contract, passed on.
+        if unsafe { run_native(g, native, &ptr, [MB, NB]) } {
+            return;
+        }
+    }
     // SAFETY: the caller's contract, passed on.
-    unsafe { run_tiled(g, blas, ptr, [MB, NB, KB]) }
+    unsafe { run_tiled(g, libs.blas.as_deref(), ptr, [MB, NB, KB]) }
+}
+
+/// The bf16 operands of a batch element as oneDNN reads them.
+fn bf16_mat(m: Mat) -> super::onednn::MatBf16 {
+    // SAFETY: only an address computation; the matrix is read by the library under `run`'s contract.
+    (unsafe { m.base.cast::<u16>().add(m.offset) }.cast_const(), m.rs, m.cs)
+}
+
+/// A bf16 x bf16 GEMM by oneDNN: straight into c when c is f32 without a bias, else through f32
+/// tiles of [rows, cols] of c, each product over the whole K, rounded once into c. False, with
+/// nothing written, when the library does not take the operands' layout. (It refuses nothing
+/// else: its status is an argument check, which `takes` makes first.)
+///
+/// # Safety
+/// As `run`.
+unsafe fn run_native(g: &Gemm, lib: &Bf16Gemm, ptr: &impl Fn(usize) -> *mut u8, [mb, nb]: [usize; 2]) -> bool {
+    let (m, n, k) = (g.m, g.n, g.k);
+    if m == 0 || n == 0 || k == 0 {
+        return false;
+    }
+    let direct = g.types.c == DType::F32 && g.bias.is_none();
+    let (mb, nb) = if direct { (m, n) } else { (mb.min(m), nb.min(n)) };
+    // every call has these strides (a tile's are [nb, 1]) and at most these sizes: one check
+    // for all of them
+    let [oa, ob, _] = batch_offsets(g, 0);
+    let (a0, b0) = (Mat::of(&g.a, g.types.a, ptr(g.a.buf), oa), Mat::of(&g.b, g.types.b, ptr(g.b.buf), ob));
+    let c_strides = if direct { (g.c.strides[g.c.strides.len() - 2], g.c.strides[g.c.strides.len() - 1]) } else { (nb, 1) };
+    if !lib.takes((mb, nb, k), bf16_mat(a0), bf16_mat(b0), c_strides) {
+        return false;
+    }
+    let mut ct = vec![0f32; if direct { 0 } else { mb * nb }];
+    let mut bias = vec![0f32; if g.bias.is_some() { n } else { 0 }];
+    if let Some(bv) = &g.bias {
+        let bm = Mat { base: ptr(bv.buf), dtype: g.types.bias.unwrap_or(DType::F32), offset: bv.offset, rs: 0, cs: bv.strides[0] };
+        // SAFETY: `check` proved the bias view [n] inside its buffer.
+        unsafe { bm.widen_row(0, &mut bias) };
+    }
+    for i in 0..g.batch() {
+        let [oa, ob, oc] = batch_offsets(g, i);
+        let (a, b) = (Mat::of(&g.a, g.types.a, ptr(g.a.buf), oa), Mat::of(&g.b, g.types.b, ptr(g.b.buf), ob));
+        let c = Mat::of(&g.c, g.types.c, ptr(g.c.buf), oc);
+        for m0 in (0..m).step_by(mb) {
+            let mm = mb.min(m - m0);
+            for n0 in (0..n).step_by(nb) {
+                let nn = nb.min(n - n0);
+                let (a, b, cm) = (bf16_mat(a.at(m0, 0)), bf16_mat(b.at(0, n0)), c.at(m0, n0));
+                if direct {
+                    // SAFETY: `check` proved a, b and c (every batch element) inside their
+                    // buffers, c's elements distinct and apart from the operands'.
+                    let cp = unsafe { cm.base.cast::<f32>().add(cm.offset) };
+                    // SAFETY: as above.
+                    let done = unsafe { lib.gemm((mm, nn, k), g.alpha as f32, g.accumulate, a, b, (cp, cm.rs, cm.cs)) };
+                    // `takes` passed: the library checks nothing else of these arguments
+                    debug_assert!(done, "oneDNN refused a layout it takes");
+                    continue;
+                }
+                let tile = &mut ct[..mm * nn];
+                let rows = |tile: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)| {
+                    if mm * nn < PAR_MIN_ELEMS {
+                        tile.chunks_mut(nn).enumerate().for_each(|(r, t)| f(r, t));
+                    } else {
+                        tile.par_chunks_mut(nn).enumerate().for_each(|(r, t)| f(r, t));
+                    }
+                };
+                if g.accumulate {
+                    // SAFETY: row r of the tile is inside c (`check`).
+                    rows(tile, &|r, t| unsafe { cm.widen_row(r, t) });
+                }
+                // SAFETY: a and b as above; the tile is our own, [mm, nn] row-major.
+                let done = unsafe { lib.gemm((mm, nn, k), g.alpha as f32, g.accumulate, a, b, (tile.as_mut_ptr(), nn, 1)) };
+                debug_assert!(done, "oneDNN refused a layout it takes");
+                let bias = g.bias.as_ref().map(|_| &bias[n0..n0 + nn]);
+                // SAFETY: row r of the tile is inside c, written by this row's thread only.
+                rows(tile, &|r, t| unsafe { cm.narrow_row(r, t, bias) });
+            }
+        }
+    }
+    true
 }
 
 /// `run` with tiles of [rows, cols] of c and blocks of K as given.
@@ -291,15 +378,52 @@ mod tests {
         }
     }
 
-    /// Tiles of 64 x 48 over a 150 x 130 product, K 70 in blocks of 32, a read transposed or
-    /// not, b transposed, a bias and accumulation into c: every element is the f64 sum of the
-    /// widened operands plus c and the bias, rounded once to c's type (within one of its ulps:
-    /// the f32 sum's own error may cross a rounding boundary).
+    /// Tiles of 64 x 48 over a 150 x 130 product, K 70 in blocks of 32 (`check_half_gemm`).
     #[test]
     fn tiled_half_gemm_rounds_the_f32_sum_once() {
-        let (m, n, k) = (150, 130, 70);
         let kinds = [(DType::BF16, DType::BF16), (DType::F16, DType::F16), (DType::BF16, DType::F32), (DType::F32, DType::BF16)];
-        for ((ab, c_ty), ta) in kinds.into_iter().flat_map(|t| [(t, false), (t, true)]) {
+        // SAFETY: `check_half_gemm` passes views inside the buffers it points to.
+        check_half_gemm(&kinds, &|g, ptrs| unsafe { run_tiled(g, None, |i| ptrs[i], [64, 48, 32]) });
+    }
+
+    /// The same sums through oneDNN's bf16 GEMM, on tiles of c (bf16 c, or a bias) and straight
+    /// into an f32 c, wherever the CPU has bf16 units; where Rust sees AVX512-BF16 and the
+    /// library is installed, it must load.
+    #[test]
+    fn native_bf16_gemm_rounds_the_f32_sum_once() {
+        let Some(lib) = crate::cpu::onednn::load(crate::cpu::onednn::ONEDNN) else {
+            let units = is_x86_feature_detected!("avx512bf16");
+            let installed = std::path::Path::new("/usr/lib/x86_64-linux-gnu/libdnnl.so.2").exists();
+            assert!(!(units && installed), "the CPU has AVX512-BF16 and oneDNN is installed, but it did not load");
+            eprintln!("SKIPPED: no bf16 units (AVX512-BF16: {units}) or no oneDNN (installed: {installed})");
+            return;
+        };
+        let kinds = [(DType::BF16, DType::BF16), (DType::BF16, DType::F32)];
+        // SAFETY: as above.
+        check_half_gemm(&kinds, &|g, ptrs| assert!(unsafe { run_native(g, &lib, &|i| ptrs[i], [64, 48]) }, "oneDNN did not take {g:?}"));
+        // straight into an f32 c: no bias
+        // SAFETY: as above.
+        check_half_gemm(&kinds[1..], &|g, ptrs| {
+            let g = Gemm { bias: None, ..g.clone() };
+            assert!(unsafe { run_native(&g, &lib, &|i| ptrs[i], [64, 48]) });
+            // the bias the checker expects, added here (c is f32)
+            let c = ptrs[2].cast::<f32>();
+            let b = ptrs[3].cast::<f32>();
+            for i in 0..g.m * g.n {
+                // SAFETY: c holds m x n f32 and the bias n.
+                unsafe { *c.add(i) += *b.add(i % g.n) };
+            }
+        });
+    }
+
+    /// Products of 150 x 130 over K 70, for each (operand type, c's type) of `kinds`, a read
+    /// transposed or not, b transposed, a bias and accumulation into c, run by `run` on the four
+    /// buffers (a, b, c, bias): every element is the f64 sum of the operands plus c and the bias,
+    /// rounded once to c's type (within one of its ulps: the f32 sum's own error may cross a
+    /// rounding boundary).
+    fn check_half_gemm(kinds: &[(DType, DType)], run: &dyn Fn(&Gemm, &[*mut u8])) {
+        let (m, n, k) = (150, 130, 70);
+        for ((ab, c_ty), ta) in kinds.iter().copied().flat_map(|t| [(t, false), (t, true)]) {
             let mut seed = 7;
             let mut vals = |len: usize| (0..len).map(|_| lcg(&mut seed)).collect::<Vec<f32>>();
             // a stored [m, k], or [k, m] when read transposed
@@ -329,8 +453,7 @@ mod tests {
                 note: "test".into(),
             };
             let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr().cast::<u8>()).collect();
-            // SAFETY: the views lie inside the four buffers, which live for the call.
-            unsafe { run_tiled(&g, None, |i| ptrs[i], [64, 48, 32]) };
+            run(&g, &ptrs);
             // SAFETY: buffer 2 has c's bytes.
             let got = load(c_ty, unsafe { std::slice::from_raw_parts(ptrs[2].cast_const(), c_ty.bytes_for(m * n)) });
             let w = |d: DType, v: &[f32]| load(d, &store(d, v));

@@ -2,6 +2,7 @@
 //! a user would want; benchmarks and tests set their own). Nothing here reads the environment.
 
 use super::blas::OPENBLAS;
+use super::onednn::ONEDNN;
 
 /// How the attention kernels run on the CPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,6 +30,10 @@ pub struct CpuOptions {
     /// The BLAS library the large GEMMs go to (a name the dynamic loader finds, or a path),
     /// loaded at run time; None: the gemm crate only. Without the library: the gemm crate, too.
     pub blas: Option<String>,
+    /// The library GEMMs with bf16 operands go to where the CPU has bf16 units (oneDNN; a name
+    /// the dynamic loader finds, or a path), loaded at run time; None, or without the library
+    /// or the units: widened to f32 tiles (`gemm_half.rs`).
+    pub bf16_gemm: Option<String>,
     /// Profiles name each kernel (its family, iterations and index) rather than its family.
     pub profile_by_kernel: bool,
 }
@@ -40,6 +45,7 @@ impl Default for CpuOptions {
             attention: CpuAttention::Gemm,
             vector_width: None,
             blas: Some(OPENBLAS.to_string()),
+            bf16_gemm: Some(ONEDNN.to_string()),
             profile_by_kernel: false,
         }
     }

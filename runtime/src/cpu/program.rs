@@ -7,11 +7,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use qatc_ir::InputKind;
+use qatc_ir::{DType, InputKind};
 use qatc_kernels::panels::{PanelReport, PanelTable};
 use qatc_kernels::program::{BufId, Program, View};
 
-use super::blas::{self, Blas};
+use super::blas;
+use super::gemm::GemmLibs;
+use super::onednn;
 use super::kir_eval::KirEval;
 use super::memory::{Memory, ALIGN};
 use super::options::CpuOptions;
@@ -25,14 +27,15 @@ use crate::value::Value;
 
 /// A lowered program ready to run on the CPU: its buffers allocated once (aligned, zeroed, laid
 /// out by its [`ExecPlan`]), the launches' arguments resolved and checked, kernels run by a
-/// [`Launcher`], large GEMMs by the BLAS library [`CpuOptions::blas`] names when it loads.
+/// [`Launcher`], large GEMMs by the BLAS library [`CpuOptions::blas`] names when it loads, bf16
+/// ones by oneDNN ([`CpuOptions::bf16_gemm`]) where the CPU has bf16 units.
 pub struct CpuProgram {
     prog: Program,
     /// The GEMMs fed their operand b panel by panel (`prepare`), by step.
     panels: PanelTable,
     plan: ExecPlan,
     launcher: Box<dyn Launcher>,
-    blas: Option<Arc<Blas>>,
+    libs: GemmLibs,
     mem: Memory,
     steps: Vec<CpuStep>,
     /// Whether each buffer has been given a value (inputs only).
@@ -97,12 +100,15 @@ impl CpuProgram {
             frozen[i.buf] = true;
         }
         let blas = cpu.blas.as_deref().and_then(blas::load);
+        // loaded only when a GEMM has bf16 operands
+        let has_bf16 = prog.gemms().any(|g| g.types.a == DType::BF16 && g.types.b == DType::BF16);
+        let bf16 = cpu.bf16_gemm.as_deref().filter(|_| has_bf16).and_then(onednn::load);
         Ok(CpuProgram {
             prog,
             panels,
             plan,
             launcher,
-            blas,
+            libs: GemmLibs { blas, bf16 },
             mem,
             steps,
             given: vec![false; nb],
@@ -179,7 +185,13 @@ impl CpuProgram {
 
     /// The BLAS library the large GEMMs go to, if one loaded.
     pub fn blas_name(&self) -> Option<&str> {
-        self.blas.as_deref().map(|b| b.name.as_str())
+        self.libs.blas.as_deref().map(|b| b.name.as_str())
+    }
+
+    /// The library the bf16 GEMMs go to and the units it runs them on ("AVX512-BF16",
+    /// "AMX-BF16"), if one loaded (only for a program with bf16 GEMMs, on a CPU with such units).
+    pub fn bf16_gemm(&self) -> Option<(&str, &str)> {
+        self.libs.bf16.as_deref().map(|b| (b.name.as_str(), b.units))
     }
 
     /// Where buffer `b` is in memory, measured from the addresses the steps are given: its region
@@ -250,7 +262,7 @@ impl CpuProgram {
         let step = self.steps.get(i).ok_or_else(|| RuntimeError::Kernel { kernel: "-".into(), msg: format!("no step {i}") })?;
         // SAFETY: `cpu_steps` made the step over `self.mem` for this checked program (`with_panels`),
         // and `&mut self` keeps every other access away from the buffers.
-        unsafe { run_step(step, &*self.launcher, self.blas.as_deref(), &*self.comm, &self.mem) }
+        unsafe { run_step(step, &*self.launcher, &self.libs, &*self.comm, &self.mem) }
     }
 
     /// Runs the steps like `execute`, timing each: (what, seconds) per step in order, `what`

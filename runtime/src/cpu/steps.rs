@@ -7,7 +7,7 @@ use qatc_kernels::panels::PanelTable;
 use qatc_kernels::program::{BufId, Collective, Gemm, Program, Step};
 use rayon::prelude::*;
 
-use super::blas::Blas;
+use super::gemm::GemmLibs;
 use super::memory::Memory;
 use super::{gemm, Launcher};
 use crate::comm::{self, Communicator};
@@ -151,7 +151,7 @@ unsafe fn run_range(launcher: &dyn Launcher, l: &LaunchPlan, start: usize, end: 
 pub unsafe fn run_step(
     step: &CpuStep,
     launcher: &dyn Launcher,
-    blas: Option<&Blas>,
+    libs: &GemmLibs,
     comm: &dyn Communicator,
     mem: &Memory,
 ) -> Result<(), RuntimeError> {
@@ -170,7 +170,7 @@ pub unsafe fn run_step(
                 // GEMM that reads it, one after the other.
                 unsafe {
                     run_range(launcher, &f.feed, *start, *end)?;
-                    gemm::run(g, blas, |b| mem.ptr(b));
+                    gemm::run(g, libs, |b| mem.ptr(b));
                 }
             }
             Ok(())
@@ -179,7 +179,7 @@ pub unsafe fn run_step(
             // SAFETY: the GEMM passed `exec::check_gemm` against these buffers;
             // all of them are live at this step, so the layout gives them disjoint bytes (c
             // aliases no operand), and the caller keeps them from any other access.
-            unsafe { gemm::run(g, blas, |b| mem.ptr(b)) };
+            unsafe { gemm::run(g, libs, |b| mem.ptr(b)) };
             Ok(())
         }
         CpuStep::Collective(c, dtype) if c.src.buf == c.dst.buf => {

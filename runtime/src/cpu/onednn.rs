@@ -1,0 +1,183 @@
+//! oneDNN's `dnnl_gemm_bf16bf16f32`, loaded at run time when the library is on the machine
+//! (`make` installs Debian's libdnnl2): bf16 operands, f32 accumulation and f32 result, what
+//! `GemmTypes` says a bf16 GEMM computes. Where the CPU has bf16 dot products (AVX512-BF16's
+//! `vdpbf16ps`, or AMX-BF16 tiles) it runs them on the stored 16-bit operands, about twice the
+//! f32 GEMM's rate (bench/RESULTS.md: 0.83-0.99 TFLOP/s against OpenBLAS's 0.41-0.47 on the step's
+//! shapes, 2 Zen 5 cores), where the fallback (`gemm_half.rs`) widens them to f32 tiles first.
+//!
+//! Chosen over writing qatc's own `vdpbf16ps` microkernels because it is the library PyTorch's
+//! bf16 autocast itself calls on the CPU (the peer to beat runs the same GEMMs), it already
+//! packs, blocks, threads and picks AMX or AVX512-BF16 by itself, and loading it keeps one binary
+//! for every machine. Used only where the library reports a bf16 ISA
+//! (`dnnl_get_effective_cpu_isa`): elsewhere oneDNN would emulate bf16, and the widening path
+//! with OpenBLAS is the measured one there.
+
+use std::sync::{Arc, Mutex};
+
+use libloading::Library;
+
+/// dnnl_gemm_bf16bf16f32(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc): row-major.
+type GemmBf16 = unsafe extern "C" fn(u8, u8, i64, i64, i64, f32, *const u16, i64, *const u16, i64, f32, *mut f32, i64) -> i32;
+/// dnnl_get_effective_cpu_isa()
+type EffectiveIsa = unsafe extern "C" fn() -> i32;
+
+/// The library the CPU executor loads unless told otherwise (Debian 12's oneDNN 2.6).
+pub const ONEDNN: &str = "libdnnl.so.2";
+
+/// `dnnl_cpu_isa_avx512_core_bf16`'s bits: every ISA that has them (AMX's included) runs bf16
+/// dot products natively.
+const ISA_BF16: i32 = 0xe7;
+/// `dnnl_cpu_isa_avx512_core_amx`'s bits.
+const ISA_AMX: i32 = 0x3e7;
+
+/// oneDNN's bf16 GEMM, on a CPU where it runs natively.
+pub struct Bf16Gemm {
+    gemm: GemmBf16,
+    /// The library's file name, and the units it runs on ("AVX512-BF16" or "AMX-BF16").
+    pub name: String,
+    pub units: &'static str,
+    _lib: Library,
+}
+
+/// The library of that name, loaded once per process and name; None when it cannot be loaded,
+/// lacks the function, or the CPU has no bf16 units.
+pub fn load(name: &str) -> Option<Arc<Bf16Gemm>> {
+    static LOADED: Mutex<Vec<(String, Option<Arc<Bf16Gemm>>)>> = Mutex::new(Vec::new());
+    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, g)) = loaded.iter().find(|(n, _)| n == name) {
+        return g.clone();
+    }
+    let g = open(name).map(Arc::new);
+    loaded.push((name.to_string(), g.clone()));
+    g
+}
+
+fn open(name: &str) -> Option<Bf16Gemm> {
+    // SAFETY: loading oneDNN runs its initializers, as linking it would.
+    let lib = unsafe { Library::new(name) }.ok()?;
+    // SAFETY: the symbols are looked up with the signatures of oneDNN's dnnl.h.
+    unsafe {
+        let gemm: GemmBf16 = *lib.get::<GemmBf16>(b"dnnl_gemm_bf16bf16f32\0").ok()?;
+        let isa: EffectiveIsa = *lib.get::<EffectiveIsa>(b"dnnl_get_effective_cpu_isa\0").ok()?;
+        let isa = isa();
+        if isa & ISA_BF16 != ISA_BF16 {
+            return None;
+        }
+        let units = if isa & ISA_AMX == ISA_AMX { "AMX-BF16" } else { "AVX512-BF16" };
+        Some(Bf16Gemm { gemm, name: name.to_string(), units, _lib: lib })
+    }
+}
+
+/// A bf16 matrix in memory: base address, row stride, column stride (elements).
+pub type MatBf16 = (*const u16, usize, usize);
+
+/// A row-major operand of `rows x cols`: (transpose flag, leading dimension), if its strides allow.
+fn operand(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(u8, i64)> {
+    if cs == 1 && rs >= cols.max(1) {
+        Some((b'N', rs as i64))
+    } else if rs == 1 && cs >= rows.max(1) {
+        Some((b'T', cs as i64))
+    } else if rows == 1 && cs == 1 {
+        Some((b'N', cols.max(1) as i64))
+    } else {
+        None
+    }
+}
+
+/// One call's arguments as the library takes them (row-major, c possibly transposed into it).
+struct Call {
+    m: i64,
+    n: i64,
+    ta: u8,
+    lda: i64,
+    tb: u8,
+    ldb: i64,
+    ldc: i64,
+    a: *const u16,
+    b: *const u16,
+}
+
+/// The call computing c = a @ b on these strides, if the library takes them: c's rows or its
+/// columns contiguous (a column-major c is computed as c^T = b^T @ a^T), each operand's too.
+fn layout((m, n, k): (usize, usize, usize), a: MatBf16, b: MatBf16, c: (usize, usize)) -> Option<Call> {
+    if m == 0 || n == 0 || k == 0 {
+        return None;
+    }
+    let ((m, n), (a, b), c) = if c.1 != 1 && c.0 == 1 { ((n, m), ((b.0, b.2, b.1), (a.0, a.2, a.1)), (c.1, c.0)) } else { ((m, n), (a, b), c) };
+    let ldc = if c.1 == 1 && c.0 >= n {
+        c.0
+    } else if m == 1 && c.1 == 1 {
+        n
+    } else {
+        return None;
+    };
+    let (ta, lda) = operand(m, k, a.1, a.2)?;
+    let (tb, ldb) = operand(k, n, b.1, b.2)?;
+    Some(Call { m: m as i64, n: n as i64, ta, lda, tb, ldb, ldc: ldc as i64, a: a.0, b: b.0 })
+}
+
+impl Bf16Gemm {
+    /// Whether [`Bf16Gemm::gemm`] takes a product of these sizes and strides (c's row and column
+    /// strides); a sub-block of a matrix it takes is taken too (the same strides, fewer rows or
+    /// columns).
+    pub fn takes(&self, mnk: (usize, usize, usize), a: MatBf16, b: MatBf16, c: (usize, usize)) -> bool {
+        layout(mnk, a, b, c).is_some()
+    }
+
+    /// c = alpha a @ b (+ c when `accumulate`) on bf16 a [m, k] and b [k, n] into f32 c [m, n];
+    /// false (nothing done) when the layout is not one the library takes ([`Bf16Gemm::takes`])
+    /// or the library refuses the call.
+    ///
+    /// # Safety
+    /// The pointers and strides must describe live, in-bounds matrices, c's elements distinct and
+    /// apart from a's and b's, and nothing else may access c meanwhile.
+    pub unsafe fn gemm(&self, mnk: (usize, usize, usize), alpha: f32, accumulate: bool, a: MatBf16, b: MatBf16, c: (*mut f32, usize, usize)) -> bool {
+        let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        // SAFETY: the caller's contract; the library reads a and b and writes c within the
+        // leading dimensions `layout` checked against the strides.
+        let status = unsafe { (self.gemm)(l.ta, l.tb, l.m, l.n, mnk.2 as i64, alpha, l.a, l.lda, l.b, l.ldb, beta, c.0, l.ldc) };
+        status == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bf16 bits of small integers (exact).
+    fn bf(x: f32) -> u16 {
+        (x.to_bits() >> 16) as u16
+    }
+
+    /// A column-major c (rows contiguous) is computed as its transpose; a transposed a and an
+    /// accumulating call too. Small integers: every sum is exact.
+    #[test]
+    fn products_on_every_layout_it_takes() {
+        let Some(lib) = load(ONEDNN) else {
+            eprintln!("SKIPPED: oneDNN or the CPU's bf16 units missing");
+            return;
+        };
+        let (m, n, k) = (3, 5, 4);
+        let a: Vec<u16> = (0..m * k).map(|i| bf((i % 7) as f32 - 3.0)).collect(); // [m, k] row-major
+        let at: Vec<u16> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect(); // the same, stored [k, m]
+        let b: Vec<u16> = (0..k * n).map(|i| bf((i % 5) as f32 - 2.0)).collect(); // [k, n]
+        let f = |x: u16| f32::from_bits(u32::from(x) << 16);
+        let want = |i: usize, j: usize| (0..k).map(|p| f(a[i * k + p]) * f(b[p * n + j])).sum::<f32>();
+        let b_mat = (b.as_ptr(), n, 1);
+        for (a_mat, c_col_major) in [((a.as_ptr(), k, 1), false), ((at.as_ptr(), 1, m), false), ((a.as_ptr(), k, 1), true)] {
+            let mut c = vec![1f32; m * n];
+            let cs = if c_col_major { (1, m) } else { (n, 1) };
+            assert!(lib.takes((m, n, k), a_mat, b_mat, cs));
+            // SAFETY: the matrices are the vectors above, in bounds for these strides.
+            assert!(unsafe { lib.gemm((m, n, k), 2.0, true, a_mat, b_mat, (c.as_mut_ptr(), cs.0, cs.1)) });
+            for i in 0..m {
+                for j in 0..n {
+                    assert_eq!(c[i * cs.0 + j * cs.1], 1.0 + 2.0 * want(i, j), "({i}, {j}), c column-major {c_col_major}");
+                }
+            }
+        }
+        // strides with no unit dimension are refused
+        assert!(!lib.takes((m, n, k), (a.as_ptr(), 2 * k, 2), b_mat, (n, 1)));
+    }
+}
