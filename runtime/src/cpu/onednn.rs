@@ -20,6 +20,15 @@ use libloading::Library;
 type GemmBf16 = unsafe extern "C" fn(u8, u8, i64, i64, i64, f32, *const u16, i64, *const u16, i64, f32, *mut f32, i64) -> i32;
 /// dnnl_get_effective_cpu_isa()
 type EffectiveIsa = unsafe extern "C" fn() -> i32;
+/// omp_set_num_threads(n), of the OpenMP runtime oneDNN threads with (the calling thread's setting)
+type SetThreads = unsafe extern "C" fn(i32);
+
+/// Products with fewer multiply-adds than this, or a K shorter than `ONE_THREAD_K`, run on one
+/// thread: waking OpenMP's second thread costs more than it saves. Measured on the step's shapes
+/// (2 Zen 5 cores, passive waiting): 256x768x128 takes the same on one or two, 256x2304x64 and
+/// 256x3072x32 15-20% longer on two, 256x768x256 30% shorter.
+const ONE_THREAD_MACS: usize = 1 << 25;
+const ONE_THREAD_K: usize = 128;
 
 /// The library the CPU executor loads unless told otherwise (Debian 12's oneDNN 2.6).
 pub const ONEDNN: &str = "libdnnl.so.2";
@@ -33,6 +42,7 @@ const ISA_AMX: i32 = 0x3e7;
 /// oneDNN's bf16 GEMM, on a CPU where it runs natively.
 pub struct Bf16Gemm {
     gemm: GemmBf16,
+    set_threads: Option<SetThreads>,
     /// The library's file name, and the units it runs on ("AVX512-BF16" or "AMX-BF16").
     pub name: String,
     pub units: &'static str,
@@ -64,7 +74,9 @@ fn open(name: &str) -> Option<Bf16Gemm> {
             return None;
         }
         let units = if isa & ISA_AMX == ISA_AMX { "AMX-BF16" } else { "AVX512-BF16" };
-        Some(Bf16Gemm { gemm, name: name.to_string(), units, _lib: lib })
+        // found among the library's dependencies (libgomp), when it threads with OpenMP
+        let set_threads = lib.get::<SetThreads>(b"omp_set_num_threads\0").ok().map(|f| *f);
+        Some(Bf16Gemm { gemm, set_threads, name: name.to_string(), units, _lib: lib })
     }
 }
 
@@ -134,6 +146,12 @@ impl Bf16Gemm {
     pub unsafe fn gemm(&self, mnk: (usize, usize, usize), alpha: f32, accumulate: bool, a: MatBf16, b: MatBf16, c: (*mut f32, usize, usize)) -> bool {
         let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
         let beta = if accumulate { 1.0 } else { 0.0 };
+        if let Some(set) = self.set_threads {
+            let (m, n, k) = mnk;
+            let one = m * n * k < ONE_THREAD_MACS || k < ONE_THREAD_K;
+            // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
+            unsafe { set(if one { 1 } else { rayon::current_num_threads().max(1) as i32 }) };
+        }
         // SAFETY: the caller's contract; the library reads a and b and writes c within the
         // leading dimensions `layout` checked against the strides.
         let status = unsafe { (self.gemm)(l.ta, l.tb, l.m, l.n, mnk.2 as i64, alpha, l.a, l.lda, l.b, l.ldb, beta, c.0, l.ldc) };
