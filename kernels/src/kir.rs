@@ -200,7 +200,6 @@ impl Expr {
         Expr::Load { param, index: Box::new(index) }
     }
 
-    /// Visits this expression and every sub-expression, parents first.
     /// Calls `f` on each direct operand of this expression, in order (rewrites recurse with it).
     pub fn for_each_child_mut(&mut self, mut f: impl FnMut(&mut Expr)) {
         match self {
@@ -220,6 +219,7 @@ impl Expr {
         }
     }
 
+    /// Visits this expression and every sub-expression, parents first.
     pub fn visit(&self, f: &mut impl FnMut(&Expr)) {
         f(self);
         match self {

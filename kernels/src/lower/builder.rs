@@ -265,7 +265,9 @@ impl<'g> KernelBuilder<'g> {
             return Err(KernelError::Internal(format!("{family}: unbalanced loops")));
         }
         let names = self.names;
-        let mut stmts = super::tidy::inline_single_use(self.blocks.pop().unwrap_or_default(), &|v| names.contains_key(&v));
+        let mut body = self.blocks.pop().unwrap_or_default();
+        super::rounding::drop_exact_roundings(&mut body, &self.params);
+        let mut stmts = super::tidy::inline_single_use(body, &|v| names.contains_key(&v));
         // operands in operand order, then outputs
         let rank = |i: usize| {
             let pos = self.src.order.iter().position(|&b| b == self.args[i]).unwrap_or(usize::MAX);

@@ -61,6 +61,7 @@ pub(crate) mod inplace;
 mod node;
 mod overwrite;
 mod reduce;
+mod rounding;
 mod rows;
 mod scatter;
 mod tidy;

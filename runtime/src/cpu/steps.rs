@@ -207,12 +207,16 @@ pub unsafe fn run_step(
     }
 }
 
-/// What a step is, for a profile: the kernel's family (with `by_kernel`, also its iterations and
-/// index), or `gemm MxNxK`.
+/// What a step is, for a profile: the kernel's family (with `by_kernel`, also its iterations,
+/// index and the start of its note), or `gemm MxNxK`.
 pub fn label(step: &CpuStep, prog: &Program, by_kernel: bool) -> String {
     let family = |k: usize| prog.kernels.get(k).map_or("?", |k| k.family.as_str());
     match step {
-        CpuStep::Launch(l) if by_kernel => format!("{} [{}] #{}", family(l.kernel), l.iterations, l.kernel),
+        CpuStep::Launch(l) if by_kernel => {
+            let note = prog.kernels.get(l.kernel).map_or("", |k| k.note.as_str());
+            let short: String = note.chars().take(72).collect();
+            format!("{} [{}] #{} {short}", family(l.kernel), l.iterations, l.kernel)
+        }
         CpuStep::Launch(l) => family(l.kernel).to_string(),
         CpuStep::Gemm(g) => crate::exec::gemm_label(g.m, g.n, g.k, g.batch()),
         CpuStep::Fed(f) => format!("gemm {}x{}x{} fed by {}", f.dims.0, f.dims.1, f.dims.2, family(f.feed.kernel)),
