@@ -5,6 +5,7 @@
 //! input to the loss, so frozen weights get no weight-gradient matmul and frozen branches that no
 //! trainable tensor feeds get no backward at all.
 
+mod assemble;
 mod rules;
 
 use std::collections::HashMap;
@@ -60,6 +61,13 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         // (micro-batches under --grad-accum) fold each contribution in as it is made, instead of
         // holding all of them until the first reader's comes last.
         parts.reverse();
+        if parts.len() > 1 {
+            let before = parts.len();
+            parts = assemble::assemble_slices(&mut g, &parts).in_pass(Stage::Autodiff)?;
+            if parts.len() < before {
+                report.count("slice_grads_assembled", (before - parts.len() + 1) as i64);
+            }
+        }
         let mut dy = parts[0];
         for &p in &parts[1..] {
             dy = g.add(Op::Binary(BinaryOp::Add), &[dy, p]).in_pass(Stage::Autodiff)?;
@@ -96,6 +104,11 @@ pub fn autodiff(mut g: Graph) -> Result<(Graph, PassReport), PassError> {
         };
         g.set_name(gr, grad_name(&name));
         g.set_output(grad_name(&name), gr).in_pass(Stage::Autodiff)?;
+    }
+    // the zero-padded slice gradients `assemble` replaced
+    let dead = g.remove_dead(false);
+    if dead > 0 {
+        report.count("dead_removed", dead as i64);
     }
     report.set("trainable", trainable.len() as i64);
     report.set("forward_nodes", forward_nodes as i64);
