@@ -78,5 +78,10 @@ pub fn assemble_slices(g: &mut Graph, parts: &[NodeId]) -> Result<Vec<NodeId>, I
     let whole = g.add(Op::Concat { axis: lead.axis }, &operands)?;
     let taken: Vec<usize> = group.iter().map(|(i, _)| *i).collect();
     let first = *first;
-    Ok(parts.iter().enumerate().filter(|(i, _)| *i == first || !taken.contains(i)).map(|(i, &p)| if i == first { whole } else { p }).collect())
+    Ok(parts
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i == first || !taken.contains(i))
+        .map(|(i, &p)| if i == first { whole } else { p })
+        .collect())
 }

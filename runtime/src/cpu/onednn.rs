@@ -115,7 +115,8 @@ fn layout((m, n, k): (usize, usize, usize), a: MatBf16, b: MatBf16, c: (usize, u
     if m == 0 || n == 0 || k == 0 {
         return None;
     }
-    let ((m, n), (a, b), c) = if c.1 != 1 && c.0 == 1 { ((n, m), ((b.0, b.2, b.1), (a.0, a.2, a.1)), (c.1, c.0)) } else { ((m, n), (a, b), c) };
+    let ((m, n), (a, b), c) =
+        if c.1 != 1 && c.0 == 1 { ((n, m), ((b.0, b.2, b.1), (a.0, a.2, a.1)), (c.1, c.0)) } else { ((m, n), (a, b), c) };
     let ldc = if c.1 == 1 && c.0 >= n {
         c.0
     } else if m == 1 && c.1 == 1 {
@@ -143,7 +144,15 @@ impl Bf16Gemm {
     /// # Safety
     /// The pointers and strides must describe live, in-bounds matrices, c's elements distinct and
     /// apart from a's and b's, and nothing else may access c meanwhile.
-    pub unsafe fn gemm(&self, mnk: (usize, usize, usize), alpha: f32, accumulate: bool, a: MatBf16, b: MatBf16, c: (*mut f32, usize, usize)) -> bool {
+    pub unsafe fn gemm(
+        &self,
+        mnk: (usize, usize, usize),
+        alpha: f32,
+        accumulate: bool,
+        a: MatBf16,
+        b: MatBf16,
+        c: (*mut f32, usize, usize),
+    ) -> bool {
         let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
         let beta = if accumulate { 1.0 } else { 0.0 };
         if let Some(set) = self.set_threads {

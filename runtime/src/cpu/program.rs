@@ -13,9 +13,9 @@ use qatc_kernels::program::{BufId, Program, View};
 
 use super::blas;
 use super::gemm::GemmLibs;
-use super::onednn;
 use super::kir_eval::KirEval;
 use super::memory::{Memory, ALIGN};
+use super::onednn;
 use super::options::CpuOptions;
 use super::steps::{cpu_steps, label, run_step, CpuStep};
 use super::Launcher;
