@@ -18,6 +18,7 @@
 //!   --precision P      fp32 (default), bf16 or fp16 (`--precision` of `qatc train`)
 //!   --unchunked-xent   the logits materialized whole (the chunked linear + cross-entropy's
 //!                      fusion rules off), to compare the chunked step against the step before it
+//!   --batch B          the batch size instead of the config's (bench/cpu_peers.sh: 124M at B 4)
 
 use std::time::Instant;
 
@@ -41,6 +42,7 @@ struct Flags {
     full_finetune: bool,
     precision: Precision,
     unchunked_xent: bool,
+    batch: Option<usize>,
 }
 
 fn flags(args: &[String]) -> anyhow::Result<Flags> {
@@ -51,6 +53,7 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
         full_finetune: false,
         precision: Precision::Fp32,
         unchunked_xent: false,
+        batch: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -67,6 +70,7 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
             "--full-finetune" => f.full_finetune = true,
             "--precision" => f.precision = <Precision as clap::ValueEnum>::from_str(value()?, true).map_err(anyhow::Error::msg)?,
             "--unchunked-xent" => f.unchunked_xent = true,
+            "--batch" => f.batch = Some(value()?.parse()?),
             other => anyhow::bail!("unknown flag {other}"),
         }
     }
@@ -99,6 +103,7 @@ fn main() -> anyhow::Result<()> {
         Some("demo") => (demo, 4, 128, "demo", "q4_0", 32),
         Some(other) => anyhow::bail!("model must be small, 124m or demo, got {other}"),
     };
+    let b = f.batch.unwrap_or(b);
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("model.safetensors");
     write_synthetic(&path, &cfg, DType::F32, false, 7)?;
@@ -145,7 +150,7 @@ fn main() -> anyhow::Result<()> {
     }
     let med = times[times.len() / 2];
     println!(
-        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"precision\": \"{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
+        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"batch\": {b}, \"seq\": {t}, \"precision\": \"{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
         if interpreter { "interpreter" } else { "compiled" },
         match (f.round_trip, f.unchunked_xent) {
             (true, _) => "-host-round-trip",

@@ -228,30 +228,56 @@ def quantize_weights_(m, quant):
             c.weight.copy_(fake_quant_minmax(c.weight, *quant))
 
 
+def autocast(a):
+    """`--autocast bf16`: forward and loss under torch.autocast('cpu', bfloat16), as a PyTorch
+    user's mixed-precision script runs them (qatc's `--precision bf16` is measured against it)."""
+    import contextlib
+    if getattr(a, "autocast", "none") == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lr_factor(a, s):
+    """qatc's LrSchedule.at(s) / lr (src/schedule.rs): linear warmup from (s+1)/warmup, then
+    constant or cosine to --min-lr at the end of the run. Every group is scaled by it (qatc scales
+    the learned scales' rate with the same schedule)."""
+    if s < a.warmup:
+        return (s + 1) / a.warmup
+    if a.schedule == "cosine":
+        span = max(a.steps - a.warmup, 1)
+        frac = min((s - a.warmup) / span, 1.0)
+        return (a.min_lr + 0.5 * (a.lr - a.min_lr) * (1.0 + math.cos(math.pi * frac))) / a.lr
+    return 1.0
+
+
 @torch.no_grad()
-def evaluate(m, toks, b, t, n):
+def evaluate(m, toks, b, t, n, a=None):
     m.eval()
     total = 0.0
     for s in range(n):
         ids, tgt = batch(toks, s, b, t)
-        logits = m(input_ids=ids).logits
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1)).item()
+        with autocast(a):
+            logits = m(input_ids=ids).logits
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1)).item()
     return total / n
 
 
 def train(m, params, toks, a, log):
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(a, s))
     nb = (len(toks) - 1) // (a.batch * a.seq)
     m.train()
     losses = []
     for step in range(a.steps):
         s = shuffled_batch(a.seed, step, nb)
         ids, tgt = batch(toks, s, a.batch, a.seq)
-        logits = m(input_ids=ids).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+        with autocast(a):
+            logits = m(input_ids=ids).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
         losses.append(loss.item())
         if log and (step + 1) % 50 == 0:
             print(f"  step {step + 1}: loss {np.mean(losses[-50:]):.4f}", file=sys.stderr)
@@ -287,6 +313,23 @@ def own_lora(m, quant, a):
     return m, groups
 
 
+def save_init(m, a, out_dir):
+    """The LoRA's initial A and B as a PEFT adapter (`qatc train --init-adapter DIR` starts from
+    the same values)."""
+    import safetensors.torch
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for n, p in m.named_parameters():
+        for side in ("lora_A", "lora_B"):
+            if n.endswith(side):
+                tensors[f"base_model.model.transformer.{n[len('transformer.'):-len(side)]}{side}.weight"] = p.detach().clone().contiguous()
+    safetensors.torch.save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": a.r, "lora_alpha": a.alpha, "lora_dropout": 0.0,
+           "target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True, "bias": "none"}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def main():
     # the embedded copies of ../shared/models/gpt2-shakespeare-small and ../shared/data/shakespeare
     examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
@@ -310,6 +353,12 @@ def main():
     ap.add_argument("--val-batches", type=int, default=60)
     ap.add_argument("--lora-fp", action="store_true", help="also train LoRA on the unquantized model")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=0)
+    ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"])
+    ap.add_argument("--min-lr", type=float, default=0.0)
+    ap.add_argument("--autocast", default="none", choices=["none", "bf16"])
+    ap.add_argument("--save-init", help="write the LoRA's initial values here as a PEFT adapter (own LoRA only)")
+    ap.add_argument("--skip-baselines", action="store_true", help="only the QAT + LoRA run (no fp / ptq evaluations)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -319,10 +368,12 @@ def main():
     out = {"peer": "pytorch+peft" if (a.qat, a.scales) == ("base", "minmax") else "pytorch",
            "bits": a.bits, "group": a.group, "scheme": a.scheme, "qat": a.qat, "scales": a.scales,
            "steps": a.steps, "lr": a.lr, "val_batches": n, "torch": torch.__version__}
-    out["fp"] = evaluate(load(a.model), va, a.batch, a.seq, n)
-    m = load(a.model)
-    quantize_weights_(m, quant)
-    out["ptq"] = evaluate(m, va, a.batch, a.seq, n)
+    out["autocast"] = a.autocast
+    if not a.skip_baselines:
+        out["fp"] = evaluate(load(a.model), va, a.batch, a.seq, n, a)
+        m = load(a.model)
+        quantize_weights_(m, quant)
+        out["ptq"] = evaluate(m, va, a.batch, a.seq, n, a)
     t0 = time.time()
     m = load(a.model)
     if (a.qat, a.scales) == ("base", "minmax"):
@@ -331,10 +382,12 @@ def main():
         m, params = own_lora(m, quant, a)
         if a.scales == "learned":
             out["scale_lr"] = a.scale_lr
+        if a.save_init:
+            save_init(m, a, a.save_init)
     losses = train(m, params, tr, a, True)
     out["train_loss_first10"] = float(np.mean(losses[:10]))
     out["train_loss_last10"] = float(np.mean(losses[-10:]))
-    out["qat_lora"] = evaluate(m, va, a.batch, a.seq, n)
+    out["qat_lora"] = evaluate(m, va, a.batch, a.seq, n, a)
     out["train_s"] = time.time() - t0
     if a.lora_fp:
         torch.manual_seed(a.seed)

@@ -207,6 +207,32 @@ pub unsafe fn run_step(
     }
 }
 
+/// Runs a fed GEMM as `run_step` does, timing its two halves: (seconds computing the panels,
+/// seconds in the GEMMs), for a profile that tells dequantization from multiplication.
+///
+/// # Safety
+/// As `run_step`.
+pub unsafe fn run_fed_timed(f: &Fed, launcher: &dyn Launcher, libs: &GemmLibs, mem: &Memory) -> Result<(f64, f64), RuntimeError> {
+    let (mut feed, mut product) = (0.0, 0.0);
+    for ((start, end), g) in &f.panels {
+        let t = std::time::Instant::now();
+        // SAFETY: as in `run_step`.
+        unsafe { run_range(launcher, &f.feed, *start, *end)? };
+        feed += t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        // SAFETY: as in `run_step`.
+        unsafe { gemm::run(g, libs, |b| mem.ptr(b)) };
+        product += t.elapsed().as_secs_f64();
+    }
+    Ok((feed, product))
+}
+
+/// The feed half of a fed GEMM in a profile (`run_fed_timed`): its kernel's family and the GEMM.
+pub fn feed_label(f: &Fed, prog: &Program) -> String {
+    let family = prog.kernels.get(f.feed.kernel).map_or("?", |k| k.family.as_str());
+    format!("{family} feeding gemm {}x{}x{}", f.dims.0, f.dims.1, f.dims.2)
+}
+
 /// What a step is, for a profile: the kernel's family (with `by_kernel`, also its iterations,
 /// index and the start of its note), or `gemm MxNxK`.
 pub fn label(step: &CpuStep, prog: &Program, by_kernel: bool) -> String {
