@@ -16,9 +16,9 @@
 //! to its left (`a <- b`: b uses a; `kernels/tests/module_layers.rs` checks this line against
 //! their `super::` paths):
 //!
-//! Layers: tidy/hoist/inplace/overwrite <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
+//! Layers: tidy/hoist/inplace/overwrite/rounding <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
 //!
-//! `builder` builds one kernel (`tidy` and `hoist` clean its body); `inline` computes a node's
+//! `builder` builds one kernel (`tidy`, `hoist` and `rounding` clean its body); `inline` computes a node's
 //! value at an index; `anchor` is an op lowered into a kernel of its own, which `rows`, `reduce`
 //! and `scatter` lower; `fused` splits a fused node at its anchors and routes each to its file
 //! (`lower_anchor`), or to `attention`, which gets its operands' views through the function

@@ -129,8 +129,9 @@ mod tests {
         Param { name: "p".into(), dtype: d, shape: vec![8], write: false }
     }
 
+    /// What `builder::round_to` writes for a 16-bit node.
     fn round(d: DType, e: Expr) -> Expr {
-        crate::lower::builder::round_to(d, e)
+        Expr::un(if d == DType::F16 { UnOp::RoundF16 } else { UnOp::RoundBf16 }, e)
     }
 
     #[test]
