@@ -1,6 +1,7 @@
 //! `GemmAttention` (attention kernels as GEMMs over blocks of query rows) against the kernel-IR
 //! evaluator's plain per-row attention, part by part, at sizes that do not fit the 64-row blocks
-//! (T 70 and 131: a short last block) and on head views strided the way GPT-2's qkv slices are.
+//! (T 70 and 131: a short last block) and on head views strided the way GPT-2's qkv slices are;
+//! with the products by the gemm crate, and by oneDNN's f32 GEMM where it loads.
 
 use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel, Param, Ty};
@@ -8,6 +9,7 @@ use qatc_runtime::cpu::{GemmAttention, KirEval, Launcher};
 
 const TOL: f64 = 1e-5;
 
+#[derive(Clone, Copy)]
 struct Dims {
     b: usize,
     nh: usize,
@@ -116,11 +118,20 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 
 fn check(d: Dims) {
+    check_with(&d, None);
+    match qatc_runtime::cpu::onednn::load(qatc_runtime::cpu::onednn::ONEDNN) {
+        Some(lib) => check_with(&d, Some(lib)),
+        None => eprintln!("SKIPPED the oneDNN products: the library or the CPU's bf16 units are missing"),
+    }
+}
+
+fn check_with(d: &Dims, onednn: Option<std::sync::Arc<qatc_runtime::cpu::onednn::Bf16Gemm>>) {
     use AttentionPart::*;
+    let d = *d;
     let parts = [Forward, Lse, BackwardDelta, BackwardQ, BackwardKV, BackwardV];
     let kernels: Vec<(Kernel, Vec<usize>)> = parts.iter().map(|&p| kernel(&d, p)).collect();
     let ks: Vec<Kernel> = kernels.iter().map(|k| k.0.clone()).collect();
-    let (slow, fast) = (KirEval::new(&ks), GemmAttention::new(KirEval::new(&ks), &ks));
+    let (slow, fast) = (KirEval::new(&ks), GemmAttention::new(KirEval::new(&ks), &ks).with_onednn(onednn));
     let (mut want, mut got) = (buffers(&d), buffers(&d));
     for (i, part) in parts.iter().enumerate() {
         launch(&slow, i, &mut want, &kernels[i].1, &d, 1);

@@ -18,10 +18,13 @@
 //! The scores of a block live in a [bm, T] scratch, never the whole T x T matrix. Launch ranges
 //! must cover whole heads (the executor splits attention launches on multiples of T).
 
+use std::sync::Arc;
+
 use gemm::Parallelism;
 use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel};
 
+use super::onednn::Bf16Gemm;
 use super::vmath::exp_shift_sum;
 use super::Launcher;
 use crate::error::RuntimeError;
@@ -33,6 +36,8 @@ const BLOCK: usize = 64;
 pub struct GemmAttention<L> {
     inner: L,
     attention: Vec<Option<(Attention, String)>>,
+    /// oneDNN's f32 GEMM, when loaded: the products run there instead of the gemm crate.
+    onednn: Option<Arc<Bf16Gemm>>,
 }
 
 impl<L: Launcher> GemmAttention<L> {
@@ -46,7 +51,13 @@ impl<L: Launcher> GemmAttention<L> {
                 _ => None,
             })
             .collect();
-        GemmAttention { inner, attention }
+        GemmAttention { inner, attention, onednn: None }
+    }
+
+    /// The products by oneDNN's f32 GEMM (one thread per call) instead of the gemm crate's.
+    pub fn with_onednn(mut self, lib: Option<Arc<Bf16Gemm>>) -> GemmAttention<L> {
+        self.onednn = lib;
+        self
     }
 }
 
@@ -66,13 +77,15 @@ impl Mat {
     }
 }
 
-/// dst[m, n] (= or +=) beta * lhs[m, k] @ rhs[k, n], single-threaded (heads run in parallel);
-/// each operand as (pointer, row stride, column stride).
+/// dst[m, n] (= or +=) beta * lhs[m, k] @ rhs[k, n], single-threaded (heads run in parallel),
+/// by oneDNN when given and it takes the layout, else the gemm crate; each operand as (pointer,
+/// row stride, column stride).
 ///
 /// # Safety
 /// Every element the strides reach must be valid, and dst must not overlap lhs or rhs.
 #[allow(clippy::too_many_arguments)]
 unsafe fn mm(
+    lib: Option<&Bf16Gemm>,
     m: usize,
     n: usize,
     k: usize,
@@ -84,6 +97,22 @@ unsafe fn mm(
 ) {
     if m == 0 || n == 0 {
         return;
+    }
+    if let Some(lib) = lib {
+        let u = |x: isize| x as usize;
+        // SAFETY: the caller's guarantee (the strides are the views' own, never negative).
+        if unsafe {
+            lib.sgemm_one_thread(
+                (m, n, k),
+                beta,
+                acc,
+                (lhs.0, u(lhs.1), u(lhs.2)),
+                (rhs.0, u(rhs.1), u(rhs.2)),
+                (dst.0, u(dst.1), u(dst.2)),
+            )
+        } {
+            return;
+        }
     }
     // SAFETY: the caller's guarantee; gemm reads dst only when `acc`.
     unsafe {
@@ -113,6 +142,7 @@ unsafe fn mm(
 
 struct Head<'a> {
     a: &'a Attention,
+    lib: Option<&'a Bf16Gemm>,
     t: usize,
     hs: usize,
     scale: f32,
@@ -170,6 +200,7 @@ impl Head<'_> {
         // SAFETY: the rows are within the head by the caller's guarantee, `s` is [bm, n] row-major.
         unsafe {
             mm(
+                self.lib,
                 bm,
                 n,
                 self.hs,
@@ -206,6 +237,7 @@ impl Head<'_> {
             // SAFETY: as `scores`; the output is no operand of the product.
             unsafe {
                 mm(
+                    self.lib,
                     bm,
                     self.hs,
                     n,
@@ -244,11 +276,22 @@ impl Head<'_> {
             let dout = need(self.dout)?;
             if part == AttentionPart::BackwardV {
                 let dv = need(self.out[0])?;
-                mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+                mm(
+                    self.lib,
+                    n,
+                    hs,
+                    bm,
+                    (dv.ptr, dv.rs as isize, 1),
+                    true,
+                    (s.as_ptr(), 1, n as isize),
+                    (f(dout.row(i0)), dout.rs as isize, 1),
+                    1.0,
+                );
                 return Ok(());
             }
             let v = need(self.v)?;
             mm(
+                self.lib,
                 bm,
                 n,
                 hs,
@@ -269,7 +312,17 @@ impl Head<'_> {
             // dS = scale P (dP - delta), over P's storage once dV has used P
             if part == AttentionPart::BackwardKV {
                 let dv = need(self.out[1])?;
-                mm(n, hs, bm, (dv.ptr, dv.rs as isize, 1), true, (s.as_ptr(), 1, n as isize), (f(dout.row(i0)), dout.rs as isize, 1), 1.0);
+                mm(
+                    self.lib,
+                    n,
+                    hs,
+                    bm,
+                    (dv.ptr, dv.rs as isize, 1),
+                    true,
+                    (s.as_ptr(), 1, n as isize),
+                    (f(dout.row(i0)), dout.rs as isize, 1),
+                    1.0,
+                );
             }
             for i in 0..bm {
                 let di = *delta.add(i0 + i);
@@ -279,6 +332,7 @@ impl Head<'_> {
             if part == AttentionPart::BackwardQ {
                 let dq = need(self.out[0])?;
                 mm(
+                    self.lib,
                     bm,
                     hs,
                     n,
@@ -291,6 +345,7 @@ impl Head<'_> {
             } else {
                 let dk = need(self.out[0])?;
                 mm(
+                    self.lib,
                     n,
                     hs,
                     bm,
@@ -369,6 +424,7 @@ impl<L> GemmAttention<L> {
             let opt = |p: Option<usize>| p.map(mat).transpose();
             let head = Head {
                 a,
+                lib: self.onednn.as_deref(),
                 t: a.t,
                 hs: a.hs,
                 scale: a.scale as f32,

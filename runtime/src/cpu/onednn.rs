@@ -5,6 +5,9 @@
 //! f32 GEMM's rate (bench/RESULTS.md: 0.83-0.99 TFLOP/s against OpenBLAS's 0.41-0.47 on the step's
 //! shapes, 2 Zen 5 cores), where the fallback (`gemm_half.rs`) widens them to f32 tiles first.
 //!
+//! The same library's f32 GEMM runs the attention's small per-head products on one thread each
+//! (`attn_gemm.rs`), where it loads.
+//!
 //! Chosen over writing qatc's own `vdpbf16ps` microkernels because it is the library PyTorch's
 //! bf16 autocast itself calls on the CPU (the peer to beat runs the same GEMMs), it already
 //! packs, blocks, threads and picks AMX or AVX512-BF16 by itself, and loading it keeps one binary
@@ -18,6 +21,8 @@ use libloading::Library;
 
 /// dnnl_gemm_bf16bf16f32(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc): row-major.
 type GemmBf16 = unsafe extern "C" fn(u8, u8, i64, i64, i64, f32, *const u16, i64, *const u16, i64, f32, *mut f32, i64) -> i32;
+/// dnnl_sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc): row-major f32.
+type Sgemm = unsafe extern "C" fn(u8, u8, i64, i64, i64, f32, *const f32, i64, *const f32, i64, f32, *mut f32, i64) -> i32;
 /// dnnl_get_effective_cpu_isa()
 type EffectiveIsa = unsafe extern "C" fn() -> i32;
 /// omp_set_num_threads(n), of the OpenMP runtime oneDNN threads with (the calling thread's setting)
@@ -39,9 +44,11 @@ const ISA_BF16: i32 = 0xe7;
 /// `dnnl_cpu_isa_avx512_core_amx`'s bits.
 const ISA_AMX: i32 = 0x3e7;
 
-/// oneDNN's bf16 GEMM, on a CPU where it runs natively.
+/// oneDNN's bf16 GEMM, on a CPU where it runs natively; and its f32 GEMM, for the attention's
+/// small per-head products (`attn_gemm.rs`).
 pub struct Bf16Gemm {
     gemm: GemmBf16,
+    sgemm: Sgemm,
     set_threads: Option<SetThreads>,
     /// The library's file name, and the units it runs on ("AVX512-BF16" or "AMX-BF16").
     pub name: String,
@@ -68,6 +75,7 @@ fn open(name: &str) -> Option<Bf16Gemm> {
     // SAFETY: the symbols are looked up with the signatures of oneDNN's dnnl.h.
     unsafe {
         let gemm: GemmBf16 = *lib.get::<GemmBf16>(b"dnnl_gemm_bf16bf16f32\0").ok()?;
+        let sgemm: Sgemm = *lib.get::<Sgemm>(b"dnnl_sgemm\0").ok()?;
         let isa: EffectiveIsa = *lib.get::<EffectiveIsa>(b"dnnl_get_effective_cpu_isa\0").ok()?;
         let isa = isa();
         if isa & ISA_BF16 != ISA_BF16 {
@@ -76,7 +84,7 @@ fn open(name: &str) -> Option<Bf16Gemm> {
         let units = if isa & ISA_AMX == ISA_AMX { "AMX-BF16" } else { "AVX512-BF16" };
         // found among the library's dependencies (libgomp), when it threads with OpenMP
         let set_threads = lib.get::<SetThreads>(b"omp_set_num_threads\0").ok().map(|f| *f);
-        Some(Bf16Gemm { gemm, set_threads, name: name.to_string(), units, _lib: lib })
+        Some(Bf16Gemm { gemm, sgemm, set_threads, name: name.to_string(), units, _lib: lib })
     }
 }
 
@@ -97,7 +105,7 @@ fn operand(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(u8, i64)> 
 }
 
 /// One call's arguments as the library takes them (row-major, c possibly transposed into it).
-struct Call {
+struct Call<T> {
     m: i64,
     n: i64,
     ta: u8,
@@ -105,13 +113,19 @@ struct Call {
     tb: u8,
     ldb: i64,
     ldc: i64,
-    a: *const u16,
-    b: *const u16,
+    a: *const T,
+    b: *const T,
 }
 
 /// The call computing c = a @ b on these strides, if the library takes them: c's rows or its
 /// columns contiguous (a column-major c is computed as c^T = b^T @ a^T), each operand's too.
-fn layout((m, n, k): (usize, usize, usize), a: MatBf16, b: MatBf16, c: (usize, usize)) -> Option<Call> {
+#[allow(clippy::type_complexity)]
+fn layout<T>(
+    (m, n, k): (usize, usize, usize),
+    a: (*const T, usize, usize),
+    b: (*const T, usize, usize),
+    c: (usize, usize),
+) -> Option<Call<T>> {
     if m == 0 || n == 0 || k == 0 {
         return None;
     }
@@ -164,6 +178,35 @@ impl Bf16Gemm {
         // SAFETY: the caller's contract; the library reads a and b and writes c within the
         // leading dimensions `layout` checked against the strides.
         let status = unsafe { (self.gemm)(l.ta, l.tb, l.m, l.n, mnk.2 as i64, alpha, l.a, l.lda, l.b, l.ldb, beta, c.0, l.ldc) };
+        status == 0
+    }
+
+    /// c = alpha a @ b (+ c when `accumulate`) in f32 on the calling thread alone: the
+    /// attention's per-head products, which rayon's threads run side by side. oneDNN's AVX-512
+    /// kernels against the gemm crate's AVX2 ones (it needs a nightly compiler for AVX-512):
+    /// 124M's attention backward at B 1, T 256 took 27 ms instead of 48, its forward 8 instead
+    /// of 11. False, nothing done, when the layout is not one the library takes.
+    ///
+    /// # Safety
+    /// As [`Bf16Gemm::gemm`], on f32 matrices.
+    #[allow(clippy::type_complexity)]
+    pub unsafe fn sgemm_one_thread(
+        &self,
+        mnk: (usize, usize, usize),
+        alpha: f32,
+        accumulate: bool,
+        a: (*const f32, usize, usize),
+        b: (*const f32, usize, usize),
+        c: (*mut f32, usize, usize),
+    ) -> bool {
+        let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        if let Some(set) = self.set_threads {
+            // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
+            unsafe { set(1) };
+        }
+        // SAFETY: as in `gemm`.
+        let status = unsafe { (self.sgemm)(l.ta, l.tb, l.m, l.n, mnk.2 as i64, alpha, l.a, l.lda, l.b, l.ldb, beta, c.0, l.ldc) };
         status == 0
     }
 }

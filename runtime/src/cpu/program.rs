@@ -151,7 +151,9 @@ impl CpuProgram {
             .map_err(|e| RuntimeError::Compile(e.to_string()))?;
         let built = jit.report().clone();
         let launcher: Box<dyn Launcher> = match cpu.attention {
-            super::CpuAttention::Gemm => Box::new(super::GemmAttention::new(jit, &prog.kernels)),
+            super::CpuAttention::Gemm => {
+                Box::new(super::GemmAttention::new(jit, &prog.kernels).with_onednn(cpu.bf16_gemm.as_deref().and_then(onednn::load)))
+            }
             super::CpuAttention::Kernels => Box::new(jit),
         };
         let exec = ExecOptions::for_target(&qatc_kernels::Target::cpu());
