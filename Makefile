@@ -11,6 +11,11 @@ VAL   := examples/shakespeare_val.bin
 TRAIN := examples/shakespeare_train.bin
 QATC  := target/release/qatc
 
+# qatc names OpenBLAS's kernel set from the CPU (runtime/src/cpu/mod.rs, library_env) unless the
+# environment does; some machines' environments name a weaker one (OPENBLAS_CORETYPE=Haswell on
+# AVX-512 CPUs: half the f32 GEMM rate), so the demo, the tests and the benchmarks run without it.
+unexport OPENBLAS_CORETYPE
+
 .PHONY: all deps llvm mpi openblas onednn nvrtc build demo quality-model test lint bench gpu-bundle clean
 
 all: build

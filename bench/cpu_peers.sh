@@ -7,6 +7,9 @@
 # config, qatc's fastest against the fastest peer. Needs the peer environment.
 # Usage: bench/cpu_peers.sh [STEPS]   (ROUNDS=2 runs every row twice, interleaved)
 set -euo pipefail
+# qatc names OpenBLAS's kernel set from the CPU unless the environment does; some machines'
+# environments name a weaker one (OPENBLAS_CORETYPE=Haswell on AVX-512 CPUs: half the f32 GEMM rate)
+unset OPENBLAS_CORETYPE
 cd "$(dirname "$0")/.."
 steps=${1:-5}
 rounds=${ROUNDS:-1}

@@ -2,6 +2,9 @@
 # The CPU benchmarks, each against its peer in the same run on the same machine.
 # Needs the PyTorch peer environment (../shared/tools/peer-env.sh) for the peer's figures.
 set -euo pipefail
+# qatc names OpenBLAS's kernel set from the CPU unless the environment does; some machines'
+# environments name a weaker one (OPENBLAS_CORETYPE=Haswell on AVX-512 CPUs: half the f32 GEMM rate)
+unset OPENBLAS_CORETYPE
 cd "$(dirname "$0")/.."
 py=$(bash ../shared/tools/peer-env.sh | tail -1)
 cargo build --release --examples

@@ -65,11 +65,20 @@ fn main() {
     default_sigpipe();
     // Process-wide settings, made before any thread starts: what the GEMM libraries read when
     // they load (`qatc_runtime::cpu::library_env` says why), unless the user set them.
+    let mut notes = Vec::new();
     for (name, value) in qatc_runtime::cpu::library_env() {
-        if std::env::var_os(name).is_none() {
-            std::env::set_var(name, value);
+        match std::env::var(name) {
+            Err(_) => std::env::set_var(name, value),
+            // a machine's environment may name a weaker kernel set than the CPU has (seen here:
+            // OPENBLAS_CORETYPE=Haswell on AVX-512 machines, which made 124M's fp32 step take
+            // 0.76 s instead of 0.44): the user's choice stands, and `qatc train` points it out
+            Ok(set) if set != value && name == "OPENBLAS_CORETYPE" => notes.push(format!(
+                "qatc: note: {name}={set} is set in the environment; this CPU's best OpenBLAS kernels are {value}'s, which qatc would pick: unset it for faster f32 GEMMs"
+            )),
+            Ok(_) => {}
         }
     }
+    let _ = cli::LIBRARY_ENV_NOTES.set(notes);
     let matches = Cli::command().try_get_matches().unwrap_or_else(|e| usage_error(e));
     let args = Cli::from_arg_matches(&matches).unwrap_or_else(|e| usage_error(e));
     // which of train's options were given (with --resume, the others are the saved run's)

@@ -17,6 +17,11 @@ pub mod prt;
 pub mod resume;
 pub mod train;
 
+/// What the environment asks of the GEMM libraries that differs from what qatc would pick for
+/// this CPU, one line each (`main` fills it before anything runs; `qatc train` prints it under
+/// its build line when the step runs on the CPU).
+pub static LIBRARY_ENV_NOTES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;

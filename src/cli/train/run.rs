@@ -147,6 +147,11 @@ impl<'r> Run<'r> {
         let scale_starts = calibration.as_ref().map(Calibration::starts);
         tr.set_profile(a.profile);
         say(format!("qatc: the step runs {}", tr.describe()));
+        if tr.describe().starts_with("compiled for this CPU") {
+            for note in crate::cli::LIBRARY_ENV_NOTES.get().into_iter().flatten() {
+                say(note.clone());
+            }
+        }
         say(format!("qatc: built the step in {}", tr.built()));
         if world.size() > 1 {
             say(format!(
