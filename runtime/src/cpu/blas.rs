@@ -36,8 +36,16 @@ const TRANS: i32 = 112;
 /// The library of that name (a file name the dynamic loader finds, or a path), loaded once per
 /// process and name; None when it cannot be loaded or has no `cblas_sgemm`.
 pub fn load(name: &str) -> Option<Arc<Blas>> {
-    static LOADED: Mutex<Vec<(String, Option<Arc<Blas>>)>> = Mutex::new(Vec::new());
-    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    static LOADED: Loaded<Blas> = Mutex::new(Vec::new());
+    load_once(&LOADED, name, open)
+}
+
+/// The libraries of one kind loaded so far, by name (None: it did not load).
+pub(super) type Loaded<T> = Mutex<Vec<(String, Option<Arc<T>>)>>;
+
+/// The library `name` as `open` makes it, opened once per process and name (a failure too).
+pub(super) fn load_once<T>(loaded: &Loaded<T>, name: &str, open: impl FnOnce(&str) -> Option<T>) -> Option<Arc<T>> {
+    let mut loaded = loaded.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, b)) = loaded.iter().find(|(n, _)| n == name) {
         return b.clone();
     }

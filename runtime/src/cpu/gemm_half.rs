@@ -196,6 +196,28 @@ pub unsafe fn run(g: &Gemm, libs: &GemmLibs, ptr: impl Fn(usize) -> *mut u8) {
     unsafe { run_tiled(g, libs.blas.as_deref(), ptr, [MB, NB, KB]) }
 }
 
+/// The GEMM's bias row widened to f32 ([n]; empty without a bias).
+///
+/// # Safety
+/// As `run`: the bias view checked against its buffer, which `ptr` points to.
+unsafe fn widened_bias(g: &Gemm, ptr: &impl Fn(usize) -> *mut u8) -> Vec<f32> {
+    let Some(bv) = &g.bias else { return Vec::new() };
+    let mut bias = vec![0f32; g.n];
+    let bm = Mat { base: ptr(bv.buf), dtype: g.types.bias.unwrap_or(DType::F32), offset: bv.offset, rs: 0, cs: bv.strides[0] };
+    // SAFETY: `check` proved the bias view [n] inside its buffer.
+    unsafe { bm.widen_row(0, &mut bias) };
+    bias
+}
+
+/// `f(r, row r)` for every row of a tile `cols` wide, on rayon's threads when the tile is large.
+fn each_row(tile: &mut [f32], cols: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    if tile.len() < PAR_MIN_ELEMS {
+        tile.chunks_mut(cols).enumerate().for_each(|(r, t)| f(r, t));
+    } else {
+        tile.par_chunks_mut(cols).enumerate().for_each(|(r, t)| f(r, t));
+    }
+}
+
 /// The bf16 operands of a batch element as oneDNN reads them.
 fn bf16_mat(m: Mat) -> super::onednn::MatBf16 {
     // SAFETY: only an address computation; the matrix is read by the library under `run`'s contract.
@@ -225,12 +247,8 @@ unsafe fn run_native(g: &Gemm, lib: &Bf16Gemm, ptr: &impl Fn(usize) -> *mut u8, 
         return false;
     }
     let mut ct = vec![0f32; if direct { 0 } else { mb * nb }];
-    let mut bias = vec![0f32; if g.bias.is_some() { n } else { 0 }];
-    if let Some(bv) = &g.bias {
-        let bm = Mat { base: ptr(bv.buf), dtype: g.types.bias.unwrap_or(DType::F32), offset: bv.offset, rs: 0, cs: bv.strides[0] };
-        // SAFETY: `check` proved the bias view [n] inside its buffer.
-        unsafe { bm.widen_row(0, &mut bias) };
-    }
+    // SAFETY: the caller's contract.
+    let bias = unsafe { widened_bias(g, ptr) };
     for i in 0..g.batch() {
         let [oa, ob, oc] = batch_offsets(g, i);
         let (a, b) = (Mat::of(&g.a, g.types.a, ptr(g.a.buf), oa), Mat::of(&g.b, g.types.b, ptr(g.b.buf), ob));
@@ -251,13 +269,7 @@ unsafe fn run_native(g: &Gemm, lib: &Bf16Gemm, ptr: &impl Fn(usize) -> *mut u8, 
                     continue;
                 }
                 let tile = &mut ct[..mm * nn];
-                let rows = |tile: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)| {
-                    if mm * nn < PAR_MIN_ELEMS {
-                        tile.chunks_mut(nn).enumerate().for_each(|(r, t)| f(r, t));
-                    } else {
-                        tile.par_chunks_mut(nn).enumerate().for_each(|(r, t)| f(r, t));
-                    }
-                };
+                let rows = |tile: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)| each_row(tile, nn, f);
                 if g.accumulate {
                     // SAFETY: row r of the tile is inside c (`check`).
                     rows(tile, &|r, t| unsafe { cm.widen_row(r, t) });
@@ -284,12 +296,8 @@ unsafe fn run_tiled(g: &Gemm, blas: Option<&Blas>, ptr: impl Fn(usize) -> *mut u
     let mut at = vec![0f32; if g.types.a == DType::F32 { 0 } else { mb * kb }];
     let mut bt = vec![0f32; if g.types.b == DType::F32 { 0 } else { kb * nb }];
     let mut ct = vec![0f32; mb * nb];
-    let mut bias = vec![0f32; n];
-    if let Some(bv) = &g.bias {
-        let bm = Mat { base: ptr(bv.buf), dtype: g.types.bias.unwrap_or(DType::F32), offset: bv.offset, rs: 0, cs: bv.strides[0] };
-        // SAFETY: `check` proved the bias view [n] inside its buffer.
-        unsafe { bm.widen_row(0, &mut bias) };
-    }
+    // SAFETY: the caller's contract.
+    let bias = unsafe { widened_bias(g, &ptr) };
     for i in 0..g.batch() {
         let [oa, ob, oc] = batch_offsets(g, i);
         let (a, b) = (Mat::of(&g.a, g.types.a, ptr(g.a.buf), oa), Mat::of(&g.b, g.types.b, ptr(g.b.buf), ob));
@@ -300,13 +308,7 @@ unsafe fn run_tiled(g: &Gemm, blas: Option<&Blas>, ptr: impl Fn(usize) -> *mut u
                 let nn = nb.min(n - n0);
                 let tile = &mut ct[..mm * nn];
                 let cm = c.at(m0, n0);
-                let rows = |tile: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)| {
-                    if mm * nn < PAR_MIN_ELEMS {
-                        tile.chunks_mut(nn).enumerate().for_each(|(r, t)| f(r, t));
-                    } else {
-                        tile.par_chunks_mut(nn).enumerate().for_each(|(r, t)| f(r, t));
-                    }
-                };
+                let rows = |tile: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)| each_row(tile, nn, f);
                 if g.accumulate {
                     // SAFETY: row r of the tile is inside c (`check`).
                     rows(tile, &|r, t| unsafe { cm.widen_row(r, t) });

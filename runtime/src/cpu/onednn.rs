@@ -59,14 +59,8 @@ pub struct Bf16Gemm {
 /// The library of that name, loaded once per process and name; None when it cannot be loaded,
 /// lacks the function, or the CPU has no bf16 units.
 pub fn load(name: &str) -> Option<Arc<Bf16Gemm>> {
-    static LOADED: Mutex<Vec<(String, Option<Arc<Bf16Gemm>>)>> = Mutex::new(Vec::new());
-    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, g)) = loaded.iter().find(|(n, _)| n == name) {
-        return g.clone();
-    }
-    let g = open(name).map(Arc::new);
-    loaded.push((name.to_string(), g.clone()));
-    g
+    static LOADED: super::blas::Loaded<Bf16Gemm> = Mutex::new(Vec::new());
+    super::blas::load_once(&LOADED, name, open)
 }
 
 fn open(name: &str) -> Option<Bf16Gemm> {
