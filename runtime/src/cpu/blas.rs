@@ -87,18 +87,24 @@ fn open(name: &str) -> Option<Blas> {
     }
 }
 
-/// A row-major matrix operand for CBLAS: (transpose flag, leading dimension), if its strides
-/// allow one (one of them 1, the other at least the row length).
-fn operand(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(i32, i32)> {
+/// A matrix of `rows x cols` on these strides as a row-major BLAS-style library reads it:
+/// (stored transposed, leading dimension), if its strides allow one (one of them 1, the other at
+/// least the row length). CBLAS and oneDNN's GEMMs both take it.
+pub(super) fn row_major(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(bool, usize)> {
     if cs == 1 && rs >= cols.max(1) {
-        Some((NO_TRANS, rs as i32))
+        Some((false, rs))
     } else if rs == 1 && cs >= rows.max(1) {
-        Some((TRANS, cs as i32))
+        Some((true, cs))
     } else if rows == 1 && cs == 1 {
-        Some((NO_TRANS, cols.max(1) as i32))
+        Some((false, cols.max(1)))
     } else {
         None
     }
+}
+
+/// A CBLAS operand: (transpose flag, leading dimension).
+fn operand(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(i32, i32)> {
+    row_major(rows, cols, rs, cs).map(|(t, ld)| (if t { TRANS } else { NO_TRANS }, ld as i32))
 }
 
 impl Blas {

@@ -85,17 +85,9 @@ fn open(name: &str) -> Option<Bf16Gemm> {
 /// A bf16 matrix in memory: base address, row stride, column stride (elements).
 pub type MatBf16 = (*const u16, usize, usize);
 
-/// A row-major operand of `rows x cols`: (transpose flag, leading dimension), if its strides allow.
+/// A oneDNN operand: (transpose flag, leading dimension).
 fn operand(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(u8, i64)> {
-    if cs == 1 && rs >= cols.max(1) {
-        Some((b'N', rs as i64))
-    } else if rs == 1 && cs >= rows.max(1) {
-        Some((b'T', cs as i64))
-    } else if rows == 1 && cs == 1 {
-        Some((b'N', cols.max(1) as i64))
-    } else {
-        None
-    }
+    super::blas::row_major(rows, cols, rs, cs).map(|(t, ld)| (if t { b'T' } else { b'N' }, ld as i64))
 }
 
 /// One call's arguments as the library takes them (row-major, c possibly transposed into it).
