@@ -14,8 +14,9 @@
 #
 # Budget: B 16 x T 128 = 2,048 tokens a step; the train split holds about 1.38 M tokens, so 2,000
 # steps are 3 passes over it (4.1 M tokens), as the embedded model had. qatc's compiled CPU step
-# trains this model at about 470 tokens/s on the 2-core VMs, so about 2.5 hours there; a run cut
-# short resumes. The first recipe (lr 1e-3, no weight decay, B 8 x T 256, 1,350 steps) gave a model
+# trains this model at about 1,450 tokens/s on a 2-core Zen 5 VM with OpenBLAS's AVX-512 kernels
+# (about 50 minutes), 470 with the AVX2 ones a machine's OPENBLAS_CORETYPE=Haswell chose (2.5
+# hours; `make` now runs without it); a run cut short resumes. The first recipe (lr 1e-3, no weight decay, B 8 x T 256, 1,350 steps) gave a model
 # too weak to tell recipes apart (README.md beside this script).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
