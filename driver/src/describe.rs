@@ -48,7 +48,7 @@ pub fn compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels::Pan
         String::new()
     } else {
         format!(
-            ", {} quantized weights computed into GEMM panels ({} of dequantized copies never made)",
+            ", {} weights computed into GEMM panels as the GEMMs read them (dequantized or cast; {} of copies never made)",
             panels.lines.len(),
             human(panels.bytes_saved)
         )

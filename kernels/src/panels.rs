@@ -201,7 +201,7 @@ pub fn feed_panels(prog: &mut Program, max_panel_bytes: usize) -> (PanelTable, P
             }
         }
         drop_step[si] = true;
-        report.lines.push(format!("{name}: {rows}x{cols} dequantized {panel} rows at a time for {} GEMMs", users.len()));
+        report.lines.push(format!("{name}: {rows}x{cols} computed {panel} rows at a time for {} GEMMs", users.len()));
     }
     (drop_steps(prog, &drop_step, feeds), report)
 }
