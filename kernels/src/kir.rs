@@ -326,6 +326,11 @@ pub enum AttentionPart {
     Lse,
     /// (q, k, dout, lse) -> dv = P^T dout.
     BackwardV,
+    /// (q, k, v, dout, lse, delta) -> dq, dk, dv: the three gradients from one pass over the
+    /// probabilities, where a backend computes them blockwise (the CPU's attention GEMMs:
+    /// `LowerOptions::attention_one_backward`). A row program computes query row r's dq and key
+    /// row r's dk and dv, as `BackwardQ` and `BackwardKV` do.
+    Backward,
 }
 
 /// Which param of an attention kernel plays which part: the order every backend and the
@@ -338,8 +343,8 @@ pub struct AttentionRoles {
     pub dout: Option<usize>,
     pub lse: usize,
     pub delta: Option<usize>,
-    /// out | dq | dk, and dv for `BackwardKV`.
-    pub out: [Option<usize>; 2],
+    /// out | dq | dk, then dv for `BackwardKV`; dq, dk, dv for `Backward`.
+    pub out: [Option<usize>; 3],
 }
 
 impl AttentionRoles {
@@ -354,7 +359,7 @@ impl AttentionRoles {
 
     /// How many params the kernel takes.
     pub fn count(&self) -> usize {
-        let all = [Some(self.q), Some(self.k), self.v, self.dout, Some(self.lse), self.delta, self.out[0], self.out[1]];
+        let all = [Some(self.q), Some(self.k), self.v, self.dout, Some(self.lse), self.delta, self.out[0], self.out[1], self.out[2]];
         all.into_iter().flatten().max().map_or(0, |m| m + 1)
     }
 }
@@ -374,12 +379,13 @@ impl AttentionPart {
     pub fn roles(self) -> AttentionRoles {
         let r = |v, dout, lse, delta, out| AttentionRoles { q: 0, k: 1, v, dout, lse, delta, out };
         match self {
-            AttentionPart::Forward => r(Some(2), None, 4, None, [Some(3), None]),
-            AttentionPart::BackwardDelta => r(Some(2), Some(3), 4, Some(5), [None, None]),
-            AttentionPart::BackwardQ => r(Some(2), Some(3), 4, Some(5), [Some(6), None]),
-            AttentionPart::BackwardKV => r(Some(2), Some(3), 4, Some(5), [Some(6), Some(7)]),
-            AttentionPart::Lse => r(None, None, 2, None, [None, None]),
-            AttentionPart::BackwardV => r(None, Some(2), 3, None, [Some(4), None]),
+            AttentionPart::Forward => r(Some(2), None, 4, None, [Some(3), None, None]),
+            AttentionPart::BackwardDelta => r(Some(2), Some(3), 4, Some(5), [None, None, None]),
+            AttentionPart::BackwardQ => r(Some(2), Some(3), 4, Some(5), [Some(6), None, None]),
+            AttentionPart::BackwardKV => r(Some(2), Some(3), 4, Some(5), [Some(6), Some(7), None]),
+            AttentionPart::Lse => r(None, None, 2, None, [None, None, None]),
+            AttentionPart::BackwardV => r(None, Some(2), 3, None, [Some(4), None, None]),
+            AttentionPart::Backward => r(Some(2), Some(3), 4, Some(5), [Some(6), Some(7), Some(8)]),
         }
     }
 }

@@ -136,6 +136,10 @@ pub struct Target {
     /// in it, rounded once at the store (CUDA's templates, `qatc_attention*.cuh`), rather than
     /// reading f32 copies (the CPU's LLVM kernels and attention GEMMs).
     pub attention_reads_stored: bool,
+    /// A layer's three attention gradients come from one kernel (the CPU's attention GEMMs, which
+    /// compute the probabilities once per query block for all three) rather than one kernel each
+    /// (`LowerOptions::attention_one_backward`).
+    pub attention_one_backward: bool,
     /// Which frozen steps run once.
     pub hoist: Hoist,
     /// The device's memory in bytes, where known (a GPU's, as its driver reports it).
@@ -159,6 +163,7 @@ impl Target {
             align: CPU_ALIGN,
             sequential_rows: true,
             attention_reads_stored: false,
+            attention_one_backward: true,
             hoist: Hoist::Everything,
             memory: None,
             reserved_bytes: 0,
@@ -176,6 +181,7 @@ impl Target {
             align: CUDA_ALIGN,
             sequential_rows: false,
             attention_reads_stored: true,
+            attention_one_backward: false,
             hoist: Hoist::Shrinking,
             memory: None,
             reserved_bytes: CUDA_CONTEXT_BYTES + crate::cuda::blas::WORKSPACE_BYTES,
@@ -206,6 +212,7 @@ impl Target {
         crate::LowerOptions {
             sequential_rows: self.sequential_rows,
             attention_reads_stored: self.attention_reads_stored,
+            attention_one_backward: self.attention_one_backward,
             ..Default::default()
         }
     }

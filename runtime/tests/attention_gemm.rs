@@ -59,6 +59,7 @@ fn kernel(d: &Dims, part: AttentionPart) -> (Kernel, Vec<usize>) {
         AttentionPart::BackwardKV => &[0, 0, 0, 1, 2, 3, 6, 7],
         AttentionPart::Lse => &[0, 0, 2],
         AttentionPart::BackwardV => &[0, 0, 1, 2, 7],
+        AttentionPart::Backward => &[0, 0, 0, 1, 2, 3, 5, 6, 7],
     };
     let writes: &[usize] = match part {
         AttentionPart::Forward => &[3, 4],
@@ -67,6 +68,7 @@ fn kernel(d: &Dims, part: AttentionPart) -> (Kernel, Vec<usize>) {
         AttentionPart::BackwardKV => &[6, 7],
         AttentionPart::Lse => &[2],
         AttentionPart::BackwardV => &[4],
+        AttentionPart::Backward => &[6, 7, 8],
     };
     let shapes = buffers(d).iter().map(Vec::len).collect::<Vec<_>>();
     let mut qkv_seen = 0;
@@ -128,13 +130,20 @@ fn check(d: Dims) {
 fn check_with(d: &Dims, onednn: Option<std::sync::Arc<qatc_runtime::cpu::onednn::Bf16Gemm>>) {
     use AttentionPart::*;
     let d = *d;
-    let parts = [Forward, Lse, BackwardDelta, BackwardQ, BackwardKV, BackwardV];
+    // the one-pass backward last: the parts before it leave dq, dk and dv to compare it with
+    let parts = [Forward, Lse, BackwardDelta, BackwardQ, BackwardKV, BackwardV, Backward];
     let kernels: Vec<(Kernel, Vec<usize>)> = parts.iter().map(|&p| kernel(&d, p)).collect();
     let ks: Vec<Kernel> = kernels.iter().map(|k| k.0.clone()).collect();
     let (slow, fast) = (KirEval::new(&ks), GemmAttention::new(KirEval::new(&ks), &ks).with_onednn(onednn));
     let (mut want, mut got) = (buffers(&d), buffers(&d));
     for (i, part) in parts.iter().enumerate() {
+        let separate = want[5..8].to_vec();
         launch(&slow, i, &mut want, &kernels[i].1, &d, 1);
+        if *part == Backward {
+            // the evaluator's one-pass backward is its dq, and its dk and dv, to the bit
+            assert_eq!(&want[5..7], &separate[..2], "Backward's dq and dk are BackwardQ's and BackwardKV's");
+            assert_eq!(want[7], separate[2], "Backward's dv is BackwardKV's");
+        }
         // backward parts read the reference's lse and delta, so each part is checked alone
         got[2] = want[2].clone();
         got[3] = want[3].clone();

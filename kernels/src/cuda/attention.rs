@@ -26,6 +26,7 @@ pub fn tensor_cores(a: &Attention, cg: &CudaSettings) -> Option<&'static str> {
         | AttentionPart::BackwardQ
         | AttentionPart::BackwardKV
         | AttentionPart::BackwardV => cg.allows(Variant::TensorCoreAttentionBackward),
+        AttentionPart::Backward => false,
     };
     let applies = part && a.hs.is_multiple_of(16) && (32..=64).contains(&a.hs) && BQ == 64;
     match a.values {
@@ -46,7 +47,14 @@ pub fn render(w: &mut Writer, k: &Kernel, a: &Attention, name: &str, block: u32,
         AttentionPart::BackwardKV => ("backward, dk = dS^T q and dv = P^T dout", "attention_backward_kv"),
         AttentionPart::Lse => ("statistics: the row log-sum-exp of scale q k^T", "attention_lse"),
         AttentionPart::BackwardV => ("backward, dv = P^T dout", "attention_backward_v"),
+        AttentionPart::Backward => ("backward, dq, dk and dv in one pass", "attention_backward"),
     };
+    if a.part == AttentionPart::Backward {
+        // lowered for the CPU only (`LowerOptions::attention_one_backward`): a clear compile
+        // error rather than a call to a template that does not exist
+        w.line(format!("#error \"{name}: the one-pass attention backward is lowered for the CPU only\""));
+        return;
+    }
     let dims = attention_dims(a);
     w.line(format!("// causal attention {what}"));
     w.line(format!(

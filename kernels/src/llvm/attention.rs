@@ -162,67 +162,74 @@ pub fn emit(f: &mut FnBuilder, a: &Attention) -> R<()> {
                 let lse = f.b.build_float_add(m, f.libm("logf", &[l])?, "lse")?;
                 f.store_f32(f.param(s.lse)?, f.b.build_int_add(at.stat0, r, "i")?, lse)?;
             }
-            AttentionPart::BackwardDelta | AttentionPart::BackwardQ => {
-                let (v, dout, delta) = (s.v.ok_or_else(missing)?, s.dout.ok_or_else(missing)?, s.delta.ok_or_else(missing)?);
-                let (qi, di_row) = (at.row(f, s.q, r)?, at.row(f, dout, r)?);
-                let li = at.stat(f, s.lse, r)?;
-                let dq = a.part == AttentionPart::BackwardQ;
-                let di = if dq { at.stat(f, delta, r)? } else { f.f32c(0.0) };
-                f.b.build_store(l_slot, f.f32c(0.0))?;
-                at.fill(f, acc)?;
-                f.for_range(zero, upto, &mut |f, j| {
-                    let (kj, vj) = (at.row(f, s.k, j)?, at.row(f, v, j)?);
-                    let qk = at.dot(f, (s.q, qi), (s.k, kj))?;
-                    let x = f.b.build_float_mul(scale, qk, "x")?;
-                    let p = exp_f32(f, f.b.build_float_sub(x, li, "x")?)?;
-                    let dp = at.dot(f, (dout, di_row), (v, vj))?;
+            part => {
+                // `Backward` is `BackwardQ` for query row r and `BackwardKV` for key row r
+                let query = !matches!(part, AttentionPart::BackwardKV | AttentionPart::BackwardV);
+                let key = !matches!(part, AttentionPart::BackwardDelta | AttentionPart::BackwardQ);
+                if query {
+                    let (v, dout, delta) = (s.v.ok_or_else(missing)?, s.dout.ok_or_else(missing)?, s.delta.ok_or_else(missing)?);
+                    let (qi, di_row) = (at.row(f, s.q, r)?, at.row(f, dout, r)?);
+                    let li = at.stat(f, s.lse, r)?;
+                    let dq = a.part != AttentionPart::BackwardDelta;
+                    let di = if dq { at.stat(f, delta, r)? } else { f.f32c(0.0) };
+                    f.b.build_store(l_slot, f.f32c(0.0))?;
+                    at.fill(f, acc)?;
+                    f.for_range(zero, upto, &mut |f, j| {
+                        let (kj, vj) = (at.row(f, s.k, j)?, at.row(f, v, j)?);
+                        let qk = at.dot(f, (s.q, qi), (s.k, kj))?;
+                        let x = f.b.build_float_mul(scale, qk, "x")?;
+                        let p = exp_f32(f, f.b.build_float_sub(x, li, "x")?)?;
+                        let dp = at.dot(f, (dout, di_row), (v, vj))?;
+                        if dq {
+                            let ds = f.b.build_float_mul(f.b.build_float_mul(scale, p, "sp")?, f.b.build_float_sub(dp, di, "d")?, "ds")?;
+                            at.axpy(f, acc, ds, (s.k, kj))
+                        } else {
+                            let sum = f.b.build_load(f.f32t(), l_slot, "d")?.into_float_value();
+                            f.b.build_store(l_slot, f.b.build_float_add(sum, f.b.build_float_mul(p, dp, "pd")?, "d")?)?;
+                            Ok(())
+                        }
+                    })?;
                     if dq {
-                        let ds = f.b.build_float_mul(f.b.build_float_mul(scale, p, "sp")?, f.b.build_float_sub(dp, di, "d")?, "ds")?;
-                        at.axpy(f, acc, ds, (s.k, kj))
+                        at.write(f, s.out[0].ok_or_else(missing)?, r, acc, None)?;
                     } else {
-                        let sum = f.b.build_load(f.f32t(), l_slot, "d")?.into_float_value();
-                        f.b.build_store(l_slot, f.b.build_float_add(sum, f.b.build_float_mul(p, dp, "pd")?, "d")?)?;
-                        Ok(())
+                        let d = f.b.build_load(f.f32t(), l_slot, "delta")?.into_float_value();
+                        f.store_f32(f.param(delta)?, f.b.build_int_add(at.stat0, r, "i")?, d)?;
                     }
-                })?;
-                if dq {
-                    at.write(f, s.out[0].ok_or_else(missing)?, r, acc, None)?;
-                } else {
-                    let d = f.b.build_load(f.f32t(), l_slot, "delta")?.into_float_value();
-                    f.store_f32(f.param(delta)?, f.b.build_int_add(at.stat0, r, "i")?, d)?;
                 }
-            }
-            AttentionPart::BackwardKV | AttentionPart::BackwardV => {
-                // key row j = r: query rows i in j..T
-                let dout = s.dout.ok_or_else(missing)?;
-                let kv = a.part == AttentionPart::BackwardKV;
-                let kj = at.row(f, s.k, r)?;
-                let vj = match s.v {
-                    Some(v) if kv => Some(at.row(f, v, r)?),
-                    _ => None,
-                };
-                at.fill(f, acc)?;
-                at.fill(f, acc2)?;
-                f.for_range(r, c(a.t), &mut |f, i| {
-                    let qi = at.row(f, s.q, i)?;
-                    let doi = at.row(f, dout, i)?;
-                    let qk = at.dot(f, (s.q, qi), (s.k, kj))?;
-                    let x = f.b.build_float_mul(scale, qk, "x")?;
-                    let p = exp_f32(f, f.b.build_float_sub(x, at.stat(f, s.lse, i)?, "x")?)?;
-                    at.axpy(f, acc2, p, (dout, doi))?;
-                    if let (Some(v), Some(vj), Some(delta)) = (s.v, vj, s.delta) {
-                        let dp = at.dot(f, (dout, doi), (v, vj))?;
-                        let d = f.b.build_float_sub(dp, at.stat(f, delta, i)?, "d")?;
-                        let ds = f.b.build_float_mul(f.b.build_float_mul(scale, p, "sp")?, d, "ds")?;
-                        at.axpy(f, acc, ds, (s.q, qi))?;
+                if key {
+                    // key row j = r: query rows i in j..T
+                    let dout = s.dout.ok_or_else(missing)?;
+                    let kv = a.part != AttentionPart::BackwardV;
+                    let kj = at.row(f, s.k, r)?;
+                    let vj = match s.v {
+                        Some(v) if kv => Some(at.row(f, v, r)?),
+                        _ => None,
+                    };
+                    at.fill(f, acc)?;
+                    at.fill(f, acc2)?;
+                    f.for_range(r, c(a.t), &mut |f, i| {
+                        let qi = at.row(f, s.q, i)?;
+                        let doi = at.row(f, dout, i)?;
+                        let qk = at.dot(f, (s.q, qi), (s.k, kj))?;
+                        let x = f.b.build_float_mul(scale, qk, "x")?;
+                        let p = exp_f32(f, f.b.build_float_sub(x, at.stat(f, s.lse, i)?, "x")?)?;
+                        at.axpy(f, acc2, p, (dout, doi))?;
+                        if let (Some(v), Some(vj), Some(delta)) = (s.v, vj, s.delta) {
+                            let dp = at.dot(f, (dout, doi), (v, vj))?;
+                            let d = f.b.build_float_sub(dp, at.stat(f, delta, i)?, "d")?;
+                            let ds = f.b.build_float_mul(f.b.build_float_mul(scale, p, "sp")?, d, "ds")?;
+                            at.axpy(f, acc, ds, (s.q, qi))?;
+                        }
+                        Ok(())
+                    })?;
+                    // (dk, dv) at out[0..2] (`BackwardKV`) or out[1..3] (`Backward`); dv at out[0]
+                    if kv {
+                        let first = usize::from(a.part == AttentionPart::Backward);
+                        at.write(f, s.out[first].ok_or_else(missing)?, r, acc, None)?;
+                        at.write(f, s.out[first + 1].ok_or_else(missing)?, r, acc2, None)?;
+                    } else {
+                        at.write(f, s.out[0].ok_or_else(missing)?, r, acc2, None)?;
                     }
-                    Ok(())
-                })?;
-                if kv {
-                    at.write(f, s.out[0].ok_or_else(missing)?, r, acc, None)?;
-                    at.write(f, s.out[1].ok_or_else(missing)?, r, acc2, None)?;
-                } else {
-                    at.write(f, s.out[0].ok_or_else(missing)?, r, acc2, None)?;
                 }
             }
         }

@@ -8,6 +8,12 @@
 //!   dk  = softmax_grad(P, dout v^T)^T q         lse, delta, then dk (and dv, into scratch)
 //! The forward's log-sum-exp is not a graph value, so a backward recomputes it (one pass over
 //! the keys); lse and delta are shared by the kernels of one layer through `Lowerer::attn_stats`.
+//! Where the target computes the gradients blockwise (`LowerOptions::attention_one_backward`:
+//! the CPU's attention GEMMs), the first of a layer's dv, dq and dk nodes launches one kernel for
+//! the three (`AttentionPart::Backward`, after lse and delta), and the other two nodes take
+//! theirs from it (`Lowerer::attn_grads`; a copy each, into their own buffers). A dv node reads
+//! no v, so it does so only when its q and k are the forward's (v found by them,
+//! `Lowerer::attn_v`); else it runs `BackwardV` and the first of dq and dk launches the three.
 //!
 //! Over f16/bf16 operands (`--precision`) the math is f32: the operands widened exactly, the
 //! result rounded once into the node's buffer; scores, probabilities and their gradients stay f32
@@ -143,13 +149,13 @@ struct Operands<'v> {
     dout: Option<&'v View>,
     lse: &'v View,
     delta: Option<&'v View>,
-    /// out | dq | dk, and dv for `BackwardKV`.
-    out: [Option<(&'static str, &'v View)>; 2],
+    /// out | dq | dk, then dv for `BackwardKV`; dq, dk, dv for `Backward`.
+    out: [Option<(&'static str, &'v View)>; 3],
 }
 
 impl<'v> Operands<'v> {
     fn new(q: &'v View, k: &'v View, lse: &'v View) -> Operands<'v> {
-        Operands { q, k, v: None, dout: None, lse, delta: None, out: [None, None] }
+        Operands { q, k, v: None, dout: None, lse, delta: None, out: [None, None, None] }
     }
 }
 
@@ -245,7 +251,7 @@ pub fn lower(
     // `matches` checked that q, k, v and dout have the result's type
     let values = cx.g.ty(root).dtype;
     // a result the kernels do not write as stored is computed in f32 first, then rounded into `dest`
-    let out = if direct(lw, lw.prog.buffers[dest.buf].dtype) { dest.clone() } else { lw.temp("attn_out", DType::F32, &shape) };
+    let mut out = if direct(lw, lw.prog.buffers[dest.buf].dtype) { dest.clone() } else { lw.temp("attn_out", DType::F32, &shape) };
     let mut keys = Vec::new();
     let mut views = |lw: &mut Lowerer, ns: &[NodeId]| -> Result<Vec<View>, KernelError> {
         keys.clear();
@@ -262,31 +268,83 @@ pub fn lower(
             let vs = views(lw, &[q, k, v])?;
             let l = Launch { part: AttentionPart::Forward, dims, scale, family, note, values };
             let lse = lw.temp("attn_lse", DType::F32, &[dims[0], dims[1], dims[2]]);
-            let ops = Operands { v: Some(&vs[2]), out: [Some(("out", &out)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
+            let ops = Operands { v: Some(&vs[2]), out: [Some(("out", &out)), None, None], ..Operands::new(&vs[0], &vs[1], &lse) };
             launch(lw, &l, &ops)?;
             // the backward of this layer reads it instead of recomputing it
             lw.attn_stats.insert(keys[..2].to_vec(), lse);
+            lw.attn_v.insert(keys[..2].to_vec(), keys[2].clone());
         }
         Match::Dv { q, k, dout, scale } => {
             let vs = views(lw, &[q, k, dout])?;
-            let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note, values };
-            let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
-            let ops = Operands { dout: Some(&vs[2]), out: [Some(("dv", &out)), None], ..Operands::new(&vs[0], &vs[1], &lse) };
-            launch(lw, &l, &ops)?;
+            // v, where the one-pass backward can run here: the forward's, held in q's buffer
+            // (so reading it here keeps nothing alive longer than q does)
+            let v_key = lw.attn_v.get(&keys[..2]).filter(|v| v.buf == keys[0].buf).cloned();
+            if let Some(dv) = lw.attn_grads.get(&(keys.clone(), 2)).cloned() {
+                // computed with dq and dk by the layer's one-pass backward
+                out = dv;
+            } else if let (true, Some(v_key)) = (lw.options.attention_one_backward, v_key) {
+                // the first of the layer's gradients: all three here, dq and dk kept for their
+                // nodes. v's kernel view as `head_view` makes it (f32 unless read stored); the
+                // copy's node is dout, which `matches` checked has v's type and shape.
+                let v = if v_key.strides[3] == 1 && direct(lw, lw.prog.buffers[v_key.buf].dtype) {
+                    v_key.clone()
+                } else {
+                    let dtype = if direct(lw, values) { values } else { DType::F32 };
+                    let t = lw.temp("attn_v", dtype, &shape);
+                    copy(lw, cx, dout, v_key.clone(), &t)?;
+                    t
+                };
+                let key4 = vec![keys[0].clone(), keys[1].clone(), v_key, keys[2].clone()];
+                let l = Launch { part: AttentionPart::Backward, dims, scale, family, note, values };
+                let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
+                let delta = delta(lw, &l, key4.clone(), [&vs[0], &vs[1], &v, &vs[2]], &lse)?;
+                let (dq, dk) = (lw.temp("attn_dq", DType::F32, &shape), lw.temp("attn_dk", DType::F32, &shape));
+                let ops = Operands {
+                    v: Some(&v),
+                    dout: Some(&vs[2]),
+                    delta: Some(&delta),
+                    out: [Some(("dq", &dq)), Some(("dk", &dk)), Some(("dv", &out))],
+                    ..Operands::new(&vs[0], &vs[1], &lse)
+                };
+                launch(lw, &l, &ops)?;
+                lw.attn_grads.insert((key4.clone(), 0), dq);
+                lw.attn_grads.insert((key4, 1), dk);
+            } else {
+                let l = Launch { part: AttentionPart::BackwardV, dims, scale, family, note, values };
+                let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
+                let ops = Operands { dout: Some(&vs[2]), out: [Some(("dv", &out)), None, None], ..Operands::new(&vs[0], &vs[1], &lse) };
+                launch(lw, &l, &ops)?;
+            }
         }
         Match::Dq { q, k, v, dout, scale } | Match::Dk { q, k, v, dout, scale } => {
             let vs = views(lw, &[q, k, v, dout])?;
-            let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note, values };
-            let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
-            let delta = delta(lw, &l, keys.clone(), [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
-            let base = Operands { v: Some(&vs[2]), dout: Some(&vs[3]), delta: Some(&delta), ..Operands::new(&vs[0], &vs[1], &lse) };
-            if let Match::Dq { .. } = m {
-                launch(lw, &l, &Operands { out: [Some(("dq", &out)), None], ..base })?;
+            let is_dq = matches!(m, Match::Dq { .. });
+            if let Some(g) = lw.attn_grads.get(&(keys.clone(), if is_dq { 0 } else { 1 })).cloned() {
+                // computed by the layer's one-pass backward at its first gradient node
+                out = g;
             } else {
-                // one pass gives dk and dv; dv is not this node's value
-                let dv = lw.temp("attn_dv", DType::F32, &shape);
-                let ops = Operands { out: [Some(("dk", &out)), Some(("dv", &dv))], ..base };
-                launch(lw, &Launch { part: AttentionPart::BackwardKV, ..l }, &ops)?;
+                let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note, values };
+                let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
+                let delta = delta(lw, &l, keys.clone(), [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
+                let base = Operands { v: Some(&vs[2]), dout: Some(&vs[3]), delta: Some(&delta), ..Operands::new(&vs[0], &vs[1], &lse) };
+                if lw.options.attention_one_backward {
+                    // all three at once: this node's gradient into its own result, the other two
+                    // into f32 buffers their nodes take (or copy) when they are lowered
+                    let other = lw.temp(if is_dq { "attn_dk" } else { "attn_dq" }, DType::F32, &shape);
+                    let dv = lw.temp("attn_dv", DType::F32, &shape);
+                    let (dq, dk) = if is_dq { (&out, &other) } else { (&other, &out) };
+                    let ops = Operands { out: [Some(("dq", dq)), Some(("dk", dk)), Some(("dv", &dv))], ..base };
+                    launch(lw, &Launch { part: AttentionPart::Backward, ..l }, &ops)?;
+                    lw.attn_grads.insert((keys.clone(), if is_dq { 1 } else { 0 }), other);
+                    lw.attn_grads.insert((vec![keys[0].clone(), keys[1].clone(), keys[3].clone()], 2), dv);
+                } else if is_dq {
+                    launch(lw, &l, &Operands { out: [Some(("dq", &out)), None, None], ..base })?;
+                } else {
+                    // one pass gives dk and dv; dv is not this node's value
+                    let dv = lw.temp("attn_dv", DType::F32, &shape);
+                    let ops = Operands { out: [Some(("dk", &out)), Some(("dv", &dv)), None], ..base };
+                    launch(lw, &Launch { part: AttentionPart::BackwardKV, ..l }, &ops)?;
+                }
             }
         }
     }

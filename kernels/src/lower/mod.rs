@@ -86,6 +86,13 @@ pub struct Lowerer {
     /// Attention statistics already computed, by the views they were computed from (buffers are
     /// written once, so equal views hold equal values): lse by [q, k], delta by [q, k, v, dout].
     pub attn_stats: HashMap<Vec<View>, View>,
+    /// Attention gradients a one-pass backward (`LowerOptions::attention_one_backward`) computed
+    /// before their own nodes were lowered: by [q, k, v, dout] and 0 (dq) or 1 (dk), and by
+    /// [q, k, dout] and 2 (dv).
+    pub attn_grads: HashMap<(Vec<View>, u8), View>,
+    /// The view holding v of each forward attention, by [q, k]: a layer's dv node (which does not
+    /// read v) may then launch the one-pass backward when it is the first gradient lowered.
+    pub attn_v: HashMap<Vec<View>, View>,
     /// Cross-entropy row statistics (max, sum of exp(x - max)) by the logits view they were
     /// computed from: the loss and its gradient share one pass over the [N, V] logits.
     pub ce_stats: HashMap<View, (View, View)>,
@@ -157,6 +164,11 @@ pub struct LowerOptions {
     /// False: f32 kernels on widened copies, the result rounded into the buffer by a copy (the
     /// CPU's LLVM and GEMM attention read f32). Both give the same bits.
     pub attention_reads_stored: bool,
+    /// A layer's attention gradients dq, dk and dv come from one kernel (`AttentionPart::Backward`)
+    /// at the first of their nodes, the others' values kept until theirs: where the kernel
+    /// computes them blockwise from one pass over the probabilities (the CPU's attention GEMMs,
+    /// `Target::attention_one_backward`). False: a kernel per gradient (CUDA's templates).
+    pub attention_one_backward: bool,
 }
 
 impl Default for Lowerer {
@@ -165,6 +177,8 @@ impl Default for Lowerer {
             prog: Program::default(),
             ids: HashMap::new(),
             attn_stats: HashMap::new(),
+            attn_grads: HashMap::new(),
+            attn_v: HashMap::new(),
             ce_stats: HashMap::new(),
             phase: Phase::Forward,
             packs: HashMap::new(),

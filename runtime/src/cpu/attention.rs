@@ -1,10 +1,11 @@
-//! The six causal-attention kernel parts (`kir::AttentionPart`), evaluated one row at a time with
+//! The seven causal-attention kernel parts (`kir::AttentionPart`), evaluated one row at a time with
 //! the math of `qatc_attention.cuh` written out plainly: the scores of a row are computed in full
 //! (no online softmax, no tiles), in f32, every sum in index order.
 //!
 //! Iteration `it` is (b, h, r) with it = (b * nh + h) * t + r, r a query row (forward, delta, dq,
-//! lse) or a key row (dk and dv, dv). [B, NH, T, hs] operands are views: row (b, h, r) starts at
-//! `offset + b*sb + h*sh + r*st`, its hs elements contiguous; lse and delta are [B*NH, T] rows.
+//! lse) or a key row (dk and dv, dv), or both (`Backward`: dq of query row r, dk and dv of key
+//! row r). [B, NH, T, hs] operands are views: row (b, h, r) starts at `offset + b*sb + h*sh +
+//! r*st`, its hs elements contiguous; lse and delta are [B*NH, T] rows.
 //!
 //! P_ij = exp(scale q_i.k_j - lse_i) for j <= i; dS_ij = scale P_ij (dout_i.v_j - delta_i).
 //! Views of any float type are read widened to f32 and written rounded to their type, once per
@@ -114,54 +115,69 @@ pub fn run(a: &Attention, mem: &[Mem], start: usize, end: usize) -> R<()> {
                 }
                 cx.buf(ro.lse)?.store(stat(r), Scalar::F32(m + l.ln()))?;
             }
-            AttentionPart::BackwardDelta | AttentionPart::BackwardQ => {
-                let (v, dout, delta) = (need(ro.v)?, need(ro.dout)?, need(ro.delta)?);
-                cx.read_row(ro.q, r, &mut s.q)?;
-                cx.read_row(dout, r, &mut s.d)?;
-                let li = cx.buf(ro.lse)?.f32_at(stat(r))?;
-                let di = if a.part == AttentionPart::BackwardQ { cx.buf(delta)?.f32_at(stat(r))? } else { 0.0 };
-                let mut total = 0.0f32;
-                s.acc.fill(0.0);
-                for j in 0..=r {
-                    cx.read_row(ro.k, j, &mut s.k)?;
-                    cx.read_row(v, j, &mut s.v)?;
-                    let p = (cx.score(&s.q, &s.k) - li).exp();
-                    let dp = dot(&s.d, &s.v);
-                    total += p * dp;
-                    let ds = cx.scale * p * (dp - di);
-                    s.acc.iter_mut().zip(&s.k).for_each(|(o, &x)| *o += ds * x);
-                }
-                if a.part == AttentionPart::BackwardDelta {
-                    cx.buf(delta)?.store(stat(r), Scalar::F32(total))?;
-                } else {
-                    cx.write_row(need(ro.out[0])?, r, &s.acc)?;
-                }
-            }
-            AttentionPart::BackwardKV | AttentionPart::BackwardV => {
-                // key row r: every query row i >= r sees it
-                let dout = need(ro.dout)?;
-                cx.read_row(ro.k, r, &mut s.k)?;
-                if let Some(v) = ro.v {
-                    cx.read_row(v, r, &mut s.v)?;
-                }
-                s.acc.fill(0.0); // dk
-                s.acc2.fill(0.0); // dv
-                for i in r..t {
-                    cx.read_row(ro.q, i, &mut s.q)?;
-                    cx.read_row(dout, i, &mut s.d)?;
-                    let p = (cx.score(&s.q, &s.k) - cx.buf(ro.lse)?.f32_at(stat(i))?).exp();
-                    s.acc2.iter_mut().zip(&s.d).for_each(|(o, &x)| *o += p * x);
-                    if a.part == AttentionPart::BackwardKV {
-                        let di = cx.buf(need(ro.delta)?)?.f32_at(stat(i))?;
-                        let ds = cx.scale * p * (dot(&s.d, &s.v) - di);
-                        s.acc.iter_mut().zip(&s.q).for_each(|(o, &x)| *o += ds * x);
+            part => {
+                // `Backward` is `BackwardQ` for query row r and `BackwardKV` for key row r
+                let (query, key) = match part {
+                    AttentionPart::BackwardDelta | AttentionPart::BackwardQ => (true, false),
+                    AttentionPart::BackwardKV | AttentionPart::BackwardV => (false, true),
+                    _ => (true, true),
+                };
+                if query {
+                    let (v, dout, delta) = (need(ro.v)?, need(ro.dout)?, need(ro.delta)?);
+                    cx.read_row(ro.q, r, &mut s.q)?;
+                    cx.read_row(dout, r, &mut s.d)?;
+                    let li = cx.buf(ro.lse)?.f32_at(stat(r))?;
+                    let di = if part == AttentionPart::BackwardDelta { 0.0 } else { cx.buf(delta)?.f32_at(stat(r))? };
+                    let mut total = 0.0f32;
+                    s.acc.fill(0.0);
+                    for j in 0..=r {
+                        cx.read_row(ro.k, j, &mut s.k)?;
+                        cx.read_row(v, j, &mut s.v)?;
+                        let p = (cx.score(&s.q, &s.k) - li).exp();
+                        let dp = dot(&s.d, &s.v);
+                        total += p * dp;
+                        let ds = cx.scale * p * (dp - di);
+                        s.acc.iter_mut().zip(&s.k).for_each(|(o, &x)| *o += ds * x);
+                    }
+                    if part == AttentionPart::BackwardDelta {
+                        cx.buf(delta)?.store(stat(r), Scalar::F32(total))?;
+                    } else {
+                        cx.write_row(need(ro.out[0])?, r, &s.acc)?;
                     }
                 }
-                if a.part == AttentionPart::BackwardKV {
-                    cx.write_row(need(ro.out[0])?, r, &s.acc)?;
-                    cx.write_row(need(ro.out[1])?, r, &s.acc2)?;
-                } else {
-                    cx.write_row(need(ro.out[0])?, r, &s.acc2)?;
+                if key {
+                    // key row r: every query row i >= r sees it
+                    let dout = need(ro.dout)?;
+                    let with_dk = part != AttentionPart::BackwardV;
+                    cx.read_row(ro.k, r, &mut s.k)?;
+                    if let Some(v) = ro.v {
+                        cx.read_row(v, r, &mut s.v)?;
+                    }
+                    s.acc.fill(0.0); // dk
+                    s.acc2.fill(0.0); // dv
+                    for i in r..t {
+                        cx.read_row(ro.q, i, &mut s.q)?;
+                        cx.read_row(dout, i, &mut s.d)?;
+                        let p = (cx.score(&s.q, &s.k) - cx.buf(ro.lse)?.f32_at(stat(i))?).exp();
+                        s.acc2.iter_mut().zip(&s.d).for_each(|(o, &x)| *o += p * x);
+                        if with_dk {
+                            let di = cx.buf(need(ro.delta)?)?.f32_at(stat(i))?;
+                            let ds = cx.scale * p * (dot(&s.d, &s.v) - di);
+                            s.acc.iter_mut().zip(&s.q).for_each(|(o, &x)| *o += ds * x);
+                        }
+                    }
+                    // (dk, dv) at out[0..2] (`BackwardKV`) or out[1..3] (`Backward`); dv at out[0]
+                    match part {
+                        AttentionPart::BackwardV => cx.write_row(need(ro.out[0])?, r, &s.acc2)?,
+                        AttentionPart::BackwardKV => {
+                            cx.write_row(need(ro.out[0])?, r, &s.acc)?;
+                            cx.write_row(need(ro.out[1])?, r, &s.acc2)?;
+                        }
+                        _ => {
+                            cx.write_row(need(ro.out[1])?, r, &s.acc)?;
+                            cx.write_row(need(ro.out[2])?, r, &s.acc2)?;
+                        }
+                    }
                 }
             }
         }

@@ -153,7 +153,8 @@ struct Head<'a> {
     /// This head's T entries of lse and delta.
     lse: *mut f32,
     delta: Option<*mut f32>,
-    out: [Option<Mat>; 2],
+    /// out | dq | dk, then dv (`BackwardKV`); dq, dk, dv (`Backward`).
+    out: [Option<Mat>; 3],
 }
 
 impl Head<'_> {
@@ -164,13 +165,16 @@ impl Head<'_> {
     /// outputs must overlap nothing else this call reads or writes.
     unsafe fn run(&self, s: &mut [f32], dp: &mut [f32]) -> Result<(), String> {
         let (t, hs, part) = (self.t, self.hs, self.a.part);
-        // dK and dV accumulate over query blocks: start from zero
-        if matches!(part, AttentionPart::BackwardKV | AttentionPart::BackwardV) {
-            for o in self.out.iter().flatten() {
-                for r in 0..t {
-                    // SAFETY: row r of an output head, hs elements.
-                    unsafe { std::ptr::write_bytes(o.row(r), 0, hs) };
-                }
+        // dK and dV accumulate over query blocks: start from zero (dQ is written block by block)
+        let sums = match part {
+            AttentionPart::BackwardKV | AttentionPart::BackwardV => &self.out[..],
+            AttentionPart::Backward => &self.out[1..],
+            _ => &[],
+        };
+        for o in sums.iter().flatten() {
+            for r in 0..t {
+                // SAFETY: row r of an output head, hs elements.
+                unsafe { std::ptr::write_bytes(o.row(r), 0, hs) };
             }
         }
         let mut i0 = 0;
@@ -254,7 +258,7 @@ impl Head<'_> {
 
     /// A backward part's block: P from the forward's log-sum-exp over the scores in `s`, then dV
     /// (`BackwardV`), delta (`BackwardDelta`), or dS = scale P (dP - delta) and dQ or dK (with
-    /// dV first for `BackwardKV`).
+    /// dV first for `BackwardKV`), or all three from the one P and dS (`Backward`).
     ///
     /// # Safety
     /// As [`Head::scores`]'s, `s` holding the block's scores and `dp` of its size.
@@ -310,8 +314,8 @@ impl Head<'_> {
                 return Ok(());
             }
             // dS = scale P (dP - delta), over P's storage once dV has used P
-            if part == AttentionPart::BackwardKV {
-                let dv = need(self.out[1])?;
+            if matches!(part, AttentionPart::BackwardKV | AttentionPart::Backward) {
+                let dv = need(self.out[if part == AttentionPart::Backward { 2 } else { 1 }])?;
                 mm(
                     self.lib,
                     n,
@@ -329,7 +333,7 @@ impl Head<'_> {
                 let (p, d) = (&mut s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
                 p.iter_mut().zip(d).for_each(|(p, &d)| *p = self.scale * *p * (d - di));
             }
-            if part == AttentionPart::BackwardQ {
+            if matches!(part, AttentionPart::BackwardQ | AttentionPart::Backward) {
                 let dq = need(self.out[0])?;
                 mm(
                     self.lib,
@@ -342,8 +346,9 @@ impl Head<'_> {
                     (f(self.k.ptr), self.k.rs as isize, 1),
                     1.0,
                 );
-            } else {
-                let dk = need(self.out[0])?;
+            }
+            if part != AttentionPart::BackwardQ {
+                let dk = need(self.out[if part == AttentionPart::Backward { 1 } else { 0 }])?;
                 mm(
                     self.lib,
                     n,
@@ -434,7 +439,7 @@ impl<L> GemmAttention<L> {
                 dout: opt(ro.dout)?,
                 lse: stat(ro.lse)?,
                 delta: ro.delta.map(stat).transpose()?,
-                out: [opt(ro.out[0])?, opt(ro.out[1])?],
+                out: [opt(ro.out[0])?, opt(ro.out[1])?, opt(ro.out[2])?],
             };
             // SAFETY: the launch's caller guarantees each pointer addresses its param's buffer,
             // which this launch alone touches (other ranges of it are other heads).
