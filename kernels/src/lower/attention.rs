@@ -119,14 +119,21 @@ fn direct(lw: &Lowerer, d: DType) -> bool {
 /// else f32).
 fn head_view(lw: &mut Lowerer, cx: &mut Ctx, n: NodeId, family: &str, operand_view: OperandView) -> Result<(View, View), KernelError> {
     let v = operand_view(lw, cx, n, family)?;
+    let t = kernel_view(lw, cx, n, v.clone(), &format!("t{}", n.index()))?;
+    Ok((v, t))
+}
+
+/// `v`, holding a value of node `n`'s type and shape, as the kernels read it: itself, or copied
+/// into a temporary `name` (of the value's type where they read it stored, else f32).
+fn kernel_view(lw: &mut Lowerer, cx: &Ctx, n: NodeId, v: View, name: &str) -> Result<View, KernelError> {
     if v.strides[3] == 1 && direct(lw, lw.prog.buffers[v.buf].dtype) {
-        return Ok((v.clone(), v));
+        return Ok(v);
     }
     let value = cx.g.ty(n).dtype;
     let dtype = if direct(lw, value) { value } else { DType::F32 };
-    let t = lw.temp(&format!("t{}", n.index()), dtype, &cx.g.ty(n).shape.0);
-    copy(lw, cx, n, v.clone(), &t)?;
-    Ok((v, t))
+    let t = lw.temp(name, dtype, &cx.g.ty(n).shape.0);
+    copy(lw, cx, n, v, &t)?;
+    Ok(t)
 }
 
 struct Launch<'a> {
@@ -284,16 +291,8 @@ pub fn lower(
                 out = dv;
             } else if let (true, Some(v_key)) = (lw.options.attention_one_backward, v_key) {
                 // the first of the layer's gradients: all three here, dq and dk kept for their
-                // nodes. v's kernel view as `head_view` makes it (f32 unless read stored); the
-                // copy's node is dout, which `matches` checked has v's type and shape.
-                let v = if v_key.strides[3] == 1 && direct(lw, lw.prog.buffers[v_key.buf].dtype) {
-                    v_key.clone()
-                } else {
-                    let dtype = if direct(lw, values) { values } else { DType::F32 };
-                    let t = lw.temp("attn_v", dtype, &shape);
-                    copy(lw, cx, dout, v_key.clone(), &t)?;
-                    t
-                };
+                // nodes. v typed by dout, which `matches` checked has v's type and shape.
+                let v = kernel_view(lw, cx, dout, v_key.clone(), "attn_v")?;
                 let key4 = vec![keys[0].clone(), keys[1].clone(), v_key, keys[2].clone()];
                 let l = Launch { part: AttentionPart::Backward, dims, scale, family, note, values };
                 let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
