@@ -33,6 +33,9 @@ pub struct Progress {
     /// step x K, wrapping) continues the run only in the same data. Absent in older saves.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_tokens: Option<usize>,
+    /// With `--keep-best`: the step and validation loss of the weights in `best/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best: Option<super::train::best::BestAt>,
 }
 
 /// Which of `qatc train`'s options the command line gave, by clap id (the field's name).

@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use qatc_kernels::cuda::Variant;
+use qatc_passes::lora::LoraOptions;
 use qatc_passes::quant::is_learned_name;
+use qatc_runtime::Tensor;
 
 use super::resume::{self, Given, PROGRESS, STATE};
 use super::{Placement, StepArgs};
@@ -29,6 +31,7 @@ pub use crate::trainer::{weights_safetensors, Trainer};
 use run::Run;
 use world::World;
 
+pub(crate) mod best;
 mod run;
 mod world;
 
@@ -91,6 +94,14 @@ pub struct Args {
     /// Batches per validation.
     #[arg(long, default_value_t = 4)]
     pub val_batches: usize,
+    /// Keep the adapter (or weights) of the lowest validation loss so far in OUT/best/, beside
+    /// the last step's (needs --val and --eval-every; `best/best.json` says which step).
+    #[arg(long)]
+    pub keep_best: bool,
+    /// Early stopping: end the run when N validations in a row have not lowered the best
+    /// validation loss (needs --keep-best; 0: every --steps step is trained).
+    #[arg(long, default_value_t = 0)]
+    pub patience: usize,
     /// Save the adapter and the resume state every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub save_every: usize,
@@ -274,27 +285,27 @@ fn same_dir(a: &Path, b: &Path) -> bool {
     artifacts::is_within(a, b) && artifacts::is_within(b, a)
 }
 
+/// What a save writes besides the trainer's state: the model's configuration, the run's, and the
+/// best weights so far (`--keep-best`).
+struct SaveOf<'s> {
+    m: &'s Model,
+    cfg: &'s RunConfig,
+    best: Option<&'s best::Best>,
+}
+
 /// Replaces OUT whole with this save (every rank calls it, at the same step): the adapter (or the
 /// full weights), the configuration and the resume state, so that the adapter and the checkpoint
 /// of one save are never apart. Rank 0 writes it into a staging directory; over ranks with a
 /// ZeRO-sharded state every rank adds its own shard there (`resume::shard_file`, written to a
 /// temporary name and renamed), and rank 0 writes the progress and swaps the directory in only
 /// once every rank says its shard is written: a save cut short anywhere leaves the last one whole.
-fn save(
-    world: &World,
-    out: &Path,
-    tr: &Trainer,
-    m: &Model,
-    cfg: &RunConfig,
-    progress: &resume::Progress,
-    faults: &Faults,
-) -> anyhow::Result<()> {
+fn save(world: &World, out: &Path, tr: &Trainer, of: &SaveOf, progress: &resume::Progress, faults: &Faults) -> anyhow::Result<()> {
     // this rank's blocks of the sharded state, read back from the executor
     let (shard, read) = match tr.save_shard(progress.step) {
         Ok(s) => (s, Ok(())),
         Err(e) => (None, Err(e)),
     };
-    let (dir, staged) = match world.leads().then(|| stage(out, tr, m, cfg, faults)) {
+    let (dir, staged) = match world.leads().then(|| stage(out, tr, of, faults)) {
         Some(Ok(d)) => (Some(d), read),
         Some(Err(e)) => (None, Err(e)),
         None => (None, read),
@@ -335,28 +346,46 @@ fn save(
 }
 
 /// Rank 0's part of a save, staged beside OUT: the adapter (or weights), learned scales, the
-/// configuration, and the state every rank holds alike.
-fn stage<'f>(out: &Path, tr: &Trainer, m: &Model, cfg: &RunConfig, faults: &'f Faults) -> anyhow::Result<OutDir<'f>> {
+/// configuration, the best weights so far (`--keep-best`), and the state every rank holds alike.
+fn stage<'f>(out: &Path, tr: &Trainer, of: &SaveOf, faults: &'f Faults) -> anyhow::Result<OutDir<'f>> {
     let dir = OutDir::create_with(out, &MARKERS, &[], faults)?;
-    // learned quantization scales go beside the adapter (or weights), in a file of their own
-    let (learned, weights): (Vec<_>, Vec<_>) = tr.weights()?.into_iter().partition(|(n, _)| is_learned_name(n));
-    match &tr.opts.model.lora {
+    for (name, bytes) in weight_files(tr.weights()?, tr.opts.model.lora.as_ref(), of.m, of.cfg)? {
+        dir.write(&name, bytes)?;
+    }
+    for (name, bytes) in of.best.into_iter().flat_map(best::Best::files) {
+        dir.write(&name, bytes)?;
+    }
+    dir.write(STATE, tr.save_state()?)?;
+    Ok(dir)
+}
+
+/// The files of trained weights `weights` (`Trainer::weights`), as a save writes them: the
+/// adapter in PEFT's format (or the weights with their Hugging Face config), learned
+/// quantization scales in a file of their own, and the run's configuration.
+fn weight_files(
+    weights: Vec<(String, Tensor<f32>)>,
+    lora: Option<&LoraOptions>,
+    m: &Model,
+    cfg: &RunConfig,
+) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let (learned, weights): (Vec<_>, Vec<_>) = weights.into_iter().partition(|(n, _)| is_learned_name(n));
+    let mut files = Vec::new();
+    match lora {
         Some(l) => {
             let (peft_config, st) = crate::adapter::to_files(l, &weights, &cfg.model.path)?;
-            dir.write("adapter_config.json", peft_config)?;
-            dir.write("adapter_model.safetensors", st)?;
+            files.push(("adapter_config.json".to_string(), peft_config.into_bytes()));
+            files.push(("adapter_model.safetensors".to_string(), st));
         }
         None => {
-            dir.write("model.safetensors", weights_safetensors(&weights)?)?;
-            dir.write("config.json", serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n")?;
+            files.push(("model.safetensors".to_string(), weights_safetensors(&weights)?));
+            files.push(("config.json".to_string(), (serde_json::to_string_pretty(&m.cfg.to_hf_json())? + "\n").into_bytes()));
         }
     }
     if !learned.is_empty() {
-        dir.write(crate::adapter::QUANT_FILE, weights_safetensors(&learned)?)?;
+        files.push((crate::adapter::QUANT_FILE.to_string(), weights_safetensors(&learned)?));
     }
-    dir.write(config::FILE, cfg.to_json())?;
-    dir.write(STATE, tr.save_state()?)?;
-    Ok(dir)
+    files.push((config::FILE.to_string(), cfg.to_json().into_bytes()));
+    Ok(files)
 }
 
 /// `qatc train`; `given` says which options the command line gave (with `--resume`, the others
@@ -371,6 +400,12 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     let world = world::join(given.has("ranks").then_some(a.step.ranks))?;
     if a.eval_every > 0 && a.val.is_none() {
         anyhow::bail!("--eval-every needs --val FILE");
+    }
+    if a.keep_best && (a.val.is_none() || a.eval_every == 0) {
+        anyhow::bail!("--keep-best needs --val FILE and --eval-every N (the validations that find the best weights)");
+    }
+    if a.patience > 0 && !a.keep_best {
+        anyhow::bail!("--patience needs --keep-best (early stopping keeps the best weights, not the last)");
     }
     let levels = plot_levels(a)?;
     let (mut cfg, resume_at) = configure(a, given, faults)?;
@@ -412,7 +447,9 @@ pub fn run_with(a: &Args, given: &Given, faults: &Faults) -> anyhow::Result<()> 
     }
     let mut run = Run::open(a, &cfg, &train, &step, resume_at, faults, world)?;
     for s in run.start..train.steps {
-        run.step(s)?;
+        if run.stopped() || run.step(s)?.is_break() {
+            break;
+        }
     }
     run.finish(&levels)
 }

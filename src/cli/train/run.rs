@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -11,8 +12,9 @@ use anyhow::Context;
 use qatc_passes::precision::GRADS_FINITE;
 use qatc_runtime::{CpuOptions, Value};
 
+use super::best::{self, Best};
 use super::world::{self, World};
-use super::{save, Args, StepLog, Trainer};
+use super::{save, weight_files, Args, SaveOf, StepLog, Trainer};
 use crate::artifacts::{write_atomic, Faults};
 use crate::batches::{Batches, Dataset};
 use crate::calibrate::{self, Calibration};
@@ -58,6 +60,10 @@ pub(super) struct Run<'r> {
     /// What a divergence message says: the last finite loss, the last save.
     last_finite: Option<(usize, f64)>,
     saved: Option<usize>,
+    /// With `--keep-best`: the best weights so far; with `--patience`: the step the run stopped
+    /// after, out of patience.
+    best: Option<Best>,
+    stopped: Option<usize>,
     /// What the calibration chose (saved in `qatc.json`); None when it did not run.
     scale_starts: Option<ScaleStarts>,
     /// This process's rank: only rank 0 prints, logs and writes.
@@ -165,6 +171,11 @@ impl<'r> Run<'r> {
             (Some(done), Some(dir)) => restore(&mut tr, done, dir, a.step.read.allow_nonfinite, &world)?,
             _ => (0, 0),
         };
+        // without --keep-best a resumed run's saves no longer carry the best weights
+        let best = match (resume_at.as_ref(), &a.resume) {
+            (Some(done), Some(dir)) if a.keep_best => Best::restore(dir, done)?,
+            _ => None,
+        };
         let log = if leads { step_log(a, resume_at.is_some().then_some(start))? } else { None };
         let order = if train.shuffle { DataOrder::Shuffle { seed: train.seed } } else { DataOrder::Sequential };
         let val_setup = EvalSetup { comm: build.comm.clone(), ..validation(&tr, &resolved, build.kernel_cache.clone(), val.as_ref()) };
@@ -199,13 +210,17 @@ impl<'r> Run<'r> {
             val_curve: Vec::new(),
             last_finite: None,
             saved: resume_at.as_ref().map(|_| start),
+            // a run that stopped early stays stopped when resumed
+            stopped: best.as_ref().filter(|b| best::out_of_patience(&b.at, start, a.eval_every, a.patience)).map(|_| start),
+            best,
             scale_starts,
             world,
         })
     }
 
-    /// Optimizer step `s`: its batches, the update, the validation, log line and save it is due.
-    pub(super) fn step(&mut self, s: usize) -> anyhow::Result<()> {
+    /// Optimizer step `s`: its batches, the update, the validation, log line and save it is due;
+    /// `Break` when the run stops early (`--patience`), after its save.
+    pub(super) fn step(&mut self, s: usize) -> anyhow::Result<ControlFlow<()>> {
         let t0 = Instant::now();
         let batches: Vec<usize> = (0..self.k).map(|i| self.order.batch(s * self.k + i, self.nb)).collect();
         let lr = self.sched.at(s);
@@ -222,6 +237,7 @@ impl<'r> Run<'r> {
         self.last_finite = Some((s, loss));
         let done = s + 1;
         let val_loss = self.validate(done)?;
+        let flow = self.keep_best(done, val_loss)?;
         if let Some(w) = self.log.as_mut() {
             let skipped = scale.map(|_| self.skipped);
             writeln!(
@@ -257,7 +273,7 @@ impl<'r> Run<'r> {
             None => format!("loss {loss:.4}  {tps:.0} tok/s{scaling}"),
         });
         self.pb.inc(1);
-        if (self.a.save_every > 0 && done.is_multiple_of(self.a.save_every)) || done == self.train.steps {
+        if (self.a.save_every > 0 && done.is_multiple_of(self.a.save_every)) || done == self.train.steps || flow.is_break() {
             // every rank gives its blocks of the weights ZeRO 3 shards, which rank 0 saves whole
             // (each rank saves its blocks of the optimizer's state itself)
             self.tr.gather()?;
@@ -265,12 +281,43 @@ impl<'r> Run<'r> {
             if let Some((tensor, i, v)) = self.nonfinite_state()? {
                 anyhow::bail!(self.diverged(s, crate::cli::diverge::Symptom::State(tensor, i, v), &out, lr));
             }
-            let progress = resume::Progress { step: done, skipped: self.skipped, data_tokens: Some(self.data.tokens()) };
+            let progress = resume::Progress {
+                step: done,
+                skipped: self.skipped,
+                data_tokens: Some(self.data.tokens()),
+                best: self.best.as_ref().map(|b| b.at),
+            };
             let cfg = self.saved_config();
-            save(&self.world, &self.a.out, &self.tr, &self.m, &cfg, &progress, self.faults)?;
+            save(&self.world, &self.a.out, &self.tr, &SaveOf { m: &self.m, cfg: &cfg, best: self.best.as_ref() }, &progress, self.faults)?;
             self.saved = Some(done);
         }
-        Ok(())
+        Ok(flow)
+    }
+
+    /// Whether the run has stopped early (`--patience`): then no step is left to take.
+    pub(super) fn stopped(&self) -> bool {
+        self.stopped.is_some()
+    }
+
+    /// `--keep-best`: after a validation at `done` steps with loss `val_loss`, the weights kept
+    /// when it is the lowest so far (their files made on rank 0, which saves); `Break` when
+    /// `--patience` validations in a row have not improved on the best.
+    fn keep_best(&mut self, done: usize, val_loss: Option<f64>) -> anyhow::Result<ControlFlow<()>> {
+        let (true, Some(v)) = (self.a.keep_best, val_loss) else { return Ok(ControlFlow::Continue(())) };
+        if best::improves(self.best.as_ref().map(|b| &b.at), v) {
+            let files = match self.world.leads() {
+                true => weight_files(self.tr.weights()?, self.tr.opts.model.lora.as_ref(), &self.m, &self.saved_config())?,
+                false => Vec::new(),
+            };
+            self.best = Some(Best::new(done, v, files)?);
+        }
+        match &self.best {
+            Some(b) if best::out_of_patience(&b.at, done, self.a.eval_every, self.a.patience) => {
+                self.stopped = Some(done);
+                Ok(ControlFlow::Break(()))
+            }
+            _ => Ok(ControlFlow::Continue(())),
+        }
     }
 
     /// The validation loss after `done` steps, where one is due (every `--eval-every` steps and
@@ -372,7 +419,16 @@ impl<'r> Run<'r> {
         let what = if self.tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
         if self.curve.is_empty() {
             // a resumed run that had done all its steps: no loss to report, not a NaN
-            println!("nothing left to train: the run had done its {} steps; {what} in {}", self.train.steps, self.a.out.display());
+            match self.stopped {
+                Some(done) => println!(
+                    "nothing left to train: the run stopped early after step {done} (--patience {}); {what} in {}",
+                    self.a.patience,
+                    self.a.out.display()
+                ),
+                None => {
+                    println!("nothing left to train: the run had done its {} steps; {what} in {}", self.train.steps, self.a.out.display())
+                }
+            }
             return Ok(());
         }
         // one batch's loss is noisy: the means of the first and last (up to) ten steps of this run
@@ -384,10 +440,23 @@ impl<'r> Run<'r> {
             Some(sc) => format!("; loss scale {sc}, {} steps skipped (non-finite gradients)", self.skipped),
             None => String::new(),
         };
+        let stopped = match self.stopped {
+            Some(done) => format!(
+                "; stopped early after step {done} of {}: {} validations in a row did not lower the validation loss",
+                self.train.steps, self.a.patience
+            ),
+            None => String::new(),
+        };
+        let best = match &self.best {
+            Some(b) => {
+                format!("; best validation loss {:.4} after step {} in {}", b.at.val_loss, b.at.step, self.a.out.join(best::DIR).display())
+            }
+            None => String::new(),
+        };
         println!(
-            "trained steps {}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps){scaling}; {what} in {}",
+            "trained steps {}..{}: loss {head:.4} -> {tail:.4} (mean of the first and last {} steps){scaling}{stopped}; {what} in {}{best}",
             self.start,
-            self.train.steps,
+            self.stopped.unwrap_or(self.train.steps),
             n.max(1),
             self.a.out.display()
         );
