@@ -3,6 +3,11 @@
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use qatc::cli;
 
+// mimalloc's thread-local free lists: the planner's many small allocations without glibc's
+// consolidation passes (Cargo.toml says why)
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "qatc", version, about = "Compiles GPT-2 checkpoints into quantization-aware LoRA training steps")]
 struct Cli {
