@@ -5,7 +5,7 @@
 use std::fmt::Write;
 
 /// (step, loss) series; `val` may be empty; `levels` are (label, loss) drawn as dashed lines.
-pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)], levels: &[(String, f64)]) -> String {
+pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)], levels: &[(String, f64)], best: Option<(usize, f64)>) -> String {
     let (w, h, l, r, t, b) = (720.0, 380.0, 60.0, 20.0, 56.0, 44.0);
     let all = train.iter().chain(val).map(|p| p.1).chain(levels.iter().map(|x| x.1)).filter(|v| v.is_finite());
     let (mut lo, mut hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, c), v| (a.min(v), c.max(v)));
@@ -56,6 +56,19 @@ pub fn loss_svg(title: &str, train: &[(usize, f64)], val: &[(usize, f64)], level
     for &(s, v) in val.iter().filter(|p| p.1.is_finite()) {
         let _ = writeln!(o, r##"<circle cx="{:.1}" cy="{:.1}" r="4" fill="#d62728"/>"##, x(s), y(v));
     }
+    // `--keep-best`: the validation whose weights were kept, ringed, on a dotted line down to its step
+    if let Some((s, v)) = best.filter(|b| b.1.is_finite()) {
+        let _ = writeln!(o, r##"<path d="M{0:.1} {1:.1} V{2}" stroke="#d62728" stroke-dasharray="2 3"/>"##, x(s), y(v) + 8.0, h - b);
+        let _ = writeln!(o, r##"<circle cx="{:.1}" cy="{:.1}" r="8" fill="none" stroke="#d62728" stroke-width="2"/>"##, x(s), y(v));
+        let anchor = if x(s) > w / 2.0 { "end" } else { "start" };
+        let dx = if anchor == "end" { -12.0 } else { 12.0 };
+        let _ = writeln!(
+            o,
+            r##"<text x="{:.1}" y="{:.1}" text-anchor="{anchor}" fill="#d62728">kept: step {s}, {v:.3}</text>"##,
+            x(s) + dx,
+            y(v) - 10.0
+        );
+    }
     // the legend sits on its own row under the title, clear of the data
     let _ = writeln!(o, r##"<text x="{}" y="42" text-anchor="end" fill="#1f77b4">train loss (10-step mean)</text>"##, w - r - 120.0);
     if !val.is_empty() {
@@ -73,10 +86,17 @@ fn xml(s: &str) -> String {
 mod tests {
     #[test]
     fn draws_both_series() {
-        let s = super::loss_svg("a < b", &[(0, 5.0), (1, 4.5), (2, 4.0)], &[(2, 4.2)], &[("full precision".into(), 3.5)]);
+        let s = super::loss_svg("a < b", &[(0, 5.0), (1, 4.5), (2, 4.0)], &[(2, 4.2)], &[("full precision".into(), 3.5)], None);
         assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
         assert!(s.contains("polyline") && s.contains("<circle") && s.contains("a &lt; b"));
         // the level is inside the drawn range, labelled
         assert!(s.contains("stroke-dasharray") && s.contains("full precision 3.500"));
+        assert!(!s.contains("kept:"));
+    }
+
+    #[test]
+    fn rings_the_kept_validation() {
+        let s = super::loss_svg("t", &[(0, 5.0), (1, 4.5), (2, 4.0), (3, 3.9)], &[(2, 4.2), (4, 4.3)], &[], Some((2, 4.2)));
+        assert!(s.contains(r#"r="8" fill="none""#) && s.contains("kept: step 2, 4.200"), "{s}");
     }
 }

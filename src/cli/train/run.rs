@@ -413,8 +413,12 @@ impl<'r> Run<'r> {
         }
         if let Some(p) = &self.a.plot {
             let title = format!("qatc train: {}", self.model_path.display());
-            write_atomic(p, crate::plot::loss_svg(&title, &self.curve, &self.val_curve, levels).as_bytes())
-                .with_context(|| format!("{}", p.display()))?;
+            write_atomic(
+                p,
+                crate::plot::loss_svg(&title, &self.curve, &self.val_curve, levels, self.best.as_ref().map(|b| (b.at.step, b.at.val_loss)))
+                    .as_bytes(),
+            )
+            .with_context(|| format!("{}", p.display()))?;
         }
         let what = if self.tr.opts.model.lora.is_some() { "adapter (PEFT format)" } else { "weights" };
         if self.curve.is_empty() {
