@@ -17,7 +17,7 @@
 //! once per step.
 
 use qatc_ir::Graph;
-use qatc_kernels::{LowerOptions, Program, Target};
+use qatc_kernels::{LowerOptions, NodeMemo, Program, Target};
 use qatc_passes::plan::units::human;
 use serde::Serialize;
 
@@ -54,8 +54,19 @@ impl ChunkChoice {
 
 /// `g` lowered for `target` in `schedule`'s order with `rows` per chunk (None: the fusion rule's).
 pub fn lower(g: &Graph, schedule: &[qatc_ir::NodeId], rows: Option<usize>, target: &Target) -> Result<Program, DriverError> {
+    lower_reusing(g, schedule, rows, target, &mut NodeMemo::default())
+}
+
+/// [`lower`] reusing the node lowerings `memo` holds from lowering `g` before.
+fn lower_reusing(
+    g: &Graph,
+    schedule: &[qatc_ir::NodeId],
+    rows: Option<usize>,
+    target: &Target,
+    memo: &mut NodeMemo,
+) -> Result<Program, DriverError> {
     let options = LowerOptions { ce_chunk_rows: rows, order: Some(schedule.to_vec()), ..target.lower_options() };
-    Ok(qatc_kernels::lower_with(g, &options)?)
+    Ok(qatc_kernels::lower_with_memo(g, &options, memo)?)
 }
 
 /// `g` lowered in `schedule`'s order for `target` with the rows per chunk of its chunked
@@ -67,7 +78,9 @@ pub(crate) fn choose(
     target: &Target,
     options: &Options,
 ) -> Result<(Program, Option<ChunkChoice>, LaidOut), DriverError> {
-    let first = lower(g, schedule, None, target)?;
+    // the sizes lower the same graph: each kind of node is lowered once for all of them
+    let mut memo = NodeMemo::default();
+    let first = lower_reusing(g, schedule, None, target, &mut memo)?;
     let first_laid = lay_out(&first, target, options)?;
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None, first_laid)) };
     let (floor, n) = (c.chunk_rows, c.rows);
@@ -90,7 +103,7 @@ pub(crate) fn choose(
     let mut next = ladder.len() - 1;
     while lo + 1 < hi {
         let r = ladder[next];
-        let prog = lower(g, schedule, Some(r), target)?;
+        let prog = lower_reusing(g, schedule, Some(r), target, &mut memo)?;
         // the lowering caps the chunk count: a size it does not take is not a choice (only the
         // smallest sizes are capped, so the search goes on above it)
         if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {

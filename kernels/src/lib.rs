@@ -27,7 +27,8 @@ use std::path::Path;
 
 pub use cuda::CudaKernel;
 pub use error::KernelError;
-pub use lower::{lower, lower_with, LowerOptions};
+pub use lower::memo::NodeMemo;
+pub use lower::{lower, lower_with, lower_with_memo, LowerOptions};
 pub use program::{Gemm, GemmTypes, Program, Step, View};
 pub use target::{CudaSettings, Hoist, Target, TargetKind};
 

@@ -13,7 +13,7 @@ use qatc_ir::{Graph, KernelFamily, NodeId, Op, OpKind};
 
 use super::anchor::Anchor;
 use super::inline::inlinable;
-use super::{attention, reduce, rows, scatter};
+use super::{attention, memo, reduce, rows, scatter};
 use super::{elementwise, pack_parts, unreshaped, Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
@@ -46,7 +46,16 @@ pub fn lower_kernel_node(
         // the body returns an operand as is: a copy
         elementwise(lw, &cx, root, &dest, family)?;
     } else {
-        lower_root(lw, &mut cx, root, dest, family)?;
+        // a node like one lowered before (another layer's) replays its steps on its own buffers
+        let key = memo::key(lw, family, body, operands, &dest);
+        let replayed = key.as_ref().is_some_and(|(k, ext)| memo::replay(lw, k, ext, body));
+        if !replayed {
+            let mark = memo::Mark::now(lw);
+            lower_root(lw, &mut cx, root, dest, family)?;
+            if let Some((k, ext)) = key {
+                memo::record(lw, k, &ext, &mark, body);
+            }
+        }
     }
     let steps = &lw.prog.steps[before..];
     if steps.len() > 1 {
@@ -388,11 +397,7 @@ pub fn operand_view(lw: &mut Lowerer, cx: &mut Ctx, node: NodeId, family: &str) 
     let t = temp_for(lw, cx, node, sub_family)?;
     if let Op::Dequantize { .. } = g.node(node).op {
         let read: usize = g.operands(node).iter().map(|&o| g.ty(o).bytes()).sum();
-        lw.prog.materialized.push(Materialized {
-            what: format!("dequantize {} -> {}", g.describe(node), ty),
-            bytes_read: read,
-            bytes_written: ty.bytes(),
-        });
+        lw.prog.materialized.push(Materialized { what: memo::dequantized(g, node), bytes_read: read, bytes_written: ty.bytes() });
     }
     cx.leaves.insert(node, t.clone());
     Ok(t)

@@ -16,7 +16,7 @@
 //! to its left (`a <- b`: b uses a; `kernels/tests/module_layers.rs` checks this line against
 //! their `super::` paths):
 //!
-//! Layers: tidy/hoist/inplace/overwrite/rounding <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
+//! Layers: tidy/hoist/inplace/overwrite/rounding/memo <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
 //!
 //! `builder` builds one kernel (`tidy`, `hoist` and `rounding` clean its body); `inline` computes a node's
 //! value at an index; `anchor` is an op lowered into a kernel of its own, which `rows`, `reduce`
@@ -25,7 +25,7 @@
 //! `fused` passes it. `node` lowers one node of the step graph in `lower_with`'s order, handing a
 //! fused node to its family's file. `inplace` and `overwrite` say where a result may be written
 //! over bytes it replaces (a kernel's own operand; a value that dies at the node, or the input it
-//! updates).
+//! updates). `memo` replays a fused node's lowering for the nodes like it (the layers).
 
 use std::collections::HashMap;
 
@@ -58,6 +58,7 @@ mod fused;
 mod hoist;
 pub mod inline;
 pub(crate) mod inplace;
+pub mod memo;
 mod node;
 mod overwrite;
 mod reduce;
@@ -83,6 +84,10 @@ pub struct Lowerer {
     /// A kernel's identity (`Kernel::identity`) -> its index in `prog.kernels`: one kernel,
     /// many launches.
     ids: HashMap<u64, usize>,
+    /// Each kernel's identity, by its index in `prog.kernels`.
+    identities: Vec<u64>,
+    /// Fused nodes' lowerings for reuse by nodes like them (`memo.rs`).
+    pub memo: memo::NodeMemo,
     /// Attention statistics already computed, by the views they were computed from (buffers are
     /// written once, so equal views hold equal values): lse by [q, k], delta by [q, k, v, dout].
     pub attn_stats: HashMap<Vec<View>, View>,
@@ -176,6 +181,8 @@ impl Default for Lowerer {
         Lowerer {
             prog: Program::default(),
             ids: HashMap::new(),
+            identities: Vec::new(),
+            memo: memo::NodeMemo::default(),
             attn_stats: HashMap::new(),
             attn_grads: HashMap::new(),
             attn_v: HashMap::new(),
@@ -223,9 +230,22 @@ impl Lowerer {
     pub fn push_kernel(&mut self, (kernel, args): (Kernel, Vec<BufId>)) {
         let note = kernel.note.clone();
         let next = self.prog.kernels.len();
-        let id = *self.ids.entry(kernel.identity()).or_insert(next);
+        let identity = kernel.identity();
+        let id = *self.ids.entry(identity).or_insert(next);
         if id == next {
             self.prog.kernels.push(kernel);
+            self.identities.push(identity);
+        }
+        self.prog.steps.push(Step::Launch { kernel: id, args, note });
+    }
+
+    /// [`Lowerer::push_kernel`] for a kernel whose identity is known (`memo.rs`'s replay).
+    pub fn push_known_kernel(&mut self, identity: u64, kernel: &Kernel, args: Vec<BufId>, note: String) {
+        let next = self.prog.kernels.len();
+        let id = *self.ids.entry(identity).or_insert(next);
+        if id == next {
+            self.prog.kernels.push(kernel.clone());
+            self.identities.push(identity);
         }
         self.prog.steps.push(Step::Launch { kernel: id, args, note });
     }
@@ -338,15 +358,28 @@ fn pack_part(lw: &Lowerer, pack: NodeId, start: usize, end: usize) -> Option<Vie
 
 /// [`lower`] with the planner's choices.
 pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelError> {
-    let mut lw = Lowerer { options: options.clone(), ..Lowerer::default() };
+    lower_with_memo(g, options, &mut memo::NodeMemo::default())
+}
+
+/// [`lower_with`] reusing (and adding to) `memo`'s recorded node lowerings: several lowerings of
+/// one graph (the planner's chunk sizes) lower each kind of node once.
+pub fn lower_with_memo(g: &Graph, options: &LowerOptions, memo: &mut memo::NodeMemo) -> Result<Program, KernelError> {
+    memo.start(options);
+    let mut lw = Lowerer { options: options.clone(), memo: std::mem::take(memo), ..Lowerer::default() };
+    let lowered = lower_into(&mut lw, g, options);
+    *memo = std::mem::take(&mut lw.memo);
+    lowered.map(|()| lw.prog)
+}
+
+fn lower_into(lw: &mut Lowerer, g: &Graph, options: &LowerOptions) -> Result<(), KernelError> {
     let mut values: HashMap<NodeId, View> = HashMap::new();
     let node_roles = Roles::of(g);
     for id in lowering_order(g, options.order.as_deref())? {
-        node::lower(&mut lw, g, id, &mut values, &node_roles)?;
+        node::lower(lw, g, id, &mut values, &node_roles)?;
     }
     for o in g.outputs() {
         lw.phase = node_roles.phase(g, o.node);
-        let v = materialize(&mut lw, g, o.node, &mut values, &node_roles)?;
+        let v = materialize(lw, g, o.node, &mut values, &node_roles)?;
         if !o.update {
             lw.prog.buffers[v.buf].kind = match &lw.prog.buffers[v.buf].kind {
                 BufKind::Temp => BufKind::Value,
@@ -359,7 +392,7 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
             lw.prog.outputs.push((o.name.clone(), v));
         }
     }
-    Ok(lw.prog)
+    Ok(())
 }
 
 /// An op that is not a fused kernel, lowered into `dest`.

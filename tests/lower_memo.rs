@@ -1,0 +1,96 @@
+//! A fused node's lowering replayed from a node like it (`kernels/src/lower/memo.rs`) is the
+//! lowering itself: the program lowered with the memo equals, field for field (buffers, kernels,
+//! steps, notes, outputs, dequantizations, splits), the one lowered with every node afresh; for
+//! fp32 and bf16, AdamW and 8-bit AdamW, no checkpointing and `blocks`, LoRA on 4-bit weights and
+//! a full fine-tune, on the CPU's and CUDA's lowering options; and across the planner's two
+//! lowerings of one graph (the chunk-size floor, then every row in one chunk) sharing one memo.
+//! Each case must replay nodes, or it would prove nothing.
+
+use qatc::cli::options::{model_options, QuantArgs};
+use qatc::frontend::config::Gpt2Config;
+use qatc::step::{self, StepOptions};
+use qatc_kernels::{lower_with_memo, LowerOptions, NodeMemo, Program, Target};
+use qatc_passes::fusion::FuseOptions;
+use qatc_passes::lora::LoraOptions;
+use qatc_passes::optim::Moments;
+use qatc_passes::precision::Precision;
+use qatc_passes::remat::Checkpoint;
+
+/// Three layers, so that every layer's kernels have two like them.
+fn config() -> Gpt2Config {
+    Gpt2Config { n_embd: 64, n_layer: 3, n_head: 4, n_positions: 128, vocab_size: 512, layer_norm_epsilon: 1e-5 }
+}
+
+fn fused_step(precision: Precision, moments: Moments, checkpoint: Checkpoint, lora: bool) -> qatc_ir::Graph {
+    let mut o = StepOptions::new(2, 32);
+    let q = QuantArgs { bits: Some(4), group: Some(32), scheme: qatc_ir::QuantScheme::from_name("q4_0"), ..Default::default() };
+    o.model = if lora {
+        model_options(&q, Some(LoraOptions::new(8)), false, true)
+    } else {
+        model_options(&QuantArgs::default(), None, true, true)
+    }
+    .expect("model options");
+    o.precision = precision;
+    o.adamw.moments = moments;
+    o.checkpoint = checkpoint;
+    o.fuse = Some(FuseOptions::default());
+    step::train(&config(), &o, |_, _| {}).expect("the step builds").0
+}
+
+fn lowered(g: &qatc_ir::Graph, options: &LowerOptions, memo: &mut NodeMemo) -> Program {
+    lower_with_memo(g, options, memo).expect("lowers")
+}
+
+/// The first field where two programs differ, for the failure message.
+fn first_difference(a: &Program, b: &Program) -> String {
+    let (la, lb) = (a.listing(), b.listing());
+    if let Some((i, (x, y))) = la.lines().zip(lb.lines()).enumerate().find(|(_, (x, y))| x != y) {
+        return format!("listing line {i}:\n  memo:  {x}\n  fresh: {y}");
+    }
+    if a.kernels != b.kernels {
+        let i = a.kernels.iter().zip(&b.kernels).position(|(x, y)| x != y).unwrap_or(a.kernels.len().min(b.kernels.len()));
+        return format!("kernel {i} of {} / {}", a.kernels.len(), b.kernels.len());
+    }
+    if a.materialized != b.materialized {
+        return format!("materialized: {:?}\n vs {:?}", a.materialized, b.materialized);
+    }
+    if a.buffers != b.buffers {
+        let i = a.buffers.iter().zip(&b.buffers).position(|(x, y)| x != y).unwrap_or(0);
+        return format!("buffer {i}: {:?} vs {:?}", a.buffers.get(i), b.buffers.get(i));
+    }
+    format!("steps, splits or outputs (splits {:?} vs {:?})", a.splits, b.splits)
+}
+
+#[test]
+fn a_replayed_lowering_is_the_lowering() {
+    let mut cases = 0;
+    for (precision, moments, checkpoint, lora) in [
+        (Precision::Fp32, Moments::F32, Checkpoint::None, true),
+        (Precision::Bf16, Moments::F32, Checkpoint::None, true),
+        (Precision::Fp32, Moments::Blockwise8, Checkpoint::Blocks, true),
+        (Precision::Bf16, Moments::Blockwise8, Checkpoint::Blocks, true),
+        (Precision::Fp32, Moments::F32, Checkpoint::Blocks, false),
+        (Precision::Bf16, Moments::Blockwise8, Checkpoint::None, false),
+    ] {
+        let g = fused_step(precision, moments, checkpoint, lora);
+        for target in [Target::cpu(), Target::of(qatc_kernels::TargetKind::Cuda)] {
+            let what = format!("{precision:?}, {moments:?}, {}, lora {lora}, {:?}", checkpoint.describe(), target.kind);
+            let options = target.lower_options();
+            let mut memo = NodeMemo::default();
+            let with = lowered(&g, &options, &mut memo);
+            let fresh = lowered(&g, &options, &mut NodeMemo::disabled());
+            assert!(with == fresh, "{what}: the memo changed the program: {}", first_difference(&with, &fresh));
+            assert!(memo.hits > 0, "{what}: no node was replayed");
+            // the planner's second lowering (every row in one chunk) on the first one's memo
+            let rows = with.cross_entropy.first().map(|c| c.rows);
+            let top = LowerOptions { ce_chunk_rows: rows, ..options.clone() };
+            let hits = memo.hits;
+            let again = lowered(&g, &top, &mut memo);
+            let fresh = lowered(&g, &top, &mut NodeMemo::disabled());
+            assert!(again == fresh, "{what}, one chunk: the memo changed the program: {}", first_difference(&again, &fresh));
+            assert!(memo.hits > hits, "{what}, one chunk: no node was replayed");
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 12);
+}
