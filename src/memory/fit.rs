@@ -269,12 +269,8 @@ pub fn search_with(
     progress: &(dyn Fn(Progress) + Sync),
 ) -> anyhow::Result<Fit> {
     let planned = std::sync::atomic::AtomicUsize::new(0);
-    let mut fits: Vec<(Candidate, StepOptions)> = Vec::new();
-    let mut best: Option<(f64, StepOptions, Executed)> = None;
-    let mut smallest: Option<(Candidate, Executed)> = None;
-    let mut tried = 0;
-    let mut batch = 1;
     let memory = target.step_budget(memory);
+    let max_batch = max_batch.max(1);
     // each policy at each ZeRO stage searched, lowest first: the first pair that fits recomputes
     // least, at the lowest stage that holds it
     let stages = zero_stages(base, pinned);
@@ -284,90 +280,125 @@ pub fn search_with(
         .collect();
     let kinds: Vec<(Precision, Moments)> =
         precisions(base, pinned).into_iter().flat_map(|p| optimizers(base, pinned).into_iter().map(move |m| (p, m))).collect();
-    // per precision and optimizer: the first policy still worth planning (policies.len(): none)
-    let mut from = vec![0; kinds.len()];
     // per precision and optimizer, per policy: its fused steps so far
     let mut replays: Vec<Vec<Replay>> = kinds.iter().map(|_| policies.iter().map(|_| Replay::default()).collect()).collect();
+    // One precision and optimizer at one batch: its policies from `first` (the one that fitted
+    // at the batch before) until one fits.
+    let at = |batch: usize, (precision, optim): (Precision, Moments), first: usize, replays: &mut [Replay], best: &mut f64| {
+        let mut k = KindSearch::default();
+        for (i, &(policy, zero)) in policies.iter().enumerate().skip(first) {
+            let mut o = base.clone();
+            o.parallel.zero = zero;
+            o.batch = batch;
+            o.adamw.moments = optim;
+            o.precision = precision;
+            o.checkpoint = policy;
+            // --compile-timeout bounds each plan, as it bounds building one step
+            o.deadline = base.deadline.budget().map_or_else(Deadline::unlimited, Deadline::within);
+            k.tried += 1;
+            let made = plan_of(cfg, &o, target, options, shortcuts.replay.then_some(&mut replays[i]));
+            let n = planned.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            progress(Progress { batch, planned: n });
+            let e = match made {
+                Ok(e) => e,
+                // auto fails when no plan of its model (the graph-level planner's, which
+                // overstates the executed program) fits: blocks and sqrt are still tried
+                Err(e) if matches!(policy, Checkpoint::Auto(_)) && !expired(&e) => continue,
+                Err(e) => {
+                    k.error = Some(e.context(format!("--fit: planning batch {batch}, --checkpoint {}", policy.describe())));
+                    break;
+                }
+            };
+            let c = candidate(&o, &e, memory, target);
+            if c.fits {
+                // the first policy that fits is the fastest at this batch: none recomputes
+                // nothing, auto least within the memory, then blocks, then sqrt; its plan is
+                // kept only while it is this kind's fastest (the answer's can only be one)
+                let e = (c.score > *best).then_some(e);
+                *best = best.max(c.score);
+                k.fitted = Some((i, c, o, e));
+                break;
+            }
+            if batch == 1 && k.smallest.as_ref().is_none_or(|(s, _)| c.peak_bytes < s.peak_bytes) {
+                k.smallest = Some((c, e));
+            }
+        }
+        k
+    };
+    use rayon::prelude::*;
+    let mut searched: Vec<(usize, usize, KindSearch)> = Vec::new();
     let mut reused = 0;
-    while batch <= max_batch.max(1) {
-        // each precision and optimizer searched on a thread of its own (its policies in turn),
-        // the results taken in their order: the same answer as one after the other
-        let searched: Vec<KindSearch> = {
-            use rayon::prelude::*;
-            kinds
-                .par_iter()
-                .zip(&from)
-                .zip(replays.par_iter_mut())
-                .map(|((&(precision, optim), &first), replays)| {
-                    let mut k = KindSearch::default();
-                    for (i, &(policy, zero)) in policies.iter().enumerate().skip(first) {
-                        let mut o = base.clone();
-                        o.parallel.zero = zero;
-                        o.batch = batch;
-                        o.adamw.moments = optim;
-                        o.precision = precision;
-                        o.checkpoint = policy;
-                        // --compile-timeout bounds each plan, as it bounds building one step
-                        o.deadline = base.deadline.budget().map_or_else(Deadline::unlimited, Deadline::within);
-                        k.tried += 1;
-                        let made = plan_of(cfg, &o, target, options, shortcuts.replay.then_some(&mut replays[i]));
-                        let n = planned.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                        progress(Progress { batch, planned: n });
-                        let e = match made {
-                            Ok(e) => e,
-                            // auto fails when no plan of its model (the graph-level planner's,
-                            // which overstates the executed program) fits: blocks and sqrt are
-                            // still tried
-                            Err(e) if matches!(policy, Checkpoint::Auto(_)) && !expired(&e) => continue,
-                            Err(e) => {
-                                k.error = Some(e.context(format!("--fit: planning batch {batch}, --checkpoint {}", policy.describe())));
-                                break;
-                            }
-                        };
-                        let c = candidate(&o, &e, memory, target);
-                        if c.fits {
-                            // the first policy that fits is the fastest at this batch: none
-                            // recomputes nothing, auto least within the memory, then blocks, then sqrt
-                            k.fitted = Some((i, c, o, e));
-                            break;
-                        }
-                        if batch == 1 && k.smallest.as_ref().is_none_or(|(s, _)| c.peak_bytes < s.peak_bytes) {
-                            k.smallest = Some((c, e));
-                        }
+    if shortcuts.prune {
+        // A kind's next batch depends only on its own last one (the policy that fitted, or none:
+        // then it is done), so each precision and optimizer runs its batches on a thread of its
+        // own and none waits for the others at each batch. The results are taken in batch, then
+        // kind order: the same answer as one after the other.
+        let chains: Vec<(Vec<(usize, usize, KindSearch)>, usize)> = kinds
+            .par_iter()
+            .zip(replays.par_iter_mut())
+            .enumerate()
+            .map(|(kind, (&kind_of, replays))| {
+                let (mut out, mut reused, mut best) = (Vec::new(), 0, f64::NEG_INFINITY);
+                let (mut batch, mut first) = (1, 0);
+                while batch <= max_batch && first < policies.len() {
+                    let s = at(batch, kind_of, first, replays, &mut best);
+                    let stop = s.error.is_some();
+                    first = s.fitted.as_ref().map_or(policies.len(), |f| f.0);
+                    // the policies before it are not planned again: their texts (a 1.5B step's
+                    // are megabytes) can go
+                    for r in &mut replays[..first] {
+                        reused += std::mem::take(r).reused;
                     }
-                    k
-                })
-                .collect()
-        };
-        let mut any = false;
-        for (k, s) in searched.into_iter().enumerate() {
-            tried += s.tried;
-            if let Some(e) = s.error {
-                return Err(e);
-            }
-            if let Some((c, e)) = s.smallest {
-                if smallest.as_ref().is_none_or(|(m, _)| c.peak_bytes < m.peak_bytes) {
-                    smallest = Some((c, e));
+                    out.push((batch, kind, s));
+                    if stop {
+                        break;
+                    }
+                    batch *= 2;
                 }
+                (out, reused)
+            })
+            .collect();
+        for (chain, r) in chains {
+            searched.extend(chain);
+            reused += r;
+        }
+        searched.sort_by_key(|&(batch, kind, _)| (batch, kind));
+    } else {
+        // every kind's every policy at each batch, until a batch where nothing fits
+        let mut best = vec![f64::NEG_INFINITY; kinds.len()];
+        let mut batch = 1;
+        while batch <= max_batch {
+            let round: Vec<KindSearch> =
+                kinds.par_iter().zip(replays.par_iter_mut()).zip(best.par_iter_mut()).map(|((&k, r), b)| at(batch, k, 0, r, b)).collect();
+            let any = round.iter().any(|s| s.fitted.is_some());
+            searched.extend(round.into_iter().enumerate().map(|(kind, s)| (batch, kind, s)));
+            if !any {
+                break;
             }
-            let fitted = s.fitted.map(|(i, c, o, e)| {
-                consider(&mut best, &mut fits, c, o, e);
-                i
-            });
-            any |= fitted.is_some();
-            if shortcuts.prune {
-                from[k] = fitted.unwrap_or(policies.len());
-                // the policies before it are not planned again: their texts (a 1.5B step's are
-                // megabytes) can go
-                for r in &mut replays[k][..from[k]] {
-                    reused += std::mem::take(r).reused;
-                }
+            batch *= 2;
+        }
+    }
+    let mut fits: Vec<(Candidate, StepOptions)> = Vec::new();
+    let mut best: Option<(f64, StepOptions, Executed)> = None;
+    let mut smallest: Option<(Candidate, Executed)> = None;
+    let mut tried = 0;
+    for (_, _, s) in searched {
+        tried += s.tried;
+        if let Some(e) = s.error {
+            return Err(e);
+        }
+        if let Some((c, e)) = s.smallest {
+            if smallest.as_ref().is_none_or(|(m, _)| c.peak_bytes < m.peak_bytes) {
+                smallest = Some((c, e));
             }
         }
-        if !any {
-            break;
+        if let Some((_, c, o, e)) = s.fitted {
+            if best.as_ref().is_none_or(|(s, _, _)| c.score > *s) {
+                let e = e.context("--fit: the fastest plan was not kept")?;
+                best = Some((c.score, o.clone(), e));
+            }
+            fits.push((c, o));
         }
-        batch *= 2;
     }
     fits.sort_by(|a, b| b.0.score.total_cmp(&a.0.score).then(a.0.peak_bytes.cmp(&b.0.peak_bytes)));
     let top = fits.first().map_or(1.0, |f| f.0.score);
@@ -383,7 +414,8 @@ pub fn search_with(
 #[derive(Default)]
 struct KindSearch {
     tried: usize,
-    fitted: Option<(usize, Candidate, StepOptions, Executed)>,
+    /// The plan kept only while it is its kind's fastest so far.
+    fitted: Option<(usize, Candidate, StepOptions, Option<Executed>)>,
     smallest: Option<(Candidate, Executed)>,
     error: Option<anyhow::Error>,
 }
@@ -395,19 +427,6 @@ fn expired(e: &anyhow::Error) -> bool {
         matches!(c.downcast_ref::<qatc_passes::PassError>(), Some(qatc_passes::PassError::Expired(_)))
             || c.downcast_ref::<qatc_ir::Expired>().is_some()
     })
-}
-
-fn consider(
-    best: &mut Option<(f64, StepOptions, Executed)>,
-    fits: &mut Vec<(Candidate, StepOptions)>,
-    c: Candidate,
-    o: StepOptions,
-    e: Executed,
-) {
-    if best.as_ref().is_none_or(|(s, _, _)| c.score > *s) {
-        *best = Some((c.score, o.clone(), e));
-    }
-    fits.push((c, o));
 }
 
 /// Why the smallest plan does not fit: its bytes at its peak, by category, largest first.
