@@ -47,7 +47,7 @@ pub fn lower_kernel_node(
         elementwise(lw, &cx, root, &dest, family)?;
     } else {
         // a node like one lowered before (another layer's) replays its steps on its own buffers
-        let key = memo::key(lw, family, body, operands, &dest);
+        let key = memo::key(lw, family, body, operands, &[&dest]);
         let replayed = key.as_ref().is_some_and(|(k, ext)| memo::replay(lw, k, ext, body));
         if !replayed {
             let mark = memo::Mark::now(lw);
@@ -117,8 +117,18 @@ pub fn lower_kernel_parts(
     let mut order: Vec<usize> = (0..parts.len()).collect();
     order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));
     let family = family.to_string();
+    // a pack like one lowered before (another layer's) replays its steps on its own buffers
+    // (keyed apart from the node lowered whole, which the same body may be elsewhere)
+    let key = memo::key(lw, &format!("{family} in parts"), body, operands, &dests.iter().collect::<Vec<_>>());
+    if key.as_ref().is_some_and(|(k, ext)| memo::replay(lw, k, ext, body)) {
+        return Ok(());
+    }
+    let mark = memo::Mark::now(lw);
     for i in order {
         lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), &family)?;
+    }
+    if let Some((k, ext)) = key {
+        memo::record(lw, k, &ext, &mark, body);
     }
     Ok(())
 }

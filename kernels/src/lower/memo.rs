@@ -76,7 +76,7 @@ pub(super) struct Key {
     /// The buffers the node reads and writes, first use first: type, shape, kind and, for a
     /// scratch buffer, its name (a kernel parameter on a scratch buffer is named after it).
     bufs: Vec<(DType, Vec<usize>, u8, Option<String>)>,
-    /// The operands' views, then the destination's: (index into `bufs`, offset, shape, strides).
+    /// The operands' views, then the destinations': (index into `bufs`, offset, shape, strides).
     views: Vec<(usize, usize, Vec<usize>, Vec<usize>)>,
 }
 
@@ -134,9 +134,9 @@ fn stateful(op: &Op) -> bool {
     )
 }
 
-/// The key of fused node `body` on `operands` into `dest`, and the buffers it names in the key's
-/// order; None when it is not to be recorded.
-pub(super) fn key(lw: &Lowerer, family: &str, body: &Graph, operands: &[View], dest: &View) -> Option<(Key, Vec<BufId>)> {
+/// The key of fused node `body` on `operands` into `dests` (its destination, or its parts'), and
+/// the buffers it names in the key's order; None when it is not to be recorded.
+pub(super) fn key(lw: &Lowerer, family: &str, body: &Graph, operands: &[View], dests: &[&View]) -> Option<(Key, Vec<BufId>)> {
     if lw.memo.disabled {
         return None;
     }
@@ -155,7 +155,7 @@ pub(super) fn key(lw: &Lowerer, family: &str, body: &Graph, operands: &[View], d
     let mut ext: Vec<BufId> = Vec::new();
     let mut bufs = Vec::new();
     let mut views = Vec::new();
-    for v in operands.iter().chain([dest]) {
+    for v in operands.iter().chain(dests.iter().copied()) {
         let slot = match ext.iter().position(|&b| b == v.buf) {
             Some(s) => s,
             None => {
