@@ -326,14 +326,14 @@ pub fn search_with(
         k
     };
     use rayon::prelude::*;
-    let mut searched: Vec<(usize, usize, KindSearch)> = Vec::new();
+    let mut searched: Vec<Searched> = Vec::new();
     let mut reused = 0;
     if shortcuts.prune {
         // A kind's next batch depends only on its own last one (the policy that fitted, or none:
         // then it is done), so each precision and optimizer runs its batches on a thread of its
         // own and none waits for the others at each batch. The results are taken in batch, then
         // kind order: the same answer as one after the other.
-        let chains: Vec<(Vec<(usize, usize, KindSearch)>, usize)> = kinds
+        let chains: Vec<(Vec<Searched>, usize)> = kinds
             .par_iter()
             .zip(replays.par_iter_mut())
             .enumerate()
@@ -407,6 +407,9 @@ pub fn search_with(
     reused += replays.iter().flatten().map(|r| r.reused).sum::<usize>();
     Ok(Fit { fits, best: best.map(|(_, o, e)| (o, e)), smallest, tried, reused })
 }
+
+/// One precision and optimizer's search at one batch: (batch, the kind's index, what it gave).
+type Searched = (usize, usize, KindSearch);
 
 /// What one precision and optimizer's policies gave at one batch (`search_with`): the plans
 /// tried, the first policy that fits (its index, candidate, options and plan), at batch 1 the
