@@ -18,6 +18,7 @@ use qatc::model::Model;
 use qatc::step::StepOptions;
 use qatc::trainer::Trainer;
 use qatc_ir::{QuantScheme, QuantSpec};
+use qatc_kernels::LowerOptions;
 use qatc_passes::fusion::FuseOptions;
 use qatc_passes::lora::{LoraOptions, DROPOUT_SEED};
 use qatc_passes::microbatch;
@@ -115,20 +116,20 @@ fn check(
 /// and with the `llvm` feature also by LLVM), comparing every output after each; returns the
 /// attention kernel parts of the program.
 fn compare(what: &str, o: StepOptions) -> BTreeSet<String> {
-    compare_with(what, o, 0)
+    compare_with(what, o, 0, &LowerOptions::default())
 }
 
 /// `compare`, with the 4-bit weights fed to their GEMMs in panels of at most `panel_bytes`
 /// (`qatc_kernels::panels`) when that is not 0: the rewrite must find every dequantized weight
 /// and change no output beyond f32 reassociation of the split GEMMs.
-fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize) -> BTreeSet<String> {
+fn compare_with(what: &str, mut o: StepOptions, panel_bytes: usize, options: &LowerOptions) -> BTreeSet<String> {
     let m = Model::open(&common::fixture("tiny/f32_prefix/model.safetensors")).unwrap();
     let data = TokenFile::open(&common::fixture("tiny/tokens.bin")).unwrap();
     o.keep_grads = true;
     let (b, t, k) = (o.batch, o.seq, o.grad_accum);
     let tr = Trainer::new(&m, o.clone(), None, 3).unwrap();
     let interp = Interpreter::<f32>::new(&tr.graph).unwrap();
-    let mut prog = qatc_kernels::lower(&tr.graph).unwrap_or_else(|e| panic!("{what}: lower: {e}"));
+    let mut prog = qatc_kernels::lower_with(&tr.graph, options).unwrap_or_else(|e| panic!("{what}: lower: {e}"));
     let mut panels = qatc_kernels::panels::PanelTable::default();
     if panel_bytes > 0 {
         // unfused, one dequantized value per 4-bit weight, read by its forward and backward
@@ -242,6 +243,21 @@ fn qlora_step_fused() {
     assert!(parts.contains("Forward") && parts.contains("BackwardV"), "{parts:?}");
 }
 
+/// The step as `qatc train` lowers it on the CPU (`Target::cpu`'s options): rows run in order, the
+/// cross-entropy walks the vocabulary in tiles, and each layer's dq, dk and dv come from one
+/// attention backward whose delta is rowsum(dout * out) (`kernels/src/lower/attention.rs`).
+#[test]
+fn steps_fused_as_the_cpu_target_lowers_them() {
+    let cpu = qatc_kernels::Target::cpu().lower_options();
+    let mut o = StepOptions::new(2, 16);
+    o.fuse = Some(FuseOptions::default());
+    let parts = compare_with("full fine-tune, fused, the CPU target's lowering", o.clone(), 0, &cpu);
+    assert!(parts.contains("Backward"), "one attention backward per layer: {parts:?}");
+    qlora(&mut o);
+    let parts = compare_with("4-bit + LoRA, fused, the CPU target's lowering", o, 0, &cpu);
+    assert!(parts.contains("Backward"), "one attention backward per layer: {parts:?}");
+}
+
 /// The dequantized weights fed to the GEMMs a few rows at a time (panels of 5000 bytes: 6 rows
 /// of a [64, 192] weight, 19 of a [.., 64] one, so most weights end in a short panel), unfused
 /// and fused.
@@ -249,9 +265,9 @@ fn qlora_step_fused() {
 fn qlora_step_panels() {
     let mut o = StepOptions::new(2, 16);
     qlora(&mut o);
-    compare_with("4-bit + LoRA, unfused, in panels", o.clone(), 5000);
+    compare_with("4-bit + LoRA, unfused, in panels", o.clone(), 5000, &LowerOptions::default());
     o.fuse = Some(FuseOptions::default());
-    compare_with("4-bit + LoRA, fused, in panels", o, 5000);
+    compare_with("4-bit + LoRA, fused, in panels", o, 5000, &LowerOptions::default());
 }
 
 /// Gradient clipping (a global norm: a reduction over every gradient) and accumulation over two

@@ -78,9 +78,14 @@ fn distinct(prog: qatc_kernels::Program, launcher: Box<dyn Launcher>) -> Result<
 /// Runs the step both ways; returns (family -> values compared) and panics on the first value
 /// off by more than TOL, naming the kernel that wrote it.
 fn compare(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> BTreeMap<String, usize> {
+    compare_lowered(what, cfg, o, &qatc_kernels::LowerOptions::default())
+}
+
+/// [`compare`] with the step lowered under `options` (a target's).
+fn compare_lowered(what: &str, cfg: &Gpt2Config, o: &StepOptions, options: &qatc_kernels::LowerOptions) -> BTreeMap<String, usize> {
     let (g, _) = step::train(cfg, o, |_, _| {}).expect("the step builds");
     let ins = inputs(&g, cfg, o.batch, o.seq);
-    let prog = qatc_kernels::lower(&g).expect("it lowers");
+    let prog = qatc_kernels::lower_with(&g, options).expect("it lowers");
     // who writes each buffer: the kernel's family, or "gemm"; and the buffers a kernel rewrites
     // in place (the cross-entropy gradient over its logits): they end up holding another node's
     // value than the one they are named after, which the whole-step tests check instead
@@ -393,6 +398,23 @@ fn qlora_step_in_bf16_and_fp16_b27_t29() {
     f.precision = Precision::Bf16;
     f.fuse = Some(FuseOptions::default());
     compare("full fine-tune, bf16, fused, B 3 T 29", &odd(), &f);
+}
+
+/// The bf16 step as `qatc train` lowers it on the CPU (`Target::cpu`'s options): each layer's
+/// attention gradients from one backward whose delta reads the stored (bf16) forward output,
+/// rowsum(dout * out), where the flash kernels' delta sums P * dP in f32; the values stay within
+/// the same bf16 bounds.
+#[test]
+fn qlora_step_in_bf16_as_the_cpu_target_lowers_it() {
+    let cpu = qatc_kernels::Target::cpu().lower_options();
+    let mut o = qlora(27, 29, 8, QuantScheme::Sym);
+    o.precision = Precision::Bf16;
+    o.clip = Some(1.0);
+    o.fuse = Some(FuseOptions::default());
+    compare_lowered("4-bit sym + LoRA, bf16, fused, the CPU target's lowering, B 27 T 29", &odd(), &o, &cpu);
+    let (g, _) = step::train(&odd(), &o, |_, _| {}).expect("the step builds");
+    let prog = qatc_kernels::lower_with(&g, &cpu).expect("it lowers");
+    assert!(prog.kernels.iter().any(|k| k.family == "attention.delta"), "delta from dout and out");
 }
 
 #[test]

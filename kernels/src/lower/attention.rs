@@ -28,9 +28,10 @@ use std::collections::HashMap;
 
 use qatc_ir::{DType, Graph, NodeId, Op};
 
+use super::builder::Pos;
 use super::{elementwise, Ctx, Lowerer};
 use crate::error::KernelError;
-use crate::kir::{Attention, AttentionPart, Body, Kernel, Param, Ty};
+use crate::kir::{Attention, AttentionPart, BinOp, Body, Expr, Ix, Kernel, Param, ReduceOp, RowMapping, Space, Ty};
 use crate::program::View;
 
 /// A view of an operand's value, lowered into a scratch first where it is not a view of a leaf:
@@ -230,12 +231,34 @@ fn lse(lw: &mut Lowerer, l: &Launch, key: Vec<View>, q: &View, k: &View) -> Resu
     Ok(out)
 }
 
-fn delta(lw: &mut Lowerer, l: &Launch, key: Vec<View>, qkvd: [&View; 4], lse: &View) -> Result<View, KernelError> {
+/// Softmax's backward term delta = rowsum(P * dP) per query row, computed once per (q, k, v,
+/// dout). Where the forward's output is known (`Lowerer::attn_out`, on the targets that compute
+/// the gradients blockwise) it is rowsum(dout * out), FlashAttention-2's D: since out = P v and
+/// dP = dout v^T, sum_j P_ij dP_ij = dout_i . sum_j P_ij v_j. That reads [T, hs] per head where
+/// the pass over the scores recomputes q k^T and dout v^T ([T, T] each); out is held until the
+/// backward anyway (the output projection's weight or LoRA gradient reads it). Over 16-bit
+/// values it reads the stored out, as FlashAttention-2 does.
+fn delta(lw: &mut Lowerer, cx: &Ctx, l: &Launch, key: Vec<View>, qkvd: [&View; 4], lse: &View) -> Result<View, KernelError> {
     if let Some(v) = lw.attn_stats.get(&key) {
         return Ok(v.clone());
     }
-    let [b, nh, t, _] = l.dims;
+    let [b, nh, t, hs] = l.dims;
     let out = lw.temp("attn_delta", DType::F32, &[b, nh, t]);
+    if let Some(o) = lw.attn_out.get(&key[..2]).cloned().filter(|_| lw.options.attention_one_backward) {
+        let dout = qkvd[3];
+        let rows = b * nh * t;
+        let mut kb = lw.kb_rows(cx, rows, &[dout, &o, &out]);
+        let (lp, j) = kb.open_loop(Expr::Int(hs as i64), hs);
+        let pos = Pos::Lin(kb.bounds.add(kb.bounds.mul(Expr::Ix(Ix::Row), hs as i64), j));
+        let (x, y) = (kb.load_view(dout, &pos), kb.load_view(&o, &pos));
+        let d = kb.close_reduce(lp, ReduceOp::Sum, Ty::F32, Expr::bin(BinOp::Mul, x, y));
+        kb.name(&d, "delta");
+        kb.store_view(&out, &Pos::Lin(Expr::Ix(Ix::Row)), d);
+        let note = format!("{}: delta = rowsum(dout * out)", l.note);
+        launch!(lw, kb, "attention.delta", Space::Rows { rows, mapping: RowMapping::Block }, note)?;
+        lw.attn_stats.insert(key, out.clone());
+        return Ok(out);
+    }
     let d = Launch { part: AttentionPart::BackwardDelta, note: format!("{}: delta", l.note), ..*l };
     let [q, k, v, dout] = qkvd;
     launch(lw, &d, &Operands { v: Some(v), dout: Some(dout), delta: Some(&out), ..Operands::new(q, k, lse) })?;
@@ -280,6 +303,8 @@ pub fn lower(
             // the backward of this layer reads it instead of recomputing it
             lw.attn_stats.insert(keys[..2].to_vec(), lse);
             lw.attn_v.insert(keys[..2].to_vec(), keys[2].clone());
+            // the stored output, which the backward's delta reads
+            lw.attn_out.insert(keys[..2].to_vec(), dest.clone());
         }
         Match::Dv { q, k, dout, scale } => {
             let vs = views(lw, &[q, k, dout])?;
@@ -296,7 +321,7 @@ pub fn lower(
                 let key4 = vec![keys[0].clone(), keys[1].clone(), v_key, keys[2].clone()];
                 let l = Launch { part: AttentionPart::Backward, dims, scale, family, note, values };
                 let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
-                let delta = delta(lw, &l, key4.clone(), [&vs[0], &vs[1], &v, &vs[2]], &lse)?;
+                let delta = delta(lw, cx, &l, key4.clone(), [&vs[0], &vs[1], &v, &vs[2]], &lse)?;
                 let (dq, dk) = (lw.temp("attn_dq", DType::F32, &shape), lw.temp("attn_dk", DType::F32, &shape));
                 let ops = Operands {
                     v: Some(&v),
@@ -324,7 +349,7 @@ pub fn lower(
             } else {
                 let l = Launch { part: AttentionPart::BackwardQ, dims, scale, family, note, values };
                 let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
-                let delta = delta(lw, &l, keys.clone(), [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
+                let delta = delta(lw, cx, &l, keys.clone(), [&vs[0], &vs[1], &vs[2], &vs[3]], &lse)?;
                 let base = Operands { v: Some(&vs[2]), dout: Some(&vs[3]), delta: Some(&delta), ..Operands::new(&vs[0], &vs[1], &lse) };
                 if lw.options.attention_one_backward {
                     // all three at once: this node's gradient into its own result, the other two

@@ -96,14 +96,15 @@ pub(super) struct Mark {
     steps: usize,
     buffers: usize,
     materialized: usize,
-    state: [usize; 10],
+    state: [usize; 11],
 }
 
-fn state(lw: &Lowerer) -> [usize; 10] {
+fn state(lw: &Lowerer) -> [usize; 11] {
     [
         lw.attn_stats.len(),
         lw.attn_grads.len(),
         lw.attn_v.len(),
+        lw.attn_out.len(),
         lw.ce_stats.len(),
         lw.packs.len(),
         lw.absorbed.len(),

@@ -98,6 +98,9 @@ pub struct Lowerer {
     /// The view holding v of each forward attention, by [q, k]: a layer's dv node (which does not
     /// read v) may then launch the one-pass backward when it is the first gradient lowered.
     pub attn_v: HashMap<Vec<View>, View>,
+    /// The view holding each forward attention's output, by [q, k]: the backward's delta is then
+    /// rowsum(dout * out) (`attention.rs`), not a pass over the scores.
+    pub attn_out: HashMap<Vec<View>, View>,
     /// Cross-entropy row statistics (max, sum of exp(x - max)) by the logits view they were
     /// computed from: the loss and its gradient share one pass over the [N, V] logits.
     pub ce_stats: HashMap<View, (View, View)>,
@@ -186,6 +189,7 @@ impl Default for Lowerer {
             attn_stats: HashMap::new(),
             attn_grads: HashMap::new(),
             attn_v: HashMap::new(),
+            attn_out: HashMap::new(),
             ce_stats: HashMap::new(),
             phase: Phase::Forward,
             packs: HashMap::new(),
