@@ -235,9 +235,10 @@ fn lse(lw: &mut Lowerer, l: &Launch, key: Vec<View>, q: &View, k: &View) -> Resu
 /// dout). Where the forward's output is known (`Lowerer::attn_out`, on the targets that compute
 /// the gradients blockwise) it is rowsum(dout * out), FlashAttention-2's D: since out = P v and
 /// dP = dout v^T, sum_j P_ij dP_ij = dout_i . sum_j P_ij v_j. That reads [T, hs] per head where
-/// the pass over the scores recomputes q k^T and dout v^T ([T, T] each); out is held until the
-/// backward anyway (the output projection's weight or LoRA gradient reads it). Over 16-bit
-/// values it reads the stored out, as FlashAttention-2 does.
+/// the pass over the scores recomputes q k^T and dout v^T ([T, T] each); out is held for the
+/// output projection's weight or LoRA gradient anyway, a few steps before this (under
+/// checkpointing its recomputed copy now lives those few steps longer). Over 16-bit values it
+/// reads the stored out, as FlashAttention-2 does.
 fn delta(lw: &mut Lowerer, cx: &Ctx, l: &Launch, key: Vec<View>, qkvd: [&View; 4], lse: &View) -> Result<View, KernelError> {
     if let Some(v) = lw.attn_stats.get(&key) {
         return Ok(v.clone());
