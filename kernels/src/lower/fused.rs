@@ -14,7 +14,7 @@ use qatc_ir::{Graph, KernelFamily, NodeId, Op, OpKind};
 use super::anchor::Anchor;
 use super::inline::inlinable;
 use super::{attention, memo, reduce, rows, scatter};
-use super::{elementwise, pack_parts, unreshaped, Ctx, Lowerer, PackPart};
+use super::{elementwise, pack_parts, Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{Gemm, GemmTypes, Materialized, Step, View};
 
@@ -87,68 +87,10 @@ pub fn separate_parts(body: &Graph, operands: usize) -> Option<Vec<PackPart>> {
     Some(pack_parts(body, root))
 }
 
-/// Lowers the packed kernel `id` part by part, each part into its own buffer (`dests`, one per
-/// [`separate_parts`] entry, of the part's shape): a part lives only as long as it is read, not
-/// as long as the pack's longest-lived part.
-pub fn lower_kernel_parts(
-    lw: &mut Lowerer,
-    g: &Graph,
-    id: NodeId,
-    operands: &[View],
-    parts: &[PackPart],
-    dests: &[View],
-) -> Result<(), KernelError> {
-    let Op::Kernel { family, body } = &g.node(id).op else {
-        return Err(KernelError::Internal(format!("node {id:?} is not a fused kernel")));
-    };
-    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
-    for (i, v) in operands.iter().enumerate() {
-        let name = format!("in{i}");
-        let inp = body
-            .find_input(&name)
-            .ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
-        cx.names.entry(v.buf).or_insert(name);
-        cx.leaves.insert(inp, v.clone());
-    }
-    // a part that other parts are computed from goes first, so they read it (a LoRA linear's
-    // pre-activation before its GELU)
-    let inner = |p: NodeId| unreshaped(body, p);
-    let under = |p: NodeId, q: NodeId| p != q && nodes_under(body, inner(q)).contains(&inner(p));
-    let mut order: Vec<usize> = (0..parts.len()).collect();
-    order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));
-    let family = family.to_string();
-    // a pack like one lowered before (another layer's) replays its steps on its own buffers
-    // (keyed apart from the node lowered whole, which the same body may be elsewhere)
-    let key = memo::key(lw, &format!("{family} in parts"), body, operands, &dests.iter().collect::<Vec<_>>());
-    if key.as_ref().is_some_and(|(k, ext)| memo::replay(lw, k, ext, body)) {
-        return Ok(());
-    }
-    let mark = memo::Mark::now(lw);
-    for i in order {
-        lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), &family)?;
-    }
-    if let Some((k, ext)) = key {
-        memo::record(lw, k, &ext, &mark, body);
-    }
-    Ok(())
-}
-
-/// Every node under `root` (itself included).
-fn nodes_under(g: &Graph, root: NodeId) -> HashSet<NodeId> {
-    let mut seen = HashSet::new();
-    let mut stack = vec![root];
-    while let Some(n) = stack.pop() {
-        if seen.insert(n) {
-            stack.extend(g.operands(n));
-        }
-    }
-    seen
-}
-
 /// Lowers one part of a pack into `slice` (its place, of the part's shape): through its
 /// reshapes where the destination allows, elementwise when nothing under it needs a pass of its
 /// own.
-fn lower_part(lw: &mut Lowerer, cx: &mut Ctx, part: NodeId, slice: View, family: &str) -> Result<(), KernelError> {
+pub fn lower_part(lw: &mut Lowerer, cx: &mut Ctx, part: NodeId, slice: View, family: &str) -> Result<(), KernelError> {
     let g = cx.g;
     let (mut node, mut d) = (part, slice.clone());
     while let (Op::Reshape { .. }, false) = (&g.node(node).op, cx.leaves.contains_key(&node)) {

@@ -8,7 +8,10 @@ use std::collections::{HashMap, HashSet};
 
 use qatc_ir::{Graph, KernelFamily, NodeId, Op, Role, Roles};
 
-use super::{adamw, adamw8, buffer_name, fused, inplace, lower_op, materialize, overwrite, pack_part, read_by_parts, xent, Lowerer};
+use super::{
+    adamw, adamw8, buffer_name, fused, inplace, lower_op, materialize, memo, overwrite, pack_part, read_by_parts, unreshaped, xent,
+};
+use super::{Ctx, Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{BufKind, Collective, Exchange, Step, View};
 
@@ -183,7 +186,7 @@ fn lowered_in_parts(
         dests.push(flat.clone());
         placed.push((start, len, flat));
     }
-    fused::lower_kernel_parts(lw, g, id, &operand_views, &parts, &dests)?;
+    lower_kernel_parts(lw, g, id, &operand_views, &parts, &dests)?;
     lw.packs.insert(id, placed);
     Ok(true)
 }
@@ -204,4 +207,62 @@ fn collective(lw: &mut Lowerer, g: &Graph, id: NodeId, src: View, dst: View) -> 
     let note = g.node(id).name.clone().unwrap_or_else(|| g.describe(id));
     lw.prog.steps.push(Step::Collective(Box::new(Collective { exchange, world, src, dst, note })));
     Ok(())
+}
+
+/// Lowers the packed kernel `id` part by part, each part into its own buffer (`dests`, one per
+/// [`separate_parts`] entry, of the part's shape): a part lives only as long as it is read, not
+/// as long as the pack's longest-lived part.
+pub fn lower_kernel_parts(
+    lw: &mut Lowerer,
+    g: &Graph,
+    id: NodeId,
+    operands: &[View],
+    parts: &[PackPart],
+    dests: &[View],
+) -> Result<(), KernelError> {
+    let Op::Kernel { family, body } = &g.node(id).op else {
+        return Err(KernelError::Internal(format!("node {id:?} is not a fused kernel")));
+    };
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    for (i, v) in operands.iter().enumerate() {
+        let name = format!("in{i}");
+        let inp = body
+            .find_input(&name)
+            .ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
+        cx.names.entry(v.buf).or_insert(name);
+        cx.leaves.insert(inp, v.clone());
+    }
+    // a part that other parts are computed from goes first, so they read it (a LoRA linear's
+    // pre-activation before its GELU)
+    let inner = |p: NodeId| unreshaped(body, p);
+    let under = |p: NodeId, q: NodeId| p != q && nodes_under(body, inner(q)).contains(&inner(p));
+    let mut order: Vec<usize> = (0..parts.len()).collect();
+    order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));
+    let family = family.to_string();
+    // a pack like one lowered before (another layer's) replays its steps on its own buffers
+    // (keyed apart from the node lowered whole, which the same body may be elsewhere)
+    let key = memo::key(lw, &format!("{family} in parts"), body, operands, &dests.iter().collect::<Vec<_>>());
+    if key.as_ref().is_some_and(|(k, ext)| memo::replay(lw, k, ext, body)) {
+        return Ok(());
+    }
+    let mark = memo::Mark::now(lw);
+    for i in order {
+        fused::lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), &family)?;
+    }
+    if let Some((k, ext)) = key {
+        memo::record(lw, k, &ext, &mark, body);
+    }
+    Ok(())
+}
+
+/// Every node under `root` (itself included).
+fn nodes_under(g: &Graph, root: NodeId) -> HashSet<NodeId> {
+    let mut seen = HashSet::new();
+    let mut stack = vec![root];
+    while let Some(n) = stack.pop() {
+        if seen.insert(n) {
+            stack.extend(g.operands(n));
+        }
+    }
+    seen
 }
