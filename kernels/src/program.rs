@@ -206,6 +206,10 @@ impl Gemm {
     pub fn flops(&self) -> usize {
         2 * self.batch() * self.m * self.n * self.k
     }
+    /// Its operand and result views: a, b, c, then the bias if any.
+    pub fn views_mut(&mut self) -> impl Iterator<Item = &mut View> {
+        [&mut self.a, &mut self.b, &mut self.c].into_iter().chain(self.bias.as_mut())
+    }
 }
 
 /// What a collective exchanges (`qatc_ir::collective`'s ops).

@@ -29,15 +29,7 @@ pub fn lower_kernel_node(
     operands: &[View],
     dest: View,
 ) -> Result<(), KernelError> {
-    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
-    for (i, v) in operands.iter().enumerate() {
-        let name = format!("in{i}");
-        let inp = body
-            .find_input(&name)
-            .ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
-        cx.names.entry(v.buf).or_insert(name);
-        cx.leaves.insert(inp, v.clone());
-    }
+    let mut cx = body_ctx(g, id, body, operands)?;
     let root =
         body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
     let family = &family.to_string();
@@ -47,15 +39,8 @@ pub fn lower_kernel_node(
         elementwise(lw, &cx, root, &dest, family)?;
     } else {
         // a node like one lowered before (another layer's) replays its steps on its own buffers
-        let key = memo::key(lw, family, body, operands, &[&dest]);
-        let replayed = key.as_ref().is_some_and(|(k, ext)| memo::replay(lw, k, ext, body));
-        if !replayed {
-            let mark = memo::Mark::now(lw);
-            lower_root(lw, &mut cx, root, dest, family)?;
-            if let Some((k, ext)) = key {
-                memo::record(lw, k, &ext, &mark, body);
-            }
-        }
+        let d = dest.clone();
+        memo::lower_or_replay(lw, family, body, operands, &[&d], |lw| lower_root(lw, &mut cx, root, dest, family))?;
     }
     let steps = &lw.prog.steps[before..];
     if steps.len() > 1 {
@@ -70,6 +55,21 @@ pub fn lower_kernel_node(
         lw.prog.splits.push(format!("{} ({family}): {} steps: {}", g.describe(id), steps.len(), kinds.join(" + ")));
     }
     Ok(())
+}
+
+/// The context of fused node `id`'s `body` on `operands`: body input `in{i}` is operand i, and
+/// names the kernels' parameter on its buffer.
+pub fn body_ctx<'g>(g: &Graph, id: NodeId, body: &'g Graph, operands: &[View]) -> Result<Ctx<'g>, KernelError> {
+    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
+    for (i, v) in operands.iter().enumerate() {
+        let name = format!("in{i}");
+        let inp = body
+            .find_input(&name)
+            .ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
+        cx.names.entry(v.buf).or_insert(name);
+        cx.leaves.insert(inp, v.clone());
+    }
+    Ok(cx)
 }
 
 /// The parts of a packed multi-result kernel whose parts are computed by steps of their own

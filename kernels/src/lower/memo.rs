@@ -31,6 +31,7 @@ use std::sync::Arc;
 
 use qatc_ir::{DType, Graph, NodeId, Op, Phase};
 
+use crate::error::KernelError;
 use crate::kir::Kernel;
 use crate::program::{BufId, BufKind, Buffer, Materialized, Step, View};
 
@@ -68,7 +69,7 @@ impl NodeMemo {
 }
 
 #[derive(PartialEq, Eq, Hash)]
-pub(super) struct Key {
+struct Key {
     family: String,
     /// The body's structure: per node its op, type and operands, an input's name (module docs).
     body: String,
@@ -91,8 +92,30 @@ struct Recorded {
     materialized: Vec<(NodeId, usize, usize)>,
 }
 
+/// Lowers a fused node (`body` on `operands` into `dests`: its destination, or its parts') with
+/// `lower`, or replays the recording of a node like it; records a lowering it may replay later.
+pub(super) fn lower_or_replay(
+    lw: &mut Lowerer,
+    family: &str,
+    body: &Graph,
+    operands: &[View],
+    dests: &[&View],
+    lower: impl FnOnce(&mut Lowerer) -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
+    let key = key(lw, family, body, operands, dests);
+    if key.as_ref().is_some_and(|(k, ext)| replay(lw, k, ext, body)) {
+        return Ok(());
+    }
+    let mark = Mark::now(lw);
+    lower(lw)?;
+    if let Some((k, ext)) = key {
+        record(lw, k, &ext, &mark, body);
+    }
+    Ok(())
+}
+
 /// Where a lowering stood before a node: what a recording may add to, and what it must not touch.
-pub(super) struct Mark {
+struct Mark {
     steps: usize,
     buffers: usize,
     materialized: usize,
@@ -116,7 +139,7 @@ fn state(lw: &Lowerer) -> [usize; 11] {
 }
 
 impl Mark {
-    pub(super) fn now(lw: &Lowerer) -> Mark {
+    fn now(lw: &Lowerer) -> Mark {
         Mark { steps: lw.prog.steps.len(), buffers: lw.prog.buffers.len(), materialized: lw.prog.materialized.len(), state: state(lw) }
     }
 }
@@ -137,7 +160,7 @@ fn stateful(op: &Op) -> bool {
 
 /// The key of fused node `body` on `operands` into `dests` (its destination, or its parts'), and
 /// the buffers it names in the key's order; None when it is not to be recorded.
-pub(super) fn key(lw: &Lowerer, family: &str, body: &Graph, operands: &[View], dests: &[&View]) -> Option<(Key, Vec<BufId>)> {
+fn key(lw: &Lowerer, family: &str, body: &Graph, operands: &[View], dests: &[&View]) -> Option<(Key, Vec<BufId>)> {
     if lw.memo.disabled {
         return None;
     }
@@ -177,7 +200,7 @@ pub(super) fn key(lw: &Lowerer, family: &str, body: &Graph, operands: &[View], d
 }
 
 /// Replays the recording of `key`, if there is one, on the buffers `ext`: whether it did.
-pub(super) fn replay(lw: &mut Lowerer, key: &Key, ext: &[BufId], body: &Graph) -> bool {
+fn replay(lw: &mut Lowerer, key: &Key, ext: &[BufId], body: &Graph) -> bool {
     let Some(rec) = lw.memo.entries.get(key).cloned() else { return false };
     let base = lw.prog.buffers.len();
     let slot = |b: BufId| if b < ext.len() { ext[b] } else { base + (b - ext.len()) };
@@ -192,9 +215,7 @@ pub(super) fn replay(lw: &mut Lowerer, key: &Key, ext: &[BufId], body: &Graph) -
             }
             Step::Gemm(g) => {
                 let mut g = g.as_ref().clone();
-                for v in [&mut g.a, &mut g.b, &mut g.c].into_iter().chain(g.bias.as_mut()) {
-                    v.buf = slot(v.buf);
-                }
+                g.views_mut().for_each(|v| v.buf = slot(v.buf));
                 lw.push_gemm(g);
             }
             // never recorded
@@ -215,7 +236,7 @@ pub(super) fn dequantized(body: &Graph, node: NodeId) -> String {
 
 /// Records what the lowering since `mark` did for `key` on the buffers `ext`, if it did nothing
 /// a replay could not repeat (module docs).
-pub(super) fn record(lw: &mut Lowerer, key: Key, ext: &[BufId], mark: &Mark, body: &Graph) {
+fn record(lw: &mut Lowerer, key: Key, ext: &[BufId], mark: &Mark, body: &Graph) {
     if state(lw) != mark.state {
         return;
     }
@@ -252,7 +273,7 @@ pub(super) fn record(lw: &mut Lowerer, key: Key, ext: &[BufId], mark: &Mark, bod
                     return;
                 }
                 let mut g = g.as_ref().clone();
-                for v in [&mut g.a, &mut g.b, &mut g.c].into_iter().chain(g.bias.as_mut()) {
+                for v in g.views_mut() {
                     let Some(b) = slot(v.buf) else { return };
                     v.buf = b;
                 }

@@ -233,25 +233,25 @@ impl Lowerer {
 
     pub fn push_kernel(&mut self, (kernel, args): (Kernel, Vec<BufId>)) {
         let note = kernel.note.clone();
-        let next = self.prog.kernels.len();
-        let identity = kernel.identity();
-        let id = *self.ids.entry(identity).or_insert(next);
-        if id == next {
-            self.prog.kernels.push(kernel);
-            self.identities.push(identity);
-        }
+        let id = self.intern(kernel.identity(), || kernel);
         self.prog.steps.push(Step::Launch { kernel: id, args, note });
     }
 
     /// [`Lowerer::push_kernel`] for a kernel whose identity is known (`memo.rs`'s replay).
     pub fn push_known_kernel(&mut self, identity: u64, kernel: &Kernel, args: Vec<BufId>, note: String) {
+        let id = self.intern(identity, || kernel.clone());
+        self.prog.steps.push(Step::Launch { kernel: id, args, note });
+    }
+
+    /// The index of the kernel of `identity` in `prog.kernels`, added (`kernel()`) if new.
+    fn intern(&mut self, identity: u64, kernel: impl FnOnce() -> Kernel) -> usize {
         let next = self.prog.kernels.len();
         let id = *self.ids.entry(identity).or_insert(next);
         if id == next {
-            self.prog.kernels.push(kernel.clone());
+            self.prog.kernels.push(kernel());
             self.identities.push(identity);
         }
-        self.prog.steps.push(Step::Launch { kernel: id, args, note });
+        id
     }
 
     pub fn push_gemm(&mut self, gemm: Gemm) {
@@ -370,15 +370,15 @@ pub fn lower_with(g: &Graph, options: &LowerOptions) -> Result<Program, KernelEr
 pub fn lower_with_memo(g: &Graph, options: &LowerOptions, memo: &mut memo::NodeMemo) -> Result<Program, KernelError> {
     memo.start(options);
     let mut lw = Lowerer { options: options.clone(), memo: std::mem::take(memo), ..Lowerer::default() };
-    let lowered = lower_into(&mut lw, g, options);
+    let lowered = lower_into(&mut lw, g);
     *memo = std::mem::take(&mut lw.memo);
     lowered.map(|()| lw.prog)
 }
 
-fn lower_into(lw: &mut Lowerer, g: &Graph, options: &LowerOptions) -> Result<(), KernelError> {
+fn lower_into(lw: &mut Lowerer, g: &Graph) -> Result<(), KernelError> {
     let mut values: HashMap<NodeId, View> = HashMap::new();
     let node_roles = Roles::of(g);
-    for id in lowering_order(g, options.order.as_deref())? {
+    for id in lowering_order(g, lw.options.order.as_deref())? {
         node::lower(lw, g, id, &mut values, &node_roles)?;
     }
     for o in g.outputs() {

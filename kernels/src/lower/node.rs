@@ -11,7 +11,7 @@ use qatc_ir::{Graph, KernelFamily, NodeId, Op, Role, Roles};
 use super::{
     adamw, adamw8, buffer_name, fused, inplace, lower_op, materialize, memo, overwrite, pack_part, read_by_parts, unreshaped, xent,
 };
-use super::{Ctx, Lowerer, PackPart};
+use super::{Lowerer, PackPart};
 use crate::error::KernelError;
 use crate::program::{BufKind, Collective, Exchange, Step, View};
 
@@ -223,36 +223,23 @@ pub fn lower_kernel_parts(
     let Op::Kernel { family, body } = &g.node(id).op else {
         return Err(KernelError::Internal(format!("node {id:?} is not a fused kernel")));
     };
-    let mut cx = Ctx { g: body, leaves: HashMap::new(), names: HashMap::new(), order: operands.iter().map(|v| v.buf).collect() };
-    for (i, v) in operands.iter().enumerate() {
-        let name = format!("in{i}");
-        let inp = body
-            .find_input(&name)
-            .ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: format!("body has no input {name}") })?;
-        cx.names.entry(v.buf).or_insert(name);
-        cx.leaves.insert(inp, v.clone());
-    }
-    // a part that other parts are computed from goes first, so they read it (a LoRA linear's
-    // pre-activation before its GELU)
-    let inner = |p: NodeId| unreshaped(body, p);
-    let under = |p: NodeId, q: NodeId| p != q && nodes_under(body, inner(q)).contains(&inner(p));
-    let mut order: Vec<usize> = (0..parts.len()).collect();
-    order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));
+    let mut cx = fused::body_ctx(g, id, body, operands)?;
     let family = family.to_string();
     // a pack like one lowered before (another layer's) replays its steps on its own buffers
     // (keyed apart from the node lowered whole, which the same body may be elsewhere)
-    let key = memo::key(lw, &format!("{family} in parts"), body, operands, &dests.iter().collect::<Vec<_>>());
-    if key.as_ref().is_some_and(|(k, ext)| memo::replay(lw, k, ext, body)) {
-        return Ok(());
-    }
-    let mark = memo::Mark::now(lw);
-    for i in order {
-        fused::lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), &family)?;
-    }
-    if let Some((k, ext)) = key {
-        memo::record(lw, k, &ext, &mark, body);
-    }
-    Ok(())
+    let keyed = format!("{family} in parts");
+    memo::lower_or_replay(lw, &keyed, body, operands, &dests.iter().collect::<Vec<_>>(), |lw| {
+        // a part that other parts are computed from goes first, so they read it (a LoRA
+        // linear's pre-activation before its GELU)
+        let inner = |p: NodeId| unreshaped(body, p);
+        let under = |p: NodeId, q: NodeId| p != q && nodes_under(body, inner(q)).contains(&inner(p));
+        let mut order: Vec<usize> = (0..parts.len()).collect();
+        order.sort_by_key(|&i| !parts.iter().any(|q| under(parts[i].0, q.0)));
+        for i in order {
+            fused::lower_part(lw, &mut cx, parts[i].0, dests[i].clone(), &family)?;
+        }
+        Ok(())
+    })
 }
 
 /// Every node under `root` (itself included).
