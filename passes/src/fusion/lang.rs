@@ -252,6 +252,8 @@ pub struct Data {
     /// Its node's position in the input graph's topological order (None for classes the rules
     /// created): every class in `users` comes later, which bounds searches along them.
     pub topo: Option<u32>,
+    /// The saturation iteration that last gave this class a node or merged it ([`settled`]).
+    pub changed_at: u32,
 }
 
 pub type EG = EGraph<ENode, FusionAnalysis>;
@@ -264,6 +266,29 @@ pub struct FusionAnalysis {
     /// (rule index, the e-classes and e-nodes a match used): applications already made, so a
     /// saturated rule costs a lookup instead of rebuilding its kernel every iteration.
     pub memo: rustc_hash::FxHashSet<(usize, Vec<usize>)>,
+    /// The saturation iteration being applied (0 while the e-graph is built).
+    pub now: u32,
+    /// Classes stamped before this iteration are settled ([`settled`]); None while every match
+    /// is to be applied (the first two iterations, and `FuseOptions::recheck`).
+    pub settled_before: Option<u32>,
+    /// Rule applications skipped as settled (the saturation report's `settled_skipped`).
+    pub skipped: usize,
+}
+
+/// Whether class `c` has neither gained a node nor been merged since before the previous
+/// iteration's search. A rule application that reads only settled classes (and what no rule
+/// changes: primitive ops, types, the input graph's users) was made in the previous iteration over
+/// the same classes, so the rules' memo would refuse what it builds: it can be skipped before
+/// anything is built (`runner`'s scheduler does so for pattern rules, custom rules themselves).
+pub fn settled(eg: &EG, c: Id) -> bool {
+    eg.analysis.settled_before.is_some_and(|s| eg[c].data.changed_at < s)
+}
+
+/// Whether `root` and every class of `reads` are [`settled`]; counts the skip when so.
+pub fn skip_settled(eg: &mut EG, root: Id, reads: &[Id]) -> bool {
+    let skip = settled(eg, root) && reads.iter().all(|&c| settled(eg, c));
+    eg.analysis.skipped += usize::from(skip);
+    skip
 }
 
 impl Analysis<ENode> for FusionAnalysis {
@@ -278,7 +303,7 @@ impl Analysis<ENode> for FusionAnalysis {
             Some(Entry::Fused(k)) => Some(k.ty.clone()),
             None => None,
         };
-        Data { ty, ..Default::default() }
+        Data { ty, changed_at: eg.analysis.now, ..Default::default() }
     }
 
     /// Kernels are only ever added to the class of the value they compute, so the merged classes
@@ -295,6 +320,7 @@ impl Analysis<ENode> for FusionAnalysis {
         if a.users.is_empty() {
             a.users = b.users;
         }
+        a.changed_at = self.now;
         a.output |= b.output;
         a.original |= b.original;
         a.topo = match (a.topo, b.topo) {

@@ -103,6 +103,9 @@ pub struct FuseOptions {
     pub extract_budget_s: f64,
     /// Rules to leave out, by name (for experiments and tests).
     pub disabled: Vec<String>,
+    /// Apply every rule to every match in every iteration, as egg's plain scheduler does: the
+    /// reference the runner's shortcut (`runner`'s `Changed`) is tested against.
+    pub recheck: bool,
 }
 
 impl Default for FuseOptions {
@@ -115,6 +118,7 @@ impl Default for FuseOptions {
             launch_bytes: 8 << 20,
             extract_budget_s: 2.0,
             disabled: Vec::new(),
+            recheck: false,
         }
     }
 }
@@ -137,9 +141,12 @@ pub fn fuse_graph_within(g: &Graph, o: &FuseOptions, deadline: &Deadline) -> Res
     deadline.check("fuse")?;
     let mut report = FusionReport { launch_bytes: o.launch_bytes, ..Default::default() };
     let (eg, roots) = convert::to_egraph(g)?;
-    let mut rewrites = Vec::new();
+    let (mut rewrites, mut local) = (Vec::new(), std::collections::HashSet::new());
     for (i, r) in rules::all().into_iter().enumerate() {
         if !o.disabled.iter().any(|d| d == r.name()) {
+            if matches!(r, rules::Rule::Fuse(_)) {
+                local.insert(egg::Symbol::from(r.name()));
+            }
             rewrites.push(r.rewrite(i)?);
         }
     }
@@ -148,7 +155,7 @@ pub fn fuse_graph_within(g: &Graph, o: &FuseOptions, deadline: &Deadline) -> Res
         iter_limit: o.iter_limit,
         time_limit_s: o.time_limit_s,
     };
-    let (eg, sat) = runner::saturate(eg, &rewrites, &limits, deadline);
+    let (eg, sat) = runner::saturate(eg, &rewrites, local, o.recheck, &limits, deadline);
     deadline.check("fuse (equality saturation)")?;
     report.saturation = sat;
     let t0 = Instant::now();

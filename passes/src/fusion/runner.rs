@@ -4,19 +4,21 @@
 //! stop reason is reported: only `saturated` means every rule was applied everywhere. Whatever the
 //! reason, the e-graph still holds every original op, so extraction always finds a valid graph.
 //!
-//! The scheduler is egg's `SimpleScheduler`: the rules only add kernels to existing classes (no
-//! commutativity or associativity), so nothing explodes, and `BackoffScheduler`'s bans would stop
-//! the per-op rules on a large graph before saturation.
+//! The scheduler is egg's `SimpleScheduler` (every rule every iteration): the rules only add
+//! kernels to existing classes (no commutativity or associativity), so nothing explodes, and
+//! `BackoffScheduler`'s bans would stop the per-op rules on a large graph before saturation. One
+//! thing is left out ([`Changed`]): a pattern rule's match none of whose classes changed since the
+//! iteration before, which that iteration applied already.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
-use egg::{Rewrite, Runner, SimpleScheduler, StopReason};
+use egg::{Rewrite, RewriteScheduler, Runner, SearchMatches, StopReason, Symbol};
 use serde::Serialize;
 
 use qatc_ir::Deadline;
 
-use super::lang::{ENode, FusionAnalysis, EG};
+use super::lang::{settled, ENode, FusionAnalysis, EG};
 
 /// The runner's bounds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -43,6 +45,8 @@ pub struct SaturationReport {
     pub time_limit_s: f64,
     /// Rule name -> times it added something new (egg's `applied`, summed over iterations).
     pub rules_fired: BTreeMap<String, usize>,
+    /// Rule applications skipped because everything they read was settled ([`Changed`]).
+    pub settled_skipped: usize,
 }
 
 pub fn stop_name(r: &Option<StopReason>) -> String {
@@ -56,10 +60,59 @@ pub fn stop_name(r: &Option<StopReason>) -> String {
     }
 }
 
+/// egg's `SimpleScheduler` less the matches that cannot add anything. What a pattern rule
+/// (`rules::Rule::Fuse`) adds for a match is a function of the match's root class, its variables'
+/// classes and the nodes in them (its shape check reads their types; the candidate fragments are
+/// the kernels in the variables' classes; the rest of the pattern matches primitive ops, which no
+/// rule adds), and the rules' memo refuses a match it has built before. So a match whose classes
+/// are all settled (`lang::settled`) as it is about to be applied is dropped before anything is
+/// built: on a 48-layer step the last iterations of saturation were such re-checks. It is decided
+/// then, not at the search, since a rule applied earlier in the iteration may have changed a
+/// class; so the e-graph grows exactly as it would without this (`FuseOptions::recheck`, tested).
+struct Changed {
+    /// The pattern rules (custom rules read beyond their match and check `settled` themselves).
+    local: HashSet<Symbol>,
+    /// Apply every match (the reference).
+    recheck: bool,
+}
+
+impl RewriteScheduler<ENode, FusionAnalysis> for Changed {
+    fn apply_rewrite(
+        &mut self,
+        iteration: usize,
+        eg: &mut EG,
+        rw: &Rewrite<ENode, FusionAnalysis>,
+        mut matches: Vec<SearchMatches<ENode>>,
+    ) -> usize {
+        eg.analysis.now = iteration as u32;
+        eg.analysis.settled_before = (!self.recheck && iteration >= 2).then(|| iteration as u32 - 1);
+        if self.local.contains(&rw.name) {
+            let vars = rw.searcher.vars();
+            let before: usize = matches.iter().map(|m| m.substs.len()).sum();
+            for m in &mut matches {
+                if settled(eg, m.eclass) {
+                    m.substs.retain(|s| !vars.iter().all(|v| s.get(*v).is_some_and(|&c| settled(eg, c))));
+                }
+            }
+            matches.retain(|m| !m.substs.is_empty());
+            eg.analysis.skipped += before - matches.iter().map(|m| m.substs.len()).sum::<usize>();
+        }
+        rw.apply(eg, &matches).len()
+    }
+}
+
 /// Runs `rules` on `eg` within `limits`, and within `deadline`: its time limit is capped by the
 /// time left, and a hook checks it before every iteration (the caller reports an expired
-/// deadline; saturation itself just stops).
-pub fn saturate(eg: EG, rules: &[Rewrite<ENode, FusionAnalysis>], limits: &Limits, deadline: &Deadline) -> (EG, SaturationReport) {
+/// deadline; saturation itself just stops). `local` names the pattern rules, and `recheck`
+/// applies every match every iteration ([`Changed`]).
+pub fn saturate(
+    eg: EG,
+    rules: &[Rewrite<ENode, FusionAnalysis>],
+    local: HashSet<Symbol>,
+    recheck: bool,
+    limits: &Limits,
+    deadline: &Deadline,
+) -> (EG, SaturationReport) {
     let t0 = Instant::now();
     let start_enodes = eg.total_size();
     let d = *deadline;
@@ -68,7 +121,7 @@ pub fn saturate(eg: EG, rules: &[Rewrite<ENode, FusionAnalysis>], limits: &Limit
         .with_node_limit(limits.node_limit)
         .with_iter_limit(limits.iter_limit)
         .with_time_limit(deadline.cap(Duration::from_secs_f64(limits.time_limit_s)))
-        .with_scheduler(SimpleScheduler)
+        .with_scheduler(Changed { local, recheck })
         .with_hook(move |_| d.check("fuse (equality saturation)").map_err(|e| e.to_string()))
         .run(rules);
     let mut fired: BTreeMap<String, usize> = BTreeMap::new();
@@ -89,6 +142,7 @@ pub fn saturate(eg: EG, rules: &[Rewrite<ENode, FusionAnalysis>], limits: &Limit
         iter_limit: limits.iter_limit,
         time_limit_s: limits.time_limit_s,
         rules_fired: fired,
+        settled_skipped: runner.egraph.analysis.skipped,
     };
     (runner.egraph, report)
 }

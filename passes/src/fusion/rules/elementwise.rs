@@ -9,7 +9,7 @@ use qatc_ir::{KernelFamily, OpKind};
 
 use super::{consumers_inside, first_time, Custom, Family, Fuse, Rule, Take};
 use crate::fusion::body::{self, add_kernel, Builder};
-use crate::fusion::lang::{Entry, Kind, EG};
+use crate::fusion::lang::{skip_settled, Entry, Kind, EG};
 
 /// The kinds a pointwise chain is rooted at: every op the op table calls pointwise
 /// (`OpKind::is_pointwise`) that has operands.
@@ -47,6 +47,10 @@ fn chain(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
         .cloned()
         .collect();
     for n in nodes {
+        // what this reads is settled: the last iteration fused it
+        if skip_settled(eg, root, &n.args) {
+            continue;
+        }
         // each operand's largest pointwise fragment that may be inlined, else the operand read
         let parts: Vec<(Id, Option<body::Frag>)> = n
             .args

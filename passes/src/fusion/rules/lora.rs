@@ -12,7 +12,7 @@ use qatc_ir::{Anchor, Epilogue, OpKind};
 
 use super::{first_time, Custom, Family, Fuse, Match, Rule, Take};
 use crate::fusion::body::{add_pack, Builder, Frag};
-use crate::fusion::lang::{ENode, EG, FUSED};
+use crate::fusion::lang::{skip_settled, ENode, EG, FUSED};
 
 /// The largest rank treated as LoRA's (PEFT's common ranks are 4..64).
 pub const MAX_RANK: usize = 64;
@@ -74,6 +74,10 @@ fn shared_input(eg: &mut EG, class: Id, index: usize) -> Vec<Id> {
     let fused: Vec<ENode> = eg[root].nodes.iter().filter(|n| n.kind == FUSED).cloned().collect();
     let mut changed = Vec::new();
     for n in fused {
+        // what this reads is settled (the kernel, its operands' classes): the last iteration fused it
+        if skip_settled(eg, root, &n.args) {
+            continue;
+        }
         let Some(k) = eg.analysis.table.kernel(n.op).cloned() else { continue };
         let Some(family) = k.family.with_lora_down() else { continue };
         let args: Vec<Id> = n.args.iter().map(|&a| eg.find(a)).collect();
