@@ -5,48 +5,16 @@
 //! on 4-bit weights and a full fine-tune: the same e-nodes, e-classes, rules fired and fused
 //! graph, and each case must have skipped something, or it would prove nothing.
 
-use qatc::cli::options::{model_options, QuantArgs};
-use qatc::frontend::config::Gpt2Config;
-use qatc::step::{self, StepOptions};
+mod common;
+
+use common::steps::{describe, train_step, SETTINGS};
 use qatc_passes::fusion::{fuse_graph, FuseOptions};
-use qatc_passes::lora::LoraOptions;
-use qatc_passes::optim::Moments;
-use qatc_passes::precision::Precision;
-use qatc_passes::remat::Checkpoint;
-
-fn config() -> Gpt2Config {
-    Gpt2Config { n_embd: 64, n_layer: 3, n_head: 4, n_positions: 128, vocab_size: 512, layer_norm_epsilon: 1e-5 }
-}
-
-/// The step before fusion.
-fn unfused(precision: Precision, moments: Moments, checkpoint: Checkpoint, lora: bool) -> qatc_ir::Graph {
-    let mut o = StepOptions::new(2, 32);
-    let q = QuantArgs { bits: Some(4), group: Some(32), ..Default::default() };
-    o.model = if lora {
-        model_options(&q, Some(LoraOptions::new(8)), false, true)
-    } else {
-        model_options(&QuantArgs::default(), None, true, true)
-    }
-    .expect("model options");
-    o.precision = precision;
-    o.adamw.moments = moments;
-    o.checkpoint = checkpoint;
-    o.fuse = None;
-    step::train(&config(), &o, |_, _| {}).expect("the step builds").0
-}
 
 #[test]
 fn skipping_settled_matches_grows_the_same_e_graph() {
-    for (precision, moments, checkpoint, lora) in [
-        (Precision::Fp32, Moments::F32, Checkpoint::None, true),
-        (Precision::Bf16, Moments::F32, Checkpoint::None, true),
-        (Precision::Fp32, Moments::Blockwise8, Checkpoint::Blocks, true),
-        (Precision::Bf16, Moments::Blockwise8, Checkpoint::Blocks, true),
-        (Precision::Fp32, Moments::F32, Checkpoint::Blocks, false),
-        (Precision::Bf16, Moments::Blockwise8, Checkpoint::None, false),
-    ] {
-        let what = format!("{precision:?}, {moments:?}, {}, lora {lora}", checkpoint.describe());
-        let g = unfused(precision, moments, checkpoint, lora);
+    for setting in SETTINGS {
+        let what = describe(setting);
+        let g = train_step(setting, false);
         let skipping = fuse_graph(&g, &FuseOptions::default()).expect("fuses");
         let every = fuse_graph(&g, &FuseOptions { recheck: true, ..Default::default() }).expect("fuses");
         let (s, e) = (&skipping.report.saturation, &every.report.saturation);

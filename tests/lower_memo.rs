@@ -6,36 +6,10 @@
 //! lowerings of one graph (the chunk-size floor, then every row in one chunk) sharing one memo.
 //! Each case must replay nodes, or it would prove nothing.
 
-use qatc::cli::options::{model_options, QuantArgs};
-use qatc::frontend::config::Gpt2Config;
-use qatc::step::{self, StepOptions};
+mod common;
+
+use common::steps::{describe, train_step, SETTINGS};
 use qatc_kernels::{lower_with_memo, LowerOptions, NodeMemo, Program, Target};
-use qatc_passes::fusion::FuseOptions;
-use qatc_passes::lora::LoraOptions;
-use qatc_passes::optim::Moments;
-use qatc_passes::precision::Precision;
-use qatc_passes::remat::Checkpoint;
-
-/// Three layers, so that every layer's kernels have two like them.
-fn config() -> Gpt2Config {
-    Gpt2Config { n_embd: 64, n_layer: 3, n_head: 4, n_positions: 128, vocab_size: 512, layer_norm_epsilon: 1e-5 }
-}
-
-fn fused_step(precision: Precision, moments: Moments, checkpoint: Checkpoint, lora: bool) -> qatc_ir::Graph {
-    let mut o = StepOptions::new(2, 32);
-    let q = QuantArgs { bits: Some(4), group: Some(32), scheme: qatc_ir::QuantScheme::from_name("q4_0"), ..Default::default() };
-    o.model = if lora {
-        model_options(&q, Some(LoraOptions::new(8)), false, true)
-    } else {
-        model_options(&QuantArgs::default(), None, true, true)
-    }
-    .expect("model options");
-    o.precision = precision;
-    o.adamw.moments = moments;
-    o.checkpoint = checkpoint;
-    o.fuse = Some(FuseOptions::default());
-    step::train(&config(), &o, |_, _| {}).expect("the step builds").0
-}
 
 fn lowered(g: &qatc_ir::Graph, options: &LowerOptions, memo: &mut NodeMemo) -> Program {
     lower_with_memo(g, options, memo).expect("lowers")
@@ -64,17 +38,10 @@ fn first_difference(a: &Program, b: &Program) -> String {
 #[test]
 fn a_replayed_lowering_is_the_lowering() {
     let mut cases = 0;
-    for (precision, moments, checkpoint, lora) in [
-        (Precision::Fp32, Moments::F32, Checkpoint::None, true),
-        (Precision::Bf16, Moments::F32, Checkpoint::None, true),
-        (Precision::Fp32, Moments::Blockwise8, Checkpoint::Blocks, true),
-        (Precision::Bf16, Moments::Blockwise8, Checkpoint::Blocks, true),
-        (Precision::Fp32, Moments::F32, Checkpoint::Blocks, false),
-        (Precision::Bf16, Moments::Blockwise8, Checkpoint::None, false),
-    ] {
-        let g = fused_step(precision, moments, checkpoint, lora);
+    for s in SETTINGS {
+        let g = train_step(s, true);
         for target in [Target::cpu(), Target::of(qatc_kernels::TargetKind::Cuda)] {
-            let what = format!("{precision:?}, {moments:?}, {}, lora {lora}, {:?}", checkpoint.describe(), target.kind);
+            let what = format!("{}, {:?}", describe(s), target.kind);
             let options = target.lower_options();
             let mut memo = NodeMemo::default();
             let with = lowered(&g, &options, &mut memo);

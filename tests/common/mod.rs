@@ -5,6 +5,7 @@ pub mod bytes;
 pub mod cli;
 pub mod gpu;
 pub mod nvrtc;
+pub mod steps;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
