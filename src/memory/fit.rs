@@ -333,11 +333,18 @@ pub fn search_with(
         // then it is done), so each precision and optimizer runs its batches on a thread of its
         // own and none waits for the others at each batch. The results are taken in batch, then
         // kind order: the same answer as one after the other.
-        let chains: Vec<(Vec<Searched>, usize)> = kinds
-            .par_iter()
-            .zip(replays.par_iter_mut())
-            .enumerate()
-            .map(|(kind, (&kind_of, replays))| {
+        // They start in an order that pairs each kind with its opposite (fp32 + AdamW beside
+        // bf16 + 8-bit AdamW): two cores split the list in halves, and halves of like kinds
+        // (both fp32, both bf16) left one core idle for a second of a 1.5B search, the 8-bit
+        // moments' per-tensor kernels and bf16's casts each costing more.
+        let mut chains_in: Vec<(usize, (Precision, Moments), &mut Vec<Replay>)> =
+            kinds.iter().zip(replays.iter_mut()).enumerate().map(|(i, (&k, r))| (i, k, r)).collect();
+        let n = chains_in.len();
+        // kinds 0, n-1, 1, n-2, ...
+        chains_in.sort_by_key(|c| if c.0 < n.div_ceil(2) { 2 * c.0 } else { 2 * (n - 1 - c.0) + 1 });
+        let chains: Vec<(Vec<Searched>, usize)> = chains_in
+            .into_par_iter()
+            .map(|(kind, kind_of, replays)| {
                 let (mut out, mut reused, mut best) = (Vec::new(), 0, f64::NEG_INFINITY);
                 let (mut batch, mut first) = (1, 0);
                 while batch <= max_batch && first < policies.len() {
