@@ -284,9 +284,15 @@ pub fn settled(eg: &EG, c: Id) -> bool {
     eg.analysis.settled_before.is_some_and(|s| eg[c].data.changed_at < s)
 }
 
-/// Whether `root` and every class of `reads` are [`settled`]; counts the skip when so.
+/// Whether `root` and every class of `reads` are [`settled`]: a rule application reading only
+/// these may be skipped.
+pub fn all_settled(eg: &EG, root: Id, reads: impl IntoIterator<Item = Id>) -> bool {
+    settled(eg, root) && reads.into_iter().all(|c| settled(eg, c))
+}
+
+/// [`all_settled`], counting the skip when so (for custom rules, which skip for themselves).
 pub fn skip_settled(eg: &mut EG, root: Id, reads: &[Id]) -> bool {
-    let skip = settled(eg, root) && reads.iter().all(|&c| settled(eg, c));
+    let skip = all_settled(eg, root, reads.iter().copied());
     eg.analysis.skipped += usize::from(skip);
     skip
 }

@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use qatc_ir::Deadline;
 
-use super::lang::{settled, ENode, FusionAnalysis, EG};
+use super::lang::{all_settled, ENode, FusionAnalysis, EG};
 
 /// The runner's bounds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -90,9 +90,11 @@ impl RewriteScheduler<ENode, FusionAnalysis> for Changed {
             let vars = rw.searcher.vars();
             let before: usize = matches.iter().map(|m| m.substs.len()).sum();
             for m in &mut matches {
-                if settled(eg, m.eclass) {
-                    m.substs.retain(|s| !vars.iter().all(|v| s.get(*v).is_some_and(|&c| settled(eg, c))));
-                }
+                // a variable without a class in the match is read as unsettled: the match is kept
+                m.substs.retain(|s| {
+                    let bound = vars.iter().all(|v| s.get(*v).is_some());
+                    !(bound && all_settled(eg, m.eclass, vars.iter().filter_map(|v| s.get(*v).copied())))
+                });
             }
             matches.retain(|m| !m.substs.is_empty());
             eg.analysis.skipped += before - matches.iter().map(|m| m.substs.len()).sum::<usize>();
