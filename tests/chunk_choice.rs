@@ -4,7 +4,9 @@
 //! 124M configurations: the chosen size is the program's, the plan's peak is at most the floor's,
 //! the next size up raises it (unless every row is already in one chunk), and the plan's text and
 //! JSON say it. A frozen head on the CPU walks the vocabulary in tiles (one scratch tile whatever
-//! the rows), so there every row goes in one chunk, or as many as keep the peak.
+//! the rows), so there every row goes in one chunk, or as many as keep the peak. Sizes the
+//! floor's plan bounds above the floor's peak are ruled out without being planned: the bound is
+//! held below every size's planned peak, and the choice to the one planning every size gives.
 
 mod common;
 
@@ -50,9 +52,26 @@ fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
         }
     }
     if k.rows < k.total_rows {
-        let next = k.tried.iter().find(|t| t.0 > k.rows).unwrap_or_else(|| panic!("{what}: the next size was not tried"));
+        // the next size up, planned or ruled out by a bound of its peak
+        let next = k
+            .tried
+            .iter()
+            .chain(&k.ruled_out)
+            .filter(|t| t.0 > k.rows)
+            .min()
+            .unwrap_or_else(|| panic!("{what}: the next size was neither tried nor ruled out"));
         assert!(next.1 > kept, "{what}: {} rows would not raise the peak, yet {} were chosen", next.0, k.rows);
     }
+    // against every size planned: the bound below each one's peak, the same size chosen
+    let every = qatc_driver::chunk::every_size(&g, &Target::cpu(), &Options::default()).unwrap();
+    for &(r, p, bound) in &every {
+        assert!(bound.is_none_or(|b| b <= p), "{what}: {r} rows peak at {p}, below the bound {bound:?}");
+        if let Some(&(_, least)) = k.ruled_out.iter().find(|t| t.0 == r) {
+            assert_eq!(Some(least), bound, "{what}: {r} rows ruled out by the bound");
+        }
+    }
+    let largest = every.iter().filter(|t| t.1 <= kept).map(|t| t.0).max();
+    assert_eq!(largest, Some(k.rows), "{what}: planning every size chooses another ({every:?})");
     assert!(k.rows >= k.floor && k.rows.is_power_of_two() || k.rows == k.total_rows, "{what}: {k:?}");
     eprintln!("{what}: {}", k.why);
     (k.rows, e)
@@ -91,4 +110,37 @@ fn the_planner_chooses_the_rows_per_chunk() {
     // tile (at least 1024 columns) grows past 8 MiB and raises it
     let (rows, _) = check("124M 4-bit g64 + LoRA 16, B 8 T 1024", &gpt2, &options(8, 1024, Some(("sym", 64))));
     assert_eq!(rows, 2048);
+}
+
+#[test]
+fn sixteen_bit_logits_rule_sizes_out_without_planning_them() {
+    use qatc_passes::precision::Precision;
+    let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
+    let gpt2 = Gpt2Config::preset("124M").unwrap();
+    // 16-bit logits hold whole rows of the vocabulary: the scratch grows with the rows
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        let mut o = options(4, 128, Some(("q4_0", 32)));
+        o.precision = precision;
+        check(&format!("demo, Q4_0 g32 + LoRA 16, B 4 T 128, {}", precision.name()), &demo.cfg, &o);
+    }
+    // 124M: the floor stays, every larger size ruled out by the floor's plan alone
+    let mut o = options(4, 256, Some(("sym", 64)));
+    o.precision = Precision::Bf16;
+    let (rows, e) = check("124M 4-bit g64 + LoRA 16, B 4 T 256, bf16", &gpt2, &o);
+    let k = e.chunk.unwrap();
+    assert_eq!((rows, k.tried.len(), k.ruled_out.len()), (128, 1, 3), "{k:?}");
+    // GPT-2 124M at T 1024: the bound rules out the sizes past the answer, whose plan is then
+    // the one lowering beyond the floor's (B 8), or the answer the second one under a size the
+    // bound let through (blocks: the layout packs the scratch into what is free beside it)
+    for (b, checkpoint, rows_chosen, planned) in
+        [(8, Checkpoint::None, 512, 2), (8, Checkpoint::Blocks, 1024, 3), (16, Checkpoint::Blocks, 2048, 3)]
+    {
+        let mut o = options(b, 1024, Some(("sym", 64)));
+        o.precision = Precision::Bf16;
+        o.checkpoint = checkpoint;
+        let (rows, e) = check(&format!("124M 4-bit g64 + LoRA 16, B {b} T 1024, bf16, {}", checkpoint.describe()), &gpt2, &o);
+        let k = e.chunk.unwrap();
+        assert_eq!((rows, k.tried.len()), (rows_chosen, planned), "{k:?}");
+        assert!(!k.ruled_out.is_empty(), "{k:?}");
+    }
 }

@@ -15,10 +15,17 @@
 //! the vocabulary in tiles (a frozen head on the CPU, `kernels/src/lower/xent_online.rs`) the
 //! scratch is one 8 MiB tile whatever R, so R grows to every row: the head weight is then read
 //! once per step.
+//!
+//! Sizes whose peak the floor's plan already bounds above the floor's are not lowered at all
+//! ([`peak_bound`]): with whole rows of the vocabulary in the scratch (16-bit logits, a trainable
+//! head) a bf16 step's bisection lowered and laid out 3 to 5 sizes, most of them to refuse them.
 
 use qatc_ir::Graph;
+use qatc_kernels::lower::{CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
+use qatc_kernels::program::CeChunking;
 use qatc_kernels::{LowerOptions, NodeMemo, Program, Target};
 use qatc_passes::plan::units::human;
+use qatc_runtime::exec::{MemoryPlan, Region};
 use serde::Serialize;
 
 use crate::lower::{lay_out, LaidOut};
@@ -35,6 +42,9 @@ pub struct ChunkChoice {
     pub total_rows: usize,
     /// Every size planned: (rows per chunk, the executed plan's peak).
     pub tried: Vec<(usize, usize)>,
+    /// Sizes not planned, the floor's plan bounding their peak above the floor's: (rows per
+    /// chunk, the least their peak can be; [`peak_bound`]).
+    pub ruled_out: Vec<(usize, usize)>,
     /// One line on the choice.
     pub why: String,
 }
@@ -94,13 +104,27 @@ pub(crate) fn choose(
     while ladder[ladder.len() - 1] < n {
         ladder.push((ladder[ladder.len() - 1] * 2).min(n));
     }
+    // Sizes the floor's plan already rules out are not lowered: the largest first, while their
+    // least possible peak is above what keeps the floor's. Where it rules some out, the largest
+    // size left is planned first.
+    let bound = peak_bound(&first_laid.plan, &c);
+    let mut top = ladder.len();
+    let mut ruled_out = Vec::new();
+    if let Some(bound) = &bound {
+        while top > 1 && !keeps(bound(ladder[top - 1])) {
+            top -= 1;
+            ruled_out.push((ladder[top], bound(ladder[top])));
+        }
+    }
+    ruled_out.reverse();
     // The peak grows with the rows (only the scratch does), so the largest size that keeps it is
     // found by bisection on the ladder, the top first: where the peak lies elsewhere (and where
     // the lowering walks the vocabulary in tiles, whose scratch does not grow) every row in one
     // chunk keeps it, and two lowerings decide instead of one per doubling.
-    let (mut lo, mut hi) = (0, ladder.len());
+    let (mut lo, mut hi) = (0, top);
     let (mut chosen, mut rows, mut refused) = ((first, first_laid), floor, None);
-    let mut next = ladder.len() - 1;
+    let mut next = top - 1;
+    let mut first_probe = true;
     while lo + 1 < hi {
         let r = ladder[next];
         let prog = lower_reusing(g, schedule, Some(r), target, &mut memo)?;
@@ -113,25 +137,38 @@ pub(crate) fn choose(
             let p = laid.plan.peak_bytes();
             tried.push((r, p));
             scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
+            let refused_first = first_probe && !keeps(p);
+            first_probe = false;
             if keeps(p) {
                 (lo, rows, chosen) = (next, r, (prog, laid));
             } else {
-                (hi, refused) = (next, Some((r, p)));
+                (hi, refused) = (next, Some((r, p, "")));
+            }
+            // Below the sizes the bound ruled out, the answer is mostly the largest size left or
+            // the one under it (the bound misses only how the layout packs the scratch): where
+            // the largest is refused, the one under it is planned next.
+            if refused_first && bound.is_some() && lo + 1 < hi {
+                next = hi - 1;
+                continue;
             }
         }
         next = (lo + hi) / 2;
     }
+    // the next size up, planned or ruled out
+    if refused.is_none() {
+        refused = ruled_out.first().map(|&(r, p)| (r, p, "at least "));
+    }
     tried.sort_unstable();
     let scratch = |r: usize| human(scratch_of.get(&r).copied().unwrap_or(c.elem_bytes * r * c.vocab));
     let why = match (rows == floor, refused) {
-        (true, Some((r, p))) => format!(
-            "{rows} rows per chunk, the floor (the fusion rule's, for GEMM efficiency): the cross-entropy is at the peak, {r} rows ({} scratch) would raise it to {}",
+        (true, Some((r, p, least))) => format!(
+            "{rows} rows per chunk, the floor (the fusion rule's, for GEMM efficiency): the cross-entropy is at the peak, {r} rows ({} scratch) would raise it to {least}{}",
             scratch(r),
             human(p)
         ),
         (true, None) => format!("{rows} rows per chunk: every row in one chunk"),
-        (false, Some((r, p))) => format!(
-            "{rows} rows per chunk ({} scratch), up from the floor of {floor}: the largest that keeps the peak at {} ({r} rows would raise it to {})",
+        (false, Some((r, p, least))) => format!(
+            "{rows} rows per chunk ({} scratch), up from the floor of {floor}: the largest that keeps the peak at {} ({r} rows would raise it to {least}{})",
             scratch(rows),
             human(base),
             human(p)
@@ -143,5 +180,59 @@ pub(crate) fn choose(
         ),
     };
     let (program, laid) = chosen;
-    Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, why }), laid))
+    Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, ruled_out, why }), laid))
+}
+
+/// Every size of `g`'s ladder (the floor doubled up to every row in one chunk) planned for real:
+/// (rows per chunk, the executed plan's peak, [`peak_bound`]'s bound from the floor's plan, where
+/// it gives one). The reference `tests/chunk_choice.rs` holds the bound and the choice against.
+pub fn every_size(g: &Graph, target: &Target, options: &Options) -> Result<Vec<(usize, usize, Option<usize>)>, DriverError> {
+    let schedule = qatc_passes::plan::schedule(g)?;
+    let mut memo = NodeMemo::default();
+    let first = lower_reusing(g, &schedule, None, target, &mut memo)?;
+    let first_laid = lay_out(&first, target, options)?;
+    let Some(c) = first.cross_entropy.first().cloned() else { return Ok(Vec::new()) };
+    let bound = peak_bound(&first_laid.plan, &c);
+    let mut out = vec![(c.chunk_rows, first_laid.plan.peak_bytes(), bound.as_ref().map(|b| b(c.chunk_rows)))];
+    let mut r = c.chunk_rows;
+    while r < c.rows {
+        r = (r * 2).min(c.rows);
+        let prog = lower_reusing(g, &schedule, Some(r), target, &mut memo)?;
+        if prog.cross_entropy.first().map(|x| x.chunk_rows) == Some(r) {
+            out.push((r, lay_out(&prog, target, options)?.plan.peak_bytes(), bound.as_ref().map(|b| b(r))));
+        }
+    }
+    Ok(out)
+}
+
+/// The least peak the step whose floor plan is `floor` (its chunking `c`) can have with `rows`
+/// per chunk, where the chunk scratch holds whole rows of the vocabulary (None where it walks the
+/// vocabulary in tiles, whose columns shrink as the rows grow).
+///
+/// Only the cross-entropy's lowering depends on its rows per chunk, and in it only the scratch of
+/// `rows` x vocabulary logits and each chunk's first-row buffer (`CE_CHUNK_FIRST_ROW`): every other buffer,
+/// and the steps before and after the chunks, are the same whatever the rows. So what is live
+/// beside the scratch when it is first written and when it is last read, less the scratch and the
+/// first-row buffers, is live beside the scratch of `rows` rows too, and the inputs stay: those
+/// and the scratch at `rows` are a lower bound of any layout's peak. `tests/chunk_choice.rs`
+/// holds it against every size's plan.
+pub fn peak_bound(floor: &MemoryPlan, c: &CeChunking) -> Option<impl Fn(usize) -> usize> {
+    if c.tile_cols != c.vocab {
+        return None;
+    }
+    let mut scratch = floor.buffers.iter().filter(|b| b.name == CE_CHUNK_SCRATCH);
+    let (Some(s), None) = (scratch.next(), scratch.next()) else { return None };
+    let first_row = CE_CHUNK_FIRST_ROW;
+    let beside_at = |t: usize| -> usize {
+        floor
+            .buffers
+            .iter()
+            .filter(|b| b.region == Region::Arena && b.kind != "input" && b.first_step <= t && t <= b.last_step)
+            .filter(|b| b.id != s.id && !(b.name.starts_with(first_row.0) && b.name.ends_with(first_row.1)))
+            .map(|b| b.size)
+            .sum()
+    };
+    let beside = beside_at(s.first_step).max(beside_at(s.last_step));
+    let (fixed, row_bytes) = (floor.persistent_bytes + floor.data_bytes + beside, c.elem_bytes * c.vocab);
+    Some(move |rows: usize| fixed + rows * row_bytes)
 }

@@ -62,7 +62,16 @@ pub fn chunking(e: &Executed) -> Vec<serde_json::Value> {
             let choice = e.chunk.as_ref().map(|k| {
                 let tried: Vec<serde_json::Value> =
                     k.tried.iter().map(|&(rows, peak)| serde_json::json!({ "chunk_rows": rows, "peak_bytes": peak })).collect();
-                serde_json::json!({ "floor": k.floor, "tried": tried, "why": k.why })
+                let mut v = serde_json::json!({ "floor": k.floor, "tried": tried, "why": k.why });
+                if !k.ruled_out.is_empty() {
+                    // sizes not planned: the floor's plan bounds their peak above what it keeps
+                    v["ruled_out"] = k
+                        .ruled_out
+                        .iter()
+                        .map(|&(rows, least)| serde_json::json!({ "chunk_rows": rows, "peak_at_least": least }))
+                        .collect();
+                }
+                v
             });
             serde_json::json!({
                 "rows": c.rows, "vocab": c.vocab, "chunk_rows": c.chunk_rows, "tile_cols": c.tile_cols, "chunks": c.chunks(),

@@ -39,6 +39,8 @@ use builder::{index_ty_for, KernelBuilder, Source};
 /// The name of the scratch buffer a chunked cross-entropy computes one chunk's logits in
 /// (`xent.rs`): the plan's picture marks the steps it lives over.
 pub const CE_CHUNK_SCRATCH: &str = "ce_chunk_logits";
+/// The name of each chunk's first-row buffer: `{prefix}{chunk}{suffix}` (as many as chunks).
+pub const CE_CHUNK_FIRST_ROW: (&str, &str) = ("ce_chunk", "_row");
 
 /// Finishes a kernel builder and adds its kernel and launch to the program.
 macro_rules! launch {

@@ -47,7 +47,7 @@ use std::collections::HashMap;
 use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role};
 
 use super::builder::Pos;
-use super::{pack_parts, unreshaped, Ctx, Lowerer, CE_CHUNK_SCRATCH};
+use super::{pack_parts, unreshaped, Ctx, Lowerer, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
 use crate::program::{BufKind, CeChunking, Gemm, GemmTypes, View};
@@ -187,7 +187,7 @@ pub fn lower(
         lw,
         &mut cx,
         Starts {
-            buffer: ("ce_chunk", "_row"),
+            buffer: CE_CHUNK_FIRST_ROW,
             param: "first_row",
             family: "cross_entropy.chunk_rows",
             what: ("row", "chunks"),
