@@ -268,13 +268,14 @@ impl<'g> KernelBuilder<'g> {
         let mut body = self.blocks.pop().unwrap_or_default();
         super::rounding::drop_exact_roundings(&mut body, &self.params);
         let mut stmts = super::tidy::inline_single_use(body, &|v| names.contains_key(&v));
-        // operands in operand order, then outputs
+        // operands in operand order, then outputs (each rank found once: `src.order` lists every
+        // operand of the node, a multi-tensor AdamW's thousands)
         let rank = |i: usize| {
             let pos = self.src.order.iter().position(|&b| b == self.args[i]).unwrap_or(usize::MAX);
             (self.params[i].write, pos, i)
         };
         let mut perm: Vec<usize> = (0..self.params.len()).collect();
-        perm.sort_by_key(|&i| rank(i));
+        perm.sort_by_cached_key(|&i| rank(i));
         let mut map = vec![0; perm.len()];
         for (new, &old) in perm.iter().enumerate() {
             map[old] = new;
