@@ -119,6 +119,9 @@ fn fused_steps_run_bit_identically_inside_one_arena() {
         let tr = Trainer::new(&m, o, None, 0).unwrap();
         assert!(qatc_ir::print(&tr.graph).contains("kernel["), "the step is fused");
         arena_matches_interpreter(&tr.graph, &step_inputs(&tr, 2, 16));
+        // the schedule the lowering takes is the plan's order, made without the plan's offsets
+        let p = plan::plan(&tr.graph, &plan::PlanOptions::default()).unwrap();
+        assert_eq!(plan::schedule(&tr.graph).unwrap(), p.order(), "lora {lora}");
     }
 }
 

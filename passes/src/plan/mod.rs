@@ -192,34 +192,44 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
     opts.deadline.check("memory plan")?;
     let d = Dense::new(g)?;
     d.check_total()?;
-    let align = opts.align.max(1);
-    // candidate orders; the one with the least live at its peak wins
-    let greedy = schedule::greedy(&d, align, Priority::NetBytes)?;
-    schedule::check(&d, &greedy)?;
-    let mut best = (liveness::analyze(&d, &greedy, align), greedy, "greedy");
-    opts.deadline.check("memory plan (schedule)")?;
-    let recent = schedule::greedy(&d, align, Priority::Recent)?;
-    schedule::check(&d, &recent)?;
-    let lv = liveness::analyze(&d, &recent, align);
-    if lv.lower_bound < best.0.lower_bound {
-        best = (lv, recent, "greedy, depth first");
-    }
-    let structural: Vec<usize> = (0..d.len()).filter(|&i| !d.is_input(i)).collect();
-    if schedule::check(&d, &structural).is_ok() {
-        let lv = liveness::analyze(&d, &structural, align);
-        if lv.lower_bound < best.0.lower_bound {
-            best = (lv, structural, "structural");
-        }
-    }
-    let (lv, order, scheduler) = best;
+    let (lv, order, scheduler) = best_order(&d, opts)?;
     opts.deadline.check("memory plan (offsets)")?;
     build(&d, lv, order, scheduler)
 }
 
+/// The order [`plan`] runs the nodes in: of the candidate orders, the one with the least live at
+/// its peak; its liveness, and which scheduler made it.
+fn best_order(d: &Dense, opts: &PlanOptions) -> Result<(liveness::Liveness, Vec<usize>, &'static str), PlanError> {
+    let align = opts.align.max(1);
+    let greedy = schedule::greedy(d, align, Priority::NetBytes)?;
+    schedule::check(d, &greedy)?;
+    let mut best = (liveness::analyze(d, &greedy, align), greedy, "greedy");
+    opts.deadline.check("memory plan (schedule)")?;
+    let recent = schedule::greedy(d, align, Priority::Recent)?;
+    schedule::check(d, &recent)?;
+    let lv = liveness::analyze(d, &recent, align);
+    if lv.lower_bound < best.0.lower_bound {
+        best = (lv, recent, "greedy, depth first");
+    }
+    let structural: Vec<usize> = (0..d.len()).filter(|&i| !d.is_input(i)).collect();
+    if schedule::check(d, &structural).is_ok() {
+        let lv = liveness::analyze(d, &structural, align);
+        if lv.lower_bound < best.0.lower_bound {
+            best = (lv, structural, "structural");
+        }
+    }
+    Ok(best)
+}
+
 /// The memory-aware schedule alone (what [`plan`] orders the nodes by): the order to run the
 /// step in. The lowering takes it as the program's step order (`qatc_kernels::LowerOptions`).
+/// Without [`plan`]'s offsets, which the lowering does not read (building them, the arena
+/// placement of a graph-level plan above all, was more than half of its cost on GPT-2 1.5B).
 pub fn schedule(g: &Graph) -> Result<Vec<NodeId>, PlanError> {
-    Ok(plan(g, &PlanOptions::default())?.order())
+    let d = Dense::new(g)?;
+    d.check_total()?;
+    let (_, order, _) = best_order(&d, &PlanOptions::default())?;
+    Ok(order.iter().map(|&i| d.ids[i]).collect())
 }
 
 /// A quick estimate of the step's peak without assigning offsets: the inputs' storage plus the
