@@ -63,9 +63,10 @@ fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
         assert!(next.1 > kept, "{what}: {} rows would not raise the peak, yet {} were chosen", next.0, k.rows);
     }
     // against every size planned: the bound below each one's peak, the same size chosen
-    let every = qatc_driver::chunk::every_size(&g, &Target::cpu(), &Options::default()).unwrap();
+    let (every, least) = qatc_driver::chunk::every_size(&g, &Target::cpu(), &Options::default()).unwrap();
     for &(r, p, bound) in &every {
         assert!(bound.is_none_or(|b| b <= p), "{what}: {r} rows peak at {p}, below the bound {bound:?}");
+        assert!(least.is_some_and(|l| l <= p), "{what}: {r} rows peak at {p}, below the least of any size {least:?}");
         if let Some(&(_, least)) = k.ruled_out.iter().find(|t| t.0 == r) {
             assert_eq!(Some(least), bound, "{what}: {r} rows ruled out by the bound");
         }
@@ -74,6 +75,15 @@ fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
     assert_eq!(largest, Some(k.rows), "{what}: planning every size chooses another ({every:?})");
     assert!(k.rows >= k.floor && k.rows.is_power_of_two() || k.rows == k.total_rows, "{what}: {k:?}");
     eprintln!("{what}: {}", k.why);
+    // planned against a memory it cannot fit in whatever the rows: the floor, nothing searched;
+    // against one it can: the same choice
+    let least = least.unwrap();
+    let e_tight = qatc_driver::plan(&g, &Target::cpu(), &Options { fit_within: Some(least - 1), ..Options::default() }).unwrap();
+    let t = e_tight.chunk.unwrap();
+    assert_eq!((t.rows, t.tried.len()), (k.floor, 1), "{what}: {t:?}");
+    assert!(t.why.contains("not searched"), "{what}: {}", t.why);
+    let e_loose = qatc_driver::plan(&g, &Target::cpu(), &Options { fit_within: Some(least), ..Options::default() }).unwrap();
+    assert_eq!(e_loose.chunk.unwrap().rows, k.rows, "{what}: planned against a memory it may fit in");
     (k.rows, e)
 }
 

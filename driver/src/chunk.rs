@@ -21,7 +21,7 @@
 //! head) a bf16 step's bisection lowered and laid out 3 to 5 sizes, most of them to refuse them.
 
 use qatc_ir::Graph;
-use qatc_kernels::lower::{CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
+use qatc_kernels::lower::{CE_BUFFER_PREFIX, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
 use qatc_kernels::program::CeChunking;
 use qatc_kernels::{LowerOptions, NodeMemo, Program, Target};
 use qatc_passes::plan::units::human;
@@ -95,6 +95,18 @@ pub(crate) fn choose(
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None, first_laid)) };
     let (floor, n) = (c.chunk_rows, c.rows);
     let base = first_laid.plan.peak_bytes();
+    // asked only whether the step fits: where no size can bring it within, none is searched
+    if let (Some(limit), Some(least)) = (options.fit_within, least_peak(&first_laid.plan)) {
+        if least > limit {
+            let why = format!(
+                "{floor} rows per chunk, the floor: not searched, the step holds at least {} outside the cross-entropy whatever the rows, more than the {} it was planned against",
+                human(least),
+                human(limit)
+            );
+            let choice = ChunkChoice { rows: floor, floor, total_rows: n, tried: vec![(floor, base)], ruled_out: Vec::new(), why };
+            return Ok((first, Some(choice), first_laid));
+        }
+    }
     // a rise this small is the per-row statistics' few KiB, not a larger scratch
     let keeps = |p: usize| p <= base + base / 1000;
     let mut scratch_of = std::collections::HashMap::from([(floor, c.scratch_bytes())]);
@@ -185,14 +197,21 @@ pub(crate) fn choose(
 
 /// Every size of `g`'s ladder (the floor doubled up to every row in one chunk) planned for real:
 /// (rows per chunk, the executed plan's peak, [`peak_bound`]'s bound from the floor's plan, where
-/// it gives one). The reference `tests/chunk_choice.rs` holds the bound and the choice against.
-pub fn every_size(g: &Graph, target: &Target, options: &Options) -> Result<Vec<(usize, usize, Option<usize>)>, DriverError> {
+/// it gives one), and [`least_peak`] of the floor's plan. The reference `tests/chunk_choice.rs`
+/// holds the bounds and the choice against.
+#[allow(clippy::type_complexity)]
+pub fn every_size(
+    g: &Graph,
+    target: &Target,
+    options: &Options,
+) -> Result<(Vec<(usize, usize, Option<usize>)>, Option<usize>), DriverError> {
     let schedule = qatc_passes::plan::schedule(g)?;
     let mut memo = NodeMemo::default();
     let first = lower_reusing(g, &schedule, None, target, &mut memo)?;
     let first_laid = lay_out(&first, target, options)?;
-    let Some(c) = first.cross_entropy.first().cloned() else { return Ok(Vec::new()) };
+    let Some(c) = first.cross_entropy.first().cloned() else { return Ok((Vec::new(), None)) };
     let bound = peak_bound(&first_laid.plan, &c);
+    let least = least_peak(&first_laid.plan);
     let mut out = vec![(c.chunk_rows, first_laid.plan.peak_bytes(), bound.as_ref().map(|b| b(c.chunk_rows)))];
     let mut r = c.chunk_rows;
     while r < c.rows {
@@ -202,7 +221,21 @@ pub fn every_size(g: &Graph, target: &Target, options: &Options) -> Result<Vec<(
             out.push((r, lay_out(&prog, target, options)?.plan.peak_bytes(), bound.as_ref().map(|b| b(r))));
         }
     }
-    Ok(out)
+    Ok((out, least))
+}
+
+/// The least peak the step whose plan is `floor` can have with any rows per chunk: what is live
+/// outside the steps where the buffers the cross-entropy's lowering makes for itself live
+/// (`CE_BUFFER_PREFIX`: among them the only ones that depend on the rows, [`peak_bound`]), which
+/// the steps of every other node hold whatever the rows, and the inputs. None when the plan has
+/// no such buffer.
+pub fn least_peak(floor: &MemoryPlan) -> Option<usize> {
+    let (from, to) =
+        floor.buffers.iter().filter(|b| b.name.starts_with(CE_BUFFER_PREFIX)).fold(None, |span: Option<(usize, usize)>, b| {
+            Some(span.map_or((b.first_step, b.last_step), |(f, t)| (f.min(b.first_step), t.max(b.last_step))))
+        })?;
+    let outside = floor.steps.iter().filter(|s| s.index < from || s.index > to).map(|s| s.live_bytes).max().unwrap_or(0);
+    Some(floor.persistent_bytes + floor.data_bytes + outside)
 }
 
 /// The least peak the step whose floor plan is `floor` (its chunking `c`) can have with `rows`

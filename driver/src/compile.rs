@@ -40,6 +40,10 @@ pub struct Options {
     pub comm: Option<Arc<dyn Communicator>>,
     /// The path of a CUDA step's collectives; None: [`cuda_collectives`]'s choice.
     pub cuda_collectives: Option<Collectives>,
+    /// Planning only to learn whether the step fits in this many bytes (`qatc plan --fit`):
+    /// where no rows per chunk can bring it within them, the chunk size is not searched
+    /// (`chunk::least_peak`). None: always searched.
+    pub fit_within: Option<usize>,
 }
 
 /// A step ready to run.

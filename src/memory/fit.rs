@@ -270,6 +270,8 @@ pub fn search_with(
 ) -> anyhow::Result<Fit> {
     let planned = std::sync::atomic::AtomicUsize::new(0);
     let memory = target.step_budget(memory);
+    // a plan that cannot fit whatever its cross-entropy's rows per chunk does not search them
+    let options = &Options { fit_within: Some(memory), ..options.clone() };
     let max_batch = max_batch.max(1);
     // each policy at each ZeRO stage searched, lowest first: the first pair that fits recomputes
     // least, at the lowest stage that holds it

@@ -39,6 +39,10 @@ use builder::{index_ty_for, KernelBuilder, Source};
 /// The name of the scratch buffer a chunked cross-entropy computes one chunk's logits in
 /// (`xent.rs`): the plan's picture marks the steps it lives over.
 pub const CE_CHUNK_SCRATCH: &str = "ce_chunk_logits";
+/// The prefix of every buffer the chunked cross-entropy's lowering makes for itself (`xent.rs`,
+/// `xent_online.rs`; its results aside): the chunk scratch, each chunk's first row and each tile's
+/// first column, the running statistics, the row losses.
+pub const CE_BUFFER_PREFIX: &str = "ce_";
 /// The name of each chunk's first-row buffer: `{prefix}{chunk}{suffix}` (as many as chunks).
 pub const CE_CHUNK_FIRST_ROW: (&str, &str) = ("ce_chunk", "_row");
 
