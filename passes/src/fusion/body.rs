@@ -72,19 +72,9 @@ impl Frag {
     }
 }
 
-/// The fragments of e-class `c`: its primitive e-nodes (not inputs, nor ops that fusion leaves
-/// alone, which no rule absorbs) and the single-result fused kernels in it.
-pub fn frags(eg: &EG, c: Id) -> Vec<Frag> {
-    let c = eg.find(c);
-    let mut out = Vec::new();
-    for n in &eg[c].nodes {
-        if let Some(f) = frag_of(eg, c, n) {
-            out.push(f);
-        }
-    }
-    out
-}
-
+/// The fragment e-node `n` of class `c` gives: a primitive e-node (not an input, nor an op that
+/// fusion leaves alone, which no rule absorbs) as a body of its own, or a single-result fused
+/// kernel.
 fn frag_of(eg: &EG, c: Id, n: &ENode) -> Option<Frag> {
     match eg.analysis.table.get(n.op)? {
         Entry::Prim { op, .. } => {
@@ -128,14 +118,49 @@ fn frag_of(eg: &EG, c: Id, n: &ENode) -> Option<Frag> {
 
 /// The largest fragment of `c` that `ok` accepts: the one that has absorbed the most.
 pub fn best(eg: &EG, c: Id, ok: impl Fn(&Frag) -> bool) -> Option<Frag> {
-    ranked(eg, c, ok).into_iter().next()
+    ranked_at_most(eg, c, 1, ok).pop()
 }
 
 /// The fragments of `c` that `ok` accepts, largest first (ties: fused first, then older).
 pub fn ranked(eg: &EG, c: Id, ok: impl Fn(&Frag) -> bool) -> Vec<Frag> {
-    let mut v: Vec<Frag> = frags(eg, c).into_iter().filter(|f| ok(f)).collect();
-    v.sort_by_key(|f| std::cmp::Reverse((f.body.nodes.len(), f.fused, std::cmp::Reverse(f.op))));
-    v
+    ranked_at_most(eg, c, usize::MAX, ok)
+}
+
+/// The first `n` of [`ranked`]: the e-nodes are ranked by what their fragments would be before
+/// any is built, and fragments built only until `n` are accepted (the rules take the best one
+/// or a few, of classes that can hold dozens).
+pub fn ranked_at_most(eg: &EG, c: Id, n: usize, ok: impl Fn(&Frag) -> bool) -> Vec<Frag> {
+    let c = eg.find(c);
+    let mut keyed: Vec<(FragRank, &ENode)> = eg[c].nodes.iter().filter_map(|e| rank_of(eg, e).map(|k| (k, e))).collect();
+    // stable: equal ranks keep the e-nodes' order, as the fragments' order was
+    keyed.sort_by_key(|(k, _)| std::cmp::Reverse(*k));
+    let mut out = Vec::new();
+    for (_, e) in keyed {
+        if out.len() >= n {
+            break;
+        }
+        if let Some(f) = frag_of(eg, c, e).filter(|f| ok(f)) {
+            out.push(f);
+        }
+    }
+    out
+}
+
+/// How [`ranked`] orders fragments: body nodes, fused, then the older op (`Reverse(op)`).
+type FragRank = (usize, bool, std::cmp::Reverse<u32>);
+
+/// The rank of the fragment e-node `e` gives ([`frag_of`]), None where it gives none.
+fn rank_of(eg: &EG, e: &ENode) -> Option<FragRank> {
+    match eg.analysis.table.get(e.op)? {
+        Entry::Prim { op, .. } => {
+            if matches!(op, Op::Input { .. } | Op::Kernel { .. }) {
+                return None;
+            }
+            op.kind().family()?;
+            Some((1, false, std::cmp::Reverse(e.op)))
+        }
+        Entry::Fused(k) => k.pack.is_empty().then(|| (k.body.nodes.len(), true, std::cmp::Reverse(e.op))),
+    }
 }
 
 /// Builds one kernel body. Equal nodes are shared (a value two absorbed fragments both compute

@@ -282,15 +282,14 @@ impl FuseApplier {
         if c == root {
             return vec![];
         }
-        let mut v = match take {
+        let n = MAX_ALTERNATIVES;
+        match take {
             Take::Must(anchors) | Take::May(anchors) | Take::Recompute(anchors) => {
-                body::ranked(eg, c, |f| anchors.contains(&f.family.anchor()))
+                body::ranked_at_most(eg, c, n, |f| anchors.contains(&f.family.anchor()))
             }
-            Take::Cheap => body::ranked(eg, c, |f| f.family == KernelFamily::Pointwise && f.cheap(eg)),
-            Take::Pointwise => body::ranked(eg, c, |f| f.family == KernelFamily::Pointwise),
-        };
-        v.truncate(MAX_ALTERNATIVES);
-        v
+            Take::Cheap => body::ranked_at_most(eg, c, n, |f| f.family == KernelFamily::Pointwise && f.cheap(eg)),
+            Take::Pointwise => body::ranked_at_most(eg, c, n, |f| f.family == KernelFamily::Pointwise),
+        }
     }
 
     fn build(&self, eg: &EG, r: &Res, chosen: &[(Var, Frag)], b: &mut Builder) -> BRef {
