@@ -199,7 +199,7 @@ pub fn search(
     search_with(cfg, base, pinned, memory, max_batch, target, options, Shortcuts::ALL, &|_| {})
 }
 
-/// Where a search is, after each plan: for a progress display (a 1.5B search takes 13 s
+/// Where a search is, after each plan: for a progress display (a 1.5B search takes 10-11 s
 /// on two cores).
 #[derive(Clone, Copy, Debug)]
 pub struct Progress {
