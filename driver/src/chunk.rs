@@ -19,6 +19,8 @@
 //! Sizes whose peak the floor's plan already bounds above the floor's are not lowered at all
 //! ([`peak_bound`]): with whole rows of the vocabulary in the scratch (16-bit logits, a trainable
 //! head) a bf16 step's bisection lowered and laid out 3 to 5 sizes, most of them to refuse them.
+//! And a plan asked only whether it fits in some memory (`Options::fit_within`, `qatc plan
+//! --fit`) searches no size where no size can bring it within ([`least_peak`]).
 
 use qatc_ir::Graph;
 use qatc_kernels::lower::{CE_BUFFER_PREFIX, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
@@ -243,12 +245,12 @@ pub fn least_peak(floor: &MemoryPlan) -> Option<usize> {
 /// vocabulary in tiles, whose columns shrink as the rows grow).
 ///
 /// Only the cross-entropy's lowering depends on its rows per chunk, and in it only the scratch of
-/// `rows` x vocabulary logits and each chunk's first-row buffer (`CE_CHUNK_FIRST_ROW`): every other buffer,
-/// and the steps before and after the chunks, are the same whatever the rows. So what is live
-/// beside the scratch when it is first written and when it is last read, less the scratch and the
-/// first-row buffers, is live beside the scratch of `rows` rows too, and the inputs stay: those
-/// and the scratch at `rows` are a lower bound of any layout's peak. `tests/chunk_choice.rs`
-/// holds it against every size's plan.
+/// `rows` x vocabulary logits and each chunk's first-row buffer (`CE_CHUNK_FIRST_ROW`): every
+/// other buffer, and the steps before and after the chunks, are the same whatever the rows. So
+/// what is live beside the scratch when it is first written and when it is last read, less the
+/// scratch and the first-row buffers, is live beside the scratch of `rows` rows too, and the
+/// inputs stay: those and the scratch at `rows` are a lower bound of any layout's peak.
+/// `tests/chunk_choice.rs` holds it against every size's plan.
 pub fn peak_bound(floor: &MemoryPlan, c: &CeChunking) -> Option<impl Fn(usize) -> usize> {
     if c.tile_cols != c.vocab {
         return None;
