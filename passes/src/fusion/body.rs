@@ -72,15 +72,12 @@ impl Frag {
     }
 }
 
-/// The fragment e-node `n` of class `c` gives: a primitive e-node (not an input, nor an op that
-/// fusion leaves alone, which no rule absorbs) as a body of its own, or a single-result fused
-/// kernel.
+/// The fragment e-node `n` of class `c` gives, where [`rank_of`] says it gives one: a primitive
+/// e-node as a body of its own, or a single-result fused kernel.
 fn frag_of(eg: &EG, c: Id, n: &ENode) -> Option<Frag> {
+    rank_of(eg, n)?;
     match eg.analysis.table.get(n.op)? {
         Entry::Prim { op, .. } => {
-            if matches!(op, Op::Input { .. } | Op::Kernel { .. }) {
-                return None;
-            }
             // one body node over the distinct operands (mul(x, x) reads x once)
             let mut args: Vec<Id> = Vec::new();
             let mut refs = Vec::new();
@@ -100,19 +97,14 @@ fn frag_of(eg: &EG, c: Id, n: &ENode) -> Option<Frag> {
             let family = op.kind().family()?;
             Some(Frag { class: c, family, body: Arc::new(body), args, op: n.op, fused: false })
         }
-        Entry::Fused(k) => {
-            if !k.pack.is_empty() {
-                return None;
-            }
-            Some(Frag {
-                class: c,
-                family: k.family.clone(),
-                body: k.body.clone(),
-                args: n.args.iter().map(|&a| eg.find(a)).collect(),
-                op: n.op,
-                fused: true,
-            })
-        }
+        Entry::Fused(k) => Some(Frag {
+            class: c,
+            family: k.family.clone(),
+            body: k.body.clone(),
+            args: n.args.iter().map(|&a| eg.find(a)).collect(),
+            op: n.op,
+            fused: true,
+        }),
     }
 }
 
@@ -149,7 +141,8 @@ pub fn ranked_at_most(eg: &EG, c: Id, n: usize, ok: impl Fn(&Frag) -> bool) -> V
 /// How [`ranked`] orders fragments: body nodes, fused, then the older op (`Reverse(op)`).
 type FragRank = (usize, bool, std::cmp::Reverse<u32>);
 
-/// The rank of the fragment e-node `e` gives ([`frag_of`]), None where it gives none.
+/// The rank of the fragment e-node `e` gives ([`frag_of`]), None where it gives none: an input,
+/// an op that fusion leaves alone (no rule absorbs it), or a fused kernel of several results.
 fn rank_of(eg: &EG, e: &ENode) -> Option<FragRank> {
     match eg.analysis.table.get(e.op)? {
         Entry::Prim { op, .. } => {
