@@ -4,7 +4,8 @@
 //! fp32 and bf16, AdamW and 8-bit AdamW, no checkpointing and `blocks`, LoRA on 4-bit weights and
 //! a full fine-tune, on the CPU's and CUDA's lowering options; and across the planner's two
 //! lowerings of one graph (the chunk-size floor, then every row in one chunk) sharing one memo.
-//! Each case must replay nodes, or it would prove nothing.
+//! Kernels launched again for tensors alike (AdamW's, `repeats.rs`) and for every chunk and tile
+//! of the cross-entropy (at eight chunks) are held the same way. Each case must replay nodes, or it would prove nothing.
 
 mod common;
 
@@ -48,6 +49,7 @@ fn a_replayed_lowering_is_the_lowering() {
             let fresh = lowered(&g, &options, &mut NodeMemo::disabled());
             assert!(with == fresh, "{what}: the memo changed the program: {}", first_difference(&with, &fresh));
             assert!(memo.hits > 0, "{what}: no node was replayed");
+            assert!(memo.repeats > 0, "{what}: no AdamW tensor's kernel was launched again");
             // the planner's second lowering (every row in one chunk) on the first one's memo
             let rows = with.cross_entropy.first().map(|c| c.rows);
             let top = LowerOptions { ce_chunk_rows: rows, ..options.clone() };
@@ -56,6 +58,15 @@ fn a_replayed_lowering_is_the_lowering() {
             let fresh = lowered(&g, &top, &mut NodeMemo::disabled());
             assert!(again == fresh, "{what}, one chunk: the memo changed the program: {}", first_difference(&again, &fresh));
             assert!(memo.hits > hits, "{what}, one chunk: no node was replayed");
+            // eight chunks (and on the CPU's online cross-entropy, tiles of 16 columns): every
+            // chunk's and tile's kernels after the first are launched again (`repeats.rs`)
+            let many = LowerOptions { ce_chunk_rows: Some(8), ce_tile_cols: Some(16), ..options.clone() };
+            let repeats = memo.repeats;
+            let again = lowered(&g, &many, &mut memo);
+            let fresh = lowered(&g, &many, &mut NodeMemo::disabled());
+            assert!(again == fresh, "{what}, 8 chunks: a repeated kernel changed the program: {}", first_difference(&again, &fresh));
+            assert_eq!(again.cross_entropy.first().map(|c| c.chunk_rows), Some(8), "{what}");
+            assert!(memo.repeats > repeats, "{what}, 8 chunks: no kernel was launched again");
             cases += 1;
         }
     }

@@ -20,10 +20,11 @@ use qatc_ir::{Graph, NodeId, Op};
 
 use super::adamw8::{self, Moment8};
 use super::builder::Pos;
+use super::repeats::{self, Repeats};
 use super::{overwrite, pack_parts, unreshaped, Ctx, Lowerer, PackPart, Placed};
 use crate::error::KernelError;
 use crate::kir::{Body, Expr, Ix, Kernel, Space, Stmt};
-use crate::program::{BufKind, View};
+use crate::program::{BufId, BufKind, View};
 
 /// One tensor's update in the body: the new weight's node and the (input, new value) pairs it
 /// writes (the weight and its moments).
@@ -170,37 +171,48 @@ pub fn lower(
     for (_, m) in &blockwise {
         cx.order.extend([m.codes.buf, m.absmax.buf]);
     }
-    // one kernel per tensor, its params named by role so tensors of one shape share a kernel
+    // one kernel per tensor, its params named by role so tensors of one shape share a kernel;
+    // built once for tensors alike but for their buffers (`repeats.rs`)
+    let places = repeats::order_places(&cx);
+    let mut rep = Repeats::default();
     for t in &tensors {
         let eight: Vec<Option<&Moment8>> =
             t.writes.iter().map(|(inp, _)| blockwise.iter().find(|(b, _)| b == inp).map(|(_, m)| m)).collect();
         if eight.iter().any(Option::is_some) {
-            adamw8::lower_tensor(lw, &mut cx, family, t.param, &t.writes, &eight)?;
+            adamw8::lower_tensor(lw, &mut cx, (&places, &mut rep), family, t.param, &t.writes, &eight)?;
             continue;
         }
         for (role, &(inp, _)) in ["p", "m", "v"].iter().zip(&t.writes) {
             cx.names.insert(cx.leaves[&inp].buf, (*role).to_string());
         }
-        let shape = body.ty(t.param).shape.0.clone();
-        let dests: Vec<View> = t.writes.iter().map(|(inp, _)| cx.leaves[inp].clone()).collect();
-        let touched: Vec<&View> = dests.iter().collect();
-        let note = lw.note(&cx, t.param, None);
-        let mut kb = lw.kb_elements(&cx, &shape, &touched);
-        let pos = Pos::Lin(Expr::Ix(Ix::Elem));
-        let mut values = Vec::new();
-        for &(_, n) in &t.writes {
-            values.push(kb.value(n, &pos)?);
-        }
-        for (d, v) in dests.iter().zip(values) {
-            kb.store_view(d, &pos, v);
-        }
-        let (kernel, args) = kb.finish(family, Space::Elements { shape }, format!("{note}, written over p, m and v"))?;
-        check_in_place(&kernel)?;
-        lw.push_kernel((kernel, args));
+        let roots: Vec<NodeId> = t.writes.iter().flat_map(|&(inp, new)| [inp, new]).collect();
+        let (key, slots) = repeats::body_key(lw, &cx, &places, &roots, &repeats::More::default());
+        // the launch's note names the tensor's gradient
+        let note = format!("{}, written over p, m and v", lw.note(&cx, t.param, None));
+        rep.launch(lw, key, &slots, Some(note.clone()), |lw| tensor_kernel(lw, &cx, family, t, note))?;
     }
     // what the blockwise kernels computed: the requantization's nodes are their inputs now
     for (_, m) in blockwise {
         lw.absorbed.extend(m.absorbed);
     }
     Ok(Some(placed))
+}
+
+/// Tensor `t`'s update as one elementwise kernel written over its weight and moments.
+fn tensor_kernel(lw: &Lowerer, cx: &Ctx, family: &str, t: &Tensor, note: String) -> Result<(Kernel, Vec<BufId>), KernelError> {
+    let shape = cx.g.ty(t.param).shape.0.clone();
+    let dests: Vec<View> = t.writes.iter().map(|(inp, _)| cx.leaves[inp].clone()).collect();
+    let touched: Vec<&View> = dests.iter().collect();
+    let mut kb = lw.kb_elements(cx, &shape, &touched);
+    let pos = Pos::Lin(Expr::Ix(Ix::Elem));
+    let mut values = Vec::new();
+    for &(_, n) in &t.writes {
+        values.push(kb.value(n, &pos)?);
+    }
+    for (d, v) in dests.iter().zip(values) {
+        kb.store_view(d, &pos, v);
+    }
+    let (kernel, args) = kb.finish(family, Space::Elements { shape }, note)?;
+    check_in_place(&kernel)?;
+    Ok((kernel, args))
 }

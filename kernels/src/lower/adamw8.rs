@@ -25,10 +25,11 @@ use qatc_ir::{qmap, DynMap, Graph, KernelFamily, NodeId, Op};
 
 use super::builder::{pos_key, KernelBuilder, Pos};
 use super::inline::{block_dequant, block_quant};
+use super::repeats::{self, Repeats};
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Body, Expr, Ix, Kernel, ReduceOp, RowMapping, Space, Stmt, Ty, UnOp};
-use crate::program::View;
+use crate::program::{BufId, View};
 
 /// An 8-bit moment the blockwise kernel reads and writes: its codes' and absmax' buffers (state
 /// inputs), its map, and the graph nodes the kernel computes (the requantization's results:
@@ -116,17 +117,17 @@ fn dequantize_at(kb: &mut KernelBuilder, moments: &[(NodeId, &Moment8, Expr)], p
 
 /// One tensor's update, blockwise: `writes` are the (body input, new value) pairs of the weight
 /// and its two moments, `eight` the 8-bit ones among them (None: written over its input as f32).
+/// Tensors alike but for their buffers share one build (`repeats.rs`): `places` is the operand
+/// order's (`repeats::order_places`).
 pub fn lower_tensor(
     lw: &mut Lowerer,
     cx: &mut Ctx,
+    (places, rep): (&HashMap<BufId, usize>, &mut Repeats<String>),
     family: &str,
     param: NodeId,
     writes: &[(NodeId, NodeId)],
     eight: &[Option<&Moment8>],
 ) -> Result<(), KernelError> {
-    let body = cx.g;
-    let n = body.ty(param).numel();
-    let (bl, rows) = (qmap::BLOCK, qmap::blocks(n));
     for (i, (&(inp, _), m)) in writes.iter().zip(eight).enumerate() {
         let role = ["p", "m", "v"].get(i).copied().unwrap_or("s");
         match m {
@@ -140,6 +141,32 @@ pub fn lower_tensor(
             }
         }
     }
+    // what decides the kernel: the body from the writes, the 8-bit moments' codes and absmax
+    // (their inputs read through them) and maps
+    let more = repeats::More {
+        views: eight.iter().flatten().flat_map(|m| [&m.codes, &m.absmax]).collect(),
+        inputs: writes.iter().zip(eight).filter(|(_, m)| m.is_some()).map(|(w, _)| w.0).collect(),
+        what: format!("blockwise {:?}", eight.iter().map(|m| m.map(|m| m.map)).collect::<Vec<_>>()),
+    };
+    let roots: Vec<NodeId> = writes.iter().flat_map(|&(inp, new)| [inp, new]).collect();
+    let (key, slots) = repeats::body_key(lw, cx, places, &roots, &more);
+    // the launch's note names the tensor's gradient
+    let note = format!("{}, blockwise: written over p and the 8-bit moments", lw.note(cx, param, None));
+    let cx = &*cx;
+    rep.launch(lw, key, &slots, Some(note.clone()), |lw| tensor_kernel(lw, cx, family, param, (writes, eight), note))
+}
+
+/// The blockwise kernel of [`lower_tensor`].
+fn tensor_kernel(
+    lw: &Lowerer,
+    cx: &Ctx,
+    family: &str,
+    param: NodeId,
+    (writes, eight): (&[(NodeId, NodeId)], &[Option<&Moment8>]),
+    note: String,
+) -> Result<(Kernel, Vec<BufId>), KernelError> {
+    let n = cx.g.ty(param).numel();
+    let (bl, rows) = (qmap::BLOCK, qmap::blocks(n));
     let mut dests: Vec<&View> = Vec::new();
     for (&(inp, _), m) in writes.iter().zip(eight) {
         match m {
@@ -147,7 +174,6 @@ pub fn lower_tensor(
             None => dests.extend(cx.leaves.get(&inp)),
         }
     }
-    let note = lw.note(cx, param, None);
     let mut kb = lw.kb_rows(cx, rows, &dests);
     // the old absmax first: the new one is stored over it before the elements are rewritten
     let mut moments: Vec<(NodeId, &Moment8, Expr)> = Vec::new();
@@ -190,10 +216,9 @@ pub fn lower_tensor(
     }
     kb.close_foreach(lp);
     let space = Space::Rows { rows, mapping: RowMapping::Block };
-    let (kernel, args) = kb.finish(family, space, format!("{note}, blockwise: written over p and the 8-bit moments"))?;
+    let (kernel, args) = kb.finish(family, space, note)?;
     check_in_place(&kernel)?;
-    lw.push_kernel((kernel, args));
-    Ok(())
+    Ok((kernel, args))
 }
 
 /// Replaces loop variable `from` by `to` in `e`.

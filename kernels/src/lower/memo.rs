@@ -48,6 +48,8 @@ pub struct NodeMemo {
     /// Nodes replayed from a recording, and nodes lowered and recorded.
     pub hits: usize,
     pub recorded: usize,
+    /// Kernels launched again from an earlier chunk's or tile's build (`repeats.rs`).
+    pub repeats: usize,
     /// Off: every node lowered afresh (the tests' reference).
     pub disabled: bool,
 }

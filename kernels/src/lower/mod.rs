@@ -68,6 +68,7 @@ pub mod memo;
 mod node;
 mod overwrite;
 mod reduce;
+mod repeats;
 mod rounding;
 mod rows;
 mod scatter;

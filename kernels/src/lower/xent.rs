@@ -47,10 +47,11 @@ use std::collections::HashMap;
 use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role};
 
 use super::builder::Pos;
+use super::repeats::Repeats;
 use super::{pack_parts, unreshaped, Ctx, Lowerer, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
 use crate::error::KernelError;
-use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
-use crate::program::{BufKind, CeChunking, Gemm, GemmTypes, View};
+use crate::kir::{BinOp, Expr, Ix, Kernel, ReduceOp, RowMapping, Space, Ty, UnOp};
+use crate::program::{BufId, BufKind, CeChunking, Gemm, GemmTypes, View};
 
 /// The most chunks one cross-entropy is split into (each launch passes its first row in a
 /// buffer of its own, all filled by one kernel with a param per chunk).
@@ -240,14 +241,16 @@ pub fn lower(
             n,
             vocab: v,
         };
+        let mut rep = Repeats::default();
         for (c, base) in bases.iter().enumerate() {
-            super::xent_online::chunk(lw, &cx, &o, base, (c * r, ((c + 1) * r).min(n)))?;
+            super::xent_online::chunk(lw, &cx, &o, &mut rep, base, (c * r, ((c + 1) * r).min(n)))?;
         }
     }
+    let mut rep = Repeats::default();
     for (c, base) in bases.iter().enumerate().filter(|_| !ch.online) {
         let rows = (c * r, ((c + 1) * r).min(n));
         let whole = Whole { head: &head, scratch: &scratch, losses: &losses, results: &results, h: &hv, w: &wv };
-        whole_rows_chunk(lw, &cx, &ch, &whole, c, base, rows)?;
+        whole_rows_chunk(lw, &cx, &ch, &whole, &mut rep, c, base, rows)?;
     }
     mean_loss(lw, &cx, &losses, &loss_buf, n, head.weights)?;
     if root == head.loss {
@@ -365,11 +368,13 @@ struct Whole<'a> {
 /// Chunk `c`, rows `r0..r1` (its first row in `base`), of whole rows: its logits by a GEMM into
 /// the scratch, the row kernel (the row losses, and the gradient over the logits), then its part
 /// of each gradient product.
+#[allow(clippy::too_many_arguments)]
 fn whole_rows_chunk(
     lw: &mut Lowerer,
     cx: &Ctx,
     ch: &Chunking,
     x: &Whole,
+    rep: &mut Repeats<usize>,
     c: usize,
     base: &View,
     (r0, r1): (usize, usize),
@@ -396,7 +401,8 @@ fn whole_rows_chunk(
             types: GemmTypes::F32,
         },
     ));
-    row_kernel(lw, cx, x.head, x.scratch, x.losses, base, (rc, ch.n, v))?;
+    // by the chunk's rows: the first row comes from `base`, all else is the node's
+    rep.launch(lw, rc, &[base.buf], None, |lw| row_kernel(lw, cx, x.head, x.scratch, x.losses, base, (rc, ch.n, v)))?;
     for &(p, acc) in &x.head.products {
         let dest = &x.results[&p];
         let ops = body.operands(p);
@@ -497,14 +503,14 @@ fn starts(lw: &mut Lowerer, cx: &mut Ctx, s: Starts) -> Result<Vec<View>, Kernel
 /// One chunk's row kernel: row i of the scratch is global row base + i.
 #[allow(clippy::too_many_arguments)]
 fn row_kernel(
-    lw: &mut Lowerer,
+    lw: &Lowerer,
     cx: &Ctx,
     head: &Head,
     scratch: &View,
     losses: &View,
     base: &View,
     (rc, n, v): (usize, usize, usize),
-) -> Result<(), KernelError> {
+) -> Result<(Kernel, Vec<BufId>), KernelError> {
     // a row on one thread, in order: the sum pass keeps exp(x - max) for the gradient pass (in
     // f32 logits only: 16-bit ones would round it)
     let exp_once = lw.options.sequential_rows && head.grad.is_some() && lw.prog.buffers[scratch.buf].dtype == DType::F32;
@@ -575,6 +581,5 @@ fn row_kernel(
             return Err(KernelError::Internal(format!("{family}: the gradient cannot be written over the chunk's logits")));
         }
     }
-    lw.push_kernel((kernel, args));
-    Ok(())
+    Ok((kernel, args))
 }

@@ -27,10 +27,11 @@
 use qatc_ir::{DType, NodeId, Phase, Role};
 
 use super::builder::Pos;
+use super::repeats::Repeats;
 use super::{Ctx, Lowerer};
 use crate::error::KernelError;
-use crate::kir::{BinOp, Expr, Ix, ReduceOp, RowMapping, Space, Ty, UnOp};
-use crate::program::{BufKind, Gemm, GemmTypes, View};
+use crate::kir::{BinOp, Expr, Ix, Kernel, ReduceOp, RowMapping, Space, Ty, UnOp};
+use crate::program::{BufId, BufKind, Gemm, GemmTypes, View};
 
 /// Scratch for one tile of logits: 8 MiB, so a tile and the head weight's tile (at C up to a
 /// few hundred) stay in a CPU's last-level cache between the two GEMMs.
@@ -80,7 +81,14 @@ fn f(v: f64) -> Expr {
 }
 
 /// One chunk, rows r0 .. r1, whose first row is `base`'s one element.
-pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usize, usize)) -> Result<(), KernelError> {
+pub fn chunk(
+    lw: &mut Lowerer,
+    cx: &Ctx,
+    o: &Online,
+    rep: &mut Repeats<Repeat>,
+    base: &View,
+    (r0, r1): (usize, usize),
+) -> Result<(), KernelError> {
     let rc = r1 - r0;
     let tile = o.scratch.shape[1];
     let c_dim = o.c_dim;
@@ -90,7 +98,7 @@ pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usi
     let at_row = Pos::Lin(Expr::Ix(Ix::Row));
 
     // m = -inf, S = 0, x_t = 0, dh_c = 0
-    {
+    rep.launch(lw, Repeat::Init(rc), &[m.buf, s.buf, xt.buf, base.buf], None, |lw| {
         let mut touched = vec![&m, &s, &xt, base];
         touched.extend(o.grad.map(|(_, dh)| dh));
         let mut kb = lw.kb_rows(cx, rc, &touched);
@@ -104,8 +112,8 @@ pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usi
             kb.close_foreach(lp);
         }
         let what = if o.grad.is_some() { "the running max, sum and dh" } else { "the running max and sum" };
-        launch!(lw, kb, "cross_entropy.online_init", Space::Rows { rows: rc, mapping: RowMapping::Block }, format!("{what} of {rc} rows"))?;
-    }
+        kb.finish("cross_entropy.online_init", Space::Rows { rows: rc, mapping: RowMapping::Block }, format!("{what} of {rc} rows"))
+    })?;
     for (t, start) in o.tile_starts.iter().enumerate() {
         let v0 = t * tile;
         let v1 = (v0 + tile).min(o.vocab);
@@ -128,7 +136,9 @@ pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usi
                 types: GemmTypes::F32,
             },
         ));
-        tile_kernel(lw, cx, o, [base, start], [&l, &m, &s, &xt], (rc, vt))?;
+        rep.launch(lw, Repeat::Tile(rc, vt), &[m.buf, s.buf, xt.buf, base.buf, start.buf], None, |lw| {
+            tile_kernel(lw, cx, o, [base, start], [&l, &m, &s, &xt], (rc, vt))
+        })?;
         let Some((_, dh)) = o.grad else { continue };
         let dh_c = dh.slice(0, r0, r1);
         lw.push_gemm(typed(
@@ -148,7 +158,16 @@ pub fn chunk(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, (r0, r1): (usi
             },
         ));
     }
-    finish_kernel(lw, cx, o, base, [&m, &s, &xt], rc)
+    rep.launch(lw, Repeat::Finish(rc), &[m.buf, s.buf, xt.buf, base.buf], None, |lw| finish_kernel(lw, cx, o, base, [&m, &s, &xt], rc))
+}
+
+/// The kernels [`chunk`] launches again for every chunk (and tile), by their rows (and columns):
+/// all else they read is the node's, the same for every chunk (`repeats.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Repeat {
+    Init(usize),
+    Tile(usize, usize),
+    Finish(usize),
 }
 
 /// The chunk's row `Row` as a row of the whole step: its first row (`base`'s one element) + Row.
@@ -169,13 +188,13 @@ fn typed(lw: &Lowerer, mut g: Gemm) -> Gemm {
 
 /// One tile's row kernel (see the module doc).
 fn tile_kernel(
-    lw: &mut Lowerer,
+    lw: &Lowerer,
     cx: &Ctx,
     o: &Online,
     [base, start]: [&View; 2],
     [l, m, s, xt]: [&View; 4],
     (rc, vt): (usize, usize),
-) -> Result<(), KernelError> {
+) -> Result<(Kernel, Vec<BufId>), KernelError> {
     let c_dim = o.c_dim;
     let mut touched = vec![l, m, s, xt, base, start];
     touched.extend(o.grad.map(|(_, dh)| dh));
@@ -232,12 +251,18 @@ fn tile_kernel(
         format!("online softmax of {rc} rows over {vt} columns of the vocabulary"),
     )?;
     check_rows(&kernel, &args, l.buf)?;
-    lw.push_kernel((kernel, args));
-    Ok(())
+    Ok((kernel, args))
 }
 
 /// The chunk's loss and dh from the running max, sum and target logit.
-fn finish_kernel(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, [m, s, xt]: [&View; 3], rc: usize) -> Result<(), KernelError> {
+fn finish_kernel(
+    lw: &Lowerer,
+    cx: &Ctx,
+    o: &Online,
+    base: &View,
+    [m, s, xt]: [&View; 3],
+    rc: usize,
+) -> Result<(Kernel, Vec<BufId>), KernelError> {
     let c_dim = o.c_dim;
     let mut touched = vec![m, s, xt, o.losses, base];
     if let Some((_, dh)) = o.grad {
@@ -257,13 +282,11 @@ fn finish_kernel(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, [m, s, xt]
     let loss = Expr::bin(BinOp::Sub, Expr::bin(BinOp::Add, mx, Expr::un(UnOp::Log, sum.clone())), x_t);
     kb.store_view(o.losses, &Pos::Lin(row_n.clone()), loss);
     let Some((dloss, dh)) = o.grad else {
-        let (kernel, args) = kb.finish(
+        return kb.finish(
             "cross_entropy.online_finish",
             Space::Rows { rows: rc, mapping: RowMapping::Block },
             format!("loss of {rc} rows from the running softmax"),
-        )?;
-        lw.push_kernel((kernel, args));
-        return Ok(());
+        );
     };
     let dl = kb.value(dloss, &Pos::Coords(vec![]))?;
     let k = match o.weights {
@@ -279,13 +302,11 @@ fn finish_kernel(lw: &mut Lowerer, cx: &Ctx, o: &Online, base: &View, [m, s, xt]
     let g = Expr::bin(BinOp::Sub, Expr::bin(BinOp::Mul, k.clone(), Expr::bin(BinOp::Div, a, sum)), Expr::bin(BinOp::Mul, k, w_t));
     kb.store_view(dh, &p, g);
     kb.close_foreach(lp);
-    let (kernel, args) = kb.finish(
+    kb.finish(
         "cross_entropy.online_finish",
         Space::Rows { rows: rc, mapping: RowMapping::Block },
         format!("loss and dh of {rc} rows from the running softmax"),
-    )?;
-    lw.push_kernel((kernel, args));
-    Ok(())
+    )
 }
 
 /// The tile, rewritten in place, stays within each row (the kernel runs a row on one thread, in
