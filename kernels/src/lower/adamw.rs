@@ -145,12 +145,14 @@ pub fn lower(
     // in the pack's order: the kernels' parameter order follows it (a hash map's order made the
     // program differ from run to run: tensors of one shape sharing a kernel or not)
     let mut blockwise: Vec<(NodeId, Moment8)> = Vec::new();
+    let mut pack_index = None;
     for &(n, start, len) in &parts {
         let Some(t) = tensors.iter().find(|t| t.writes.iter().any(|w| w.1 == n)) else { return Ok(None) };
         let Some(inp) = t.writes.iter().find(|w| w.1 == n).map(|w| w.0) else { return Ok(None) };
         let Some(&k) = body_input.get(&inp) else { return Ok(None) };
         let Some(view) = &operands[k] else {
-            let Some(m) = adamw8::moment(g, id, ops[k], start, view_of) else { return Ok(None) };
+            let index = pack_index.get_or_insert_with(|| adamw8::PackIndex::of(g, id));
+            let Some(m) = adamw8::moment(g, (id, index), ops[k], start, view_of) else { return Ok(None) };
             blockwise.push((inp, m));
             continue;
         };

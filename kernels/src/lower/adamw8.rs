@@ -56,7 +56,36 @@ fn only_user(g: &Graph, n: NodeId, user: NodeId) -> bool {
 
 /// The 8-bit moment that operand `d` of AdamW node `id` dequantizes and the part of the pack at
 /// `start` requantizes, when the blockwise kernel may do both over the state (see the module doc).
-pub fn moment(g: &Graph, id: NodeId, d: NodeId, start: usize, view_of: &dyn Fn(NodeId) -> Option<View>) -> Option<Moment8> {
+/// What [`moment`] asks of the graph about one AdamW node for each of its thousands of parts,
+/// found once: its slices by start, and the outputs each node is (name, whether an update).
+pub struct PackIndex {
+    slices: HashMap<usize, Vec<NodeId>>,
+    outputs: HashMap<NodeId, Vec<(bool, Option<String>)>>,
+}
+
+impl PackIndex {
+    pub fn of(g: &Graph, id: NodeId) -> PackIndex {
+        let mut slices: HashMap<usize, Vec<NodeId>> = HashMap::new();
+        for u in g.users(id) {
+            if let Op::Slice { axis: 0, start, .. } = g.node(u).op {
+                slices.entry(start).or_default().push(u);
+            }
+        }
+        let mut outputs: HashMap<NodeId, Vec<(bool, Option<String>)>> = HashMap::new();
+        for o in g.outputs() {
+            outputs.entry(o.node).or_default().push((o.update, Some(o.name.clone())));
+        }
+        PackIndex { slices, outputs }
+    }
+}
+
+pub fn moment(
+    g: &Graph,
+    (id, index): (NodeId, &PackIndex),
+    d: NodeId,
+    start: usize,
+    view_of: &dyn Fn(NodeId) -> Option<View>,
+) -> Option<Moment8> {
     let Op::BlockDequant { map } = g.node(d).op else { return None };
     let [codes, absmax] = g.operands(d)[..] else { return None };
     let is_input = |n: NodeId| matches!(g.node(n).op, Op::Input { .. });
@@ -64,9 +93,7 @@ pub fn moment(g: &Graph, id: NodeId, d: NodeId, start: usize, view_of: &dyn Fn(N
         return None;
     }
     // the pack's slice, through reshapes, read by block_absmax and block_quant alone
-    let slices: Vec<NodeId> =
-        g.users(id).into_iter().filter(|&u| matches!(g.node(u).op, Op::Slice { axis: 0, start: s, .. } if s == start)).collect();
-    let [slice] = slices[..] else { return None };
+    let [slice] = index.slices.get(&start).map_or(&[][..], Vec::as_slice)[..] else { return None };
     let mut chain = vec![slice];
     let mut x = slice;
     loop {
@@ -87,7 +114,7 @@ pub fn moment(g: &Graph, id: NodeId, d: NodeId, start: usize, view_of: &dyn Fn(N
     }
     // their results are the state's updates, and nothing else of them is an output
     let name = |n: NodeId| g.node(n).name.clone();
-    let update_of = |n: NodeId| g.outputs().iter().filter(|o| o.node == n).map(|o| (o.update, Some(o.name.clone()))).collect::<Vec<_>>();
+    let update_of = |n: NodeId| index.outputs.get(&n).map_or(&[][..], Vec::as_slice);
     if update_of(q) != [(true, name(codes))] || update_of(a) != [(true, name(absmax))] || chain.iter().any(|&c| !update_of(c).is_empty()) {
         return None;
     }
