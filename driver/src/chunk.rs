@@ -19,11 +19,15 @@
 //! Sizes whose peak the floor's plan already bounds above the floor's are not lowered at all
 //! ([`peak_bound`]): with whole rows of the vocabulary in the scratch (16-bit logits, a trainable
 //! head) a bf16 step's bisection lowered and laid out 3 to 5 sizes, most of them to refuse them.
-//! And a plan asked only whether it fits in some memory (`Options::fit_within`, `qatc plan
-//! --fit`) searches no size where no size can bring it within ([`least_peak`]).
+//! Where the vocabulary is walked in tiles, every row in one chunk is planned first, and where
+//! its peak is what the step holds outside the cross-entropy whatever the rows ([`least_peak`],
+//! read off any size's plan), no size can keep a lower one: the floor is not planned (an fp32
+//! LoRA step's usual case once the batch is large). And a plan asked only whether it fits in
+//! some memory (`Options::fit_within`, `qatc plan --fit`) searches no size where no size can
+//! bring it within ([`least_peak`]).
 
 use qatc_ir::Graph;
-use qatc_kernels::lower::{CE_BUFFER_PREFIX, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
+use qatc_kernels::lower::{CE_BUFFER_PREFIX, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH, CE_TILE_FIRST_COL};
 use qatc_kernels::program::CeChunking;
 use qatc_kernels::{LowerOptions, NodeMemo, Program, Target};
 use qatc_passes::plan::units::human;
@@ -92,6 +96,50 @@ pub(crate) fn choose(
 ) -> Result<(Program, Option<ChunkChoice>, LaidOut), DriverError> {
     // the sizes lower the same graph: each kind of node is lowered once for all of them
     let mut memo = NodeMemo::default();
+    // Where the vocabulary is walked in tiles (the scratch does not grow with the rows) every row
+    // in one chunk is planned first: where its peak is no higher than what any size holds outside
+    // the cross-entropy, no size keeps a lower one, and the floor is not planned at all.
+    let mut top_planned = None;
+    if let Some(p) = qatc_kernels::lower::xent::planned(g, &target.lower_options()).filter(|p| p.online && p.floor < p.rows) {
+        let top = lower_reusing(g, schedule, Some(p.rows), target, &mut memo)?;
+        if let Some(c) = top.cross_entropy.first().filter(|c| c.chunk_rows == p.rows && c.tile_cols != c.vocab).cloned() {
+            let laid = lay_out(&top, target, options)?;
+            let peak = laid.plan.peak_bytes();
+            let least = least_peak(&laid.plan);
+            // asked only whether the step fits, and no size can bring it within: not searched
+            let why = if let Some((least, limit)) = least.zip(options.fit_within).filter(|(l, limit)| l > limit) {
+                Some(format!(
+                    "{} rows per chunk (every row in one chunk; the floor is {}): not searched, the step holds at least {} outside the cross-entropy whatever the rows, more than the {} it was planned against",
+                    p.rows,
+                    p.floor,
+                    human(least),
+                    human(limit)
+                ))
+            } else {
+                least.filter(|&l| peak <= l + l / 1000).map(|least| {
+                    format!(
+                        "{} rows per chunk (every row in one chunk; the floor is {}): its peak, {}, is what the step holds outside the cross-entropy whatever the rows ({}; 0.1% allowed), so no size keeps a lower one",
+                        p.rows,
+                        p.floor,
+                        human(peak),
+                        human(least)
+                    )
+                })
+            };
+            if let Some(why) = why {
+                let choice = ChunkChoice {
+                    rows: p.rows,
+                    floor: p.floor,
+                    total_rows: c.rows,
+                    tried: vec![(p.rows, peak)],
+                    ruled_out: Vec::new(),
+                    why,
+                };
+                return Ok((top, Some(choice), laid));
+            }
+            top_planned = Some((top, laid));
+        }
+    }
     let first = lower_reusing(g, schedule, None, target, &mut memo)?;
     let first_laid = lay_out(&first, target, options)?;
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok((first, None, first_laid)) };
@@ -141,13 +189,20 @@ pub(crate) fn choose(
     let mut first_probe = true;
     while lo + 1 < hi {
         let r = ladder[next];
-        let prog = lower_reusing(g, schedule, Some(r), target, &mut memo)?;
+        // every row in one chunk may have been planned first (above)
+        let (prog, laid) = match top_planned.take_if(|(p, _)| p.cross_entropy.first().map(|x| x.chunk_rows) == Some(r)) {
+            Some((p, l)) => (p, Some(l)),
+            None => (lower_reusing(g, schedule, Some(r), target, &mut memo)?, None),
+        };
         // the lowering caps the chunk count: a size it does not take is not a choice (only the
         // smallest sizes are capped, so the search goes on above it)
         if prog.cross_entropy.first().map(|x| x.chunk_rows) != Some(r) {
             lo = next;
         } else {
-            let laid = lay_out(&prog, target, options)?;
+            let laid = match laid {
+                Some(l) => l,
+                None => lay_out(&prog, target, options)?,
+            };
             let p = laid.plan.peak_bytes();
             tried.push((r, p));
             scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
@@ -197,47 +252,82 @@ pub(crate) fn choose(
     Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, ruled_out, why }), laid))
 }
 
-/// Every size of `g`'s ladder (the floor doubled up to every row in one chunk) planned for real:
-/// (rows per chunk, the executed plan's peak, [`peak_bound`]'s bound from the floor's plan, where
-/// it gives one), and [`least_peak`] of the floor's plan. The reference `tests/chunk_choice.rs`
-/// holds the bounds and the choice against.
-#[allow(clippy::type_complexity)]
-pub fn every_size(
-    g: &Graph,
-    target: &Target,
-    options: &Options,
-) -> Result<(Vec<(usize, usize, Option<usize>)>, Option<usize>), DriverError> {
+/// One size of [`every_size`]: its rows per chunk, its executed plan's peak, [`peak_bound`]'s
+/// bound of that peak from the floor's plan (where it gives one), and [`least_peak`] of its own
+/// plan.
+#[derive(Clone, Debug)]
+pub struct SizePlan {
+    pub rows: usize,
+    pub peak: usize,
+    pub bound: Option<usize>,
+    pub least: Option<usize>,
+}
+
+/// Every size of `g`'s ladder (the floor doubled up to every row in one chunk) planned for real,
+/// the floor first. The reference `tests/chunk_choice.rs` holds the bounds and the choice against.
+pub fn every_size(g: &Graph, target: &Target, options: &Options) -> Result<Vec<SizePlan>, DriverError> {
     let schedule = qatc_passes::plan::schedule(g)?;
     let mut memo = NodeMemo::default();
     let first = lower_reusing(g, &schedule, None, target, &mut memo)?;
     let first_laid = lay_out(&first, target, options)?;
-    let Some(c) = first.cross_entropy.first().cloned() else { return Ok((Vec::new(), None)) };
+    let Some(c) = first.cross_entropy.first().cloned() else { return Ok(Vec::new()) };
     let bound = peak_bound(&first_laid.plan, &c);
-    let least = least_peak(&first_laid.plan);
-    let mut out = vec![(c.chunk_rows, first_laid.plan.peak_bytes(), bound.as_ref().map(|b| b(c.chunk_rows)))];
+    let size = |rows: usize, plan: &MemoryPlan| SizePlan {
+        rows,
+        peak: plan.peak_bytes(),
+        bound: bound.as_ref().map(|b| b(rows)),
+        least: least_peak(plan),
+    };
+    let mut out = vec![size(c.chunk_rows, &first_laid.plan)];
     let mut r = c.chunk_rows;
     while r < c.rows {
         r = (r * 2).min(c.rows);
         let prog = lower_reusing(g, &schedule, Some(r), target, &mut memo)?;
         if prog.cross_entropy.first().map(|x| x.chunk_rows) == Some(r) {
-            out.push((r, lay_out(&prog, target, options)?.plan.peak_bytes(), bound.as_ref().map(|b| b(r))));
+            out.push(size(r, &lay_out(&prog, target, options)?.plan));
         }
     }
-    Ok((out, least))
+    Ok(out)
 }
 
-/// The least peak the step whose plan is `floor` can have with any rows per chunk: what is live
-/// outside the steps where the buffers the cross-entropy's lowering makes for itself live
-/// (`CE_BUFFER_PREFIX`: among them the only ones that depend on the rows, [`peak_bound`]), which
-/// the steps of every other node hold whatever the rows, and the inputs. None when the plan has
+/// The least peak the step whose plan (at any rows per chunk) is `plan` can have with any rows per
+/// chunk: what is live outside the steps of the cross-entropy's chunks (from the first to the last
+/// step of the buffers its lowering makes for itself, `CE_BUFFER_PREFIX`, which only those steps
+/// touch), less the chunks' first-row and the tiles' first-column buffers (as many as chunks and
+/// tiles, computed once before the step), and the inputs. The steps of every other node are the
+/// same, in the same order, whatever the rows, and hold the same buffers. None when the plan has
 /// no such buffer.
-pub fn least_peak(floor: &MemoryPlan) -> Option<usize> {
-    let (from, to) =
-        floor.buffers.iter().filter(|b| b.name.starts_with(CE_BUFFER_PREFIX)).fold(None, |span: Option<(usize, usize)>, b| {
+pub fn least_peak(plan: &MemoryPlan) -> Option<usize> {
+    let starts = |name: &str| {
+        [CE_CHUNK_FIRST_ROW, CE_TILE_FIRST_COL].iter().any(|(prefix, suffix)| name.starts_with(prefix) && name.ends_with(suffix))
+    };
+    let (from, to) = plan.buffers.iter().filter(|b| b.name.starts_with(CE_BUFFER_PREFIX) && !starts(&b.name)).fold(
+        None,
+        |span: Option<(usize, usize)>, b| {
             Some(span.map_or((b.first_step, b.last_step), |(f, t)| (f.min(b.first_step), t.max(b.last_step))))
-        })?;
-    let outside = floor.steps.iter().filter(|s| s.index < from || s.index > to).map(|s| s.live_bytes).max().unwrap_or(0);
-    Some(floor.persistent_bytes + floor.data_bytes + outside)
+        },
+    )?;
+    // the start buffers' bytes at each step
+    let n = plan.steps.iter().map(|s| s.index + 1).max().unwrap_or(0);
+    let mut diff = vec![0i128; n + 1];
+    for b in plan.buffers.iter().filter(|b| b.region == Region::Arena && starts(&b.name)) {
+        diff[b.first_step.min(n)] += b.size as i128;
+        diff[(b.last_step + 1).min(n)] -= b.size as i128;
+    }
+    let mut at = Vec::with_capacity(n);
+    let mut acc = 0i128;
+    for d in &diff[..n] {
+        acc += d;
+        at.push(acc.max(0) as usize);
+    }
+    let outside = plan
+        .steps
+        .iter()
+        .filter(|s| s.index < from || s.index > to)
+        .map(|s| s.live_bytes.saturating_sub(at.get(s.index).copied().unwrap_or(0)))
+        .max()
+        .unwrap_or(0);
+    Some(plan.persistent_bytes + plan.data_bytes + outside)
 }
 
 /// The least peak the step whose floor plan is `floor` (its chunking `c`) can have with `rows`

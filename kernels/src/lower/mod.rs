@@ -45,6 +45,8 @@ pub const CE_CHUNK_SCRATCH: &str = "ce_chunk_logits";
 pub const CE_BUFFER_PREFIX: &str = "ce_";
 /// The name of each chunk's first-row buffer: `{prefix}{chunk}{suffix}` (as many as chunks).
 pub const CE_CHUNK_FIRST_ROW: (&str, &str) = ("ce_chunk", "_row");
+/// The name of each tile's first-column buffer (`xent_online.rs`): as many as tiles.
+pub const CE_TILE_FIRST_COL: (&str, &str) = ("ce_tile", "_col");
 
 /// Finishes a kernel builder and adds its kernel and launch to the program.
 macro_rules! launch {

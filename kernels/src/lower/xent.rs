@@ -48,7 +48,7 @@ use qatc_ir::{DType, Graph, NodeId, Op, Phase, Role};
 
 use super::builder::Pos;
 use super::repeats::Repeats;
-use super::{pack_parts, unreshaped, Ctx, Lowerer, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH};
+use super::{pack_parts, unreshaped, Ctx, LowerOptions, Lowerer, CE_CHUNK_FIRST_ROW, CE_CHUNK_SCRATCH, CE_TILE_FIRST_COL};
 use crate::error::KernelError;
 use crate::kir::{BinOp, Expr, Ix, Kernel, ReduceOp, RowMapping, Space, Ty, UnOp};
 use crate::program::{BufId, BufKind, CeChunking, Gemm, GemmTypes, View};
@@ -80,7 +80,7 @@ struct Head {
     products: Vec<(NodeId, bool)>,
 }
 
-fn find(body: &Graph, leaves: &HashMap<NodeId, View>) -> Option<Head> {
+fn find(body: &Graph, is_leaf: impl Fn(NodeId) -> bool) -> Option<Head> {
     let ids = body.node_ids();
     let kind = |n: NodeId| &body.node(n).op;
     let loss = ids.iter().copied().find(|&n| matches!(kind(n), Op::CrossEntropy | Op::WeightedCrossEntropy))?;
@@ -91,7 +91,7 @@ fn find(body: &Graph, leaves: &HashMap<NodeId, View>) -> Option<Head> {
     };
     let Op::MatMul { ta: false, tb: true } = kind(logits) else { return None };
     let [h, w] = body.operands(logits)[..] else { return None };
-    if !leaves.contains_key(&h) || !leaves.contains_key(&w) || body.ty(logits).shape.0.len() != 2 {
+    if !is_leaf(h) || !is_leaf(w) || body.ty(logits).shape.0.len() != 2 {
         return None;
     }
     let grads: Vec<NodeId> =
@@ -116,9 +116,7 @@ fn find(body: &Graph, leaves: &HashMap<NodeId, View>) -> Option<Head> {
                 let ops = body.operands(u);
                 match (kind(u), &ops[..]) {
                     // dh = dlogits @ X: chunk c's rows of the result
-                    (Op::MatMul { ta: false, tb: _ }, [a, x]) if *a == g && *x != g && leaves.contains_key(x) => {
-                        head.products.push((u, false))
-                    }
+                    (Op::MatMul { ta: false, tb: _ }, [a, x]) if *a == g && *x != g && is_leaf(*x) => head.products.push((u, false)),
                     // dW = dlogits^T @ h: a sum over the rows, chunk by chunk
                     (Op::MatMul { ta: true, tb: false }, [a, x]) if *a == g && *x == h => head.products.push((u, true)),
                     _ => return None,
@@ -146,6 +144,41 @@ pub enum Lowered {
     Parts(Vec<(usize, usize, View)>),
 }
 
+/// Whether the head's vocabulary is walked in tiles (`xent_online.rs`): a frozen head (dh the one
+/// product, W its operand as stored) or a forward alone (evaluation), on one thread per row, with
+/// f32 logits (the tiles hold f32 logits, which 16-bit logits are not).
+fn online(body: &Graph, head: &Head, options: &LowerOptions) -> bool {
+    let frozen = head.grad.is_some()
+        && matches!(head.products[..], [(p, false)] if body.operands(p).get(1) == Some(&head.w)
+            && matches!(body.node(p).op, Op::MatMul { tb: false, .. }));
+    let forward = head.grad.is_none() && head.products.is_empty();
+    options.sequential_rows && body.ty(head.logits).dtype == DType::F32 && (frozen || forward)
+}
+
+/// How the lowering under `options` would chunk `g`'s cross-entropy, read off the graph before
+/// lowering it (the planner's chunk-size choice starts from it): its rows, the fusion rule's rows
+/// per chunk as the lowering takes them (the floor), and whether it walks the vocabulary in tiles.
+/// None where `g` has no `cross_entropy.linear` node, or its body is not the pattern the
+/// lowering knows (its inputs taken for the operands they stand for; the lowering has the last
+/// word).
+pub fn planned(g: &Graph, options: &LowerOptions) -> Option<Planned> {
+    let (body, rule_rows) = g.node_ids().into_iter().find_map(|n| match &g.node(n).op {
+        Op::Kernel { family: qatc_ir::KernelFamily::CrossEntropyLinear { chunk_rows }, body } => Some((body, *chunk_rows)),
+        _ => None,
+    })?;
+    let head = find(body, |n| matches!(body.node(n).op, Op::Input { .. }))?;
+    let rows = *body.ty(head.logits).shape.0.first()?;
+    Some(Planned { rows, floor: rows_per_chunk(rows, rule_rows), online: online(body, &head, options) })
+}
+
+/// [`planned`]'s answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planned {
+    pub rows: usize,
+    pub floor: usize,
+    pub online: bool,
+}
+
 /// The rows per chunk of `rows` when `chunk_rows` are asked for: within [1, rows], and no more
 /// than `MAX_CHUNKS` chunks.
 fn rows_per_chunk(rows: usize, chunk_rows: usize) -> usize {
@@ -168,7 +201,7 @@ pub fn lower(
     chunk_rows: usize,
 ) -> Result<Option<Lowered>, KernelError> {
     let Some(mut cx) = bound(body, operands) else { return Ok(None) };
-    let Some(head) = find(body, &cx.leaves) else { return Ok(None) };
+    let Some(head) = find(body, |n| cx.leaves.contains_key(&n)) else { return Ok(None) };
     let root =
         body.output("out").ok_or_else(|| KernelError::Unsupported { node: g.describe(id), why: "body has no output `out`".into() })?;
     let Some(parts) = packed(body, root, &head) else { return Ok(None) };
@@ -218,7 +251,7 @@ pub fn lower(
             lw,
             &mut cx,
             Starts {
-                buffer: ("ce_tile", "_col"),
+                buffer: CE_TILE_FIRST_COL,
                 param: "first_col",
                 family: "cross_entropy.tile_cols",
                 what: ("column", "tiles"),
@@ -314,11 +347,7 @@ impl Chunking {
         // (evaluation) on one thread per row: the vocabulary in tiles with an online softmax
         // (`xent_online.rs`) (f32 logits only: the tiles hold f32 logits, which 16-bit logits are not)
         let logits_dtype = body.ty(head.logits).dtype;
-        let frozen = with_grad
-            && matches!(head.products[..], [(p, false)] if body.operands(p).get(1) == Some(&head.w)
-                && matches!(body.node(p).op, Op::MatMul { tb: false, .. }));
-        let forward = !with_grad && head.products.is_empty();
-        let online = lw.options.sequential_rows && logits_dtype == DType::F32 && (frozen || forward);
+        let online = online(body, head, &lw.options);
         let tile = if online { super::xent_online::tile_cols(r, v, lw.options.ce_tile_cols) } else { v };
         Chunking { n, v, r, chunks: n.div_ceil(r), with_grad, phase, logits_dtype, online, tile }
     }
