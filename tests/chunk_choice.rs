@@ -83,8 +83,18 @@ fn check(what: &str, cfg: &Gpt2Config, o: &StepOptions) -> (usize, Executed) {
         assert!(s.bound.is_none_or(|b| b <= s.peak), "{what}: {} rows peak at {}, below the bound {:?}", s.rows, s.peak, s.bound);
         assert!(least <= s.peak, "{what}: {} rows peak at {}, below the least of any size {least}", s.rows, s.peak);
         assert_eq!(s.least, Some(least), "{what}: {} rows' plan holds another least", s.rows);
+        // every size's plan bounds every size's peak from below, not only the floor's
+        for (from, b) in every.iter().zip(&s.bounds) {
+            assert!(
+                b.is_none_or(|b| b <= from.peak),
+                "{what}: {} rows' plan bounds {} rows' peak {} by {b:?}",
+                s.rows,
+                from.rows,
+                from.peak
+            );
+        }
         if let Some(&(_, b)) = k.ruled_out.iter().find(|t| t.0 == s.rows) {
-            assert_eq!(Some(b), s.bound, "{what}: {} rows ruled out by the bound", s.rows);
+            assert!(b <= s.peak && b > kept, "{what}: {} rows ruled out by {b}: its peak is {}", s.rows, s.peak);
         }
     }
     let largest = every.iter().filter(|s| s.peak <= kept).map(|s| s.rows).max();

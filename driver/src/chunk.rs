@@ -48,8 +48,8 @@ pub struct ChunkChoice {
     pub total_rows: usize,
     /// Every size planned: (rows per chunk, the executed plan's peak).
     pub tried: Vec<(usize, usize)>,
-    /// Sizes not planned, the floor's plan bounding their peak above the floor's: (rows per
-    /// chunk, the least their peak can be; [`peak_bound`]).
+    /// Sizes not planned, the floor's plan or a larger size's bounding their peak above the
+    /// floor's: (rows per chunk, the least their peak can be; [`peak_bound`]).
     pub ruled_out: Vec<(usize, usize)>,
     /// One line on the choice.
     pub why: String,
@@ -184,9 +184,11 @@ pub(crate) fn choose(
     // the lowering walks the vocabulary in tiles, whose scratch does not grow) every row in one
     // chunk keeps it, and two lowerings decide instead of one per doubling.
     let (mut lo, mut hi) = (0, top);
-    let (mut chosen, mut rows, mut refused) = ((first, first_laid), floor, None);
+    let (mut chosen, mut rows) = ((first, first_laid), floor);
     let mut next = top - 1;
     let mut first_probe = true;
+    // refusals in a row from the top
+    let mut descending = 0u32;
     while lo + 1 < hi {
         let r = ladder[next];
         // every row in one chunk may have been planned first (above)
@@ -208,26 +210,43 @@ pub(crate) fn choose(
             scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
             let refused_first = first_probe && !keeps(p);
             first_probe = false;
+            let mut more_ruled_out = false;
             if keeps(p) {
                 (lo, rows, chosen) = (next, r, (prog, laid));
             } else {
-                (hi, refused) = (next, Some((r, p, "")));
+                hi = next;
+                // a refused size's plan bounds the sizes under it as the floor's does, and often
+                // closer (its layout packs a larger scratch): those it rules out are not planned
+                if let Some(b) = peak_bound(&laid.plan, &c) {
+                    while hi > lo + 1 && !keeps(b(ladder[hi - 1])) {
+                        hi -= 1;
+                        ruled_out.push((ladder[hi], b(ladder[hi])));
+                        more_ruled_out = true;
+                    }
+                }
             }
-            // Below the sizes the bound ruled out, the answer is mostly the largest size left or
-            // the one under it (the bound misses only how the layout packs the scratch): where
-            // the largest is refused, the one under it is planned next.
-            if refused_first && bound.is_some() && lo + 1 < hi {
-                next = hi - 1;
+            // Below the sizes a bound ruled out, the answer is mostly the largest size left or
+            // one or two under it (the bound misses only how the layout packs the scratch):
+            // while every size planned is refused, the one under the last is planned next, then
+            // twice as far, and so on (a 1.5B bf16 step at B 256: 131072 and 65536 rows refused,
+            // 32768 kept, where bisection planned 8192 and 16384 first).
+            if (refused_first || more_ruled_out || descending > 0) && bound.is_some() && lo + 1 < hi && lo == 0 && rows == floor {
+                next = hi.saturating_sub(1 << descending.saturating_sub(1)).max(lo + 1);
+                descending += 1;
                 continue;
             }
         }
         next = (lo + hi) / 2;
     }
-    // the next size up, planned or ruled out
-    if refused.is_none() {
-        refused = ruled_out.first().map(|&(r, p)| (r, p, "at least "));
-    }
+    // the next size up, planned (refused) or ruled out
     tried.sort_unstable();
+    ruled_out.sort_unstable();
+    let up_tried = tried.iter().find(|t| t.0 > rows).map(|&(r, p)| (r, p, ""));
+    let up_ruled = ruled_out.iter().find(|t| t.0 > rows).map(|&(r, p)| (r, p, "at least "));
+    let refused = match (up_tried, up_ruled) {
+        (Some(t), Some(u)) => Some(if u.0 < t.0 { u } else { t }),
+        (t, u) => t.or(u),
+    };
     let scratch = |r: usize| human(scratch_of.get(&r).copied().unwrap_or(c.elem_bytes * r * c.vocab));
     let why = match (rows == floor, refused) {
         (true, Some((r, p, least))) => format!(
@@ -253,14 +272,15 @@ pub(crate) fn choose(
 }
 
 /// One size of [`every_size`]: its rows per chunk, its executed plan's peak, [`peak_bound`]'s
-/// bound of that peak from the floor's plan (where it gives one), and [`least_peak`] of its own
-/// plan.
+/// bound of that peak from the floor's plan (where it gives one), [`least_peak`] of its own
+/// plan, and its own plan's [`peak_bound`] of every size's peak (the ladder's order).
 #[derive(Clone, Debug)]
 pub struct SizePlan {
     pub rows: usize,
     pub peak: usize,
     pub bound: Option<usize>,
     pub least: Option<usize>,
+    pub bounds: Vec<Option<usize>>,
 }
 
 /// Every size of `g`'s ladder (the floor doubled up to every row in one chunk) planned for real,
@@ -272,20 +292,28 @@ pub fn every_size(g: &Graph, target: &Target, options: &Options) -> Result<Vec<S
     let first_laid = lay_out(&first, target, options)?;
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok(Vec::new()) };
     let bound = peak_bound(&first_laid.plan, &c);
+    let mut ladder = vec![c.chunk_rows];
+    while ladder[ladder.len() - 1] < c.rows {
+        ladder.push((ladder[ladder.len() - 1] * 2).min(c.rows));
+    }
     let size = |rows: usize, plan: &MemoryPlan| SizePlan {
         rows,
         peak: plan.peak_bytes(),
         bound: bound.as_ref().map(|b| b(rows)),
         least: least_peak(plan),
+        bounds: ladder.iter().map(|&r| peak_bound(plan, &c).map(|b| b(r))).collect(),
     };
     let mut out = vec![size(c.chunk_rows, &first_laid.plan)];
-    let mut r = c.chunk_rows;
-    while r < c.rows {
-        r = (r * 2).min(c.rows);
+    for &r in &ladder[1..] {
         let prog = lower_reusing(g, &schedule, Some(r), target, &mut memo)?;
         if prog.cross_entropy.first().map(|x| x.chunk_rows) == Some(r) {
             out.push(size(r, &lay_out(&prog, target, options)?.plan));
         }
+    }
+    // the ladder's sizes the lowering took: every plan's bounds at those
+    let taken: Vec<bool> = ladder.iter().map(|r| out.iter().any(|s| s.rows == *r)).collect();
+    for s in &mut out {
+        s.bounds = s.bounds.iter().zip(&taken).filter(|(_, &t)| t).map(|(b, _)| *b).collect();
     }
     Ok(out)
 }
