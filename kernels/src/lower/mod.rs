@@ -16,7 +16,7 @@
 //! to its left (`a <- b`: b uses a; `kernels/tests/module_layers.rs` checks this line against
 //! their `super::` paths):
 //!
-//! Layers: tidy/hoist/inplace/overwrite/rounding/memo <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
+//! Layers: tidy/hoist/inplace/overwrite/rounding/memo/repeats <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
 //!
 //! `builder` builds one kernel (`tidy`, `hoist` and `rounding` clean its body); `inline` computes a node's
 //! value at an index; `anchor` is an op lowered into a kernel of its own, which `rows`, `reduce`
@@ -25,7 +25,8 @@
 //! `fused` passes it. `node` lowers one node of the step graph in `lower_with`'s order, handing a
 //! fused node to its family's file. `inplace` and `overwrite` say where a result may be written
 //! over bytes it replaces (a kernel's own operand; a value that dies at the node, or the input it
-//! updates). `memo` replays a fused node's lowering for the nodes like it (the layers).
+//! updates). `memo` replays a fused node's lowering for the nodes like it (the layers); `repeats`
+//! launches again a kernel built for an earlier chunk, tile or tensor alike but for a few buffers.
 
 use std::collections::HashMap;
 
