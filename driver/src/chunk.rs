@@ -161,11 +161,7 @@ pub(crate) fn choose(
     let keeps = |p: usize| p <= base + base / 1000;
     let mut scratch_of = std::collections::HashMap::from([(floor, c.scratch_bytes())]);
     let mut tried = vec![(floor, base)];
-    // the sizes to choose from: the floor doubled, up to every row in one chunk
-    let mut ladder = vec![floor];
-    while ladder[ladder.len() - 1] < n {
-        ladder.push((ladder[ladder.len() - 1] * 2).min(n));
-    }
+    let ladder = ladder(floor, n);
     // Sizes the floor's plan already rules out are not lowered: the largest first, while their
     // least possible peak is above what keeps the floor's. Where it rules some out, the largest
     // size left is planned first.
@@ -271,6 +267,15 @@ pub(crate) fn choose(
     Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, ruled_out, why }), laid))
 }
 
+/// The sizes to choose from: the floor doubled, up to every row (`n`) in one chunk.
+fn ladder(floor: usize, n: usize) -> Vec<usize> {
+    let mut ladder = vec![floor.max(1)];
+    while ladder[ladder.len() - 1] < n {
+        ladder.push((ladder[ladder.len() - 1] * 2).min(n));
+    }
+    ladder
+}
+
 /// One size of [`every_size`]: its rows per chunk, its executed plan's peak, [`peak_bound`]'s
 /// bound of that peak from the floor's plan (where it gives one), [`least_peak`] of its own
 /// plan, and its own plan's [`peak_bound`] of every size's peak (the ladder's order).
@@ -292,10 +297,7 @@ pub fn every_size(g: &Graph, target: &Target, options: &Options) -> Result<Vec<S
     let first_laid = lay_out(&first, target, options)?;
     let Some(c) = first.cross_entropy.first().cloned() else { return Ok(Vec::new()) };
     let bound = peak_bound(&first_laid.plan, &c);
-    let mut ladder = vec![c.chunk_rows];
-    while ladder[ladder.len() - 1] < c.rows {
-        ladder.push((ladder[ladder.len() - 1] * 2).min(c.rows));
-    }
+    let ladder = ladder(c.chunk_rows, c.rows);
     let size = |rows: usize, plan: &MemoryPlan| SizePlan {
         rows,
         peak: plan.peak_bytes(),
