@@ -16,7 +16,7 @@
 //! to its left (`a <- b`: b uses a; `kernels/tests/module_layers.rs` checks this line against
 //! their `super::` paths):
 //!
-//! Layers: tidy/hoist/inplace/overwrite/rounding/memo/repeats <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
+//! Layers: tidy/hoist/inplace/overwrite/rounding/memo/repeats/xent_head <- builder <- inline/anchor/attention <- rows/reduce/scatter/adamw8/xent_online <- adamw/xent/fused <- node
 //!
 //! `builder` builds one kernel (`tidy`, `hoist` and `rounding` clean its body); `inline` computes a node's
 //! value at an index; `anchor` is an op lowered into a kernel of its own, which `rows`, `reduce`
@@ -77,6 +77,7 @@ mod rows;
 mod scatter;
 mod tidy;
 pub mod xent;
+mod xent_head;
 mod xent_online;
 
 /// The context of one lowering: the graph being read (the step, or a fused node's body), the nodes
