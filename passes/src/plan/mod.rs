@@ -192,24 +192,37 @@ pub fn plan(g: &Graph, opts: &PlanOptions) -> Result<Plan, PlanError> {
     opts.deadline.check("memory plan")?;
     let d = Dense::new(g)?;
     d.check_total()?;
-    let (lv, order, scheduler) = best_order(&d, opts)?;
+    let greedy = greedy_orders(&d, opts)?;
+    let (lv, order, scheduler) = best_order(&d, opts, greedy)?;
     opts.deadline.check("memory plan (offsets)")?;
     build(&d, lv, order, scheduler)
 }
 
-/// The order [`plan`] runs the nodes in: of the candidate orders, the one with the least live at
-/// its peak; its liveness, and which scheduler made it.
-fn best_order(d: &Dense, opts: &PlanOptions) -> Result<(liveness::Liveness, Vec<usize>, &'static str), PlanError> {
+/// A schedule, its liveness, and which scheduler made it.
+type Scheduled = (liveness::Liveness, Vec<usize>, &'static str);
+
+/// The two greedy schedules (by net bytes, then depth first) and their liveness: what
+/// [`estimate`] reads and [`plan`] chooses among.
+fn greedy_orders(d: &Dense, opts: &PlanOptions) -> Result<[Scheduled; 2], PlanError> {
     let align = opts.align.max(1);
     let greedy = schedule::greedy(d, align, Priority::NetBytes)?;
-    schedule::check(d, &greedy)?;
-    let mut best = (liveness::analyze(d, &greedy, align), greedy, "greedy");
+    let by_net = (liveness::analyze(d, &greedy, align), greedy, "greedy");
     opts.deadline.check("memory plan (schedule)")?;
     let recent = schedule::greedy(d, align, Priority::Recent)?;
-    schedule::check(d, &recent)?;
-    let lv = liveness::analyze(d, &recent, align);
-    if lv.lower_bound < best.0.lower_bound {
-        best = (lv, recent, "greedy, depth first");
+    let depth_first = (liveness::analyze(d, &recent, align), recent, "greedy, depth first");
+    Ok([by_net, depth_first])
+}
+
+/// The order [`plan`] runs the nodes in: of the candidate orders (the two greedy ones, then the
+/// graph's own), the one with the least live at its peak; its liveness, and which scheduler made
+/// it.
+fn best_order(d: &Dense, opts: &PlanOptions, [by_net, depth_first]: [Scheduled; 2]) -> Result<Scheduled, PlanError> {
+    let align = opts.align.max(1);
+    schedule::check(d, &by_net.1)?;
+    let mut best = by_net;
+    schedule::check(d, &depth_first.1)?;
+    if depth_first.0.lower_bound < best.0.lower_bound {
+        best = depth_first;
     }
     let structural: Vec<usize> = (0..d.len()).filter(|&i| !d.is_input(i)).collect();
     if schedule::check(d, &structural).is_ok() {
@@ -228,7 +241,8 @@ fn best_order(d: &Dense, opts: &PlanOptions) -> Result<(liveness::Liveness, Vec<
 pub fn schedule(g: &Graph) -> Result<Vec<NodeId>, PlanError> {
     let d = Dense::new(g)?;
     d.check_total()?;
-    let (_, order, _) = best_order(&d, &PlanOptions::default())?;
+    let opts = PlanOptions::default();
+    let (_, order, _) = best_order(&d, &opts, greedy_orders(&d, &opts)?)?;
     Ok(order.iter().map(|&i| d.ids[i]).collect())
 }
 
@@ -236,17 +250,26 @@ pub fn schedule(g: &Graph) -> Result<Vec<NodeId>, PlanError> {
 /// lower bound of the memory-aware schedule (the planned arena is within a fraction of a percent
 /// of it on transformer steps; `plan` gives the real figure). Used inside search loops.
 pub fn estimate(g: &Graph, opts: &PlanOptions) -> Result<usize, PlanError> {
+    estimate_then_plan(g, opts, |_| false).map(|(est, _)| est)
+}
+
+/// [`estimate`], and [`plan`] where `wanted` says so of the estimate: one pass over what both
+/// read (the graph's dense form, the two greedy schedules and their liveness), where a search
+/// that plans only the candidates whose estimate may fit made it twice (`remat`).
+pub fn estimate_then_plan(g: &Graph, opts: &PlanOptions, wanted: impl FnOnce(usize) -> bool) -> Result<(usize, Option<Plan>), PlanError> {
     opts.deadline.check("memory plan (estimate)")?;
     let d = Dense::new(g)?;
     d.check_total()?;
-    let align = opts.align.max(1);
-    let mut lv = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::NetBytes)?, align);
-    let df = liveness::analyze(&d, &schedule::greedy(&d, align, Priority::Recent)?, align);
-    if df.lower_bound < lv.lower_bound {
-        lv = df;
-    }
+    let orders = greedy_orders(&d, opts)?;
+    let lv = if orders[1].0.lower_bound < orders[0].0.lower_bound { &orders[1].0 } else { &orders[0].0 };
     let persistent: usize = lv.bufs.iter().filter(|b| b.persistent.is_some()).map(|b| b.bytes).sum();
-    Ok(persistent + lv.lower_bound)
+    let est = persistent + lv.lower_bound;
+    if !wanted(est) {
+        return Ok((est, None));
+    }
+    let (lv, order, scheduler) = best_order(&d, opts, orders)?;
+    opts.deadline.check("memory plan (offsets)")?;
+    Ok((est, Some(build(&d, lv, order, scheduler)?)))
 }
 
 /// Bytes of the inputs' storage (weights, parameters, optimizer state, data).

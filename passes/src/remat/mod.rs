@@ -161,13 +161,14 @@ fn solve_budget(
         let (graph, rw) = apply::rewrite(g, d, &keep).map_err(|source| PassError::Ir { pass: Stage::Remat, error: source })?;
         // the estimate (schedule and lifetimes, no offsets) bounds the real peak from below;
         // offsets are assigned only for plans that may fit
-        let est = plan::estimate(&graph, po).map_err(plan_err)?;
-        let real = if est + fragmentation <= m {
-            let r = peak(&graph, po)?;
-            fragmentation = r.saturating_sub(est);
-            r
-        } else {
-            est + fragmentation
+        let (est, planned) = plan::estimate_then_plan(&graph, po, |est| est + fragmentation <= m).map_err(plan_err)?;
+        let real = match planned {
+            Some(p) => {
+                let r = p.peak_bytes();
+                fragmentation = r.saturating_sub(est);
+                r
+            }
+            None => est + fragmentation,
         };
         if real <= m {
             fits = fits.max(target);
@@ -289,8 +290,8 @@ pub fn remat(g: Graph, policy: Checkpoint, po: &PlanOptions) -> Result<(Graph, P
         },
         Checkpoint::Auto(m) => {
             // the estimate bounds the real peak from below: plan for real only if it may fit
-            let est = plan::estimate(&g, po).map_err(plan_err)?;
-            let none_peak = if est <= m { peak(&g, po)? } else { est };
+            let (est, planned) = plan::estimate_then_plan(&g, po, |est| est <= m).map_err(plan_err)?;
+            let none_peak = planned.map_or(est, |p| p.peak_bytes());
             if none_peak <= m {
                 report.notes.push(format!("auto: no recompute needed (peak {} of {})", human(none_peak), human(m)));
                 report.set("planned_peak", none_peak as i64);
