@@ -109,11 +109,10 @@ pub(crate) fn choose(
             // asked only whether the step fits, and no size can bring it within: not searched
             let why = if let Some((least, limit)) = least.zip(options.fit_within).filter(|(l, limit)| l > limit) {
                 Some(format!(
-                    "{} rows per chunk (every row in one chunk; the floor is {}): not searched, the step holds at least {} outside the cross-entropy whatever the rows, more than the {} it was planned against",
+                    "{} rows per chunk (every row in one chunk; the floor is {}): {}",
                     p.rows,
                     p.floor,
-                    human(least),
-                    human(limit)
+                    not_searched(least, limit)
                 ))
             } else {
                 least.filter(|&l| peak <= l + l / 1000).map(|least| {
@@ -148,11 +147,7 @@ pub(crate) fn choose(
     // asked only whether the step fits: where no size can bring it within, none is searched
     if let (Some(limit), Some(least)) = (options.fit_within, least_peak(&first_laid.plan)) {
         if least > limit {
-            let why = format!(
-                "{floor} rows per chunk, the floor: not searched, the step holds at least {} outside the cross-entropy whatever the rows, more than the {} it was planned against",
-                human(least),
-                human(limit)
-            );
+            let why = format!("{floor} rows per chunk, the floor: {}", not_searched(least, limit));
             let choice = ChunkChoice { rows: floor, floor, total_rows: n, tried: vec![(floor, base)], ruled_out: Vec::new(), why };
             return Ok((first, Some(choice), first_laid));
         }
@@ -182,7 +177,6 @@ pub(crate) fn choose(
     let (mut lo, mut hi) = (0, top);
     let (mut chosen, mut rows) = ((first, first_laid), floor);
     let mut next = top - 1;
-    let mut first_probe = true;
     // refusals in a row from the top
     let mut descending = 0u32;
     while lo + 1 < hi {
@@ -204,10 +198,8 @@ pub(crate) fn choose(
             let p = laid.plan.peak_bytes();
             tried.push((r, p));
             scratch_of.extend(prog.cross_entropy.first().map(|x| (r, x.scratch_bytes())));
-            let refused_first = first_probe && !keeps(p);
-            first_probe = false;
-            let mut more_ruled_out = false;
-            if keeps(p) {
+            let refused = !keeps(p);
+            if !refused {
                 (lo, rows, chosen) = (next, r, (prog, laid));
             } else {
                 hi = next;
@@ -217,7 +209,6 @@ pub(crate) fn choose(
                     while hi > lo + 1 && !keeps(b(ladder[hi - 1])) {
                         hi -= 1;
                         ruled_out.push((ladder[hi], b(ladder[hi])));
-                        more_ruled_out = true;
                     }
                 }
             }
@@ -226,7 +217,7 @@ pub(crate) fn choose(
             // while every size planned is refused, the one under the last is planned next, then
             // twice as far, and so on (a 1.5B bf16 step at B 256: 131072 and 65536 rows refused,
             // 32768 kept, where bisection planned 8192 and 16384 first).
-            if (refused_first || more_ruled_out || descending > 0) && bound.is_some() && lo + 1 < hi && lo == 0 && rows == floor {
+            if refused && rows == floor && lo == 0 && bound.is_some() && lo + 1 < hi {
                 next = hi.saturating_sub(1 << descending.saturating_sub(1)).max(lo + 1);
                 descending += 1;
                 continue;
@@ -267,6 +258,16 @@ pub(crate) fn choose(
     Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, ruled_out, why }), laid))
 }
 
+/// Why a plan asked only whether it fits (`Options::fit_within`) searched no size: what it holds
+/// whatever the rows, `least`, is already more than `limit`.
+fn not_searched(least: usize, limit: usize) -> String {
+    format!(
+        "not searched, the step holds at least {} outside the cross-entropy whatever the rows, more than the {} it was planned against",
+        human(least),
+        human(limit)
+    )
+}
+
 /// The sizes to choose from: the floor doubled, up to every row (`n`) in one chunk.
 fn ladder(floor: usize, n: usize) -> Vec<usize> {
     let mut ladder = vec![floor.max(1)];
@@ -303,7 +304,10 @@ pub fn every_size(g: &Graph, target: &Target, options: &Options) -> Result<Vec<S
         peak: plan.peak_bytes(),
         bound: bound.as_ref().map(|b| b(rows)),
         least: least_peak(plan),
-        bounds: ladder.iter().map(|&r| peak_bound(plan, &c).map(|b| b(r))).collect(),
+        bounds: match peak_bound(plan, &c) {
+            Some(b) => ladder.iter().map(|&r| Some(b(r))).collect(),
+            None => vec![None; ladder.len()],
+        },
     };
     let mut out = vec![size(c.chunk_rows, &first_laid.plan)];
     for &r in &ladder[1..] {

@@ -54,8 +54,6 @@ fn only_user(g: &Graph, n: NodeId, user: NodeId) -> bool {
     !us.is_empty() && us.iter().all(|&u| u == user)
 }
 
-/// The 8-bit moment that operand `d` of AdamW node `id` dequantizes and the part of the pack at
-/// `start` requantizes, when the blockwise kernel may do both over the state (see the module doc).
 /// What [`moment`] asks of the graph about one AdamW node for each of its thousands of parts,
 /// found once: its slices by start, and the outputs each node is (name, whether an update).
 pub struct PackIndex {
@@ -79,6 +77,9 @@ impl PackIndex {
     }
 }
 
+/// The 8-bit moment that operand `d` of AdamW node `id` dequantizes and the part of the pack at
+/// `start` requantizes, when the blockwise kernel may do both over the state (see the module doc).
+/// `index` is `id`'s [`PackIndex`].
 pub fn moment(
     g: &Graph,
     (id, index): (NodeId, &PackIndex),
