@@ -304,9 +304,9 @@ pub struct Attention {
     pub offsets: Vec<usize>,
     pub part: AttentionPart,
     /// The type of the graph values the operands hold: `F32`, or the f16/bf16 compute type
-    /// (`--precision`), held in their buffers either as that type (CUDA,
-    /// `LowerOptions::attention_reads_stored`: the kernel widens at the load) or widened exactly
-    /// into f32 copies by the lowering (the CPU). The semantics are the f32 ones either way; a
+    /// (`--precision`), held in their buffers either as that type
+    /// (`LowerOptions::attention_reads_stored`, every target's: the kernel widens at the load) or
+    /// widened exactly into f32 copies by the lowering (the option off). The semantics are the f32 ones either way; a
     /// 16-bit type tells a backend that rounding the operands to it loses nothing, so it may
     /// multiply them on 16-bit tensor cores (`cuda/attention.rs`).
     pub values: DType,

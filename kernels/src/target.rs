@@ -6,9 +6,9 @@
 //! ```text
 //!                 lowering                  layout (exec core)     code            executor
 //! Target::cpu()   rows on one thread,       align 64, hoist        LLVM for the    CpuProgram
-//!                 attention on f32 copies   everything frozen      host CPU
+//!                 one attention backward    everything frozen      host CPU
 //! Target::cuda()  rows shared by threads,   align 256, hoist       CUDA C for      CudaProgram
-//!                 attention on stored type  what shrinks           `arch`, NVRTC   (tf32, graph)
+//!                 a kernel per gradient     what shrinks           `arch`, NVRTC   (tf32, graph)
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -132,10 +132,6 @@ pub struct Target {
     /// a block or warp of threads sharing a row (CUDA): the lowering may then rewrite a row
     /// between its passes (`LowerOptions::sequential_rows`).
     pub sequential_rows: bool,
-    /// The attention kernels read q, k, v and dout in their buffers' type and write their result
-    /// in it, rounded once at the store (CUDA's templates, `qatc_attention*.cuh`), rather than
-    /// reading f32 copies (the CPU's LLVM kernels and attention GEMMs).
-    pub attention_reads_stored: bool,
     /// A layer's three attention gradients come from one kernel (the CPU's attention GEMMs, which
     /// compute the probabilities once per query block for all three) rather than one kernel each
     /// (`LowerOptions::attention_one_backward`).
@@ -162,7 +158,6 @@ impl Target {
             arch: None,
             align: CPU_ALIGN,
             sequential_rows: true,
-            attention_reads_stored: false,
             attention_one_backward: true,
             hoist: Hoist::Everything,
             memory: None,
@@ -180,7 +175,6 @@ impl Target {
             arch,
             align: CUDA_ALIGN,
             sequential_rows: false,
-            attention_reads_stored: true,
             attention_one_backward: false,
             hoist: Hoist::Shrinking,
             memory: None,
@@ -211,7 +205,10 @@ impl Target {
     pub fn lower_options(&self) -> crate::LowerOptions {
         crate::LowerOptions {
             sequential_rows: self.sequential_rows,
-            attention_reads_stored: self.attention_reads_stored,
+            // every target's attention kernels read q, k, v and dout in their buffers' type and
+            // write their result in it, rounded once at the store (CUDA's templates, the CPU's
+            // LLVM kernels and attention GEMMs), rather than f32 copies of whole tensors
+            attention_reads_stored: true,
             attention_one_backward: self.attention_one_backward,
             ..Default::default()
         }

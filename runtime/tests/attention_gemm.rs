@@ -1,7 +1,8 @@
 //! `GemmAttention` (attention kernels as GEMMs over blocks of query rows) against the kernel-IR
 //! evaluator's plain per-row attention, part by part, at sizes that do not fit the 64-row blocks
 //! (T 70 and 131: a short last block) and on head views strided the way GPT-2's qkv slices are;
-//! with the products by the gemm crate, and by oneDNN's f32 GEMM where it loads.
+//! with the products by the gemm crate, and by oneDNN's f32 GEMM where it loads; and over bf16 and
+//! f16 buffers (`LowerOptions::attention_reads_stored`), whose heads it stages through f32 rows.
 
 use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel, Param, Ty};
@@ -47,8 +48,9 @@ fn buffers(d: &Dims) -> Vec<Vec<f32>> {
     ]
 }
 
-/// The kernel of `part` and the buffers its params are, in param order.
-fn kernel(d: &Dims, part: AttentionPart) -> (Kernel, Vec<usize>) {
+/// The kernel of `part` and the buffers its params are, in param order; q, k, v, dout and the
+/// results of type `half` (lse and delta f32).
+fn kernel(d: &Dims, part: AttentionPart, half: DType) -> (Kernel, Vec<usize>) {
     let c = d.nh * d.hs;
     let qkv = [d.t * 3 * c, d.hs, 3 * c]; // (b, h, t) strides of a head slice of qkv
     let heads = [d.nh * d.t * d.hs, d.t * d.hs, d.hs];
@@ -84,9 +86,10 @@ fn kernel(d: &Dims, part: AttentionPart) -> (Kernel, Vec<usize>) {
         };
         strides.push(s);
         offsets.push(o);
-        params.push(Param { name: format!("p{i}"), dtype: DType::F32, shape: vec![shapes[b]], write: writes.contains(&i) });
+        let dtype = if matches!(b, 2 | 3) { DType::F32 } else { half };
+        params.push(Param { name: format!("p{i}"), dtype, shape: vec![shapes[b]], write: writes.contains(&i) });
     }
-    let a = Attention { b: d.b, nh: d.nh, t: d.t, hs: d.hs, scale: 1.0 / (d.hs as f64).sqrt(), strides, offsets, part, values: DType::F32 };
+    let a = Attention { b: d.b, nh: d.nh, t: d.t, hs: d.hs, scale: 1.0 / (d.hs as f64).sqrt(), strides, offsets, part, values: half };
     (
         Kernel {
             family: "attention".into(),
@@ -132,7 +135,7 @@ fn check_with(d: &Dims, onednn: Option<std::sync::Arc<qatc_runtime::cpu::onednn:
     let d = *d;
     // the one-pass backward last: the parts before it leave dq, dk and dv to compare it with
     let parts = [Forward, Lse, BackwardDelta, BackwardQ, BackwardKV, BackwardV, Backward];
-    let kernels: Vec<(Kernel, Vec<usize>)> = parts.iter().map(|&p| kernel(&d, p)).collect();
+    let kernels: Vec<(Kernel, Vec<usize>)> = parts.iter().map(|&p| kernel(&d, p, DType::F32)).collect();
     let ks: Vec<Kernel> = kernels.iter().map(|k| k.0.clone()).collect();
     let (slow, fast) = (KirEval::new(&ks), GemmAttention::new(KirEval::new(&ks), &ks).with_onednn(onednn));
     let (mut want, mut got) = (buffers(&d), buffers(&d));
@@ -178,7 +181,7 @@ fn longer_rows_and_wider_heads() {
 #[test]
 fn a_launch_that_is_not_whole_heads_is_an_error() {
     let d = Dims { b: 1, nh: 1, t: 10, hs: 4 };
-    let (k, bufs) = kernel(&d, AttentionPart::Forward);
+    let (k, bufs) = kernel(&d, AttentionPart::Forward, DType::F32);
     let ks = [k];
     let fast = GemmAttention::new(KirEval::new(&ks), &ks);
     let mut mem = buffers(&d);
@@ -186,4 +189,91 @@ fn a_launch_that_is_not_whole_heads_is_an_error() {
     // SAFETY: as in `launch`.
     let r = unsafe { fast.launch(0, &ptrs, 3, 10) };
     assert!(r.is_err_and(|e| e.to_string().contains("whole heads")));
+}
+
+/// A launcher that runs nothing: what `GemmAttention` passes on fails the test.
+struct Refuse;
+
+impl Launcher for Refuse {
+    unsafe fn launch(&self, kernel: usize, _: &[*mut u8], _: usize, _: usize) -> Result<(), qatc_runtime::RuntimeError> {
+        Err(qatc_runtime::RuntimeError::Kernel { kernel: format!("kernel {kernel}"), msg: "passed on, not run as GEMMs".into() })
+    }
+}
+
+/// Buffers of `half` (bf16 or f16) as bits, two to an f32 slot, so that `launch` passes them as it
+/// does f32 ones; lse and delta (2, 3) stay f32.
+fn pack(mem: &[Vec<f32>], half: DType) -> Vec<Vec<f32>> {
+    mem.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            if matches!(i, 2 | 3) {
+                return v.clone();
+            }
+            let bits: Vec<u16> = v
+                .iter()
+                .map(|&x| if half == DType::BF16 { half::bf16::from_f32(x).to_bits() } else { half::f16::from_f32(x).to_bits() })
+                .collect();
+            bits.chunks(2).map(|c| f32::from_bits(u32::from(c[0]) | (u32::from(*c.get(1).unwrap_or(&0)) << 16))).collect()
+        })
+        .collect()
+}
+
+/// The first `n` elements of a packed buffer, widened.
+fn unpack(v: &[f32], n: usize, half: DType) -> Vec<f32> {
+    let bits = v.iter().flat_map(|x| {
+        let u = x.to_bits();
+        [u as u16, (u >> 16) as u16]
+    });
+    bits.take(n).map(|b| if half == DType::BF16 { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() }).collect()
+}
+
+/// Every part over 16-bit buffers: `GemmAttention`'s staged heads against the evaluator's loads
+/// widened and stores rounded. The two sum in different orders, so a result may round to the
+/// neighbouring 16-bit value: within one unit in the last place of the largest (bf16's 2^-8,
+/// f16's 2^-11, of the buffer's largest magnitude).
+fn check_16bit(d: Dims, half: DType) {
+    use AttentionPart::*;
+    let parts = [Forward, Lse, BackwardDelta, BackwardQ, BackwardKV, BackwardV, Backward];
+    let kernels: Vec<(Kernel, Vec<usize>)> = parts.iter().map(|&p| kernel(&d, p, half)).collect();
+    let ks: Vec<Kernel> = kernels.iter().map(|k| k.0.clone()).collect();
+    // nothing passed on: every part must run as GEMMs over the staged rows
+    let (slow, fast) = (KirEval::new(&ks), GemmAttention::new(Refuse, &ks));
+    let lens: Vec<usize> = buffers(&d).iter().map(Vec::len).collect();
+    let (mut want, mut got) = (pack(&buffers(&d), half), pack(&buffers(&d), half));
+    let ulp = if half == DType::BF16 { 2f64.powi(-8) } else { 2f64.powi(-11) };
+    for (i, part) in parts.iter().enumerate() {
+        launch(&slow, i, &mut want, &kernels[i].1, &d, 1);
+        got[2] = want[2].clone();
+        got[3] = want[3].clone();
+        if matches!(part, Forward | Lse) {
+            got[2].fill(0.0);
+        }
+        if *part == BackwardDelta {
+            got[3].fill(0.0);
+        }
+        launch(&fast, i, &mut got, &kernels[i].1, &d, 2);
+        for (p, &b) in kernels[i].1.iter().enumerate() {
+            if kernels[i].0.params[p].write {
+                let stat = matches!(b, 2 | 3);
+                let (g, w) = if stat {
+                    (got[b].clone(), want[b].clone())
+                } else {
+                    (unpack(&got[b], lens[b], half), unpack(&want[b], lens[b], half))
+                };
+                let e = rel_err(&g, &w);
+                let tol = if stat { TOL } else { ulp };
+                eprintln!("{half} T {} {part:?}: param {p} within {e:.1e}", d.t);
+                assert!(e <= tol, "{half} T {} {part:?}: param {p} differs by {e:e}", d.t);
+                assert!(w.iter().any(|&x| x != 0.0), "{part:?} wrote something");
+            }
+        }
+    }
+}
+
+#[test]
+fn sixteen_bit_buffers_are_staged_through_f32_rows() {
+    for half in [DType::BF16, DType::F16] {
+        check_16bit(Dims { b: 2, nh: 3, t: 70, hs: 8 }, half);
+        check_16bit(Dims { b: 1, nh: 2, t: 131, hs: 32 }, half);
+    }
 }

@@ -82,9 +82,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes
     opts.deadline.check("code generation")?;
     // the program `qatc train --device cuda` runs (`qatc_driver::lower` for a CUDA target: the
-    // planner's schedule and chunk size, attention reading 16-bit operands as they are stored),
-    // which the plan already is when it was made for CUDA; `--emit-llvm` writes the CPU's, whose
-    // attention reads f32 copies
+    // planner's schedule and chunk size, a kernel per attention gradient), which the plan already
+    // is when it was made for CUDA; `--emit-llvm` writes the CPU's
     let cuda = qatc_driver::Target::cuda(None, qatc_driver::CudaSettings::default());
     let program = match executed.target.kind {
         qatc_driver::TargetKind::Cuda => executed.program.clone(),

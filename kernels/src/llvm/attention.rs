@@ -3,7 +3,9 @@
 //! query row's scores live in a T-long stack buffer (the T x T matrix never exists), the softmax
 //! is two-pass (max, then exp and sum) instead of online, and the backward recomputes P from the
 //! forward's log-sum-exp. Key-row programs (dk, dv) stream the query rows i >= j: every output
-//! row has one owner, so no atomics.
+//! row has one owner, so no atomics. q, k, v, dout and the results may be f16/bf16
+//! (`LowerOptions::attention_reads_stored`): each element widened where it is loaded and each
+//! result rounded once where it is stored, the math in f32.
 
 use inkwell::values::{BasicValue, FloatValue, IntValue, PointerValue};
 
@@ -45,11 +47,10 @@ impl<'ctx> AttentionScope<'ctx> {
     fn dot(&self, f: &mut FnBuilder<'_, 'ctx>, x: (usize, IntValue<'ctx>), y: (usize, IntValue<'ctx>)) -> R<FloatValue<'ctx>> {
         let acc = f.alloca(f.f32t().into(), 1, "dot")?;
         f.b.build_store(acc, f.f32c(0.0))?;
-        let (px, py) = (f.param(x.0)?, f.param(y.0)?);
         let zero = f.cx.i64_type().const_int(0, false);
         f.for_range(zero, self.hs, &mut |f, d| {
-            let a = f.load_f32(px, f.b.build_int_add(x.1, d, "i")?)?;
-            let b = f.load_f32(py, f.b.build_int_add(y.1, d, "i")?)?;
+            let a = f.load(x.0, f.b.build_int_add(x.1, d, "i")?)?.into_float_value();
+            let b = f.load(y.0, f.b.build_int_add(y.1, d, "i")?)?.into_float_value();
             let s = f.b.build_float_add(f.b.build_load(f.f32t(), acc, "s")?.into_float_value(), f.b.build_float_mul(a, b, "ab")?, "s")?;
             if let Some(i) = s.as_instruction_value() {
                 i.set_fast_math_flags(FMF);
@@ -62,10 +63,9 @@ impl<'ctx> AttentionScope<'ctx> {
 
     /// acc[d] += w * x[xr + d]
     fn axpy(&self, f: &mut FnBuilder<'_, 'ctx>, acc: PointerValue<'ctx>, w: FloatValue<'ctx>, x: (usize, IntValue<'ctx>)) -> R<()> {
-        let px = f.param(x.0)?;
         let zero = f.cx.i64_type().const_int(0, false);
         f.for_range(zero, self.hs, &mut |f, d| {
-            let xv = f.load_f32(px, f.b.build_int_add(x.1, d, "i")?)?;
+            let xv = f.load(x.0, f.b.build_int_add(x.1, d, "i")?)?.into_float_value();
             let a = f.load_f32(acc, d)?;
             f.store_f32(acc, d, f.b.build_float_add(a, f.b.build_float_mul(w, xv, "wx")?, "a")?)
         })
@@ -85,23 +85,27 @@ impl<'ctx> AttentionScope<'ctx> {
         acc: PointerValue<'ctx>,
         div: Option<FloatValue<'ctx>>,
     ) -> R<()> {
-        let (po, base) = (f.param(p)?, self.row(f, p, t)?);
+        let base = self.row(f, p, t)?;
         let zero = f.cx.i64_type().const_int(0, false);
         f.for_range(zero, self.hs, &mut |f, d| {
             let mut v = f.load_f32(acc, d)?;
             if let Some(l) = div {
                 v = f.b.build_float_div(v, l, "o")?;
             }
-            f.store_f32(po, f.b.build_int_add(base, d, "i")?, v)
+            f.store(p, f.b.build_int_add(base, d, "i")?, v.into())
         })
     }
 }
 
 pub fn emit(f: &mut FnBuilder, a: &Attention) -> R<()> {
-    if let Some(p) = f.k.params.iter().find(|p| p.dtype != qatc_ir::DType::F32) {
+    let s = a.part.roles();
+    // q, k, v, dout and the results in any float type (widened at the load, rounded at the
+    // store); lse and delta f32
+    let stats = [Some(s.lse), s.delta];
+    let bad = |(i, p): &(usize, &crate::kir::Param)| !p.dtype.is_float() || (stats.contains(&Some(*i)) && p.dtype != qatc_ir::DType::F32);
+    if let Some((_, p)) = f.k.params.iter().enumerate().find(bad) {
         return Err(KernelError::Internal(format!("{}: attention on {} {}", f.name, p.dtype, p.name)));
     }
-    let s = a.part.roles();
     let i64t = f.cx.i64_type();
     let c = |v: usize| i64t.const_int(v as u64, false);
     let t_len = a.t as u32;

@@ -19,10 +19,13 @@
 //! result rounded once into the node's buffer; scores, probabilities and their gradients stay f32
 //! inside, as FlashAttention's accumulators do, where the unfused graph rounds each of them to the
 //! compute type (the two agree to a few of its ulps; `tests/llvm_equivalence.rs`). Where the
-//! kernels read and write the stored type (`LowerOptions::attention_reads_stored`: CUDA) they get
-//! the 16-bit views and the node's buffer themselves; else they run on f32 copies of the operands
-//! (per node, so no f32 copy outlives its kernel) into an f32 result that a copy rounds into the
-//! buffer. Both widen and round the same values once: the same bits (`tests/attention_16bit.rs`).
+//! kernels read and write the stored type (`LowerOptions::attention_reads_stored`: every target,
+//! CUDA's templates and the CPU's LLVM kernels and attention GEMMs) they get the 16-bit views and
+//! the node's buffer themselves, and the gradients kept for a layer's other nodes are of that
+//! type; else (the option off: the reference the tests hold it to) they run on f32 copies of the
+//! operands (per node, so no f32 copy outlives its kernel) into an f32 result that a copy rounds
+//! into the buffer. Both widen and round the same values once: the same bits
+//! (`tests/attention_16bit.rs`).
 
 use std::collections::HashMap;
 
@@ -283,6 +286,9 @@ pub fn lower(
     let values = cx.g.ty(root).dtype;
     // a result the kernels do not write as stored is computed in f32 first, then rounded into `dest`
     let mut out = if direct(lw, lw.prog.buffers[dest.buf].dtype) { dest.clone() } else { lw.temp("attn_out", DType::F32, &shape) };
+    // gradients computed beside this node's, for their own nodes to take: of the values' type
+    // where the kernels write it (rounded once, as their nodes' copies would round an f32 one)
+    let grad_ty = if direct(lw, values) { values } else { DType::F32 };
     let mut keys = Vec::new();
     let mut views = |lw: &mut Lowerer, ns: &[NodeId]| -> Result<Vec<View>, KernelError> {
         keys.clear();
@@ -323,7 +329,7 @@ pub fn lower(
                 let l = Launch { part: AttentionPart::Backward, dims, scale, family, note, values };
                 let lse = lse(lw, &l, keys[..2].to_vec(), &vs[0], &vs[1])?;
                 let delta = delta(lw, cx, &l, key4.clone(), [&vs[0], &vs[1], &v, &vs[2]], &lse)?;
-                let (dq, dk) = (lw.temp("attn_dq", DType::F32, &shape), lw.temp("attn_dk", DType::F32, &shape));
+                let (dq, dk) = (lw.temp("attn_dq", grad_ty, &shape), lw.temp("attn_dk", grad_ty, &shape));
                 let ops = Operands {
                     v: Some(&v),
                     dout: Some(&vs[2]),
@@ -355,8 +361,8 @@ pub fn lower(
                 if lw.options.attention_one_backward {
                     // all three at once: this node's gradient into its own result, the other two
                     // into f32 buffers their nodes take (or copy) when they are lowered
-                    let other = lw.temp(if is_dq { "attn_dk" } else { "attn_dq" }, DType::F32, &shape);
-                    let dv = lw.temp("attn_dv", DType::F32, &shape);
+                    let other = lw.temp(if is_dq { "attn_dk" } else { "attn_dq" }, grad_ty, &shape);
+                    let dv = lw.temp("attn_dv", grad_ty, &shape);
                     let (dq, dk) = if is_dq { (&out, &other) } else { (&other, &out) };
                     let ops = Operands { out: [Some(("dq", dq)), Some(("dk", dk)), Some(("dv", &dv))], ..base };
                     launch(lw, &Launch { part: AttentionPart::Backward, ..l }, &ops)?;
@@ -366,7 +372,7 @@ pub fn lower(
                     launch(lw, &l, &Operands { out: [Some(("dq", &out)), None, None], ..base })?;
                 } else {
                     // one pass gives dk and dv; dv is not this node's value
-                    let dv = lw.temp("attn_dv", DType::F32, &shape);
+                    let dv = lw.temp("attn_dv", grad_ty, &shape);
                     let ops = Operands { out: [Some(("dk", &out)), Some(("dv", &dv)), None], ..base };
                     launch(lw, &Launch { part: AttentionPart::BackwardKV, ..l }, &ops)?;
                 }

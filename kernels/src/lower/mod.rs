@@ -179,9 +179,9 @@ pub struct LowerOptions {
     pub ce_tile_cols: Option<usize>,
     /// The attention kernels read q, k, v and dout in the type their buffers hold (f16/bf16
     /// under `--precision`) and write their result into the node's buffer, rounded once at the
-    /// store (`attention.rs`): what the CUDA templates do (`Device::attention_reads_stored`).
+    /// store (`attention.rs`): what every target's kernels do (`Target::attention_reads_stored`).
     /// False: f32 kernels on widened copies, the result rounded into the buffer by a copy (the
-    /// CPU's LLVM and GEMM attention read f32). Both give the same bits.
+    /// reference the tests hold the first to). Both give the same bits.
     pub attention_reads_stored: bool,
     /// A layer's attention gradients dq, dk and dv come from one kernel (`AttentionPart::Backward`)
     /// at the first of their nodes, the others' values kept until theirs: where the kernel

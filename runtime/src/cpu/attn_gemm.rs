@@ -17,6 +17,13 @@
 //!
 //! The scores of a block live in a [bm, T] scratch, never the whole T x T matrix. Launch ranges
 //! must cover whole heads (the executor splits attention launches on multiples of T).
+//!
+//! Over f16/bf16 buffers (`LowerOptions::attention_reads_stored`) a head's q, k, v and dout rows
+//! are widened into an f32 [T, hs] scratch of the thread before its blocks run, and its results
+//! computed into another and rounded into the buffer once, at the head's end: the math is the
+//! f32 path's, on the values the kernel-IR evaluator's loads widen and its stores round, with no
+//! f32 copy of a whole tensor in the plan. The scratch is a few [T, hs] per thread, like the
+//! blocks of scores.
 
 use std::sync::Arc;
 
@@ -24,6 +31,7 @@ use gemm::Parallelism;
 use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel};
 
+use super::convert::{elem_bytes, narrow, widen};
 use super::onednn::Bf16Gemm;
 use super::vmath::exp_shift_sum;
 use super::Launcher;
@@ -35,19 +43,20 @@ const BLOCK: usize = 64;
 /// A launcher that runs attention kernels as GEMMs and the rest through `inner`.
 pub struct GemmAttention<L> {
     inner: L,
-    attention: Vec<Option<(Attention, String)>>,
+    /// Per kernel: its attention, family and params' element types.
+    attention: Vec<Option<(Attention, String, Vec<DType>)>>,
     /// oneDNN's f32 GEMM, when loaded: the products run there instead of the gemm crate.
     onednn: Option<Arc<Bf16Gemm>>,
 }
 
 impl<L: Launcher> GemmAttention<L> {
     /// Wraps `inner` for a program's kernels (`Program::kernels`, in order). Attention over
-    /// anything but f32 buffers stays with `inner`.
+    /// anything but float buffers, or with lse or delta not f32, stays with `inner`.
     pub fn new(inner: L, kernels: &[Kernel]) -> GemmAttention<L> {
         let attention = kernels
             .iter()
             .map(|k| match &k.body {
-                Body::Attention(a) if k.params.iter().all(|p| p.dtype == DType::F32) => Some((a.clone(), k.family.clone())),
+                Body::Attention(a) if takes(a, k) => Some((a.clone(), k.family.clone(), k.params.iter().map(|p| p.dtype).collect())),
                 _ => None,
             })
             .collect();
@@ -366,9 +375,17 @@ impl Head<'_> {
     }
 }
 
+/// Whether `GemmAttention` runs kernel `k` of attention `a`: every param a float, lse and delta
+/// f32 (the views of 16-bit q, k, v, dout and results are staged through f32 rows).
+fn takes(a: &Attention, k: &Kernel) -> bool {
+    let ro = a.part.roles();
+    let stat = |p: Option<usize>| p.is_none_or(|p| k.params.get(p).is_some_and(|p| p.dtype == DType::F32));
+    k.params.iter().all(|p| p.dtype.is_float()) && stat(Some(ro.lse)) && stat(ro.delta)
+}
+
 impl<L: Launcher> Launcher for GemmAttention<L> {
     unsafe fn launch(&self, kernel: usize, args: &[*mut u8], start: usize, end: usize) -> Result<(), RuntimeError> {
-        let Some(Some((a, family))) = self.attention.get(kernel) else {
+        let Some(Some((a, family, dtypes))) = self.attention.get(kernel) else {
             // SAFETY: passed on under the caller's guarantee.
             return unsafe { self.inner.launch(kernel, args, start, end) };
         };
@@ -377,27 +394,38 @@ impl<L: Launcher> Launcher for GemmAttention<L> {
         if !start.is_multiple_of(t) || !end.is_multiple_of(t) || end > a.b * a.nh * a.t || start > end {
             return Err(err(format!("iterations {start}..{end} are not whole heads of {t} rows")));
         }
+        if dtypes.len() != args.len() {
+            return Err(err(format!("{} pointers for {} params", args.len(), dtypes.len())));
+        }
         let ro = a.part.roles();
+        let staged = dtypes.iter().filter(|&&d| d != DType::F32).count();
+        let blocks = 2 * BLOCK * a.t;
         SCRATCH.with_borrow_mut(|scratch| {
-            if scratch.len() < 2 * BLOCK * a.t {
-                scratch.resize(2 * BLOCK * a.t, 0.0);
+            let need = blocks + staged * a.t * a.hs;
+            if scratch.len() < need {
+                scratch.resize(need, 0.0);
             }
-            let (s, dp) = scratch[..2 * BLOCK * a.t].split_at_mut(BLOCK * a.t);
+            let (s, rest) = scratch[..need].split_at_mut(blocks);
+            let (s, dp) = s.split_at_mut(BLOCK * a.t);
             // SAFETY: the caller's guarantee, passed on.
-            unsafe { self.heads(a, &ro, args, start / t..end / t, s, dp) }.map_err(err)
+            unsafe { self.heads(a, dtypes, &ro, args, start / t..end / t, [s, dp, rest]) }.map_err(err)
         })
     }
 }
 
 thread_local! {
-    /// Two [BLOCK, T] blocks of scores per thread, kept between launches: a launch (every
-    /// attention kernel of every step) would otherwise allocate them again. Each block is written
-    /// whole by a GEMM before it is read, so what a previous launch left there never matters.
+    /// Per thread, kept between launches (a launch, every attention kernel of every step, would
+    /// otherwise allocate them again): two [BLOCK, T] blocks of scores, then a [T, hs] row block
+    /// for each 16-bit param. Each block of scores is written whole by a GEMM before it is read,
+    /// and each staged operand widened (or result zeroed or written whole) before it is read, so
+    /// what a previous launch left there never matters.
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl<L> GemmAttention<L> {
-    /// Runs heads `heads` (b * NH + h) of part `a` with the launch's `args`.
+    /// Runs heads `heads` (b * NH + h) of part `a` with the launch's `args` (params of types
+    /// `dtypes`); `scratch` is two [BLOCK, T] blocks of scores and a [T, hs] block per 16-bit
+    /// param.
     ///
     /// # Safety
     /// As [`Launcher::launch`]: one pointer per param, each to its param's buffer, which nothing
@@ -405,27 +433,62 @@ impl<L> GemmAttention<L> {
     unsafe fn heads(
         &self,
         a: &Attention,
+        dtypes: &[DType],
         ro: &qatc_kernels::kir::AttentionRoles,
         args: &[*mut u8],
         heads: std::ops::Range<usize>,
-        s: &mut [f32],
-        dp: &mut [f32],
+        scratch: [&mut [f32]; 3],
     ) -> Result<(), String> {
+        let [s, dp, stage] = scratch;
+        // the staged blocks are reached through this pointer only (the heads' `Mat`s hold it too)
+        let th = a.t * a.hs;
+        // the 16-bit params, in order, each with the [T, hs] block of `stage` at its position
+        let staged: Vec<usize> = (0..dtypes.len()).filter(|&p| dtypes[p] != DType::F32).collect();
+        let stage_at = |p: usize| staged.iter().position(|&q| q == p);
+        let written = |p: usize| ro.out.contains(&Some(p));
+        let stage_ptr = stage.as_mut_ptr();
         for bh in heads {
             let (b, h) = (bh / a.nh, bh % a.nh);
-            let mat = |p: usize| -> Result<Mat, String> {
-                let (Some(&[sb, sh, st]), Some(&off), Some(&base)) = (a.strides.get(p), a.offsets.get(p), args.get(p)) else {
+            // (address of the head's first element, row stride in elements) of param p's view
+            let view = |p: usize| -> Result<(*mut u8, usize), String> {
+                let (Some(&[sb, sh, st]), Some(&off), Some(&base), Some(&d)) =
+                    (a.strides.get(p), a.offsets.get(p), args.get(p), dtypes.get(p))
+                else {
                     return Err(format!("no view for param {p}"));
                 };
                 // SAFETY: the view's head start lies inside param p's buffer (the kernel's views
                 // were checked against the buffers when the program was lowered).
-                Ok(Mat { ptr: unsafe { base.cast::<f32>().add(off + b * sb + h * sh) }, rs: st })
+                Ok((unsafe { base.add((off + b * sb + h * sh) * elem_bytes(d)) }, st))
+            };
+            let mat = |p: usize| -> Result<Mat, String> {
+                Ok(match stage_at(p) {
+                    // SAFETY: `stage` holds a [T, hs] block per staged param.
+                    Some(i) => Mat { ptr: unsafe { stage_ptr.add(i * th) }, rs: a.hs },
+                    None => {
+                        let (ptr, rs) = view(p)?;
+                        Mat { ptr: ptr.cast(), rs }
+                    }
+                })
             };
             let stat = |p: usize| -> Result<*mut f32, String> {
                 let base = args.get(p).ok_or_else(|| format!("no param {p}"))?;
                 // SAFETY: lse and delta hold B*NH*T floats; this head's T start at bh * T.
                 Ok(unsafe { base.cast::<f32>().add(bh * a.t) })
             };
+            // the 16-bit operands' rows, widened (in one run where the head's rows are contiguous)
+            for (i, &p) in staged.iter().enumerate().filter(|&(_, &p)| !written(p)) {
+                let (ptr, rs) = view(p)?;
+                let rows = if rs == a.hs { a.t.max(1) } else { 1 };
+                let run = rows * a.hs;
+                for r in (0..a.t).step_by(rows) {
+                    // SAFETY: rows r.. of the head lie in the buffer; block i of `stage` is T rows
+                    // of hs, reached through `stage_ptr` alone while the heads run.
+                    unsafe {
+                        let dst = std::slice::from_raw_parts_mut(stage_ptr.add(i * th + r * a.hs), run);
+                        widen(dtypes[p], ptr.add(r * rs * elem_bytes(dtypes[p])), dst)
+                    };
+                }
+            }
             let opt = |p: Option<usize>| p.map(mat).transpose();
             let head = Head {
                 a,
@@ -442,8 +505,22 @@ impl<L> GemmAttention<L> {
                 out: [opt(ro.out[0])?, opt(ro.out[1])?, opt(ro.out[2])?],
             };
             // SAFETY: the launch's caller guarantees each pointer addresses its param's buffer,
-            // which this launch alone touches (other ranges of it are other heads).
+            // which this launch alone touches (other ranges of it are other heads); staged
+            // params point into this thread's scratch.
             unsafe { head.run(s, dp) }?;
+            // the 16-bit results, rounded once into their buffers
+            for (i, &p) in staged.iter().enumerate().filter(|&(_, &p)| written(p)) {
+                let (ptr, rs) = view(p)?;
+                let rows = if rs == a.hs { a.t.max(1) } else { 1 };
+                let run = rows * a.hs;
+                for r in (0..a.t).step_by(rows) {
+                    // SAFETY: as the widening's; results overlap nothing else this launch touches.
+                    unsafe {
+                        let src = std::slice::from_raw_parts(stage_ptr.add(i * th + r * a.hs), run);
+                        narrow(dtypes[p], ptr.add(r * rs * elem_bytes(dtypes[p])), src)
+                    };
+                }
+            }
         }
         Ok(())
     }

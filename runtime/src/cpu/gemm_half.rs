@@ -16,18 +16,17 @@
 //! ```
 //!
 //! A block keeps its source's layout (a transposed operand is widened column by column, reading
-//! memory in order), and the conversions vectorize (bf16 is the top half of an f32; f16 uses
-//! F16C through the `half` crate). The scratch is a few MiB per GEMM, outside the plan. The
+//! memory in order), and the conversions vectorize (`convert.rs`). The scratch is a few MiB per GEMM, outside the plan. The
 //! loaded OpenBLAS has no bf16 GEMM (Debian builds it without BFLOAT16), and neither library has
 //! an f16 one, so f16 operands are always widened.
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 use qatc_ir::DType;
 use qatc_kernels::program::{Gemm, View};
 use rayon::prelude::*;
 
 use super::blas::Blas;
+use super::convert::{bf16_bits, elem_bytes, narrow, widen};
 use super::gemm::{batch_offsets, sgemm, GemmLibs};
 use super::onednn::Bf16Gemm;
 
@@ -38,19 +37,6 @@ const KB: usize = 512;
 
 /// Below this many elements a conversion runs on the calling thread.
 const PAR_MIN_ELEMS: usize = 1 << 16;
-
-/// bf16 bits of `x`, rounded to nearest even, NaN kept quiet (what `half::bf16::from_f32` and the
-/// CUDA header's `float_to_bf16` compute), written so a loop of it vectorizes.
-#[inline]
-pub(crate) fn bf16_bits(x: f32) -> u16 {
-    let u = x.to_bits();
-    let rounded = (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16;
-    if u & 0x7fff_ffff > 0x7f80_0000 {
-        ((u >> 16) | 0x40) as u16
-    } else {
-        rounded
-    }
-}
 
 /// A matrix in a buffer: base address, element type, offset and strides (elements).
 #[derive(Clone, Copy)]
@@ -93,14 +79,7 @@ impl Mat {
         // SAFETY: the caller's guarantee; buffers are aligned for their element type.
         unsafe {
             if self.cs == 1 {
-                match self.dtype {
-                    DType::BF16 => {
-                        let src = std::slice::from_raw_parts(self.base.cast::<u16>().add(e), dst.len());
-                        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = f32::from_bits(u32::from(s) << 16));
-                    }
-                    DType::F16 => std::slice::from_raw_parts(self.base.cast::<f16>().add(e), dst.len()).convert_to_f32_slice(dst),
-                    _ => dst.copy_from_slice(std::slice::from_raw_parts(self.base.cast::<f32>().add(e), dst.len())),
-                }
+                widen(self.dtype, self.base.add(e * elem_bytes(self.dtype)), dst);
             } else {
                 for (j, d) in dst.iter_mut().enumerate() {
                     let at = e + j * self.cs;
@@ -126,14 +105,7 @@ impl Mat {
         // SAFETY: the caller's guarantee.
         unsafe {
             if self.cs == 1 {
-                match self.dtype {
-                    DType::BF16 => {
-                        let dst = std::slice::from_raw_parts_mut(self.base.cast::<u16>().add(e), src.len());
-                        dst.iter_mut().zip(src.iter()).for_each(|(d, &x)| *d = bf16_bits(x));
-                    }
-                    DType::F16 => std::slice::from_raw_parts_mut(self.base.cast::<f16>().add(e), src.len()).convert_from_f32_slice(src),
-                    _ => std::slice::from_raw_parts_mut(self.base.cast::<f32>().add(e), src.len()).copy_from_slice(src),
-                }
+                narrow(self.dtype, self.base.add(e * elem_bytes(self.dtype)), src);
             } else {
                 for (j, &x) in src.iter().enumerate() {
                     let at = e + j * self.cs;

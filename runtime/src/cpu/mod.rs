@@ -21,6 +21,7 @@
 mod attention;
 mod attn_gemm;
 pub mod blas;
+mod convert;
 mod gemm;
 mod gemm_half;
 mod kir_eval;
