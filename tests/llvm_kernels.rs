@@ -46,30 +46,39 @@ fn every_kernel_of_the_gpt2_124m_step_compiles() {
     compile_all(&cfg, &o);
 }
 
-/// A kernel that loads packed 4-bit codes at its own element index runs two elements per
-/// iteration (`llvm/loops.rs`), with one element before and after the pairs when its range
-/// starts or ends on an odd element. Every split of a [3, 5] dequantization (odd rows, so rows
-/// start on odd elements), and of the same without coordinates, agrees with the kernel-IR
-/// evaluator exactly.
+/// A kernel that loads packed 4-bit codes at its own element index unpacks them a block of
+/// elements at a time (`llvm/loops.rs`'s `UNPACK`, 512), with one element before the blocks and
+/// one after when its range starts or ends on an odd element. Every split of a [3, 5]
+/// dequantization (odd rows, so rows start on odd elements), and of the same without
+/// coordinates, agrees with the kernel-IR evaluator exactly; so do splits of a [3, 1101] one
+/// around the block boundaries (rows of three blocks, the last one short).
 #[test]
-fn packed_codes_by_pairs_at_every_range() {
+fn packed_codes_by_blocks_at_every_range() {
+    check_packed_codes(3, 5, &(0..=15).collect::<Vec<_>>());
+    let edges = [0, 1, 2, 510, 511, 512, 513, 1023, 1024, 1025, 1100, 1101, 1102, 1103, 1613, 1614, 2202, 3302, 3303];
+    check_packed_codes(3, 1101, &edges);
+}
+
+/// Every range between two of `edges` (element indices of a [rows, cols] dequantization).
+fn check_packed_codes(rows: usize, cols: usize, edges: &[usize]) {
     use qatc_ir::DType;
     use qatc_kernels::kir::{BinOp, Body, Expr, Ix, Kernel, Param, Space, Stmt, Ty};
     use qatc_runtime::cpu::{KirEval, Launcher};
 
+    let n = rows * cols;
     let param = |name: &str, dtype, shape: &[usize], write| Param { name: name.into(), dtype, shape: shape.to_vec(), write };
     let load = |p: usize, i: Expr| Expr::Load { param: p, index: Box::new(i) };
     let code = Expr::Cast(Ty::F32, Box::new(Expr::bin(BinOp::Sub, load(0, Expr::Ix(Ix::Elem)), Expr::Int(7))));
     let kernel = |scale_ix: Expr| Kernel {
         family: "dequant".into(),
         params: vec![
-            param("codes", DType::I4, &[3, 5], false),
-            param("scales", DType::F32, &[5], false),
-            param("out", DType::F32, &[3, 5], true),
+            param("codes", DType::I4, &[rows, cols], false),
+            param("scales", DType::F32, &[cols], false),
+            param("out", DType::F32, &[rows, cols], true),
         ],
         index_ty: Ty::I32,
         body: Body::Loops {
-            space: Space::Elements { shape: vec![3, 5] },
+            space: Space::Elements { shape: vec![rows, cols] },
             stmts: vec![Stmt::Store { param: 2, index: Expr::Ix(Ix::Elem), value: Expr::bin(BinOp::Mul, code.clone(), load(1, scale_ix)) }],
         },
         note: String::new(),
@@ -79,18 +88,19 @@ fn packed_codes_by_pairs_at_every_range() {
     let kernels = [kernel(Expr::Ix(Ix::Coord(1))), kernel(Expr::Int(2))];
     let jit = qatc_kernels::llvm::Jit::compile(&kernels).expect("compiles");
     let eval = KirEval::new(&kernels);
-    let mut codes: Vec<u8> = (0..8u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
-    let mut scales: Vec<f32> = (0..5).map(|i| 0.5 + i as f32).collect();
+    let mut codes: Vec<u8> = (0..n.div_ceil(2)).map(|i| (i as u8).wrapping_mul(37) ^ 0x5a).collect();
+    let mut scales: Vec<f32> = (0..cols).map(|i| 0.5 + i as f32).collect();
+    let edges: Vec<usize> = edges.iter().copied().filter(|&e| e <= n).collect();
     for k in 0..kernels.len() {
-        for start in 0..15 {
-            for end in start..=15 {
-                let (mut a, mut b) = (vec![-1.0f32; 15], vec![-1.0f32; 15]);
+        for &start in &edges {
+            for &end in edges.iter().filter(|&&e| e >= start) {
+                let (mut a, mut b) = (vec![-1.0f32; n], vec![-1.0f32; n]);
                 for (l, out) in [(&jit as &dyn Launcher, &mut a), (&eval as &dyn Launcher, &mut b)] {
                     let args = [codes.as_mut_ptr(), scales.as_mut_ptr().cast::<u8>(), out.as_mut_ptr().cast::<u8>()];
                     // SAFETY: one pointer per param, each to a live buffer of the param's size.
                     unsafe { l.launch(k, &args, start, end) }.expect("runs");
                 }
-                assert_eq!(a, b, "kernel {k}, elements {start}..{end}");
+                assert_eq!(a, b, "[{rows}, {cols}] kernel {k}, elements {start}..{end}");
             }
         }
     }
