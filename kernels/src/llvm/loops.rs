@@ -102,9 +102,9 @@ impl<'ctx> Scope<'ctx> {
     /// when coordinates are in use). A kernel that loads packed 4-bit codes at its own element
     /// index unpacks them a block at a time (`UNPACK`). Element by element, LLVM sees the byte
     /// index i / 2 as a gather and loads bytes one at a time (a 4-bit weight dequantized at 2-3
-    /// ns per element); by pairs (two elements an iteration, one byte load for both), every
-    /// other access of the body became an interleaved one, de-interleaved and re-interleaved by
-    /// shuffles (about 0.35 ns per element on 2-vCPU Zen 5, a tenth of a bf16 step).
+    /// ns per element). Two elements an iteration (one byte load for both, as this did before)
+    /// made every other access of the body an interleaved one, split and merged by shuffles
+    /// (about 0.35 ns per element on a 2-vCPU Zen 5, a tenth of a bf16 step).
     fn elements(
         &mut self,
         f: &mut FnBuilder<'_, 'ctx>,

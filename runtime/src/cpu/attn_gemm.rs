@@ -440,12 +440,12 @@ impl<L> GemmAttention<L> {
         scratch: [&mut [f32]; 3],
     ) -> Result<(), String> {
         let [s, dp, stage] = scratch;
-        // the staged blocks are reached through this pointer only (the heads' `Mat`s hold it too)
         let th = a.t * a.hs;
         // the 16-bit params, in order, each with the [T, hs] block of `stage` at its position
         let staged: Vec<usize> = (0..dtypes.len()).filter(|&p| dtypes[p] != DType::F32).collect();
         let stage_at = |p: usize| staged.iter().position(|&q| q == p);
         let written = |p: usize| ro.out.contains(&Some(p));
+        // the staged blocks are reached through this pointer only (the heads' `Mat`s hold it too)
         let stage_ptr = stage.as_mut_ptr();
         for bh in heads {
             let (b, h) = (bh / a.nh, bh % a.nh);
