@@ -85,8 +85,9 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
     let (lo, hi) = grid.range(0.0);
     let (lo, hi, divisor, max_code) = (lo as f32, hi as f32, grid.scale_divisor() as f32, grid.max_code as f32);
     let offset = grid.offset().unwrap_or(0) as f32;
-    if spec.scheme == QuantScheme::Sym {
-        quantize_sym(w, &mut q, gsz, (lo, hi, divisor, offset));
+    if matches!(spec.scheme, QuantScheme::Sym | QuantScheme::Asym) {
+        let asym = spec.scheme == QuantScheme::Asym;
+        quantize_rows(w, &mut q, gsz, RowGrid { asym, lo, hi, divisor, offset, max_code });
         return q;
     }
     let mut col = vec![0f32; gsz];
@@ -104,19 +105,7 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
             }
             let mut put = |r: usize, code: u8| q.codes[(g * gsz + r) * n_out + j] = code;
             match spec.scheme {
-                QuantScheme::Sym => unreachable!("sym is quantized row by row above"),
-                QuantScheme::Asym => {
-                    let rmin = col.iter().fold(0f32, |m, &v| m.min(v));
-                    let rmax = col.iter().fold(0f32, |m, &v| m.max(v));
-                    let s = (rmax - rmin) / divisor;
-                    let z = if s == 0.0 { 0.0 } else { (-rmin / s).round_ties_even().clamp(0.0, max_code) };
-                    for (r, &v) in col.iter().enumerate() {
-                        let k = if s == 0.0 { z } else { ((v / s).round_ties_even() + z).clamp(0.0, max_code) };
-                        put(r, k as u8);
-                    }
-                    q.scales[si] = s;
-                    q.zeros[si] = z;
-                }
+                QuantScheme::Sym | QuantScheme::Asym => unreachable!("sym and asym are quantized row by row above"),
                 QuantScheme::Nf4 => {
                     let absmax = col.iter().fold(0f32, |m, v| m.max(v.abs()));
                     for (r, &v) in col.iter().enumerate() {
@@ -150,52 +139,89 @@ pub fn quantize(w: &[f32], n_in: usize, n_out: usize, spec: QuantSpec) -> Quanti
     q
 }
 
-/// `quantize` for `QuantScheme::Sym`, a group's rows at a time across every column: the same
-/// arithmetic per element as the other schemes' column by column (scale = absmax / divisor,
-/// code = clamp(round_half_even(v / scale)) + offset; a group with a NaN or an infinity gets a NaN
-/// scale and codes 0), in loops over contiguous rows that vectorize. Column by column it read w
-/// strided and rounded through libm's `rintf`, a call per element: about 1.4 s of `qatc train`'s
-/// start on GPT-2 124M. `grid` is (lo, hi, divisor, offset) as `quantize` computes them.
-fn quantize_sym(w: &[f32], q: &mut Quantized, gsz: usize, grid: (f32, f32, f32, f32)) {
+/// The constants of `quantize_rows`'s arithmetic, as `quantize` computes them from the grid.
+#[derive(Clone, Copy)]
+struct RowGrid {
+    asym: bool,
+    lo: f32,
+    hi: f32,
+    divisor: f32,
+    offset: f32,
+    max_code: f32,
+}
+
+/// `quantize` for `QuantScheme::Sym` and `Asym`, a group's rows at a time across every column:
+/// the same arithmetic per element as the column loop the other schemes keep (sym: scale =
+/// absmax / divisor, code = clamp(round_half_even(v / scale)) + offset; asym: scale = (max - min)
+/// / divisor with min <= 0 <= max, zero point clamp(round_half_even(-min / scale)), code =
+/// clamp(round_half_even(v / scale) + zero); a group with a NaN or an infinity gets a NaN scale,
+/// zero point and codes 0), in loops over contiguous rows that vectorize. Column by column it
+/// read w strided and rounded through libm's `rintf`, a call per element: about 1.7 s of the
+/// 124M step's build.
+fn quantize_rows(w: &[f32], q: &mut Quantized, gsz: usize, grid: RowGrid) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has the features the function was compiled for.
-        return unsafe { quantize_sym_avx2(w, q, gsz, grid) };
+        return unsafe { quantize_rows_avx2(w, q, gsz, grid) };
     }
-    quantize_sym_body(w, q, gsz, grid)
+    quantize_rows_body(w, q, gsz, grid)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn quantize_sym_avx2(w: &[f32], q: &mut Quantized, gsz: usize, grid: (f32, f32, f32, f32)) {
-    quantize_sym_body(w, q, gsz, grid)
+fn quantize_rows_avx2(w: &[f32], q: &mut Quantized, gsz: usize, grid: RowGrid) {
+    quantize_rows_body(w, q, gsz, grid)
 }
 
 #[inline(always)]
-fn quantize_sym_body(w: &[f32], q: &mut Quantized, gsz: usize, (lo, hi, divisor, offset): (f32, f32, f32, f32)) {
+fn quantize_rows_body(w: &[f32], q: &mut Quantized, gsz: usize, grid: RowGrid) {
+    let RowGrid { asym, lo, hi, divisor, offset, max_code } = grid;
     let n = q.n_out;
-    let mut absmax = vec![0f32; n];
-    let mut finite = vec![true; n];
+    // per column of the group: its min and max (sym: -absmax and absmax), and whether finite
+    let (mut low, mut high, mut finite) = (vec![0f32; n], vec![0f32; n], vec![true; n]);
     for g in 0..q.n_in / gsz {
         let rows = g * gsz * n..(g + 1) * gsz * n;
-        absmax.fill(0.0);
+        low.fill(0.0);
+        high.fill(0.0);
         finite.fill(true);
         for row in w[rows.clone()].chunks_exact(n) {
-            for ((m, ok), &v) in absmax.iter_mut().zip(finite.iter_mut()).zip(row) {
-                *m = m.max(v.abs());
+            for (((l, h), ok), &v) in low.iter_mut().zip(high.iter_mut()).zip(finite.iter_mut()).zip(row) {
+                if asym {
+                    *l = l.min(v);
+                    *h = h.max(v);
+                } else {
+                    *h = h.max(v.abs());
+                }
                 *ok &= v.is_finite();
             }
         }
-        let scales = &mut q.scales[g * n..(g + 1) * n];
-        for ((s, &m), &ok) in scales.iter_mut().zip(&absmax).zip(&finite) {
+        let at = g * n..(g + 1) * n;
+        for (j, s) in q.scales[at.clone()].iter_mut().enumerate() {
             // no grid holds a NaN or an infinity: the group's scale is NaN, so every value of the
             // group dequantizes to NaN instead of to a finite number that hides it
-            *s = if ok { m / divisor } else { f32::NAN };
+            *s = match (finite[j], asym) {
+                (false, _) => f32::NAN,
+                (true, false) => high[j] / divisor,
+                (true, true) => (high[j] - low[j]) / divisor,
+            };
         }
+        if asym {
+            for ((z, &s), (&l, &ok)) in q.zeros[at.clone()].iter_mut().zip(&q.scales[at.clone()]).zip(low.iter().zip(&finite)) {
+                *z = if !ok || s == 0.0 { 0.0 } else { (-l / s).round_ties_even().clamp(0.0, max_code) };
+            }
+        }
+        let (scales, zeros) = (&q.scales[at.clone()], if asym { &q.zeros[at] } else { &high[..0] });
         for (row, codes) in w[rows.clone()].chunks_exact(n).zip(q.codes[rows].chunks_exact_mut(n)) {
-            for (((c, &v), &s), &ok) in codes.iter_mut().zip(row).zip(scales.iter()).zip(&finite) {
-                let k = if s == 0.0 { 0.0 } else { (v / s).round_ties_even().clamp(lo, hi) };
-                *c = if ok { (k + offset) as u8 } else { 0 };
+            if asym {
+                for ((((c, &v), &s), &z), &ok) in codes.iter_mut().zip(row).zip(scales).zip(zeros).zip(&finite) {
+                    let k = if s == 0.0 { z } else { ((v / s).round_ties_even() + z).clamp(0.0, max_code) };
+                    *c = if ok { k as u8 } else { 0 };
+                }
+            } else {
+                for (((c, &v), &s), &ok) in codes.iter_mut().zip(row).zip(scales).zip(&finite) {
+                    let k = if s == 0.0 { 0.0 } else { (v / s).round_ties_even().clamp(lo, hi) };
+                    *c = if ok { (k + offset) as u8 } else { 0 };
+                }
             }
         }
     }
@@ -299,10 +325,17 @@ pub fn block_quant(map: DynMap, x: &[f32], absmax: &[f32]) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    /// The row-wise sym quantizer against the column-by-column arithmetic it replaced, on values
-    /// with ties (multiples of half a step), zero groups, and groups holding a NaN or an infinity.
+    /// The row-wise sym and asym quantizer against the column-by-column arithmetic it replaced,
+    /// on values with ties (multiples of half a step), zero groups, all-positive groups (asym's
+    /// min stays 0), and groups holding a NaN or an infinity.
     #[test]
-    fn sym_by_rows_is_the_column_arithmetic() {
+    fn sym_and_asym_by_rows_are_the_column_arithmetic() {
+        for scheme in [QuantScheme::Sym, QuantScheme::Asym] {
+            by_rows_is_the_column_arithmetic(scheme);
+        }
+    }
+
+    fn by_rows_is_the_column_arithmetic(scheme: QuantScheme) {
         let mut x = 0x2545_F491_4F6C_DD1Du64;
         let mut next = || {
             x ^= x << 13;
@@ -313,16 +346,18 @@ mod tests {
         for (bits, group, n_in, n_out) in
             [(4u8, 64usize, 128usize, 37usize), (2, 32, 64, 70), (3, 16, 48, 9), (8, 128, 256, 5), (4, 0, 96, 33)]
         {
-            let s = spec(bits, group, QuantScheme::Sym);
+            let s = spec(bits, group, scheme);
             let mut w: Vec<f32> = (0..n_in * n_out)
                 .map(|_| match next() % 4 {
                     0 => (next() % 17) as f32 * 0.5 - 4.0,
                     _ => ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0,
                 })
                 .collect();
-            // a zero group, a NaN and an infinity in column 1, 2 of the first group
+            // a zero group, a NaN and an infinity in column 1, 2 of the first group, an
+            // all-positive group in column 3
             for r in 0..s.group_for(n_in) {
                 w[r * n_out] = 0.0;
+                w[r * n_out + 3] = 0.25 + r as f32 * 0.125;
             }
             w[3 * n_out + 1] = f32::NAN;
             w[5 * n_out + 2] = f32::INFINITY;
@@ -335,16 +370,32 @@ mod tests {
                 for j in 0..n_out {
                     let col: Vec<f32> = (0..gsz).map(|r| w[(g * gsz + r) * n_out + j]).collect();
                     let si = g * n_out + j;
+                    let code = |r: usize| got.codes[(g * gsz + r) * n_out + j];
                     if col.iter().any(|v| !v.is_finite()) {
                         assert!(got.scales[si].is_nan(), "group {g} column {j}: a NaN scale");
-                        assert!((0..gsz).all(|r| got.codes[(g * gsz + r) * n_out + j] == 0));
+                        assert!((0..gsz).all(|r| code(r) == 0));
+                        assert!(got.zeros.get(si).is_none_or(|&z| z == 0.0));
+                        continue;
+                    }
+                    let what = format!("{scheme:?} bits {bits} group {g} column {j}");
+                    if scheme == QuantScheme::Asym {
+                        let max_code = grid.max_code as f32;
+                        let rmin = col.iter().fold(0f32, |m, &v| m.min(v));
+                        let rmax = col.iter().fold(0f32, |m, &v| m.max(v));
+                        let sc = (rmax - rmin) / divisor;
+                        let z = if sc == 0.0 { 0.0 } else { (-rmin / sc).round_ties_even().clamp(0.0, max_code) };
+                        assert_eq!((got.scales[si].to_bits(), got.zeros[si].to_bits()), (sc.to_bits(), z.to_bits()), "{what}");
+                        for (r, &v) in col.iter().enumerate() {
+                            let k = if sc == 0.0 { z } else { ((v / sc).round_ties_even() + z).clamp(0.0, max_code) };
+                            assert_eq!(code(r), k as u8, "{what} row {r}");
+                        }
                         continue;
                     }
                     let sc = col.iter().fold(0f32, |m, v| m.max(v.abs())) / divisor;
-                    assert_eq!(got.scales[si].to_bits(), sc.to_bits(), "group {g} column {j}: scale");
+                    assert_eq!(got.scales[si].to_bits(), sc.to_bits(), "{what}: scale");
                     for (r, &v) in col.iter().enumerate() {
                         let k = if sc == 0.0 { 0.0 } else { (v / sc).round_ties_even().clamp(lo, hi) };
-                        assert_eq!(got.codes[(g * gsz + r) * n_out + j], (k + offset) as u8, "bits {bits} group {g} row {r} column {j}");
+                        assert_eq!(code(r), (k + offset) as u8, "{what} row {r}");
                     }
                 }
             }
