@@ -105,3 +105,60 @@ fn check_packed_codes(rows: usize, cols: usize, edges: &[usize]) {
         }
     }
 }
+
+/// A flat kernel indexed `i % C` and `i / C` (a bias broadcast over rows of C, read by a kernel
+/// whose result is reshaped flat) runs as rows of C (`llvm/loops.rs`'s `row_modulus`), the two
+/// read off the row loop: every split of it, at and around the row edges, agrees with the
+/// kernel-IR evaluator exactly; so does a kernel whose two moduli differ, which runs flat.
+#[test]
+fn a_flat_space_indexed_modulo_a_row_runs_by_rows() {
+    use qatc_ir::DType;
+    use qatc_kernels::kir::{BinOp, Body, Expr, Ix, Kernel, Param, Space, Stmt, Ty};
+    use qatc_runtime::cpu::{KirEval, Launcher};
+
+    let (rows, c) = (3usize, 40usize);
+    let n = rows * c;
+    let param = |name: &str, shape: &[usize], write| Param { name: name.into(), dtype: DType::F32, shape: shape.to_vec(), write };
+    let load = |p: usize, i: Expr| Expr::Load { param: p, index: Box::new(i) };
+    let elem = || Expr::Ix(Ix::Elem);
+    let kernel = |second: i64| {
+        // out[i] = x[i] * b[i % C] + (i / C) + b[i % second]
+        let value = Expr::bin(
+            BinOp::Add,
+            Expr::bin(
+                BinOp::Add,
+                Expr::bin(BinOp::Mul, load(0, elem()), load(1, Expr::bin(BinOp::Rem, elem(), Expr::Int(c as i64)))),
+                Expr::Cast(Ty::F32, Box::new(Expr::bin(BinOp::Div, elem(), Expr::Int(c as i64)))),
+            ),
+            load(1, Expr::bin(BinOp::Rem, elem(), Expr::Int(second))),
+        );
+        Kernel {
+            family: "pointwise".into(),
+            params: vec![param("x", &[n], false), param("b", &[c], false), param("out", &[n], true)],
+            index_ty: Ty::I32,
+            body: Body::Loops { space: Space::Elements { shape: vec![n] }, stmts: vec![Stmt::Store { param: 2, index: elem(), value }] },
+            note: String::new(),
+            names: Default::default(),
+        }
+    };
+    // one modulus (rows of 40), and two (40 and 8: flat)
+    let kernels = [kernel(c as i64), kernel(8)];
+    let jit = qatc_kernels::llvm::Jit::compile(&kernels).expect("compiles");
+    let eval = KirEval::new(&kernels);
+    let mut x: Vec<f32> = (0..n).map(|i| 0.25 + i as f32 * 0.5).collect();
+    let mut b: Vec<f32> = (0..c).map(|i| 1.0 - i as f32 * 0.125).collect();
+    let edges = [0, 1, 7, 39, 40, 41, 79, 80, 81, 100, 119, 120];
+    for k in 0..kernels.len() {
+        for &start in &edges {
+            for &end in edges.iter().filter(|&&e| e >= start) {
+                let (mut got, mut want) = (vec![-1.0f32; n], vec![-1.0f32; n]);
+                for (l, out) in [(&jit as &dyn Launcher, &mut got), (&eval as &dyn Launcher, &mut want)] {
+                    let args = [x.as_mut_ptr().cast::<u8>(), b.as_mut_ptr().cast::<u8>(), out.as_mut_ptr().cast::<u8>()];
+                    // SAFETY: one pointer per param, each to a live buffer of the param's size.
+                    unsafe { l.launch(k, &args, start, end) }.expect("runs");
+                }
+                assert_eq!(got, want, "kernel {k}, elements {start}..{end}");
+            }
+        }
+    }
+}

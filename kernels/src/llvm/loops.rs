@@ -27,9 +27,24 @@ pub fn emit(f: &mut FnBuilder, space: &Space, stmts: &[Stmt]) -> R<()> {
     let it = f.index_ty();
     let start = f.b.build_int_truncate_or_bit_cast(f.start, it, "start")?;
     let end = f.b.build_int_truncate_or_bit_cast(f.end, it, "end")?;
-    let mut em = Scope { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new(), nibbles: HashMap::new() };
+    let mut em = Scope { env: TypeEnv::of(stmts), ix: HashMap::new(), vars: HashMap::new(), nibbles: HashMap::new(), modulus: None };
+    // a flat space indexed `i % C` (a broadcast over rows of C: a bias read by a kernel whose
+    // result is reshaped flat) runs as rows of C, `i % C` and `i / C` read off the row loop
+    let modulus = match space {
+        Space::Elements { shape } => row_modulus(shape, stmts),
+        Space::Rows { .. } => None,
+    };
+    let shape_of_rows;
+    let space = match (space, modulus) {
+        (Space::Elements { shape }, Some(m)) => {
+            em.modulus = Some(m);
+            shape_of_rows = Space::Elements { shape: vec![shape[0] / m as usize, m as usize] };
+            &shape_of_rows
+        }
+        _ => space,
+    };
     match space {
-        Space::Elements { shape } if (0..shape.len()).any(|d| f.k.uses_ix(Ix::Coord(d as u8))) => {
+        Space::Elements { shape } if modulus.is_some() || (0..shape.len()).any(|d| f.k.uses_ix(Ix::Coord(d as u8))) => {
             // Coordinates by division are not affine in the element index, and LLVM vectorizes
             // such a loop only within one row. So: a loop over the rows the range touches, the
             // leading coordinates computed once per row, and inside it a loop over the row's
@@ -50,7 +65,7 @@ pub fn emit(f: &mut FnBuilder, space: &Space, stmts: &[Stmt]) -> R<()> {
                 let next = f.b.build_int_add(base, c(d_len), "row1")?;
                 let hi = f.b.build_select(f.b.build_int_compare(IntPredicate::SLT, end, next, "lt")?, end, next, "hi")?.into_int_value();
                 for (d, (&dim, &st)) in shape.iter().zip(&strides).enumerate().take(last) {
-                    if f.k.uses_ix(Ix::Coord(d as u8)) {
+                    if modulus.is_some() || f.k.uses_ix(Ix::Coord(d as u8)) {
                         // element stride st = row stride (st / d_len) rows
                         let mut cd = f.b.build_int_unsigned_div(r, c((st as u64 / d_len).max(1)), "c")?;
                         if d != 0 {
@@ -68,6 +83,24 @@ pub fn emit(f: &mut FnBuilder, space: &Space, stmts: &[Stmt]) -> R<()> {
             em.stmts(f, stmts)
         }),
     }
+}
+
+/// C where a flat Elements space of n elements is indexed `Elem % C` (and maybe `Elem / C`) for
+/// one C that divides n, at least 8 (a row LLVM vectorizes), and no coordinates: the kernel
+/// then runs as n / C rows of C. Element by element, `i % C` makes every load it indexes a
+/// gather (a bias broadcast over a flattened GELU: 16 scalar loads per vector).
+fn row_modulus(shape: &[usize], stmts: &[Stmt]) -> Option<i64> {
+    let [n] = *shape else { return None };
+    let (mut found, mut other) = (None::<i64>, false);
+    crate::kir::visit_exprs(stmts, &mut |e| match e {
+        Expr::Ix(Ix::Coord(_)) => other = true,
+        Expr::Bin(BinOp::Rem | BinOp::Div, a, b) if **a == Expr::Ix(Ix::Elem) => match **b {
+            Expr::Int(c) if found.is_none_or(|m| m == c) => found = Some(c),
+            _ => other = true,
+        },
+        _ => {}
+    });
+    found.filter(|&c| !other && c >= 8 && n % c as usize == 0)
 }
 
 /// The packed 4-bit params the kernel loads at its own element index (`Ix::Elem`).
@@ -95,6 +128,9 @@ struct Scope<'ctx> {
     vars: HashMap<VarId, BasicValueEnum<'ctx>>,
     /// Codes of packed 4-bit params at the current element, already unpacked (`elements`).
     nibbles: HashMap<usize, IntValue<'ctx>>,
+    /// C of a flat space run as rows of C (`row_modulus`): `Elem % C` is `Coord(1)`, `Elem / C`
+    /// is `Coord(0)`.
+    modulus: Option<i64>,
 }
 
 impl<'ctx> Scope<'ctx> {
@@ -412,6 +448,13 @@ impl<'ctx> Scope<'ctx> {
                 (v, t)
             }
             Expr::Bool(b) => (f.cx.bool_type().const_int(u64::from(*b), false).into(), Ty::Bool),
+            Expr::Bin(op @ (BinOp::Rem | BinOp::Div), a, b)
+                if **a == Expr::Ix(Ix::Elem) && self.modulus.is_some_and(|m| **b == Expr::Int(m)) =>
+            {
+                let ix = Ix::Coord(if *op == BinOp::Rem { 1 } else { 0 });
+                let v = self.ix.get(&ix).copied().ok_or_else(|| KernelError::Internal(format!("{}: {ix:?} outside its row", f.name)))?;
+                (v.into(), f.k.index_ty)
+            }
             Expr::Ix(ix) => {
                 let v =
                     self.ix.get(ix).copied().ok_or_else(|| KernelError::Internal(format!("{}: {ix:?} used outside its loop", f.name)))?;
