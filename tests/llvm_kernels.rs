@@ -47,7 +47,7 @@ fn every_kernel_of_the_gpt2_124m_step_compiles() {
 }
 
 /// A kernel that loads packed 4-bit codes at its own element index unpacks them a block of
-/// elements at a time (`llvm/loops.rs`'s `UNPACK`, 512), with one element before the blocks and
+/// elements at a time (`llvm/space.rs`'s `UNPACK`, 512), with one element before the blocks and
 /// one after when its range starts or ends on an odd element. Every split of a [3, 5]
 /// dequantization (odd rows, so rows start on odd elements), and of the same without
 /// coordinates, agrees with the kernel-IR evaluator exactly; so do splits of a [3, 1101] one
@@ -107,7 +107,7 @@ fn check_packed_codes(rows: usize, cols: usize, edges: &[usize]) {
 }
 
 /// A flat kernel indexed `i % C` and `i / C` (a bias broadcast over rows of C, read by a kernel
-/// whose result is reshaped flat) runs as rows of C (`llvm/loops.rs`'s `row_modulus`), the two
+/// whose result is reshaped flat) runs as rows of C (`llvm/space.rs`'s `row_modulus`), the two
 /// read off the row loop: every split of it, at and around the row edges, agrees with the
 /// kernel-IR evaluator exactly; so does a kernel whose two moduli differ, which runs flat.
 #[test]

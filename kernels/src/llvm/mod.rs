@@ -36,6 +36,7 @@ mod math;
 mod objcache;
 mod orc;
 mod scalar;
+mod space;
 
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -51,7 +52,7 @@ pub(crate) fn module<'ctx>(cx: &'ctx Context, k: &Kernel, name: &str) -> Result<
     let m = cx.create_module(name);
     let mut f = fb::FnBuilder::new(cx, &m, k, name)?;
     match &k.body {
-        Body::Loops { space, stmts } => loops::emit(&mut f, space, stmts)?,
+        Body::Loops { space, stmts } => space::emit(&mut f, space, stmts)?,
         Body::Attention(a) => attention::emit(&mut f, a)?,
     }
     f.finish()?;
