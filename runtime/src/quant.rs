@@ -155,7 +155,7 @@ struct RowGrid {
 /// absmax / divisor, code = clamp(round_half_even(v / scale)) + offset; asym: scale = (max - min)
 /// / divisor with min <= 0 <= max, zero point clamp(round_half_even(-min / scale)), code =
 /// clamp(round_half_even(v / scale) + zero); a group with a NaN or an infinity gets a NaN scale,
-/// zero point and codes 0), in loops over contiguous rows that vectorize. Column by column it
+/// a zero point of 0 and codes 0), in loops over contiguous rows that vectorize. Column by column it
 /// read w strided and rounded through libm's `rintf`, a call per element: about 1.7 s of the
 /// 124M step's build.
 fn quantize_rows(w: &[f32], q: &mut Quantized, gsz: usize, grid: RowGrid) {
