@@ -104,59 +104,55 @@ fn attention_on_stored_16bit_values_gives_the_same_bits() {
 /// The lowering on stored values against the one on f32 copies, with a kernel per gradient or
 /// one backward per layer (`LowerOptions::attention_one_backward`, the CPU's).
 fn check(tr: &Trainer, what: &str, half: DType, one_backward: bool) {
-    {
-        {
-            let plain = LowerOptions { attention_one_backward: one_backward, ..Default::default() };
-            let stored = LowerOptions { attention_reads_stored: true, ..plain.clone() };
-            let plain = qatc_kernels::lower_with(&tr.graph, &plain).expect("lowers");
-            let flagged = qatc_kernels::lower_with(&tr.graph, &stored).expect("lowers");
-            let attention: Vec<_> = flagged
-                .kernels
-                .iter()
-                .filter_map(|k| match &k.body {
-                    Body::Attention(a) => Some((k, a)),
-                    _ => None,
-                })
-                .collect();
-            assert!(!attention.is_empty(), "{what}: attention kernels");
-            for (k, a) in &attention {
-                let r = a.part.roles();
-                for i in [Some(r.q), Some(r.k), r.v, r.dout].into_iter().flatten() {
-                    assert_eq!(k.params[i].dtype, half, "{what}: {:?} reads param {} stored", a.part, k.params[i].name);
-                }
-                assert_eq!(k.params[r.lse].dtype, DType::F32, "{what}: lse stays f32");
-            }
-            let (copies_before, copies_after) = (copies(&plain), copies(&flagged));
-            let (heads_before, heads_after) = (f32_heads(&plain), f32_heads(&flagged));
-            let (launches_before, launches_after) = (plain.launches(), flagged.launches());
-            eprintln!(
-                "{what}: {launches_before} -> {launches_after} launches, copy launches {copies_before} -> {copies_after}, \
-                 f32 [B, NH, T, hs] temporaries {heads_before} -> {heads_after}"
-            );
-            assert!(copies_before > 0 && heads_before > 0, "{what}: the f32 lowering copies (else this test checks nothing)");
-            // one backward per layer leaves the copies of the (at most) two gradients its later
-            // nodes take
-            let layers = flagged
-                .steps
-                .iter()
-                .filter(|s| {
-                    matches!(s, Step::Launch { kernel, .. }
-                    if matches!(&flagged.kernels[*kernel].body, Body::Attention(a) if a.part == AttentionPart::Backward))
-                })
-                .count();
-            assert_eq!(layers > 0, one_backward, "{what}: one backward per layer where asked");
-            let kept = copies_after;
-            assert!(kept <= 2 * layers, "{what}: {kept} copy launches, at most two a layer");
-            assert_eq!(heads_after, 0, "{what}: no f32 [B, NH, T, hs] temporaries");
-            assert_eq!(launches_before - launches_after, copies_before - kept, "{what}: the copies are the only launches gone");
-            let (want, got) = (run(plain, tr), run(flagged, tr));
-            for (s, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g.len(), w.len(), "{what}: the same outputs");
-                for (name, wv) in w {
-                    assert!(common::bits(&g[name]) == common::bits(wv), "{what}, step {s}: {name} differs");
-                }
-            }
-            eprintln!("{what}: {} outputs of 2 steps bit for bit", want[0].len());
+    let plain = LowerOptions { attention_one_backward: one_backward, ..Default::default() };
+    let stored = LowerOptions { attention_reads_stored: true, ..plain.clone() };
+    let plain = qatc_kernels::lower_with(&tr.graph, &plain).expect("lowers");
+    let flagged = qatc_kernels::lower_with(&tr.graph, &stored).expect("lowers");
+    let attention: Vec<_> = flagged
+        .kernels
+        .iter()
+        .filter_map(|k| match &k.body {
+            Body::Attention(a) => Some((k, a)),
+            _ => None,
+        })
+        .collect();
+    assert!(!attention.is_empty(), "{what}: attention kernels");
+    for (k, a) in &attention {
+        let r = a.part.roles();
+        for i in [Some(r.q), Some(r.k), r.v, r.dout].into_iter().flatten() {
+            assert_eq!(k.params[i].dtype, half, "{what}: {:?} reads param {} stored", a.part, k.params[i].name);
+        }
+        assert_eq!(k.params[r.lse].dtype, DType::F32, "{what}: lse stays f32");
+    }
+    let (copies_before, copies_after) = (copies(&plain), copies(&flagged));
+    let (heads_before, heads_after) = (f32_heads(&plain), f32_heads(&flagged));
+    let (launches_before, launches_after) = (plain.launches(), flagged.launches());
+    eprintln!(
+        "{what}: {launches_before} -> {launches_after} launches, copy launches {copies_before} -> {copies_after}, \
+         f32 [B, NH, T, hs] temporaries {heads_before} -> {heads_after}"
+    );
+    assert!(copies_before > 0 && heads_before > 0, "{what}: the f32 lowering copies (else this test checks nothing)");
+    // one backward per layer leaves the copies of the (at most) two gradients its later
+    // nodes take
+    let layers = flagged
+        .steps
+        .iter()
+        .filter(|s| {
+            matches!(s, Step::Launch { kernel, .. }
+            if matches!(&flagged.kernels[*kernel].body, Body::Attention(a) if a.part == AttentionPart::Backward))
+        })
+        .count();
+    assert_eq!(layers > 0, one_backward, "{what}: one backward per layer where asked");
+    let kept = copies_after;
+    assert!(kept <= 2 * layers, "{what}: {kept} copy launches, at most two a layer");
+    assert_eq!(heads_after, 0, "{what}: no f32 [B, NH, T, hs] temporaries");
+    assert_eq!(launches_before - launches_after, copies_before - kept, "{what}: the copies are the only launches gone");
+    let (want, got) = (run(plain, tr), run(flagged, tr));
+    for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: the same outputs");
+        for (name, wv) in w {
+            assert!(common::bits(&g[name]) == common::bits(wv), "{what}, step {s}: {name} differs");
         }
     }
+    eprintln!("{what}: {} outputs of 2 steps bit for bit", want[0].len());
 }

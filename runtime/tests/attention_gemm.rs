@@ -122,6 +122,19 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     e / m.max(1e-30)
 }
 
+/// Backward parts read the reference's lse and delta (buffers 2 and 3), so each part is checked
+/// alone: `got` takes `want`'s, but for those `part` writes itself, zeroed.
+fn reference_stats(part: AttentionPart, got: &mut [Vec<f32>], want: &[Vec<f32>]) {
+    got[2] = want[2].clone();
+    got[3] = want[3].clone();
+    if matches!(part, AttentionPart::Forward | AttentionPart::Lse) {
+        got[2].fill(0.0);
+    }
+    if part == AttentionPart::BackwardDelta {
+        got[3].fill(0.0);
+    }
+}
+
 fn check(d: Dims) {
     check_with(&d, None);
     match qatc_runtime::cpu::onednn::load(qatc_runtime::cpu::onednn::ONEDNN) {
@@ -147,15 +160,7 @@ fn check_with(d: &Dims, onednn: Option<std::sync::Arc<qatc_runtime::cpu::onednn:
             assert_eq!(&want[5..7], &separate[..2], "Backward's dq and dk are BackwardQ's and BackwardKV's");
             assert_eq!(want[7], separate[2], "Backward's dv is BackwardKV's");
         }
-        // backward parts read the reference's lse and delta, so each part is checked alone
-        got[2] = want[2].clone();
-        got[3] = want[3].clone();
-        if matches!(part, Forward | Lse) {
-            got[2].fill(0.0);
-        }
-        if *part == BackwardDelta {
-            got[3].fill(0.0);
-        }
+        reference_stats(*part, &mut got, &want);
         launch(&fast, i, &mut got, &kernels[i].1, &d, 2);
         for (p, &b) in kernels[i].1.iter().enumerate() {
             if kernels[i].0.params[p].write {
@@ -243,14 +248,7 @@ fn check_16bit(d: Dims, half: DType) {
     let ulp = if half == DType::BF16 { 2f64.powi(-8) } else { 2f64.powi(-11) };
     for (i, part) in parts.iter().enumerate() {
         launch(&slow, i, &mut want, &kernels[i].1, &d, 1);
-        got[2] = want[2].clone();
-        got[3] = want[3].clone();
-        if matches!(part, Forward | Lse) {
-            got[2].fill(0.0);
-        }
-        if *part == BackwardDelta {
-            got[3].fill(0.0);
-        }
+        reference_stats(*part, &mut got, &want);
         launch(&fast, i, &mut got, &kernels[i].1, &d, 2);
         for (p, &b) in kernels[i].1.iter().enumerate() {
             if kernels[i].0.params[p].write {

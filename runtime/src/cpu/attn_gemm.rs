@@ -375,6 +375,14 @@ impl Head<'_> {
     }
 }
 
+/// A head's T rows of hs elements, at row stride `rs`, as (first row, elements) runs: one run
+/// where the rows are contiguous, else one a row.
+fn runs(a: &Attention, rs: usize) -> impl Iterator<Item = (usize, usize)> {
+    let (t, hs) = (a.t, a.hs);
+    let rows = if rs == hs { t.max(1) } else { 1 };
+    (0..t).step_by(rows).map(move |r| (r, rows * hs))
+}
+
 /// Whether `GemmAttention` runs kernel `k` of attention `a`: every param a float, lse and delta
 /// f32 (the views of 16-bit q, k, v, dout and results are staged through f32 rows).
 fn takes(a: &Attention, k: &Kernel) -> bool {
@@ -475,12 +483,10 @@ impl<L> GemmAttention<L> {
                 // SAFETY: lse and delta hold B*NH*T floats; this head's T start at bh * T.
                 Ok(unsafe { base.cast::<f32>().add(bh * a.t) })
             };
-            // the 16-bit operands' rows, widened (in one run where the head's rows are contiguous)
+            // the 16-bit operands' rows, widened
             for (i, &p) in staged.iter().enumerate().filter(|&(_, &p)| !written(p)) {
                 let (ptr, rs) = view(p)?;
-                let rows = if rs == a.hs { a.t.max(1) } else { 1 };
-                let run = rows * a.hs;
-                for r in (0..a.t).step_by(rows) {
+                for (r, run) in runs(a, rs) {
                     // SAFETY: rows r.. of the head lie in the buffer; block i of `stage` is T rows
                     // of hs, reached through `stage_ptr` alone while the heads run.
                     unsafe {
@@ -511,9 +517,7 @@ impl<L> GemmAttention<L> {
             // the 16-bit results, rounded once into their buffers
             for (i, &p) in staged.iter().enumerate().filter(|&(_, &p)| written(p)) {
                 let (ptr, rs) = view(p)?;
-                let rows = if rs == a.hs { a.t.max(1) } else { 1 };
-                let run = rows * a.hs;
-                for r in (0..a.t).step_by(rows) {
+                for (r, run) in runs(a, rs) {
                     // SAFETY: as the widening's; results overlap nothing else this launch touches.
                     unsafe {
                         let src = std::slice::from_raw_parts(stage_ptr.add(i * th + r * a.hs), run);
