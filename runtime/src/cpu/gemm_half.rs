@@ -1,7 +1,8 @@
 //! GEMMs with f16/bf16 operands or destination (`--precision bf16|fp16`) on the CPU, accumulating
 //! in f32 as `GemmTypes` says. Where both operands are bf16 and oneDNN runs bf16 natively on this
-//! CPU (`onednn.rs`), it reads them as stored: into c directly when c is f32 without a bias, else
-//! into an f32 tile of c rounded as below. Otherwise the product runs as f32 GEMMs (`gemm::sgemm`: OpenBLAS or the gemm
+//! CPU (`onednn.rs`), it reads them as stored: into c directly when c is f32 without a bias; on
+//! AMX (oneDNN's matmul primitive) into a bf16 c directly too, the library rounding once and
+//! adding the bias before; else into an f32 tile of c rounded as below. Otherwise the product runs as f32 GEMMs (`gemm::sgemm`: OpenBLAS or the gemm
 //! crate) over blocks, each operand's block widened into an f32 scratch just before the library
 //! packs it (an exact conversion), partial products over K summed in an f32 tile of c, and each
 //! finished tile rounded once to nearest even into c, the bias added before that rounding
@@ -221,10 +222,21 @@ unsafe fn run_native(g: &Gemm, lib: &Bf16Gemm, ptr: &impl Fn(usize) -> *mut u8, 
     let mut ct = vec![0f32; if direct { 0 } else { mb * nb }];
     // SAFETY: the caller's contract.
     let bias = unsafe { widened_bias(g, ptr) };
+    let bias_row = g.bias.as_ref().map(|_| bias.as_ptr());
     for i in 0..g.batch() {
         let [oa, ob, oc] = batch_offsets(g, i);
         let (a, b) = (Mat::of(&g.a, g.types.a, ptr(g.a.buf), oa), Mat::of(&g.b, g.types.b, ptr(g.b.buf), ob));
         let c = Mat::of(&g.c, g.types.c, ptr(g.c.buf), oc);
+        if g.types.c == DType::BF16 {
+            // the whole product into bf16 c by the matmul primitive, where there is one (AMX):
+            // rounded (bias added) by the library, no f32 tile
+            // SAFETY: as for the calls below; c is bf16 and the bias row [n] f32.
+            let cp = unsafe { c.base.cast::<u16>().add(c.offset) };
+            // SAFETY: as above.
+            if unsafe { lib.gemm_bf16_out((m, n, k), g.alpha as f32, g.accumulate, bf16_mat(a), bf16_mat(b), bias_row, (cp, c.rs, c.cs)) } {
+                continue;
+            }
+        }
         for m0 in (0..m).step_by(mb) {
             let mm = mb.min(m - m0);
             for n0 in (0..n).step_by(nb) {
@@ -373,8 +385,13 @@ mod tests {
             return;
         };
         let kinds = [(DType::BF16, DType::BF16), (DType::BF16, DType::F32)];
+        let runs = lib.primitive_runs_into_bf16();
         // SAFETY: as above.
         check_half_gemm(&kinds, &|g, ptrs| assert!(unsafe { run_native(g, &lib, &|i| ptrs[i], [64, 48]) }, "oneDNN did not take {g:?}"));
+        // on AMX the bf16 results (bias, accumulation) were the matmul primitive's, rounded by
+        // it: once per transposition of a
+        let want = if lib.units == "AMX-BF16" { 2 } else { 0 };
+        assert_eq!(lib.primitive_runs_into_bf16() - runs, want, "products into bf16 c by the matmul primitive ({})", lib.units);
         // straight into an f32 c: no bias
         // SAFETY: as above.
         check_half_gemm(&kinds[1..], &|g, ptrs| {

@@ -7,7 +7,8 @@
 //!    buffers  -> the ExecPlan's layout: three zeroed allocations, 64-byte aligned (memory.rs)
 //!    Launch   -> 0..iterations(kernel) split over rayon's pool, each range run by a Launcher
 //!    Gemm     -> OpenBLAS or the gemm crate on the views' strides (gemm.rs, blas.rs); bf16 ones
-//!                by oneDNN where the CPU has bf16 units (onednn.rs), other f16/bf16 ones
+//!                by oneDNN where the CPU has bf16 units (onednn.rs; its matmul primitive
+//!                on AMX, onednn_matmul.rs), other f16/bf16 ones
 //!                through f32 tiles (gemm_half.rs); fed a
 //!                dequantized panel at a time when `qatc_kernels::panels` rewrote it
 //!    updates  -> copied over their inputs after the last step
@@ -29,6 +30,7 @@ mod kir_eval;
 mod llvm;
 mod memory;
 pub mod onednn;
+mod onednn_matmul;
 mod options;
 mod program;
 mod scalar;

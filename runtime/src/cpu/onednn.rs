@@ -1,16 +1,19 @@
 //! oneDNN's `dnnl_gemm_bf16bf16f32`, loaded at run time when the library is on the machine
 //! (`make` installs Debian's libdnnl2): bf16 operands, f32 accumulation and f32 result, what
 //! `GemmTypes` says a bf16 GEMM computes. Where the CPU has bf16 dot products (AVX512-BF16's
-//! `vdpbf16ps`, or AMX-BF16 tiles) it runs them on the stored 16-bit operands, about twice the
+//! `vdpbf16ps`; AMX CPUs have them too) it runs them on the stored 16-bit operands, about twice the
 //! f32 GEMM's rate (bench/RESULTS.md: 0.83-0.99 TFLOP/s against OpenBLAS's 0.41-0.47 on the step's
 //! shapes, 2 Zen 5 cores), where the fallback (`gemm_half.rs`) widens them to f32 tiles first.
+//!
+//! On a CPU with AMX-BF16 the products go to the library's matmul primitive instead
+//! (`onednn_matmul.rs`): this GEMM function never runs on AMX tiles.
 //!
 //! The same library's f32 GEMM runs the attention's small per-head products on one thread each
 //! (`attn_gemm.rs`), where it loads.
 //!
 //! Chosen over writing qatc's own `vdpbf16ps` microkernels because it is the library PyTorch's
 //! bf16 autocast itself calls on the CPU (the peer to beat runs the same GEMMs), it already
-//! packs, blocks, threads and picks AMX or AVX512-BF16 by itself, and loading it keeps one binary
+//! packs, blocks, threads and picks its kernels for the CPU by itself, and loading it keeps one binary
 //! for every machine. Used only where the library reports a bf16 ISA
 //! (`dnnl_get_effective_cpu_isa`): elsewhere oneDNN would emulate bf16, and the widening path
 //! with OpenBLAS is the measured one there.
@@ -18,6 +21,8 @@
 use std::sync::{Arc, Mutex};
 
 use libloading::Library;
+
+use super::onednn_matmul::{Matmul, Out, Shape};
 
 /// dnnl_gemm_bf16bf16f32(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc): row-major.
 type GemmBf16 = unsafe extern "C" fn(u8, u8, i64, i64, i64, f32, *const u16, i64, *const u16, i64, f32, *mut f32, i64) -> i32;
@@ -50,6 +55,9 @@ pub struct Bf16Gemm {
     gemm: GemmBf16,
     sgemm: Sgemm,
     set_threads: Option<SetThreads>,
+    /// The matmul primitive, on a CPU with AMX-BF16 (onednn_matmul.rs); the GEMM function above
+    /// runs what it does not take.
+    matmul: Option<Matmul>,
     /// The library's file name, and the units it runs on ("AVX512-BF16" or "AMX-BF16").
     pub name: String,
     pub units: &'static str,
@@ -78,7 +86,8 @@ fn open(name: &str) -> Option<Bf16Gemm> {
         let units = if isa & ISA_AMX == ISA_AMX { "AMX-BF16" } else { "AVX512-BF16" };
         // found among the library's dependencies (libgomp), when it threads with OpenMP
         let set_threads = lib.get::<SetThreads>(b"omp_set_num_threads\0").ok().map(|f| *f);
-        Some(Bf16Gemm { gemm, sgemm, set_threads, name: name.to_string(), units, _lib: lib })
+        let matmul = if units == "AMX-BF16" { Matmul::open(&lib) } else { None };
+        Some(Bf16Gemm { gemm, sgemm, set_threads, matmul, name: name.to_string(), units, _lib: lib })
     }
 }
 
@@ -129,7 +138,47 @@ fn layout<T>(
     Some(Call { m: m as i64, n: n as i64, ta, lda, tb, ldb, ldc: ldc as i64, a: a.0, b: b.0 })
 }
 
+/// The matmul primitive's view of a row-major call.
+fn primitive_shape(l: &Call<u16>, k: usize, threads: i32, alpha: f32, accumulate: bool, out: Out) -> Shape {
+    let strides = |t: u8, ld: i64| if t == b'N' { (ld as usize, 1) } else { (1, ld as usize) };
+    Shape {
+        mnk: (l.m as usize, l.n as usize, k),
+        a: strides(l.ta, l.lda),
+        b: strides(l.tb, l.ldb),
+        c: (l.ldc as usize, 1),
+        threads,
+        alpha: alpha.to_bits(),
+        accumulate,
+        out,
+    }
+}
+
+/// The OpenMP threads a product of these sizes runs on (`ONE_THREAD_MACS`, `ONE_THREAD_K`).
+fn threads_for((m, n, k): (usize, usize, usize)) -> i32 {
+    if m * n * k < ONE_THREAD_MACS || k < ONE_THREAD_K {
+        1
+    } else {
+        rayon::current_num_threads().max(1) as i32
+    }
+}
+
 impl Bf16Gemm {
+    /// Calls the matmul primitive completed into bf16 results (0 without it).
+    #[cfg(test)]
+    pub fn primitive_runs_into_bf16(&self) -> usize {
+        self.matmul.as_ref().map_or(0, Matmul::runs_into_bf16)
+    }
+
+    /// Which of the library's bf16 paths runs the large products: "matmul primitive" (AMX) or
+    /// "GEMM function".
+    pub fn path(&self) -> &'static str {
+        if self.matmul.is_some() {
+            "matmul primitive"
+        } else {
+            "GEMM function"
+        }
+    }
+
     /// Whether [`Bf16Gemm::gemm`] takes a product of these sizes and strides (c's row and column
     /// strides); a sub-block of a matrix it takes is taken too (the same strides, fewer rows or
     /// columns).
@@ -155,16 +204,57 @@ impl Bf16Gemm {
     ) -> bool {
         let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
         let beta = if accumulate { 1.0 } else { 0.0 };
+        let threads = threads_for(mnk);
         if let Some(set) = self.set_threads {
-            let (m, n, k) = mnk;
-            let one = m * n * k < ONE_THREAD_MACS || k < ONE_THREAD_K;
             // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
-            unsafe { set(if one { 1 } else { rayon::current_num_threads().max(1) as i32 }) };
+            unsafe { set(threads) };
+        }
+        if let Some(mm) = &self.matmul {
+            let s = primitive_shape(&l, mnk.2, threads, alpha, accumulate, Out::F32);
+            // SAFETY: the caller's contract; `s` states the same matrices as `l`.
+            if unsafe { mm.run(&s, l.a, l.b, c.0.cast(), std::ptr::null()) } {
+                return true;
+            }
         }
         // SAFETY: the caller's contract; the library reads a and b and writes c within the
         // leading dimensions `layout` checked against the strides.
         let status = unsafe { (self.gemm)(l.ta, l.tb, l.m, l.n, mnk.2 as i64, alpha, l.a, l.lda, l.b, l.ldb, beta, c.0, l.ldc) };
         status == 0
+    }
+
+    /// c = round(alpha a @ b + bias (+ c when `accumulate`)) on bf16 a [m, k] and b [k, n] into
+    /// a bf16 c [m, n] whose rows are contiguous, the f32 sum rounded once to nearest even by the
+    /// matmul primitive (AMX only), the f32 bias row [n] added before. False, nothing written,
+    /// without the primitive, for a layout it does not take, or with both a bias and an alpha
+    /// other than 1 (the primitive's order of the two is not `GemmTypes`'s).
+    ///
+    /// # Safety
+    /// As [`Bf16Gemm::gemm`], c bf16; `bias` [n] f32 when given.
+    #[allow(clippy::too_many_arguments)] // `gemm`'s arguments and the bias row
+    pub unsafe fn gemm_bf16_out(
+        &self,
+        mnk: (usize, usize, usize),
+        alpha: f32,
+        accumulate: bool,
+        a: MatBf16,
+        b: MatBf16,
+        bias: Option<*const f32>,
+        c: (*mut u16, usize, usize),
+    ) -> bool {
+        let Some(mm) = &self.matmul else { return false };
+        if c.2 != 1 || (bias.is_some() && alpha != 1.0) {
+            return false;
+        }
+        let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
+        let threads = threads_for(mnk);
+        if let Some(set) = self.set_threads {
+            // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
+            unsafe { set(threads) };
+        }
+        let s = primitive_shape(&l, mnk.2, threads, alpha, accumulate, Out::Bf16 { bias: bias.is_some() });
+        // SAFETY: the caller's contract; with c's columns contiguous `layout` kept the call as
+        // stated, so `s` describes a, b, c and the bias row as given.
+        unsafe { mm.run(&s, l.a, l.b, c.0.cast(), bias.unwrap_or(std::ptr::null())) }
     }
 
     /// c = alpha a @ b (+ c when `accumulate`) in f32 on the calling thread alone: the
@@ -235,5 +325,41 @@ mod tests {
         }
         // strides with no unit dimension are refused
         assert!(!lib.takes((m, n, k), (a.as_ptr(), 2 * k, 2), b_mat, (n, 1)));
+    }
+
+    /// On a CPU with AMX-BF16 the products go to the matmul primitive's brgemm kernels, not the
+    /// GEMM function: b transposed (the LM head's layout), alpha and accumulation included, every
+    /// value exact (small integers). Elsewhere there is no primitive, and nothing to check.
+    #[test]
+    fn amx_products_run_on_the_matmul_primitive() {
+        let Some(lib) = load(ONEDNN) else {
+            eprintln!("SKIPPED: oneDNN or the CPU's bf16 units missing");
+            return;
+        };
+        let Some(mm) = lib.matmul.as_ref() else {
+            assert_ne!(lib.units, "AMX-BF16", "AMX-BF16 without the matmul primitive");
+            eprintln!("SKIPPED: no AMX-BF16 ({})", lib.units);
+            return;
+        };
+        let (m, n, k) = (64, 96, 128);
+        let a: Vec<u16> = (0..m * k).map(|i| bf((i % 5) as f32 - 2.0)).collect(); // [m, k]
+        let bt: Vec<u16> = (0..n * k).map(|i| bf((i % 3) as f32 - 1.0)).collect(); // b^T, [n, k]
+        let f = |x: u16| f32::from_bits(u32::from(x) << 16);
+        let mut c: Vec<f32> = (0..m * n).map(|i| (i % 4) as f32).collect();
+        let c0 = c.clone();
+        let (a_mat, b_mat) = ((a.as_ptr(), k, 1), (bt.as_ptr(), 1, k));
+        // SAFETY: the matrices are the vectors above, in bounds for these strides.
+        assert!(unsafe { lib.gemm((m, n, k), 0.5, true, a_mat, b_mat, (c.as_mut_ptr(), n, 1)) });
+        let l = layout((m, n, k), a_mat, b_mat, (n, 1)).expect("a layout the library takes");
+        let s = primitive_shape(&l, k, threads_for((m, n, k)), 0.5, true, Out::F32);
+        let (imp, runs) = mm.implementation(&s).expect("the primitive was made for the product");
+        assert!(imp.contains("amx"), "oneDNN chose {imp}");
+        assert_eq!(runs, 1, "the product ran on the matmul primitive");
+        for i in 0..m {
+            for j in 0..n {
+                let want = c0[i * n + j] + 0.5 * (0..k).map(|p| f(a[i * k + p]) * f(bt[j * k + p])).sum::<f32>();
+                assert_eq!(c[i * n + j], want, "({i}, {j})");
+            }
+        }
     }
 }

@@ -190,10 +190,11 @@ impl CpuProgram {
         self.libs.blas.as_deref().map(|b| b.name.as_str())
     }
 
-    /// The library the bf16 GEMMs go to and the units it runs them on ("AVX512-BF16",
-    /// "AMX-BF16"), if one loaded (only for a program with bf16 GEMMs, on a CPU with such units).
-    pub fn bf16_gemm(&self) -> Option<(&str, &str)> {
-        self.libs.bf16.as_deref().map(|b| (b.name.as_str(), b.units))
+    /// The library the bf16 GEMMs go to, the units it runs them on ("AVX512-BF16", "AMX-BF16")
+    /// and its path ("matmul primitive", "GEMM function"), if one loaded (only for a program
+    /// with bf16 GEMMs, on a CPU with such units).
+    pub fn bf16_gemm(&self) -> Option<(&str, &str, &str)> {
+        self.libs.bf16.as_deref().map(|b| (b.name.as_str(), b.units, b.path()))
     }
 
     /// Where buffer `b` is in memory, measured from the addresses the steps are given: its region
