@@ -300,3 +300,41 @@ fn eval_measures_post_training_quantization_at_the_starting_scales() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--scale-init needs --scales learned"), "{err}");
 }
+
+/// `--precision auto` says what it chose and why: bf16 exactly where this CPU's bf16 GEMMs run on
+/// AMX tiles (oneDNN's matmul primitive loads), fp32 elsewhere and on the interpreter; the run's
+/// saved configuration holds the choice. On the GPU it is refused, exit code 2.
+#[test]
+fn precision_auto_chooses_bf16_where_amx_runs_the_gemms() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::root().join("examples/gpt2-shakespeare-small/model.safetensors");
+    let d = common::root().join("examples/shakespeare_train.bin");
+    let amx = qatc_runtime::cpu::onednn::bf16_runs_on_amx(qatc_runtime::cpu::onednn::ONEDNN);
+    // the same answer from the machine itself: AMX-BF16 in /proc/cpuinfo and oneDNN installed
+    let cpu_has = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|f| f == "amx_bf16"));
+    let installed = std::path::Path::new("/usr/lib/x86_64-linux-gnu/libdnnl.so.2").exists();
+    assert_eq!(amx, cpu_has && installed, "AMX-BF16 in /proc/cpuinfo: {cpu_has}, oneDNN installed: {installed}");
+    for (interpreter, want) in [(false, if amx { "bf16" } else { "fp32" }), (true, "fp32")] {
+        let out = dir.path().join(format!("auto-{interpreter}"));
+        let mut args = vec!["train", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--batch", "2", "--seq", "32", "--steps", "2"];
+        args.extend(["--lora", "r=4", "--precision", "auto", "--device", "cpu", "--out", out.to_str().unwrap()]);
+        if interpreter {
+            args.push("--interpreter");
+        }
+        let (_, err) = run_both(&args);
+        let line = err.lines().find(|l| l.starts_with("qatc: --precision auto: ")).unwrap_or_else(|| panic!("no choice said:\n{err}"));
+        assert!(line.starts_with(&format!("qatc: --precision auto: {want} (")), "{line} (AMX: {amx}, interpreter: {interpreter})");
+        let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("qatc.json")).unwrap()).unwrap();
+        assert_eq!(saved["step"]["precision"]["mode"], want, "the saved configuration");
+    }
+    let gpu_out = dir.path().join("auto-cuda");
+    let out = Command::new(env!("CARGO_BIN_EXE_qatc"))
+        .args(["train", m.to_str().unwrap(), "--data", d.to_str().unwrap(), "--steps", "1", "--precision", "auto", "--device", "cuda"])
+        .args(["--lora", "r=4", "--out", gpu_out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--precision auto chooses for the CPU"), "{err}");
+    assert!(!gpu_out.exists(), "nothing written for a refused run");
+}

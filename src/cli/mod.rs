@@ -157,9 +157,10 @@ pub struct StepArgs {
     #[arg(long)]
     pub no_fuse: bool,
     /// Storage type of activations, gradients and GEMM operands: fp32, bf16 (f32 master weights),
-    /// or fp16 (f32 masters and dynamic loss scaling).
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
+    /// fp16 (f32 masters and dynamic loss scaling), or auto (the faster of fp32 and bf16 on this
+    /// CPU).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Fp32)]
+    pub precision: PrecisionArg,
     /// Data-parallel ranks N: the step is one rank's program, of --batch rows each (a global
     /// batch of N x B), its gradients averaged over the ranks (`qatc plan` and `dump` lay it
     /// out; `mpirun -np N qatc train` runs it on the CPU, where --ranks may be left out).
@@ -213,6 +214,20 @@ pub fn driver_options(interpreter: bool, cpu: qatc_runtime::CpuOptions, kernel_c
     qatc_driver::Options { interpreter, cpu, kernel_cache, ..qatc_driver::Options::default() }
 }
 
+/// `--precision`: a storage type, or the faster one on this CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrecisionArg {
+    /// Everything in f32.
+    #[default]
+    Fp32,
+    /// bfloat16 storage, f32 master weights and accumulation.
+    Bf16,
+    /// IEEE half storage, f32 masters, dynamic loss scaling.
+    Fp16,
+    /// bf16 where this CPU's bf16 GEMMs run on AMX tiles, else fp32 (CPU only).
+    Auto,
+}
+
 /// Where and how the step runs (train's `--device`, `--interpreter` and GPU settings; the
 /// defaults elsewhere).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -238,7 +253,7 @@ impl StepArgs {
             batch: self.batch,
             seq: self.seq,
             grad_accum: self.grad_accum,
-            precision: PrecisionConfig { mode: self.precision },
+            precision: PrecisionConfig { mode: self.resolved_precision(placement)?.0 },
             optim: OptimConfig { kind: self.optim, beta1, beta2, eps: defaults.eps, weight_decay: self.weight_decay, clip: self.clip },
             checkpoint: self.checkpoint_policy(placement)?,
             fuse: !self.no_fuse,
@@ -250,6 +265,37 @@ impl StepArgs {
         };
         step.check().map_err(anyhow::Error::msg)?;
         Ok(RunConfig { version: config::VERSION, model, step: Some(step), train: None })
+    }
+
+    /// The precision `--precision` names, `auto` resolved for the target the step would run on,
+    /// with a line saying why for `auto`. Auto is bf16 where this CPU's bf16 GEMMs run on AMX
+    /// tiles (oneDNN's matmul primitive), fp32 elsewhere: measured, the demo's step ran
+    /// 1.3-1.5x faster in bf16 on an AMX Xeon and no faster on a Zen 5 with AVX512-BF16 alone,
+    /// and 124M's ran 2.2x faster on the former (bench/RESULTS.md). Not for the GPU: nothing
+    /// has been measured there.
+    pub fn resolved_precision(&self, placement: Placement) -> anyhow::Result<(Precision, Option<String>)> {
+        let named = match self.precision {
+            PrecisionArg::Fp32 => Precision::Fp32,
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Fp16 => Precision::Fp16,
+            PrecisionArg::Auto => {
+                let target = qatc_driver::planned_target(placement.device.kind(), placement.interpreter);
+                if target.is_cuda() {
+                    anyhow::bail!("--precision auto chooses for the CPU; name fp32, bf16 or fp16 for a step on the GPU");
+                }
+                let lib = qatc_runtime::CpuOptions::default().bf16_gemm;
+                let amx = !placement.interpreter && lib.as_deref().is_some_and(qatc_runtime::cpu::onednn::bf16_runs_on_amx);
+                let (p, why) = if amx {
+                    (Precision::Bf16, "this CPU's bf16 GEMMs run on AMX tiles")
+                } else if placement.interpreter {
+                    (Precision::Fp32, "the reference interpreter")
+                } else {
+                    (Precision::Fp32, "no AMX-BF16 tiles for bf16 GEMMs here (or no oneDNN)")
+                };
+                return Ok((p, Some(format!("--precision auto: {} ({why})", p.name()))));
+            }
+        };
+        Ok((named, None))
     }
 
     /// The step's options for these flags (through `config`).

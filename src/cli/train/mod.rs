@@ -192,7 +192,11 @@ impl Args {
         let no_variants = self.no_variant.iter().copied().collect();
         let cuda =
             qatc_driver::CudaSettings { tf32: self.tf32, no_graph: self.no_cuda_graph, general_kernels: self.general_kernels, no_variants };
-        let mut c = self.step.config(model, Placement { device: self.device, interpreter: self.interpreter, cuda })?;
+        let placement = Placement { device: self.device, interpreter: self.interpreter, cuda };
+        let mut c = self.step.config(model, placement)?;
+        if let (_, Some(why)) = self.step.resolved_precision(placement)? {
+            eprintln!("qatc: {why}");
+        }
         let learned = c.model.quant.as_ref().is_some_and(|q| q.scales == Scales::Learned);
         let train = TrainConfig {
             data: config::absolute(data),
