@@ -271,7 +271,7 @@ impl StepArgs {
     /// with a line saying why for `auto`. Auto is bf16 where this CPU's bf16 GEMMs run on AMX
     /// tiles (oneDNN's matmul primitive), fp32 elsewhere: measured, the demo's step ran
     /// 1.3-1.5x faster in bf16 on an AMX Xeon and no faster on a Zen 5 with AVX512-BF16 alone,
-    /// and 124M's ran 2.2x faster on the former (bench/RESULTS.md). Not for the GPU: nothing
+    /// and 124M's 1.6-2.2x faster on the former (bench/RESULTS.md). Not for the GPU: nothing
     /// has been measured there.
     pub fn resolved_precision(&self, placement: Placement) -> anyhow::Result<(Precision, Option<String>)> {
         let named = match self.precision {

@@ -2,11 +2,11 @@
 //! in f32 as `GemmTypes` says. Where both operands are bf16 and oneDNN runs bf16 natively on this
 //! CPU (`onednn.rs`), it reads them as stored: into c directly when c is f32 without a bias; on
 //! AMX (oneDNN's matmul primitive) into a bf16 c directly too, the library rounding once and
-//! adding the bias before; else into an f32 tile of c rounded as below. Otherwise the product runs as f32 GEMMs (`gemm::sgemm`: OpenBLAS or the gemm
-//! crate) over blocks, each operand's block widened into an f32 scratch just before the library
-//! packs it (an exact conversion), partial products over K summed in an f32 tile of c, and each
-//! finished tile rounded once to nearest even into c, the bias added before that rounding
-//! (cuBLASLt's epilogue does the same).
+//! adding the bias before; else into an f32 tile of c rounded as below. Otherwise the product
+//! runs as f32 GEMMs (`gemm::sgemm`: OpenBLAS or the gemm crate) over blocks, each operand's
+//! block widened into an f32 scratch just before the library packs it (an exact conversion),
+//! partial products over K summed in an f32 tile of c, and each finished tile rounded once to
+//! nearest even into c, the bias added before that rounding (cuBLASLt's epilogue does the same).
 //!
 //! ```text
 //! for each tile of c, [MB rows, NB columns]:

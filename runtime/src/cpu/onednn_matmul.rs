@@ -6,10 +6,11 @@
 //! bench/RESULTS.md): 256x2304x768 810-1375 GFLOP/s against the GEMM function's 357-408, the LM
 //! head's 256x50257x768 with b transposed 955-1062 against 265-426.
 //!
-//! A primitive is made per shape, strides, thread count, alpha and accumulation, which is slow
-//! (milliseconds) but happens once per process for the step's few dozen shapes: they are cached.
-//! Where oneDNN would run a shape on anything but its brgemm kernels (odd strides, tiny sizes),
-//! the cache remembers a refusal and the caller uses the GEMM function.
+//! A primitive is made per shape, strides, thread count, alpha, accumulation and result type
+//! (f32, or bf16 with or without a bias), which is slow (milliseconds) but happens once per
+//! process for the step's few dozen shapes: they are cached. Where oneDNN would run a shape on
+//! anything but its brgemm kernels (odd strides, tiny sizes), the cache remembers a refusal and
+//! the caller falls back: to the GEMM function, or to f32 tiles for a bf16 result.
 //!
 //! The descriptors are opaque buffers sized past the 2.x headers' structs (`dnnl_memory_desc_t`
 //! 696 bytes, `dnnl_matmul_desc_t` 2800 on Debian 12's oneDNN 2.6.3; `DNNL_MAX_NDIMS` fixes both
