@@ -192,6 +192,17 @@ impl Bf16Gemm {
         layout(mnk, a, b, c).is_some()
     }
 
+    /// Sets the calling thread's OpenMP thread count for a product of these sizes
+    /// ([`threads_for`]) and returns it.
+    fn use_threads_for(&self, mnk: (usize, usize, usize)) -> i32 {
+        let threads = threads_for(mnk);
+        if let Some(set) = self.set_threads {
+            // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
+            unsafe { set(threads) };
+        }
+        threads
+    }
+
     /// c = alpha a @ b (+ c when `accumulate`) on bf16 a [m, k] and b [k, n] into f32 c [m, n];
     /// false (nothing done) when the layout is not one the library takes ([`Bf16Gemm::takes`])
     /// or the library refuses the call.
@@ -210,11 +221,7 @@ impl Bf16Gemm {
     ) -> bool {
         let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
         let beta = if accumulate { 1.0 } else { 0.0 };
-        let threads = threads_for(mnk);
-        if let Some(set) = self.set_threads {
-            // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
-            unsafe { set(threads) };
-        }
+        let threads = self.use_threads_for(mnk);
         if let Some(mm) = &self.matmul {
             let s = primitive_shape(&l, mnk.2, threads, alpha, accumulate, Out::F32);
             // SAFETY: the caller's contract; `s` states the same matrices as `l`.
@@ -252,11 +259,7 @@ impl Bf16Gemm {
             return false;
         }
         let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
-        let threads = threads_for(mnk);
-        if let Some(set) = self.set_threads {
-            // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
-            unsafe { set(threads) };
-        }
+        let threads = self.use_threads_for(mnk);
         let s = primitive_shape(&l, mnk.2, threads, alpha, accumulate, Out::Bf16 { bias: bias.is_some() });
         // SAFETY: the caller's contract; with c's columns contiguous `layout` kept the call as
         // stated, so `s` describes a, b, c and the bias row as given.
