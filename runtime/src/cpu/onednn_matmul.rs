@@ -192,12 +192,8 @@ impl Matmul {
     /// when `s.out` has one.
     pub unsafe fn run(&self, s: &Shape, a: *const u16, b: *const u16, c: *mut c_void, bias: *const f32) -> bool {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let st = &mut *st;
-        if !st.cache.contains_key(s) {
-            let e = self.make(st.engine, s);
-            st.cache.insert(*s, e);
-        }
-        let Some(Some(e)) = st.cache.get_mut(s) else { return false };
+        let State { engine, stream, cache } = &mut *st;
+        let Some(e) = cache.entry(*s).or_insert_with(|| self.make(*engine, s)) else { return false };
         let f = &self.fns;
         // SAFETY: the memory objects were made for `s`'s descriptors; the caller's contract makes
         // the pointers valid for them; the primitive runs to completion before `stream_wait`
@@ -217,7 +213,7 @@ impl Matmul {
                 ExecArg { arg: ARG_BIAS, memory: e.bias },
             ];
             let nargs = if e.bias.is_null() { 3 } else { 4 };
-            let done = (f.execute)(e.prim, st.stream, nargs, args.as_ptr()) == 0 && (f.stream_wait)(st.stream) == 0;
+            let done = (f.execute)(e.prim, *stream, nargs, args.as_ptr()) == 0 && (f.stream_wait)(*stream) == 0;
             e.runs += usize::from(done);
             done
         }
