@@ -162,3 +162,73 @@ fn a_flat_space_indexed_modulo_a_row_runs_by_rows() {
         }
     }
 }
+
+/// The backend's inline exp and tanh (`llvm/math.rs`: Cephes' polynomials, their multiply-adds
+/// fused where the CPU has FMA) against libm's, over every range the step's kernels meet (the
+/// softmaxes' x - max <= 0, GELU's tanh arguments, the clamps at -104 and 89): within 2 ulp
+/// wherever the result is a normal f32, and the edges exact (exp(0) = 1, exp(-inf) = 0,
+/// exp(+inf) = inf, tanh(0) = 0, tanh(+-20) = +-1, NaN stays NaN). A vector path and its scalar
+/// tail are both exercised (the length is no multiple of any vector width).
+#[test]
+fn inline_exp_and_tanh_are_within_two_ulp_of_libm() {
+    use qatc_ir::DType;
+    use qatc_kernels::kir::{Body, Expr, Ix, Kernel, Param, Space, Stmt, Ty, UnOp};
+    use qatc_runtime::cpu::Launcher;
+
+    let mut xs: Vec<f32> = (0..200_003).map(|i| -104.0 + i as f32 * (193.0 / 200_003.0)).collect();
+    xs.extend((0..20_001).map(|i| -1.0 + i as f32 * 1e-4));
+    xs.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 20.0, -20.0, 1e-30, -1e-30]);
+    let n = xs.len();
+    let param = |name: &str, write| Param { name: name.into(), dtype: DType::F32, shape: vec![n], write };
+    let kernel = |op: UnOp| Kernel {
+        family: "pointwise".into(),
+        params: vec![param("x", false), param("y", true)],
+        index_ty: Ty::I32,
+        body: Body::Loops {
+            space: Space::Elements { shape: vec![n] },
+            stmts: vec![Stmt::Store {
+                param: 1,
+                index: Expr::Ix(Ix::Elem),
+                value: Expr::un(op, Expr::Load { param: 0, index: Box::new(Expr::Ix(Ix::Elem)) }),
+            }],
+        },
+        note: String::new(),
+        names: Default::default(),
+    };
+    let kernels = [kernel(UnOp::Exp), kernel(UnOp::Tanh)];
+    let jit = qatc_kernels::llvm::Jit::compile(&kernels).expect("compiles");
+    let libm: [fn(f32) -> f32; 2] = [f32::exp, f32::tanh];
+    for (k, name) in ["exp", "tanh"].iter().enumerate() {
+        let (mut x, mut y) = (xs.clone(), vec![0f32; n]);
+        let args = [x.as_mut_ptr().cast::<u8>(), y.as_mut_ptr().cast::<u8>()];
+        // SAFETY: one pointer per param, each to a live buffer of n floats.
+        unsafe { jit.launch(k, &args, 0, n) }.expect("runs");
+        let mut worst = 0f64;
+        for (&x, &got) in xs.iter().zip(&y) {
+            let want = libm[k](x);
+            if want.is_nan() {
+                assert!(got.is_nan(), "{name}({x}) = {got}, not NaN");
+                continue;
+            }
+            if !want.is_normal() || want.is_infinite() {
+                assert!(got == want || (got - want).abs() <= f32::MIN_POSITIVE, "{name}({x}) = {got}, libm {want}");
+                continue;
+            }
+            // one unit in the last place of the result: 2^(its exponent - 23)
+            let ulp = f64::from(f32::from_bits(want.to_bits() & 0x7f80_0000)) * f64::from(f32::EPSILON);
+            let err = f64::from(got - want).abs() / ulp;
+            worst = worst.max(err);
+            assert!(err <= 2.0, "{name}({x}) = {got:e}, libm {want:e}: {err:.2} ulp");
+        }
+        let at = |v: f32| xs.iter().rposition(|&x| x.to_bits() == v.to_bits()).expect("in the inputs");
+        let edges: &[(f32, f32)] = if k == 0 {
+            &[(0.0, 1.0), (f32::NEG_INFINITY, 0.0), (f32::INFINITY, f32::INFINITY)]
+        } else {
+            &[(0.0, 0.0), (20.0, 1.0), (-20.0, -1.0), (f32::INFINITY, 1.0), (f32::NEG_INFINITY, -1.0)]
+        };
+        for &(x, want) in edges {
+            assert_eq!(y[at(x)], want, "{name}({x})");
+        }
+        eprintln!("{name}: worst {worst:.2} ulp over {n} arguments");
+    }
+}
