@@ -275,3 +275,49 @@ fn sixteen_bit_buffers_are_staged_through_f32_rows() {
         check_16bit(Dims { b: 1, nh: 2, t: 131, hs: 32 }, half);
     }
 }
+
+/// On a CPU with AMX-BF16, attention over bf16 buffers multiplies on the tile units over the
+/// stored operands (`attn_half.rs`), P and dS rounded to bf16 for the products that take them:
+/// every part within two bf16 units in the last place of the result's largest magnitude of the
+/// evaluator's f32 math (the f32-staged path keeps one), lse and delta within 1e-5 (they come
+/// from f32 scores); f16 buffers keep the f32-staged path. Elsewhere there is nothing to check.
+#[test]
+fn bf16_heads_multiply_on_amx_within_two_ulp() {
+    use AttentionPart::*;
+    let Some(lib) = qatc_runtime::cpu::onednn::load(qatc_runtime::cpu::onednn::ONEDNN).filter(|l| l.on_amx()) else {
+        eprintln!("SKIPPED: no AMX-BF16 (or no oneDNN)");
+        return;
+    };
+    for d in [Dims { b: 2, nh: 3, t: 70, hs: 8 }, Dims { b: 1, nh: 2, t: 131, hs: 32 }, Dims { b: 1, nh: 2, t: 256, hs: 64 }] {
+        let parts = [Forward, Lse, BackwardDelta, BackwardQ, BackwardKV, BackwardV, Backward];
+        let kernels: Vec<(Kernel, Vec<usize>)> = parts.iter().map(|&p| kernel(&d, p, DType::BF16)).collect();
+        let ks: Vec<Kernel> = kernels.iter().map(|k| k.0.clone()).collect();
+        let (slow, fast) = (KirEval::new(&ks), GemmAttention::new(Refuse, &ks).with_onednn(Some(lib.clone())));
+        let f16: Vec<Kernel> = [Forward, Backward].iter().map(|&p| kernel(&d, p, DType::F16).0).collect();
+        let staged = GemmAttention::new(Refuse, &f16).with_onednn(Some(lib.clone()));
+        assert!((0..f16.len()).all(|k| !staged.on_amx(k)), "f16 heads are staged through f32");
+        let lens: Vec<usize> = buffers(&d).iter().map(Vec::len).collect();
+        let (mut want, mut got) = (pack(&buffers(&d), DType::BF16), pack(&buffers(&d), DType::BF16));
+        for (i, part) in parts.iter().enumerate() {
+            assert!(fast.on_amx(i), "{part:?} over bf16 heads multiplies on AMX");
+            launch(&slow, i, &mut want, &kernels[i].1, &d, 1);
+            reference_stats(*part, &mut got, &want);
+            launch(&fast, i, &mut got, &kernels[i].1, &d, 2);
+            for (p, &b) in kernels[i].1.iter().enumerate() {
+                if kernels[i].0.params[p].write {
+                    let stat = matches!(b, 2 | 3);
+                    let (g, w) = if stat {
+                        (got[b].clone(), want[b].clone())
+                    } else {
+                        (unpack(&got[b], lens[b], DType::BF16), unpack(&want[b], lens[b], DType::BF16))
+                    };
+                    let e = rel_err(&g, &w);
+                    let tol = if stat { TOL } else { 2.0 * 2f64.powi(-8) };
+                    eprintln!("AMX bf16 T {} hs {} {part:?}: param {p} within {e:.1e}", d.t, d.hs);
+                    assert!(e <= tol, "AMX bf16 T {} {part:?}: param {p} differs by {e:e}", d.t);
+                    assert!(w.iter().any(|&x| x != 0.0), "{part:?} wrote something");
+                }
+            }
+        }
+    }
+}

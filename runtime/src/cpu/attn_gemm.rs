@@ -23,14 +23,16 @@
 //! computed into another and rounded into the buffer once, at the head's end: the math is the
 //! f32 path's, on the values the kernel-IR evaluator's loads widen and its stores round, with no
 //! f32 copy of a whole tensor in the plan. The scratch is a few [T, hs] per thread, like the
-//! blocks of scores.
+//! blocks of scores. On a CPU with AMX-BF16, bf16 heads are multiplied as stored instead, on the
+//! tile units, with P and dS rounded to bf16 for the products that take them
+//! (`attn_products.rs`): 124M's attention at B 1, T 256 took 39 ms a step instead of 66.
 
 use std::sync::Arc;
 
-use gemm::Parallelism;
 use qatc_ir::DType;
 use qatc_kernels::kir::{Attention, AttentionPart, Body, Kernel};
 
+use super::attn_products::{gather, mm, Half, Mat, Mat16};
 use super::convert::{elem_bytes, narrow, widen};
 use super::onednn::Bf16Gemm;
 use super::vmath::exp_shift_sum;
@@ -70,85 +72,6 @@ impl<L: Launcher> GemmAttention<L> {
     }
 }
 
-/// A [T, hs] matrix of one head: row r at `ptr + r * rs`, its hs elements contiguous.
-#[derive(Clone, Copy)]
-struct Mat {
-    ptr: *mut f32,
-    rs: usize,
-}
-
-impl Mat {
-    /// # Safety
-    /// `ptr` must be valid for the head's T rows.
-    unsafe fn row(self, r: usize) -> *mut f32 {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.ptr.add(r * self.rs) }
-    }
-}
-
-/// dst[m, n] (= or +=) beta * lhs[m, k] @ rhs[k, n], single-threaded (heads run in parallel),
-/// by oneDNN when given and it takes the layout, else the gemm crate; each operand as (pointer,
-/// row stride, column stride).
-///
-/// # Safety
-/// Every element the strides reach must be valid, and dst must not overlap lhs or rhs.
-#[allow(clippy::too_many_arguments)]
-unsafe fn mm(
-    lib: Option<&Bf16Gemm>,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: (*mut f32, isize, isize),
-    acc: bool,
-    lhs: (*const f32, isize, isize),
-    rhs: (*const f32, isize, isize),
-    beta: f32,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if let Some(lib) = lib {
-        let u = |x: isize| x as usize;
-        // SAFETY: the caller's guarantee (the strides are the views' own, never negative).
-        if unsafe {
-            lib.sgemm_one_thread(
-                (m, n, k),
-                beta,
-                acc,
-                (lhs.0, u(lhs.1), u(lhs.2)),
-                (rhs.0, u(rhs.1), u(rhs.2)),
-                (dst.0, u(dst.1), u(dst.2)),
-            )
-        } {
-            return;
-        }
-    }
-    // SAFETY: the caller's guarantee; gemm reads dst only when `acc`.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.0,
-            dst.2,
-            dst.1,
-            acc,
-            lhs.0,
-            lhs.2,
-            lhs.1,
-            rhs.0,
-            rhs.2,
-            rhs.1,
-            1.0,
-            beta,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        )
-    }
-}
-
 struct Head<'a> {
     a: &'a Attention,
     lib: Option<&'a Bf16Gemm>,
@@ -164,6 +87,8 @@ struct Head<'a> {
     delta: Option<*mut f32>,
     /// out | dq | dk, then dv (`BackwardKV`); dq, dk, dv (`Backward`).
     out: [Option<Mat>; 3],
+    /// On AMX over bf16 heads: the products' operands as stored (`Half`).
+    half: Option<Half<'a>>,
 }
 
 impl Head<'_> {
@@ -193,7 +118,7 @@ impl Head<'_> {
             let (s, dp) = (&mut s[..len], &mut dp[..len]);
             // SAFETY: the caller's guarantee, and the query rows i0..i1 lie within the head.
             unsafe {
-                self.scores(i0, i1, s);
+                self.scores(i0, i1, s)?;
                 match part {
                     AttentionPart::Forward | AttentionPart::Lse => self.forward_block(i0, i1, s)?,
                     _ => self.backward_block(i0, i1, s, dp)?,
@@ -208,8 +133,12 @@ impl Head<'_> {
     ///
     /// # Safety
     /// As [`Head::run`]'s, with `i0..i1` rows of the head.
-    unsafe fn scores(&self, i0: usize, i1: usize, s: &mut [f32]) {
+    unsafe fn scores(&self, i0: usize, i1: usize, s: &mut [f32]) -> Result<(), String> {
         let (bm, n) = (i1 - i0, i1);
+        if let Some(h) = &self.half {
+            // SAFETY: as below, on the stored rows.
+            return unsafe { h.mm((bm, n, self.hs), (s.as_mut_ptr(), n), false, h.q.rows(i0), h.k.t(), self.scale) };
+        }
         // SAFETY: the rows are within the head by the caller's guarantee, `s` is [bm, n] row-major.
         unsafe {
             mm(
@@ -224,6 +153,7 @@ impl Head<'_> {
                 self.scale,
             );
         }
+        Ok(())
     }
 
     /// The forward's block: P = causal softmax of the scores in `s` (rows `i0..i1`), their
@@ -247,6 +177,12 @@ impl Head<'_> {
         }
         if part == AttentionPart::Forward {
             let (v, o) = (need(self.v)?, need(self.out[0])?);
+            if let Some(h) = &self.half {
+                // O = P V with P rounded to bf16, as the tensor cores' attention takes it
+                let (p, _) = h.round(s, bm, n);
+                // SAFETY: as below, on the stored rows and this thread's bf16 block.
+                return unsafe { h.mm((bm, self.hs, n), (o.row(i0), o.rs), false, p, h.v()?.rows(0), 1.0) };
+            }
             // SAFETY: as `scores`; the output is no operand of the product.
             unsafe {
                 mm(
@@ -272,12 +208,13 @@ impl Head<'_> {
     /// # Safety
     /// As [`Head::scores`]'s, `s` holding the block's scores and `dp` of its size.
     unsafe fn backward_block(&self, i0: usize, i1: usize, s: &mut [f32], dp: &mut [f32]) -> Result<(), String> {
+        use AttentionPart::*;
         let (bm, n, hs, part) = (i1 - i0, i1, self.hs, self.a.part);
         let need = |m: Option<Mat>| m.ok_or_else(|| format!("attention {part:?} lacks an operand"));
         let f = |p: *mut f32| p as *const f32;
-        // SAFETY (every `mm` and row access below): the rows are within the head by the
-        // caller's guarantee, scratch blocks are [bm, n] row-major, and no output is an
-        // operand of the same product.
+        // SAFETY (every product and row access below): the rows are within the head by the
+        // caller's guarantee, scratch blocks are [bm, n] row-major, and no output is an operand
+        // of the same product.
         unsafe {
             // P from the forward's log-sum-exp
             for i in 0..bm {
@@ -287,35 +224,54 @@ impl Head<'_> {
                 row[live..].fill(0.0);
             }
             let dout = need(self.dout)?;
-            if part == AttentionPart::BackwardV {
-                let dv = need(self.out[0])?;
-                mm(
-                    self.lib,
-                    n,
-                    hs,
-                    bm,
-                    (dv.ptr, dv.rs as isize, 1),
-                    true,
-                    (s.as_ptr(), 1, n as isize),
-                    (f(dout.row(i0)), dout.rs as isize, 1),
-                    1.0,
-                );
+            // dV += P^T dO[i0..i1]
+            let dv_at = match part {
+                BackwardV => Some(0),
+                BackwardKV => Some(1),
+                Backward => Some(2),
+                _ => None,
+            };
+            if let Some(at) = dv_at {
+                let dv = need(self.out[at])?;
+                match &self.half {
+                    Some(h) => {
+                        let (_, pt) = h.round(s, bm, n);
+                        h.mm((n, hs, bm), (dv.ptr, dv.rs), true, pt, h.dout()?.rows(i0), 1.0)?;
+                    }
+                    None => mm(
+                        self.lib,
+                        n,
+                        hs,
+                        bm,
+                        (dv.ptr, dv.rs as isize, 1),
+                        true,
+                        (s.as_ptr(), 1, n as isize),
+                        (f(dout.row(i0)), dout.rs as isize, 1),
+                        1.0,
+                    ),
+                }
+            }
+            if part == BackwardV {
                 return Ok(());
             }
+            // dP = dO[i0..i1] V^T
             let v = need(self.v)?;
-            mm(
-                self.lib,
-                bm,
-                n,
-                hs,
-                (dp.as_mut_ptr(), n as isize, 1),
-                false,
-                (f(dout.row(i0)), dout.rs as isize, 1),
-                (f(v.ptr), 1, v.rs as isize),
-                1.0,
-            );
+            match &self.half {
+                Some(h) => h.mm((bm, n, hs), (dp.as_mut_ptr(), n), false, h.dout()?.rows(i0), h.v()?.t(), 1.0)?,
+                None => mm(
+                    self.lib,
+                    bm,
+                    n,
+                    hs,
+                    (dp.as_mut_ptr(), n as isize, 1),
+                    false,
+                    (f(dout.row(i0)), dout.rs as isize, 1),
+                    (f(v.ptr), 1, v.rs as isize),
+                    1.0,
+                ),
+            }
             let delta = self.delta.ok_or("attention backward without delta")?;
-            if part == AttentionPart::BackwardDelta {
+            if part == BackwardDelta {
                 for i in 0..bm {
                     let (p, d) = (&s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
                     *delta.add(i0 + i) = p.iter().zip(d).map(|(a, b)| a * b).sum();
@@ -323,52 +279,46 @@ impl Head<'_> {
                 return Ok(());
             }
             // dS = scale P (dP - delta), over P's storage once dV has used P
-            if matches!(part, AttentionPart::BackwardKV | AttentionPart::Backward) {
-                let dv = need(self.out[if part == AttentionPart::Backward { 2 } else { 1 }])?;
-                mm(
-                    self.lib,
-                    n,
-                    hs,
-                    bm,
-                    (dv.ptr, dv.rs as isize, 1),
-                    true,
-                    (s.as_ptr(), 1, n as isize),
-                    (f(dout.row(i0)), dout.rs as isize, 1),
-                    1.0,
-                );
-            }
             for i in 0..bm {
                 let di = *delta.add(i0 + i);
                 let (p, d) = (&mut s[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
                 p.iter_mut().zip(d).for_each(|(p, &d)| *p = self.scale * *p * (d - di));
             }
-            if matches!(part, AttentionPart::BackwardQ | AttentionPart::Backward) {
+            // dQ = dS K and dK += dS^T Q[i0..i1], from dS rounded to bf16 once for both
+            let ds16 = self.half.as_ref().map(|h| h.round(s, bm, n));
+            if matches!(part, BackwardQ | Backward) {
                 let dq = need(self.out[0])?;
-                mm(
-                    self.lib,
-                    bm,
-                    hs,
-                    n,
-                    (dq.row(i0), dq.rs as isize, 1),
-                    false,
-                    (s.as_ptr(), n as isize, 1),
-                    (f(self.k.ptr), self.k.rs as isize, 1),
-                    1.0,
-                );
+                match (&self.half, ds16) {
+                    (Some(h), Some((ds, _))) => h.mm((bm, hs, n), (dq.row(i0), dq.rs), false, ds, h.k.rows(0), 1.0)?,
+                    _ => mm(
+                        self.lib,
+                        bm,
+                        hs,
+                        n,
+                        (dq.row(i0), dq.rs as isize, 1),
+                        false,
+                        (s.as_ptr(), n as isize, 1),
+                        (f(self.k.ptr), self.k.rs as isize, 1),
+                        1.0,
+                    ),
+                }
             }
-            if part != AttentionPart::BackwardQ {
-                let dk = need(self.out[if part == AttentionPart::Backward { 1 } else { 0 }])?;
-                mm(
-                    self.lib,
-                    n,
-                    hs,
-                    bm,
-                    (dk.ptr, dk.rs as isize, 1),
-                    true,
-                    (s.as_ptr(), 1, n as isize),
-                    (f(self.q.row(i0)), self.q.rs as isize, 1),
-                    1.0,
-                );
+            if part != BackwardQ {
+                let dk = need(self.out[if part == Backward { 1 } else { 0 }])?;
+                match (&self.half, ds16) {
+                    (Some(h), Some((_, dst))) => h.mm((n, hs, bm), (dk.ptr, dk.rs), true, dst, h.q.rows(i0), 1.0)?,
+                    _ => mm(
+                        self.lib,
+                        n,
+                        hs,
+                        bm,
+                        (dk.ptr, dk.rs as isize, 1),
+                        true,
+                        (s.as_ptr(), 1, n as isize),
+                        (f(self.q.row(i0)), self.q.rs as isize, 1),
+                        1.0,
+                    ),
+                }
             }
         }
         Ok(())
@@ -407,17 +357,41 @@ impl<L: Launcher> Launcher for GemmAttention<L> {
         }
         let ro = a.part.roles();
         let staged = dtypes.iter().filter(|&&d| d != DType::F32).count();
+        let half = self.half(dtypes, &ro);
         let blocks = 2 * BLOCK * a.t;
+        // on AMX, a [BLOCK, T] block of bf16 (P or dS): half as many f32 slots
+        let half_len = if half.is_some() { (BLOCK * a.t).div_ceil(2) } else { 0 };
         SCRATCH.with_borrow_mut(|scratch| {
-            let need = blocks + staged * a.t * a.hs;
+            let need = blocks + half_len + staged * a.t * a.hs;
             if scratch.len() < need {
                 scratch.resize(need, 0.0);
             }
             let (s, rest) = scratch[..need].split_at_mut(blocks);
             let (s, dp) = s.split_at_mut(BLOCK * a.t);
+            let (p16, rest) = rest.split_at_mut(half_len);
+            let p16 = half.map(|lib| (lib, p16));
             // SAFETY: the caller's guarantee, passed on.
-            unsafe { self.heads(a, dtypes, &ro, args, start / t..end / t, [s, dp, rest]) }.map_err(err)
+            unsafe { self.heads(a, dtypes, &ro, args, start / t..end / t, [s, dp, rest], p16) }.map_err(err)
         })
+    }
+}
+
+impl<L> GemmAttention<L> {
+    /// Whether kernel `kernel` (an attention this launcher runs) multiplies on AMX over its
+    /// stored bf16 operands (`attn_half.rs`) rather than on f32 copies.
+    pub fn on_amx(&self, kernel: usize) -> bool {
+        match self.attention.get(kernel) {
+            Some(Some((a, _, dtypes))) => self.half(dtypes, &a.part.roles()).is_some(),
+            _ => false,
+        }
+    }
+
+    /// oneDNN, where it runs this kernel's products on AMX over its stored operands: q, k, v
+    /// and dout all bf16 (`attn_half.rs`).
+    fn half(&self, dtypes: &[DType], ro: &qatc_kernels::kir::AttentionRoles) -> Option<&Bf16Gemm> {
+        let lib = self.onednn.as_deref().filter(|l| l.on_amx())?;
+        let operands = [Some(0), Some(1), ro.v, ro.dout];
+        operands.iter().flatten().all(|&p| dtypes.get(p) == Some(&DType::BF16)).then_some(lib)
     }
 }
 
@@ -437,7 +411,9 @@ impl<L> GemmAttention<L> {
     ///
     /// # Safety
     /// As [`Launcher::launch`]: one pointer per param, each to its param's buffer, which nothing
-    /// else touches but other heads of the same launch.
+    /// else touches but other heads of the same launch. With `half`, oneDNN on AMX and the f32
+    /// slots that hold a [BLOCK, T] bf16 block.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn heads(
         &self,
         a: &Attention,
@@ -446,6 +422,7 @@ impl<L> GemmAttention<L> {
         args: &[*mut u8],
         heads: std::ops::Range<usize>,
         scratch: [&mut [f32]; 3],
+        half: Option<(&Bf16Gemm, &mut [f32])>,
     ) -> Result<(), String> {
         let [s, dp, stage] = scratch;
         let th = a.t * a.hs;
@@ -455,6 +432,8 @@ impl<L> GemmAttention<L> {
         let written = |p: usize| ro.out.contains(&Some(p));
         // the staged blocks are reached through this pointer only (the heads' `Mat`s hold it too)
         let stage_ptr = stage.as_mut_ptr();
+        // on AMX: the bf16 block, likewise reached through its pointer alone
+        let half = half.map(|(lib, blocks)| (lib, blocks.as_mut_ptr().cast::<u16>()));
         for bh in heads {
             let (b, h) = (bh / a.nh, bh % a.nh);
             // (address of the head's first element, row stride in elements) of param p's view
@@ -483,8 +462,18 @@ impl<L> GemmAttention<L> {
                 // SAFETY: lse and delta hold B*NH*T floats; this head's T start at bh * T.
                 Ok(unsafe { base.cast::<f32>().add(bh * a.t) })
             };
-            // the 16-bit operands' rows, widened
-            for (i, &p) in staged.iter().enumerate().filter(|&(_, &p)| !written(p)) {
+            // on AMX, the operands' rows copied as stored into their blocks (bf16 [T, hs])
+            let gathered = |p: usize| -> Result<Option<Mat16>, String> {
+                let Some(i) = stage_at(p).filter(|_| half.is_some()) else { return Ok(None) };
+                let (ptr, rs) = view(p)?;
+                let dst = stage_ptr.wrapping_add(i * th).cast::<u16>();
+                // SAFETY: the view addresses the head's T rows; block i is this thread's, T * hs
+                // f32, reached through `stage_ptr` alone while the heads run.
+                unsafe { gather(ptr.cast_const().cast(), rs, a.t, a.hs, dst) };
+                Ok(Some(Mat16 { ptr: dst.cast_const(), rs: a.hs }))
+            };
+            // the 16-bit operands' rows, widened (on AMX, gathered instead)
+            for (i, &p) in staged.iter().enumerate().filter(|&(_, &p)| !written(p) && half.is_none()) {
                 let (ptr, rs) = view(p)?;
                 for (r, run) in runs(a, rs) {
                     // SAFETY: rows r.. of the head lie in the buffer; block i of `stage` is T rows
@@ -509,6 +498,15 @@ impl<L> GemmAttention<L> {
                 lse: stat(ro.lse)?,
                 delta: ro.delta.map(stat).transpose()?,
                 out: [opt(ro.out[0])?, opt(ro.out[1])?, opt(ro.out[2])?],
+                half: match half {
+                    Some((lib, blocks)) => {
+                        let need = |m: Option<Mat16>| m.ok_or_else(|| "a bf16 operand was not staged".to_string());
+                        let (q, k) = (need(gathered(0)?)?, need(gathered(1)?)?);
+                        let v = ro.v.map(|p| gathered(p).and_then(need)).transpose()?;
+                        Some(Half { lib, q, k, v, dout: ro.dout.map(|p| gathered(p).and_then(need)).transpose()?, p: blocks })
+                    }
+                    None => None,
+                },
             };
             // SAFETY: the launch's caller guarantees each pointer addresses its param's buffer,
             // which this launch alone touches (other ranges of it are other heads); staged

@@ -21,6 +21,7 @@
 
 mod attention;
 mod attn_gemm;
+mod attn_products;
 pub mod blas;
 mod convert;
 mod gemm;

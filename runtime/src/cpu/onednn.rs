@@ -175,6 +175,11 @@ impl Bf16Gemm {
         self.matmul.as_ref().map_or(0, Matmul::runs_into_bf16)
     }
 
+    /// Whether the bf16 products run on AMX tiles (the matmul primitive).
+    pub fn on_amx(&self) -> bool {
+        self.matmul.is_some()
+    }
+
     /// Which of the library's bf16 paths runs the large products: "matmul primitive" (AMX) or
     /// "GEMM function".
     pub fn path(&self) -> &'static str {
@@ -195,7 +200,11 @@ impl Bf16Gemm {
     /// Sets the calling thread's OpenMP thread count for a product of these sizes
     /// ([`threads_for`]) and returns it.
     fn use_threads_for(&self, mnk: (usize, usize, usize)) -> i32 {
-        let threads = threads_for(mnk);
+        self.use_threads(threads_for(mnk))
+    }
+
+    /// Sets the calling thread's OpenMP thread count and returns it.
+    fn use_threads(&self, threads: i32) -> i32 {
         if let Some(set) = self.set_threads {
             // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
             unsafe { set(threads) };
@@ -219,9 +228,48 @@ impl Bf16Gemm {
         b: MatBf16,
         c: (*mut f32, usize, usize),
     ) -> bool {
+        let threads = self.use_threads_for(mnk);
+        // SAFETY: the caller's contract.
+        unsafe { self.gemm_on(threads, mnk, alpha, accumulate, a, b, c) }
+    }
+
+    /// [`Bf16Gemm::gemm`] on the calling thread alone: the attention's per-head products over
+    /// bf16 heads (`attn_gemm.rs`), which rayon's threads run side by side, each on its own
+    /// primitives on AMX (onednn_matmul.rs).
+    ///
+    /// # Safety
+    /// As [`Bf16Gemm::gemm`].
+    pub unsafe fn gemm_one_thread(
+        &self,
+        mnk: (usize, usize, usize),
+        alpha: f32,
+        accumulate: bool,
+        a: MatBf16,
+        b: MatBf16,
+        c: (*mut f32, usize, usize),
+    ) -> bool {
+        let threads = self.use_threads(1);
+        // SAFETY: the caller's contract.
+        unsafe { self.gemm_on(threads, mnk, alpha, accumulate, a, b, c) }
+    }
+
+    /// [`Bf16Gemm::gemm`] on `threads` OpenMP threads (the calling thread's count, set).
+    ///
+    /// # Safety
+    /// As [`Bf16Gemm::gemm`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm_on(
+        &self,
+        threads: i32,
+        mnk: (usize, usize, usize),
+        alpha: f32,
+        accumulate: bool,
+        a: MatBf16,
+        b: MatBf16,
+        c: (*mut f32, usize, usize),
+    ) -> bool {
         let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
         let beta = if accumulate { 1.0 } else { 0.0 };
-        let threads = self.use_threads_for(mnk);
         if let Some(mm) = &self.matmul {
             let s = primitive_shape(&l, mnk.2, threads, alpha, accumulate, Out::F32);
             // SAFETY: the caller's contract; `s` states the same matrices as `l`.
@@ -286,10 +334,7 @@ impl Bf16Gemm {
     ) -> bool {
         let Some(l) = layout(mnk, a, b, (c.1, c.2)) else { return false };
         let beta = if accumulate { 1.0 } else { 0.0 };
-        if let Some(set) = self.set_threads {
-            // SAFETY: sets the calling thread's OpenMP thread count for its next parallel regions.
-            unsafe { set(1) };
-        }
+        self.use_threads(1);
         // SAFETY: as in `gemm`.
         let status = unsafe { (self.sgemm)(l.ta, l.tb, l.m, l.n, mnk.2 as i64, alpha, l.a, l.lda, l.b, l.ldb, beta, c.0, l.ldc) };
         status == 0

@@ -8,7 +8,10 @@
 //!
 //! A primitive is made per shape, strides, thread count, alpha, accumulation and result type
 //! (f32, or bf16 with or without a bias), which is slow (milliseconds) but happens once per
-//! process for the step's few dozen shapes: they are cached. Where oneDNN would run a shape on
+//! process for the step's few dozen shapes: they are cached. Products on one OpenMP thread
+//! (`Shape::threads` 1: the attention's per-head products, which rayon's threads run side by
+//! side) are cached per calling thread, with a stream of its own, so that they run in parallel;
+//! the others share one cache behind a mutex. Where oneDNN would run a shape on
 //! anything but its brgemm kernels (odd strides, tiny sizes), the cache remembers a refusal and
 //! the caller falls back: to the GEMM function, or to f32 tiles for a bf16 result.
 //!
@@ -85,6 +88,7 @@ struct Fns {
     set_handle: SetHandle,
     execute: Execute,
     stream_wait: OneHandle,
+    stream_create: StreamCreate,
     attr_create: CreateOut,
     attr_destroy: OneHandle,
     set_scales: SetScales,
@@ -141,6 +145,37 @@ struct State {
 // `Matmul` reaches them only through its mutex, one call at a time.
 unsafe impl Send for State {}
 
+/// A thread's own one-thread primitives, keyed by the engine they were made on (one per loaded
+/// library) and shape, and its stream. Kept for the thread's life, like the shared cache for the
+/// process's.
+#[derive(Default)]
+struct Local {
+    stream: Option<(usize, Handle)>,
+    cache: HashMap<(usize, Shape), Option<Entry>>,
+}
+
+impl Local {
+    /// This thread's stream on `engine`, made on first use.
+    fn stream(&mut self, f: &Fns, engine: Handle) -> Option<Handle> {
+        match self.stream {
+            Some((e, s)) if e == engine as usize => Some(s),
+            _ => {
+                let mut s = null_mut();
+                // SAFETY: `engine` is the library's live engine; the stream is kept for the
+                // thread's life (a stream of another engine is left, as the process leaves its own).
+                (unsafe { (f.stream_create)(&mut s, engine, STREAM_DEFAULT) } == 0).then(|| {
+                    self.stream = Some((engine as usize, s));
+                    s
+                })
+            }
+        }
+    }
+}
+
+thread_local! {
+    static LOCAL: std::cell::RefCell<Local> = std::cell::RefCell::new(Local::default());
+}
+
 /// oneDNN's matmul primitive with bf16 operands and an f32 result, cached per shape.
 pub struct Matmul {
     fns: Fns,
@@ -164,6 +199,7 @@ impl Matmul {
                 set_handle: *lib.get(b"dnnl_memory_set_data_handle\0").ok()?,
                 execute: *lib.get(b"dnnl_primitive_execute\0").ok()?,
                 stream_wait: *lib.get(b"dnnl_stream_wait\0").ok()?,
+                stream_create: *lib.get(b"dnnl_stream_create\0").ok()?,
                 attr_create: *lib.get(b"dnnl_primitive_attr_create\0").ok()?,
                 attr_destroy: *lib.get(b"dnnl_primitive_attr_destroy\0").ok()?,
                 set_scales: *lib.get(b"dnnl_primitive_attr_set_output_scales\0").ok()?,
@@ -173,9 +209,8 @@ impl Matmul {
                 set_post_ops: *lib.get(b"dnnl_primitive_attr_set_post_ops\0").ok()?,
             };
             let engine_create: EngineCreate = *lib.get(b"dnnl_engine_create\0").ok()?;
-            let stream_create: StreamCreate = *lib.get(b"dnnl_stream_create\0").ok()?;
             let (mut engine, mut stream) = (null_mut(), null_mut());
-            if engine_create(&mut engine, ENGINE_CPU, 0) != 0 || stream_create(&mut stream, engine, STREAM_DEFAULT) != 0 {
+            if engine_create(&mut engine, ENGINE_CPU, 0) != 0 || (f.stream_create)(&mut stream, engine, STREAM_DEFAULT) != 0 {
                 return None;
             }
             Some(Matmul { fns: f, state: Mutex::new(State { engine, stream, cache: HashMap::new() }) })
@@ -191,13 +226,32 @@ impl Matmul {
     /// strides, c apart from a and b and untouched by anything else meanwhile; `bias` [n] f32
     /// when `s.out` has one.
     pub unsafe fn run(&self, s: &Shape, a: *const u16, b: *const u16, c: *mut c_void, bias: *const f32) -> bool {
+        if s.threads == 1 {
+            let engine = self.state.lock().unwrap_or_else(|e| e.into_inner()).engine;
+            return LOCAL.with_borrow_mut(|local| {
+                let Some(stream) = local.stream(&self.fns, engine) else { return false };
+                let Some(e) = local.cache.entry((engine as usize, *s)).or_insert_with(|| self.make(engine, s)) else { return false };
+                // SAFETY: the caller's contract; the entry and the stream are this thread's alone.
+                unsafe { self.execute(e, stream, (a, b, c, bias)) }
+            });
+        }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let State { engine, stream, cache } = &mut *st;
         let Some(e) = cache.entry(*s).or_insert_with(|| self.make(*engine, s)) else { return false };
+        // SAFETY: the caller's contract; the mutex keeps other calls off the entry and the stream.
+        unsafe { self.execute(e, *stream, (a, b, c, bias)) }
+    }
+
+    /// Runs entry `e` on `stream` with these operands (a, b, c, bias).
+    ///
+    /// # Safety
+    /// As [`Matmul::run`]'s, for the shape `e` was made for; nothing else uses `e` or `stream`
+    /// meanwhile.
+    unsafe fn execute(&self, e: &mut Entry, stream: Handle, (a, b, c, bias): (*const u16, *const u16, *mut c_void, *const f32)) -> bool {
         let f = &self.fns;
-        // SAFETY: the memory objects were made for `s`'s descriptors; the caller's contract makes
-        // the pointers valid for them; the primitive runs to completion before `stream_wait`
-        // returns, and the mutex keeps other calls off these objects meanwhile.
+        // SAFETY: the memory objects were made for the entry's descriptors; the caller's contract
+        // makes the pointers valid for them and keeps other calls off these objects; the
+        // primitive runs to completion before `stream_wait` returns.
         unsafe {
             if (f.set_handle)(e.src, a.cast_mut().cast()) != 0
                 || (f.set_handle)(e.weights, b.cast_mut().cast()) != 0
@@ -213,7 +267,7 @@ impl Matmul {
                 ExecArg { arg: ARG_BIAS, memory: e.bias },
             ];
             let nargs = if e.bias.is_null() { 3 } else { 4 };
-            let done = (f.execute)(e.prim, *stream, nargs, args.as_ptr()) == 0 && (f.stream_wait)(*stream) == 0;
+            let done = (f.execute)(e.prim, stream, nargs, args.as_ptr()) == 0 && (f.stream_wait)(stream) == 0;
             e.runs += usize::from(done);
             done
         }
@@ -224,14 +278,27 @@ impl Matmul {
     #[cfg(test)]
     pub fn implementation(&self, s: &Shape) -> Option<(String, usize)> {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.threads == 1 {
+            let key = (st.engine as usize, *s);
+            return LOCAL.with_borrow(|l| l.cache.get(&key)?.as_ref().map(|e| (e.impl_name.clone(), e.runs)));
+        }
         st.cache.get(s)?.as_ref().map(|e| (e.impl_name.clone(), e.runs))
+    }
+
+    /// Calls the calling thread's one-thread primitives completed, and of those, calls into
+    /// bf16 results.
+    #[cfg(test)]
+    pub fn local_runs(&self) -> usize {
+        LOCAL.with_borrow(|l| l.cache.values().flatten().map(|e| e.runs).sum())
     }
 
     /// Calls completed by the primitives made so far that write bf16.
     #[cfg(test)]
     pub fn runs_into_bf16(&self) -> usize {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.cache.iter().filter(|(s, _)| s.out != Out::F32).filter_map(|(_, e)| e.as_ref()).map(|e| e.runs).sum()
+        let local: usize = LOCAL
+            .with_borrow(|l| l.cache.iter().filter(|(k, _)| k.1.out != Out::F32).filter_map(|(_, e)| e.as_ref()).map(|e| e.runs).sum());
+        local + st.cache.iter().filter(|(s, _)| s.out != Out::F32).filter_map(|(_, e)| e.as_ref()).map(|e| e.runs).sum::<usize>()
     }
 
     /// The primitive and memory objects for `s`, if oneDNN runs it on its brgemm kernels.
