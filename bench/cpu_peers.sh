@@ -2,7 +2,8 @@
 # Issue 30, 4: qatc's CPU step against every variant of the PyTorch peer, side by side in one run
 # on the same machine: GPT-2 124M at B 1 and B 4, T 256, and the 4-layer n_embd 256 config at B 4,
 # T 128 (4-bit sym g64 frozen weights + LoRA r 16 on all four linears, AdamW; weights random).
-# qatc in fp32 and bf16; PyTorch eager fp32, eager + sdpa + precomputed fake-quant (+ bf16
+# qatc in fp32 and bf16, and bf16 given 4 GiB (`--memory`: the chunked cross-entropy's rows grow
+# into it); PyTorch eager fp32, eager + sdpa + precomputed fake-quant (+ bf16
 # autocast), and torch.compile of that (+ bf16 autocast). Prints one JSON line per run and, per
 # config, qatc's fastest against the fastest peer. Needs the peer environment.
 # Usage: bench/cpu_peers.sh [STEPS]   (ROUNDS=2 runs every row twice, interleaved)
@@ -29,6 +30,7 @@ for cfg in "124m 1 12 768 12 256" "124m 4 12 768 12 256" "small 4 4 256 4 128"; 
   for _ in $(seq "$rounds"); do
     run "$bin" "$steps" compiled "$model" --batch "$b"
     run "$bin" "$steps" compiled "$model" --batch "$b" --precision bf16
+    run "$bin" "$steps" compiled "$model" --batch "$b" --precision bf16 --memory 4GiB
     run "$py" ../shared/tools/torch_peer.py "${torch[@]}"
     run "$py" ../shared/tools/torch_peer.py "${torch[@]}" --attn sdpa --precompute-quant
     run "$py" ../shared/tools/torch_peer.py "${torch[@]}" --attn sdpa --precompute-quant --autocast bf16
@@ -46,7 +48,7 @@ for r in rows:
         name = "torch " + "+".join(x for x in [r["attn"], "precompute" if r["precompute_quant"] else "", "compile" if r["compile"] else "eager", r["autocast"] if r["autocast"] != "none" else "fp32"] if x)
     else:
         cfg = (r["model"].split("-")[0], r.get("batch", 1))
-        name = f"qatc {r['precision']}"
+        name = f"qatc {r['precision']}" + (f" --memory {r['memory'] / 2**30:g}GiB" if r.get("memory") else "")
     by.setdefault(cfg, {}).setdefault(name, []).append(r["step_s_median"])
 for cfg, peers in by.items():
     best = {n: min(v) for n, v in peers.items()}

@@ -19,6 +19,8 @@
 //!   --unchunked-xent   the logits materialized whole (the chunked linear + cross-entropy's
 //!                      fusion rules off), to compare the chunked step against the step before it
 //!   --batch B          the batch size instead of the config's (bench/cpu_peers.sh: 124M at B 4)
+//!   --memory SIZE      `qatc train --memory`: the plan may use this much, the chunked
+//!                      cross-entropy's rows grow within it
 
 use std::time::Instant;
 
@@ -43,6 +45,7 @@ struct Flags {
     precision: Precision,
     unchunked_xent: bool,
     batch: Option<usize>,
+    memory: Option<usize>,
 }
 
 fn flags(args: &[String]) -> anyhow::Result<Flags> {
@@ -54,6 +57,7 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
         precision: Precision::Fp32,
         unchunked_xent: false,
         batch: None,
+        memory: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -71,6 +75,7 @@ fn flags(args: &[String]) -> anyhow::Result<Flags> {
             "--precision" => f.precision = <Precision as clap::ValueEnum>::from_str(value()?, true).map_err(anyhow::Error::msg)?,
             "--unchunked-xent" => f.unchunked_xent = true,
             "--batch" => f.batch = Some(value()?.parse()?),
+            "--memory" => f.memory = Some(qatc_passes::plan::units::parse_memory(value()?).map_err(anyhow::Error::msg)?),
             other => anyhow::bail!("unknown flag {other}"),
         }
     }
@@ -125,8 +130,10 @@ fn main() -> anyhow::Result<()> {
     o.fuse = Some(fuse);
     o.precision = f.precision;
     let t0 = Instant::now();
-    let options = qatc_driver::Options { interpreter, cpu: f.cpu.clone(), ..Default::default() };
-    let mut tr = Trainer::with_target(&m, o, None, 0, &qatc_driver::Target::cpu(), &options)?;
+    let target = qatc_driver::Target::cpu();
+    let room = f.memory.map(|m| target.step_budget(m));
+    let options = qatc_driver::Options { interpreter, cpu: f.cpu.clone(), room, ..Default::default() };
+    let mut tr = Trainer::with_target(&m, o, None, 0, &target, &options)?;
     let build_s = t0.elapsed().as_secs_f64();
     tr.step(&data, 0, 1e-3)?; // warm-up step, not timed
     eprintln!("{}", tr.describe());
@@ -150,7 +157,7 @@ fn main() -> anyhow::Result<()> {
     }
     let med = times[times.len() / 2];
     println!(
-        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"batch\": {b}, \"seq\": {t}, \"precision\": \"{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}}}",
+        "{{\"peer\": \"qatc-{}{}\", \"model\": \"{label}{}\", \"batch\": {b}, \"seq\": {t}, \"precision\": \"{}\", \"steps\": {steps}, \"step_s_median\": {med:.4}, \"step_s_min\": {:.4}, \"tokens_per_s\": {:.1}, \"build_s\": {build_s:.2}, \"memory\": {}}}",
         if interpreter { "interpreter" } else { "compiled" },
         match (f.round_trip, f.unchunked_xent) {
             (true, _) => "-host-round-trip",
@@ -160,7 +167,8 @@ fn main() -> anyhow::Result<()> {
         if f.full_finetune { "-full-finetune" } else { "" },
         f.precision,
         times[0],
-        (b * t) as f64 / med
+        (b * t) as f64 / med,
+        f.memory.map_or("null".to_string(), |m| m.to_string())
     );
     Ok(())
 }

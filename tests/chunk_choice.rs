@@ -179,3 +179,47 @@ fn sixteen_bit_logits_rule_sizes_out_without_planning_them() {
         assert!(!k.ruled_out.is_empty(), "{k:?}");
     }
 }
+
+/// Given room (`--memory`, less the device's reserve: `Options::room`), the rows per chunk grow
+/// past the floor's peak to the largest size whose plan fits the room (fewer, taller GEMMs;
+/// bench/RESULTS.md): on the demo step in bf16 (whole 16-bit rows in the scratch, so each size
+/// peaks higher), a room of exactly some size's peak chooses that size, one byte less the size
+/// under it, a room below every raised peak keeps the rule without room, and a room for
+/// everything puts every row in one chunk; the plan's peak is within the room, and its reason
+/// says --memory.
+#[test]
+fn room_given_grows_the_rows_within_it() {
+    use qatc_passes::precision::Precision;
+    let demo = Model::open(&common::root().join("examples/gpt2-shakespeare-small/model.safetensors")).unwrap();
+    let mut o = options(4, 128, Some(("q4_0", 32)));
+    o.precision = Precision::Bf16;
+    let (g, _) = step::train(&demo.cfg, &o, |_, _| {}).unwrap();
+    let every = qatc_driver::chunk::every_size(&g, &Target::cpu(), &Options::default()).unwrap();
+    let (floor, base) = (every[0].rows, every[0].peak);
+    let kept = base + base / 1000;
+    let without = qatc_driver::plan(&g, &Target::cpu(), &Options::default()).unwrap().chunk.unwrap().rows;
+    // the sizes that raise the peak, their peaks rising with the rows
+    let raised: Vec<_> = every.iter().filter(|s| s.peak > kept).collect();
+    assert!(raised.len() >= 2, "sizes above the floor's peak: {every:?}");
+    assert!(raised.windows(2).all(|w| w[0].peak <= w[1].peak), "{every:?}");
+    let chosen = |room: usize| {
+        let e = qatc_driver::plan(&g, &Target::cpu(), &Options { room: Some(room), ..Options::default() }).unwrap();
+        let k = e.chunk.unwrap();
+        assert_eq!(e.program.cross_entropy[0].chunk_rows, k.rows, "the program runs the chosen size");
+        assert!(e.plan.peak_bytes() <= room.max(kept), "{} rows peak at {} past the room {room}", k.rows, e.plan.peak_bytes());
+        if k.rows != without {
+            assert!(k.why.contains("--memory"), "{}", k.why);
+        }
+        k.rows
+    };
+    for (i, s) in raised.iter().enumerate() {
+        assert_eq!(chosen(s.peak), s.rows, "a room of {} rows' peak {}", s.rows, s.peak);
+        let under = if i == 0 { without } else { raised[i - 1].rows };
+        if raised.get(i.wrapping_sub(1)).is_none_or(|u| u.peak < s.peak) {
+            assert_eq!(chosen(s.peak - 1), under, "a byte less than {} rows' peak", s.rows);
+        }
+    }
+    assert_eq!(chosen(raised[0].peak - 1), without, "a room below every raised peak keeps the rule without room");
+    assert_eq!(chosen(usize::MAX / 2), every.last().unwrap().rows, "room for everything: every row in one chunk");
+    assert!(without >= floor);
+}

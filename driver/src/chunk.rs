@@ -11,7 +11,11 @@
 //! floor, up to every row in one chunk, and keeps the largest R whose executed plan peaks no
 //! higher than the floor's (the scratch fits under a peak that lies elsewhere, so it is free;
 //! "no higher" allows 0.1%, the per-row statistics' few KiB). The step's peak never moves for
-//! it; when the cross-entropy is where the peak is, the floor stays. Where the lowering walks
+//! it; when the cross-entropy is where the peak is, the floor stays. Unless the step was given
+//! memory (`--memory`: `Options::room`): then R grows while the plan fits it, past the floor's
+//! peak (on AMX the LM head's dh product packs the head weight once per chunk, 20 ms of a
+//! 128-row product's 27: 124M at B 4 in one chunk of 1024 rows took 276 ms of head GEMMs a step
+//! instead of 385, for 84 MiB more at the peak). Where the lowering walks
 //! the vocabulary in tiles (a frozen head on the CPU, `kernels/src/lower/xent_online.rs`) the
 //! scratch is one 8 MiB tile whatever R, so R grows to every row: the head weight is then read
 //! once per step.
@@ -152,8 +156,11 @@ pub(crate) fn choose(
             return Ok((first, Some(choice), first_laid));
         }
     }
-    // a rise this small is the per-row statistics' few KiB, not a larger scratch
-    let keeps = |p: usize| p <= base + base / 1000;
+    // a rise this small is the per-row statistics' few KiB, not a larger scratch; with room
+    // given (`--memory`), any peak within it (fewer, taller GEMMs: the head weight is packed
+    // for the GEMM once per chunk, 20 ms of a 128-row dh product's 27 on AMX)
+    let holds = |p: usize| p <= base + base / 1000;
+    let keeps = |p: usize| holds(p) || options.room.is_some_and(|room| p <= room);
     let mut scratch_of = std::collections::HashMap::from([(floor, c.scratch_bytes())]);
     let mut tried = vec![(floor, base)];
     let ladder = ladder(floor, n);
@@ -235,7 +242,39 @@ pub(crate) fn choose(
         (t, u) => t.or(u),
     };
     let scratch = |r: usize| human(scratch_of.get(&r).copied().unwrap_or(c.elem_bytes * r * c.vocab));
-    let why = match (rows == floor, refused) {
+    let peak_of = |r: usize| tried.iter().find(|t| t.0 == r).map_or(base, |t| t.1);
+    let room = options.room.filter(|_| !holds(peak_of(rows)));
+    let why = match (rows == floor, refused, room) {
+        (false, Some((r, p, least)), Some(room)) => format!(
+            "{rows} rows per chunk ({} scratch), up from the floor of {floor}: the largest whose plan fits the {} --memory leaves (peak {}; {r} rows would need {least}{})",
+            scratch(rows),
+            human(room),
+            human(peak_of(rows)),
+            human(p)
+        ),
+        (false, None, Some(room)) => format!(
+            "{rows} rows per chunk ({} scratch), up from the floor of {floor}: every row in one chunk fits the {} --memory leaves (peak {})",
+            scratch(rows),
+            human(room),
+            human(peak_of(rows))
+        ),
+        (rows_floor, refused, _) => why_kept(rows_floor, refused, rows, floor, base, &scratch),
+    };
+    let (program, laid) = chosen;
+    Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, ruled_out, why }), laid))
+}
+
+/// Why `rows` per chunk keep the floor's peak `base`: the floor itself, or the largest size
+/// that keeps it; `refused`, the next size up and what it would raise the peak to.
+fn why_kept(
+    rows_floor: bool,
+    refused: Option<(usize, usize, &str)>,
+    rows: usize,
+    floor: usize,
+    base: usize,
+    scratch: &dyn Fn(usize) -> String,
+) -> String {
+    match (rows_floor, refused) {
         (true, Some((r, p, least))) => format!(
             "{rows} rows per chunk, the floor (the fusion rule's, for GEMM efficiency): the cross-entropy is at the peak, {r} rows ({} scratch) would raise it to {least}{}",
             scratch(r),
@@ -253,9 +292,7 @@ pub(crate) fn choose(
             scratch(rows),
             human(base)
         ),
-    };
-    let (program, laid) = chosen;
-    Ok((program, Some(ChunkChoice { rows, floor, total_rows: n, tried, ruled_out, why }), laid))
+    }
 }
 
 /// Why a plan asked only whether it fits (`Options::fit_within`) searched no size: what it holds

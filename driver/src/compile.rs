@@ -44,6 +44,10 @@ pub struct Options {
     /// where no rows per chunk can bring it within them, the chunk size is not searched
     /// (`chunk::least_peak`). None: always searched.
     pub fit_within: Option<usize>,
+    /// Bytes the step's plan may use (`--memory`, less the device's reserve:
+    /// `Target::step_budget`): the chunked cross-entropy's rows per chunk grow while the plan
+    /// stays within them, past the floor's peak (`chunk.rs`). None: the peak never moves for them.
+    pub room: Option<usize>,
 }
 
 /// A step ready to run.

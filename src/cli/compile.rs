@@ -75,8 +75,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // the memory plan: the program the device's executor runs, as it lays it out
     let memory = a.step.memory;
     let cpu = qatc_runtime::CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..Default::default() };
-    let options = qatc_driver::Options { cpu, ..qatc_driver::Options::default() };
-    let executed = qatc_driver::plan(&train, &super::plan::plan_target(a.cuda.device), &options)?;
+    let target = super::plan::plan_target(a.cuda.device);
+    // as `qatc train` plans it: --memory is room the chunked cross-entropy may grow into
+    let options = qatc_driver::Options { cpu, room: memory.map(|m| target.step_budget(m)), ..qatc_driver::Options::default() };
+    let executed = qatc_driver::plan(&train, &target, &options)?;
     let (plan_json, plan_svg) = super::plan::artifacts(&a.model.display().to_string(), &m.cfg, &opts, &reports, &executed, memory)?;
     artifacts.extend(["memory_plan.json", "memory.svg"]);
     // code generation: every kernel of the step as CUDA C, with the helper headers it includes

@@ -150,7 +150,8 @@ pub struct StepArgs {
     /// or auto with --memory).
     #[arg(long, value_parser = parse_checkpoint)]
     pub checkpoint: Option<CheckpointArg>,
-    /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB, or a GPU's name: h100, a100, l4, ...).
+    /// Device memory the step must fit (e.g. 4GiB, 512MiB, 1.5GB, or a GPU's name: h100, a100, l4, ...);
+    /// the chunked cross-entropy takes more rows per chunk while the plan fits it (fewer, taller GEMMs).
     #[arg(long, value_parser = parse_memory)]
     pub memory: Option<usize>,
     /// Skip kernel fusion (the `fuse` stage): the step stays one op per node.

@@ -253,6 +253,8 @@ pub fn run(a: &Args, given: &super::resume::Given) -> anyhow::Result<()> {
         let pinned = memory::fit::Pinned { precision: given.has("precision"), optim: given.has("optim"), zero: given.has("zero") };
         return fit(a, &cfg, &name, &opts, pinned, memory, &target, &options);
     }
+    // as `qatc train` plans it: --memory is room the chunked cross-entropy may grow into
+    let options = Options { room: memory.map(|m| target.step_budget(m)), ..options };
     let (g, reports) = step::train(&cfg, &opts, |_, _| {})?;
     let e = qatc_driver::plan(&g, &target, &options)?;
     let ranks = rank_plan(&cfg, &opts, &g)?;

@@ -141,6 +141,8 @@ impl<'r> Run<'r> {
         let cpu = CpuOptions { panel_bytes: a.panel_kib.saturating_mul(1024), ..CpuOptions::default() };
         let mut build = crate::cli::driver_options(resolved.interpreter, cpu, a.cache.dir());
         build.comm = Some(world.comm.clone());
+        // --memory is room the step's plan may use: the chunked cross-entropy grows into it
+        build.room = a.step.memory.map(|m| resolved.target.step_budget(m));
         let calibration = calibrated_start(&m, &opts, &data, init.is_some() || resume_at.is_some())?;
         let trained = match (&init, &calibration) {
             (Some(a), _) => Trained::Adapter(a),
