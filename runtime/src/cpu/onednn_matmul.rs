@@ -285,13 +285,6 @@ impl Matmul {
         st.cache.get(s)?.as_ref().map(|e| (e.impl_name.clone(), e.runs))
     }
 
-    /// Calls the calling thread's one-thread primitives completed, and of those, calls into
-    /// bf16 results.
-    #[cfg(test)]
-    pub fn local_runs(&self) -> usize {
-        LOCAL.with_borrow(|l| l.cache.values().flatten().map(|e| e.runs).sum())
-    }
-
     /// Calls completed by the primitives made so far that write bf16.
     #[cfg(test)]
     pub fn runs_into_bf16(&self) -> usize {
