@@ -302,7 +302,8 @@ fn eval_measures_post_training_quantization_at_the_starting_scales() {
 }
 
 /// `--precision auto` says what it chose and why: bf16 exactly where this CPU's bf16 GEMMs run on
-/// AMX tiles (oneDNN's matmul primitive loads), fp32 elsewhere and on the interpreter; the run's
+/// AMX tiles (oneDNN's matmul primitive loads), fp32 elsewhere and on the interpreter (the build
+/// line names the attention on the tiles where it runs there); the run's
 /// saved configuration holds the choice. On the GPU it is refused, exit code 2.
 #[test]
 fn precision_auto_chooses_bf16_where_amx_runs_the_gemms() {
@@ -324,6 +325,11 @@ fn precision_auto_chooses_bf16_where_amx_runs_the_gemms() {
         let (_, err) = run_both(&args);
         let line = err.lines().find(|l| l.starts_with("qatc: --precision auto: ")).unwrap_or_else(|| panic!("no choice said:\n{err}"));
         assert!(line.starts_with(&format!("qatc: --precision auto: {want} (")), "{line} (AMX: {amx}, interpreter: {interpreter})");
+        if !interpreter {
+            // the build line names the attention on AMX tiles where it runs there
+            let built = err.lines().find(|l| l.starts_with("qatc: the step runs compiled for this CPU")).unwrap_or_else(|| panic!("{err}"));
+            assert_eq!(built.contains("the attention's too"), amx, "{built}");
+        }
         let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("qatc.json")).unwrap()).unwrap();
         assert_eq!(saved["step"]["precision"]["mode"], want, "the saved configuration");
     }

@@ -59,7 +59,12 @@ pub fn compiled(p: &qatc_runtime::CpuProgram, panels: &qatc_kernels::panels::Pan
     };
     let bf16 = prog.gemms().any(|g| g.types.a == qatc_ir::DType::BF16 && g.types.b == qatc_ir::DType::BF16);
     match p.bf16_gemm() {
-        Some((lib, units, path)) => gemms += &format!("; bf16 ones by oneDNN's {path} on {units} ({lib})"),
+        Some((lib, units, path)) => {
+            gemms += &format!("; bf16 ones by oneDNN's {path} on {units} ({lib})");
+            if p.attention_on_amx() > 0 {
+                gemms += ", the attention's too";
+            }
+        }
         None if bf16 => gemms += "; bf16 ones widened to f32 (no bf16 units or no oneDNN)",
         None => {}
     }

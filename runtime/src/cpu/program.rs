@@ -47,6 +47,9 @@ pub struct CpuProgram {
     profile_by_kernel: bool,
     /// Who the step's collectives exchange with (the world of one unless given).
     comm: Arc<dyn Communicator>,
+    /// Attention kernels whose products run on AMX tiles over the stored bf16 heads
+    /// (`GemmAttention::on_amx`), for the build line.
+    attention_on_amx: usize,
 }
 
 /// The CPU's own rewrites of a lowered program, before it is laid out (the program
@@ -116,6 +119,7 @@ impl CpuProgram {
             stale: true,
             profile_by_kernel: cpu.profile_by_kernel,
             comm: Arc::new(OneRank),
+            attention_on_amx: 0,
         })
     }
 
@@ -150,14 +154,18 @@ impl CpuProgram {
         let jit = Jit::compile_cached(&prog.kernels, &JitOptions { vector_width: cpu.vector_width }, cache)
             .map_err(|e| RuntimeError::Compile(e.to_string()))?;
         let built = jit.report().clone();
-        let launcher: Box<dyn Launcher> = match cpu.attention {
+        let (launcher, attention_on_amx): (Box<dyn Launcher>, usize) = match cpu.attention {
             super::CpuAttention::Gemm => {
-                Box::new(super::GemmAttention::new(jit, &prog.kernels).with_onednn(cpu.bf16_gemm.as_deref().and_then(onednn::load)))
+                let a = super::GemmAttention::new(jit, &prog.kernels).with_onednn(cpu.bf16_gemm.as_deref().and_then(onednn::load));
+                let on_amx = (0..prog.kernels.len()).filter(|&k| a.on_amx(k)).count();
+                (Box::new(a), on_amx)
             }
-            super::CpuAttention::Kernels => Box::new(jit),
+            super::CpuAttention::Kernels => (Box::new(jit), 0),
         };
         let exec = ExecOptions::for_target(&qatc_kernels::Target::cpu());
-        Ok((CpuProgram::with_panels(prog, panels, launcher, exec, cpu)?, report, built))
+        let mut cp = CpuProgram::with_panels(prog, panels, launcher, exec, cpu)?;
+        cp.attention_on_amx = attention_on_amx;
+        Ok((cp, report, built))
     }
 
     pub fn program(&self) -> &Program {
@@ -195,6 +203,11 @@ impl CpuProgram {
     /// with bf16 GEMMs, on a CPU with such units).
     pub fn bf16_gemm(&self) -> Option<(&str, &str, &str)> {
         self.libs.bf16.as_deref().map(|b| (b.name.as_str(), b.units, b.path()))
+    }
+
+    /// How many attention kernels multiply on AMX tiles over their stored bf16 heads.
+    pub fn attention_on_amx(&self) -> usize {
+        self.attention_on_amx
     }
 
     /// Where buffer `b` is in memory, measured from the addresses the steps are given: its region
