@@ -94,7 +94,7 @@ fn open(name: &str) -> Option<Bf16Gemm> {
 /// Whether the library of that name runs bf16 GEMMs on AMX tiles here (its matmul primitive):
 /// where `--precision auto` picks bf16.
 pub fn bf16_runs_on_amx(name: &str) -> bool {
-    load(name).is_some_and(|l| l.matmul.is_some())
+    load(name).is_some_and(|l| l.on_amx())
 }
 
 /// A bf16 matrix in memory: base address, row stride, column stride (elements).
